@@ -1,0 +1,41 @@
+# The two entry points of the README: `make demo` and `make test`.
+# Both install missing Debian packages first, then configure and build in Release.
+PYTHON := /usr/bin/python3
+BUILD := build
+JOBS ?= 2
+CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$(PYTHON) -DPYTHON_EXECUTABLE=$(PYTHON)
+
+.PHONY: deps build demo test test-cpp test-python test-sanitize bench clean
+
+deps:
+	@bash scripts/install-deps.sh
+
+build: deps
+	cmake -S . -B $(BUILD) $(CMAKE_FLAGS)
+	cmake --build $(BUILD) -j $(JOBS)
+
+demo: build
+	$(BUILD)/bin/linattn demo
+
+test: build
+	$(MAKE) test-cpp test-python
+
+test-cpp:
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+test-python:
+	PYTHONPATH=$(BUILD)/python $(PYTHON) -m pytest -q python/tests
+
+# C++ tests with AddressSanitizer + UndefinedBehaviorSanitizer in their own build folder.
+test-sanitize: deps
+	cmake -S . -B build-sanitize -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLINATTN_SANITIZE=ON \
+	  -DLINATTN_PYTHON=OFF -DLINATTN_CLI=OFF
+	cmake --build build-sanitize -j $(JOBS)
+	cd build-sanitize && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+	  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ctest --output-on-failure -j $(JOBS)
+
+bench: build
+	$(BUILD)/bin/linattn bench
+
+clean:
+	rm -rf $(BUILD) build-sanitize

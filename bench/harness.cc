@@ -1,0 +1,124 @@
+#include "harness.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <malloc.h>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "linattn/core/blas.h"
+#include "linattn/core/memory.h"
+#include "linattn/core/simd.h"
+#include "linattn/core/threading.h"
+
+namespace linattn::bench {
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// A field of /proc/self/status in bytes (e.g. "VmHWM:"), or -1.
+int64_t proc_status_bytes(const std::string& key) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind(key, 0) == 0) {
+      std::istringstream is(line.substr(key.size()));
+      int64_t kb = -1;
+      is >> kb;
+      return kb < 0 ? -1 : kb * 1024;
+    }
+  return -1;
+}
+
+bool reset_rss_high_water_mark() {
+  std::ofstream f("/proc/self/clear_refs");
+  if (!f) return false;
+  f << "5";
+  f.flush();
+  return static_cast<bool>(f);
+}
+
+}  // namespace
+
+Timing time_runs(const std::function<void()>& fn, int warmup, int min_runs, double min_seconds,
+                 int max_runs) {
+  for (int i = 0; i < warmup; ++i) fn();
+  std::vector<double> times;
+  const auto start = std::chrono::steady_clock::now();
+  while (static_cast<int>(times.size()) < max_runs &&
+         (static_cast<int>(times.size()) < min_runs || seconds_since(start) < min_seconds)) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    times.push_back(seconds_since(t0));
+  }
+  std::sort(times.begin(), times.end());
+  Timing t;
+  t.runs = static_cast<int>(times.size());
+  t.min_s = times.front();
+  t.median_s = times.size() % 2 ? times[times.size() / 2]
+                                : 0.5 * (times[times.size() / 2 - 1] + times[times.size() / 2]);
+  return t;
+}
+
+double sgemm_gflops(int threads, int n) {
+  std::vector<float> a(static_cast<size_t>(n) * n, 0.5f), b(a), c(a.size());
+  const int saved = blas_num_threads();
+  set_blas_num_threads(threads);
+  const Timing t = time_runs(
+      [&] {
+        gemm<float>(Trans::No, Trans::No, n, n, n, 1.f, a.data(), n, b.data(), n, 0.f, c.data(),
+                    n);
+      },
+      2, 5, 1.0);
+  set_blas_num_threads(saved);
+  return 2.0 * n * n * static_cast<double>(n) / t.median_s * 1e-9;
+}
+
+PeakMemory measure_peak_memory(const std::function<void()>& fn) {
+  // Allocations of 1 MiB and more get pages of their own, returned on free; otherwise glibc
+  // raises its mmap threshold after the first free and serves big buffers from pages that
+  // are already resident, which the high-water mark cannot see.
+  static const bool pinned = mallopt(M_MMAP_THRESHOLD, 1 << 20) == 1;
+  (void)pinned;
+  PeakMemory m;
+  reset_workspace_peak();
+  const int64_t ws_before = workspace_stats().current_bytes;
+  const bool rss_ok = reset_rss_high_water_mark();
+  const int64_t rss_before = proc_status_bytes("VmRSS:");
+  fn();
+  m.workspace_bytes = workspace_stats().peak_bytes - ws_before;
+  if (rss_ok && rss_before >= 0) m.rss_growth_bytes = proc_status_bytes("VmHWM:") - rss_before;
+  return m;
+}
+
+std::string machine_summary() {
+  std::string cpu = "unknown CPU";
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("model name", 0) == 0) {
+      cpu = line.substr(line.find(':') + 2);
+      break;
+    }
+  std::ostringstream os;
+  os << std::thread::hardware_concurrency() << " cores (" << cpu << "), " << num_threads()
+     << " linattn threads, BLAS " << blas_name() << ", SIMD " << simd::target_name();
+  return os.str();
+}
+
+std::string human_bytes(int64_t bytes) {
+  if (bytes < 0) return "n/a";
+  char buf[32];
+  if (bytes < (1 << 20))
+    std::snprintf(buf, sizeof buf, "%.1f KiB", bytes / 1024.0);
+  else
+    std::snprintf(buf, sizeof buf, "%.1f MiB", bytes / 1048576.0);
+  return buf;
+}
+
+}  // namespace linattn::bench

@@ -1,0 +1,21 @@
+"""linattn: attention whose cost grows linearly with sequence length, and exact softmax
+attention, on NumPy arrays shaped [batch, heads, seq, head_dim] (float32 or float64)."""
+
+from ._linattn import (
+    get_num_threads,
+    reset_workspace_peak,
+    set_num_threads,
+    softmax_attention,
+    softmax_attention_backward,
+    workspace_stats,
+)
+
+__all__ = [
+    "get_num_threads",
+    "reset_workspace_peak",
+    "set_num_threads",
+    "softmax_attention",
+    "softmax_attention_backward",
+    "workspace_stats",
+]
+__version__ = "0.1.0"

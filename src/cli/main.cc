@@ -1,0 +1,204 @@
+// linattn command-line program: `linattn demo` (the main job) and `linattn bench`.
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include "../../bench/harness.h"
+#include "../../bench/methods.h"
+#include "linattn/core/blas.h"
+#include "linattn/linattn.h"
+
+namespace {
+
+using linattn::bench::Method;
+using linattn::bench::Problem;
+
+const char* kUsage =
+    "usage: linattn <command> [options]\n"
+    "  demo    one row per method on B=1, H=8, n=4096, d=64 (float32): time, GFLOP/s,\n"
+    "          peak extra memory, error against the float64 exact reference\n"
+    "  bench   forward and forward+backward over a sweep of n, against the BLAS's GEMM rate\n"
+    "          --n 1024,2048,...   sequence lengths (default 1024..32768, doubling)\n"
+    "          --batch B --heads H --head-dim D   (default 1, 8, 64)\n"
+    "          --threads T         (default: all cores)\n"
+    "          --methods SUBSTR    only methods whose name contains SUBSTR\n"
+    "          --forward-only      skip forward+backward\n"
+    "          --csv FILE          also write the table as CSV\n";
+
+[[noreturn]] void usage_error(const std::string& msg) {
+  std::fprintf(stderr, "linattn: %s\n%s", msg.c_str(), kUsage);
+  std::exit(2);
+}
+
+int64_t parse_int(const std::string& flag, const std::string& s) {
+  try {
+    size_t pos = 0;
+    const long long v = std::stoll(s, &pos);
+    if (pos != s.size() || v < 1) throw std::invalid_argument(s);
+    return v;
+  } catch (const std::exception&) {
+    usage_error(flag + " expects a positive integer, got '" + s + "'");
+  }
+}
+
+std::vector<int64_t> parse_list(const std::string& flag, const std::string& s) {
+  std::vector<int64_t> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(parse_int(flag, item));
+  if (out.empty()) usage_error(flag + " expects a comma-separated list");
+  return out;
+}
+
+struct Args {
+  Problem problem;
+  std::vector<int64_t> ns{1024, 2048, 4096, 8192, 16384, 32768};
+  int threads = 0;
+  std::string methods;
+  bool forward_only = false;
+  std::string csv;
+};
+
+Args parse_args(int argc, char** argv, int first) {
+  Args a;
+  for (int i = first; i < argc; ++i) {
+    const std::string f = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) usage_error(f + " needs a value");
+      return argv[++i];
+    };
+    if (f == "--n") a.ns = parse_list(f, value());
+    else if (f == "--batch") a.problem.batch = parse_int(f, value());
+    else if (f == "--heads") a.problem.heads = parse_int(f, value());
+    else if (f == "--head-dim") a.problem.head_dim = parse_int(f, value());
+    else if (f == "--threads") a.threads = static_cast<int>(parse_int(f, value()));
+    else if (f == "--methods") a.methods = value();
+    else if (f == "--forward-only") a.forward_only = true;
+    else if (f == "--csv") a.csv = value();
+    else usage_error("unknown option '" + f + "'");
+  }
+  if (a.threads > 0) linattn::set_num_threads(a.threads);
+  return a;
+}
+
+std::vector<Method> selected_methods(const std::string& filter) {
+  std::vector<Method> out;
+  for (auto& m : linattn::bench::all_methods())
+    if (filter.empty() || m.name.find(filter) != std::string::npos) out.push_back(m);
+  if (out.empty()) usage_error("no method matches --methods '" + filter + "'");
+  return out;
+}
+
+int demo(const Args& a) {
+  Problem p = a.problem;
+  p.n = 4096;
+  const double gemm = linattn::bench::sgemm_gflops(linattn::num_threads());
+  std::printf("linattn demo: B=%lld H=%lld n=%lld d=%lld float32, random N(0,1) inputs\n",
+              (long long)p.batch, (long long)p.heads, (long long)p.n, (long long)p.head_dim);
+  std::printf("machine: %s\n", linattn::bench::machine_summary().c_str());
+  std::printf("measured sgemm rate: %.1f GFLOP/s\n\n", gemm);
+  std::printf("%-28s %10s %9s %8s %14s %14s %12s\n", "method", "time (ms)", "GFLOP/s",
+              "% sgemm", "extra (wksp)", "extra (RSS)", "rel. error");
+  const auto in = linattn::bench::make_inputs(p);
+  for (const auto& m : selected_methods(a.methods)) {
+    linattn::Tensor<float> out;
+    const auto mem = linattn::bench::measure_peak_memory([&] { out = m.forward(in); });
+    const auto t = linattn::bench::time_runs([&] { out = m.forward(in); }, 1, 5, 1.0);
+    const double gflops = m.forward_flops(p) / t.median_s * 1e-9;
+    const double err = linattn::bench::error_vs_exact(m, in, out, 64);
+    std::printf("%-28s %10.2f %9.1f %7.0f%% %14s %14s %12.2e\n", m.name.c_str(),
+                t.median_s * 1e3, gflops, 100 * gflops / gemm,
+                linattn::bench::human_bytes(mem.workspace_bytes).c_str(),
+                linattn::bench::human_bytes(mem.rss_growth_bytes).c_str(), err);
+  }
+  std::printf(
+      "\ntime: median after warm-up; extra (wksp): peak scratch the library allocated beyond\n"
+      "inputs and outputs; extra (RSS): growth of the process's peak resident memory (outputs\n"
+      "included); rel. error: max |out - exact| / max |exact| over 64 rows of every head,\n"
+      "exact = float64 reference.\n");
+  return 0;
+}
+
+int bench(const Args& a) {
+  const auto methods = selected_methods(a.methods);
+  const double gemm = linattn::bench::sgemm_gflops(linattn::num_threads());
+  std::printf("linattn bench: B=%lld H=%lld d=%lld float32\nmachine: %s\n",
+              (long long)a.problem.batch, (long long)a.problem.heads,
+              (long long)a.problem.head_dim, linattn::bench::machine_summary().c_str());
+  std::printf("measured sgemm rate (2048^3, %d threads): %.1f GFLOP/s\n\n", linattn::num_threads(),
+              gemm);
+  std::printf("%-26s %7s %-8s %11s %11s %9s %8s %13s %13s\n", "method", "n", "pass", "GFLOP",
+              "time (ms)", "GFLOP/s", "% sgemm", "extra (wksp)", "extra (RSS)");
+  std::ofstream csv;
+  if (!a.csv.empty()) {
+    csv.open(a.csv);
+    if (!csv) usage_error("cannot write " + a.csv);
+    csv << "method,causal,n,batch,heads,head_dim,pass,flops,median_s,min_s,runs,gflops,"
+           "fraction_of_sgemm,workspace_bytes,rss_growth_bytes,sgemm_gflops,threads\n";
+  }
+  for (const int64_t n : a.ns) {
+    Problem p = a.problem;
+    p.n = n;
+    const auto in = linattn::bench::make_inputs(p);
+    for (const auto& m : methods) {
+      for (int pass = 0; pass < (a.forward_only ? 1 : 2); ++pass) {
+        const char* pass_name = pass == 0 ? "fwd" : "fwd+bwd";
+        std::fprintf(stderr, "\r[bench] %s n=%lld %s ...          ", m.name.c_str(),
+                     (long long)n, pass_name);
+        std::function<void()> run = [&] { (void)m.forward(in); };
+        if (pass == 1) run = [&] { m.forward_backward(in); };
+        const double flops = m.forward_flops(p) + (pass == 1 ? m.backward_flops(p) : 0.0);
+        const auto mem = linattn::bench::measure_peak_memory(run);  // also the warm-up
+        const auto t = linattn::bench::time_runs(run, 0, n >= 16384 ? 2 : 5, 1.0);
+        const double gflops = flops / t.median_s * 1e-9;
+        std::fprintf(stderr, "\r%80s\r", "");
+        std::printf("%-26s %7lld %-8s %11.1f %11.2f %9.1f %7.0f%% %13s %13s\n", m.name.c_str(),
+                    (long long)n, pass_name, flops * 1e-9, t.median_s * 1e3, gflops,
+                    100 * gflops / gemm, linattn::bench::human_bytes(mem.workspace_bytes).c_str(),
+                    linattn::bench::human_bytes(mem.rss_growth_bytes).c_str());
+        std::fflush(stdout);
+        if (csv)
+          csv << '"' << m.name << "\"," << m.causal << ',' << n << ',' << p.batch << ','
+              << p.heads << ',' << p.head_dim << ',' << pass_name << ',' << flops << ','
+              << t.median_s << ',' << t.min_s << ',' << t.runs << ',' << gflops << ','
+              << gflops / gemm << ',' << mem.workspace_bytes << ',' << mem.rss_growth_bytes
+              << ',' << gemm << ',' << linattn::num_threads() << '\n';
+      }
+    }
+  }
+  std::printf("\nFLOPs: exact attention 4·n_pairs·d forward, 10·n_pairs·d backward "
+              "(n_pairs = n² or n(n+1)/2 causal), per head.\n");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Give OpenBLAS the kernels this CPU supports (see better_blas_coretype): OpenBLAS reads
+  // OPENBLAS_CORETYPE only at load, so restart once with it set. A value the user set wins.
+  if (!std::getenv("OPENBLAS_CORETYPE") && !std::getenv("LINATTN_KEEP_BLAS_CORE"))
+    if (const char* core = linattn::better_blas_coretype()) {
+      setenv("OPENBLAS_CORETYPE", core, 1);
+      execv("/proc/self/exe", argv);  // returns only on failure: carry on as we are
+    }
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string cmd = argv[1];
+  try {
+    const Args args = parse_args(argc, argv, 2);
+    if (cmd == "demo") return demo(args);
+    if (cmd == "bench") return bench(args);
+  } catch (const linattn::Error& e) {
+    std::fprintf(stderr, "linattn: %s\n", e.what());
+    return 1;
+  }
+  usage_error("unknown command '" + cmd + "'");
+}

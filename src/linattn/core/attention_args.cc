@@ -1,0 +1,102 @@
+#include "linattn/core/attention_args.h"
+
+#include <cmath>
+
+namespace linattn {
+namespace {
+
+template <class T>
+void check_rank4(const char* fn, const char* name, const TensorView<const T>& x) {
+  require(x.rank() == 4, fn, ": ", name, " must have rank 4 [batch, heads, seq, head_dim], got shape ",
+          shape_string(x.shape));
+  require(x.size() == 0 || x.data != nullptr, fn, ": ", name, " has no data");
+}
+
+// Finite values in rows [0, rows_b) of every (b, h) of a [B,H,N,D] tensor.
+template <class T>
+void check_rows_finite(const char* fn, const char* name, const TensorView<const T>& x,
+                       const std::vector<int64_t>& rows_per_batch) {
+  const int64_t B = x.dim(0), H = x.dim(1), D = x.dim(3);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < rows_per_batch[b]; ++i) {
+        const T* r = x.row(b * H + h, i);
+        for (int64_t c = 0; c < D; ++c)
+          if (!std::isfinite(r[c]))
+            fail(fn, ": ", name, " has a non-finite value (", r[c], ") at [", b, ", ", h, ", ", i,
+                 ", ", c, "]; inputs must be finite");
+      }
+}
+
+}  // namespace
+
+template <class T>
+AttentionDims check_attention_args(const char* fn, TensorView<const T> q, TensorView<const T> k,
+                                   TensorView<const T> v, const AttentionOptions& opts) {
+  check_rank4(fn, "q", q);
+  check_rank4(fn, "k", k);
+  check_rank4(fn, "v", v);
+  AttentionDims d{q.dim(0), q.dim(1), q.dim(2), k.dim(2), q.dim(3), v.dim(3)};
+  require(d.head_dim >= 1, fn, ": head_dim (last dimension of q) must be >= 1, got shape ",
+          shape_string(q.shape));
+  require(d.value_dim >= 1, fn, ": value_dim (last dimension of v) must be >= 1, got shape ",
+          shape_string(v.shape));
+  require(k.dim(0) == d.batch && k.dim(1) == d.heads && k.dim(3) == d.head_dim, fn,
+          ": k has shape ", shape_string(k.shape), "; expected [", d.batch, ", ", d.heads,
+          ", n_k, ", d.head_dim, "] (batch, heads and head_dim of q ", shape_string(q.shape), ")");
+  require(v.dim(0) == d.batch && v.dim(1) == d.heads && v.dim(2) == d.n_k, fn, ": v has shape ",
+          shape_string(v.shape), "; expected [", d.batch, ", ", d.heads, ", ", d.n_k,
+          ", value_dim] (batch and heads of q, sequence length of k)");
+  std::vector<int64_t> key_rows(static_cast<size_t>(d.batch), d.n_k);
+  if (opts.key_lengths) {
+    const auto& kl = *opts.key_lengths;
+    require(static_cast<int64_t>(kl.size()) == d.batch, fn, ": key_lengths has ", kl.size(),
+            " entries; expected one per batch item (", d.batch, ")");
+    for (size_t b = 0; b < kl.size(); ++b) {
+      require(kl[b] >= 0 && kl[b] <= d.n_k, fn, ": key_lengths[", b, "] = ", kl[b],
+              "; expected 0 <= key_lengths[b] <= n_k = ", d.n_k);
+      key_rows[b] = kl[b];
+    }
+  }
+  check_rows_finite(fn, "q", q, std::vector<int64_t>(static_cast<size_t>(d.batch), d.n_q));
+  check_rows_finite(fn, "k", k, key_rows);
+  check_rows_finite(fn, "v", v, key_rows);
+  resolve_scale(fn, opts, d.head_dim);
+  return d;
+}
+
+double resolve_scale(const char* fn, const AttentionOptions& opts, int64_t head_dim) {
+  if (!opts.scale) return 1.0 / std::sqrt(static_cast<double>(head_dim));
+  require(std::isfinite(*opts.scale), fn, ": scale must be finite, got ", *opts.scale);
+  return *opts.scale;
+}
+
+template <class T>
+void check_same_shape_finite(const char* fn, const char* name, TensorView<const T> x,
+                             const Shape& expected) {
+  require(x.shape == expected, fn, ": ", name, " has shape ", shape_string(x.shape), "; expected ",
+          shape_string(expected));
+  require(x.size() == 0 || x.data != nullptr, fn, ": ", name, " has no data");
+  if (x.rank() == 4) {
+    check_rows_finite(fn, name, x, std::vector<int64_t>(static_cast<size_t>(x.dim(0)), x.dim(2)));
+  } else {
+    for (int64_t i = 0; i < x.size(); ++i)
+      require(std::isfinite(x.data[i]), fn, ": ", name, " has a non-finite value at flat index ",
+              i);
+  }
+}
+
+template AttentionDims check_attention_args<float>(const char*, TensorView<const float>,
+                                                   TensorView<const float>,
+                                                   TensorView<const float>,
+                                                   const AttentionOptions&);
+template AttentionDims check_attention_args<double>(const char*, TensorView<const double>,
+                                                    TensorView<const double>,
+                                                    TensorView<const double>,
+                                                    const AttentionOptions&);
+template void check_same_shape_finite<float>(const char*, const char*, TensorView<const float>,
+                                             const Shape&);
+template void check_same_shape_finite<double>(const char*, const char*, TensorView<const double>,
+                                              const Shape&);
+
+}  // namespace linattn

@@ -1,0 +1,66 @@
+// What every attention function takes besides its tensors (options, masks), and the checks
+// run on all of it at the API boundary.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "linattn/core/tensor.h"
+
+namespace linattn {
+
+struct AttentionOptions {
+  // Query i sees keys j <= i + (n_k - n_q): aligned bottom-right, so the last query sees all.
+  bool causal = false;
+  // Logit scale; default 1/sqrt(head_dim). Must be finite.
+  std::optional<double> scale;
+  // One length per batch item; keys at positions >= key_lengths[b] are ignored.
+  std::optional<std::vector<int64_t>> key_lengths;
+};
+
+// Sizes of one attention call: q [B,H,n_q,d], k [B,H,n_k,d], v [B,H,n_k,d_v].
+struct AttentionDims {
+  int64_t batch, heads, n_q, n_k, head_dim, value_dim;
+  int64_t bh() const { return batch * heads; }
+};
+
+// Which keys query row i of batch item b sees. Every mask we support keeps a prefix of the
+// keys, so one number per row says it all: keys [0, visible(b, i)).
+class KeyMask {
+ public:
+  KeyMask(const AttentionDims& dims, const AttentionOptions& opts)
+      : causal_(opts.causal), offset_(dims.n_k - dims.n_q), n_k_(dims.n_k) {
+    if (opts.key_lengths) lengths_ = *opts.key_lengths;
+  }
+  int64_t key_length(int64_t b) const { return lengths_.empty() ? n_k_ : lengths_[b]; }
+  int64_t visible(int64_t b, int64_t i) const {
+    int64_t end = key_length(b);
+    if (causal_) end = std::min(end, i + offset_ + 1);
+    return std::max<int64_t>(end, 0);
+  }
+  bool causal() const { return causal_; }
+
+ private:
+  bool causal_;
+  int64_t offset_, n_k_;
+  std::vector<int64_t> lengths_;
+};
+
+// Checks ranks, dtypes-by-construction, matching sizes, key_lengths and finiteness of what
+// the output depends on (all of q; k and v at unpadded positions). `fn` names the caller in
+// messages. Returns the sizes.
+template <class T>
+AttentionDims check_attention_args(const char* fn, TensorView<const T> q, TensorView<const T> k,
+                                   TensorView<const T> v, const AttentionOptions& opts);
+
+// The scale to use: opts.scale if set (must be finite), else 1/sqrt(head_dim).
+double resolve_scale(const char* fn, const AttentionOptions& opts, int64_t head_dim);
+
+// Checks a tensor that must have exactly `expected` shape and finite values.
+template <class T>
+void check_same_shape_finite(const char* fn, const char* name, TensorView<const T> x,
+                             const Shape& expected);
+
+}  // namespace linattn

@@ -1,0 +1,78 @@
+// Aligned buffers. Workspace (scratch a kernel allocates beyond its inputs and outputs) is
+// counted, so tests and benchmarks can check that extra memory grows as O(n·d), not O(n²).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+namespace linattn {
+
+inline constexpr size_t kAlignment = 64;  // one cache line, and one AVX-512 vector
+
+void* aligned_alloc_bytes(size_t bytes);  // throws std::bad_alloc; nullptr for 0 bytes
+void aligned_free(void* p) noexcept;
+
+// Workspace accounting (process-wide, thread-safe).
+struct WorkspaceStats {
+  int64_t current_bytes;
+  int64_t peak_bytes;
+};
+WorkspaceStats workspace_stats();
+void reset_workspace_peak();  // peak := current
+
+namespace detail {
+void workspace_add(int64_t bytes);
+struct AlignedDeleter {
+  void operator()(void* p) const noexcept { aligned_free(p); }
+};
+}  // namespace detail
+
+// An owning, 64-byte-aligned, zero-initialised array of T. `counted` buffers are workspace.
+template <class T>
+class Buffer {
+ public:
+  Buffer() = default;
+  explicit Buffer(int64_t count, bool counted = true)
+      : data_(static_cast<T*>(aligned_alloc_bytes(sizeof(T) * static_cast<size_t>(count)))),
+        size_(count),
+        counted_(counted) {
+    if (count > 0) std::memset(data_.get(), 0, sizeof(T) * static_cast<size_t>(count));
+    if (counted_) detail::workspace_add(bytes());
+  }
+  Buffer(Buffer&& o) noexcept
+      : data_(std::move(o.data_)), size_(o.size_), counted_(o.counted_) {
+    o.size_ = 0;
+  }
+  Buffer& operator=(Buffer&& o) noexcept {
+    if (this != &o) {
+      release();
+      data_ = std::move(o.data_);
+      size_ = o.size_;
+      counted_ = o.counted_;
+      o.size_ = 0;
+    }
+    return *this;
+  }
+  ~Buffer() { release(); }
+
+  T* data() { return data_.get(); }
+  const T* data() const { return data_.get(); }
+  int64_t size() const { return size_; }
+  T& operator[](int64_t i) { return data_.get()[i]; }
+  const T& operator[](int64_t i) const { return data_.get()[i]; }
+
+ private:
+  int64_t bytes() const { return static_cast<int64_t>(sizeof(T)) * size_; }
+  void release() {
+    if (counted_ && size_ > 0) detail::workspace_add(-bytes());
+    data_.reset();
+    size_ = 0;
+  }
+  std::unique_ptr<T, detail::AlignedDeleter> data_;
+  int64_t size_ = 0;
+  bool counted_ = true;
+};
+
+}  // namespace linattn

@@ -1,0 +1,172 @@
+// Highway kernels behind simd.h. foreach_target re-includes this file once per instruction
+// set; HWY_DYNAMIC_DISPATCH picks the best one the CPU supports on first use.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "linattn/core/simd.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include <limits>
+
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace linattn {
+namespace simd {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+template <class T>
+T MaxValue(const T* x, size_t n) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  const auto lowest = hn::Set(d, -std::numeric_limits<T>::infinity());
+  auto m0 = lowest, m1 = lowest;
+  size_t i = 0;
+  for (; i + 2 * N <= n; i += 2 * N) {
+    m0 = hn::Max(m0, hn::LoadU(d, x + i));
+    m1 = hn::Max(m1, hn::LoadU(d, x + i + N));
+  }
+  for (; i + N <= n; i += N) m0 = hn::Max(m0, hn::LoadU(d, x + i));
+  if (i < n) {
+    const auto mask = hn::FirstN(d, n - i);
+    m1 = hn::Max(m1, hn::IfThenElse(mask, hn::MaskedLoad(mask, d, x + i), lowest));
+  }
+  return hn::GetLane(hn::MaxOfLanes(d, hn::Max(m0, m1)));
+}
+
+template <class T>
+T ExpShiftedSum(T* x, size_t n, T shift) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  const auto vshift = hn::Set(d, shift);
+  auto s0 = hn::Zero(d), s1 = hn::Zero(d);
+  size_t i = 0;
+  for (; i + 2 * N <= n; i += 2 * N) {
+    const auto e0 = hn::Exp(d, hn::Sub(hn::LoadU(d, x + i), vshift));
+    const auto e1 = hn::Exp(d, hn::Sub(hn::LoadU(d, x + i + N), vshift));
+    hn::StoreU(e0, d, x + i);
+    hn::StoreU(e1, d, x + i + N);
+    s0 = hn::Add(s0, e0);
+    s1 = hn::Add(s1, e1);
+  }
+  for (; i + N <= n; i += N) {
+    const auto e = hn::Exp(d, hn::Sub(hn::LoadU(d, x + i), vshift));
+    hn::StoreU(e, d, x + i);
+    s0 = hn::Add(s0, e);
+  }
+  if (i < n) {
+    const auto mask = hn::FirstN(d, n - i);
+    // Lanes past the end compute exp(0) and are dropped: no inf/NaN enters the sum.
+    const auto v = hn::IfThenElse(mask, hn::MaskedLoad(mask, d, x + i), vshift);
+    const auto e = hn::IfThenElseZero(mask, hn::Exp(d, hn::Sub(v, vshift)));
+    hn::BlendedStore(e, mask, d, x + i);
+    s1 = hn::Add(s1, e);
+  }
+  return hn::GetLane(hn::SumOfLanes(d, hn::Add(s0, s1)));
+}
+
+template <class T>
+void Scale(T* x, size_t n, T a) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  const auto va = hn::Set(d, a);
+  size_t i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(hn::Mul(hn::LoadU(d, x + i), va), d, x + i);
+  for (; i < n; ++i) x[i] *= a;
+}
+
+template <class T>
+void SoftmaxGrad(T* ds, const T* p, const T* dp, size_t n, T delta) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  const auto vdelta = hn::Set(d, delta);
+  size_t i = 0;
+  for (; i + N <= n; i += N) {
+    const auto r = hn::Mul(hn::LoadU(d, p + i), hn::Sub(hn::LoadU(d, dp + i), vdelta));
+    hn::StoreU(r, d, ds + i);
+  }
+  for (; i < n; ++i) ds[i] = p[i] * (dp[i] - delta);
+}
+
+template <class T>
+T Dot(const T* a, const T* b, size_t n) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  auto s0 = hn::Zero(d), s1 = hn::Zero(d);
+  size_t i = 0;
+  for (; i + 2 * N <= n; i += 2 * N) {
+    s0 = hn::MulAdd(hn::LoadU(d, a + i), hn::LoadU(d, b + i), s0);
+    s1 = hn::MulAdd(hn::LoadU(d, a + i + N), hn::LoadU(d, b + i + N), s1);
+  }
+  for (; i + N <= n; i += N) s0 = hn::MulAdd(hn::LoadU(d, a + i), hn::LoadU(d, b + i), s0);
+  if (i < n) {
+    const auto mask = hn::FirstN(d, n - i);
+    s1 = hn::MulAdd(hn::MaskedLoad(mask, d, a + i), hn::MaskedLoad(mask, d, b + i), s1);
+  }
+  return hn::GetLane(hn::SumOfLanes(d, hn::Add(s0, s1)));
+}
+
+// HWY_EXPORT needs one non-template name per function and type.
+float MaxValueF32(const float* x, size_t n) { return MaxValue(x, n); }
+double MaxValueF64(const double* x, size_t n) { return MaxValue(x, n); }
+float ExpShiftedSumF32(float* x, size_t n, float s) { return ExpShiftedSum(x, n, s); }
+double ExpShiftedSumF64(double* x, size_t n, double s) { return ExpShiftedSum(x, n, s); }
+void ScaleF32(float* x, size_t n, float a) { Scale(x, n, a); }
+void ScaleF64(double* x, size_t n, double a) { Scale(x, n, a); }
+void SoftmaxGradF32(float* ds, const float* p, const float* dp, size_t n, float delta) {
+  SoftmaxGrad(ds, p, dp, n, delta);
+}
+void SoftmaxGradF64(double* ds, const double* p, const double* dp, size_t n, double delta) {
+  SoftmaxGrad(ds, p, dp, n, delta);
+}
+float DotF32(const float* a, const float* b, size_t n) { return Dot(a, b, n); }
+double DotF64(const double* a, const double* b, size_t n) { return Dot(a, b, n); }
+int64_t CurrentTarget() { return HWY_TARGET; }
+
+}  // namespace HWY_NAMESPACE
+}  // namespace simd
+}  // namespace linattn
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include "linattn/core/simd.h"
+
+namespace linattn {
+namespace simd {
+HWY_EXPORT(MaxValueF32);
+HWY_EXPORT(MaxValueF64);
+HWY_EXPORT(ExpShiftedSumF32);
+HWY_EXPORT(ExpShiftedSumF64);
+HWY_EXPORT(ScaleF32);
+HWY_EXPORT(ScaleF64);
+HWY_EXPORT(SoftmaxGradF32);
+HWY_EXPORT(SoftmaxGradF64);
+HWY_EXPORT(DotF32);
+HWY_EXPORT(DotF64);
+HWY_EXPORT(CurrentTarget);
+
+float max_value(const float* x, size_t n) { return HWY_DYNAMIC_DISPATCH(MaxValueF32)(x, n); }
+double max_value(const double* x, size_t n) { return HWY_DYNAMIC_DISPATCH(MaxValueF64)(x, n); }
+float exp_shifted_sum(float* x, size_t n, float shift) {
+  return HWY_DYNAMIC_DISPATCH(ExpShiftedSumF32)(x, n, shift);
+}
+double exp_shifted_sum(double* x, size_t n, double shift) {
+  return HWY_DYNAMIC_DISPATCH(ExpShiftedSumF64)(x, n, shift);
+}
+void scale(float* x, size_t n, float a) { HWY_DYNAMIC_DISPATCH(ScaleF32)(x, n, a); }
+void scale(double* x, size_t n, double a) { HWY_DYNAMIC_DISPATCH(ScaleF64)(x, n, a); }
+void softmax_grad(float* ds, const float* p, const float* dp, size_t n, float delta) {
+  HWY_DYNAMIC_DISPATCH(SoftmaxGradF32)(ds, p, dp, n, delta);
+}
+void softmax_grad(double* ds, const double* p, const double* dp, size_t n, double delta) {
+  HWY_DYNAMIC_DISPATCH(SoftmaxGradF64)(ds, p, dp, n, delta);
+}
+float dot(const float* a, const float* b, size_t n) { return HWY_DYNAMIC_DISPATCH(DotF32)(a, b, n); }
+double dot(const double* a, const double* b, size_t n) {
+  return HWY_DYNAMIC_DISPATCH(DotF64)(a, b, n);
+}
+const char* target_name() { return hwy::TargetName(HWY_DYNAMIC_DISPATCH(CurrentTarget)()); }
+
+}  // namespace simd
+}  // namespace linattn
+#endif  // HWY_ONCE

@@ -1,0 +1,34 @@
+// Vector kernels on contiguous rows, dispatched at run time to the best instruction set the
+// CPU has (Highway: SSE4 / AVX2 / AVX-512). One source, no per-ISA copies.
+// exp is Highway's contrib Exp (max error 1 ulp, valid for x <= 104 in float32 and
+// x <= 706 in float64); callers never pass -inf or NaN.
+#pragma once
+
+#include <cstddef>
+
+namespace linattn::simd {
+
+// max_i x[i]; -inf for n == 0.
+float max_value(const float* x, size_t n);
+double max_value(const double* x, size_t n);
+
+// x[i] = exp(x[i] - shift) in place; returns the sum of the new values.
+float exp_shifted_sum(float* x, size_t n, float shift);
+double exp_shifted_sum(double* x, size_t n, double shift);
+
+// x[i] *= a.
+void scale(float* x, size_t n, float a);
+void scale(double* x, size_t n, double a);
+
+// ds[i] = p[i] * (dp[i] - delta): the softmax backward, dS = P ∘ (dP − rowsum(P∘dP)).
+void softmax_grad(float* ds, const float* p, const float* dp, size_t n, float delta);
+void softmax_grad(double* ds, const double* p, const double* dp, size_t n, double delta);
+
+// Σ a[i]·b[i].
+float dot(const float* a, const float* b, size_t n);
+double dot(const double* a, const double* b, size_t n);
+
+// Name of the instruction set chosen at run time, e.g. "AVX3" (AVX-512).
+const char* target_name();
+
+}  // namespace linattn::simd

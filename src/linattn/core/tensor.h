@@ -1,0 +1,69 @@
+// Dense row-major tensors. Attention inputs are [batch, heads, seq, head_dim].
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "linattn/core/error.h"
+#include "linattn/core/memory.h"
+
+namespace linattn {
+
+using Shape = std::vector<int64_t>;
+
+inline int64_t element_count(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+// A non-owning view of contiguous row-major data. T may be const.
+template <class T>
+struct TensorView {
+  T* data = nullptr;
+  Shape shape;
+
+  int64_t rank() const { return static_cast<int64_t>(shape.size()); }
+  int64_t dim(int64_t i) const { return shape[static_cast<size_t>(i < 0 ? rank() + i : i)]; }
+  int64_t size() const { return element_count(shape); }
+  // Row `row` of a [B,H,N,D] view as (b*H + h)*N + n; returns a pointer to its D values.
+  T* row(int64_t bh, int64_t n) const { return data + (bh * dim(2) + n) * dim(3); }
+  operator TensorView<const T>() const { return {data, shape}; }
+};
+
+// An owning tensor (output memory: not counted as workspace). Zero-initialised.
+template <class T>
+class Tensor {
+ public:
+  Tensor() = default;
+  // `workspace`: count this tensor as workspace (a temporary a kernel makes for itself).
+  explicit Tensor(Shape shape, bool workspace = false)
+      : shape_(std::move(shape)), buf_(element_count(shape_), workspace) {}
+
+  const Shape& shape() const { return shape_; }
+  int64_t rank() const { return static_cast<int64_t>(shape_.size()); }
+  int64_t dim(int64_t i) const { return shape_[static_cast<size_t>(i < 0 ? rank() + i : i)]; }
+  int64_t size() const { return buf_.size(); }
+  T* data() { return buf_.data(); }
+  const T* data() const { return buf_.data(); }
+  T& operator[](int64_t i) { return buf_[i]; }
+  const T& operator[](int64_t i) const { return buf_[i]; }
+
+  TensorView<T> view() { return {data(), shape_}; }
+  TensorView<const T> view() const { return {data(), shape_}; }
+  operator TensorView<const T>() const { return view(); }
+
+ private:
+  Shape shape_;
+  Buffer<T> buf_;
+};
+
+// Gradients of an attention function, in the order of its inputs.
+template <class T>
+struct AttentionGrads {
+  Tensor<T> dq, dk, dv;
+};
+
+}  // namespace linattn

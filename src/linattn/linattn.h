@@ -1,0 +1,9 @@
+// linattn: attention whose cost grows linearly with sequence length, and exact attention.
+#pragma once
+
+#include "linattn/core/attention_args.h"
+#include "linattn/core/error.h"
+#include "linattn/core/memory.h"
+#include "linattn/core/tensor.h"
+#include "linattn/core/threading.h"
+#include "linattn/softmax/softmax_attention.h"

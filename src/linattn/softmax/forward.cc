@@ -1,0 +1,131 @@
+// Exact attention forward, tiled with an online softmax (FlashAttention-style) on the CPU.
+// Per (batch·head, block of kBlockQ queries), over blocks of kBlockK keys:
+//   S = scale·Q_blk·K_blkᵀ            (BLAS)
+//   m' = max(m, rowmax S); P = exp(S − m'); l = l·exp(m − m') + rowsum P   (SIMD)
+//   O = O·exp(m − m') + P·V_blk        (BLAS, accumulating into the output rows)
+// then O /= l and lse = m + log l. Extra memory: one kBlockQ×kBlockK tile per worker.
+#include <cmath>
+#include <limits>
+
+#include "linattn/core/blas.h"
+#include "linattn/core/simd.h"
+#include "linattn/core/threading.h"
+#include "linattn/softmax/forward_internal.h"
+
+namespace linattn {
+namespace {
+
+constexpr int64_t kBlockQ = 128;
+constexpr int64_t kBlockK = 512;
+
+template <class T>
+struct Tile {
+  Buffer<T> s{kBlockQ * kBlockK};  // scores, then probabilities
+  Buffer<T> m{kBlockQ}, l{kBlockQ};
+  Buffer<int64_t> visible{kBlockQ};
+};
+
+template <class T>
+void forward_block(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                   const AttentionDims& d, const KeyMask& mask, T scale, int64_t bh, int64_t i0,
+                   Tile<T>& t, T* out, T* lse) {
+  const int64_t b = bh / d.heads;
+  const int64_t bq = std::min(kBlockQ, d.n_q - i0);
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  int64_t kmax = 0;
+  for (int64_t r = 0; r < bq; ++r) {
+    t.visible[r] = mask.visible(b, i0 + r);
+    kmax = std::max(kmax, t.visible[r]);
+    t.m[r] = neg_inf;
+    t.l[r] = 0;
+  }
+  T* o = out + (bh * d.n_q + i0) * d.value_dim;  // bq rows of the output, used as accumulator
+  for (int64_t j0 = 0; j0 < kmax; j0 += kBlockK) {
+    const int64_t bk = std::min(kBlockK, kmax - j0);
+    gemm<T>(Trans::No, Trans::Yes, bq, bk, d.head_dim, scale, q.row(bh, i0), d.head_dim,
+            k.row(bh, j0), d.head_dim, T(0), t.s.data(), kBlockK);
+    for (int64_t r = 0; r < bq; ++r) {
+      T* srow = t.s.data() + r * kBlockK;
+      const int64_t c = std::clamp<int64_t>(t.visible[r] - j0, 0, bk);
+      for (int64_t j = c; j < bk; ++j) srow[j] = 0;  // masked keys: probability 0
+      if (c == 0) continue;
+      const T mx = simd::max_value(srow, static_cast<size_t>(c));
+      require(std::isfinite(mx), "softmax_attention: q·kᵀ·scale overflows at row ", i0 + r,
+              " of batch·head ", bh, "; scale down q or k");
+      const T m_new = std::max(t.m[r], mx);
+      const T sum = simd::exp_shifted_sum(srow, static_cast<size_t>(c), m_new);
+      if (m_new != t.m[r]) {
+        const T corr = std::exp(t.m[r] - m_new);  // 0 on the first visible block
+        t.l[r] *= corr;
+        simd::scale(o + r * d.value_dim, static_cast<size_t>(d.value_dim), corr);
+        t.m[r] = m_new;
+      }
+      t.l[r] += sum;
+    }
+    gemm<T>(Trans::No, Trans::No, bq, d.value_dim, bk, T(1), t.s.data(), kBlockK,
+            v.row(bh, j0), d.value_dim, T(1), o, d.value_dim);
+  }
+  for (int64_t r = 0; r < bq; ++r) {
+    T* orow = o + r * d.value_dim;
+    if (t.l[r] > 0) {
+      simd::scale(orow, static_cast<size_t>(d.value_dim), T(1) / t.l[r]);
+      lse[bh * d.n_q + i0 + r] = t.m[r] + std::log(t.l[r]);
+    } else {
+      for (int64_t c = 0; c < d.value_dim; ++c) orow[c] = 0;
+      lse[bh * d.n_q + i0 + r] = neg_inf;
+    }
+  }
+}
+
+}  // namespace
+
+namespace softmax_detail {
+
+template <class T>
+SoftmaxAttentionResult<T> forward(TensorView<const T> q, TensorView<const T> k,
+                                  TensorView<const T> v, const AttentionDims& d,
+                                  const AttentionOptions& opts, double scale, bool as_workspace) {
+  SoftmaxAttentionResult<T> r{Tensor<T>({d.batch, d.heads, d.n_q, d.value_dim}, as_workspace),
+                              Tensor<T>({d.batch, d.heads, d.n_q}, as_workspace)};
+  const KeyMask mask(d, opts);
+  const int64_t q_blocks = (d.n_q + kBlockQ - 1) / kBlockQ;
+  std::vector<Tile<T>> tiles(static_cast<size_t>(num_threads()));
+  T* out = r.out.data();
+  T* lse = r.lse.data();
+  // Last query blocks first: under a causal mask they see the most keys.
+  parallel_for(d.bh() * q_blocks, [&](int64_t task, int worker) {
+    const int64_t bh = task / q_blocks;
+    const int64_t blk = q_blocks - 1 - task % q_blocks;
+    forward_block<T>(q, k, v, d, mask, static_cast<T>(scale), bh, blk * kBlockQ,
+                     tiles[static_cast<size_t>(worker)], out, lse);
+  });
+  return r;
+}
+
+template SoftmaxAttentionResult<float> forward(TensorView<const float>, TensorView<const float>,
+                                               TensorView<const float>, const AttentionDims&,
+                                               const AttentionOptions&, double, bool);
+template SoftmaxAttentionResult<double> forward(TensorView<const double>,
+                                                TensorView<const double>,
+                                                TensorView<const double>, const AttentionDims&,
+                                                const AttentionOptions&, double, bool);
+}  // namespace softmax_detail
+
+template <class T>
+SoftmaxAttentionResult<T> softmax_attention(TensorView<const T> q, TensorView<const T> k,
+                                            TensorView<const T> v, const AttentionOptions& opts) {
+  const AttentionDims d = check_attention_args("softmax_attention", q, k, v, opts);
+  const double scale = resolve_scale("softmax_attention", opts, d.head_dim);
+  return softmax_detail::forward(q, k, v, d, opts, scale, false);
+}
+
+template SoftmaxAttentionResult<float> softmax_attention(TensorView<const float>,
+                                                         TensorView<const float>,
+                                                         TensorView<const float>,
+                                                         const AttentionOptions&);
+template SoftmaxAttentionResult<double> softmax_attention(TensorView<const double>,
+                                                          TensorView<const double>,
+                                                          TensorView<const double>,
+                                                          const AttentionOptions&);
+
+}  // namespace linattn

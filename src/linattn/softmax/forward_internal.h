@@ -1,0 +1,15 @@
+// Shared between the forward and the backward (which may recompute the forward).
+#pragma once
+
+#include "linattn/softmax/softmax_attention.h"
+
+namespace linattn::softmax_detail {
+
+// The forward after its arguments are checked. `as_workspace`: the outputs are temporaries
+// of a backward call and count as its workspace.
+template <class T>
+SoftmaxAttentionResult<T> forward(TensorView<const T> q, TensorView<const T> k,
+                                  TensorView<const T> v, const AttentionDims& dims,
+                                  const AttentionOptions& opts, double scale, bool as_workspace);
+
+}  // namespace linattn::softmax_detail

@@ -1,0 +1,212 @@
+// Core: threading, BLAS wrapper, SIMD kernels against scalar loops, random numbers, memory.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <set>
+#include <stdexcept>
+#include <vector>
+
+#include "linattn/core/blas.h"
+#include "linattn/core/memory.h"
+#include "linattn/core/random.h"
+#include "linattn/core/simd.h"
+#include "linattn/core/threading.h"
+#include "test_util.h"
+
+namespace linattn {
+namespace {
+
+using testing::gamma;
+using testing::ScopedThreads;
+using testing::unit_roundoff;
+
+TEST(Threading, EveryTaskRunsOnceOnAValidWorker) {
+  for (int threads : {1, 2, 3, 8}) {
+    ScopedThreads scope(threads);
+    EXPECT_EQ(num_threads(), threads);
+    std::vector<std::atomic<int>> hits(1000);
+    std::atomic<bool> bad_worker{false};
+    parallel_for(1000, [&](int64_t t, int w) {
+      hits[t].fetch_add(1);
+      if (w < 0 || w >= threads) bad_worker = true;
+    });
+    for (auto& h : hits) ASSERT_EQ(h.load(), 1);
+    EXPECT_FALSE(bad_worker.load());
+  }
+}
+
+TEST(Threading, ExceptionsReachTheCaller) {
+  ScopedThreads scope(2);
+  EXPECT_THROW(parallel_for(100, [](int64_t t, int) {
+                 if (t == 57) throw std::runtime_error("task 57");
+               }),
+               std::runtime_error);
+  // The pool still works afterwards.
+  std::atomic<int> count{0};
+  parallel_for(10, [&](int64_t, int) { ++count; });
+  EXPECT_EQ(count.load(), 10);
+}
+
+TEST(Threading, NestedCallsRunOnTheCallingWorker) {
+  ScopedThreads scope(2);
+  std::atomic<int> count{0};
+  parallel_for(4, [&](int64_t, int outer) {
+    parallel_for(5, [&](int64_t, int inner) {
+      EXPECT_EQ(inner, 0);
+      ++count;
+    });
+  });
+  EXPECT_EQ(count.load(), 20);
+}
+
+TEST(Threading, BadThreadCountIsAnError) { EXPECT_THROW(set_num_threads(0), Error); }
+
+TEST(Threading, BlasIsSingleThreadedInsideParallelFor) {
+  ScopedThreads scope(2);
+  set_blas_num_threads(2);
+  std::atomic<int> seen{0};
+  parallel_for(4, [&](int64_t, int) { seen = blas_num_threads(); });
+  EXPECT_EQ(seen.load(), 1);
+  EXPECT_EQ(blas_num_threads(), 2);  // restored
+}
+
+// gemm against a float64 triple loop, all transposes, odd sizes and leading dimensions.
+// Bound: |δc| ≤ γ_{K+2}·(|α|·|A|·|B| + |β|·|C|) elementwise.
+TEST(Blas, GemmMatchesLoops) {
+  const int64_t M = 13, N = 7, K = 29, pad = 3;
+  for (Trans ta : {Trans::No, Trans::Yes})
+    for (Trans tb : {Trans::No, Trans::Yes}) {
+      const int64_t lda = (ta == Trans::No ? K : M) + pad, ldb = (tb == Trans::No ? N : K) + pad,
+                    ldc = N + pad;
+      std::vector<float> A((ta == Trans::No ? M : K) * lda), B((tb == Trans::No ? K : N) * ldb),
+          C(M * ldc);
+      fill_normal(A.data(), A.size(), 1);
+      fill_normal(B.data(), B.size(), 2);
+      fill_normal(C.data(), C.size(), 3);
+      auto a = [&](int64_t i, int64_t k) { return double(ta == Trans::No ? A[i * lda + k] : A[k * lda + i]); };
+      auto b = [&](int64_t k, int64_t j) { return double(tb == Trans::No ? B[k * ldb + j] : B[j * ldb + k]); };
+      std::vector<double> want(M * N), bound(M * N);
+      const double alpha = 0.75, beta = -0.5;
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t j = 0; j < N; ++j) {
+          double s = 0, abs_s = 0;
+          for (int64_t k = 0; k < K; ++k) {
+            s += a(i, k) * b(k, j);
+            abs_s += std::abs(a(i, k) * b(k, j));
+          }
+          want[i * N + j] = alpha * s + beta * C[i * ldc + j];
+          bound[i * N + j] = gamma<float>(K + 2) * (alpha * abs_s + std::abs(beta * C[i * ldc + j]));
+        }
+      gemm<float>(ta, tb, M, N, K, float(alpha), A.data(), lda, B.data(), ldb, float(beta), C.data(), ldc);
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t j = 0; j < N; ++j)
+          EXPECT_NEAR(C[i * ldc + j], want[i * N + j], bound[i * N + j]) << i << "," << j;
+    }
+}
+
+TEST(Blas, EmptyInnerDimensionScalesC) {
+  std::vector<double> C{1, 2, 3, 4};
+  gemm<double>(Trans::No, Trans::No, 2, 2, 0, 1.0, nullptr, 0, nullptr, 0, 0.5, C.data(), 2);
+  EXPECT_EQ(C, (std::vector<double>{0.5, 1, 1.5, 2}));
+}
+
+// SIMD kernels against scalar loops, for lengths that exercise the full-vector, two-vector
+// and masked-tail paths of every instruction set.
+template <class T>
+void check_simd_kernels() {
+  const double u = unit_roundoff<T>();
+  for (size_t n : {size_t{0}, size_t{1}, size_t{3}, size_t{8}, size_t{15}, size_t{16}, size_t{17},
+                   size_t{33}, size_t{100}, size_t{257}}) {
+    SCOPED_TRACE(n);
+    std::vector<T> x(n), y(n);
+    fill_normal(x.data(), int64_t(n), 7 + n, 4.0);
+    fill_normal(y.data(), int64_t(n), 9 + n);
+    double mx = -std::numeric_limits<double>::infinity();
+    for (T v : x) mx = std::max<double>(mx, v);
+    EXPECT_EQ(double(simd::max_value(x.data(), n)), mx);
+
+    // exp within 1 ulp (Highway's documented bound) after an exactly rounded subtraction:
+    // relative error ≤ 3u per element, and γ_n on the sum.
+    const T shift = n ? T(mx) : T(0);
+    std::vector<T> e = x;
+    const T sum = simd::exp_shifted_sum(e.data(), n, shift);
+    double want_sum = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const double want = std::exp(double(T(x[i] - shift)));
+      want_sum += want;
+      EXPECT_NEAR(e[i], want, 3 * u * want) << i;
+    }
+    EXPECT_NEAR(sum, want_sum, (3 * u + gamma<T>(double(n))) * want_sum);
+
+    double want_dot = 0, abs_dot = 0;
+    for (size_t i = 0; i < n; ++i) {
+      want_dot += double(x[i]) * y[i];
+      abs_dot += std::abs(double(x[i]) * y[i]);
+    }
+    EXPECT_NEAR(simd::dot(x.data(), y.data(), n), want_dot, gamma<T>(double(n)) * abs_dot);
+
+    std::vector<T> s = x, ds(n);
+    simd::scale(s.data(), n, T(0.5));
+    for (size_t i = 0; i < n; ++i) EXPECT_EQ(s[i], x[i] * T(0.5));
+    simd::softmax_grad(ds.data(), x.data(), y.data(), n, T(0.25));
+    for (size_t i = 0; i < n; ++i) EXPECT_EQ(ds[i], x[i] * (y[i] - T(0.25)));
+  }
+}
+
+TEST(Simd, FloatKernelsMatchScalar) { check_simd_kernels<float>(); }
+TEST(Simd, DoubleKernelsMatchScalar) { check_simd_kernels<double>(); }
+
+// Large negative arguments underflow to 0 rather than producing garbage.
+TEST(Simd, ExpUnderflowsToZero) {
+  std::vector<float> x{-200.f, -1e30f, 0.f};
+  simd::exp_shifted_sum(x.data(), x.size(), 0.f);
+  EXPECT_EQ(x[0], 0.f);
+  EXPECT_EQ(x[1], 0.f);
+  EXPECT_EQ(x[2], 1.f);
+}
+
+// Same seed, same numbers: a few values pinned so a change of generator is noticed.
+TEST(Random, SeededStreamIsPinned) {
+  Rng a(42), b(42), c(43);
+  const uint64_t first = a.next_u64();
+  EXPECT_EQ(first, b.next_u64());
+  EXPECT_NE(first, c.next_u64());
+  Rng r(0);
+  EXPECT_EQ(r.next_u64(), 0x99ec5f36cb75f2b4ULL);
+}
+
+// Sample mean and variance of N(0,1) draws within 5 standard errors.
+TEST(Random, NormalsHaveUnitVariance) {
+  const int n = 200000;
+  std::vector<double> x(n);
+  fill_normal(x.data(), n, 3);
+  double mean = 0, var = 0;
+  for (double v : x) mean += v;
+  mean /= n;
+  for (double v : x) var += (v - mean) * (v - mean);
+  var /= n - 1;
+  EXPECT_NEAR(mean, 0.0, 5.0 / std::sqrt(n));           // sd of the mean: 1/sqrt(n)
+  EXPECT_NEAR(var, 1.0, 5.0 * std::sqrt(2.0 / (n - 1)));  // sd of the variance: sqrt(2/(n-1))
+}
+
+TEST(Memory, WorkspaceIsCountedAndReleased) {
+  const int64_t before = workspace_stats().current_bytes;
+  reset_workspace_peak();
+  {
+    Buffer<float> a(1000);
+    Buffer<double> b(10);
+    EXPECT_EQ(workspace_stats().current_bytes - before, 4000 + 80);
+    Buffer<float> moved = std::move(a);
+    EXPECT_EQ(workspace_stats().current_bytes - before, 4080);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(moved.data()) % kAlignment, 0u);
+    Buffer<float> output(500, /*counted=*/false);
+    EXPECT_EQ(workspace_stats().current_bytes - before, 4080);
+  }
+  EXPECT_EQ(workspace_stats().current_bytes, before);
+  EXPECT_EQ(workspace_stats().peak_bytes - before, 4080);
+}
+
+}  // namespace
+}  // namespace linattn

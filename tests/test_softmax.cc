@@ -1,0 +1,371 @@
+// Exact softmax attention: fast path against the float64 reference and against derived
+// error bounds, gradients against finite differences, masks, threads, memory, bad input.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+
+#include "linattn/softmax/softmax_attention.h"
+#include "softmax_bounds.h"
+#include "test_util.h"
+
+namespace linattn {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::cast;
+using testing::expect_within;
+using testing::random_tensor;
+using testing::ScopedThreads;
+
+enum class Mask { None, Causal, KeyLengths, CausalKeyLengths };
+const char* mask_name(Mask m) {
+  switch (m) {
+    case Mask::None: return "none";
+    case Mask::Causal: return "causal";
+    case Mask::KeyLengths: return "key_lengths";
+    case Mask::CausalKeyLengths: return "causal+key_lengths";
+  }
+  return "?";
+}
+
+AttentionOptions options_for(Mask m, int64_t batch, int64_t n_k, uint64_t seed) {
+  AttentionOptions o;
+  o.causal = m == Mask::Causal || m == Mask::CausalKeyLengths;
+  if (m == Mask::KeyLengths || m == Mask::CausalKeyLengths) {
+    std::vector<int64_t> lengths;
+    Rng rng(seed);
+    // Item 0 keeps every key, item 1 none (all its rows see nothing), others a random length.
+    for (int64_t b = 0; b < batch; ++b)
+      lengths.push_back(b == 0 ? n_k : b == 1 ? 0 : int64_t(rng.uniform() * (n_k + 1)) % (n_k + 1));
+    o.key_lengths = lengths;
+  }
+  return o;
+}
+
+struct Case {
+  int64_t n_q, n_k, d, dv;
+};
+
+// Fast float32 and float64 paths, forward and backward, 1 and 2 threads, every mask, against
+// the exact values within the bounds of softmax_bounds.h.
+class SoftmaxVsExact : public ::testing::TestWithParam<std::tuple<Case, Mask>> {};
+
+template <class T>
+void check_case(const Case& c, Mask m, uint64_t seed) {
+  const int64_t B = 3, H = 2;
+  const auto q = random_tensor<double>({B, H, c.n_q, c.d}, seed);
+  const auto k = random_tensor<double>({B, H, c.n_k, c.d}, seed + 1);
+  const auto v = random_tensor<double>({B, H, c.n_k, c.dv}, seed + 2);
+  const auto dout = random_tensor<double>({B, H, c.n_q, c.dv}, seed + 3);
+  const AttentionOptions opts = options_for(m, B, c.n_k, seed);
+  // Inputs rounded to T first: the bounds cover the arithmetic, not the input rounding.
+  const auto qt = cast<T>(q), kt = cast<T>(k), vt = cast<T>(v), dt = cast<T>(dout);
+  const auto exact = testing::softmax_exact_with_bounds<T>(cast<double>(qt), cast<double>(kt),
+                                                           cast<double>(vt), cast<double>(dt), opts);
+  for (int threads : {1, 2}) {
+    SCOPED_TRACE(::testing::Message() << "threads=" << threads << " mask=" << mask_name(m)
+                                      << " n_q=" << c.n_q << " n_k=" << c.n_k << " d=" << c.d
+                                      << " dv=" << c.dv << " T=" << sizeof(T) * 8 << "-bit");
+    ScopedThreads scope(threads);
+    const auto f = softmax_attention<T>(qt, kt, vt, opts);
+    expect_within(f.out, exact.out, exact.out_bound, "out");
+    for (int64_t i = 0; i < f.lse.size(); ++i) {
+      if (std::isinf(exact.lse[i])) {
+        EXPECT_EQ(f.lse[i], -std::numeric_limits<T>::infinity()) << "lse[" << i << "]";
+      } else {
+        EXPECT_NEAR(f.lse[i], exact.lse[i], exact.lse_bound[i]) << "lse[" << i << "]";
+      }
+    }
+    const auto g = softmax_attention_backward<T>(qt, kt, vt, dt, f.out, f.lse, opts);
+    expect_within(g.dq, exact.dq, exact.dq_bound, "dq");
+    expect_within(g.dk, exact.dk, exact.dk_bound, "dk");
+    expect_within(g.dv, exact.dv, exact.dv_bound, "dv");
+  }
+}
+
+TEST_P(SoftmaxVsExact, Float32) {
+  const auto [c, m] = GetParam();
+  check_case<float>(c, m, 100 + c.n_q * 7 + c.d);
+}
+
+TEST_P(SoftmaxVsExact, Float64) {
+  const auto [c, m] = GetParam();
+  check_case<double>(c, m, 200 + c.n_k * 3 + c.d);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sizes, SoftmaxVsExact,
+    ::testing::Combine(::testing::Values(Case{1, 1, 16, 16}, Case{7, 7, 16, 16}, Case{7, 7, 96, 96},
+                                         Case{100, 100, 64, 64}, Case{100, 100, 96, 96},
+                                         Case{1000, 1000, 16, 16}, Case{1000, 1000, 64, 64},
+                                         Case{1000, 1000, 96, 96},
+                                         // n_q != n_k, value_dim != head_dim
+                                         Case{1, 1000, 64, 64}, Case{7, 100, 16, 24},
+                                         Case{100, 7, 64, 32}, Case{300, 1000, 96, 40},
+                                         Case{1000, 100, 16, 64}),
+                       ::testing::Values(Mask::None, Mask::Causal, Mask::KeyLengths,
+                                         Mask::CausalKeyLengths)));
+
+// The reference against the same exact values: a check of the checker.
+TEST(SoftmaxReference, MatchesIndependentExactComputation) {
+  for (Mask m : {Mask::None, Mask::Causal, Mask::KeyLengths, Mask::CausalKeyLengths}) {
+    const auto q = random_tensor<double>({3, 2, 9, 5}, 1), k = random_tensor<double>({3, 2, 13, 5}, 2),
+               v = random_tensor<double>({3, 2, 13, 4}, 3), dout = random_tensor<double>({3, 2, 9, 4}, 4);
+    const auto opts = options_for(m, 3, 13, 5);
+    const auto exact = testing::softmax_exact_with_bounds<double>(q, k, v, dout, opts);
+    const auto f = reference::softmax_attention(q, k, v, opts);
+    const auto g = reference::softmax_attention_backward(q, k, v, dout, opts);
+    for (int64_t i = 0; i < f.out.size(); ++i) EXPECT_NEAR(f.out[i], exact.out[i], 1e-13);
+    for (int64_t i = 0; i < g.dq.size(); ++i) EXPECT_NEAR(g.dq[i], exact.dq[i], 1e-13);
+    for (int64_t i = 0; i < g.dk.size(); ++i) EXPECT_NEAR(g.dk[i], exact.dk[i], 1e-13);
+    for (int64_t i = 0; i < g.dv.size(); ++i) EXPECT_NEAR(g.dv[i], exact.dv[i], 1e-13);
+  }
+}
+
+// Central differences of the float64 fast forward: L = Σ out ∘ G.
+// Step h = 1e-5 balances truncation h²/6·|L'''| against cancellation u·|L|/h; with O(1)
+// inputs both are ~1e-11, so 1e-7·(1 + |g|) leaves four orders of headroom.
+TEST(SoftmaxGradient, MatchesCentralDifferences) {
+  for (Mask m : {Mask::None, Mask::Causal, Mask::KeyLengths, Mask::CausalKeyLengths}) {
+    for (auto [nq, nk] : {std::pair<int64_t, int64_t>{5, 5}, {3, 6}, {6, 4}}) {
+      SCOPED_TRACE(::testing::Message() << mask_name(m) << " n_q=" << nq << " n_k=" << nk);
+      const int64_t B = 3, H = 2, d = 4, dv = 3;
+      auto q = random_tensor<double>({B, H, nq, d}, 11);
+      auto k = random_tensor<double>({B, H, nk, d}, 12);
+      auto v = random_tensor<double>({B, H, nk, dv}, 13);
+      const auto G = random_tensor<double>({B, H, nq, dv}, 14);
+      AttentionOptions opts = options_for(m, B, nk, 15);
+      opts.scale = 0.7;
+      auto loss = [&] {
+        const auto out = softmax_attention<double>(q, k, v, opts).out;
+        double L = 0;
+        for (int64_t i = 0; i < out.size(); ++i) L += out[i] * G[i];
+        return L;
+      };
+      const auto g = softmax_attention_backward<double>(q, k, v, G, opts);
+      const double h = 1e-5;
+      for (auto [x, dx, name] : {std::tuple{&q, &g.dq, "dq"}, {&k, &g.dk, "dk"}, {&v, &g.dv, "dv"}}) {
+        for (int64_t i = 0; i < x->size(); ++i) {
+          const double x0 = (*x)[i];
+          (*x)[i] = x0 + h;
+          const double lp = loss();
+          (*x)[i] = x0 - h;
+          const double lm = loss();
+          (*x)[i] = x0;
+          const double fd = (lp - lm) / (2 * h);
+          EXPECT_NEAR((*dx)[i], fd, 1e-7 * (1 + std::abs(fd))) << name << "[" << i << "]";
+        }
+      }
+    }
+  }
+}
+
+// Without a saved forward, the backward recomputes it and gives the same gradients.
+TEST(SoftmaxBackward, RecomputingOverloadMatchesSavedOverload) {
+  const auto q = random_tensor<float>({2, 3, 130, 32}, 1), k = random_tensor<float>({2, 3, 257, 32}, 2),
+             v = random_tensor<float>({2, 3, 257, 16}, 3), dout = random_tensor<float>({2, 3, 130, 16}, 4);
+  AttentionOptions opts;
+  opts.causal = true;
+  const auto f = softmax_attention<float>(q, k, v, opts);
+  const auto a = softmax_attention_backward<float>(q, k, v, dout, f.out, f.lse, opts);
+  const auto b = softmax_attention_backward<float>(q, k, v, dout, opts);
+  for (int64_t i = 0; i < a.dq.size(); ++i) ASSERT_EQ(a.dq[i], b.dq[i]);
+  for (int64_t i = 0; i < a.dk.size(); ++i) ASSERT_EQ(a.dk[i], b.dk[i]);
+  for (int64_t i = 0; i < a.dv.size(); ++i) ASSERT_EQ(a.dv[i], b.dv[i]);
+}
+
+// Each query row is computed by one task in a fixed order, so the forward is bitwise the same
+// for any thread count.
+TEST(SoftmaxForward, BitwiseIdenticalAcrossThreadCounts) {
+  const auto q = random_tensor<float>({1, 3, 700, 64}, 1), k = random_tensor<float>({1, 3, 900, 64}, 2),
+             v = random_tensor<float>({1, 3, 900, 64}, 3);
+  Tensor<float> ref;
+  for (int threads : {1, 2, 3, 5}) {
+    ScopedThreads scope(threads);
+    const auto out = softmax_attention<float>(q, k, v).out;
+    if (threads == 1) {
+      ref = cast<float>(out);
+      continue;
+    }
+    for (int64_t i = 0; i < out.size(); ++i) ASSERT_EQ(out[i], ref[i]) << "threads=" << threads;
+  }
+}
+
+// Padded keys may hold anything, NaN included: they never reach the output or the gradients.
+TEST(SoftmaxMask, PaddedKeysAreIgnoredEvenIfNaN) {
+  auto q = random_tensor<float>({2, 2, 20, 8}, 1), k = random_tensor<float>({2, 2, 30, 8}, 2),
+       v = random_tensor<float>({2, 2, 30, 8}, 3), dout = random_tensor<float>({2, 2, 20, 8}, 4);
+  AttentionOptions opts;
+  opts.key_lengths = std::vector<int64_t>{17, 30};
+  const auto clean = softmax_attention<float>(q, k, v, opts);
+  const auto clean_g = softmax_attention_backward<float>(q, k, v, dout, opts);
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t j = 17; j < 30; ++j)
+      for (int64_t c = 0; c < 8; ++c) {
+        k.view().row(h, j)[c] = std::numeric_limits<float>::quiet_NaN();
+        v.view().row(h, j)[c] = std::numeric_limits<float>::infinity();
+      }
+  const auto dirty = softmax_attention<float>(q, k, v, opts);
+  const auto dirty_g = softmax_attention_backward<float>(q, k, v, dout, opts);
+  for (int64_t i = 0; i < clean.out.size(); ++i) ASSERT_EQ(clean.out[i], dirty.out[i]);
+  for (int64_t i = 0; i < clean_g.dq.size(); ++i) ASSERT_EQ(clean_g.dq[i], dirty_g.dq[i]);
+  // Padded keys get zero gradient.
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t j = 17; j < 30; ++j)
+      for (int64_t c = 0; c < 8; ++c) {
+        ASSERT_EQ(dirty_g.dk.view().row(h, j)[c], 0.f);
+        ASSERT_EQ(dirty_g.dv.view().row(h, j)[c], 0.f);
+      }
+}
+
+// Rows that see no key: zeros and lse = -inf, never NaN (causal with n_q > n_k, and length 0).
+TEST(SoftmaxMask, RowsWithoutKeysGetZeros) {
+  const auto q = random_tensor<float>({1, 1, 10, 4}, 1), k = random_tensor<float>({1, 1, 4, 4}, 2),
+             v = random_tensor<float>({1, 1, 4, 4}, 3), dout = random_tensor<float>({1, 1, 10, 4}, 4);
+  AttentionOptions opts;
+  opts.causal = true;  // offset n_k - n_q = -6: rows 0..5 see nothing
+  const auto f = softmax_attention<float>(q, k, v, opts);
+  const auto g = softmax_attention_backward<float>(q, k, v, dout, opts);
+  for (int64_t i = 0; i < 10; ++i) {
+    const bool empty = i < 6;
+    EXPECT_EQ(std::isinf(f.lse[i]) && f.lse[i] < 0, empty) << i;
+    for (int64_t c = 0; c < 4; ++c) {
+      EXPECT_FALSE(std::isnan(f.out.view().row(0, i)[c]));
+      if (empty) {
+        EXPECT_EQ(f.out.view().row(0, i)[c], 0.f);
+        EXPECT_EQ(g.dq.view().row(0, i)[c], 0.f);
+      }
+    }
+  }
+}
+
+// Extra memory is O(n·d): the forward needs only fixed tiles; the backward adds O(n) rows.
+TEST(SoftmaxMemory, WorkspaceGrowsLinearly) {
+  auto workspace = [](int64_t n, bool backward) {
+    const auto q = random_tensor<float>({1, 2, n, 64}, 1), k = random_tensor<float>({1, 2, n, 64}, 2),
+               v = random_tensor<float>({1, 2, n, 64}, 3);
+    const auto f = softmax_attention<float>(q, k, v);
+    reset_workspace_peak();
+    const int64_t before = workspace_stats().current_bytes;
+    if (backward) {
+      (void)softmax_attention_backward<float>(q, k, v, q, f.out, f.lse);
+    } else {
+      (void)softmax_attention<float>(q, k, v);
+    }
+    return workspace_stats().peak_bytes - before;
+  };
+  for (int threads : {1, 2}) {
+    ScopedThreads scope(threads);
+    // Forward: independent of n.
+    EXPECT_EQ(workspace(512, false), workspace(4096, false));
+    // Backward: affine in n, far below one n×n score matrix (4096² floats = 64 MiB).
+    const int64_t a = workspace(1024, true), b = workspace(2048, true), c = workspace(4096, true);
+    EXPECT_EQ(c - b, 2 * (b - a));
+    EXPECT_LT(c, 4096 * 4096 * 4 / 16);
+  }
+}
+
+// ---- bad input -----------------------------------------------------------------------------
+
+template <class Fn>
+std::string error_of(Fn fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+TEST(SoftmaxErrors, ShapesAreChecked) {
+  const auto q = random_tensor<float>({2, 3, 5, 8}, 1), k = random_tensor<float>({2, 3, 6, 8}, 2),
+             v = random_tensor<float>({2, 3, 6, 4}, 3);
+  EXPECT_THAT(error_of([&] { softmax_attention<float>(q, random_tensor<float>({2, 3, 6, 7}, 4), v); }),
+              HasSubstr("k has shape [2, 3, 6, 7]; expected [2, 3, n_k, 8]"));
+  EXPECT_THAT(error_of([&] { softmax_attention<float>(q, random_tensor<float>({2, 2, 6, 8}, 4), v); }),
+              HasSubstr("k has shape [2, 2, 6, 8]"));
+  EXPECT_THAT(error_of([&] { softmax_attention<float>(q, k, random_tensor<float>({2, 3, 5, 4}, 4)); }),
+              HasSubstr("v has shape [2, 3, 5, 4]; expected [2, 3, 6, value_dim]"));
+  EXPECT_THAT(error_of([&] { softmax_attention<float>(random_tensor<float>({3, 5, 8}, 4), k, v); }),
+              HasSubstr("q must have rank 4"));
+  EXPECT_THAT(error_of([&] { softmax_attention<float>(random_tensor<float>({2, 3, 5, 0}, 4), random_tensor<float>({2, 3, 6, 0}, 4), v); }),
+              HasSubstr("head_dim (last dimension of q) must be >= 1"));
+  EXPECT_THAT(error_of([&] { softmax_attention_backward<float>(q, k, v, random_tensor<float>({2, 3, 5, 8}, 4)); }),
+              HasSubstr("dout has shape [2, 3, 5, 8]; expected [2, 3, 5, 4]"));
+  const auto f = softmax_attention<float>(q, k, v);
+  EXPECT_THAT(error_of([&] { softmax_attention_backward<float>(q, k, v, f.out, f.out, random_tensor<float>({2, 3, 6}, 1)); }),
+              HasSubstr("lse has shape [2, 3, 6]; expected [2, 3, 5]"));
+}
+
+TEST(SoftmaxErrors, OptionsAreChecked) {
+  const auto q = random_tensor<float>({2, 1, 5, 8}, 1), k = random_tensor<float>({2, 1, 6, 8}, 2),
+             v = random_tensor<float>({2, 1, 6, 8}, 3);
+  AttentionOptions o;
+  o.key_lengths = std::vector<int64_t>{6};
+  EXPECT_THAT(error_of([&] { softmax_attention<float>(q, k, v, o); }),
+              HasSubstr("key_lengths has 1 entries; expected one per batch item (2)"));
+  o.key_lengths = std::vector<int64_t>{6, 7};
+  EXPECT_THAT(error_of([&] { softmax_attention<float>(q, k, v, o); }),
+              HasSubstr("key_lengths[1] = 7; expected 0 <= key_lengths[b] <= n_k = 6"));
+  o.key_lengths = std::vector<int64_t>{-1, 2};
+  EXPECT_THAT(error_of([&] { softmax_attention<float>(q, k, v, o); }), HasSubstr("key_lengths[0] = -1"));
+  AttentionOptions s;
+  s.scale = std::numeric_limits<double>::infinity();
+  EXPECT_THAT(error_of([&] { softmax_attention<float>(q, k, v, s); }), HasSubstr("scale must be finite"));
+  s.scale = std::nan("");
+  EXPECT_THAT(error_of([&] { softmax_attention_backward<float>(q, k, v, q, s); }), HasSubstr("scale must be finite"));
+}
+
+// Non-finite inputs are rejected wherever they would reach the result: all of q and dout,
+// and k, v at unpadded positions (padded ones are ignored, see PaddedKeysAreIgnoredEvenIfNaN).
+TEST(SoftmaxErrors, NonFiniteInputsAreRejected) {
+  for (const char* which : {"q", "k", "v", "dout"}) {
+    for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+      auto q = random_tensor<float>({1, 2, 5, 4}, 1), k = random_tensor<float>({1, 2, 5, 4}, 2),
+           v = random_tensor<float>({1, 2, 5, 4}, 3), dout = random_tensor<float>({1, 2, 5, 4}, 4);
+      Tensor<float>* t = which[0] == 'q' ? &q : which[0] == 'k' ? &k : which[0] == 'v' ? &v : &dout;
+      (*t)[27] = bad;  // [0, 1, 1, 3]
+      const std::string err = error_of([&] { softmax_attention_backward<float>(q, k, v, dout); });
+      EXPECT_THAT(err, HasSubstr(std::string(which) + " has a non-finite value"));
+      EXPECT_THAT(err, HasSubstr("at [0, 1, 1, 3]"));
+      if (which[0] != 'd')
+        EXPECT_THAT(error_of([&] { softmax_attention<float>(q, k, v); }), HasSubstr("non-finite"));
+    }
+  }
+}
+
+// Finite inputs whose scores overflow float32 are an error, not inf/NaN output.
+TEST(SoftmaxErrors, ScoreOverflowIsAnError) {
+  auto q = random_tensor<float>({1, 1, 3, 4}, 1, 1e20), k = random_tensor<float>({1, 1, 3, 4}, 2, 1e20),
+       v = random_tensor<float>({1, 1, 3, 4}, 3);
+  EXPECT_THAT(error_of([&] { softmax_attention<float>(q, k, v); }), HasSubstr("overflows"));
+}
+
+// Empty batch, heads or sequences are valid and give empty or zero results.
+TEST(SoftmaxErrors, ZeroSizesAreValid) {
+  {
+    const auto q = random_tensor<float>({0, 2, 5, 4}, 1), k = random_tensor<float>({0, 2, 5, 4}, 2);
+    const auto f = softmax_attention<float>(q, k, k);
+    EXPECT_EQ(f.out.shape(), (Shape{0, 2, 5, 4}));
+    const auto g = softmax_attention_backward<float>(q, k, k, q);
+    EXPECT_EQ(g.dq.size(), 0);
+  }
+  {
+    const auto q = random_tensor<float>({1, 2, 0, 4}, 1), k = random_tensor<float>({1, 2, 5, 4}, 2);
+    EXPECT_EQ(softmax_attention<float>(q, k, k).out.shape(), (Shape{1, 2, 0, 4}));
+    const auto g = softmax_attention_backward<float>(q, k, k, q);
+    for (int64_t i = 0; i < g.dk.size(); ++i) EXPECT_EQ(g.dk[i], 0.f);
+  }
+  {
+    const auto q = random_tensor<float>({1, 2, 3, 4}, 1), k = random_tensor<float>({1, 2, 0, 4}, 2);
+    const auto f = softmax_attention<float>(q, k, k);
+    for (int64_t i = 0; i < f.out.size(); ++i) EXPECT_EQ(f.out[i], 0.f);
+    for (int64_t i = 0; i < f.lse.size(); ++i) EXPECT_EQ(f.lse[i], -std::numeric_limits<float>::infinity());
+  }
+}
+
+}  // namespace
+}  // namespace linattn
