@@ -19,8 +19,8 @@ struct Timing {
 Timing time_runs(const std::function<void()>& fn, int warmup = 1, int min_runs = 3,
                  double min_seconds = 0.5, int max_runs = 50);
 
-// The float32 GEMM rate of the BLAS we link: median over runs of an n×n×n sgemm with the
-// BLAS using `threads` threads, in GFLOP/s (2·n³ FLOPs per product).
+// The float32 GEMM rate of the BLAS we link: the best of >= 10 runs of an n×n×n sgemm with
+// the BLAS using `threads` threads, in GFLOP/s (2·n³ FLOPs per product).
 double sgemm_gflops(int threads, int n = 2048);
 
 // Peak memory while fn runs: the workspace counter of the library (exact bytes of scratch

@@ -3,7 +3,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <string>
 #include <limits>
 #include <tuple>
 
@@ -96,6 +98,14 @@ TEST_P(SoftmaxVsExact, Float64) {
   check_case<double>(c, m, 200 + c.n_k * 3 + c.d);
 }
 
+std::string case_name(const ::testing::TestParamInfo<SoftmaxVsExact::ParamType>& info) {
+  const Case& c = std::get<0>(info.param);
+  std::string mask = mask_name(std::get<1>(info.param));
+  std::replace(mask.begin(), mask.end(), '+', '_');
+  return "nq" + std::to_string(c.n_q) + "_nk" + std::to_string(c.n_k) + "_d" +
+         std::to_string(c.d) + "_dv" + std::to_string(c.dv) + "_" + mask;
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Sizes, SoftmaxVsExact,
     ::testing::Combine(::testing::Values(Case{1, 1, 16, 16}, Case{7, 7, 16, 16}, Case{7, 7, 96, 96},
@@ -107,7 +117,8 @@ INSTANTIATE_TEST_SUITE_P(
                                          Case{100, 7, 64, 32}, Case{300, 1000, 96, 40},
                                          Case{1000, 100, 16, 64}),
                        ::testing::Values(Mask::None, Mask::Causal, Mask::KeyLengths,
-                                         Mask::CausalKeyLengths)));
+                                         Mask::CausalKeyLengths)),
+    case_name);
 
 // The reference against the same exact values: a check of the checker.
 TEST(SoftmaxReference, MatchesIndependentExactComputation) {
@@ -192,6 +203,19 @@ TEST(SoftmaxForward, BitwiseIdenticalAcrossThreadCounts) {
     }
     for (int64_t i = 0; i < out.size(); ++i) ASSERT_EQ(out[i], ref[i]) << "threads=" << threads;
   }
+}
+
+// A kernel called from inside a parallel_for task (on any worker) runs serially there and
+// gives the same result: no deadlock on the pool, no shared scratch between tasks.
+TEST(SoftmaxForward, CallableFromInsideParallelFor) {
+  ScopedThreads scope(2);
+  const auto q = random_tensor<float>({1, 2, 200, 16}, 1), k = random_tensor<float>({1, 2, 300, 16}, 2),
+             v = random_tensor<float>({1, 2, 300, 16}, 3);
+  const auto want = softmax_attention<float>(q, k, v).out;
+  std::vector<Tensor<float>> got(6);
+  parallel_for(6, [&](int64_t t, int) { got[t] = softmax_attention<float>(q, k, v).out; });
+  for (const auto& out : got)
+    for (int64_t i = 0; i < out.size(); ++i) ASSERT_EQ(out[i], want[i]);
 }
 
 // Padded keys may hold anything, NaN included: they never reach the output or the gradients.

@@ -110,23 +110,32 @@ int default_threads() {
 
 std::mutex g_pool_mu;  // one region at a time; guards g_pool
 std::unique_ptr<ThreadPool> g_pool;
+// The configured count, readable without the lock: a kernel called from inside a region
+// (whose caller holds g_pool_mu) must still be able to size its scratch.
+std::atomic<int> g_threads{0};  // 0: not chosen yet
 
 ThreadPool& pool_locked() {
-  if (!g_pool) g_pool = std::make_unique<ThreadPool>(default_threads());
+  if (!g_pool) g_pool = std::make_unique<ThreadPool>(num_threads());
   return *g_pool;
 }
 
 }  // namespace
 
 int num_threads() {
-  std::lock_guard<std::mutex> lock(g_pool_mu);
-  return pool_locked().workers();
+  int n = g_threads.load();
+  if (n == 0) {
+    int expected = 0;
+    g_threads.compare_exchange_strong(expected, default_threads());
+    n = g_threads.load();
+  }
+  return n;
 }
 
 void set_num_threads(int n) {
   require(n >= 1, "set_num_threads: n must be >= 1, got ", n);
   require(!t_in_region, "set_num_threads: cannot be called from inside parallel_for");
   std::lock_guard<std::mutex> lock(g_pool_mu);
+  g_threads.store(n);
   if (g_pool && g_pool->workers() == n) return;
   g_pool = std::make_unique<ThreadPool>(n);
 }
