@@ -7,8 +7,10 @@ packages=(
   cmake make g++ pkg-config
   libopenblas-dev        # BLAS: sgemm/dgemm for every matrix product
   libhwy-dev             # Highway: SIMD with runtime dispatch, vectorised exp
+  libboost-dev           # Boost.Math: chi-square quantiles and CDF for random-feature norms
   libgtest-dev           # GoogleTest, run through CTest
   pybind11-dev python3-dev python3-numpy python3-pytest
+  python3-scipy          # tests only: independent chi-square quantiles and KS tests
 )
 if [ "${LINATTN_WITH_BENCH_DEPS:-0}" = 1 ]; then
   packages+=(python3-torch python3-matplotlib)

@@ -5,5 +5,7 @@
 #include "linattn/core/error.h"
 #include "linattn/core/memory.h"
 #include "linattn/core/tensor.h"
+#include "linattn/core/random_features.h"
 #include "linattn/core/threading.h"
+#include "linattn/kernelized/kernelized_attention.h"
 #include "linattn/softmax/softmax_attention.h"

@@ -106,7 +106,43 @@ T Dot(const T* a, const T* b, size_t n) {
   return hn::GetLane(hn::SumOfLanes(d, hn::Add(s0, s1)));
 }
 
+template <class T>
+T MaxAbs(const T* x, size_t n) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  auto m = hn::Zero(d);
+  size_t i = 0;
+  for (; i + N <= n; i += N) m = hn::Max(m, hn::Abs(hn::LoadU(d, x + i)));
+  if (i < n) {
+    const auto mask = hn::FirstN(d, n - i);
+    m = hn::Max(m, hn::Abs(hn::MaskedLoad(mask, d, x + i)));
+  }
+  return hn::GetLane(hn::MaxOfLanes(d, m));
+}
+
+template <class T>
+void SinCos(const T* x, size_t n, T* s, T* c) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  size_t i = 0;
+  for (; i + N <= n; i += N) {
+    const auto v = hn::LoadU(d, x + i);
+    hn::StoreU(hn::Sin(d, v), d, s + i);
+    hn::StoreU(hn::Cos(d, v), d, c + i);
+  }
+  if (i < n) {
+    const auto mask = hn::FirstN(d, n - i);
+    const auto v = hn::MaskedLoad(mask, d, x + i);
+    hn::BlendedStore(hn::Sin(d, v), mask, d, s + i);
+    hn::BlendedStore(hn::Cos(d, v), mask, d, c + i);
+  }
+}
+
 // HWY_EXPORT needs one non-template name per function and type.
+float MaxAbsF32(const float* x, size_t n) { return MaxAbs(x, n); }
+double MaxAbsF64(const double* x, size_t n) { return MaxAbs(x, n); }
+void SinCosF32(const float* x, size_t n, float* s, float* c) { SinCos(x, n, s, c); }
+void SinCosF64(const double* x, size_t n, double* s, double* c) { SinCos(x, n, s, c); }
 float MaxValueF32(const float* x, size_t n) { return MaxValue(x, n); }
 double MaxValueF64(const double* x, size_t n) { return MaxValue(x, n); }
 float ExpShiftedSumF32(float* x, size_t n, float s) { return ExpShiftedSum(x, n, s); }
@@ -144,6 +180,19 @@ HWY_EXPORT(SoftmaxGradF64);
 HWY_EXPORT(DotF32);
 HWY_EXPORT(DotF64);
 HWY_EXPORT(CurrentTarget);
+HWY_EXPORT(MaxAbsF32);
+HWY_EXPORT(MaxAbsF64);
+HWY_EXPORT(SinCosF32);
+HWY_EXPORT(SinCosF64);
+
+float max_abs(const float* x, size_t n) { return HWY_DYNAMIC_DISPATCH(MaxAbsF32)(x, n); }
+double max_abs(const double* x, size_t n) { return HWY_DYNAMIC_DISPATCH(MaxAbsF64)(x, n); }
+void sin_cos(const float* x, size_t n, float* s, float* c) {
+  HWY_DYNAMIC_DISPATCH(SinCosF32)(x, n, s, c);
+}
+void sin_cos(const double* x, size_t n, double* s, double* c) {
+  HWY_DYNAMIC_DISPATCH(SinCosF64)(x, n, s, c);
+}
 
 float max_value(const float* x, size_t n) { return HWY_DYNAMIC_DISPATCH(MaxValueF32)(x, n); }
 double max_value(const double* x, size_t n) { return HWY_DYNAMIC_DISPATCH(MaxValueF64)(x, n); }

@@ -28,6 +28,14 @@ void softmax_grad(double* ds, const double* p, const double* dp, size_t n, doubl
 float dot(const float* a, const float* b, size_t n);
 double dot(const double* a, const double* b, size_t n);
 
+// max_i |x[i]|; 0 for n == 0.
+float max_abs(const float* x, size_t n);
+double max_abs(const double* x, size_t n);
+
+// s[i] = sin(x[i]), c[i] = cos(x[i]); Highway's Sin/Cos: within 3 ulp for |x| <= 39000.
+void sin_cos(const float* x, size_t n, float* s, float* c);
+void sin_cos(const double* x, size_t n, double* s, double* c);
+
 // Name of the instruction set chosen at run time, e.g. "AVX3" (AVX-512).
 const char* target_name();
 

@@ -1,0 +1,32 @@
+// The kernelized attention engine shared by linear_attention and favor_attention:
+//   out_i = Σ_j (φ(q_i)·φ(k_j)) v_j / (Σ_j φ(q_i)·φ(k_j) + eps)
+// over the keys query i sees, in O(n) time, never forming the n×n matrix.
+#pragma once
+
+#include "linattn/core/attention_args.h"
+#include "linattn/kernelized/feature_map.h"
+
+namespace linattn::kernelized {
+
+template <class T>
+struct Problem {
+  TensorView<const T> q, k, v;  // [B,H,n_q,d], [B,H,n_k,d], [B,H,n_k,d_v]
+  AttentionDims dims;
+  const KeyMask* mask;          // key_lengths; causal when mask->causal() (then n_q == n_k)
+  const FeatureMap<T>* fmap;
+  T eps;                        // added to every denominator (0 for FAVOR)
+};
+
+// out [B,H,n_q,d_v] (overwritten).
+template <class T>
+void forward(const Problem<T>& p, T* out);
+
+// Gradients of Σ dout∘out: dq, dk, dv (overwritten).
+template <class T>
+void backward(const Problem<T>& p, const T* dout, T* dq, T* dk, T* dv);
+
+// Rows per block (non-causal) and per chunk (causal).
+inline constexpr int64_t kBlockRows = 256;
+inline constexpr int64_t kChunk = 64;
+
+}  // namespace linattn::kernelized

@@ -1,0 +1,368 @@
+// Kernelized attention (linear_attention, favor_attention): fast path against the float64
+// reference within derived bounds, gradients against finite differences, the depthwise
+// convolution, large norms, masks, bad input.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <tuple>
+
+#include "kernelized_bounds.h"
+#include "linattn/core/random_features.h"
+#include "linattn/kernelized/kernelized_attention.h"
+#include "test_util.h"
+
+namespace linattn {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::cast;
+using testing::expect_within;
+using testing::KernelizedSpec;
+using testing::random_tensor;
+using testing::ScopedThreads;
+
+struct Size {
+  int64_t n_q, n_k, d, dv;
+};
+
+enum class Mask { None, Causal, KeyLengths, CausalKeyLengths };
+
+KernelizedSpec spec_for(const std::string& map, Mask mask, int64_t batch, int64_t n_k) {
+  KernelizedSpec s;
+  s.map = map;
+  s.causal = mask == Mask::Causal || mask == Mask::CausalKeyLengths;
+  if (mask == Mask::KeyLengths || mask == Mask::CausalKeyLengths) {
+    std::vector<int64_t> l;
+    for (int64_t b = 0; b < batch; ++b) l.push_back(b == 0 ? n_k : b == 1 ? 0 : (n_k * 2) / 3);
+    s.key_lengths = l;
+  }
+  return s;
+}
+
+template <class T>
+Tensor<T> run_forward(const KernelizedSpec& s, const Tensor<T>& q, const Tensor<T>& k,
+                      const Tensor<T>& v, const Tensor<T>* w) {
+  if (s.favor()) {
+    FavorOptions o;
+    o.kernel = s.map;
+    o.causal = s.causal;
+    o.key_lengths = s.key_lengths;
+    if (s.scale > 0) o.scale = s.scale;
+    return favor_attention<T>(q, k, v, *w, o);
+  }
+  LinearAttentionOptions o;
+  o.feature_map = s.map;
+  o.causal = s.causal;
+  o.key_lengths = s.key_lengths;
+  o.eps = s.eps;
+  o.focus_power = s.focus_power;
+  return linear_attention<T>(q, k, v, o);
+}
+
+template <class T>
+AttentionGrads<T> run_backward(const KernelizedSpec& s, const Tensor<T>& q, const Tensor<T>& k,
+                               const Tensor<T>& v, const Tensor<T>& dout, const Tensor<T>* w) {
+  if (s.favor()) {
+    FavorOptions o;
+    o.kernel = s.map;
+    o.causal = s.causal;
+    o.key_lengths = s.key_lengths;
+    if (s.scale > 0) o.scale = s.scale;
+    return favor_attention_backward<T>(q, k, v, *w, dout, o);
+  }
+  LinearAttentionOptions o;
+  o.feature_map = s.map;
+  o.causal = s.causal;
+  o.key_lengths = s.key_lengths;
+  o.eps = s.eps;
+  o.focus_power = s.focus_power;
+  auto g = linear_attention_backward<T>(q, k, v, dout, o);
+  return {std::move(g.dq), std::move(g.dk), std::move(g.dv)};
+}
+
+class KernelizedVsReference
+    : public ::testing::TestWithParam<std::tuple<std::string, Mask, Size>> {};
+
+template <class T>
+void check(const std::string& map, Mask mask, const Size& z, uint64_t seed) {
+  const int64_t B = 3, H = 2;
+  const KernelizedSpec spec = spec_for(map, mask, B, z.n_k);
+  const auto q = cast<T>(random_tensor<double>({B, H, z.n_q, z.d}, seed));
+  const auto k = cast<T>(random_tensor<double>({B, H, z.n_k, z.d}, seed + 1));
+  const auto v = cast<T>(random_tensor<double>({B, H, z.n_k, z.dv}, seed + 2));
+  const auto dout = cast<T>(random_tensor<double>({B, H, z.n_q, z.dv}, seed + 3));
+  const auto w = random_features<T>(24, z.d, FeatureKind::Orthogonal, seed + 4);
+  const Tensor<double> wd = cast<double>(w);
+  const auto exact = testing::kernelized_exact_with_bounds<T>(
+      cast<double>(q), cast<double>(k), cast<double>(v), cast<double>(dout), &wd, spec);
+  for (int threads : {1, 2}) {
+    SCOPED_TRACE(::testing::Message() << map << " threads=" << threads << " T=" << sizeof(T) * 8);
+    ScopedThreads scope(threads);
+    expect_within(run_forward<T>(spec, q, k, v, &w), exact.out, exact.out_bound, "out");
+    const auto g = run_backward<T>(spec, q, k, v, dout, &w);
+    expect_within(g.dq, exact.dq, exact.dq_bound, "dq");
+    expect_within(g.dk, exact.dk, exact.dk_bound, "dk");
+    expect_within(g.dv, exact.dv, exact.dv_bound, "dv");
+  }
+}
+
+TEST_P(KernelizedVsReference, Float32) {
+  const auto& [map, mask, z] = GetParam();
+  check<float>(map, mask, z, 10 + z.n_q);
+}
+TEST_P(KernelizedVsReference, Float64) {
+  const auto& [map, mask, z] = GetParam();
+  check<double>(map, mask, z, 20 + z.n_k);
+}
+
+std::string kernelized_name(const ::testing::TestParamInfo<KernelizedVsReference::ParamType>& p) {
+  const char* masks[] = {"none", "causal", "key_lengths", "causal_key_lengths"};
+  const Size& z = std::get<2>(p.param);
+  return std::get<0>(p.param) + "_" + masks[int(std::get<1>(p.param))] + "_n" +
+         std::to_string(z.n_q) + "_d" + std::to_string(z.d) + "_dv" + std::to_string(z.dv);
+}
+
+// Sizes cross the causal chunk (64) and the non-causal block (256) boundaries.
+INSTANTIATE_TEST_SUITE_P(
+    All, KernelizedVsReference,
+    ::testing::Combine(::testing::Values("elu", "relu", "focused", "positive", "hyperbolic", "trig"),
+                       ::testing::Values(Mask::None, Mask::Causal, Mask::KeyLengths,
+                                         Mask::CausalKeyLengths),
+                       ::testing::Values(Size{1, 1, 16, 16}, Size{7, 7, 16, 8},
+                                         Size{130, 130, 32, 24}, Size{300, 300, 16, 16})),
+    kernelized_name);
+
+// Non-causal with n_q != n_k.
+TEST(KernelizedVsReference, DifferentQueryAndKeyLengths) {
+  for (const char* map : {"elu", "focused", "positive", "trig"}) {
+    SCOPED_TRACE(map);
+    const KernelizedSpec spec = spec_for(map, Mask::KeyLengths, 3, 270);
+    const auto q = random_tensor<double>({3, 2, 50, 16}, 1), k = random_tensor<double>({3, 2, 270, 16}, 2),
+               v = random_tensor<double>({3, 2, 270, 12}, 3), dout = random_tensor<double>({3, 2, 50, 12}, 4);
+    const auto w = random_features<double>(40, 16, FeatureKind::IID, 5);
+    const auto exact = testing::kernelized_exact_with_bounds<double>(q, k, v, dout, &w, spec);
+    expect_within(run_forward<double>(spec, q, k, v, &w), exact.out, exact.out_bound, "out");
+    const auto g = run_backward<double>(spec, q, k, v, dout, &w);
+    expect_within(g.dq, exact.dq, exact.dq_bound, "dq");
+    expect_within(g.dk, exact.dk, exact.dk_bound, "dk");
+  }
+}
+
+// Central differences of the float64 fast forward, L = Σ out∘G, for every input with a
+// gradient, every map, causal or not, with padding. h = 1e-5: truncation h²/6·|L'''| and
+// cancellation u·|L|/h are both ~1e-10 for these O(1) inputs; tolerance 1e-7·(1 + |g|).
+template <class Fwd>
+void expect_gradient(Tensor<double>& x, const Tensor<double>& analytic, Fwd loss, const char* name) {
+  const double h = 1e-5;
+  for (int64_t i = 0; i < x.size(); ++i) {
+    const double x0 = x[i];
+    x[i] = x0 + h;
+    const double lp = loss();
+    x[i] = x0 - h;
+    const double lm = loss();
+    x[i] = x0;
+    const double fd = (lp - lm) / (2 * h);
+    ASSERT_NEAR(analytic[i], fd, 1e-7 * (1 + std::abs(fd))) << name << "[" << i << "]";
+  }
+}
+
+TEST(KernelizedGradient, MatchesCentralDifferences) {
+  for (const char* map : {"elu", "relu", "focused", "positive", "hyperbolic", "trig"})
+    for (Mask mask : {Mask::None, Mask::CausalKeyLengths}) {
+      SCOPED_TRACE(::testing::Message() << map << " mask=" << int(mask));
+      const int64_t B = 2, H = 2, n = 70, d = 4, dv = 3;  // 70 rows: two causal chunks
+      KernelizedSpec spec = spec_for(map, mask, B, n);
+      spec.key_lengths = std::vector<int64_t>{n, 45};
+      const double sigma = std::string(map) == "trig" ? 0.5 : 1.0;
+      auto q = random_tensor<double>({B, H, n, d}, 1, sigma), k = random_tensor<double>({B, H, n, d}, 2, sigma),
+           v = random_tensor<double>({B, H, n, dv}, 3);
+      // relu and focused are not smooth at 0: keep inputs 0.05 (5000 h) away from the kink so
+      // the truncation term (h²/6 times the third derivative) is that of a smooth function.
+      for (Tensor<double>* x : {&q, &k})
+        for (int64_t i = 0; i < x->size(); ++i)
+          if (std::abs((*x)[i]) < 0.05) (*x)[i] = (*x)[i] < 0 ? -0.05 : 0.05;
+      const auto G = random_tensor<double>({B, H, n, dv}, 4);
+      // 64 features keep the trig estimate of the denominator well away from 0.
+      const auto w = random_features<double>(64, d, FeatureKind::Orthogonal, 5);
+      auto loss = [&] {
+        const auto out = run_forward<double>(spec, q, k, v, &w);
+        double L = 0;
+        for (int64_t i = 0; i < out.size(); ++i) L += out[i] * G[i];
+        return L;
+      };
+      const auto g = run_backward<double>(spec, q, k, v, G, &w);
+      expect_gradient(q, g.dq, loss, "dq");
+      expect_gradient(k, g.dk, loss, "dk");
+      expect_gradient(v, g.dv, loss, "dv");
+    }
+}
+
+// The depthwise convolution on V and its weight gradient, centred and causal.
+TEST(KernelizedGradient, DepthwiseConvolution) {
+  for (bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "centred");
+    const int64_t B = 2, H = 3, n = 20, d = 4, dv = 3, K = causal ? 4 : 5;
+    auto q = random_tensor<double>({B, H, n, d}, 1), k = random_tensor<double>({B, H, n, d}, 2),
+         v = random_tensor<double>({B, H, n, dv}, 3), w = random_tensor<double>({H, K}, 4);
+    const auto G = random_tensor<double>({B, H, n, dv}, 5);
+    LinearAttentionOptions o;
+    o.feature_map = "focused";
+    o.causal = causal;
+    o.key_lengths = std::vector<int64_t>{n, 13};
+    // Against the reference, in float64: every term is a short sum, errors ~1e-15.
+    const auto out = linear_attention<double>(q, k, v, o, w.view());
+    const auto ref = reference::linear_attention(q, k, v, o, w.view());
+    for (int64_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out[i], ref[i], 1e-12);
+    auto loss = [&] {
+      const auto y = linear_attention<double>(q, k, v, o, w.view());
+      double L = 0;
+      for (int64_t i = 0; i < y.size(); ++i) L += y[i] * G[i];
+      return L;
+    };
+    const auto g = linear_attention_backward<double>(q, k, v, G, o, w.view());
+    ASSERT_EQ(g.d_dwc_weight.shape(), (Shape{H, K}));
+    expect_gradient(w, g.d_dwc_weight, loss, "d_dwc_weight");
+    expect_gradient(v, g.dv, loss, "dv");
+    expect_gradient(q, g.dq, loss, "dq");
+    const auto gr = reference::linear_attention_backward(q, k, v, G, o, w.view());
+    for (int64_t i = 0; i < g.d_dwc_weight.size(); ++i)
+      ASSERT_NEAR(g.d_dwc_weight[i], gr.d_dwc_weight[i], 1e-12);
+    // Padded positions of v (>= 13 in item 1) never reach the output.
+    auto v2 = cast<double>(v);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t j = 13; j < n; ++j)
+        for (int64_t c = 0; c < dv; ++c) v2.view().row(H + h, j)[c] = 1e3;
+    const auto out2 = linear_attention<double>(q, k, v2, o, w.view());
+    for (int64_t i = 0; i < out.size(); ++i) ASSERT_EQ(out[i], out2[i]);
+  }
+}
+
+// FAVOR with ‖q‖, ‖k‖ ≈ 30 in float32: without stabilisation exp(ω·x̃ − ‖x̃‖²/2) underflows
+// (‖x̃‖²/2 ≈ 56 after the 1/√√d scaling, and the spread of exponents across keys is ~±40).
+// The causal form with its running log-scale must still match the float64 definition.
+TEST(KernelizedLargeNorms, CausalFavorStaysAccurateAtNorm30) {
+  const int64_t B = 1, H = 2, n = 200, d = 64, dv = 16;
+  auto q = random_tensor<double>({B, H, n, d}, 1, 30.0 / 8), k = random_tensor<double>({B, H, n, d}, 2, 30.0 / 8);
+  const auto v = random_tensor<double>({B, H, n, dv}, 3), dout = random_tensor<double>({B, H, n, dv}, 4);
+  const auto w = random_features<float>(128, d, FeatureKind::Orthogonal, 7);
+  const auto wd = cast<double>(w);
+  for (const char* kernel : {"positive", "hyperbolic"})
+    for (bool causal : {true, false}) {
+      SCOPED_TRACE(::testing::Message() << kernel << (causal ? " causal" : ""));
+      KernelizedSpec spec;
+      spec.map = kernel;
+      spec.causal = causal;
+      const auto qf = cast<float>(q), kf = cast<float>(k), vf = cast<float>(v), gf = cast<float>(dout);
+      const auto exact = testing::kernelized_exact_with_bounds<float>(
+          cast<double>(qf), cast<double>(kf), cast<double>(vf), cast<double>(gf), &wd, spec);
+      const auto out = run_forward<float>(spec, qf, kf, vf, &w);
+      for (int64_t i = 0; i < out.size(); ++i) ASSERT_TRUE(std::isfinite(out[i])) << i;
+      expect_within(out, exact.out, exact.out_bound, "out");
+      const auto g = run_backward<float>(spec, qf, kf, vf, gf, &w);
+      expect_within(g.dq, exact.dq, exact.dq_bound, "dq");
+      expect_within(g.dk, exact.dk, exact.dk_bound, "dk");
+      expect_within(g.dv, exact.dv, exact.dv_bound, "dv");
+    }
+}
+
+// Padded keys may hold anything, NaN included.
+TEST(KernelizedMask, PaddedKeysAreIgnored) {
+  auto q = random_tensor<float>({2, 2, 100, 8}, 1), k = random_tensor<float>({2, 2, 100, 8}, 2),
+       v = random_tensor<float>({2, 2, 100, 8}, 3);
+  const auto w = random_features<float>(16, 8, FeatureKind::Orthogonal, 1);
+  FavorOptions o;
+  o.causal = true;
+  o.key_lengths = std::vector<int64_t>{100, 61};
+  const auto clean = favor_attention<float>(q, k, v, w, o);
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t j = 61; j < 100; ++j)
+      for (int64_t c = 0; c < 8; ++c) {
+        k.view().row(2 + h, j)[c] = std::numeric_limits<float>::quiet_NaN();
+        v.view().row(2 + h, j)[c] = std::numeric_limits<float>::infinity();
+      }
+  const auto dirty = favor_attention<float>(q, k, v, w, o);
+  for (int64_t i = 0; i < clean.size(); ++i) ASSERT_EQ(clean[i], dirty[i]);
+}
+
+// ---- bad input -----------------------------------------------------------------------------
+
+template <class Fn>
+std::string error_of(Fn fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+TEST(KernelizedErrors, OptionsAndShapesAreChecked) {
+  const auto q = random_tensor<float>({1, 2, 5, 8}, 1), k = random_tensor<float>({1, 2, 6, 8}, 2),
+             v = random_tensor<float>({1, 2, 6, 4}, 3);
+  LinearAttentionOptions o;
+  o.feature_map = "softplus";
+  EXPECT_THAT(error_of([&] { linear_attention<float>(q, k, v, o); }),
+              HasSubstr("feature_map must be \"elu\", \"relu\" or \"focused\"; got \"softplus\""));
+  o = {};
+  o.causal = true;
+  EXPECT_THAT(error_of([&] { linear_attention<float>(q, k, v, o); }),
+              HasSubstr("causal=true needs n_q == n_k (got n_q = 5, n_k = 6)"));
+  o = {};
+  o.eps = -1;
+  EXPECT_THAT(error_of([&] { linear_attention<float>(q, k, v, o); }), HasSubstr("eps must be finite and >= 0"));
+  o = {};
+  o.feature_map = "focused";
+  o.focus_power = 0.5;
+  EXPECT_THAT(error_of([&] { linear_attention<float>(q, k, v, o); }), HasSubstr("focus_power must be a finite number >= 1"));
+  const auto qq = random_tensor<float>({1, 2, 6, 8}, 1);
+  o = {};
+  EXPECT_THAT(error_of([&] { linear_attention<float>(qq, k, v, o, random_tensor<float>({2, 4}, 1).view()); }),
+              HasSubstr("dwc_weight needs an odd K when causal=false (got K = 4)"));
+  EXPECT_THAT(error_of([&] { linear_attention<float>(qq, k, v, o, random_tensor<float>({3, 5}, 1).view()); }),
+              HasSubstr("dwc_weight has shape [3, 5]; expected [heads = 2, K]"));
+  const auto w = random_features<float>(16, 8);
+  FavorOptions f;
+  f.kernel = "cosh";
+  EXPECT_THAT(error_of([&] { favor_attention<float>(q, k, v, w, f); }),
+              HasSubstr("kernel must be \"positive\", \"hyperbolic\" or \"trig\"; got \"cosh\""));
+  f = {};
+  EXPECT_THAT(error_of([&] { favor_attention<float>(q, k, v, random_features<float>(16, 7)); }),
+              HasSubstr("projection has shape [16, 7]; expected [num_features >= 1, 8]"));
+  f.scale = -1;
+  EXPECT_THAT(error_of([&] { favor_attention<float>(q, k, v, w, f); }), HasSubstr("scale must be > 0"));
+  auto bad = random_tensor<float>({1, 2, 6, 4}, 3);
+  bad[7] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_THAT(error_of([&] { favor_attention<float>(q, k, bad, w); }), HasSubstr("v has a non-finite value"));
+  EXPECT_THAT(error_of([&] { favor_attention_backward<float>(q, k, v, w, random_tensor<float>({1, 2, 5, 5}, 1)); }),
+              HasSubstr("dout has shape [1, 2, 5, 5]; expected [1, 2, 5, 4]"));
+}
+
+// A row that sees no key (key_lengths 0) gets zeros, never NaN, for every map.
+TEST(KernelizedMask, EmptyRowsAreZero) {
+  const auto q = random_tensor<float>({2, 1, 9, 4}, 1), k = random_tensor<float>({2, 1, 9, 4}, 2),
+             v = random_tensor<float>({2, 1, 9, 4}, 3);
+  const auto w = random_features<float>(8, 4);
+  for (bool causal : {false, true}) {
+    FavorOptions f;
+    f.causal = causal;
+    f.key_lengths = std::vector<int64_t>{9, 0};
+    LinearAttentionOptions l;
+    l.causal = causal;
+    l.key_lengths = f.key_lengths;
+    const auto a = favor_attention<float>(q, k, v, w, f);
+    const auto b = linear_attention<float>(q, k, v, l);
+    for (int64_t i = 0; i < a.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(a[i]) && std::isfinite(b[i]));
+      if (i >= a.size() / 2) {
+        ASSERT_EQ(a[i], 0.f);
+        ASSERT_EQ(b[i], 0.f);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace linattn
