@@ -8,4 +8,5 @@
 #include "linattn/core/random_features.h"
 #include "linattn/core/threading.h"
 #include "linattn/kernelized/kernelized_attention.h"
+#include "linattn/kernelized/recurrent_state.h"
 #include "linattn/softmax/softmax_attention.h"

@@ -270,13 +270,21 @@ void chunk_outputs(const Problem<T>& p, int64_t bh, int64_t t0, int64_t rows, in
           T(1), num, dv);
 }
 
+// state: S, z, c of this batch·head to start from and to leave the final state in, or null
+// to start empty.
 template <class T>
-void forward_causal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* out) {
+void forward_causal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* out, T* S0 = nullptr,
+                    T* z0 = nullptr, T* c0 = nullptr) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, n = p.dims.n_q;
   const int64_t key_len = p.mask->key_length(bh / p.dims.heads);
   std::fill(s.kv.data(), s.kv.data() + m * dv, T(0));
   std::fill(s.z.data(), s.z.data() + m, T(0));
   T c = p.fmap->stabilized() ? neg_inf<T>() : T(0);
+  if (S0) {
+    std::copy(S0, S0 + m * dv, s.kv.data());
+    std::copy(z0, z0 + m, s.z.data());
+    c = *c0;
+  }
   T alpha[kChunk];
   for (int64_t t0 = 0; t0 < n; t0 += kChunk) {
     const int64_t rows = std::min(kChunk, n - t0);
@@ -286,6 +294,11 @@ void forward_causal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* out) {
     chunk_outputs(p, bh, t0, rows, kr, s, alpha, o, s.D.data());
     divide_rows(o, s.D.data(), rows, dv);
     c = update_state(p, bh, t0, kr, c, s);
+  }
+  if (S0) {
+    std::copy(s.kv.data(), s.kv.data() + m * dv, S0);
+    std::copy(s.z.data(), s.z.data() + m, z0);
+    *c0 = c;
   }
 }
 
@@ -423,6 +436,18 @@ void forward(const Problem<T>& p, T* out) {
 }
 
 template <class T>
+void forward_causal_from_state(const Problem<T>& p, T* out, T* S, T* z, T* c) {
+  require(p.mask->causal(), "forward_causal_from_state: the problem must be causal");
+  const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
+  std::vector<Scratch<T>> scratch;
+  for (int w = 0; w < num_threads(); ++w) scratch.emplace_back(p, kChunk);
+  parallel_for(p.dims.bh(), [&](int64_t bh, int worker) {
+    forward_causal(p, bh, scratch[static_cast<size_t>(worker)], out, S + bh * m * dv, z + bh * m,
+                   c + bh);
+  });
+}
+
+template <class T>
 void backward(const Problem<T>& p, const T* dout, T* dq, T* dk, T* dv) {
   const bool causal = p.mask->causal();
   const int64_t rows = causal ? kChunk : kBlockRows;
@@ -448,6 +473,9 @@ void backward(const Problem<T>& p, const T* dout, T* dq, T* dk, T* dv) {
 
 template void forward<float>(const Problem<float>&, float*);
 template void forward<double>(const Problem<double>&, double*);
+template void forward_causal_from_state<float>(const Problem<float>&, float*, float*, float*, float*);
+template void forward_causal_from_state<double>(const Problem<double>&, double*, double*, double*,
+                                                double*);
 template void backward<float>(const Problem<float>&, const float*, float*, float*, float*);
 template void backward<double>(const Problem<double>&, const double*, double*, double*, double*);
 

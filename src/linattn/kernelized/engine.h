@@ -21,6 +21,12 @@ struct Problem {
 template <class T>
 void forward(const Problem<T>& p, T* out);
 
+// Causal forward that starts from a carried state and leaves the final one there (for
+// RecurrentState::prefill): per batch·head, S [m'×d_v], z [m'] and the log-scale c (−inf
+// for an empty stabilised state, 0 for plain maps).
+template <class T>
+void forward_causal_from_state(const Problem<T>& p, T* out, T* S, T* z, T* c);
+
 // Gradients of Σ dout∘out: dq, dk, dv (overwritten).
 template <class T>
 void backward(const Problem<T>& p, const T* dout, T* dq, T* dk, T* dv);

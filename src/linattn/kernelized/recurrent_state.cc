@@ -1,0 +1,160 @@
+#include "linattn/kernelized/recurrent_state.h"
+
+#include <cmath>
+#include <limits>
+
+#include "linattn/core/attention_args.h"
+#include "linattn/core/simd.h"
+#include "linattn/kernelized/engine.h"
+
+namespace linattn {
+namespace {
+
+template <class T>
+Tensor<T> clone(const Tensor<T>& x) {
+  Tensor<T> y(x.shape());
+  std::copy(x.data(), x.data() + x.size(), y.data());
+  return y;
+}
+
+}  // namespace
+
+template <class T>
+RecurrentState<T>::RecurrentState(int64_t batch, int64_t heads, int64_t head_dim,
+                                  int64_t value_dim, const RecurrentOptions& opts,
+                                  std::optional<TensorView<const T>> projection)
+    : batch_(batch), heads_(heads), head_dim_(head_dim), value_dim_(value_dim), opts_(opts) {
+  const char* fn = "recurrent_state";
+  require(batch >= 0 && heads >= 0, fn, ": batch and heads must be >= 0, got ", batch, ", ", heads);
+  require(head_dim >= 1 && value_dim >= 1, fn, ": head_dim and value_dim must be >= 1, got ",
+          head_dim, ", ", value_dim);
+  const bool favor = opts.feature_map == "favor";
+  if (favor) {
+    require(projection.has_value(), fn, ": feature_map=\"favor\" needs a projection [m, ", head_dim, "]");
+    require(projection->rank() == 2 && projection->dim(0) >= 1 && projection->dim(1) == head_dim, fn,
+            ": projection has shape ", shape_string(projection->shape), "; expected [num_features >= 1, ",
+            head_dim, "]");
+    for (int64_t i = 0; i < projection->size(); ++i)
+      require(std::isfinite(projection->data[i]), fn, ": projection has a non-finite value at flat index ", i);
+    projection_ = Tensor<T>(projection->shape);
+    std::copy(projection->data, projection->data + projection->size(), projection_.data());
+    opts_.eps = 0;
+  } else {
+    parse_plain_feature_map(fn, opts.feature_map);  // names the accepted values on error
+    require(!projection, fn, ": projection is only used with feature_map=\"favor\"");
+    require(!opts.kernel, fn, ": kernel is only used with feature_map=\"favor\"");
+    require(!opts.scale, fn, ": scale is only used with feature_map=\"favor\"");
+    require(std::isfinite(opts.eps) && opts.eps >= 0, fn, ": eps must be finite and >= 0, got ", opts.eps);
+  }
+  rebuild_map();
+  const int64_t m = fmap_.dim();
+  S_ = Tensor<T>({batch, heads, m, value_dim});
+  z_ = Tensor<T>({batch, heads, m});
+  c_ = Tensor<T>({batch, heads});
+  const T c0 = favor ? -std::numeric_limits<T>::infinity() : T(0);
+  for (int64_t i = 0; i < c_.size(); ++i) c_[i] = c0;
+}
+
+template <class T>
+void RecurrentState<T>::rebuild_map() {
+  if (opts_.feature_map == "favor") {
+    const char* fn = "recurrent_state";
+    const double scale = opts_.scale ? *opts_.scale : 1 / std::sqrt(double(head_dim_));
+    require(std::isfinite(scale) && scale > 0, fn, ": scale must be finite and > 0, got ", scale);
+    fmap_ = FeatureMap<T>::favor(parse_favor_kernel(fn, opts_.kernel.value_or("positive")),
+                                 projection_.view(), scale);
+  } else {
+    fmap_ = FeatureMap<T>::plain(parse_plain_feature_map("recurrent_state", opts_.feature_map),
+                                 head_dim_, opts_.focus_power);
+  }
+}
+
+template <class T>
+RecurrentState<T> RecurrentState<T>::copy() const {
+  RecurrentState r;
+  r.batch_ = batch_, r.heads_ = heads_, r.head_dim_ = head_dim_, r.value_dim_ = value_dim_;
+  r.tokens_ = tokens_;
+  r.opts_ = opts_;
+  r.projection_ = clone(projection_);
+  r.rebuild_map();  // points at the copy's own projection
+  r.S_ = clone(S_), r.z_ = clone(z_), r.c_ = clone(c_);
+  return r;
+}
+
+template <class T>
+Tensor<T> RecurrentState<T>::prefill(TensorView<const T> q, TensorView<const T> k,
+                                     TensorView<const T> v) {
+  const char* fn = "RecurrentState.prefill";
+  AttentionOptions mo;
+  mo.causal = true;
+  const AttentionDims d = check_attention_args(fn, q, k, v, mo);
+  require(d.batch == batch_ && d.heads == heads_ && d.head_dim == head_dim_ && d.value_dim == value_dim_,
+          fn, ": q, k, v have batch, heads, head_dim, value_dim = ", d.batch, ", ", d.heads, ", ",
+          d.head_dim, ", ", d.value_dim, "; the state was made for ", batch_, ", ", heads_, ", ",
+          head_dim_, ", ", value_dim_);
+  require(d.n_q == d.n_k, fn, ": q and k must have the same length (got ", d.n_q, " and ", d.n_k, ")");
+  const KeyMask mask(d, mo);
+  Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim});
+  kernelized::forward_causal_from_state<T>({q, k, v, d, &mask, &fmap_, static_cast<T>(opts_.eps)},
+                                           out.data(), S_.data(), z_.data(), c_.data());
+  tokens_ += d.n_q;
+  return out;
+}
+
+template <class T>
+Tensor<T> RecurrentState<T>::step(TensorView<const T> q_t, TensorView<const T> k_t,
+                                  TensorView<const T> v_t) {
+  const char* fn = "RecurrentState.step";
+  const Shape qk{batch_, heads_, head_dim_}, vs{batch_, heads_, value_dim_};
+  check_same_shape_finite(fn, "q_t", q_t, qk);
+  check_same_shape_finite(fn, "k_t", k_t, qk);
+  check_same_shape_finite(fn, "v_t", v_t, vs);
+  const int64_t m = fmap_.dim(), dv = value_dim_, d = head_dim_;
+  Tensor<T> out({batch_, heads_, dv});
+  Buffer<T> phiq(m), phik(m), fs(fmap_.scratch_size(1));
+  for (int64_t bh = 0; bh < batch_ * heads_; ++bh) {
+    T* S = S_.data() + bh * m * dv;
+    T* z = z_.data() + bh * m;
+    T& c = c_[bh];
+    // Key first: query t sees key t. S, z are stored divided by exp(c).
+    T ls = 0;
+    fmap_.forward(k_t.data + bh * d, 1, phik.data(), fmap_.stabilized() ? &ls : nullptr, fs.data());
+    if (fmap_.stabilized()) {
+      const T c_new = std::max(c, ls);
+      if (c != -std::numeric_limits<T>::infinity() && c_new > c) {
+        simd::scale(S, static_cast<size_t>(m * dv), std::exp(c - c_new));
+        simd::scale(z, static_cast<size_t>(m), std::exp(c - c_new));
+      }
+      c = c_new;
+      simd::scale(phik.data(), static_cast<size_t>(m), std::exp(ls - c));
+    }
+    const T* vt = v_t.data + bh * dv;
+    for (int64_t r = 0; r < m; ++r) {
+      const T f = phik[r];
+      T* Sr = S + r * dv;
+      for (int64_t cc = 0; cc < dv; ++cc) Sr[cc] += f * vt[cc];
+      z[r] += f;
+    }
+    // out = φ̃q·S / (φ̃q·z + eps)
+    fmap_.forward(q_t.data + bh * d, 1, phiq.data(), nullptr, fs.data());
+    T* o = out.data() + bh * dv;
+    for (int64_t r = 0; r < m; ++r) {
+      const T f = phiq[r];
+      const T* Sr = S + r * dv;
+      for (int64_t cc = 0; cc < dv; ++cc) o[cc] += f * Sr[cc];
+    }
+    const T D = simd::dot(phiq.data(), z, static_cast<size_t>(m)) + static_cast<T>(opts_.eps);
+    if (D != 0) {
+      simd::scale(o, static_cast<size_t>(dv), T(1) / D);
+    } else {
+      for (int64_t cc = 0; cc < dv; ++cc) o[cc] = 0;
+    }
+  }
+  ++tokens_;
+  return out;
+}
+
+template class RecurrentState<float>;
+template class RecurrentState<double>;
+
+}  // namespace linattn
