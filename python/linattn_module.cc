@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "linattn/linattn.h"
@@ -74,15 +75,24 @@ std::optional<std::vector<int64_t>> as_lengths(const char* fn, const py::object&
   return std::vector<int64_t>(ints.data(), ints.data() + ints.size());
 }
 
+// Runs fn(float{}) or fn(double{}) by dtype.
+template <class Fn>
+auto by_dtype(DType dt, Fn&& fn) {
+  return dt == DType::F32 ? fn(float{}) : fn(double{});
+}
+
+std::optional<double> as_scale(const char* fn, const py::object& scale) {
+  if (scale.is_none()) return std::nullopt;
+  if (!py::isinstance<py::float_>(scale) && !py::isinstance<py::int_>(scale))
+    throw py::type_error(std::string(fn) + ": scale must be a float or None");
+  return scale.cast<double>();
+}
+
 AttentionOptions make_options(const char* fn, bool causal, const py::object& scale,
                               const py::object& key_lengths) {
   AttentionOptions o;
   o.causal = causal;
-  if (!scale.is_none()) {
-    if (!py::isinstance<py::float_>(scale) && !py::isinstance<py::int_>(scale))
-      throw py::type_error(std::string(fn) + ": scale must be a float or None");
-    o.scale = scale.cast<double>();
-  }
+  o.scale = as_scale(fn, scale);
   o.key_lengths = as_lengths(fn, key_lengths);
   return o;
 }
@@ -149,6 +159,236 @@ py::tuple softmax_attention_backward(const py::object& q, const py::object& k,
   return common_dtype(fn, all) == DType::F32 ? run(float{}) : run(double{});
 }
 
+// ---- kernelized --------------------------------------------------------------------------
+
+DType dtype_arg(const char* fn, const py::object& dtype) {
+  const py::dtype dt = py::dtype::from_args(dtype);
+  if (dt.is(py::dtype::of<float>())) return DType::F32;
+  if (dt.is(py::dtype::of<double>())) return DType::F64;
+  throw py::type_error(std::string(fn) + ": dtype must be float32 or float64, got " +
+                       std::string(py::str(py::object(dt))));
+}
+
+py::array random_features(int64_t num_features, int64_t head_dim, const std::string& kind,
+                          uint64_t seed, const py::object& dtype) {
+  const linattn::FeatureKind k = linattn::parse_feature_kind(kind);
+  return by_dtype(dtype_arg("random_features", dtype), [&](auto tag) -> py::array {
+    using T = decltype(tag);
+    return to_numpy(linattn::random_features<T>(num_features, head_dim, k, seed));
+  });
+}
+
+py::array chi_quantile_radii(int64_t num_features, int64_t head_dim) {
+  linattn::require(num_features >= 1 && head_dim >= 1,
+                   "chi_quantile_radii: num_features and head_dim must be >= 1");
+  const auto r = linattn::chi_quantile_radii(num_features, head_dim);
+  Tensor<double> t({num_features});
+  std::copy(r.begin(), r.end(), t.data());
+  return to_numpy(std::move(t));
+}
+
+linattn::LinearAttentionOptions linear_options(const char* fn, const std::string& feature_map,
+                                               bool causal, const py::object& key_lengths,
+                                               double eps, double focus_power) {
+  linattn::LinearAttentionOptions o;
+  o.feature_map = feature_map;
+  o.causal = causal;
+  o.key_lengths = as_lengths(fn, key_lengths);
+  o.eps = eps;
+  o.focus_power = focus_power;
+  return o;
+}
+
+py::object linear_attention(const py::object& q, const py::object& k, const py::object& v,
+                            const std::string& feature_map, bool causal,
+                            const py::object& key_lengths, double eps, double focus_power,
+                            const py::object& dwc_weight) {
+  const char* fn = "linear_attention";
+  const Array Q = as_array(fn, "q", q), K = as_array(fn, "k", k), V = as_array(fn, "v", v);
+  std::vector<std::pair<const char*, const Array*>> all{{"q", &Q}, {"k", &K}, {"v", &V}};
+  std::optional<Array> W;
+  if (!dwc_weight.is_none()) {
+    W = as_array(fn, "dwc_weight", dwc_weight);
+    all.push_back({"dwc_weight", &*W});
+  }
+  const auto o = linear_options(fn, feature_map, causal, key_lengths, eps, focus_power);
+  return by_dtype(common_dtype(fn, all), [&](auto tag) -> py::object {
+    using T = decltype(tag);
+    std::optional<TensorView<const T>> w;
+    if (W) w = W->view<T>();
+    Tensor<T> out;
+    {
+      py::gil_scoped_release nogil;
+      out = linattn::linear_attention<T>(Q.view<T>(), K.view<T>(), V.view<T>(), o, w);
+    }
+    return to_numpy(std::move(out));
+  });
+}
+
+py::tuple linear_attention_backward(const py::object& q, const py::object& k, const py::object& v,
+                                    const py::object& dout, const std::string& feature_map,
+                                    bool causal, const py::object& key_lengths, double eps,
+                                    double focus_power, const py::object& dwc_weight) {
+  const char* fn = "linear_attention_backward";
+  const Array Q = as_array(fn, "q", q), K = as_array(fn, "k", k), V = as_array(fn, "v", v),
+              G = as_array(fn, "dout", dout);
+  std::vector<std::pair<const char*, const Array*>> all{{"q", &Q}, {"k", &K}, {"v", &V}, {"dout", &G}};
+  std::optional<Array> W;
+  if (!dwc_weight.is_none()) {
+    W = as_array(fn, "dwc_weight", dwc_weight);
+    all.push_back({"dwc_weight", &*W});
+  }
+  const auto o = linear_options(fn, feature_map, causal, key_lengths, eps, focus_power);
+  return by_dtype(common_dtype(fn, all), [&](auto tag) -> py::tuple {
+    using T = decltype(tag);
+    std::optional<TensorView<const T>> w;
+    if (W) w = W->view<T>();
+    linattn::KernelizedGrads<T> g;
+    {
+      py::gil_scoped_release nogil;
+      g = linattn::linear_attention_backward<T>(Q.view<T>(), K.view<T>(), V.view<T>(), G.view<T>(), o, w);
+    }
+    if (W)
+      return py::make_tuple(to_numpy(std::move(g.dq)), to_numpy(std::move(g.dk)),
+                            to_numpy(std::move(g.dv)), to_numpy(std::move(g.d_dwc_weight)));
+    return py::make_tuple(to_numpy(std::move(g.dq)), to_numpy(std::move(g.dk)), to_numpy(std::move(g.dv)));
+  });
+}
+
+linattn::FavorOptions favor_options(const char* fn, const std::string& kernel, bool causal,
+                                    const py::object& key_lengths, const py::object& scale) {
+  linattn::FavorOptions o;
+  o.kernel = kernel;
+  o.causal = causal;
+  o.key_lengths = as_lengths(fn, key_lengths);
+  o.scale = as_scale(fn, scale);
+  return o;
+}
+
+py::array favor_attention(const py::object& q, const py::object& k, const py::object& v,
+                          const py::object& projection, const std::string& kernel, bool causal,
+                          const py::object& key_lengths, const py::object& scale) {
+  const char* fn = "favor_attention";
+  const Array Q = as_array(fn, "q", q), K = as_array(fn, "k", k), V = as_array(fn, "v", v),
+              W = as_array(fn, "projection", projection);
+  const auto o = favor_options(fn, kernel, causal, key_lengths, scale);
+  return by_dtype(common_dtype(fn, {{"q", &Q}, {"k", &K}, {"v", &V}, {"projection", &W}}),
+                  [&](auto tag) -> py::array {
+                    using T = decltype(tag);
+                    Tensor<T> out;
+                    {
+                      py::gil_scoped_release nogil;
+                      out = linattn::favor_attention<T>(Q.view<T>(), K.view<T>(), V.view<T>(), W.view<T>(), o);
+                    }
+                    return to_numpy(std::move(out));
+                  });
+}
+
+py::tuple favor_attention_backward(const py::object& q, const py::object& k, const py::object& v,
+                                   const py::object& projection, const py::object& dout,
+                                   const std::string& kernel, bool causal,
+                                   const py::object& key_lengths, const py::object& scale) {
+  const char* fn = "favor_attention_backward";
+  const Array Q = as_array(fn, "q", q), K = as_array(fn, "k", k), V = as_array(fn, "v", v),
+              W = as_array(fn, "projection", projection), G = as_array(fn, "dout", dout);
+  const auto o = favor_options(fn, kernel, causal, key_lengths, scale);
+  return by_dtype(
+      common_dtype(fn, {{"q", &Q}, {"k", &K}, {"v", &V}, {"projection", &W}, {"dout", &G}}),
+      [&](auto tag) -> py::tuple {
+        using T = decltype(tag);
+        linattn::AttentionGrads<T> g;
+        {
+          py::gil_scoped_release nogil;
+          g = linattn::favor_attention_backward<T>(Q.view<T>(), K.view<T>(), V.view<T>(), W.view<T>(),
+                                                   G.view<T>(), o);
+        }
+        return py::make_tuple(to_numpy(std::move(g.dq)), to_numpy(std::move(g.dk)),
+                              to_numpy(std::move(g.dv)));
+      });
+}
+
+// RecurrentState of either dtype behind one Python class.
+class PyRecurrentState {
+ public:
+  using Variant = std::variant<linattn::RecurrentState<float>, linattn::RecurrentState<double>>;
+  explicit PyRecurrentState(Variant s) : s_(std::move(s)) {}
+
+  py::array prefill(const py::object& q, const py::object& k, const py::object& v) {
+    const char* fn = "RecurrentState.prefill";
+    const Array Q = as_array(fn, "q", q), K = as_array(fn, "k", k), V = as_array(fn, "v", v);
+    check_dtype(fn, common_dtype(fn, {{"q", &Q}, {"k", &K}, {"v", &V}}));
+    return std::visit([&](auto& st) -> py::array { return run_prefill(st, Q, K, V); }, s_);
+  }
+  py::array step(const py::object& q, const py::object& k, const py::object& v) {
+    const char* fn = "RecurrentState.step";
+    const Array Q = as_array(fn, "q_t", q), K = as_array(fn, "k_t", k), V = as_array(fn, "v_t", v);
+    check_dtype(fn, common_dtype(fn, {{"q_t", &Q}, {"k_t", &K}, {"v_t", &V}}));
+    return std::visit([&](auto& st) -> py::array { return run_step(st, Q, K, V); }, s_);
+  }
+  PyRecurrentState copy() const {
+    return std::visit([](const auto& st) { return PyRecurrentState(Variant(st.copy())); }, s_);
+  }
+  int64_t tokens() const {
+    return std::visit([](const auto& st) { return st.tokens(); }, s_);
+  }
+  py::dtype dtype() const {
+    return s_.index() == 0 ? py::dtype::of<float>() : py::dtype::of<double>();
+  }
+
+ private:
+  void check_dtype(const char* fn, DType dt) const {
+    if ((dt == DType::F32) != (s_.index() == 0))
+      throw py::type_error(std::string(fn) + ": inputs have dtype " +
+                           (dt == DType::F32 ? "float32" : "float64") + " but the state is " +
+                           (s_.index() == 0 ? "float32" : "float64"));
+  }
+  template <class T>
+  static py::array run_prefill(linattn::RecurrentState<T>& st, const Array& Q, const Array& K,
+                               const Array& V) {
+    Tensor<T> out;
+    {
+      py::gil_scoped_release nogil;
+      out = st.prefill(Q.view<T>(), K.view<T>(), V.view<T>());
+    }
+    return to_numpy(std::move(out));
+  }
+  template <class T>
+  static py::array run_step(linattn::RecurrentState<T>& st, const Array& Q, const Array& K,
+                            const Array& V) {
+    return to_numpy(st.step(Q.view<T>(), K.view<T>(), V.view<T>()));
+  }
+  Variant s_;
+};
+
+PyRecurrentState recurrent_state(int64_t batch, int64_t heads, int64_t head_dim, int64_t value_dim,
+                                 const std::string& feature_map, const py::object& projection,
+                                 const std::string& kernel, const py::object& scale, double eps,
+                                 double focus_power, const py::object& dtype) {
+  const char* fn = "recurrent_state";
+  linattn::RecurrentOptions o;
+  o.feature_map = feature_map;
+  o.eps = eps;
+  o.focus_power = focus_power;
+  o.scale = as_scale(fn, scale);
+  // kernel's default "positive" is the FAVOR+ choice; any other value needs feature_map="favor".
+  if (feature_map == "favor" || kernel != "positive") o.kernel = kernel;
+  std::optional<Array> W;
+  if (!projection.is_none()) W = as_array(fn, "projection", projection);
+  DType dt = DType::F32;
+  if (!dtype.is_none()) dt = dtype_arg(fn, dtype);
+  else if (W) dt = W->dtype;
+  if (W && W->dtype != dt)
+    throw py::type_error(std::string(fn) + ": projection has dtype " + std::string(py::str(W->arr.dtype())) +
+                         " but dtype is " + (dt == DType::F32 ? "float32" : "float64"));
+  return by_dtype(dt, [&](auto tag) {
+    using T = decltype(tag);
+    std::optional<TensorView<const T>> w;
+    if (W) w = W->view<T>();
+    return PyRecurrentState(PyRecurrentState::Variant(
+        linattn::RecurrentState<T>(batch, heads, head_dim, value_dim, o, w)));
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_linattn, m) {
@@ -178,6 +418,59 @@ get zeros (lse = -inf).)doc");
         R"doc(Gradients (dq, dk, dv) of sum(dout * softmax_attention(q, k, v, ...)).
 
 Pass out and lse from softmax_attention(..., return_lse=True) to skip recomputing the forward.)doc");
+  m.def("random_features", &random_features, py::arg("num_features"), py::arg("head_dim"),
+        py::arg("kind") = "orthogonal", py::arg("seed") = 0, py::arg("dtype") = py::dtype::of<float>(),
+        R"doc(Random projection ω [num_features, head_dim] for FAVOR attention.
+
+kind: "iid" (rows N(0, I)), "orthogonal" (blocks of head_dim orthogonal rows, norms ~ chi(d)),
+"orthogonal_fixed" (norms sqrt(d)), "quantile" (norms the chi(d) quantiles at i/(m+1), in a
+seeded order). Same seed, same matrix on every machine and thread count.)doc");
+  m.def("chi_quantile_radii", &chi_quantile_radii, py::arg("num_features"), py::arg("head_dim"),
+        "The radii R_i, P(r <= R_i) = i/(m+1) for r ~ chi(head_dim), i = 1..m (sorted).");
+  m.def("linear_attention", &linear_attention, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::kw_only(), py::arg("feature_map") = "elu", py::arg("causal") = false,
+        py::arg("key_lengths") = py::none(), py::arg("eps") = 1e-6, py::arg("focus_power") = 3.0,
+        py::arg("dwc_weight") = py::none(),
+        R"doc(Kernelized attention φ(q)(φ(k)ᵀv) / (φ(q)·Σφ(k) + eps) in O(n).
+
+feature_map: "elu" (elu+1), "relu", "focused" (relu, then ‖x‖·xᵖ/‖xᵖ‖ with p = focus_power).
+causal: query i sees keys j <= i (n_q == n_k). dwc_weight [heads, K]: adds a depthwise
+convolution of v along the sequence (K odd unless causal).)doc");
+  m.def("linear_attention_backward", &linear_attention_backward, py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("dout"), py::kw_only(), py::arg("feature_map") = "elu",
+        py::arg("causal") = false, py::arg("key_lengths") = py::none(), py::arg("eps") = 1e-6,
+        py::arg("focus_power") = 3.0, py::arg("dwc_weight") = py::none(),
+        "Gradients (dq, dk, dv[, d_dwc_weight]) of sum(dout * linear_attention(...)).");
+  m.def("favor_attention", &favor_attention, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("projection"), py::kw_only(), py::arg("kernel") = "positive",
+        py::arg("causal") = false, py::arg("key_lengths") = py::none(), py::arg("scale") = py::none(),
+        R"doc(Performer attention approximating softmax(q·kᵀ·scale)·v with random features.
+
+projection [m, head_dim] from random_features. kernel: "positive" (FAVOR+), "hyperbolic",
+"trig" (not positive: its denominator can vanish; rows whose denominator is exactly 0 get 0).)doc");
+  m.def("favor_attention_backward", &favor_attention_backward, py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("projection"), py::arg("dout"), py::kw_only(),
+        py::arg("kernel") = "positive", py::arg("causal") = false,
+        py::arg("key_lengths") = py::none(), py::arg("scale") = py::none(),
+        "Gradients (dq, dk, dv) of sum(dout * favor_attention(...)).");
+  py::class_<PyRecurrentState>(m, "RecurrentState",
+                               "Constant-size decoding state; make one with recurrent_state().")
+      .def("prefill", &PyRecurrentState::prefill, py::arg("q"), py::arg("k"), py::arg("v"),
+           "[B,H,n,d] in, [B,H,n,d_v] out: causal outputs of n tokens, chunked.")
+      .def("step", &PyRecurrentState::step, py::arg("q_t"), py::arg("k_t"), py::arg("v_t"),
+           "[B,H,d] in, [B,H,d_v] out: one token.")
+      .def("copy", &PyRecurrentState::copy, "An independent copy, to roll back to.")
+      .def_property_readonly("tokens", &PyRecurrentState::tokens)
+      .def_property_readonly("dtype", &PyRecurrentState::dtype);
+  m.def("recurrent_state", &recurrent_state, py::arg("batch"), py::arg("heads"),
+        py::arg("head_dim"), py::arg("value_dim"), py::kw_only(), py::arg("feature_map") = "elu",
+        py::arg("projection") = py::none(), py::arg("kernel") = "positive",
+        py::arg("scale") = py::none(), py::arg("eps") = 1e-6, py::arg("focus_power") = 3.0,
+        py::arg("dtype") = py::none(),
+        R"doc(A decoding state for feature_map "elu", "relu", "focused" or "favor" (with projection).
+
+dtype: float32 or float64 (default: the projection's, else float32). Step outputs equal the
+causal outputs of linear_attention / favor_attention over the same tokens.)doc");
   m.def("set_num_threads", &linattn::set_num_threads, py::arg("n"),
         "Threads used by every kernel (default: LINATTN_NUM_THREADS, else all cores).");
   m.def("get_num_threads", &linattn::num_threads);

@@ -2,7 +2,15 @@
 attention, on NumPy arrays shaped [batch, heads, seq, head_dim] (float32 or float64)."""
 
 from ._linattn import (
+    RecurrentState,
+    chi_quantile_radii,
+    favor_attention,
+    favor_attention_backward,
     get_num_threads,
+    linear_attention,
+    linear_attention_backward,
+    random_features,
+    recurrent_state,
     reset_workspace_peak,
     set_num_threads,
     softmax_attention,
@@ -11,7 +19,15 @@ from ._linattn import (
 )
 
 __all__ = [
+    "RecurrentState",
+    "chi_quantile_radii",
+    "favor_attention",
+    "favor_attention_backward",
     "get_num_threads",
+    "linear_attention",
+    "linear_attention_backward",
+    "random_features",
+    "recurrent_state",
     "reset_workspace_peak",
     "set_num_threads",
     "softmax_attention",
