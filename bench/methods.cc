@@ -2,8 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
+#include <optional>
 
 #include "linattn/core/random.h"
+#include "linattn/core/random_features.h"
+#include "linattn/kernelized/kernelized_attention.h"
 #include "linattn/softmax/softmax_attention.h"
 
 namespace linattn::bench {
@@ -46,6 +50,9 @@ Method softmax_method(bool causal) {
     const auto g = softmax_attention_backward<float>(in.q, in.k, in.v, in.dout, f.out, f.lse, opts);
     (void)g;
   };
+  m.own_error = [m](const Inputs& in, const Tensor<float>& out, int64_t rows) {
+    return error_vs_exact(m, in, out, rows);
+  };
   return m;
 }
 
@@ -55,9 +62,114 @@ Tensor<double> to_double(const Tensor<float>& x) {
   return y;
 }
 
+// Rows of head bh of a [B,H,n,D] tensor as an [n, D] float64 matrix.
+Tensor<double> head_rows(const Tensor<float>& x, int64_t bh) {
+  const int64_t n = x.dim(2), D = x.dim(3);
+  Tensor<double> y({n, D});
+  for (int64_t i = 0; i < n * D; ++i) y[i] = x[bh * n * D + i];
+  return y;
+}
+
+// Sampled rows of kernelized attention from the float64 reference features:
+// out_i = Σ_j (φq_i·φk_j) v_j / (Σ_j φq_i·φk_j + eps) over j < n (or j <= i causal).
+double kernelized_own_error(const Inputs& in, const Tensor<float>& out, int64_t sample_rows,
+                            const std::string& name, const Tensor<double>* w, bool causal,
+                            double eps) {
+  const int64_t BH = in.q.dim(0) * in.q.dim(1), n = in.q.dim(2), dv = in.v.dim(3);
+  const double scale = 1 / std::sqrt(double(in.q.dim(3)));
+  double max_err = 0, max_ref = 0;
+  for (int64_t bh = 0; bh < BH; ++bh) {
+    std::optional<TensorView<const double>> proj;
+    if (w) proj = w->view();
+    const auto fq = reference::features(head_rows(in.q, bh), name, proj, scale);
+    const auto fk = reference::features(head_rows(in.k, bh), name, proj, scale);
+    const int64_t m = fq.dim(1), rows = std::min(sample_rows, n);
+    for (int64_t s = 0; s < rows; ++s) {
+      const int64_t i = s * n / rows, nvis = causal ? i + 1 : n;
+      std::vector<double> num(dv, 0.0);
+      double den = eps;
+      for (int64_t j = 0; j < nvis; ++j) {
+        double a = 0;
+        for (int64_t r = 0; r < m; ++r) a += fq[i * m + r] * fk[j * m + r];
+        den += a;
+        for (int64_t c = 0; c < dv; ++c) num[c] += a * in.v.view().row(bh, j)[c];
+      }
+      for (int64_t c = 0; c < dv; ++c) {
+        const double ref = den != 0 ? num[c] / den : 0.0;
+        max_err = std::max(max_err, std::abs(out.view().row(bh, i)[c] - ref));
+        max_ref = std::max(max_ref, std::abs(ref));
+      }
+    }
+  }
+  return max_ref > 0 ? max_err / max_ref : max_err;
+}
+
+Method linear_method(const std::string& map, bool causal) {
+  Method m;
+  m.name = "linear " + map + (causal ? " (causal)" : "");
+  m.causal = causal;
+  // φ(q)·KV and KV = φ(k)ᵀV (2·n·d·d_v each) plus the normaliser; the convention
+  // 4·n·m·(d + d_v) with m = d counts the feature products FAVOR has and this map has not.
+  m.forward_flops = [](const Problem& p) {
+    return 4.0 * p.n * p.head_dim * (p.head_dim + p.head_dim) * p.batch * p.heads;
+  };
+  m.backward_flops = [m](const Problem& p) { return 2 * m.forward_flops(p); };
+  LinearAttentionOptions o;
+  o.feature_map = map;
+  o.causal = causal;
+  m.forward = [o](const Inputs& in) { return linear_attention<float>(in.q, in.k, in.v, o); };
+  m.forward_backward = [o](const Inputs& in) {
+    (void)linear_attention<float>(in.q, in.k, in.v, o);
+    (void)linear_attention_backward<float>(in.q, in.k, in.v, in.dout, o);
+  };
+  m.own_error = [map, causal, o](const Inputs& in, const Tensor<float>& out, int64_t rows) {
+    return kernelized_own_error(in, out, rows, map, nullptr, causal, o.eps);
+  };
+  return m;
+}
+
+Method favor_method(int64_t features, bool causal) {
+  Method m;
+  m.name = "favor+ m=" + std::to_string(features) + (causal ? " (causal)" : "");
+  m.causal = causal;
+  // Per head: φ(q), φ(k) (2·n·m·d each), KV and φ(q)·KV (2·n·m·d_v each): 4·n·m·(d + d_v).
+  m.forward_flops = [features](const Problem& p) {
+    return 4.0 * p.n * features * (p.head_dim + p.head_dim) * p.batch * p.heads;
+  };
+  m.backward_flops = [m](const Problem& p) { return 2 * m.forward_flops(p); };
+  auto w = std::make_shared<Tensor<float>>();
+  auto wd = std::make_shared<Tensor<double>>();
+  FavorOptions o;
+  o.causal = causal;
+  auto projection = [w, wd, features](int64_t d) {
+    if (w->size() == 0 || w->dim(1) != d) {
+      *w = random_features<float>(features, d, FeatureKind::Orthogonal, 42);
+      *wd = Tensor<double>(w->shape());
+      for (int64_t i = 0; i < w->size(); ++i) (*wd)[i] = (*w)[i];
+    }
+    return w;
+  };
+  m.forward = [o, projection](const Inputs& in) {
+    return favor_attention<float>(in.q, in.k, in.v, *projection(in.q.dim(3)), o);
+  };
+  m.forward_backward = [o, projection](const Inputs& in) {
+    const auto& pw = *projection(in.q.dim(3));
+    (void)favor_attention<float>(in.q, in.k, in.v, pw, o);
+    (void)favor_attention_backward<float>(in.q, in.k, in.v, pw, in.dout, o);
+  };
+  m.own_error = [projection, wd, causal](const Inputs& in, const Tensor<float>& out, int64_t rows) {
+    projection(in.q.dim(3));
+    return kernelized_own_error(in, out, rows, "positive", wd.get(), causal, 0.0);
+  };
+  return m;
+}
+
 }  // namespace
 
-std::vector<Method> all_methods() { return {softmax_method(false), softmax_method(true)}; }
+std::vector<Method> all_methods() {
+  return {softmax_method(false), softmax_method(true), linear_method("elu", false),
+          linear_method("elu", true),  favor_method(256, false), favor_method(256, true)};
+}
 
 double error_vs_exact(const Method& m, const Inputs& in, const Tensor<float>& out,
                       int64_t sample_rows) {

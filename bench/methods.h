@@ -27,6 +27,9 @@ struct Method {
   std::function<double(const Problem&)> backward_flops;  // the backward alone
   std::function<Tensor<float>(const Inputs&)> forward;   // returns the output
   std::function<void(const Inputs&)> forward_backward;   // forward, then backward from its saves
+  // Largest |out − own float64 reference| / max|reference| over sampled rows (the method's
+  // own definition, not softmax): how exactly the kernel computes what it claims.
+  std::function<double(const Inputs&, const Tensor<float>&, int64_t sample_rows)> own_error;
 };
 
 std::vector<Method> all_methods();

@@ -6,12 +6,15 @@
 #include <sstream>
 #include <string>
 #include <vector>
+#include <algorithm>
 
 #include <unistd.h>
 
 #include "../../bench/harness.h"
 #include "../../bench/methods.h"
 #include "linattn/core/blas.h"
+#include "linattn/core/random_features.h"
+#include "linattn/kernelized/recurrent_state.h"
 #include "linattn/linattn.h"
 
 namespace {
@@ -27,7 +30,7 @@ const char* kUsage =
     "          --n 1024,2048,...   sequence lengths (default 1024..32768, doubling)\n"
     "          --batch B --heads H --head-dim D   (default 1, 8, 64)\n"
     "          --threads T         (default: all cores)\n"
-    "          --methods SUBSTR    only methods whose name contains SUBSTR\n"
+    "          --methods SUBSTR    only methods whose name contains SUBSTR (\"recurrent\": decoding only)\n"
     "          --forward-only      skip forward+backward\n"
     "          --csv FILE          also write the table as CSV\n";
 
@@ -103,29 +106,79 @@ int demo(const Args& a) {
               (long long)p.batch, (long long)p.heads, (long long)p.n, (long long)p.head_dim);
   std::printf("machine: %s\n", linattn::bench::machine_summary().c_str());
   std::printf("measured sgemm rate: %.1f GFLOP/s\n\n", gemm);
-  std::printf("%-28s %10s %9s %8s %14s %14s %12s\n", "method", "time (ms)", "GFLOP/s",
-              "% sgemm", "extra (wksp)", "extra (RSS)", "rel. error");
+  std::printf("%-28s %10s %9s %8s %13s %13s %11s %11s\n", "method", "time (ms)", "GFLOP/s",
+              "% sgemm", "extra (wksp)", "extra (RSS)", "err vs own", "vs softmax");
   const auto in = linattn::bench::make_inputs(p);
   for (const auto& m : selected_methods(a.methods)) {
     linattn::Tensor<float> out;
     const auto mem = linattn::bench::measure_peak_memory([&] { out = m.forward(in); });
     const auto t = linattn::bench::time_runs([&] { out = m.forward(in); }, 1, 5, 1.0);
     const double gflops = m.forward_flops(p) / t.median_s * 1e-9;
+    const double own = m.own_error(in, out, 64);
     const double err = linattn::bench::error_vs_exact(m, in, out, 64);
-    std::printf("%-28s %10.2f %9.1f %7.0f%% %14s %14s %12.2e\n", m.name.c_str(),
+    std::printf("%-28s %10.2f %9.1f %7.0f%% %13s %13s %11.2e %11.2e\n", m.name.c_str(),
                 t.median_s * 1e3, gflops, 100 * gflops / gemm,
                 linattn::bench::human_bytes(mem.workspace_bytes).c_str(),
-                linattn::bench::human_bytes(mem.rss_growth_bytes).c_str(), err);
+                linattn::bench::human_bytes(mem.rss_growth_bytes).c_str(), own, err);
   }
   std::printf(
       "\ntime: median after warm-up; extra (wksp): peak scratch the library allocated beyond\n"
       "inputs and outputs; extra (RSS): growth of the process's peak resident memory (outputs\n"
-      "included); rel. error: max |out - exact| / max |exact| over 64 rows of every head,\n"
-      "exact = float64 reference.\n");
+      "included); err vs own: max |out - ref| / max |ref| over 64 rows of every head, ref = the\n"
+      "method's own definition in float64 (numerical accuracy); vs softmax: the same against\n"
+      "exact softmax attention in float64 (approximation error; 0 for exact methods up to\n"
+      "rounding). Inputs are random N(0,1): real attention inputs are easier to approximate.\n");
   return 0;
 }
 
+// Decoding: time of one RecurrentState::step (FAVOR+, m = 256) after 1k and after 64k tokens
+// of prefill; constant-size state, so the two should match.
+void bench_recurrent(const Args& a) {
+  Problem p = a.problem;
+  const int64_t d = p.head_dim;
+  const auto w = linattn::random_features<float>(256, d, linattn::FeatureKind::Orthogonal, 42);
+  linattn::RecurrentOptions o;
+  o.feature_map = "favor";
+  std::printf("\n%-26s %9s %14s %12s\n", "recurrent step (favor+ m=256)", "after", "time (us)", "GFLOP/s");
+  Problem one = p;
+  one.n = 1;
+  const auto tok = linattn::bench::make_inputs(one);
+  const linattn::Tensor<float> qt = [&] {
+    linattn::Tensor<float> t({p.batch, p.heads, d});
+    std::copy(tok.q.data(), tok.q.data() + t.size(), t.data());
+    return t;
+  }();
+  // Both states first, then their steps timed in alternating rounds, so drift in the machine's
+  // speed hits both alike.
+  std::vector<int64_t> positions{1024, 65536};
+  std::vector<linattn::RecurrentState<float>> states;
+  for (const int64_t pos : positions) {
+    std::fprintf(stderr, "\r[bench] prefill %lld tokens ...          ", (long long)pos);
+    p.n = pos;
+    const auto in = linattn::bench::make_inputs(p);
+    states.emplace_back(p.batch, p.heads, d, d, o, w.view());
+    states.back().prefill(in.q, in.k, in.v);
+  }
+  std::vector<std::vector<double>> medians(positions.size());
+  for (int round = 0; round < 5; ++round)
+    for (size_t i = 0; i < states.size(); ++i)
+      medians[i].push_back(
+          linattn::bench::time_runs([&] { (void)states[i].step(qt, qt, qt); }, 20, 200, 0.2, 2000).median_s);
+  std::fprintf(stderr, "\r%80s\r", "");
+  // Per step and head: two feature maps (2·m·d each) and the state update and read (2·m·d_v each).
+  const double flops = 4.0 * 256 * (d + d) * p.batch * p.heads;
+  for (size_t i = 0; i < positions.size(); ++i) {
+    std::sort(medians[i].begin(), medians[i].end());
+    const double t = medians[i][medians[i].size() / 2];
+    std::printf("%-26s %9lld %14.1f %12.2f\n", "", (long long)positions[i], t * 1e6, flops / t * 1e-9);
+  }
+}
+
 int bench(const Args& a) {
+  if (a.methods == "recurrent") {  // decoding only
+    bench_recurrent(a);
+    return 0;
+  }
   const auto methods = selected_methods(a.methods);
   const double gemm = linattn::bench::sgemm_gflops(linattn::num_threads());
   std::printf("linattn bench: B=%lld H=%lld d=%lld float32\nmachine: %s\n",
@@ -172,8 +225,12 @@ int bench(const Args& a) {
       }
     }
   }
-  std::printf("\nFLOPs: exact attention 4·n_pairs·d forward, 10·n_pairs·d backward "
-              "(n_pairs = n² or n(n+1)/2 causal), per head.\n");
+  if (a.methods.empty() || std::string("favor").find(a.methods) != std::string::npos ||
+      a.methods.find("recurrent") != std::string::npos)
+    bench_recurrent(a);
+  std::printf("\nFLOPs per head: exact attention 4·n_pairs·d forward, 10·n_pairs·d backward "
+              "(n_pairs = n² or n(n+1)/2 causal);\nkernelized 4·n·m·(d + d_v) forward (m = d for "
+              "elu), backward counted as 2× forward.\n");
   return 0;
 }
 

@@ -138,7 +138,32 @@ void SinCos(const T* x, size_t n, T* s, T* c) {
   }
 }
 
+template <class T>
+void ProductDifference(const T* a, const T* b, const T* c, const T* e, T* out, size_t n) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  size_t i = 0;
+  if (c) {
+    for (; i + N <= n; i += N) {
+      const auto ab = hn::Mul(hn::LoadU(d, a + i), hn::LoadU(d, b + i));
+      hn::StoreU(hn::NegMulAdd(hn::LoadU(d, c + i), hn::LoadU(d, e + i), ab), d, out + i);
+    }
+    for (; i < n; ++i) out[i] = a[i] * b[i] - c[i] * e[i];
+  } else {
+    for (; i + N <= n; i += N) hn::StoreU(hn::Mul(hn::LoadU(d, a + i), hn::LoadU(d, b + i)), d, out + i);
+    for (; i < n; ++i) out[i] = a[i] * b[i];
+  }
+}
+
 // HWY_EXPORT needs one non-template name per function and type.
+void ProductDifferenceF32(const float* a, const float* b, const float* c, const float* e, float* out,
+                          size_t n) {
+  ProductDifference(a, b, c, e, out, n);
+}
+void ProductDifferenceF64(const double* a, const double* b, const double* c, const double* e,
+                          double* out, size_t n) {
+  ProductDifference(a, b, c, e, out, n);
+}
 float MaxAbsF32(const float* x, size_t n) { return MaxAbs(x, n); }
 double MaxAbsF64(const double* x, size_t n) { return MaxAbs(x, n); }
 void SinCosF32(const float* x, size_t n, float* s, float* c) { SinCos(x, n, s, c); }
@@ -184,6 +209,17 @@ HWY_EXPORT(MaxAbsF32);
 HWY_EXPORT(MaxAbsF64);
 HWY_EXPORT(SinCosF32);
 HWY_EXPORT(SinCosF64);
+HWY_EXPORT(ProductDifferenceF32);
+HWY_EXPORT(ProductDifferenceF64);
+
+void product_difference(const float* a, const float* b, const float* c, const float* e, float* out,
+                        size_t n) {
+  HWY_DYNAMIC_DISPATCH(ProductDifferenceF32)(a, b, c, e, out, n);
+}
+void product_difference(const double* a, const double* b, const double* c, const double* e,
+                        double* out, size_t n) {
+  HWY_DYNAMIC_DISPATCH(ProductDifferenceF64)(a, b, c, e, out, n);
+}
 
 float max_abs(const float* x, size_t n) { return HWY_DYNAMIC_DISPATCH(MaxAbsF32)(x, n); }
 double max_abs(const double* x, size_t n) { return HWY_DYNAMIC_DISPATCH(MaxAbsF64)(x, n); }

@@ -36,6 +36,12 @@ double max_abs(const double* x, size_t n);
 void sin_cos(const float* x, size_t n, float* s, float* c);
 void sin_cos(const double* x, size_t n, double* s, double* c);
 
+// out[i] = a[i]·b[i] − c[i]·e[i]; with c == nullptr, out[i] = a[i]·b[i]. out may alias a or b.
+void product_difference(const float* a, const float* b, const float* c, const float* e, float* out,
+                        size_t n);
+void product_difference(const double* a, const double* b, const double* c, const double* e,
+                        double* out, size_t n);
+
 // Name of the instruction set chosen at run time, e.g. "AVX3" (AVX-512).
 const char* target_name();
 

@@ -78,8 +78,14 @@ struct Scratch {
         num(rows * p.dims.value_dim), dnum(rows * p.dims.value_dim),
         kv(p.fmap->dim() * p.dims.value_dim), z(p.fmap->dim()),
         dkv(p.fmap->dim() * p.dims.value_dim), dz(p.fmap->dim()), phi2(rows * p.fmap->dim()),
-        a(kChunk * kChunk), b(kChunk * kChunk) {}
+        a(kChunk * kChunk), b(kChunk * kChunk),
+        kvz(p.fmap->dim() * (p.dims.value_dim + 1)), dkvz(p.fmap->dim() * (p.dims.value_dim + 1)),
+        vaug(rows * (p.dims.value_dim + 1)), nd(rows * (p.dims.value_dim + 1)),
+        dnd(rows * (p.dims.value_dim + 1)) {}
   Buffer<T> phi, psi, dphi, fs, ls, D, M, dden, num, dnum, kv, z, dkv, dz, phi2, a, b;
+  // Non-causal, augmented so one product gives both sums: [KV | z] (m'×(d_v+1)), [w∘V | w]
+  // (rows×(d_v+1)), [num | den] and [dnum | dden] (rows×(d_v+1)).
+  Buffer<T> kvz, dkvz, vaug, nd, dnd;
 };
 
 // Key features of rows [j0, j0+rows) with log-scales (0 for unstabilised maps).
@@ -93,42 +99,57 @@ void key_features(const Problem<T>& p, int64_t bh, int64_t j0, int64_t rows, T* 
 
 // ---- non-causal ----------------------------------------------------------------------------
 
-// KV, z over the valid keys of bh with the running key log-scale; returns its final value.
+// s.vaug rows = [w_j v_j, w_j], w_j = exp(ls_j − c) (1 for unstabilised maps).
+template <class T>
+void augmented_values(const Problem<T>& p, int64_t bh, int64_t j0, int64_t rows, T c, Scratch<T>& s) {
+  const int64_t dv = p.dims.value_dim, da = dv + 1;
+  for (int64_t j = 0; j < rows; ++j) {
+    const T w = p.fmap->stabilized() ? std::exp(s.ls[j] - c) : T(1);
+    const T* vr = p.v.row(bh, j0 + j);
+    T* a = s.vaug.data() + j * da;
+    for (int64_t cc = 0; cc < dv; ++cc) a[cc] = w * vr[cc];
+    a[dv] = w;
+  }
+}
+
+// [KV | z] = Σ_j φ̃k_jᵀ·[w_j v_j, w_j] over the valid keys of bh, w_j = exp(ls_j − c) with the
+// running key log-scale c (rescaled as it grows); returns the final c. On return s.phi and
+// s.vaug hold the last block (the backward's key pass rebuilds them).
 template <class T>
 T accumulate_kv(const Problem<T>& p, int64_t bh, int64_t key_len, Scratch<T>& s) {
-  const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
-  std::fill(s.kv.data(), s.kv.data() + m * dv, T(0));
-  std::fill(s.z.data(), s.z.data() + m, T(0));
+  const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, da = dv + 1;
+  std::fill(s.kvz.data(), s.kvz.data() + m * da, T(0));
   T c = neg_inf<T>();
   for (int64_t j0 = 0; j0 < key_len; j0 += kBlockRows) {
     const int64_t rows = std::min(kBlockRows, key_len - j0);
     key_features(p, bh, j0, rows, s.phi.data(), s.ls.data(), s.fs.data());
     if (p.fmap->stabilized()) {
       const T c_new = std::max(c, simd::max_value(s.ls.data(), static_cast<size_t>(rows)));
-      if (c_new > c && c != neg_inf<T>()) {
-        const T beta = std::exp(c - c_new);
-        simd::scale(s.kv.data(), static_cast<size_t>(m * dv), beta);
-        simd::scale(s.z.data(), static_cast<size_t>(m), beta);
-      }
+      if (c_new > c && c != neg_inf<T>()) simd::scale(s.kvz.data(), static_cast<size_t>(m * da), std::exp(c - c_new));
       c = c_new;
-      for (int64_t j = 0; j < rows; ++j)
-        simd::scale(s.phi.data() + j * m, static_cast<size_t>(m), std::exp(s.ls[j] - c));
     }
-    gemm<T>(Trans::Yes, Trans::No, m, dv, rows, T(1), s.phi.data(), m, p.v.row(bh, j0), dv,
-            T(1), s.kv.data(), dv);
-    add_column_sums(s.phi.data(), rows, m, s.z.data());
+    augmented_values(p, bh, j0, rows, c, s);
+    gemm<T>(Trans::Yes, Trans::No, m, da, rows, T(1), s.phi.data(), m, s.vaug.data(), da, T(1),
+            s.kvz.data(), da);
   }
   return c;
 }
 
-// num, D for query rows [i0, i0+rows): num into `num`, D_i = φ̃q_i·z + eps; φ̃q left in s.phi.
+// [num | den] for query rows [i0, i0+rows) into s.nd, D_i = den_i + eps into s.D, and
+// out_i = num_i / D_i into out (stride d_v); φ̃q left in s.phi.
 template <class T>
-void query_rows(const Problem<T>& p, int64_t bh, int64_t i0, int64_t rows, Scratch<T>& s, T* num) {
-  const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
+void query_rows(const Problem<T>& p, int64_t bh, int64_t i0, int64_t rows, Scratch<T>& s, T* out) {
+  const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, da = dv + 1;
   p.fmap->forward(p.q.row(bh, i0), rows, s.phi.data(), nullptr, s.fs.data());
-  gemm<T>(Trans::No, Trans::No, rows, dv, m, T(1), s.phi.data(), m, s.kv.data(), dv, T(0), num, dv);
-  for (int64_t i = 0; i < rows; ++i)
-    s.D[i] = simd::dot(s.phi.data() + i * m, s.z.data(), static_cast<size_t>(m)) + p.eps;
+  gemm<T>(Trans::No, Trans::No, rows, da, m, T(1), s.phi.data(), m, s.kvz.data(), da, T(0),
+          s.nd.data(), da);
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* nd = s.nd.data() + i * da;
+    const T D = nd[dv] + p.eps;
+    s.D[i] = D;
+    const T inv = D != 0 ? T(1) / D : T(0);
+    for (int64_t c = 0; c < dv; ++c) out[i * dv + c] = nd[c] * inv;
+  }
 }
 
 template <class T>
@@ -138,53 +159,46 @@ void forward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* out) {
   accumulate_kv(p, bh, key_len, s);
   for (int64_t i0 = 0; i0 < p.dims.n_q; i0 += kBlockRows) {
     const int64_t rows = std::min(kBlockRows, p.dims.n_q - i0);
-    T* o = out + (bh * p.dims.n_q + i0) * dv;
-    query_rows(p, bh, i0, rows, s, o);
-    divide_rows(o, s.D.data(), rows, dv);
+    query_rows(p, bh, i0, rows, s, out + (bh * p.dims.n_q + i0) * dv);
   }
 }
 
 template <class T>
 void backward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, const T* dout, T* dq,
                         T* dk, T* dv_out) {
-  const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim;
+  const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, da = dv + 1;
   const int64_t key_len = p.mask->key_length(bh / p.dims.heads);
   const T c = accumulate_kv(p, bh, key_len, s);
-  std::fill(s.dkv.data(), s.dkv.data() + m * dv, T(0));
-  std::fill(s.dz.data(), s.dz.data() + m, T(0));
-  // Queries: dφ̃q = dnum·KVᵀ + dden·zᵀ; dKV += φ̃qᵀ·dnum; dz += φ̃qᵀ·dden.
+  std::fill(s.dkvz.data(), s.dkvz.data() + m * da, T(0));
+  // Queries: [dnum | dden]; dφ̃q = [dnum | dden]·[KV | z]ᵀ; [dKV | dz] += φ̃qᵀ·[dnum | dden].
   for (int64_t i0 = 0; i0 < p.dims.n_q; i0 += kBlockRows) {
     const int64_t rows = std::min(kBlockRows, p.dims.n_q - i0);
     query_rows(p, bh, i0, rows, s, s.num.data());
-    divide_rows(s.num.data(), s.D.data(), rows, dv);
     output_grads(dout + (bh * p.dims.n_q + i0) * dv, s.num.data(), s.D.data(), rows, dv,
                  s.dnum.data(), s.dden.data());
-    gemm<T>(Trans::No, Trans::Yes, rows, m, dv, T(1), s.dnum.data(), dv, s.kv.data(), dv, T(0),
+    for (int64_t i = 0; i < rows; ++i) {
+      std::copy(s.dnum.data() + i * dv, s.dnum.data() + (i + 1) * dv, s.dnd.data() + i * da);
+      s.dnd[i * da + dv] = s.dden[i];
+    }
+    gemm<T>(Trans::No, Trans::Yes, rows, m, da, T(1), s.dnd.data(), da, s.kvz.data(), da, T(0),
             s.dphi.data(), m);
-    for (int64_t i = 0; i < rows; ++i)
-      for (int64_t r = 0; r < m; ++r) s.dphi[i * m + r] += s.dden[i] * s.z[r];
-    gemm<T>(Trans::Yes, Trans::No, m, dv, rows, T(1), s.phi.data(), m, s.dnum.data(), dv, T(1),
-            s.dkv.data(), dv);
-    for (int64_t i = 0; i < rows; ++i)
-      for (int64_t r = 0; r < m; ++r) s.dz[r] += s.dden[i] * s.phi[i * m + r];
+    gemm<T>(Trans::Yes, Trans::No, m, da, rows, T(1), s.phi.data(), m, s.dnd.data(), da, T(1),
+            s.dkvz.data(), da);
     p.fmap->backward(p.q.row(bh, i0), rows, s.phi.data(), s.dphi.data(),
                      dq + (bh * p.dims.n_q + i0) * d, s.fs.data());
   }
-  // Keys (ψ_j = w_j φ̃k_j entered KV): dψ_j = dKV·v_j + dz, dφ̃k_j = w_j dψ_j, dv_j = dKVᵀψ_j.
+  // Keys entered as φ̃k_jᵀ[w_j v_j, w_j]: dφ̃k_j = [w_j v_j, w_j]·[dKV | dz]ᵀ and
+  // dv_j = w_j·(φ̃k_j·dKV).
   for (int64_t j0 = 0; j0 < key_len; j0 += kBlockRows) {
     const int64_t rows = std::min(kBlockRows, key_len - j0);
     key_features(p, bh, j0, rows, s.phi.data(), s.ls.data(), s.fs.data());
-    gemm<T>(Trans::No, Trans::Yes, rows, m, dv, T(1), p.v.row(bh, j0), dv, s.dkv.data(), dv,
-            T(0), s.dphi.data(), m);
-    for (int64_t j = 0; j < rows; ++j) {
-      const T w = p.fmap->stabilized() ? std::exp(s.ls[j] - c) : T(1);
-      for (int64_t r = 0; r < m; ++r) {
-        s.dphi[j * m + r] = w * (s.dphi[j * m + r] + s.dz[r]);
-        s.psi[j * m + r] = w * s.phi[j * m + r];
-      }
-    }
-    gemm<T>(Trans::No, Trans::No, rows, dv, m, T(1), s.psi.data(), m, s.dkv.data(), dv, T(0),
-            dv_out + (bh * p.dims.n_k + j0) * dv, dv);
+    augmented_values(p, bh, j0, rows, c, s);
+    gemm<T>(Trans::No, Trans::Yes, rows, m, da, T(1), s.vaug.data(), da, s.dkvz.data(), da, T(0),
+            s.dphi.data(), m);
+    T* dvb = dv_out + (bh * p.dims.n_k + j0) * dv;
+    gemm<T>(Trans::No, Trans::No, rows, dv, m, T(1), s.phi.data(), m, s.dkvz.data(), da, T(0), dvb, dv);
+    if (p.fmap->stabilized())
+      for (int64_t j = 0; j < rows; ++j) simd::scale(dvb + j * dv, static_cast<size_t>(dv), s.vaug[j * da + dv]);
     p.fmap->backward(p.k.row(bh, j0), rows, s.phi.data(), s.dphi.data(),
                      dk + (bh * p.dims.n_k + j0) * d, s.fs.data());
   }

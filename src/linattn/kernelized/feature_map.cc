@@ -51,7 +51,7 @@ FeatureMap<T> FeatureMap<T>::favor(FeatureMapKind kind, TensorView<const T> proj
 
 template <class T>
 int64_t FeatureMap<T>::scratch_size(int64_t n) const {
-  return stabilized() ? n * (m_ + d_) : n * d_;
+  return stabilized() ? n * m_ : 0;  // the backward's ω coefficients
 }
 
 template <class T>
@@ -83,39 +83,35 @@ void FeatureMap<T>::forward(const T* x, int64_t n, T* phi, T* log_scale, T* scra
     }
     default: break;
   }
-  // FAVOR: U = x̃·ωᵀ with x̃ = √scale·x; then per row the map and its log-scale.
+  // FAVOR: U = x̃·ωᵀ with x̃ = √scale·x, written straight into the feature rows (first m
+  // columns); then per row the map and its log-scale, in place.
   const int64_t m = m_;
   const T s = static_cast<T>(sqrt_scale_);
-  T* u = scratch;  // [n × m]
-  gemm<T>(Trans::No, Trans::Yes, n, m, d, s, x, d, omega_, d, T(0), u, m);
+  gemm<T>(Trans::No, Trans::Yes, n, m, d, s, x, d, omega_, d, T(0), phi, dim_);
   const T half_log_m = T(0.5) * std::log(static_cast<T>(kind_ == FeatureMapKind::FavorPositive ? m : 2 * m));
   for (int64_t i = 0; i < n; ++i) {
     const T h = T(0.5) * s * s * simd::dot(x + i * d, x + i * d, static_cast<size_t>(d));  // ‖x̃‖²/2
-    T* ur = u + i * m;
-    T* f = phi + i * dim_;
+    T* f = phi + i * dim_;  // f[0, m) holds U
     T ls;
     if (kind_ == FeatureMapKind::FavorPositive) {
-      const T c = simd::max_value(ur, static_cast<size_t>(m));
-      for (int64_t r = 0; r < m; ++r) f[r] = ur[r];
+      const T c = simd::max_value(f, static_cast<size_t>(m));
       simd::exp_shifted_sum(f, static_cast<size_t>(m), c);  // exp(U − max U)
       ls = c - h - half_log_m;
     } else if (kind_ == FeatureMapKind::FavorHyperbolic) {
-      const T c = simd::max_abs(ur, static_cast<size_t>(m));
-      for (int64_t r = 0; r < m; ++r) {
-        f[r] = ur[r];
-        f[m + r] = -ur[r];
-      }
+      const T c = simd::max_abs(f, static_cast<size_t>(m));
+      for (int64_t r = 0; r < m; ++r) f[m + r] = -f[r];
       simd::exp_shifted_sum(f, static_cast<size_t>(2 * m), c);
       ls = c - h - half_log_m;
     } else {
-      require(simd::max_abs(ur, static_cast<size_t>(m)) <= T(39000),
+      require(simd::max_abs(f, static_cast<size_t>(m)) <= T(39000),
               "favor_attention: |ω·x| exceeds 39000, where trig features lose all accuracy; "
               "scale down the inputs");
-      simd::sin_cos(ur, static_cast<size_t>(m), f, f + m);
+      simd::sin_cos(f, static_cast<size_t>(m), f, f + m);  // in place: each lane read, then written
       ls = h - half_log_m;
     }
     if (log_scale) log_scale[i] = ls;
   }
+  (void)scratch;
 }
 
 template <class T>
@@ -181,14 +177,15 @@ void FeatureMap<T>::backward(const T* x, int64_t n, const T* phi, const T* dphi,
     T* wr = w + i * m;
     const T gphi = simd::dot(g, f, static_cast<size_t>(dim_));
     T coef_x;  // coefficient of x̃
+    const size_t mm = static_cast<size_t>(m);
     if (kind_ == FeatureMapKind::FavorPositive) {
-      for (int64_t r = 0; r < m; ++r) wr[r] = g[r] * f[r];
+      simd::product_difference(g, f, static_cast<const T*>(nullptr), static_cast<const T*>(nullptr), wr, mm);
       coef_x = -gphi;
     } else if (kind_ == FeatureMapKind::FavorHyperbolic) {
-      for (int64_t r = 0; r < m; ++r) wr[r] = g[r] * f[r] - g[m + r] * f[m + r];
+      simd::product_difference(g, f, g + m, f + m, wr, mm);
       coef_x = -gphi;
     } else {
-      for (int64_t r = 0; r < m; ++r) wr[r] = g[r] * f[m + r] - g[m + r] * f[r];
+      simd::product_difference(g, f + m, g + m, f, wr, mm);
       coef_x = gphi;
     }
     // dx = s·(coef_x·s·x) here; s·ωᵀw is added by the product below.
