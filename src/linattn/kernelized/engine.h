@@ -32,7 +32,7 @@ template <class T>
 void backward(const Problem<T>& p, const T* dout, T* dq, T* dk, T* dv);
 
 // Rows per block (non-causal) and per chunk (causal).
-inline constexpr int64_t kBlockRows = 256;
+inline constexpr int64_t kBlockRows = 1024;
 inline constexpr int64_t kChunk = 64;
 
 }  // namespace linattn::kernelized
