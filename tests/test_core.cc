@@ -152,6 +152,31 @@ void check_simd_kernels() {
     for (size_t i = 0; i < n; ++i) EXPECT_EQ(s[i], x[i] * T(0.5));
     simd::softmax_grad(ds.data(), x.data(), y.data(), n, T(0.25));
     for (size_t i = 0; i < n; ++i) EXPECT_EQ(ds[i], x[i] * (y[i] - T(0.25)));
+
+    double want_abs = 0;
+    for (T v : x) want_abs = std::max<double>(want_abs, std::abs(v));
+    EXPECT_EQ(double(simd::max_abs(x.data(), n)), want_abs);
+
+    std::vector<T> pd(n), pm(n), el(n), sn(n), cs(n);
+    simd::product_difference(x.data(), y.data(), y.data(), x.data(), pd.data(), n);
+    simd::product_difference(x.data(), y.data(), static_cast<const T*>(nullptr),
+                             static_cast<const T*>(nullptr), pm.data(), n);
+    for (size_t i = 0; i < n; ++i) {
+      EXPECT_NEAR(pd[i], 0.0, 2 * u * std::abs(double(x[i]) * y[i])) << i;  // a·b − b·a, FMA or not
+      EXPECT_EQ(pm[i], x[i] * y[i]);
+    }
+    // elu(x)+1: exact x+1 for x > 0, exp within 1 ulp plus rounding (2u) otherwise.
+    simd::elu_plus_one(x.data(), el.data(), n);
+    for (size_t i = 0; i < n; ++i) {
+      const double want = x[i] > 0 ? double(T(x[i] + T(1))) : std::exp(double(x[i]));
+      EXPECT_NEAR(el[i], want, 2 * u * want) << i;
+    }
+    // sin, cos within Highway's 3 ulp (absolute 4u on values of magnitude <= 1).
+    simd::sin_cos(x.data(), n, sn.data(), cs.data());
+    for (size_t i = 0; i < n; ++i) {
+      EXPECT_NEAR(sn[i], std::sin(double(x[i])), 4 * u) << i;
+      EXPECT_NEAR(cs[i], std::cos(double(x[i])), 4 * u) << i;
+    }
   }
 }
 

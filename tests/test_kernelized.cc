@@ -11,6 +11,7 @@
 
 #include "kernelized_bounds.h"
 #include "linattn/core/random_features.h"
+#include "linattn/kernelized/engine.h"
 #include "linattn/kernelized/kernelized_attention.h"
 #include "test_util.h"
 
@@ -266,6 +267,24 @@ TEST(KernelizedLargeNorms, CausalFavorStaysAccurateAtNorm30) {
       expect_within(g.dk, exact.dk, exact.dk_bound, "dk");
       expect_within(g.dv, exact.dv, exact.dv_bound, "dv");
     }
+}
+
+// The non-causal backward caches key features when they fit its budget; without the cache
+// it recomputes them, with bitwise the same result.
+TEST(KernelizedBackward, FeatureCacheDoesNotChangeResults) {
+  const auto q = random_tensor<float>({2, 2, 300, 16}, 1), k = random_tensor<float>({2, 2, 1100, 16}, 2),
+             v = random_tensor<float>({2, 2, 1100, 8}, 3), g = random_tensor<float>({2, 2, 300, 8}, 4);
+  const auto w = random_features<float>(32, 16);
+  FavorOptions o;
+  o.key_lengths = std::vector<int64_t>{1100, 700};
+  const auto cached = favor_attention_backward<float>(q, k, v, w, g, o);
+  const int64_t saved = kernelized::feature_cache_bytes();
+  kernelized::set_feature_cache_bytes(0);
+  const auto recomputed = favor_attention_backward<float>(q, k, v, w, g, o);
+  kernelized::set_feature_cache_bytes(saved);
+  for (int64_t i = 0; i < cached.dq.size(); ++i) ASSERT_EQ(cached.dq[i], recomputed.dq[i]);
+  for (int64_t i = 0; i < cached.dk.size(); ++i) ASSERT_EQ(cached.dk[i], recomputed.dk[i]);
+  for (int64_t i = 0; i < cached.dv.size(); ++i) ASSERT_EQ(cached.dv[i], recomputed.dv[i]);
 }
 
 // Padded keys may hold anything, NaN included.

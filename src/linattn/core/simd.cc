@@ -4,6 +4,7 @@
 #define HWY_TARGET_INCLUDE "linattn/core/simd.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
+#include <cmath>
 #include <limits>
 
 #include "hwy/contrib/math/math-inl.h"
@@ -155,7 +156,22 @@ void ProductDifference(const T* a, const T* b, const T* c, const T* e, T* out, s
   }
 }
 
+template <class T>
+void EluPlusOne(const T* x, T* out, size_t n) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  const auto zero = hn::Zero(d), one = hn::Set(d, T(1));
+  size_t i = 0;
+  for (; i + N <= n; i += N) {
+    const auto v = hn::LoadU(d, x + i);
+    hn::StoreU(hn::IfThenElse(hn::Gt(v, zero), hn::Add(v, one), hn::Exp(d, hn::Min(v, zero))), d, out + i);
+  }
+  for (; i < n; ++i) out[i] = x[i] > 0 ? x[i] + T(1) : std::exp(x[i]);
+}
+
 // HWY_EXPORT needs one non-template name per function and type.
+void EluPlusOneF32(const float* x, float* out, size_t n) { EluPlusOne(x, out, n); }
+void EluPlusOneF64(const double* x, double* out, size_t n) { EluPlusOne(x, out, n); }
 void ProductDifferenceF32(const float* a, const float* b, const float* c, const float* e, float* out,
                           size_t n) {
   ProductDifference(a, b, c, e, out, n);
@@ -209,9 +225,13 @@ HWY_EXPORT(MaxAbsF32);
 HWY_EXPORT(MaxAbsF64);
 HWY_EXPORT(SinCosF32);
 HWY_EXPORT(SinCosF64);
+HWY_EXPORT(EluPlusOneF32);
+HWY_EXPORT(EluPlusOneF64);
 HWY_EXPORT(ProductDifferenceF32);
 HWY_EXPORT(ProductDifferenceF64);
 
+void elu_plus_one(const float* x, float* out, size_t n) { HWY_DYNAMIC_DISPATCH(EluPlusOneF32)(x, out, n); }
+void elu_plus_one(const double* x, double* out, size_t n) { HWY_DYNAMIC_DISPATCH(EluPlusOneF64)(x, out, n); }
 void product_difference(const float* a, const float* b, const float* c, const float* e, float* out,
                         size_t n) {
   HWY_DYNAMIC_DISPATCH(ProductDifferenceF32)(a, b, c, e, out, n);

@@ -42,6 +42,10 @@ void product_difference(const float* a, const float* b, const float* c, const fl
 void product_difference(const double* a, const double* b, const double* c, const double* e,
                         double* out, size_t n);
 
+// out[i] = elu(x[i]) + 1 = x[i] + 1 if x[i] > 0 else exp(x[i]). out may alias x.
+void elu_plus_one(const float* x, float* out, size_t n);
+void elu_plus_one(const double* x, double* out, size_t n);
+
 // Name of the instruction set chosen at run time, e.g. "AVX3" (AVX-512).
 const char* target_name();
 

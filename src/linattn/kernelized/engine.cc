@@ -19,6 +19,7 @@
 // A row with D_i = 0 (possible only with eps = 0) gets out_i = 0 and no gradient.
 #include "linattn/kernelized/engine.h"
 
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -101,10 +102,11 @@ void key_features(const Problem<T>& p, int64_t bh, int64_t j0, int64_t rows, T* 
 
 // s.vaug rows = [w_j v_j, w_j], w_j = exp(ls_j − c) (1 for unstabilised maps).
 template <class T>
-void augmented_values(const Problem<T>& p, int64_t bh, int64_t j0, int64_t rows, T c, Scratch<T>& s) {
+void augmented_values(const Problem<T>& p, int64_t bh, int64_t j0, int64_t rows, T c,
+                      const T* ls, Scratch<T>& s) {
   const int64_t dv = p.dims.value_dim, da = dv + 1;
   for (int64_t j = 0; j < rows; ++j) {
-    const T w = p.fmap->stabilized() ? std::exp(s.ls[j] - c) : T(1);
+    const T w = p.fmap->stabilized() ? std::exp(ls[j] - c) : T(1);
     const T* vr = p.v.row(bh, j0 + j);
     T* a = s.vaug.data() + j * da;
     for (int64_t cc = 0; cc < dv; ++cc) a[cc] = w * vr[cc];
@@ -115,8 +117,10 @@ void augmented_values(const Problem<T>& p, int64_t bh, int64_t j0, int64_t rows,
 // [KV | z] = Σ_j φ̃k_jᵀ·[w_j v_j, w_j] over the valid keys of bh, w_j = exp(ls_j − c) with the
 // running key log-scale c (rescaled as it grows); returns the final c. On return s.phi and
 // s.vaug hold the last block (the backward's key pass rebuilds them).
+// cache (optional, n_k·(m'+1) values): keeps φ̃k and ls of every key for the backward.
 template <class T>
-T accumulate_kv(const Problem<T>& p, int64_t bh, int64_t key_len, Scratch<T>& s) {
+T accumulate_kv(const Problem<T>& p, int64_t bh, int64_t key_len, Scratch<T>& s,
+                T* cache = nullptr) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, da = dv + 1;
   std::fill(s.kvz.data(), s.kvz.data() + m * da, T(0));
   T c = neg_inf<T>();
@@ -128,9 +132,13 @@ T accumulate_kv(const Problem<T>& p, int64_t bh, int64_t key_len, Scratch<T>& s)
       if (c_new > c && c != neg_inf<T>()) simd::scale(s.kvz.data(), static_cast<size_t>(m * da), std::exp(c - c_new));
       c = c_new;
     }
-    augmented_values(p, bh, j0, rows, c, s);
+    augmented_values(p, bh, j0, rows, c, s.ls.data(), s);
     gemm<T>(Trans::Yes, Trans::No, m, da, rows, T(1), s.phi.data(), m, s.vaug.data(), da, T(1),
             s.kvz.data(), da);
+    if (cache) {
+      std::copy(s.phi.data(), s.phi.data() + rows * m, cache + j0 * m);
+      std::copy(s.ls.data(), s.ls.data() + rows, cache + p.dims.n_k * m + j0);
+    }
   }
   return c;
 }
@@ -164,11 +172,11 @@ void forward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* out) {
 }
 
 template <class T>
-void backward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, const T* dout, T* dq,
-                        T* dk, T* dv_out) {
+void backward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* cache, const T* dout,
+                        T* dq, T* dk, T* dv_out) {
   const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, da = dv + 1;
   const int64_t key_len = p.mask->key_length(bh / p.dims.heads);
-  const T c = accumulate_kv(p, bh, key_len, s);
+  const T c = accumulate_kv(p, bh, key_len, s, cache);
   std::fill(s.dkvz.data(), s.dkvz.data() + m * da, T(0));
   // Queries: [dnum | dden]; dφ̃q = [dnum | dden]·[KV | z]ᵀ; [dKV | dz] += φ̃qᵀ·[dnum | dden].
   for (int64_t i0 = 0; i0 < p.dims.n_q; i0 += kBlockRows) {
@@ -191,16 +199,23 @@ void backward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, const T*
   // dv_j = w_j·(φ̃k_j·dKV).
   for (int64_t j0 = 0; j0 < key_len; j0 += kBlockRows) {
     const int64_t rows = std::min(kBlockRows, key_len - j0);
-    key_features(p, bh, j0, rows, s.phi.data(), s.ls.data(), s.fs.data());
-    augmented_values(p, bh, j0, rows, c, s);
+    const T* phi = s.phi.data();
+    const T* ls = s.ls.data();
+    if (cache) {
+      phi = cache + j0 * m;
+      ls = cache + p.dims.n_k * m + j0;
+    } else {
+      key_features(p, bh, j0, rows, s.phi.data(), s.ls.data(), s.fs.data());
+    }
+    augmented_values(p, bh, j0, rows, c, ls, s);
     gemm<T>(Trans::No, Trans::Yes, rows, m, da, T(1), s.vaug.data(), da, s.dkvz.data(), da, T(0),
             s.dphi.data(), m);
     T* dvb = dv_out + (bh * p.dims.n_k + j0) * dv;
-    gemm<T>(Trans::No, Trans::No, rows, dv, m, T(1), s.phi.data(), m, s.dkvz.data(), da, T(0), dvb, dv);
+    gemm<T>(Trans::No, Trans::No, rows, dv, m, T(1), phi, m, s.dkvz.data(), da, T(0), dvb, dv);
     if (p.fmap->stabilized())
       for (int64_t j = 0; j < rows; ++j) simd::scale(dvb + j * dv, static_cast<size_t>(dv), s.vaug[j * da + dv]);
-    p.fmap->backward(p.k.row(bh, j0), rows, s.phi.data(), s.dphi.data(),
-                     dk + (bh * p.dims.n_k + j0) * d, s.fs.data());
+    p.fmap->backward(p.k.row(bh, j0), rows, phi, s.dphi.data(), dk + (bh * p.dims.n_k + j0) * d,
+                     s.fs.data());
   }
 }
 
@@ -431,7 +446,12 @@ void backward_causal(const Problem<T>& p, int64_t bh, Scratch<T>& s, Buffer<T>& 
   }
 }
 
+std::atomic<int64_t> g_feature_cache_bytes{int64_t{32} << 20};
+
 }  // namespace
+
+int64_t feature_cache_bytes() { return g_feature_cache_bytes.load(); }
+void set_feature_cache_bytes(int64_t bytes) { g_feature_cache_bytes.store(bytes); }
 
 template <class T>
 void forward(const Problem<T>& p, T* out) {
@@ -466,10 +486,15 @@ void backward(const Problem<T>& p, const T* dout, T* dq, T* dk, T* dv) {
   const bool causal = p.mask->causal();
   const int64_t rows = causal ? kChunk : kBlockRows;
   std::vector<Scratch<T>> scratch;
-  std::vector<Buffer<T>> saved;  // causal: D, M, dden per row of the current batch·head
+  // causal: D, M, dden per row of the current batch·head (O(n)). Non-causal: φ̃k and ls of
+  // every key, so the key pass need not compute the features again, when that fits in
+  // kFeatureCacheBytes per worker (else they are recomputed: same result, more time).
+  const int64_t cache_size = p.dims.n_k * (p.fmap->dim() + 1);
+  const bool cache = !causal && cache_size * static_cast<int64_t>(sizeof(T)) <= feature_cache_bytes();
+  std::vector<Buffer<T>> saved;
   for (int w = 0; w < num_threads(); ++w) {
     scratch.emplace_back(p, rows);
-    saved.emplace_back(causal ? 3 * p.dims.n_q : 0);
+    saved.emplace_back(causal ? 3 * p.dims.n_q : cache ? cache_size : 0);
   }
   const int64_t d = p.dims.head_dim, dvd = p.dims.value_dim;
   parallel_for(p.dims.bh(), [&](int64_t bh, int worker) {
@@ -480,7 +505,8 @@ void backward(const Problem<T>& p, const T* dout, T* dq, T* dk, T* dv) {
     if (causal) {
       backward_causal(p, bh, s, saved[static_cast<size_t>(worker)], dout, dq, dk, dv);
     } else {
-      backward_noncausal(p, bh, s, dout, dq, dk, dv);
+      backward_noncausal(p, bh, s, cache ? saved[static_cast<size_t>(worker)].data() : nullptr, dout,
+                         dq, dk, dv);
     }
   });
 }

@@ -34,5 +34,10 @@ void backward(const Problem<T>& p, const T* dout, T* dq, T* dk, T* dv);
 // Rows per block (non-causal) and per chunk (causal).
 inline constexpr int64_t kBlockRows = 1024;
 inline constexpr int64_t kChunk = 64;
+// The non-causal backward keeps the key features between its passes up to this many bytes per
+// worker (n_k·(m'+1) values; default 32 MiB), and recomputes them beyond it. Settable so
+// tests can take both paths.
+int64_t feature_cache_bytes();
+void set_feature_cache_bytes(int64_t bytes);
 
 }  // namespace linattn::kernelized

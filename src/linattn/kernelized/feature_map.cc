@@ -59,7 +59,7 @@ void FeatureMap<T>::forward(const T* x, int64_t n, T* phi, T* log_scale, T* scra
   const int64_t d = d_;
   switch (kind_) {
     case FeatureMapKind::Elu:
-      for (int64_t i = 0; i < n * d; ++i) phi[i] = x[i] > 0 ? x[i] + T(1) : std::exp(x[i]);
+      simd::elu_plus_one(x, phi, static_cast<size_t>(n * d));
       return;
     case FeatureMapKind::Relu:
       for (int64_t i = 0; i < n * d; ++i) phi[i] = x[i] > 0 ? x[i] : T(0);
