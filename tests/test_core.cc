@@ -171,6 +171,15 @@ void check_simd_kernels() {
       const double want = x[i] > 0 ? double(T(x[i] + T(1))) : std::exp(double(x[i]));
       EXPECT_NEAR(el[i], want, 2 * u * want) << i;
     }
+    EXPECT_TRUE(simd::all_finite(x.data(), n));
+    for (size_t bad = 0; bad < n; bad += 7) {
+      for (T v : {std::numeric_limits<T>::quiet_NaN(), std::numeric_limits<T>::infinity(),
+                  -std::numeric_limits<T>::infinity()}) {
+        std::vector<T> y2 = x;
+        y2[bad] = v;
+        EXPECT_FALSE(simd::all_finite(y2.data(), n)) << bad;
+      }
+    }
     // sin, cos within Highway's 3 ulp (absolute 4u on values of magnitude <= 1).
     simd::sin_cos(x.data(), n, sn.data(), cs.data());
     for (size_t i = 0; i < n; ++i) {

@@ -169,7 +169,29 @@ void EluPlusOne(const T* x, T* out, size_t n) {
   for (; i < n; ++i) out[i] = x[i] > 0 ? x[i] + T(1) : std::exp(x[i]);
 }
 
+template <class T>
+bool AllFinite(const T* x, size_t n) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  // x·0 is 0 for finite x and NaN otherwise; NaN survives the sum.
+  auto acc0 = hn::Zero(d), acc1 = hn::Zero(d);
+  const auto zero = hn::Zero(d);
+  size_t i = 0;
+  for (; i + 2 * N <= n; i += 2 * N) {
+    acc0 = hn::MulAdd(hn::LoadU(d, x + i), zero, acc0);
+    acc1 = hn::MulAdd(hn::LoadU(d, x + i + N), zero, acc1);
+  }
+  for (; i + N <= n; i += N) acc0 = hn::MulAdd(hn::LoadU(d, x + i), zero, acc0);
+  if (i < n) {
+    const auto mask = hn::FirstN(d, n - i);
+    acc1 = hn::MulAdd(hn::MaskedLoad(mask, d, x + i), zero, acc1);
+  }
+  return hn::AllTrue(d, hn::IsFinite(hn::Add(acc0, acc1)));
+}
+
 // HWY_EXPORT needs one non-template name per function and type.
+bool AllFiniteF32(const float* x, size_t n) { return AllFinite(x, n); }
+bool AllFiniteF64(const double* x, size_t n) { return AllFinite(x, n); }
 void EluPlusOneF32(const float* x, float* out, size_t n) { EluPlusOne(x, out, n); }
 void EluPlusOneF64(const double* x, double* out, size_t n) { EluPlusOne(x, out, n); }
 void ProductDifferenceF32(const float* a, const float* b, const float* c, const float* e, float* out,
@@ -225,11 +247,15 @@ HWY_EXPORT(MaxAbsF32);
 HWY_EXPORT(MaxAbsF64);
 HWY_EXPORT(SinCosF32);
 HWY_EXPORT(SinCosF64);
+HWY_EXPORT(AllFiniteF32);
+HWY_EXPORT(AllFiniteF64);
 HWY_EXPORT(EluPlusOneF32);
 HWY_EXPORT(EluPlusOneF64);
 HWY_EXPORT(ProductDifferenceF32);
 HWY_EXPORT(ProductDifferenceF64);
 
+bool all_finite(const float* x, size_t n) { return HWY_DYNAMIC_DISPATCH(AllFiniteF32)(x, n); }
+bool all_finite(const double* x, size_t n) { return HWY_DYNAMIC_DISPATCH(AllFiniteF64)(x, n); }
 void elu_plus_one(const float* x, float* out, size_t n) { HWY_DYNAMIC_DISPATCH(EluPlusOneF32)(x, out, n); }
 void elu_plus_one(const double* x, double* out, size_t n) { HWY_DYNAMIC_DISPATCH(EluPlusOneF64)(x, out, n); }
 void product_difference(const float* a, const float* b, const float* c, const float* e, float* out,

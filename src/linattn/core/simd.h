@@ -46,6 +46,10 @@ void product_difference(const double* a, const double* b, const double* c, const
 void elu_plus_one(const float* x, float* out, size_t n);
 void elu_plus_one(const double* x, double* out, size_t n);
 
+// True when every x[i] is finite (no NaN, no ±inf).
+bool all_finite(const float* x, size_t n);
+bool all_finite(const double* x, size_t n);
+
 // Name of the instruction set chosen at run time, e.g. "AVX3" (AVX-512).
 const char* target_name();
 
