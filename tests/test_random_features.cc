@@ -124,6 +124,10 @@ TEST(RandomFeatures, BadArgumentsAreErrors) {
   EXPECT_THROW(random_features<float>(0, 16), Error);
   EXPECT_THROW(random_features<float>(16, 0), Error);
   EXPECT_THROW(parse_feature_kind("gaussian"), Error);
+  EXPECT_THROW(random_features<float>(16, 8, "gaussian"), Error);
+  const auto by_name = random_features<float>(16, 8, "quantile", 3);
+  const auto by_enum = random_features<float>(16, 8, FeatureKind::Quantile, 3);
+  for (int64_t i = 0; i < by_name.size(); ++i) ASSERT_EQ(by_name[i], by_enum[i]);
 }
 
 // ---- estimators ----------------------------------------------------------------------------

@@ -143,7 +143,7 @@ TEST(Recurrent, BadArgumentsAreErrors) {
   RecurrentOptions bad;
   bad.feature_map = "softmax";
   EXPECT_THAT(error_of([&] { RecurrentState<float>(1, 2, 8, 4, bad); }), HasSubstr("feature_map must be"));
-  RecurrentState<float> s(1, 2, 8, 4);
+  RecurrentState<float> s = recurrent_state<float>(1, 2, 8, 4);
   EXPECT_THAT(error_of([&] { s.step(random_tensor<float>({1, 2, 8}, 1), random_tensor<float>({1, 2, 8}, 2),
                                     random_tensor<float>({1, 2, 5}, 3)); }),
               HasSubstr("v_t has shape [1, 2, 5]; expected [1, 2, 4]"));

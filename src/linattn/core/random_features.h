@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "linattn/core/tensor.h"
 
@@ -24,6 +25,13 @@ const char* feature_kind_name(FeatureKind kind);
 template <class T>
 Tensor<T> random_features(int64_t num_features, int64_t head_dim,
                           FeatureKind kind = FeatureKind::Orthogonal, uint64_t seed = 0);
+
+// The same with kind by name: "iid", "orthogonal", "orthogonal_fixed", "quantile".
+template <class T>
+Tensor<T> random_features(int64_t num_features, int64_t head_dim, const std::string& kind,
+                          uint64_t seed = 0) {
+  return random_features<T>(num_features, head_dim, parse_feature_kind(kind), seed);
+}
 
 // The radii of FeatureKind::Quantile before shuffling: R_i with P(r <= R_i) = i/(m+1) for r
 // chi-distributed with d degrees of freedom (R_i² is the chi-square(d) quantile), i = 1..m.

@@ -50,4 +50,12 @@ class RecurrentState {
   Tensor<T> S_, z_, c_;   // [B,H,m',d_v], [B,H,m'], [B,H]
 };
 
+// The state for decoding, by the name the Python module uses.
+template <class T>
+RecurrentState<T> recurrent_state(int64_t batch, int64_t heads, int64_t head_dim,
+                                  int64_t value_dim, const RecurrentOptions& opts = {},
+                                  std::optional<TensorView<const T>> projection = std::nullopt) {
+  return RecurrentState<T>(batch, heads, head_dim, value_dim, opts, projection);
+}
+
 }  // namespace linattn
