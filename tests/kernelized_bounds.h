@@ -39,6 +39,23 @@ struct KernelizedSpec {
   double focus_power = 3;
   double scale = 0;   // favor: 0 means 1/sqrt(d)
   bool favor() const { return map == "positive" || map == "hyperbolic" || map == "trig"; }
+  FavorOptions favor_options() const {
+    FavorOptions o;
+    o.kernel = map;
+    o.causal = causal;
+    o.key_lengths = key_lengths;
+    if (scale > 0) o.scale = scale;
+    return o;
+  }
+  LinearAttentionOptions linear_options() const {
+    LinearAttentionOptions o;
+    o.feature_map = map;
+    o.causal = causal;
+    o.key_lengths = key_lengths;
+    o.eps = eps;
+    o.focus_power = focus_power;
+    return o;
+  }
 };
 
 struct KernelizedExact {
@@ -63,21 +80,13 @@ KernelizedExact kernelized_exact_with_bounds(const Tensor<double>& q, const Tens
   // Exact values from the reference.
   KernelizedExact r;
   if (spec.favor()) {
-    FavorOptions fo;
-    fo.kernel = spec.map;
-    fo.causal = spec.causal;
-    fo.key_lengths = spec.key_lengths;
+    FavorOptions fo = spec.favor_options();
     fo.scale = scale;
     r.out = reference::favor_attention(q, k, v, *projection, fo);
     auto g = reference::favor_attention_backward(q, k, v, *projection, dout, fo);
     r.dq = std::move(g.dq), r.dk = std::move(g.dk), r.dv = std::move(g.dv);
   } else {
-    LinearAttentionOptions lo;
-    lo.feature_map = spec.map;
-    lo.causal = spec.causal;
-    lo.key_lengths = spec.key_lengths;
-    lo.eps = spec.eps;
-    lo.focus_power = spec.focus_power;
+    const LinearAttentionOptions lo = spec.linear_options();
     r.out = reference::linear_attention(q, k, v, lo);
     auto g = reference::linear_attention_backward(q, k, v, dout, lo);
     r.dq = std::move(g.dq), r.dk = std::move(g.dk), r.dv = std::move(g.dv);

@@ -20,6 +20,7 @@ namespace {
 
 using ::testing::HasSubstr;
 using testing::cast;
+using testing::error_of;
 using testing::expect_within;
 using testing::KernelizedSpec;
 using testing::random_tensor;
@@ -46,41 +47,15 @@ KernelizedSpec spec_for(const std::string& map, Mask mask, int64_t batch, int64_
 template <class T>
 Tensor<T> run_forward(const KernelizedSpec& s, const Tensor<T>& q, const Tensor<T>& k,
                       const Tensor<T>& v, const Tensor<T>* w) {
-  if (s.favor()) {
-    FavorOptions o;
-    o.kernel = s.map;
-    o.causal = s.causal;
-    o.key_lengths = s.key_lengths;
-    if (s.scale > 0) o.scale = s.scale;
-    return favor_attention<T>(q, k, v, *w, o);
-  }
-  LinearAttentionOptions o;
-  o.feature_map = s.map;
-  o.causal = s.causal;
-  o.key_lengths = s.key_lengths;
-  o.eps = s.eps;
-  o.focus_power = s.focus_power;
-  return linear_attention<T>(q, k, v, o);
+  if (s.favor()) return favor_attention<T>(q, k, v, *w, s.favor_options());
+  return linear_attention<T>(q, k, v, s.linear_options());
 }
 
 template <class T>
 AttentionGrads<T> run_backward(const KernelizedSpec& s, const Tensor<T>& q, const Tensor<T>& k,
                                const Tensor<T>& v, const Tensor<T>& dout, const Tensor<T>* w) {
-  if (s.favor()) {
-    FavorOptions o;
-    o.kernel = s.map;
-    o.causal = s.causal;
-    o.key_lengths = s.key_lengths;
-    if (s.scale > 0) o.scale = s.scale;
-    return favor_attention_backward<T>(q, k, v, *w, dout, o);
-  }
-  LinearAttentionOptions o;
-  o.feature_map = s.map;
-  o.causal = s.causal;
-  o.key_lengths = s.key_lengths;
-  o.eps = s.eps;
-  o.focus_power = s.focus_power;
-  auto g = linear_attention_backward<T>(q, k, v, dout, o);
+  if (s.favor()) return favor_attention_backward<T>(q, k, v, *w, dout, s.favor_options());
+  auto g = linear_attention_backward<T>(q, k, v, dout, s.linear_options());
   return {std::move(g.dq), std::move(g.dk), std::move(g.dv)};
 }
 
@@ -307,16 +282,6 @@ TEST(KernelizedMask, PaddedKeysAreIgnored) {
 }
 
 // ---- bad input -----------------------------------------------------------------------------
-
-template <class Fn>
-std::string error_of(Fn fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
 
 TEST(KernelizedErrors, OptionsAndShapesAreChecked) {
   const auto q = random_tensor<float>({1, 2, 5, 8}, 1), k = random_tensor<float>({1, 2, 6, 8}, 2),

@@ -15,6 +15,7 @@ namespace {
 
 using ::testing::HasSubstr;
 using testing::cast;
+using testing::error_of;
 using testing::random_tensor;
 
 // Rows t of a [B,H,n,D] tensor as [B,H,D].
@@ -116,16 +117,6 @@ TEST(Recurrent, CopyRollsBack) {
     for (int64_t i = 0; i < again.size(); ++i) ASSERT_EQ(again[i], original[t - 10][i]);
   }
   EXPECT_EQ(saved.tokens(), n);
-}
-
-template <class Fn>
-std::string error_of(Fn fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
 }
 
 TEST(Recurrent, BadArgumentsAreErrors) {

@@ -18,6 +18,7 @@ namespace {
 
 using ::testing::HasSubstr;
 using testing::cast;
+using testing::error_of;
 using testing::expect_within;
 using testing::random_tensor;
 using testing::ScopedThreads;
@@ -301,16 +302,6 @@ TEST(SoftmaxMemory, WorkspaceGrowsLinearly) {
 }
 
 // ---- bad input -----------------------------------------------------------------------------
-
-template <class Fn>
-std::string error_of(Fn fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
 
 TEST(SoftmaxErrors, ShapesAreChecked) {
   const auto q = random_tensor<float>({2, 3, 5, 8}, 1), k = random_tensor<float>({2, 3, 6, 8}, 2),

@@ -8,7 +8,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <string>
 
+#include "linattn/core/error.h"
 #include "linattn/core/random.h"
 #include "linattn/core/tensor.h"
 #include "linattn/core/threading.h"
@@ -27,6 +29,17 @@ Tensor<To> cast(const Tensor<From>& x) {
   Tensor<To> y(x.shape());
   for (int64_t i = 0; i < x.size(); ++i) y[i] = static_cast<To>(x[i]);
   return y;
+}
+
+// The message of the linattn::Error that fn throws, or "<no error>".
+template <class Fn>
+std::string error_of(Fn fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "<no error>";
 }
 
 // Sets the library's thread count for one scope.

@@ -123,9 +123,10 @@ int demo(const Args& a) {
   }
   std::printf(
       "\ntime: median after warm-up; extra (wksp): peak scratch the library allocated beyond\n"
-      "inputs and outputs; extra (RSS): growth of the process's peak resident memory (outputs\n"
-      "included); err vs own: max |out - ref| / max |ref| over 64 rows of every head, ref = the\n"
-      "method's own definition in float64 (numerical accuracy); vs softmax: the same against\n"
+      "inputs and outputs (exact); extra (RSS): growth of the process's peak resident memory\n"
+      "(outputs included; approximate: Linux updates RSS counters lazily per thread); err vs\n"
+      "own: max |out - ref| / max |ref| over 64 rows of every head, ref = the method's own\n"
+      "definition in float64 (numerical accuracy); vs softmax: the same against\n"
       "exact softmax attention in float64 (approximation error; 0 for exact methods up to\n"
       "rounding). Inputs are random N(0,1): real attention inputs are easier to approximate.\n");
   return 0;
