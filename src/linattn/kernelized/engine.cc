@@ -71,19 +71,43 @@ void output_grads(const T* dout, const T* out, const T* D, int64_t rows, int64_t
   }
 }
 
+// Per-worker buffers, allocated before the parallel loop; each mode gets only what it uses.
 template <class T>
 struct Scratch {
-  Scratch(const Problem<T>& p, int64_t rows)
-      : phi(rows * p.fmap->dim()), psi(rows * p.fmap->dim()), dphi(rows * p.fmap->dim()),
-        fs(p.fmap->scratch_size(rows)), ls(rows), D(rows), M(rows), dden(rows),
-        num(rows * p.dims.value_dim), dnum(rows * p.dims.value_dim),
-        kv(p.fmap->dim() * p.dims.value_dim), z(p.fmap->dim()),
-        dkv(p.fmap->dim() * p.dims.value_dim), dz(p.fmap->dim()), phi2(rows * p.fmap->dim()),
-        a(kChunk * kChunk), b(kChunk * kChunk),
-        kvz(p.fmap->dim() * (p.dims.value_dim + 1)), dkvz(p.fmap->dim() * (p.dims.value_dim + 1)),
-        vaug(rows * (p.dims.value_dim + 1)), nd(rows * (p.dims.value_dim + 1)),
-        dnd(rows * (p.dims.value_dim + 1)) {}
-  Buffer<T> phi, psi, dphi, fs, ls, D, M, dden, num, dnum, kv, z, dkv, dz, phi2, a, b;
+  Scratch(const Problem<T>& p, bool causal) {
+    const int64_t rows = causal ? kChunk : kBlockRows, m = p.fmap->dim(), dv = p.dims.value_dim;
+    phi = Buffer<T>(rows * m);
+    dphi = Buffer<T>(rows * m);
+    fs = Buffer<T>(p.fmap->scratch_size(rows));
+    ls = Buffer<T>(rows);
+    D = Buffer<T>(rows);
+    num = Buffer<T>(rows * dv);
+    dnum = Buffer<T>(rows * dv);
+    dden = Buffer<T>(rows);
+    if (causal) {
+      phi2 = Buffer<T>(rows * m);
+      psi = Buffer<T>(rows * m);
+      M = Buffer<T>(rows);
+      kv = Buffer<T>(m * dv);
+      dkv = Buffer<T>(m * dv);
+      z = Buffer<T>(m);
+      dz = Buffer<T>(m);
+      a = Buffer<T>(kChunk * kChunk);
+      b = Buffer<T>(kChunk * kChunk);
+    } else {
+      kvz = Buffer<T>(m * (dv + 1));
+      dkvz = Buffer<T>(m * (dv + 1));
+      vaug = Buffer<T>(rows * (dv + 1));
+      nd = Buffer<T>(rows * (dv + 1));
+      dnd = Buffer<T>(rows * (dv + 1));
+    }
+  }
+  // Both modes: features φ̃ (queries, or keys non-causal), their gradient, the feature map's
+  // scratch, key log-scales, denominators, outputs and output gradients of a block.
+  Buffer<T> phi, dphi, fs, ls, D, num, dnum, dden;
+  // Causal: key features φ̃k and scaled copies of a chunk, running maxima M, the carried state
+  // S = kv, z (and the backward's suffix state in dkv, dz), the chunk's W and P tiles.
+  Buffer<T> phi2, psi, M, kv, z, dkv, dz, a, b;
   // Non-causal, augmented so one product gives both sums: [KV | z] (m'×(d_v+1)), [w∘V | w]
   // (rows×(d_v+1)), [num | den] and [dnum | dden] (rows×(d_v+1)).
   Buffer<T> kvz, dkvz, vaug, nd, dnd;
@@ -456,9 +480,8 @@ void set_feature_cache_bytes(int64_t bytes) { g_feature_cache_bytes.store(bytes)
 template <class T>
 void forward(const Problem<T>& p, T* out) {
   const bool causal = p.mask->causal();
-  const int64_t rows = causal ? kChunk : kBlockRows;
   std::vector<Scratch<T>> scratch;
-  for (int w = 0; w < num_threads(); ++w) scratch.emplace_back(p, rows);
+  for (int w = 0; w < num_threads(); ++w) scratch.emplace_back(p, causal);
   parallel_for(p.dims.bh(), [&](int64_t bh, int worker) {
     Scratch<T>& s = scratch[static_cast<size_t>(worker)];
     if (causal) {
@@ -474,7 +497,7 @@ void forward_causal_from_state(const Problem<T>& p, T* out, T* S, T* z, T* c) {
   require(p.mask->causal(), "forward_causal_from_state: the problem must be causal");
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
   std::vector<Scratch<T>> scratch;
-  for (int w = 0; w < num_threads(); ++w) scratch.emplace_back(p, kChunk);
+  for (int w = 0; w < num_threads(); ++w) scratch.emplace_back(p, true);
   parallel_for(p.dims.bh(), [&](int64_t bh, int worker) {
     forward_causal(p, bh, scratch[static_cast<size_t>(worker)], out, S + bh * m * dv, z + bh * m,
                    c + bh);
@@ -484,7 +507,6 @@ void forward_causal_from_state(const Problem<T>& p, T* out, T* S, T* z, T* c) {
 template <class T>
 void backward(const Problem<T>& p, const T* dout, T* dq, T* dk, T* dv) {
   const bool causal = p.mask->causal();
-  const int64_t rows = causal ? kChunk : kBlockRows;
   std::vector<Scratch<T>> scratch;
   // causal: D, M, dden per row of the current batch·head (O(n)). Non-causal: φ̃k and ls of
   // every key, so the key pass need not compute the features again, when that fits in
@@ -493,7 +515,7 @@ void backward(const Problem<T>& p, const T* dout, T* dq, T* dk, T* dv) {
   const bool cache = !causal && cache_size * static_cast<int64_t>(sizeof(T)) <= feature_cache_bytes();
   std::vector<Buffer<T>> saved;
   for (int w = 0; w < num_threads(); ++w) {
-    scratch.emplace_back(p, rows);
+    scratch.emplace_back(p, causal);
     saved.emplace_back(causal ? 3 * p.dims.n_q : cache ? cache_size : 0);
   }
   const int64_t d = p.dims.head_dim, dvd = p.dims.value_dim;
