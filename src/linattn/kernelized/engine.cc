@@ -115,9 +115,8 @@ struct Scratch {
 
 // Key features of rows [j0, j0+rows) with log-scales (0 for unstabilised maps).
 template <class T>
-void key_features(const Problem<T>& p, int64_t bh, int64_t j0, int64_t rows, T* phi, T* ls,
-                  T* fs) {
-  p.fmap->forward(p.k.row(bh, j0), rows, phi, p.fmap->stabilized() ? ls : nullptr, fs);
+void key_features(const Problem<T>& p, int64_t bh, int64_t j0, int64_t rows, T* phi, T* ls) {
+  p.fmap->forward(p.k.row(bh, j0), rows, phi, p.fmap->stabilized() ? ls : nullptr);
   if (!p.fmap->stabilized())
     for (int64_t j = 0; j < rows; ++j) ls[j] = 0;
 }
@@ -150,7 +149,7 @@ T accumulate_kv(const Problem<T>& p, int64_t bh, int64_t key_len, Scratch<T>& s,
   T c = neg_inf<T>();
   for (int64_t j0 = 0; j0 < key_len; j0 += kBlockRows) {
     const int64_t rows = std::min(kBlockRows, key_len - j0);
-    key_features(p, bh, j0, rows, s.phi.data(), s.ls.data(), s.fs.data());
+    key_features(p, bh, j0, rows, s.phi.data(), s.ls.data());
     if (p.fmap->stabilized()) {
       const T c_new = std::max(c, simd::max_value(s.ls.data(), static_cast<size_t>(rows)));
       if (c_new > c && c != neg_inf<T>()) simd::scale(s.kvz.data(), static_cast<size_t>(m * da), std::exp(c - c_new));
@@ -172,7 +171,7 @@ T accumulate_kv(const Problem<T>& p, int64_t bh, int64_t key_len, Scratch<T>& s,
 template <class T>
 void query_rows(const Problem<T>& p, int64_t bh, int64_t i0, int64_t rows, Scratch<T>& s, T* out) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, da = dv + 1;
-  p.fmap->forward(p.q.row(bh, i0), rows, s.phi.data(), nullptr, s.fs.data());
+  p.fmap->forward(p.q.row(bh, i0), rows, s.phi.data(), nullptr);
   gemm<T>(Trans::No, Trans::No, rows, da, m, T(1), s.phi.data(), m, s.kvz.data(), da, T(0),
           s.nd.data(), da);
   for (int64_t i = 0; i < rows; ++i) {
@@ -229,7 +228,7 @@ void backward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* cache
       phi = cache + j0 * m;
       ls = cache + p.dims.n_k * m + j0;
     } else {
-      key_features(p, bh, j0, rows, s.phi.data(), s.ls.data(), s.fs.data());
+      key_features(p, bh, j0, rows, s.phi.data(), s.ls.data());
     }
     augmented_values(p, bh, j0, rows, c, ls, s);
     gemm<T>(Trans::No, Trans::Yes, rows, m, da, T(1), s.vaug.data(), da, s.dkvz.data(), da, T(0),
@@ -298,8 +297,8 @@ int64_t chunk_features(const Problem<T>& p, int64_t bh, int64_t t0, int64_t rows
                        int64_t key_len, Scratch<T>& s) {
   const int64_t m = p.fmap->dim();
   const int64_t kr = std::clamp<int64_t>(key_len - t0, 0, rows);
-  p.fmap->forward(p.q.row(bh, t0), rows, s.phi.data(), nullptr, s.fs.data());
-  if (kr > 0) key_features(p, bh, t0, kr, s.phi2.data(), s.ls.data(), s.fs.data());
+  p.fmap->forward(p.q.row(bh, t0), rows, s.phi.data(), nullptr);
+  if (kr > 0) key_features(p, bh, t0, kr, s.phi2.data(), s.ls.data());
   for (int64_t j = kr; j < rows; ++j) {
     s.ls[j] = neg_inf<T>();
     for (int64_t r = 0; r < m; ++r) s.phi2[j * m + r] = 0;

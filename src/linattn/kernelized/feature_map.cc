@@ -55,7 +55,7 @@ int64_t FeatureMap<T>::scratch_size(int64_t n) const {
 }
 
 template <class T>
-void FeatureMap<T>::forward(const T* x, int64_t n, T* phi, T* log_scale, T* scratch) const {
+void FeatureMap<T>::forward(const T* x, int64_t n, T* phi, T* log_scale) const {
   const int64_t d = d_;
   switch (kind_) {
     case FeatureMapKind::Elu:
@@ -111,7 +111,6 @@ void FeatureMap<T>::forward(const T* x, int64_t n, T* phi, T* log_scale, T* scra
     }
     if (log_scale) log_scale[i] = ls;
   }
-  (void)scratch;
 }
 
 template <class T>

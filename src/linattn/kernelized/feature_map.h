@@ -35,13 +35,13 @@ class FeatureMap {
   bool stabilized() const { return kind_ >= FeatureMapKind::FavorPositive; }
 
   // phi [n × dim()] = φ̃(x) for rows x [n × d] (row stride d); log_scale [n] (stabilised maps
-  // only; may be null to drop it). scratch: scratch_size(n) values.
-  void forward(const T* x, int64_t n, T* phi, T* log_scale, T* scratch) const;
+  // only; may be null to drop it).
+  void forward(const T* x, int64_t n, T* phi, T* log_scale) const;
   // dx [n × d] = (∂φ̃/∂x)ᵀ·dphi with the log-scale held constant (it cancels in attention,
   // so this is the exact gradient of the attention). phi: forward()'s output for x.
   // scratch: scratch_size(n) values.
   void backward(const T* x, int64_t n, const T* phi, const T* dphi, T* dx, T* scratch) const;
-  int64_t scratch_size(int64_t n) const;
+  int64_t scratch_size(int64_t n) const;  // of backward()
 
  private:
   FeatureMapKind kind_ = FeatureMapKind::Elu;

@@ -111,14 +111,14 @@ Tensor<T> RecurrentState<T>::step(TensorView<const T> q_t, TensorView<const T> k
   check_same_shape_finite(fn, "v_t", v_t, vs);
   const int64_t m = fmap_.dim(), dv = value_dim_, d = head_dim_;
   Tensor<T> out({batch_, heads_, dv});
-  Buffer<T> phiq(m), phik(m), fs(fmap_.scratch_size(1));
+  Buffer<T> phiq(m), phik(m);
   for (int64_t bh = 0; bh < batch_ * heads_; ++bh) {
     T* S = S_.data() + bh * m * dv;
     T* z = z_.data() + bh * m;
     T& c = c_[bh];
     // Key first: query t sees key t. S, z are stored divided by exp(c).
     T ls = 0;
-    fmap_.forward(k_t.data + bh * d, 1, phik.data(), fmap_.stabilized() ? &ls : nullptr, fs.data());
+    fmap_.forward(k_t.data + bh * d, 1, phik.data(), fmap_.stabilized() ? &ls : nullptr);
     if (fmap_.stabilized()) {
       const T c_new = std::max(c, ls);
       if (c != -std::numeric_limits<T>::infinity() && c_new > c) {
@@ -136,7 +136,7 @@ Tensor<T> RecurrentState<T>::step(TensorView<const T> q_t, TensorView<const T> k
       z[r] += f;
     }
     // out = φ̃q·S / (φ̃q·z + eps)
-    fmap_.forward(q_t.data + bh * d, 1, phiq.data(), nullptr, fs.data());
+    fmap_.forward(q_t.data + bh * d, 1, phiq.data(), nullptr);
     T* o = out.data() + bh * dv;
     for (int64_t r = 0; r < m; ++r) {
       const T f = phiq[r];
