@@ -126,6 +126,15 @@ TEST(Recurrent, BadArgumentsAreErrors) {
   EXPECT_THAT(error_of([&] { RecurrentState<float>(1, 2, 8, 4, favor); }), HasSubstr("needs a projection"));
   EXPECT_THAT(error_of([&] { RecurrentState<float>(1, 2, 7, 4, favor, w.view()); }),
               HasSubstr("projection has shape [16, 8]; expected [num_features >= 1, 7]"));
+  RecurrentOptions negative = favor;
+  negative.scale = -1;
+  EXPECT_THAT(error_of([&] { RecurrentState<float>(1, 2, 8, 4, negative, w.view()); }),
+              HasSubstr("recurrent_state: scale must be > 0 for random features"));
+  RecurrentOptions bad_power;
+  bad_power.feature_map = "focused";
+  bad_power.focus_power = 0.5;
+  EXPECT_THAT(error_of([&] { RecurrentState<float>(1, 2, 8, 4, bad_power); }),
+              HasSubstr("recurrent_state: focus_power must be a finite number >= 1"));
   RecurrentOptions elu;
   EXPECT_THAT(error_of([&] { RecurrentState<float>(1, 2, 8, 4, elu, w.view()); }),
               HasSubstr("projection is only used with feature_map=\"favor\""));

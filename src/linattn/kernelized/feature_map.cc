@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "linattn/core/attention_args.h"
 #include "linattn/core/blas.h"
 #include "linattn/core/simd.h"
 
@@ -22,10 +23,11 @@ FeatureMapKind parse_favor_kernel(const char* fn, const std::string& name) {
 }
 
 template <class T>
-FeatureMap<T> FeatureMap<T>::plain(FeatureMapKind kind, int64_t head_dim, double focus_power) {
+FeatureMap<T> FeatureMap<T>::plain(const char* fn, FeatureMapKind kind, int64_t head_dim,
+                                   double focus_power) {
   require(kind <= FeatureMapKind::Focused, "FeatureMap::plain: not a plain feature map");
-  require(std::isfinite(focus_power) && focus_power >= 1,
-          "linear_attention: focus_power must be a finite number >= 1, got ", focus_power);
+  require(std::isfinite(focus_power) && focus_power >= 1, fn,
+          ": focus_power must be a finite number >= 1, got ", focus_power);
   FeatureMap f;
   f.kind_ = kind;
   f.d_ = f.dim_ = head_dim;
@@ -34,11 +36,19 @@ FeatureMap<T> FeatureMap<T>::plain(FeatureMapKind kind, int64_t head_dim, double
 }
 
 template <class T>
-FeatureMap<T> FeatureMap<T>::favor(FeatureMapKind kind, TensorView<const T> projection,
-                                   double scale) {
+FeatureMap<T> FeatureMap<T>::favor(const char* fn, FeatureMapKind kind,
+                                   TensorView<const T> projection, int64_t head_dim,
+                                   std::optional<double> scale_opt) {
   require(kind >= FeatureMapKind::FavorPositive, "FeatureMap::favor: not a FAVOR kernel");
-  require(std::isfinite(scale) && scale > 0, "favor_attention: scale must be finite and > 0, got ",
-          scale);
+  require(projection.rank() == 2 && projection.dim(0) >= 1 && projection.dim(1) == head_dim, fn,
+          ": projection has shape ", shape_string(projection.shape),
+          "; expected [num_features >= 1, ", head_dim, "] (head_dim of q)");
+  require(simd::all_finite(projection.data, static_cast<size_t>(projection.size())), fn,
+          ": projection has a non-finite value");
+  AttentionOptions scale_only;
+  scale_only.scale = scale_opt;
+  const double scale = resolve_scale(fn, scale_only, head_dim);  // finite, or the default
+  require(scale > 0, fn, ": scale must be > 0 for random features, got ", scale);
   FeatureMap f;
   f.kind_ = kind;
   f.m_ = projection.dim(0);

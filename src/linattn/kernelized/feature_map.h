@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "linattn/core/memory.h"
@@ -24,10 +25,14 @@ enum class FeatureMapKind {
 template <class T>
 class FeatureMap {
  public:
-  // elu, relu, focused (focus_power >= 1).
-  static FeatureMap plain(FeatureMapKind kind, int64_t head_dim, double focus_power = 3);
-  // FAVOR maps with projection ω [m, head_dim] (kept by pointer: must outlive the map).
-  static FeatureMap favor(FeatureMapKind kind, TensorView<const T> projection, double scale);
+  // The factories check their arguments and name `fn`, the public function, in errors.
+  // elu, relu, focused (focus_power finite and >= 1).
+  static FeatureMap plain(const char* fn, FeatureMapKind kind, int64_t head_dim,
+                          double focus_power = 3);
+  // FAVOR maps with projection ω [m >= 1, head_dim], finite (kept by pointer: must outlive the
+  // map); scale finite and > 0, default 1/sqrt(head_dim).
+  static FeatureMap favor(const char* fn, FeatureMapKind kind, TensorView<const T> projection,
+                          int64_t head_dim, std::optional<double> scale);
 
   FeatureMapKind kind() const { return kind_; }
   int64_t input_dim() const { return d_; }

@@ -98,20 +98,14 @@ void dwc_backward(TensorView<const T> v, TensorView<const T> w, const T* dout,
 template <class T>
 FeatureMap<T> plain_map(const char* fn, const LinearAttentionOptions& o, int64_t head_dim) {
   require(std::isfinite(o.eps) && o.eps >= 0, fn, ": eps must be finite and >= 0, got ", o.eps);
-  return FeatureMap<T>::plain(parse_plain_feature_map(fn, o.feature_map), head_dim, o.focus_power);
+  return FeatureMap<T>::plain(fn, parse_plain_feature_map(fn, o.feature_map), head_dim,
+                              o.focus_power);
 }
 
 template <class T>
 FeatureMap<T> favor_map(const char* fn, const FavorOptions& o, const AttentionDims& d,
                         TensorView<const T> projection) {
-  require(projection.rank() == 2 && projection.dim(0) >= 1 && projection.dim(1) == d.head_dim, fn,
-          ": projection has shape ", shape_string(projection.shape), "; expected [num_features >= 1, ",
-          d.head_dim, "] (head_dim of q)");
-  for (int64_t i = 0; i < projection.size(); ++i)
-    require(std::isfinite(projection.data[i]), fn, ": projection has a non-finite value at flat index ", i);
-  const double scale = resolve_scale(fn, mask_options(false, std::nullopt, o.scale), d.head_dim);
-  require(scale > 0, fn, ": scale must be > 0 for random features, got ", scale);
-  return FeatureMap<T>::favor(parse_favor_kernel(fn, o.kernel), projection, scale);
+  return FeatureMap<T>::favor(fn, parse_favor_kernel(fn, o.kernel), projection, d.head_dim, o.scale);
 }
 
 }  // namespace

@@ -31,12 +31,7 @@ RecurrentState<T>::RecurrentState(int64_t batch, int64_t heads, int64_t head_dim
   const bool favor = opts.feature_map == "favor";
   if (favor) {
     require(projection.has_value(), fn, ": feature_map=\"favor\" needs a projection [m, ", head_dim, "]");
-    require(projection->rank() == 2 && projection->dim(0) >= 1 && projection->dim(1) == head_dim, fn,
-            ": projection has shape ", shape_string(projection->shape), "; expected [num_features >= 1, ",
-            head_dim, "]");
-    for (int64_t i = 0; i < projection->size(); ++i)
-      require(std::isfinite(projection->data[i]), fn, ": projection has a non-finite value at flat index ", i);
-    projection_ = Tensor<T>(projection->shape);
+    projection_ = Tensor<T>(projection->shape);  // checked by FeatureMap::favor in rebuild_map()
     std::copy(projection->data, projection->data + projection->size(), projection_.data());
     opts_.eps = 0;
   } else {
@@ -59,13 +54,12 @@ template <class T>
 void RecurrentState<T>::rebuild_map() {
   if (opts_.feature_map == "favor") {
     const char* fn = "recurrent_state";
-    const double scale = opts_.scale ? *opts_.scale : 1 / std::sqrt(double(head_dim_));
-    require(std::isfinite(scale) && scale > 0, fn, ": scale must be finite and > 0, got ", scale);
-    fmap_ = FeatureMap<T>::favor(parse_favor_kernel(fn, opts_.kernel.value_or("positive")),
-                                 projection_.view(), scale);
+    fmap_ = FeatureMap<T>::favor(fn, parse_favor_kernel(fn, opts_.kernel.value_or("positive")),
+                                 projection_.view(), head_dim_, opts_.scale);
   } else {
-    fmap_ = FeatureMap<T>::plain(parse_plain_feature_map("recurrent_state", opts_.feature_map),
-                                 head_dim_, opts_.focus_power);
+    const char* fn = "recurrent_state";
+    fmap_ = FeatureMap<T>::plain(fn, parse_plain_feature_map(fn, opts_.feature_map), head_dim_,
+                                 opts_.focus_power);
   }
 }
 
