@@ -22,6 +22,7 @@ using ::testing::HasSubstr;
 using testing::cast;
 using testing::error_of;
 using testing::expect_within;
+using testing::expect_gradient;
 using testing::KernelizedSpec;
 using testing::random_tensor;
 using testing::ScopedThreads;
@@ -124,24 +125,6 @@ TEST(KernelizedVsReference, DifferentQueryAndKeyLengths) {
     const auto g = run_backward<double>(spec, q, k, v, dout, &w);
     expect_within(g.dq, exact.dq, exact.dq_bound, "dq");
     expect_within(g.dk, exact.dk, exact.dk_bound, "dk");
-  }
-}
-
-// Central differences of the float64 fast forward, L = Σ out∘G, for every input with a
-// gradient, every map, causal or not, with padding. h = 1e-5: truncation h²/6·|L'''| and
-// cancellation u·|L|/h are both ~1e-10 for these O(1) inputs; tolerance 1e-7·(1 + |g|).
-template <class Fwd>
-void expect_gradient(Tensor<double>& x, const Tensor<double>& analytic, Fwd loss, const char* name) {
-  const double h = 1e-5;
-  for (int64_t i = 0; i < x.size(); ++i) {
-    const double x0 = x[i];
-    x[i] = x0 + h;
-    const double lp = loss();
-    x[i] = x0 - h;
-    const double lm = loss();
-    x[i] = x0;
-    const double fd = (lp - lm) / (2 * h);
-    ASSERT_NEAR(analytic[i], fd, 1e-7 * (1 + std::abs(fd))) << name << "[" << i << "]";
   }
 }
 

@@ -91,4 +91,33 @@ void expect_within(const Tensor<T>& got, const Tensor<double>& want, const Tenso
                       << std::abs(got[worst] - want[worst]) << ")";
 }
 
+// Central differences of a float64 forward's loss L = Σ out∘G against the analytic gradient
+// of L with respect to every element of x. h = 1e-5: the truncation term h²/6·|L‴| and the
+// cancellation term u·|L|/h are both ~1e-10 for O(1) inputs and derivatives; tolerance
+// 1e-7·(1 + |g|) leaves a factor of 1000 for larger third derivatives.
+template <class Fwd>
+void expect_gradient(Tensor<double>& x, const Tensor<double>& analytic, Fwd loss, const char* name) {
+  ASSERT_EQ(x.shape(), analytic.shape()) << name;
+  const double h = 1e-5;
+  for (int64_t i = 0; i < x.size(); ++i) {
+    const double x0 = x[i];
+    x[i] = x0 + h;
+    const double lp = loss();
+    x[i] = x0 - h;
+    const double lm = loss();
+    x[i] = x0;
+    const double fd = (lp - lm) / (2 * h);
+    ASSERT_NEAR(analytic[i], fd, 1e-7 * (1 + std::abs(fd))) << name << "[" << i << "]";
+  }
+}
+
+// Σ out∘G, the scalar loss the gradient checks differentiate.
+template <class T>
+double dot_loss(const Tensor<T>& out, const Tensor<double>& G) {
+  double L = 0;
+  for (int64_t i = 0; i < out.size(); ++i) L += static_cast<double>(out[i]) * G[i];
+  return L;
+}
+
 }  // namespace linattn::testing
+

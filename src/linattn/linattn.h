@@ -10,3 +10,6 @@
 #include "linattn/kernelized/kernelized_attention.h"
 #include "linattn/kernelized/recurrent_state.h"
 #include "linattn/softmax/softmax_attention.h"
+#include "linattn/nystrom/nystrom_attention.h"
+#include "linattn/linformer/linformer_attention.h"
+#include "linattn/efficient/efficient_attention.h"

@@ -1,0 +1,39 @@
+// Softmax along the rows of a row-major block, and its backward, on the SIMD layer. Used by the
+// methods that softmax small score blocks they hold whole (Nyström, Linformer, Efficient).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "linattn/core/error.h"
+#include "linattn/core/simd.h"
+
+namespace linattn {
+
+// x[r, 0..cols) = softmax(x[r, 0..cols)) for each of `rows` rows of leading dimension ld.
+// A row of no columns stays empty. `fn` names the caller if scores overflowed to ±inf.
+template <class T>
+void softmax_rows(const char* fn, T* x, int64_t rows, int64_t cols, int64_t ld) {
+  if (cols == 0) return;
+  for (int64_t r = 0; r < rows; ++r) {
+    T* row = x + r * ld;
+    const T mx = simd::max_value(row, static_cast<size_t>(cols));
+    require(std::isfinite(mx), fn, ": attention scores overflowed (max score ", mx,
+            "); the inputs are too large for this dtype");
+    const T sum = simd::exp_shifted_sum(row, static_cast<size_t>(cols), mx);
+    simd::scale(row, static_cast<size_t>(cols), T(1) / sum);
+  }
+}
+
+// Undoes P = softmax(S) row by row: g holds dP on entry and dS = P ∘ (dP − rowsum(P ∘ dP)) on exit.
+template <class T>
+void softmax_rows_backward(const T* p, T* g, int64_t rows, int64_t cols, int64_t ld_p, int64_t ld_g) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* pr = p + r * ld_p;
+    T* gr = g + r * ld_g;
+    const T delta = simd::dot(pr, gr, static_cast<size_t>(cols));
+    simd::softmax_grad(gr, pr, gr, static_cast<size_t>(cols), delta);
+  }
+}
+
+}  // namespace linattn

@@ -1,0 +1,153 @@
+// Efficient Attention forward and backward, per (batch, head):
+//   ρ_kᵀ = softmax over positions of (K_L·s)ᵀ [d, L] (rows of the transposed block, so the
+//   row softmax of the SIMD layer applies); G = ρ_kᵀ V_L [d, d_v];
+//   blocks of query rows: ρ_q = softmax over features of Q_blk·s; out_blk = ρ_q G.
+// Backward: dG = Σ_blk ρ_qᵀ dout, dq = s·softmax'(ρ_q, dout Gᵀ); dv_L = ρ_k dG,
+//   dk_L = s·softmax'(ρ_kᵀ, dG V_Lᵀ)ᵀ. Parallel over (batch, head): no atomics.
+#include "linattn/core/blas.h"
+#include "linattn/core/row_softmax.h"
+#include "linattn/core/threading.h"
+#include "linattn/efficient/internal.h"
+
+namespace linattn {
+namespace efficient {
+
+inline constexpr int64_t kRowBlock = 256;
+
+template <class T>
+Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                 const EfficientAttentionOptions& opts) {
+  require(!opts.causal, fn,
+          ": causal=true is not supported: Efficient Attention normalises keys over all "
+          "positions, so every output would see future positions");
+  Setup s;
+  s.mask_opts.key_lengths = opts.key_lengths;
+  s.mask_opts.scale = opts.scale;
+  s.d = check_attention_args(fn, q, k, v, s.mask_opts);
+  s.scale = resolve_scale(fn, s.mask_opts, s.d.head_dim);
+  return s;
+}
+
+template <class T>
+struct Buffers {
+  Buffers(const Setup& s, bool backward)
+      : kt(s.d.head_dim * s.d.n_k),
+        g(s.d.head_dim * s.d.value_dim),
+        qb(std::min(kRowBlock, s.d.n_q) * s.d.head_dim),
+        dkt(backward ? s.d.head_dim * s.d.n_k : 0),
+        dg(backward ? s.d.head_dim * s.d.value_dim : 0),
+        dqb(backward ? std::min(kRowBlock, s.d.n_q) * s.d.head_dim : 0) {}
+  Buffer<T> kt, g, qb, dkt, dg, dqb;
+};
+
+// ρ_kᵀ [d, L] and G = ρ_kᵀ V_L [d, d_v] for head bh.
+template <class T>
+void key_side(const char* fn, const Setup& s, TensorView<const T> k, TensorView<const T> v,
+              int64_t bh, int64_t L, Buffers<T>& b) {
+  const int64_t hd = s.d.head_dim;
+  const T sc = static_cast<T>(s.scale);
+  for (int64_t i = 0; i < L; ++i) {
+    const T* kr = k.row(bh, i);
+    for (int64_t c = 0; c < hd; ++c) b.kt[c * L + i] = sc * kr[c];
+  }
+  softmax_rows(fn, b.kt.data(), hd, L, L);
+  gemm<T>(Trans::No, Trans::No, hd, s.d.value_dim, L, T(1), b.kt.data(), L, v.row(bh, 0),
+          s.d.value_dim, T(0), b.g.data(), s.d.value_dim);
+}
+
+// ρ_q = softmax over features of s·Q for `rows` query rows from r0, into b.qb.
+template <class T>
+void query_block(const char* fn, const Setup& s, TensorView<const T> q, int64_t bh, int64_t r0,
+                 int64_t rows, Buffers<T>& b) {
+  const int64_t hd = s.d.head_dim;
+  const T sc = static_cast<T>(s.scale);
+  const T* src = q.row(bh, r0);
+  for (int64_t i = 0; i < rows * hd; ++i) b.qb[i] = sc * src[i];
+  softmax_rows(fn, b.qb.data(), rows, hd, hd);
+}
+
+}  // namespace efficient
+
+template <class T>
+Tensor<T> efficient_attention(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                              const EfficientAttentionOptions& opts) {
+  const char* fn = "efficient_attention";
+  const efficient::Setup s = efficient::check_args(fn, q, k, v, opts);
+  const AttentionDims& d = s.d;
+  const KeyMask mask(d, s.mask_opts);
+  Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim});  // out [B,H,n_q,d_v]
+  std::vector<efficient::Buffers<T>> buffers;
+  for (int w = 0; w < std::min<int64_t>(num_threads(), d.bh()); ++w) buffers.emplace_back(s, false);
+  parallel_for(d.bh(), [&](int64_t bh, int worker) {
+    const int64_t L = mask.key_length(bh / d.heads);
+    if (L == 0) return;  // no keys: out = 0
+    efficient::Buffers<T>& b = buffers[static_cast<size_t>(worker)];
+    efficient::key_side(fn, s, k, v, bh, L, b);
+    for (int64_t r0 = 0; r0 < d.n_q; r0 += efficient::kRowBlock) {
+      const int64_t rows = std::min(efficient::kRowBlock, d.n_q - r0);
+      efficient::query_block(fn, s, q, bh, r0, rows, b);
+      gemm<T>(Trans::No, Trans::No, rows, d.value_dim, d.head_dim, T(1), b.qb.data(), d.head_dim,
+              b.g.data(), d.value_dim, T(0), out.view().row(bh, r0), d.value_dim);
+    }
+  });
+  return out;
+}
+
+template <class T>
+AttentionGrads<T> efficient_attention_backward(TensorView<const T> q, TensorView<const T> k,
+                                               TensorView<const T> v, TensorView<const T> dout,
+                                               const EfficientAttentionOptions& opts) {
+  const char* fn = "efficient_attention_backward";
+  const efficient::Setup s = efficient::check_args(fn, q, k, v, opts);
+  const AttentionDims& d = s.d;
+  check_same_shape_finite(fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
+  const KeyMask mask(d, s.mask_opts);
+  AttentionGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape)};
+  const int64_t hd = d.head_dim, dv = d.value_dim;
+  const T sc = static_cast<T>(s.scale);
+  std::vector<efficient::Buffers<T>> buffers;
+  for (int w = 0; w < std::min<int64_t>(num_threads(), d.bh()); ++w) buffers.emplace_back(s, true);
+  parallel_for(d.bh(), [&](int64_t bh, int worker) {
+    const int64_t L = mask.key_length(bh / d.heads);
+    if (L == 0) return;  // out = 0 for any q, k, v: all gradients 0
+    efficient::Buffers<T>& b = buffers[static_cast<size_t>(worker)];
+    efficient::key_side(fn, s, k, v, bh, L, b);
+    std::fill(b.dg.data(), b.dg.data() + hd * dv, T(0));
+    for (int64_t r0 = 0; r0 < d.n_q; r0 += efficient::kRowBlock) {
+      const int64_t rows = std::min(efficient::kRowBlock, d.n_q - r0);
+      const T* go = dout.row(bh, r0);
+      efficient::query_block(fn, s, q, bh, r0, rows, b);
+      // out = ρ_q G: dG += ρ_qᵀ dout, dρ_q = dout Gᵀ
+      gemm<T>(Trans::Yes, Trans::No, hd, dv, rows, T(1), b.qb.data(), hd, go, dv, T(1), b.dg.data(), dv);
+      gemm<T>(Trans::No, Trans::Yes, rows, hd, dv, T(1), go, dv, b.g.data(), dv, T(0), b.dqb.data(), hd);
+      softmax_rows_backward(b.qb.data(), b.dqb.data(), rows, hd, hd, hd);
+      T* dq = g.dq.view().row(bh, r0);
+      for (int64_t i = 0; i < rows * hd; ++i) dq[i] = sc * b.dqb[i];
+    }
+    // G = ρ_kᵀ V_L: dρ_kᵀ = dG V_Lᵀ, dv_L = ρ_k dG
+    gemm<T>(Trans::No, Trans::Yes, hd, L, dv, T(1), b.dg.data(), dv, v.row(bh, 0), dv, T(0), b.dkt.data(), L);
+    gemm<T>(Trans::Yes, Trans::No, L, dv, hd, T(1), b.kt.data(), L, b.dg.data(), dv, T(0),
+            g.dv.view().row(bh, 0), dv);
+    softmax_rows_backward(b.kt.data(), b.dkt.data(), hd, L, L, L);
+    for (int64_t i = 0; i < L; ++i) {
+      T* dk = g.dk.view().row(bh, i);
+      for (int64_t c = 0; c < hd; ++c) dk[c] = sc * b.dkt[c * L + i];
+    }
+  });
+  return g;
+}
+
+#define LINATTN_INSTANTIATE(T)                                                                 \
+  template efficient::Setup efficient::check_args<T>(const char*, TensorView<const T>,         \
+                                                     TensorView<const T>, TensorView<const T>, \
+                                                     const EfficientAttentionOptions&);        \
+  template Tensor<T> efficient_attention(TensorView<const T>, TensorView<const T>,             \
+                                         TensorView<const T>, const EfficientAttentionOptions&); \
+  template AttentionGrads<T> efficient_attention_backward(                                     \
+      TensorView<const T>, TensorView<const T>, TensorView<const T>, TensorView<const T>,      \
+      const EfficientAttentionOptions&);
+LINATTN_INSTANTIATE(float)
+LINATTN_INSTANTIATE(double)
+#undef LINATTN_INSTANTIATE
+
+}  // namespace linattn

@@ -1,0 +1,22 @@
+// Argument checks shared by the Linformer fast path and its reference.
+#pragma once
+
+#include "linattn/linformer/linformer_attention.h"
+
+namespace linattn::linformer {
+
+struct Setup {
+  AttentionDims d;
+  AttentionOptions mask_opts;
+  double scale;
+  int64_t s_proj, n_max;
+  bool per_head;
+  // Projection matrix of head h: rows of n_max values.
+  int64_t offset(int64_t h) const { return per_head ? h * s_proj * n_max : 0; }
+};
+
+template <class T>
+Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                 TensorView<const T> e, TensorView<const T> f, const LinformerOptions& opts);
+
+}  // namespace linattn::linformer

@@ -1,0 +1,198 @@
+// Linformer forward and backward. Per (batch, head): K' = E_L·K_L [s,d], V' = F_L·V_L [s,d_v]
+// (E_L, F_L the first L = key_length columns), then blocks of query rows:
+// out_blk = softmax(Q_blk K'ᵀ·s)·V'. The backward recomputes K', V' and the blocks, and writes
+// dK', dV' per head; dE, dF are then summed over the heads that share them, in a second loop
+// over column blocks, so no two tasks write the same element (no atomics).
+#include <cmath>
+
+#include "linattn/core/blas.h"
+#include "linattn/core/random.h"
+#include "linattn/core/row_softmax.h"
+#include "linattn/core/threading.h"
+#include "linattn/linformer/internal.h"
+
+namespace linattn {
+namespace linformer {
+
+inline constexpr int64_t kRowBlock = 256;
+
+template <class T>
+Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                 TensorView<const T> e, TensorView<const T> f, const LinformerOptions& opts) {
+  require(!opts.causal, fn,
+          ": causal=true is not supported: Linformer projects keys and values over the whole "
+          "sequence, so every output would see future positions");
+  Setup s;
+  s.mask_opts.key_lengths = opts.key_lengths;
+  s.mask_opts.scale = opts.scale;
+  s.d = check_attention_args(fn, q, k, v, s.mask_opts);
+  s.scale = resolve_scale(fn, s.mask_opts, s.d.head_dim);
+  require(e.rank() == 2 || e.rank() == 3, fn, ": e has shape ", shape_string(e.shape),
+          "; expected [s_proj, n_max] or [heads, s_proj, n_max]");
+  require(f.shape == e.shape, fn, ": f has shape ", shape_string(f.shape),
+          "; expected the shape of e, ", shape_string(e.shape));
+  s.per_head = e.rank() == 3;
+  require(!s.per_head || e.dim(0) == s.d.heads, fn, ": e has shape ", shape_string(e.shape),
+          "; its first dimension must be heads = ", s.d.heads);
+  s.s_proj = e.dim(-2);
+  s.n_max = e.dim(-1);
+  require(s.s_proj >= 1, fn, ": s_proj (rows of e) must be >= 1, got shape ", shape_string(e.shape));
+  require(s.d.n_k <= s.n_max, fn, ": the key sequence length n_k = ", s.d.n_k,
+          " exceeds n_max = ", s.n_max, ", the columns of e and f");
+  for (const auto* x : {&e, &f}) {
+    const char* name = x == &e ? "e" : "f";
+    require(x->size() == 0 || x->data != nullptr, fn, ": ", name, " has no data");
+    for (int64_t i = 0; i < x->size(); ++i)
+      require(std::isfinite(x->data[i]), fn, ": ", name, " has a non-finite value at flat index ", i);
+  }
+  return s;
+}
+
+template <class T>
+struct Buffers {
+  explicit Buffers(const Setup& s, bool backward)
+      : kp(s.s_proj * s.d.head_dim),
+        vp(s.s_proj * s.d.value_dim),
+        p(std::min(kRowBlock, s.d.n_q) * s.s_proj),
+        dp(backward ? std::min(kRowBlock, s.d.n_q) * s.s_proj : 0) {}
+  Buffer<T> kp, vp, p, dp;
+};
+
+// K' = E_L·K_L and V' = F_L·V_L for head bh.
+template <class T>
+void project(const Setup& s, TensorView<const T> k, TensorView<const T> v, TensorView<const T> e,
+             TensorView<const T> f, int64_t bh, int64_t L, Buffers<T>& b) {
+  const int64_t h = bh % s.d.heads;
+  gemm<T>(Trans::No, Trans::No, s.s_proj, s.d.head_dim, L, T(1), e.data + s.offset(h), s.n_max,
+          k.row(bh, 0), s.d.head_dim, T(0), b.kp.data(), s.d.head_dim);
+  gemm<T>(Trans::No, Trans::No, s.s_proj, s.d.value_dim, L, T(1), f.data + s.offset(h), s.n_max,
+          v.row(bh, 0), s.d.value_dim, T(0), b.vp.data(), s.d.value_dim);
+}
+
+}  // namespace linformer
+
+template <class T>
+Tensor<T> linformer_attention(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                              TensorView<const T> e, TensorView<const T> f,
+                              const LinformerOptions& opts) {
+  const char* fn = "linformer_attention";
+  const linformer::Setup s = linformer::check_args(fn, q, k, v, e, f, opts);
+  const AttentionDims& d = s.d;
+  const KeyMask mask(d, s.mask_opts);
+  Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim});  // out [B,H,n_q,d_v]
+  const T sc = static_cast<T>(s.scale);
+  std::vector<linformer::Buffers<T>> buffers;
+  for (int w = 0; w < std::min<int64_t>(num_threads(), d.bh()); ++w) buffers.emplace_back(s, false);
+  parallel_for(d.bh(), [&](int64_t bh, int worker) {
+    linformer::Buffers<T>& b = buffers[static_cast<size_t>(worker)];
+    linformer::project(s, k, v, e, f, bh, mask.key_length(bh / d.heads), b);
+    for (int64_t r0 = 0; r0 < d.n_q; r0 += linformer::kRowBlock) {
+      const int64_t rows = std::min(linformer::kRowBlock, d.n_q - r0);
+      gemm<T>(Trans::No, Trans::Yes, rows, s.s_proj, d.head_dim, sc, q.row(bh, r0), d.head_dim,
+              b.kp.data(), d.head_dim, T(0), b.p.data(), s.s_proj);
+      softmax_rows(fn, b.p.data(), rows, s.s_proj, s.s_proj);
+      gemm<T>(Trans::No, Trans::No, rows, d.value_dim, s.s_proj, T(1), b.p.data(), s.s_proj,
+              b.vp.data(), d.value_dim, T(0), out.view().row(bh, r0), d.value_dim);
+    }
+  });
+  return out;
+}
+
+template <class T>
+LinformerGrads<T> linformer_attention_backward(TensorView<const T> q, TensorView<const T> k,
+                                               TensorView<const T> v, TensorView<const T> e,
+                                               TensorView<const T> f, TensorView<const T> dout,
+                                               const LinformerOptions& opts) {
+  const char* fn = "linformer_attention_backward";
+  const linformer::Setup s = linformer::check_args(fn, q, k, v, e, f, opts);
+  const AttentionDims& d = s.d;
+  check_same_shape_finite(fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
+  const KeyMask mask(d, s.mask_opts);
+  LinformerGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape), Tensor<T>(e.shape),
+                      Tensor<T>(f.shape)};
+  const int64_t hd = d.head_dim, dv = d.value_dim, sp = s.s_proj;
+  const T sc = static_cast<T>(s.scale);
+  // dK' [BH, s, d] and dV' [BH, s, d_v]: O(B·H·s·d), independent of n.
+  Tensor<T> dkp({d.bh(), sp, hd}, true), dvp({d.bh(), sp, dv}, true);
+  std::vector<linformer::Buffers<T>> buffers;
+  for (int w = 0; w < std::min<int64_t>(num_threads(), d.bh()); ++w) buffers.emplace_back(s, true);
+  parallel_for(d.bh(), [&](int64_t bh, int worker) {
+    linformer::Buffers<T>& b = buffers[static_cast<size_t>(worker)];
+    const int64_t L = mask.key_length(bh / d.heads), h = bh % d.heads;
+    linformer::project(s, k, v, e, f, bh, L, b);
+    T *dk_p = dkp.data() + bh * sp * hd, *dv_p = dvp.data() + bh * sp * dv;
+    for (int64_t r0 = 0; r0 < d.n_q; r0 += linformer::kRowBlock) {
+      const int64_t rows = std::min(linformer::kRowBlock, d.n_q - r0);
+      const T* go = dout.row(bh, r0);
+      gemm<T>(Trans::No, Trans::Yes, rows, sp, hd, sc, q.row(bh, r0), hd, b.kp.data(), hd, T(0),
+              b.p.data(), sp);
+      softmax_rows(fn, b.p.data(), rows, sp, sp);
+      // out = P·V': dV' += Pᵀ dout, dP = dout V'ᵀ
+      gemm<T>(Trans::Yes, Trans::No, sp, dv, rows, T(1), b.p.data(), sp, go, dv, T(1), dv_p, dv);
+      gemm<T>(Trans::No, Trans::Yes, rows, sp, dv, T(1), go, dv, b.vp.data(), dv, T(0), b.dp.data(), sp);
+      softmax_rows_backward(b.p.data(), b.dp.data(), rows, sp, sp, sp);
+      // S = s·Q K'ᵀ: dq = s·dS K', dK' += s·dSᵀ Q
+      gemm<T>(Trans::No, Trans::No, rows, hd, sp, sc, b.dp.data(), sp, b.kp.data(), hd, T(0),
+              g.dq.view().row(bh, r0), hd);
+      gemm<T>(Trans::Yes, Trans::No, sp, hd, rows, sc, b.dp.data(), sp, q.row(bh, r0), hd, T(1), dk_p, hd);
+    }
+    // K' = E_L K_L: dk_L = E_Lᵀ dK'; V' = F_L V_L: dv_L = F_Lᵀ dV'
+    gemm<T>(Trans::Yes, Trans::No, L, hd, sp, T(1), e.data + s.offset(h), s.n_max, dk_p, hd, T(0),
+            g.dk.view().row(bh, 0), hd);
+    gemm<T>(Trans::Yes, Trans::No, L, dv, sp, T(1), f.data + s.offset(h), s.n_max, dv_p, dv, T(0),
+            g.dv.view().row(bh, 0), dv);
+  });
+  // dE[:, j] = Σ_{b,h sharing E} dK'_bh K_bh[j]ᵀ over j < L_b; tasks own column blocks of one matrix.
+  constexpr int64_t kCols = 256;
+  const int64_t col_blocks = (d.n_k + kCols - 1) / kCols, mats = s.per_head ? d.heads : 1;
+  parallel_for(mats * col_blocks, [&](int64_t task, int) {
+    const int64_t mat = task / col_blocks, j0 = (task % col_blocks) * kCols;
+    for (int64_t bh = 0; bh < d.bh(); ++bh) {
+      const int64_t h = bh % d.heads;
+      if (s.per_head && h != mat) continue;
+      const int64_t j1 = std::min(j0 + kCols, mask.key_length(bh / d.heads));
+      if (j1 <= j0) continue;
+      gemm<T>(Trans::No, Trans::Yes, sp, j1 - j0, hd, T(1), dkp.data() + bh * sp * hd, hd,
+              k.row(bh, j0), hd, T(1), g.de.data() + s.offset(h) + j0, s.n_max);
+      gemm<T>(Trans::No, Trans::Yes, sp, j1 - j0, dv, T(1), dvp.data() + bh * sp * dv, dv,
+              v.row(bh, j0), dv, T(1), g.df.data() + s.offset(h) + j0, s.n_max);
+    }
+  });
+  return g;
+}
+
+template <class T>
+std::pair<Tensor<T>, Tensor<T>> linformer_projections(int64_t s_proj, int64_t n_max, int64_t heads,
+                                                      uint64_t seed) {
+  const char* fn = "linformer_projections";
+  require(s_proj >= 1, fn, ": s_proj must be >= 1, got ", s_proj);
+  require(n_max >= 1, fn, ": n_max must be >= 1, got ", n_max);
+  require(heads >= 0, fn, ": heads must be >= 0 (0: shared by all heads), got ", heads);
+  const Shape shape = heads == 0 ? Shape{s_proj, n_max} : Shape{heads, s_proj, n_max};
+  const double a = std::sqrt(3.0 / static_cast<double>(n_max + s_proj));
+  std::pair<Tensor<T>, Tensor<T>> ef{Tensor<T>(shape), Tensor<T>(shape)};
+  Rng re(seed), rf(seed + 1);
+  for (int64_t i = 0; i < ef.first.size(); ++i) {
+    ef.first[i] = static_cast<T>(a * (2 * re.uniform() - 1));
+    ef.second[i] = static_cast<T>(a * (2 * rf.uniform() - 1));
+  }
+  return ef;
+}
+
+#define LINATTN_INSTANTIATE(T)                                                                  \
+  template linformer::Setup linformer::check_args<T>(                                           \
+      const char*, TensorView<const T>, TensorView<const T>, TensorView<const T>,               \
+      TensorView<const T>, TensorView<const T>, const LinformerOptions&);                       \
+  template Tensor<T> linformer_attention(TensorView<const T>, TensorView<const T>,              \
+                                         TensorView<const T>, TensorView<const T>,              \
+                                         TensorView<const T>, const LinformerOptions&);         \
+  template LinformerGrads<T> linformer_attention_backward(                                      \
+      TensorView<const T>, TensorView<const T>, TensorView<const T>, TensorView<const T>,       \
+      TensorView<const T>, TensorView<const T>, const LinformerOptions&);                       \
+  template std::pair<Tensor<T>, Tensor<T>> linformer_projections<T>(int64_t, int64_t, int64_t,  \
+                                                                    uint64_t);
+LINATTN_INSTANTIATE(float)
+LINATTN_INSTANTIATE(double)
+#undef LINATTN_INSTANTIATE
+
+}  // namespace linattn

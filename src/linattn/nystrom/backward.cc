@@ -1,0 +1,105 @@
+// Nyström backward: per head, recompute the landmark side (keeping the pinv iterates), then
+//   blocks of query rows: F1 = softmax(Q_blk K̃ᵀ·s); dY += F1ᵀ dout; dS1 = softmax'(dout Yᵀ);
+//     dq_blk = s·dS1 K̃; dK̃ += s·dS1ᵀ Q_blk
+//   Y = Z·W: dZ = dY Wᵀ, dW = Zᵀ dY;  W = F3·V_L: dF3 = dW V_Lᵀ, dv_L = F3ᵀ dW
+//   F3 = softmax(Q̃K_Lᵀ·s): dQ̃ += s·dS3 K_L, dk_L = s·dS3ᵀ Q̃
+//   Z = pinv(A): dA;  A = softmax(Q̃K̃ᵀ·s): dQ̃ += s·dS2 K̃, dK̃ += s·dS2ᵀ Q̃
+//   Q̃, K̃ = segment means: dq_i += dQ̃_j/len_j, dk_i += dK̃_j/len_j for i in segment j.
+// Parallel over (batch, head): each task owns its rows of dq, dk, dv, so no atomics.
+#include "linattn/core/blas.h"
+#include "linattn/core/depthwise_conv.h"
+#include "linattn/core/row_softmax.h"
+#include "linattn/core/threading.h"
+#include "linattn/nystrom/internal.h"
+
+namespace linattn {
+namespace {
+
+// x[i] += g[j]·(1/len_j) for every position i of segment j: undoes the segment means.
+template <class T>
+void unpool(const T* g, int64_t L, int64_t m, int64_t d, T* x, int64_t ld) {
+  for (int64_t j = 0; j < m; ++j) {
+    const int64_t b = segment_begin(j, L, m), e = segment_end(j, L, m);
+    const T inv = T(1) / static_cast<T>(e - b);
+    for (int64_t i = b; i < e; ++i)
+      for (int64_t c = 0; c < d; ++c) x[i * ld + c] += g[j * d + c] * inv;
+  }
+}
+
+}  // namespace
+
+template <class T>
+NystromGrads<T> nystrom_attention_backward(TensorView<const T> q, TensorView<const T> k,
+                                           TensorView<const T> v, TensorView<const T> dout,
+                                           const NystromOptions& opts,
+                                           std::optional<TensorView<const T>> conv_weight) {
+  const char* fn = "nystrom_attention_backward";
+  const nystrom::Setup s = nystrom::check_args(fn, q, k, v, opts, conv_weight);
+  const AttentionDims& d = s.d;
+  check_same_shape_finite(fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
+  const KeyMask mask(d, s.mask_opts);
+  NystromGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape), Tensor<T>()};
+  const int64_t hd = d.head_dim, dv = d.value_dim;
+  const T sc = static_cast<T>(s.scale);
+  std::vector<nystrom::HeadBuffers<T>> buffers;
+  for (int w = 0; w < std::min<int64_t>(num_threads(), d.bh()); ++w) buffers.emplace_back(s, true);
+  parallel_for(d.bh(), [&](int64_t bh, int worker) {
+    const int64_t L = mask.key_length(bh / d.heads), m = std::min(s.max_landmarks, L);
+    if (L == 0) return;  // the attention term is 0 and so are its gradients
+    nystrom::HeadBuffers<T>& hb = buffers[static_cast<size_t>(worker)];
+    nystrom::landmark_side(fn, s, q, k, v, bh, L, m, hb, true);
+    T *dy = hb.dy.data(), *dqt = hb.dqt.data(), *dkt = hb.dkt.data(), *ds = hb.dscores.data();
+    std::fill(dy, dy + m * dv, T(0));
+    std::fill(dqt, dqt + m * hd, T(0));
+    std::fill(dkt, dkt + m * hd, T(0));
+    // out_blk = softmax(Q_blk K̃ᵀ·s)·Y
+    for (int64_t r0 = 0; r0 < d.n_q; r0 += nystrom::kRowBlock) {
+      const int64_t rows = std::min(nystrom::kRowBlock, d.n_q - r0);
+      T* f1 = hb.scores.data();
+      const T* go = dout.row(bh, r0);
+      gemm<T>(Trans::No, Trans::Yes, rows, m, hd, sc, q.row(bh, r0), hd, hb.kt.data(), hd, T(0), f1, m);
+      softmax_rows(fn, f1, rows, m, m);
+      gemm<T>(Trans::Yes, Trans::No, m, dv, rows, T(1), f1, m, go, dv, T(1), dy, dv);
+      gemm<T>(Trans::No, Trans::Yes, rows, m, dv, T(1), go, dv, hb.y.data(), dv, T(0), ds, m);
+      softmax_rows_backward(f1, ds, rows, m, m, m);
+      gemm<T>(Trans::No, Trans::No, rows, hd, m, sc, ds, m, hb.kt.data(), hd, T(0),
+              g.dq.view().row(bh, r0), hd);
+      gemm<T>(Trans::Yes, Trans::No, m, hd, rows, sc, ds, m, q.row(bh, r0), hd, T(1), dkt, hd);
+    }
+    // Y = Z·W
+    gemm<T>(Trans::No, Trans::Yes, m, m, dv, T(1), dy, dv, hb.w.data(), dv, T(0), hb.dz.data(), m);
+    gemm<T>(Trans::Yes, Trans::No, m, dv, m, T(1), hb.z.data(), m, dy, dv, T(0), hb.dw.data(), dv);
+    // W = F3·V_L
+    gemm<T>(Trans::No, Trans::Yes, m, L, dv, T(1), hb.dw.data(), dv, v.row(bh, 0), dv, T(0), ds, L);
+    gemm<T>(Trans::Yes, Trans::No, L, dv, m, T(1), hb.f3.data(), L, hb.dw.data(), dv, T(0),
+            g.dv.view().row(bh, 0), dv);
+    // F3 = softmax(Q̃ K_Lᵀ·s)
+    softmax_rows_backward(hb.f3.data(), ds, m, L, L, L);
+    gemm<T>(Trans::No, Trans::No, m, hd, L, sc, ds, L, k.row(bh, 0), hd, T(1), dqt, hd);
+    gemm<T>(Trans::Yes, Trans::No, L, hd, m, sc, ds, L, hb.qt.data(), hd, T(0), g.dk.view().row(bh, 0), hd);
+    // Z = pinv(A), A = softmax(Q̃ K̃ᵀ·s)
+    nystrom::pinv_backward<T>(s.pinv, hb.a.data(), hb.z.data(), m, s.iterations, hb.iterates.data(),
+                              hb.dz.data(), hb.da.data(), hb.pinv_scratch.data());
+    softmax_rows_backward(hb.a.data(), hb.da.data(), m, m, m, m);
+    gemm<T>(Trans::No, Trans::No, m, hd, m, sc, hb.da.data(), m, hb.kt.data(), hd, T(1), dqt, hd);
+    gemm<T>(Trans::Yes, Trans::No, m, hd, m, sc, hb.da.data(), m, hb.qt.data(), hd, T(1), dkt, hd);
+    // Q̃, K̃ = segment means of the valid positions
+    unpool(dqt, L, m, hd, g.dq.view().row(bh, 0), hd);
+    unpool(dkt, L, m, hd, g.dk.view().row(bh, 0), hd);
+  });
+  if (conv_weight) {
+    g.d_conv_weight = Tensor<T>(conv_weight->shape);
+    depthwise_conv_backward(v, *conv_weight, dout.data, d, mask, false, g.dv.data(),
+                            g.d_conv_weight.data());
+  }
+  return g;
+}
+
+template NystromGrads<float> nystrom_attention_backward(
+    TensorView<const float>, TensorView<const float>, TensorView<const float>,
+    TensorView<const float>, const NystromOptions&, std::optional<TensorView<const float>>);
+template NystromGrads<double> nystrom_attention_backward(
+    TensorView<const double>, TensorView<const double>, TensorView<const double>,
+    TensorView<const double>, const NystromOptions&, std::optional<TensorView<const double>>);
+
+}  // namespace linattn

@@ -1,0 +1,48 @@
+// Nyström forward: per head, the landmark side (Q̃, K̃, pinv, Y = pinv(A)·softmax(Q̃K_Lᵀ·s)·V_L),
+// then blocks of query rows: out_blk = softmax(Q_blk K̃ᵀ·s)·Y. Parallel over (batch, head).
+#include "linattn/core/blas.h"
+#include "linattn/core/depthwise_conv.h"
+#include "linattn/core/row_softmax.h"
+#include "linattn/core/threading.h"
+#include "linattn/nystrom/internal.h"
+
+namespace linattn {
+
+template <class T>
+Tensor<T> nystrom_attention(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                            const NystromOptions& opts, std::optional<TensorView<const T>> conv_weight) {
+  const char* fn = "nystrom_attention";
+  const nystrom::Setup s = nystrom::check_args(fn, q, k, v, opts, conv_weight);
+  const AttentionDims& d = s.d;
+  const KeyMask mask(d, s.mask_opts);
+  Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim});  // out [B,H,n,d_v]
+  const T sc = static_cast<T>(s.scale);
+  std::vector<nystrom::HeadBuffers<T>> buffers;
+  for (int w = 0; w < std::min<int64_t>(num_threads(), d.bh()); ++w) buffers.emplace_back(s, false);
+  parallel_for(d.bh(), [&](int64_t bh, int worker) {
+    const int64_t L = mask.key_length(bh / d.heads), m = std::min(s.max_landmarks, L);
+    if (L == 0) return;  // no keys: the attention term is 0
+    nystrom::HeadBuffers<T>& hb = buffers[static_cast<size_t>(worker)];
+    nystrom::landmark_side(fn, s, q, k, v, bh, L, m, hb, false);
+    for (int64_t r0 = 0; r0 < d.n_q; r0 += nystrom::kRowBlock) {
+      const int64_t rows = std::min(nystrom::kRowBlock, d.n_q - r0);
+      T* f1 = hb.scores.data();
+      gemm<T>(Trans::No, Trans::Yes, rows, m, d.head_dim, sc, q.row(bh, r0), d.head_dim,
+              hb.kt.data(), d.head_dim, T(0), f1, m);
+      softmax_rows(fn, f1, rows, m, m);
+      gemm<T>(Trans::No, Trans::No, rows, d.value_dim, m, T(1), f1, m, hb.y.data(), d.value_dim,
+              T(0), out.view().row(bh, r0), d.value_dim);
+    }
+  });
+  if (conv_weight) depthwise_conv_forward(v, *conv_weight, d, mask, false, out.data());
+  return out;
+}
+
+template Tensor<float> nystrom_attention(TensorView<const float>, TensorView<const float>,
+                                         TensorView<const float>, const NystromOptions&,
+                                         std::optional<TensorView<const float>>);
+template Tensor<double> nystrom_attention(TensorView<const double>, TensorView<const double>,
+                                          TensorView<const double>, const NystromOptions&,
+                                          std::optional<TensorView<const double>>);
+
+}  // namespace linattn

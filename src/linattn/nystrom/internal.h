@@ -1,0 +1,46 @@
+// Shared by the Nyström forward and backward: argument checks and the landmark side of one head
+// (everything that does not depend on the query block).
+#pragma once
+
+#include <algorithm>
+#include <optional>
+
+#include "linattn/core/memory.h"
+#include "linattn/nystrom/nystrom_attention.h"
+#include "linattn/nystrom/pinv.h"
+
+namespace linattn::nystrom {
+
+inline constexpr int64_t kRowBlock = 256;  // query rows per softmax(Q K̃ᵀ) block
+
+struct Setup {
+  AttentionDims d;
+  AttentionOptions mask_opts;  // key_lengths only
+  double scale;
+  PinvMethod pinv;
+  int64_t max_landmarks;  // min(num_landmarks, n)
+  int64_t iterations;
+};
+
+template <class T>
+Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                 const NystromOptions& opts, std::optional<TensorView<const T>> conv_weight);
+
+// Per-worker buffers, sized for the largest head before the parallel loop.
+template <class T>
+struct HeadBuffers {
+  HeadBuffers(const Setup& s, bool backward);
+  Buffer<T> qt, kt, a, f3, z, iterates, w, y, scores, pinv_scratch;
+  // backward only
+  Buffer<T> dscores, dy, dz, dw, dqt, dkt, da;
+};
+
+// For head bh with L valid positions and m = min(max_landmarks, L) landmarks, fills
+// Q̃, K̃ [m,d]; A = softmax(Q̃K̃ᵀ·s) [m,m]; F3 = softmax(Q̃K_Lᵀ·s) [m,L]; Z = pinv(A)
+// (and its iterates); W = F3·V_L [m,d_v]; Y = Z·W [m,d_v].
+template <class T>
+void landmark_side(const char* fn, const Setup& s, TensorView<const T> q, TensorView<const T> k,
+                   TensorView<const T> v, int64_t bh, int64_t L, int64_t m, HeadBuffers<T>& hb,
+                   bool keep_iterates);
+
+}  // namespace linattn::nystrom
