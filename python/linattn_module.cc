@@ -389,6 +389,209 @@ PyRecurrentState recurrent_state(int64_t batch, int64_t heads, int64_t head_dim,
   });
 }
 
+// ---- Nyström, Linformer, Efficient Attention ----------------------------------------------
+
+// The tensor arguments of one call, by name; optional ones may be None. One dtype for all.
+class Inputs {
+ public:
+  explicit Inputs(const char* fn) : fn_(fn) {}
+  Inputs& add(const char* name, const py::object& obj) {
+    if (!obj.is_none()) arrays_.push_back({name, as_array(fn_, name, obj)});
+    return *this;
+  }
+  DType dtype() const {
+    std::vector<std::pair<const char*, const Array*>> all;
+    for (const auto& [name, a] : arrays_) all.push_back({name, &a});
+    return common_dtype(fn_, all);
+  }
+  template <class T>
+  std::optional<TensorView<const T>> optional(const char* name) const {
+    for (const auto& [n, a] : arrays_)
+      if (std::string(n) == name) return a.template view<T>();
+    return std::nullopt;
+  }
+  template <class T>
+  TensorView<const T> tensor(const char* name) const { return *optional<T>(name); }
+
+ private:
+  const char* fn_;
+  std::vector<std::pair<const char*, Array>> arrays_;
+};
+
+template <class... Ts>
+py::tuple numpy_tuple(Ts&&... ts) {
+  return py::make_tuple(to_numpy(std::move(ts))...);
+}
+
+linattn::NystromOptions nystrom_options(const char* fn, int64_t num_landmarks, int64_t pinv_iterations,
+                                        const std::string& pinv, const py::object& key_lengths,
+                                        const py::object& scale, bool causal) {
+  linattn::NystromOptions o;
+  o.num_landmarks = num_landmarks;
+  o.pinv_iterations = pinv_iterations;
+  o.pinv = pinv;
+  o.key_lengths = as_lengths(fn, key_lengths);
+  o.scale = as_scale(fn, scale);
+  o.causal = causal;
+  return o;
+}
+
+py::array nystrom_attention(const py::object& q, const py::object& k, const py::object& v,
+                            int64_t num_landmarks, int64_t pinv_iterations, const std::string& pinv,
+                            const py::object& conv_weight, const py::object& key_lengths,
+                            const py::object& scale, bool causal) {
+  const char* fn = "nystrom_attention";
+  Inputs in(fn);
+  in.add("q", q).add("k", k).add("v", v).add("conv_weight", conv_weight);
+  const auto o = nystrom_options(fn, num_landmarks, pinv_iterations, pinv, key_lengths, scale, causal);
+  return by_dtype(in.dtype(), [&](auto tag) -> py::array {
+    using T = decltype(tag);
+    Tensor<T> out;
+    {
+      py::gil_scoped_release nogil;
+      out = linattn::nystrom_attention<T>(in.tensor<T>("q"), in.tensor<T>("k"),
+                                          in.tensor<T>("v"), o, in.optional<T>("conv_weight"));
+    }
+    return to_numpy(std::move(out));
+  });
+}
+
+py::tuple nystrom_attention_backward(const py::object& q, const py::object& k, const py::object& v,
+                                     const py::object& dout, int64_t num_landmarks,
+                                     int64_t pinv_iterations, const std::string& pinv,
+                                     const py::object& conv_weight, const py::object& key_lengths,
+                                     const py::object& scale, bool causal) {
+  const char* fn = "nystrom_attention_backward";
+  Inputs in(fn);
+  in.add("q", q).add("k", k).add("v", v).add("dout", dout).add("conv_weight", conv_weight);
+  const auto o = nystrom_options(fn, num_landmarks, pinv_iterations, pinv, key_lengths, scale, causal);
+  return by_dtype(in.dtype(), [&](auto tag) -> py::tuple {
+    using T = decltype(tag);
+    linattn::NystromGrads<T> g;
+    {
+      py::gil_scoped_release nogil;
+      g = linattn::nystrom_attention_backward<T>(
+          in.tensor<T>("q"), in.tensor<T>("k"), in.tensor<T>("v"),
+          in.tensor<T>("dout"), o, in.optional<T>("conv_weight"));
+    }
+    if (conv_weight.is_none()) return numpy_tuple(std::move(g.dq), std::move(g.dk), std::move(g.dv));
+    return numpy_tuple(std::move(g.dq), std::move(g.dk), std::move(g.dv), std::move(g.d_conv_weight));
+  });
+}
+
+linattn::LinformerOptions linformer_options(const char* fn, const py::object& key_lengths,
+                                            const py::object& scale, bool causal) {
+  linattn::LinformerOptions o;
+  o.key_lengths = as_lengths(fn, key_lengths);
+  o.scale = as_scale(fn, scale);
+  o.causal = causal;
+  return o;
+}
+
+py::array linformer_attention(const py::object& q, const py::object& k, const py::object& v,
+                              const py::object& e, const py::object& f, const py::object& key_lengths,
+                              const py::object& scale, bool causal) {
+  const char* fn = "linformer_attention";
+  Inputs in(fn);
+  in.add("q", q).add("k", k).add("v", v).add("e", e).add("f", f);
+  const auto o = linformer_options(fn, key_lengths, scale, causal);
+  return by_dtype(in.dtype(), [&](auto tag) -> py::array {
+    using T = decltype(tag);
+    Tensor<T> out;
+    {
+      py::gil_scoped_release nogil;
+      out = linattn::linformer_attention<T>(in.tensor<T>("q"), in.tensor<T>("k"),
+                                            in.tensor<T>("v"), in.tensor<T>("e"),
+                                            in.tensor<T>("f"), o);
+    }
+    return to_numpy(std::move(out));
+  });
+}
+
+py::tuple linformer_attention_backward(const py::object& q, const py::object& k, const py::object& v,
+                                       const py::object& e, const py::object& f, const py::object& dout,
+                                       const py::object& key_lengths, const py::object& scale,
+                                       bool causal) {
+  const char* fn = "linformer_attention_backward";
+  Inputs in(fn);
+  in.add("q", q).add("k", k).add("v", v).add("e", e).add("f", f).add("dout", dout);
+  const auto o = linformer_options(fn, key_lengths, scale, causal);
+  return by_dtype(in.dtype(), [&](auto tag) -> py::tuple {
+    using T = decltype(tag);
+    linattn::LinformerGrads<T> g;
+    {
+      py::gil_scoped_release nogil;
+      g = linattn::linformer_attention_backward<T>(
+          in.tensor<T>("q"), in.tensor<T>("k"), in.tensor<T>("v"),
+          in.tensor<T>("e"), in.tensor<T>("f"), in.tensor<T>("dout"), o);
+    }
+    return numpy_tuple(std::move(g.dq), std::move(g.dk), std::move(g.dv), std::move(g.de), std::move(g.df));
+  });
+}
+
+py::tuple linformer_projections(int64_t s_proj, int64_t n_max, const py::object& heads, uint64_t seed,
+                                const py::object& dtype) {
+  const char* fn = "linformer_projections";
+  int64_t h = 0;
+  if (!heads.is_none()) {
+    if (!py::isinstance<py::int_>(heads)) throw py::type_error(std::string(fn) + ": heads must be an int or None");
+    h = heads.cast<int64_t>();
+    if (h < 1) throw py::value_error(std::string(fn) + ": heads must be >= 1 or None (shared), got " + std::to_string(h));
+  }
+  return by_dtype(dtype_arg(fn, dtype), [&](auto tag) -> py::tuple {
+    using T = decltype(tag);
+    auto [e, f] = linattn::linformer_projections<T>(s_proj, n_max, h, seed);
+    return numpy_tuple(std::move(e), std::move(f));
+  });
+}
+
+linattn::EfficientAttentionOptions efficient_options(const char* fn, const py::object& key_lengths,
+                                                     const py::object& scale, bool causal) {
+  linattn::EfficientAttentionOptions o;
+  o.key_lengths = as_lengths(fn, key_lengths);
+  o.scale = as_scale(fn, scale);
+  o.causal = causal;
+  return o;
+}
+
+py::array efficient_attention(const py::object& q, const py::object& k, const py::object& v,
+                              const py::object& key_lengths, const py::object& scale, bool causal) {
+  const char* fn = "efficient_attention";
+  Inputs in(fn);
+  in.add("q", q).add("k", k).add("v", v);
+  const auto o = efficient_options(fn, key_lengths, scale, causal);
+  return by_dtype(in.dtype(), [&](auto tag) -> py::array {
+    using T = decltype(tag);
+    Tensor<T> out;
+    {
+      py::gil_scoped_release nogil;
+      out = linattn::efficient_attention<T>(in.tensor<T>("q"), in.tensor<T>("k"),
+                                            in.tensor<T>("v"), o);
+    }
+    return to_numpy(std::move(out));
+  });
+}
+
+py::tuple efficient_attention_backward(const py::object& q, const py::object& k, const py::object& v,
+                                       const py::object& dout, const py::object& key_lengths,
+                                       const py::object& scale, bool causal) {
+  const char* fn = "efficient_attention_backward";
+  Inputs in(fn);
+  in.add("q", q).add("k", k).add("v", v).add("dout", dout);
+  const auto o = efficient_options(fn, key_lengths, scale, causal);
+  return by_dtype(in.dtype(), [&](auto tag) -> py::tuple {
+    using T = decltype(tag);
+    linattn::AttentionGrads<T> g;
+    {
+      py::gil_scoped_release nogil;
+      g = linattn::efficient_attention_backward<T>(in.tensor<T>("q"), in.tensor<T>("k"),
+                                                   in.tensor<T>("v"),
+                                                   in.tensor<T>("dout"), o);
+    }
+    return numpy_tuple(std::move(g.dq), std::move(g.dk), std::move(g.dv));
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_linattn, m) {
@@ -471,6 +674,47 @@ projection [m, head_dim] from random_features. kernel: "positive" (FAVOR+), "hyp
 
 dtype: float32 or float64 (default: the projection's, else float32). Step outputs equal the
 causal outputs of linear_attention / favor_attention over the same tokens.)doc");
+  m.def("nystrom_attention", &nystrom_attention, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::kw_only(), py::arg("num_landmarks") = 64, py::arg("pinv_iterations") = 6,
+        py::arg("pinv") = "iterative", py::arg("conv_weight") = py::none(),
+        py::arg("key_lengths") = py::none(), py::arg("scale") = py::none(), py::arg("causal") = false,
+        R"doc(Nyströmformer: softmax(q·k̃ᵀ·s)·pinv(softmax(q̃·k̃ᵀ·s))·softmax(q̃·kᵀ·s)·v.
+
+Landmarks q̃, k̃ are segment means (min(num_landmarks, n) of them; n_q == n_k). pinv:
+"iterative" (pinv_iterations Newton–Schulz-type steps) or "exact" (SVD). conv_weight
+[heads, K], K odd, adds a depthwise convolution of v. causal=True raises ValueError.)doc");
+  m.def("nystrom_attention_backward", &nystrom_attention_backward, py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("dout"), py::kw_only(), py::arg("num_landmarks") = 64,
+        py::arg("pinv_iterations") = 6, py::arg("pinv") = "iterative",
+        py::arg("conv_weight") = py::none(), py::arg("key_lengths") = py::none(),
+        py::arg("scale") = py::none(), py::arg("causal") = false,
+        "Gradients (dq, dk, dv[, d_conv_weight]) of sum(dout * nystrom_attention(...)).");
+  m.def("linformer_attention", &linformer_attention, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("e"), py::arg("f"), py::kw_only(), py::arg("key_lengths") = py::none(),
+        py::arg("scale") = py::none(), py::arg("causal") = false,
+        R"doc(Linformer: softmax(q·(e·k)ᵀ·scale)·(f·v).
+
+e, f: [s_proj, n_max] (shared by heads) or [heads, s_proj, n_max], n_k <= n_max (the first n_k
+columns are used; see linformer_projections). causal=True raises ValueError.)doc");
+  m.def("linformer_attention_backward", &linformer_attention_backward, py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("e"), py::arg("f"), py::arg("dout"), py::kw_only(),
+        py::arg("key_lengths") = py::none(), py::arg("scale") = py::none(), py::arg("causal") = false,
+        "Gradients (dq, dk, dv, de, df) of sum(dout * linformer_attention(...)).");
+  m.def("linformer_projections", &linformer_projections, py::arg("s_proj"), py::arg("n_max"),
+        py::kw_only(), py::arg("heads") = py::none(), py::arg("seed") = 0,
+        py::arg("dtype") = py::dtype::of<float>(),
+        R"doc((e, f) initialised as fairseq's Linformer does: Xavier-uniform, gain 1/sqrt(2),
+i.e. uniform on (-a, a), a = sqrt(3 / (n_max + s_proj)). heads=None: shared [s_proj, n_max];
+else [heads, s_proj, n_max]. Reproducible by seed.)doc");
+  m.def("efficient_attention", &efficient_attention, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::kw_only(), py::arg("key_lengths") = py::none(), py::arg("scale") = py::none(),
+        py::arg("causal") = false,
+        R"doc(Efficient Attention: softmax over head_dim of q·s times (softmax over positions of
+k·s)ᵀ·v, s = scale (default 1/sqrt(head_dim)). causal=True raises ValueError.)doc");
+  m.def("efficient_attention_backward", &efficient_attention_backward, py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("dout"), py::kw_only(), py::arg("key_lengths") = py::none(),
+        py::arg("scale") = py::none(), py::arg("causal") = false,
+        "Gradients (dq, dk, dv) of sum(dout * efficient_attention(...)).");
   m.def("set_num_threads", &linattn::set_num_threads, py::arg("n"),
         "Threads used by every kernel (default: LINATTN_NUM_THREADS, else all cores).");
   m.def("get_num_threads", &linattn::num_threads);
