@@ -7,7 +7,10 @@
 
 #include "linattn/core/random.h"
 #include "linattn/core/random_features.h"
+#include "linattn/efficient/efficient_attention.h"
 #include "linattn/kernelized/kernelized_attention.h"
+#include "linattn/linformer/linformer_attention.h"
+#include "linattn/nystrom/nystrom_attention.h"
 #include "linattn/softmax/softmax_attention.h"
 
 namespace linattn::bench {
@@ -164,11 +167,121 @@ Method favor_method(int64_t features, bool causal) {
   return m;
 }
 
+
+// Largest |out − ref| / max|ref| over sampled rows of every (batch, head) of [B,H,n,d_v] tensors.
+double sampled_error(const Tensor<float>& out, const Tensor<double>& ref, int64_t sample_rows) {
+  const int64_t BH = out.dim(0) * out.dim(1), n = out.dim(2), dv = out.dim(3),
+                rows = std::min(sample_rows, n);
+  double max_err = 0, max_ref = 0;
+  for (int64_t bh = 0; bh < BH; ++bh)
+    for (int64_t s = 0; s < rows; ++s) {
+      const int64_t i = s * n / rows;
+      for (int64_t c = 0; c < dv; ++c) {
+        const double r = ref[(bh * n + i) * dv + c];
+        max_err = std::max(max_err, std::abs(out.view().row(bh, i)[c] - r));
+        max_ref = std::max(max_ref, std::abs(r));
+      }
+    }
+  return max_ref > 0 ? max_err / max_ref : max_err;
+}
+
+Method nystrom_method(int64_t landmarks) {
+  Method m;
+  m.name = "nystrom m=" + std::to_string(landmarks);
+  NystromOptions o;
+  o.num_landmarks = landmarks;
+  // Per head, with m landmarks and T pinv iterations: softmax(QK̃ᵀ)·Y and softmax(Q̃Kᵀ)·V
+  // (2·n·m·d + 2·n·m·d_v each), the m×m kernel and Y = Z·W (2m²(d + d_v)), and four m×m
+  // products (2m³ each) per iteration.
+  m.forward_flops = [o](const Problem& p) {
+    const double n = p.n, mm = std::min<int64_t>(o.num_landmarks, p.n), d = p.head_dim;
+    return (4 * n * mm * (d + d) + 2 * mm * mm * (d + d) + 8.0 * o.pinv_iterations * mm * mm * mm) *
+           p.batch * p.heads;
+  };
+  // The backward's products (backward.cc): n·m·(12d + 10d_v) for the recomputed and adjoint
+  // products over the sequence, 22 m×m products per pinv iteration, and the m×m terms.
+  m.backward_flops = [o](const Problem& p) {
+    const double n = p.n, mm = std::min<int64_t>(o.num_landmarks, p.n), d = p.head_dim;
+    return (n * mm * (12 * d + 10 * d) + 8 * mm * mm * (d + d) + 22.0 * o.pinv_iterations * mm * mm * mm) *
+           p.batch * p.heads;
+  };
+  m.forward = [o](const Inputs& in) { return nystrom_attention<float>(in.q, in.k, in.v, o); };
+  m.forward_backward = [o](const Inputs& in) {
+    (void)nystrom_attention<float>(in.q, in.k, in.v, o);
+    (void)nystrom_attention_backward<float>(in.q, in.k, in.v, in.dout, o);
+  };
+  m.own_error = [o](const Inputs& in, const Tensor<float>& out, int64_t rows) {
+    const auto ref = reference::nystrom_attention(to_double(in.q), to_double(in.k), to_double(in.v), o,
+                                                  std::nullopt);
+    return sampled_error(out, ref.value, rows);
+  };
+  return m;
+}
+
+Method linformer_method(int64_t s_proj) {
+  Method m;
+  m.name = "linformer s=" + std::to_string(s_proj);
+  // Per head: K' = E·K, V' = F·V, Q·K'ᵀ and P·V': 4·n·s·(d + d_v).
+  m.forward_flops = [s_proj](const Problem& p) {
+    return 4.0 * p.n * s_proj * (p.head_dim + p.head_dim) * p.batch * p.heads;
+  };
+  // Backward (linformer.cc): n·s·(12d + 10d_v).
+  m.backward_flops = [s_proj](const Problem& p) {
+    return 1.0 * p.n * s_proj * (12 * p.head_dim + 10 * p.head_dim) * p.batch * p.heads;
+  };
+  // E, F [s, n] shared by heads, as linformer_projections draws them, for the current n.
+  auto ef = std::make_shared<std::pair<Tensor<float>, Tensor<float>>>();
+  auto projections = [ef, s_proj](int64_t n) {
+    if (ef->first.size() == 0 || ef->first.dim(1) != n) *ef = linformer_projections<float>(s_proj, n, 0, 42);
+    return ef;
+  };
+  m.forward = [projections](const Inputs& in) {
+    const auto ef = projections(in.k.dim(2));
+    return linformer_attention<float>(in.q, in.k, in.v, ef->first, ef->second);
+  };
+  m.forward_backward = [projections](const Inputs& in) {
+    const auto ef = projections(in.k.dim(2));
+    (void)linformer_attention<float>(in.q, in.k, in.v, ef->first, ef->second);
+    (void)linformer_attention_backward<float>(in.q, in.k, in.v, ef->first, ef->second, in.dout);
+  };
+  m.own_error = [projections](const Inputs& in, const Tensor<float>& out, int64_t rows) {
+    const auto ef = projections(in.k.dim(2));
+    const auto ref = reference::linformer_attention(to_double(in.q), to_double(in.k), to_double(in.v),
+                                                    to_double(ef->first), to_double(ef->second), {});
+    return sampled_error(out, ref.value, rows);
+  };
+  return m;
+}
+
+Method efficient_method() {
+  Method m;
+  m.name = "efficient attention";
+  // Per head: G = ρ_kᵀV and ρ_q·G, 2·n·d·d_v each.
+  m.forward_flops = [](const Problem& p) {
+    return 4.0 * p.n * p.head_dim * p.head_dim * p.batch * p.heads;
+  };
+  // Backward (efficient.cc): five n·d·d_v products.
+  m.backward_flops = [](const Problem& p) {
+    return 10.0 * p.n * p.head_dim * p.head_dim * p.batch * p.heads;
+  };
+  m.forward = [](const Inputs& in) { return efficient_attention<float>(in.q, in.k, in.v); };
+  m.forward_backward = [](const Inputs& in) {
+    (void)efficient_attention<float>(in.q, in.k, in.v);
+    (void)efficient_attention_backward<float>(in.q, in.k, in.v, in.dout);
+  };
+  m.own_error = [](const Inputs& in, const Tensor<float>& out, int64_t rows) {
+    const auto ref = reference::efficient_attention(to_double(in.q), to_double(in.k), to_double(in.v), {});
+    return sampled_error(out, ref.value, rows);
+  };
+  return m;
+}
+
 }  // namespace
 
 std::vector<Method> all_methods() {
   return {softmax_method(false), softmax_method(true), linear_method("elu", false),
-          linear_method("elu", true),  favor_method(256, false), favor_method(256, true)};
+          linear_method("elu", true),  favor_method(256, false), favor_method(256, true),
+          nystrom_method(64),          linformer_method(256),    efficient_method()};
 }
 
 double error_vs_exact(const Method& m, const Inputs& in, const Tensor<float>& out,

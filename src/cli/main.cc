@@ -30,7 +30,9 @@ const char* kUsage =
     "          --n 1024,2048,...   sequence lengths (default 1024..32768, doubling)\n"
     "          --batch B --heads H --head-dim D   (default 1, 8, 64)\n"
     "          --threads T         (default: all cores)\n"
-    "          --methods SUBSTR    only methods whose name contains SUBSTR (\"recurrent\": decoding only)\n"
+    "          --methods A,B,...   only methods whose name contains one of these substrings\n"
+    "                              (\"recurrent\": decoding only)\n"
+    "          --exact-max-n N     skip exact softmax above this n (default 16384: it is O(n^2))\n"
     "          --forward-only      skip forward+backward\n"
     "          --csv FILE          also write the table as CSV\n";
 
@@ -66,6 +68,7 @@ struct Args {
   std::string methods;
   bool forward_only = false;
   std::string csv;
+  int64_t exact_max_n = 16384;
 };
 
 Args parse_args(int argc, char** argv, int first) {
@@ -84,6 +87,7 @@ Args parse_args(int argc, char** argv, int first) {
     else if (f == "--methods") a.methods = value();
     else if (f == "--forward-only") a.forward_only = true;
     else if (f == "--csv") a.csv = value();
+    else if (f == "--exact-max-n") a.exact_max_n = parse_int(f, value());
     else usage_error("unknown option '" + f + "'");
   }
   if (a.threads > 0) linattn::set_num_threads(a.threads);
@@ -92,8 +96,15 @@ Args parse_args(int argc, char** argv, int first) {
 
 std::vector<Method> selected_methods(const std::string& filter) {
   std::vector<Method> out;
+  std::vector<std::string> wanted;
+  std::stringstream ss(filter);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (!item.empty()) wanted.push_back(item);
   for (auto& m : linattn::bench::all_methods())
-    if (filter.empty() || m.name.find(filter) != std::string::npos) out.push_back(m);
+    if (wanted.empty() || std::any_of(wanted.begin(), wanted.end(), [&](const std::string& w) {
+          return m.name.find(w) != std::string::npos;
+        }))
+      out.push_back(m);
   if (out.empty()) usage_error("no method matches --methods '" + filter + "'");
   return out;
 }
@@ -201,6 +212,11 @@ int bench(const Args& a) {
     p.n = n;
     const auto in = linattn::bench::make_inputs(p);
     for (const auto& m : methods) {
+      if (m.name.rfind("exact", 0) == 0 && n > a.exact_max_n) {
+        std::printf("%-26s %7lld skipped: n > --exact-max-n %lld\n", m.name.c_str(), (long long)n,
+                    (long long)a.exact_max_n);
+        continue;
+      }
       for (int pass = 0; pass < (a.forward_only ? 1 : 2); ++pass) {
         const char* pass_name = pass == 0 ? "fwd" : "fwd+bwd";
         std::fprintf(stderr, "\r[bench] %s n=%lld %s ...          ", m.name.c_str(),
@@ -231,7 +247,10 @@ int bench(const Args& a) {
     bench_recurrent(a);
   std::printf("\nFLOPs per head: exact attention 4·n_pairs·d forward, 10·n_pairs·d backward "
               "(n_pairs = n² or n(n+1)/2 causal);\nkernelized 4·n·m·(d + d_v) forward (m = d for "
-              "elu), backward counted as 2× forward.\n");
+              "elu), backward counted as 2× forward;\nnystrom 4·n·m·(d + d_v) + 2m²(d + d_v) + "
+              "8·T·m³ forward, n·m·(12d + 10d_v) + 8m²(d + d_v) + 22·T·m³ backward (T = 6);\n"
+              "linformer 4·n·s·(d + d_v) forward, n·s·(12d + 10d_v) backward; efficient attention "
+              "4·n·d·d_v forward, 10·n·d·d_v backward.\n");
   return 0;
 }
 

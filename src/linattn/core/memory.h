@@ -29,16 +29,19 @@ struct AlignedDeleter {
 };
 }  // namespace detail
 
-// An owning, 64-byte-aligned, zero-initialised array of T. `counted` buffers are workspace.
+enum class Init { Zero, Uninitialized };
+
+// An owning, 64-byte-aligned array of T, zero-initialised unless the caller writes every
+// element before reading it (Init::Uninitialized). `counted` buffers are workspace.
 template <class T>
 class Buffer {
  public:
   Buffer() = default;
-  explicit Buffer(int64_t count, bool counted = true)
+  explicit Buffer(int64_t count, bool counted = true, Init init = Init::Zero)
       : data_(static_cast<T*>(aligned_alloc_bytes(sizeof(T) * static_cast<size_t>(count)))),
         size_(count),
         counted_(counted) {
-    if (count > 0) std::memset(data_.get(), 0, sizeof(T) * static_cast<size_t>(count));
+    if (count > 0 && init == Init::Zero) std::memset(data_.get(), 0, sizeof(T) * static_cast<size_t>(count));
     if (counted_) detail::workspace_add(bytes());
   }
   Buffer(Buffer&& o) noexcept

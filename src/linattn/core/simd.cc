@@ -77,6 +77,19 @@ void Scale(T* x, size_t n, T a) {
 }
 
 template <class T>
+bool SoftmaxRows(T* x, size_t rows, size_t cols, size_t ld, T* inv_sums) {
+  for (size_t r = 0; r < rows; ++r) {
+    T* row = x + r * ld;
+    const T mx = MaxValue(row, cols);
+    if (!(mx - mx == 0)) return false;  // ±inf or NaN
+    const T inv = T(1) / ExpShiftedSum(row, cols, mx);
+    if (inv_sums) inv_sums[r] = inv;
+    else Scale(row, cols, inv);
+  }
+  return true;
+}
+
+template <class T>
 void SoftmaxGrad(T* ds, const T* p, const T* dp, size_t n, T delta) {
   const hn::ScalableTag<T> d;
   const size_t N = hn::Lanes(d);
@@ -210,6 +223,12 @@ float MaxValueF32(const float* x, size_t n) { return MaxValue(x, n); }
 double MaxValueF64(const double* x, size_t n) { return MaxValue(x, n); }
 float ExpShiftedSumF32(float* x, size_t n, float s) { return ExpShiftedSum(x, n, s); }
 double ExpShiftedSumF64(double* x, size_t n, double s) { return ExpShiftedSum(x, n, s); }
+bool SoftmaxRowsF32(float* x, size_t rows, size_t cols, size_t ld, float* inv) {
+  return SoftmaxRows(x, rows, cols, ld, inv);
+}
+bool SoftmaxRowsF64(double* x, size_t rows, size_t cols, size_t ld, double* inv) {
+  return SoftmaxRows(x, rows, cols, ld, inv);
+}
 void ScaleF32(float* x, size_t n, float a) { Scale(x, n, a); }
 void ScaleF64(double* x, size_t n, double a) { Scale(x, n, a); }
 void SoftmaxGradF32(float* ds, const float* p, const float* dp, size_t n, float delta) {
@@ -236,6 +255,8 @@ HWY_EXPORT(MaxValueF32);
 HWY_EXPORT(MaxValueF64);
 HWY_EXPORT(ExpShiftedSumF32);
 HWY_EXPORT(ExpShiftedSumF64);
+HWY_EXPORT(SoftmaxRowsF32);
+HWY_EXPORT(SoftmaxRowsF64);
 HWY_EXPORT(ScaleF32);
 HWY_EXPORT(ScaleF64);
 HWY_EXPORT(SoftmaxGradF32);
@@ -286,6 +307,12 @@ double exp_shifted_sum(double* x, size_t n, double shift) {
 }
 void scale(float* x, size_t n, float a) { HWY_DYNAMIC_DISPATCH(ScaleF32)(x, n, a); }
 void scale(double* x, size_t n, double a) { HWY_DYNAMIC_DISPATCH(ScaleF64)(x, n, a); }
+bool softmax_rows(float* x, size_t rows, size_t cols, size_t ld, float* inv_sums) {
+  return HWY_DYNAMIC_DISPATCH(SoftmaxRowsF32)(x, rows, cols, ld, inv_sums);
+}
+bool softmax_rows(double* x, size_t rows, size_t cols, size_t ld, double* inv_sums) {
+  return HWY_DYNAMIC_DISPATCH(SoftmaxRowsF64)(x, rows, cols, ld, inv_sums);
+}
 void softmax_grad(float* ds, const float* p, const float* dp, size_t n, float delta) {
   HWY_DYNAMIC_DISPATCH(SoftmaxGradF32)(ds, p, dp, n, delta);
 }

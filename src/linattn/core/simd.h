@@ -20,6 +20,13 @@ double exp_shifted_sum(double* x, size_t n, double shift);
 void scale(float* x, size_t n, float a);
 void scale(double* x, size_t n, double a);
 
+// Softmax of each of `rows` rows of `cols` values (leading dimension ld), in one call:
+// x = exp(x − rowmax), then, if inv_sums is null, each row times 1/sum; otherwise the rows stay
+// unnormalised and inv_sums[r] = 1/sum (for callers that fold the division into a later
+// product). Returns false if a row's max is ±inf or NaN (x is then partly written).
+bool softmax_rows(float* x, size_t rows, size_t cols, size_t ld, float* inv_sums = nullptr);
+bool softmax_rows(double* x, size_t rows, size_t cols, size_t ld, double* inv_sums = nullptr);
+
 // ds[i] = p[i] * (dp[i] - delta): the softmax backward, dS = P ∘ (dP − rowsum(P∘dP)).
 void softmax_grad(float* ds, const float* p, const float* dp, size_t n, float delta);
 void softmax_grad(double* ds, const double* p, const double* dp, size_t n, double delta);

@@ -33,14 +33,15 @@ struct TensorView {
   operator TensorView<const T>() const { return {data, shape}; }
 };
 
-// An owning tensor (output memory: not counted as workspace). Zero-initialised.
+// An owning tensor (output memory: not counted as workspace). Zero-initialised by default.
 template <class T>
 class Tensor {
  public:
   Tensor() = default;
   // `workspace`: count this tensor as workspace (a temporary a kernel makes for itself).
-  explicit Tensor(Shape shape, bool workspace = false)
-      : shape_(std::move(shape)), buf_(element_count(shape_), workspace) {}
+  // init: Init::Uninitialized for outputs a kernel writes in full.
+  explicit Tensor(Shape shape, bool workspace = false, Init init = Init::Zero)
+      : shape_(std::move(shape)), buf_(element_count(shape_), workspace, init) {}
 
   const Shape& shape() const { return shape_; }
   int64_t rank() const { return static_cast<int64_t>(shape_.size()); }

@@ -39,11 +39,15 @@ Tracked matmul(const Arith& a, const Tracked& A, bool trans_a, const Tracked& B,
   for (int64_t i = 0; i < M; ++i)
     for (int64_t j = 0; j < N; ++j) {
       double s = 0, abs_prod = 0, prop = 0;
-      for (int64_t k = 0; k < K; ++k) {
-        const double x = av(i, k), y = bv(k, j), dx = ae(i, k), dy = be(k, j);
-        s += x * y;
-        abs_prod += std::abs(x * y);
-        prop += std::abs(x) * dy + dx * std::abs(y) + dx * dy;
+      if (a.u == 0) {  // a plain reference: every bound is 0
+        for (int64_t k = 0; k < K; ++k) s += av(i, k) * bv(k, j);
+      } else {
+        for (int64_t k = 0; k < K; ++k) {
+          const double x = av(i, k), y = bv(k, j), dx = ae(i, k), dy = be(k, j);
+          s += x * y;
+          abs_prod += std::abs(x * y);
+          prop += std::abs(x) * dy + dx * std::abs(y) + dx * dy;
+        }
       }
       C.v(i, j) = alpha * s;
       C.e(i, j) = std::abs(alpha) * (g * abs_prod + prop);

@@ -4,6 +4,8 @@
 //   blocks of query rows: ρ_q = softmax over features of Q_blk·s; out_blk = ρ_q G.
 // Backward: dG = Σ_blk ρ_qᵀ dout, dq = s·softmax'(ρ_q, dout Gᵀ); dv_L = ρ_k dG,
 //   dk_L = s·softmax'(ρ_kᵀ, dG V_Lᵀ)ᵀ. Parallel over (batch, head): no atomics.
+#include <algorithm>
+
 #include "linattn/core/blas.h"
 #include "linattn/core/row_softmax.h"
 #include "linattn/core/threading.h"
@@ -75,12 +77,16 @@ Tensor<T> efficient_attention(TensorView<const T> q, TensorView<const T> k, Tens
   const efficient::Setup s = efficient::check_args(fn, q, k, v, opts);
   const AttentionDims& d = s.d;
   const KeyMask mask(d, s.mask_opts);
-  Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim});  // out [B,H,n_q,d_v]
+  // out [B,H,n_q,d_v]: every row is written below (zeros for items without keys).
+  Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim}, false, Init::Uninitialized);
   std::vector<efficient::Buffers<T>> buffers;
   for (int w = 0; w < std::min<int64_t>(num_threads(), d.bh()); ++w) buffers.emplace_back(s, false);
   parallel_for(d.bh(), [&](int64_t bh, int worker) {
     const int64_t L = mask.key_length(bh / d.heads);
-    if (L == 0) return;  // no keys: out = 0
+    if (L == 0) {  // no keys: out = 0
+      std::fill(out.view().row(bh, 0), out.view().row(bh, 0) + d.n_q * d.value_dim, T(0));
+      return;
+    }
     efficient::Buffers<T>& b = buffers[static_cast<size_t>(worker)];
     efficient::key_side(fn, s, k, v, bh, L, b);
     for (int64_t r0 = 0; r0 < d.n_q; r0 += efficient::kRowBlock) {

@@ -79,7 +79,8 @@ Tensor<T> linformer_attention(TensorView<const T> q, TensorView<const T> k, Tens
   const linformer::Setup s = linformer::check_args(fn, q, k, v, e, f, opts);
   const AttentionDims& d = s.d;
   const KeyMask mask(d, s.mask_opts);
-  Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim});  // out [B,H,n_q,d_v]
+  // out [B,H,n_q,d_v]: every row is written below (P·V' = 0 for an item without keys).
+  Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim}, false, Init::Uninitialized);
   const T sc = static_cast<T>(s.scale);
   std::vector<linformer::Buffers<T>> buffers;
   for (int w = 0; w < std::min<int64_t>(num_threads(), d.bh()); ++w) buffers.emplace_back(s, false);

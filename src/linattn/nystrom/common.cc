@@ -3,6 +3,7 @@
 #include "linattn/core/blas.h"
 #include "linattn/core/depthwise_conv.h"
 #include "linattn/core/row_softmax.h"
+#include "linattn/core/simd.h"
 #include "linattn/nystrom/internal.h"
 
 namespace linattn::nystrom {
@@ -56,7 +57,8 @@ HeadBuffers<T>::HeadBuffers(const Setup& s, bool backward) {
   qt = Buffer<T>(M * d);
   kt = Buffer<T>(M * d);
   a = Buffer<T>(M * M);
-  f3 = Buffer<T>(M * n);
+  f3 = Buffer<T>(M * n, true, Init::Uninitialized);  // written by a product before use
+  inv_sums = Buffer<T>(M);
   z = Buffer<T>(M * M);
   if (backward && iterative) iterates = Buffer<T>((s.iterations + 1) * M * M);
   w = Buffer<T>(M * dv);
@@ -76,7 +78,7 @@ HeadBuffers<T>::HeadBuffers(const Setup& s, bool backward) {
 template <class T>
 void landmark_side(const char* fn, const Setup& s, TensorView<const T> q, TensorView<const T> k,
                    TensorView<const T> v, int64_t bh, int64_t L, int64_t m, HeadBuffers<T>& hb,
-                   bool keep_iterates) {
+                   bool backward) {
   const int64_t d = s.d.head_dim, dv = s.d.value_dim;
   const T sc = static_cast<T>(s.scale);
   pool(q.row(bh, 0), d, L, m, d, hb.qt.data());
@@ -84,11 +86,13 @@ void landmark_side(const char* fn, const Setup& s, TensorView<const T> q, Tensor
   gemm<T>(Trans::No, Trans::Yes, m, m, d, sc, hb.qt.data(), d, hb.kt.data(), d, T(0), hb.a.data(), m);
   softmax_rows(fn, hb.a.data(), m, m, m);
   gemm<T>(Trans::No, Trans::Yes, m, L, d, sc, hb.qt.data(), d, k.row(bh, 0), d, T(0), hb.f3.data(), L);
-  softmax_rows(fn, hb.f3.data(), m, L, L);
+  softmax_rows(fn, hb.f3.data(), m, L, L, backward ? nullptr : hb.inv_sums.data());
   pinv_forward<T>(s.pinv, hb.a.data(), m, s.iterations, hb.z.data(),
-                  keep_iterates && s.pinv == PinvMethod::Iterative ? hb.iterates.data() : nullptr,
+                  backward && s.pinv == PinvMethod::Iterative ? hb.iterates.data() : nullptr,
                   hb.pinv_scratch.data());
   gemm<T>(Trans::No, Trans::No, m, dv, L, T(1), hb.f3.data(), L, v.row(bh, 0), dv, T(0), hb.w.data(), dv);
+  if (!backward)
+    for (int64_t j = 0; j < m; ++j) simd::scale(hb.w.data() + j * dv, static_cast<size_t>(dv), hb.inv_sums[j]);
   gemm<T>(Trans::No, Trans::No, m, dv, m, T(1), hb.z.data(), m, hb.w.data(), dv, T(0), hb.y.data(), dv);
 }
 

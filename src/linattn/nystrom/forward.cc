@@ -1,5 +1,7 @@
 // Nyström forward: per head, the landmark side (Q̃, K̃, pinv, Y = pinv(A)·softmax(Q̃K_Lᵀ·s)·V_L),
 // then blocks of query rows: out_blk = softmax(Q_blk K̃ᵀ·s)·Y. Parallel over (batch, head).
+#include <algorithm>
+
 #include "linattn/core/blas.h"
 #include "linattn/core/depthwise_conv.h"
 #include "linattn/core/row_softmax.h"
@@ -15,13 +17,17 @@ Tensor<T> nystrom_attention(TensorView<const T> q, TensorView<const T> k, Tensor
   const nystrom::Setup s = nystrom::check_args(fn, q, k, v, opts, conv_weight);
   const AttentionDims& d = s.d;
   const KeyMask mask(d, s.mask_opts);
-  Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim});  // out [B,H,n,d_v]
+  // out [B,H,n,d_v]: every row is written below (zeros for items without keys).
+  Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim}, false, Init::Uninitialized);
   const T sc = static_cast<T>(s.scale);
   std::vector<nystrom::HeadBuffers<T>> buffers;
   for (int w = 0; w < std::min<int64_t>(num_threads(), d.bh()); ++w) buffers.emplace_back(s, false);
   parallel_for(d.bh(), [&](int64_t bh, int worker) {
     const int64_t L = mask.key_length(bh / d.heads), m = std::min(s.max_landmarks, L);
-    if (L == 0) return;  // no keys: the attention term is 0
+    if (L == 0) {  // no keys: the attention term is 0
+      std::fill(out.view().row(bh, 0), out.view().row(bh, 0) + d.n_q * d.value_dim, T(0));
+      return;
+    }
     nystrom::HeadBuffers<T>& hb = buffers[static_cast<size_t>(worker)];
     nystrom::landmark_side(fn, s, q, k, v, bh, L, m, hb, false);
     for (int64_t r0 = 0; r0 < d.n_q; r0 += nystrom::kRowBlock) {

@@ -11,7 +11,7 @@
 
 namespace linattn::nystrom {
 
-inline constexpr int64_t kRowBlock = 256;  // query rows per softmax(Q K̃ᵀ) block
+inline constexpr int64_t kRowBlock = 1024;  // query rows per softmax(Q K̃ᵀ) block
 
 struct Setup {
   AttentionDims d;
@@ -30,17 +30,19 @@ Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, T
 template <class T>
 struct HeadBuffers {
   HeadBuffers(const Setup& s, bool backward);
-  Buffer<T> qt, kt, a, f3, z, iterates, w, y, scores, pinv_scratch;
+  Buffer<T> qt, kt, a, f3, inv_sums, z, iterates, w, y, scores, pinv_scratch;
   // backward only
   Buffer<T> dscores, dy, dz, dw, dqt, dkt, da;
 };
 
 // For head bh with L valid positions and m = min(max_landmarks, L) landmarks, fills
 // Q̃, K̃ [m,d]; A = softmax(Q̃K̃ᵀ·s) [m,m]; F3 = softmax(Q̃K_Lᵀ·s) [m,L]; Z = pinv(A)
-// (and its iterates); W = F3·V_L [m,d_v]; Y = Z·W [m,d_v].
+// (and its iterates); W = F3·V_L [m,d_v]; Y = Z·W [m,d_v]. With keep_f3 false (the forward),
+// F3 is left unnormalised and W's rows are divided by the sums instead (m·d_v divisions, not
+// m·L).
 template <class T>
 void landmark_side(const char* fn, const Setup& s, TensorView<const T> q, TensorView<const T> k,
                    TensorView<const T> v, int64_t bh, int64_t L, int64_t m, HeadBuffers<T>& hb,
-                   bool keep_iterates);
+                   bool backward);
 
 }  // namespace linattn::nystrom
