@@ -66,7 +66,7 @@ HeadBuffers<T>::HeadBuffers(const Setup& s, bool backward) {
   scores = Buffer<T>(rows * M);
   pinv_scratch = Buffer<T>(pinv_scratch_size(M));
   if (!backward) return;
-  dscores = Buffer<T>(std::max(rows, M) * std::max(n, M));
+  dscores = Buffer<T>(std::max(rows * M, M * n));  // dS1 blocks, then dF3
   dy = Buffer<T>(M * dv);
   dz = Buffer<T>(M * M);
   dw = Buffer<T>(M * dv);
