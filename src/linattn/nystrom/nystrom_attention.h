@@ -54,6 +54,14 @@ inline int64_t segment_begin(int64_t j, int64_t n, int64_t m) { return j * n / m
 inline int64_t segment_end(int64_t j, int64_t n, int64_t m) { return ((j + 1) * n + m - 1) / m; }
 
 namespace reference {
+struct Arith;
+struct Tracked;
+// The iterative pseudo-inverse one step at a time (tracked_matrix.h): V₀ = Aᵀ/(‖A‖₁‖A‖∞), and
+// V ↦ ¼·V(13I − AV(15I − AV(7I − AV))), each with the rounding bound of that step alone when its
+// inputs carry no error. Lets a test check every float32 step of the fast path against its
+// own derived bound.
+Tracked pinv_initial_iterate(const Arith& a, const Tracked& A);
+Tracked pinv_iteration(const Arith& a, const Tracked& A, const Tracked& V);
 
 // Float64 loops (tracked_matrix.h) in the association the fast path uses. The result's bound
 // is, per element, the worst-case rounding error of a fast path at unit roundoff u (0: none).

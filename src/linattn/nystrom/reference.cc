@@ -97,8 +97,9 @@ StepTerms step_terms(const Arith& a, const Tracked& A, const Tracked& V) {
   return s;
 }
 
-Tracked pinv_iterative(const Arith& a, const Tracked& A, int64_t iterations,
-                       std::vector<Tracked>* iterates) {
+}  // namespace
+
+Tracked pinv_initial_iterate(const Arith& a, const Tracked& A) {
   int64_t col = 0, row = 0;
   const Scalar c = initial_coefficient(a, A, col, row);
   Tracked V = transpose(A);
@@ -106,10 +107,22 @@ Tracked pinv_iterative(const Arith& a, const Tracked& A, int64_t iterations,
     V.err[i] = c.v * V.err[i] + c.e * std::abs(V.val[i]) + a.u * std::abs(c.v * V.val[i]);
     V.val[i] *= c.v;
   }
+  return V;
+}
+
+Tracked pinv_iteration(const Arith& a, const Tracked& A, const Tracked& V) {
+  const StepTerms s = step_terms(a, A, V);
+  return matmul(a, V, false, s.T5, false, 0.25);
+}
+
+namespace {
+
+Tracked pinv_iterative(const Arith& a, const Tracked& A, int64_t iterations,
+                       std::vector<Tracked>* iterates) {
+  Tracked V = pinv_initial_iterate(a, A);
   if (iterates) iterates->push_back(V);
   for (int64_t k = 0; k < iterations; ++k) {
-    const StepTerms s = step_terms(a, A, V);
-    V = matmul(a, V, false, s.T5, false, 0.25);
+    V = pinv_iteration(a, A, V);
     if (iterates) iterates->push_back(V);
   }
   return V;
