@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <fstream>
 #include <optional>
+#include <stdexcept>
 
 #include "linattn/core/random.h"
 #include "linattn/core/random_features.h"
@@ -26,6 +28,12 @@ Inputs make_inputs(const Problem& p) {
 }
 
 namespace {
+
+void write_raw(const std::string& path, const Tensor<float>& t) {
+  std::ofstream f(path, std::ios::binary);
+  f.write(reinterpret_cast<const char*>(t.data()), static_cast<std::streamsize>(sizeof(float) * t.size()));
+  if (!f) throw std::runtime_error("cannot write " + path);
+}
 
 // Visible (query, key) pairs per head: n² without a mask, n(n+1)/2 causal.
 double score_pairs(const Problem& p, bool causal) {
@@ -164,6 +172,9 @@ Method favor_method(int64_t features, bool causal) {
     projection(in.q.dim(3));
     return kernelized_own_error(in, out, rows, "positive", wd.get(), causal, 0.0);
   };
+  m.write_parameters = [projection, features](const Problem& p, const std::string& dir) {
+    write_raw(dir + "/favor_w_" + std::to_string(features) + ".f32", *projection(p.head_dim));
+  };
   return m;
 }
 
@@ -249,6 +260,11 @@ Method linformer_method(int64_t s_proj) {
     const auto ref = reference::linformer_attention(to_double(in.q), to_double(in.k), to_double(in.v),
                                                     to_double(ef->first), to_double(ef->second), {});
     return sampled_error(out, ref.value, rows);
+  };
+  m.write_parameters = [projections, s_proj](const Problem& p, const std::string& dir) {
+    const auto ef = projections(p.n);
+    write_raw(dir + "/linformer_" + std::to_string(s_proj) + "_e.f32", ef->first);
+    write_raw(dir + "/linformer_" + std::to_string(s_proj) + "_f.f32", ef->second);
   };
   return m;
 }

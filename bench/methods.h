@@ -30,6 +30,9 @@ struct Method {
   // Largest |out − own float64 reference| / max|reference| over sampled rows (the method's
   // own definition, not softmax): how exactly the kernel computes what it claims.
   std::function<double(const Inputs&, const Tensor<float>&, int64_t sample_rows)> own_error;
+  // Writes the method's parameters (random features, projections) as raw float32 into `dir`,
+  // for the PyTorch comparison to use the same ones; empty when it has none.
+  std::function<void(const Problem&, const std::string& dir)> write_parameters;
 };
 
 std::vector<Method> all_methods();

@@ -1,17 +1,19 @@
 // linattn command-line program: `linattn demo` (the main job) and `linattn bench`.
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
 #include <string>
 #include <vector>
-#include <algorithm>
 
 #include <unistd.h>
 
 #include "../../bench/harness.h"
 #include "../../bench/methods.h"
+#include "../../bench/torch_compare.h"
 #include "linattn/core/blas.h"
 #include "linattn/core/random_features.h"
 #include "linattn/kernelized/recurrent_state.h"
@@ -27,14 +29,16 @@ const char* kUsage =
     "  demo    one row per method on B=1, H=8, n=4096, d=64 (float32): time, GFLOP/s,\n"
     "          peak extra memory, error against the float64 exact reference\n"
     "  bench   forward and forward+backward over a sweep of n, against the BLAS's GEMM rate\n"
-    "          --n 1024,2048,...   sequence lengths (default 1024..32768, doubling)\n"
+    "          --n 1024,2048,...   sequence lengths (default 512..65536, doubling)\n"
     "          --batch B --heads H --head-dim D   (default 1, 8, 64)\n"
     "          --threads T         (default: all cores)\n"
     "          --methods A,B,...   only methods whose name contains one of these substrings\n"
     "                              (\"recurrent\": decoding only)\n"
     "          --exact-max-n N     skip exact softmax above this n (default 16384: it is O(n^2))\n"
     "          --forward-only      skip forward+backward\n"
-    "          --csv FILE          also write the table as CSV\n";
+    "          --csv FILE          also write the table as CSV\n"
+    "          --plots DIR         write the CSV and PNG plots (time, memory vs n) into DIR\n"
+    "          --no-torch          skip the PyTorch comparison (default: on when python3-torch is there)\n";
 
 [[noreturn]] void usage_error(const std::string& msg) {
   std::fprintf(stderr, "linattn: %s\n%s", msg.c_str(), kUsage);
@@ -63,12 +67,14 @@ std::vector<int64_t> parse_list(const std::string& flag, const std::string& s) {
 
 struct Args {
   Problem problem;
-  std::vector<int64_t> ns{1024, 2048, 4096, 8192, 16384, 32768};
+  std::vector<int64_t> ns{512, 1024, 2048, 4096, 8192, 16384, 32768, 65536};
   int threads = 0;
   std::string methods;
   bool forward_only = false;
   std::string csv;
   int64_t exact_max_n = 16384;
+  bool torch = true;
+  std::string plots;
 };
 
 Args parse_args(int argc, char** argv, int first) {
@@ -88,6 +94,8 @@ Args parse_args(int argc, char** argv, int first) {
     else if (f == "--forward-only") a.forward_only = true;
     else if (f == "--csv") a.csv = value();
     else if (f == "--exact-max-n") a.exact_max_n = parse_int(f, value());
+    else if (f == "--no-torch") a.torch = false;
+    else if (f == "--plots") a.plots = value();
     else usage_error("unknown option '" + f + "'");
   }
   if (a.threads > 0) linattn::set_num_threads(a.threads);
@@ -186,6 +194,44 @@ void bench_recurrent(const Args& a) {
   }
 }
 
+struct Row {
+  const Method* method = nullptr;
+  int64_t n = 0;
+  std::string pass;
+  double flops = 0, median_s = 0;
+  linattn::bench::Timing timing;
+  linattn::bench::PeakMemory memory;
+  linattn::bench::TorchResult torch;
+};
+
+std::string torch_cell(const linattn::bench::TorchResult& t) {
+  if (t.status == "ok") {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.2f", t.median_s * 1e3);
+    return buf;
+  }
+  return t.status.empty() ? "-" : t.status;
+}
+
+// The smallest n of the sweep from which `method` (at `pass`) is faster than exact attention
+// with the same causality, in this run; -1 if never within the measured range.
+int64_t crossover(const std::vector<Row>& rows, const Row& r) {
+  const std::string exact = r.method->causal ? "exact softmax (causal)" : "exact softmax";
+  int64_t from = -1;
+  for (const Row& x : rows) {
+    if (x.method != r.method || x.pass != r.pass) continue;
+    for (const Row& e : rows)
+      if (e.method->name == exact && e.n == x.n && e.pass == x.pass) {
+        if (x.median_s < e.median_s) {
+          if (from < 0) from = x.n;
+        } else {
+          from = -1;  // slower again: the crossover is later
+        }
+      }
+  }
+  return from;
+}
+
 int bench(const Args& a) {
   if (a.methods == "recurrent") {  // decoding only
     bench_recurrent(a);
@@ -193,54 +239,106 @@ int bench(const Args& a) {
   }
   const auto methods = selected_methods(a.methods);
   const double gemm = linattn::bench::sgemm_gflops(linattn::num_threads());
+  const std::string python = LINATTN_PYTHON, bench_dir = LINATTN_BENCH_DIR;
+  std::string no_torch = a.torch ? linattn::bench::torch_unavailable_reason(python) : "--no-torch";
   std::printf("linattn bench: B=%lld H=%lld d=%lld float32\nmachine: %s\n",
               (long long)a.problem.batch, (long long)a.problem.heads,
               (long long)a.problem.head_dim, linattn::bench::machine_summary().c_str());
-  std::printf("measured sgemm rate (2048^3, %d threads): %.1f GFLOP/s\n\n", linattn::num_threads(),
-              gemm);
-  std::printf("%-26s %7s %-8s %11s %11s %9s %8s %13s %13s\n", "method", "n", "pass", "GFLOP",
-              "time (ms)", "GFLOP/s", "% sgemm", "extra (wksp)", "extra (RSS)");
+  std::printf("measured sgemm rate (2048^3, %d threads): %.1f GFLOP/s\n", linattn::num_threads(), gemm);
+  if (no_torch.empty())
+    std::printf("PyTorch: the same inputs through plain PyTorch (bench/torch_bench.py), "
+                "torch.set_num_threads(%d), OMP_WAIT_POLICY=passive\n\n", linattn::num_threads());
+  else
+    std::printf("PyTorch: not compared (%s)\n\n", no_torch.c_str());
+  std::printf("%-26s %7s %-8s %9s %11s %9s %8s %13s %13s %11s %9s\n", "method", "n", "pass", "GFLOP",
+              "time (ms)", "GFLOP/s", "% sgemm", "extra (wksp)", "extra (RSS)", "torch (ms)", "ours/torch");
+  std::string csv_path = a.csv;
+  if (csv_path.empty() && !a.plots.empty()) csv_path = a.plots + "/bench.csv";
   std::ofstream csv;
-  if (!a.csv.empty()) {
-    csv.open(a.csv);
-    if (!csv) usage_error("cannot write " + a.csv);
+  if (!csv_path.empty()) {
+    if (!a.plots.empty()) std::filesystem::create_directories(a.plots);
+    csv.open(csv_path);
+    if (!csv) usage_error("cannot write " + csv_path);
     csv << "method,causal,n,batch,heads,head_dim,pass,flops,median_s,min_s,runs,gflops,"
-           "fraction_of_sgemm,workspace_bytes,rss_growth_bytes,sgemm_gflops,threads\n";
+           "fraction_of_sgemm,workspace_bytes,rss_growth_bytes,sgemm_gflops,threads,"
+           "torch_status,torch_median_s,torch_runs,torch_rss_growth_bytes,torch_note\n";
   }
+  std::vector<Row> rows;
   for (const int64_t n : a.ns) {
     Problem p = a.problem;
     p.n = n;
     const auto in = linattn::bench::make_inputs(p);
+    std::vector<const Method*> run_here;
+    const size_t first = rows.size();
     for (const auto& m : methods) {
       if (m.name.rfind("exact", 0) == 0 && n > a.exact_max_n) {
         std::printf("%-26s %7lld skipped: n > --exact-max-n %lld\n", m.name.c_str(), (long long)n,
                     (long long)a.exact_max_n);
         continue;
       }
+      run_here.push_back(&m);
       for (int pass = 0; pass < (a.forward_only ? 1 : 2); ++pass) {
-        const char* pass_name = pass == 0 ? "fwd" : "fwd+bwd";
-        std::fprintf(stderr, "\r[bench] %s n=%lld %s ...          ", m.name.c_str(),
-                     (long long)n, pass_name);
+        Row r;
+        r.method = &m;
+        r.n = n;
+        r.pass = pass == 0 ? "fwd" : "fwd+bwd";
+        r.flops = m.forward_flops(p) + (pass == 1 ? m.backward_flops(p) : 0.0);
+        std::fprintf(stderr, "\r[bench] %s n=%lld %s ...          ", m.name.c_str(), (long long)n,
+                     r.pass.c_str());
         std::function<void()> run = [&] { (void)m.forward(in); };
         if (pass == 1) run = [&] { m.forward_backward(in); };
-        const double flops = m.forward_flops(p) + (pass == 1 ? m.backward_flops(p) : 0.0);
-        const auto mem = linattn::bench::measure_peak_memory(run);  // also the warm-up
-        const auto t = linattn::bench::time_runs(run, 0, n >= 16384 ? 2 : 5, 1.0);
-        const double gflops = flops / t.median_s * 1e-9;
-        std::fprintf(stderr, "\r%80s\r", "");
-        std::printf("%-26s %7lld %-8s %11.1f %11.2f %9.1f %7.0f%% %13s %13s\n", m.name.c_str(),
-                    (long long)n, pass_name, flops * 1e-9, t.median_s * 1e3, gflops,
-                    100 * gflops / gemm, linattn::bench::human_bytes(mem.workspace_bytes).c_str(),
-                    linattn::bench::human_bytes(mem.rss_growth_bytes).c_str());
-        std::fflush(stdout);
-        if (csv)
-          csv << '"' << m.name << "\"," << m.causal << ',' << n << ',' << p.batch << ','
-              << p.heads << ',' << p.head_dim << ',' << pass_name << ',' << flops << ','
-              << t.median_s << ',' << t.min_s << ',' << t.runs << ',' << gflops << ','
-              << gflops / gemm << ',' << mem.workspace_bytes << ',' << mem.rss_growth_bytes
-              << ',' << gemm << ',' << linattn::num_threads() << '\n';
+        r.memory = linattn::bench::measure_peak_memory(run);  // also the warm-up
+        r.timing = linattn::bench::time_runs(run, 0, n >= 16384 ? 2 : 5, 1.0);
+        r.median_s = r.timing.median_s;
+        rows.push_back(r);
       }
     }
+    if (no_torch.empty() && !run_here.empty()) {
+      std::fprintf(stderr, "\r[bench] PyTorch n=%lld ...                              ", (long long)n);
+      const auto torch = linattn::bench::run_torch(p, in, run_here, a.forward_only, linattn::num_threads(),
+                                                   python, bench_dir + "/torch_bench.py");
+      for (size_t i = first; i < rows.size(); ++i) {
+        const auto it = torch.find({rows[i].method->name, rows[i].pass});
+        if (it != torch.end()) rows[i].torch = it->second;
+      }
+    }
+    std::fprintf(stderr, "\r%80s\r", "");
+    for (size_t i = first; i < rows.size(); ++i) {
+      const Row& r = rows[i];
+      const double gflops = r.flops / r.median_s * 1e-9;
+      char ratio[32] = "-";
+      if (r.torch.status == "ok") std::snprintf(ratio, sizeof ratio, "%.2f", r.median_s / r.torch.median_s);
+      std::printf("%-26s %7lld %-8s %9.1f %11.2f %9.1f %7.0f%% %13s %13s %11s %9s\n", r.method->name.c_str(),
+                  (long long)n, r.pass.c_str(), r.flops * 1e-9, r.median_s * 1e3, gflops, 100 * gflops / gemm,
+                  linattn::bench::human_bytes(r.memory.workspace_bytes).c_str(),
+                  linattn::bench::human_bytes(r.memory.rss_growth_bytes).c_str(), torch_cell(r.torch).c_str(),
+                  ratio);
+      if (csv)
+        csv << '"' << r.method->name << "\"," << r.method->causal << ',' << n << ',' << p.batch << ','
+            << p.heads << ',' << p.head_dim << ',' << r.pass << ',' << r.flops << ',' << r.median_s << ','
+            << r.timing.min_s << ',' << r.timing.runs << ',' << gflops << ',' << gflops / gemm << ','
+            << r.memory.workspace_bytes << ',' << r.memory.rss_growth_bytes << ',' << gemm << ','
+            << linattn::num_threads() << ',' << r.torch.status << ',' << r.torch.median_s << ','
+            << r.torch.runs << ',' << r.torch.rss_growth_bytes << ",\"" << r.torch.note << "\"\n";
+    }
+    std::fflush(stdout);
+    csv.flush();
+  }
+  std::printf("\ncrossover (smallest n of this sweep from which the method stays faster than our exact "
+              "attention, same causality and pass):\n");
+  for (const Row& r : rows) {
+    if (r.method->name.rfind("exact", 0) == 0 || r.n != rows.front().n) continue;
+    const int64_t from = crossover(rows, r);
+    if (from > 0)
+      std::printf("  %-26s %-8s n = %lld\n", r.method->name.c_str(), r.pass.c_str(), (long long)from);
+    else
+      std::printf("  %-26s %-8s not within the measured n\n", r.method->name.c_str(), r.pass.c_str());
+  }
+  if (!a.plots.empty()) {
+    csv.close();
+    const std::string cmd = python + " " + bench_dir + "/plot_bench.py " + csv_path + " " + a.plots;
+    if (std::system(cmd.c_str()) != 0)
+      std::fprintf(stderr, "linattn: plotting failed (%s); the CSV is %s\n", cmd.c_str(), csv_path.c_str());
   }
   if (a.methods.empty() || std::string("favor").find(a.methods) != std::string::npos ||
       a.methods.find("recurrent") != std::string::npos)
