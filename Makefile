@@ -34,8 +34,12 @@ test-sanitize: deps
 	cd build-sanitize && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
 	  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ctest --output-on-failure -j $(JOBS)
 
-bench: build
-	$(BUILD)/bin/linattn bench
+# The full sweep against PyTorch, with CSV and plots in out/bench (installs python3-torch and
+# python3-matplotlib from Debian first).
+bench:
+	LINATTN_WITH_BENCH_DEPS=1 bash scripts/install-deps.sh
+	$(MAKE) build
+	$(BUILD)/bin/linattn bench --plots out/bench
 
 clean:
 	rm -rf $(BUILD) build-sanitize

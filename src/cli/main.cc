@@ -11,6 +11,7 @@
 
 #include <unistd.h>
 
+#include "../../bench/accuracy.h"
 #include "../../bench/harness.h"
 #include "../../bench/methods.h"
 #include "../../bench/torch_compare.h"
@@ -38,7 +39,11 @@ const char* kUsage =
     "          --forward-only      skip forward+backward\n"
     "          --csv FILE          also write the table as CSV\n"
     "          --plots DIR         write the CSV and PNG plots (time, memory vs n) into DIR\n"
-    "          --no-torch          skip the PyTorch comparison (default: on when python3-torch is there)\n";
+    "          --no-torch          skip the PyTorch comparison (default: on when python3-torch is there)\n"
+    "  accuracy  errors of every method against exact attention (float64) over seeds, the\n"
+    "          random-feature kernel study, rank and concentration of the attention matrices\n"
+    "          --out DIR           CSV files and PNG plots (default out/accuracy)\n"
+    "          --seeds S --n N --heads H --head-dim D   (default 5, 1024, 4, 64)\n";
 
 [[noreturn]] void usage_error(const std::string& msg) {
   std::fprintf(stderr, "linattn: %s\n%s", msg.c_str(), kUsage);
@@ -75,6 +80,8 @@ struct Args {
   int64_t exact_max_n = 16384;
   bool torch = true;
   std::string plots;
+  linattn::bench::AccuracyOptions accuracy;
+  bool n_set = false, heads_set = false;
 };
 
 Args parse_args(int argc, char** argv, int first) {
@@ -85,9 +92,9 @@ Args parse_args(int argc, char** argv, int first) {
       if (i + 1 >= argc) usage_error(f + " needs a value");
       return argv[++i];
     };
-    if (f == "--n") a.ns = parse_list(f, value());
+    if (f == "--n") a.ns = parse_list(f, value()), a.n_set = true;
     else if (f == "--batch") a.problem.batch = parse_int(f, value());
-    else if (f == "--heads") a.problem.heads = parse_int(f, value());
+    else if (f == "--heads") a.problem.heads = parse_int(f, value()), a.heads_set = true;
     else if (f == "--head-dim") a.problem.head_dim = parse_int(f, value());
     else if (f == "--threads") a.threads = static_cast<int>(parse_int(f, value()));
     else if (f == "--methods") a.methods = value();
@@ -95,6 +102,8 @@ Args parse_args(int argc, char** argv, int first) {
     else if (f == "--csv") a.csv = value();
     else if (f == "--exact-max-n") a.exact_max_n = parse_int(f, value());
     else if (f == "--no-torch") a.torch = false;
+    else if (f == "--out") a.accuracy.out_dir = value();
+    else if (f == "--seeds") a.accuracy.seeds = static_cast<int>(parse_int(f, value()));
     else if (f == "--plots") a.plots = value();
     else usage_error("unknown option '" + f + "'");
   }
@@ -352,6 +361,21 @@ int bench(const Args& a) {
   return 0;
 }
 
+int accuracy(const Args& a) {
+  linattn::bench::AccuracyOptions o = a.accuracy;
+  o.heads = a.heads_set ? a.problem.heads : 4;
+  o.head_dim = a.problem.head_dim;
+  if (a.n_set) o.n = a.ns.front();
+  std::printf("linattn accuracy: H=%lld d=%lld n=%lld, %d seeds, float64; writing %s\n", (long long)o.heads,
+              (long long)o.head_dim, (long long)o.n, o.seeds, o.out_dir.c_str());
+  linattn::bench::run_accuracy(o);
+  const std::string python = LINATTN_PYTHON, bench_dir = LINATTN_BENCH_DIR;
+  const std::string cmd = python + " " + bench_dir + "/plot_accuracy.py " + o.out_dir;
+  if (std::system(cmd.c_str()) != 0)
+    std::fprintf(stderr, "linattn: plotting failed (%s); the CSV files are in %s\n", cmd.c_str(), o.out_dir.c_str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -371,6 +395,7 @@ int main(int argc, char** argv) {
     const Args args = parse_args(argc, argv, 2);
     if (cmd == "demo") return demo(args);
     if (cmd == "bench") return bench(args);
+    if (cmd == "accuracy") return accuracy(args);
   } catch (const linattn::Error& e) {
     std::fprintf(stderr, "linattn: %s\n", e.what());
     return 1;
