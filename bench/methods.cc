@@ -294,10 +294,16 @@ Method efficient_method() {
 
 }  // namespace
 
-std::vector<Method> all_methods() {
-  return {softmax_method(false), softmax_method(true), linear_method("elu", false),
-          linear_method("elu", true),  favor_method(256, false), favor_method(256, true),
-          nystrom_method(64),          linformer_method(256),    efficient_method()};
+std::vector<Method> all_methods(const MethodSizes& z) {
+  return {softmax_method(false),
+          softmax_method(true),
+          linear_method("elu", false),
+          linear_method("elu", true),
+          favor_method(z.favor_features, false),
+          favor_method(z.favor_features, true),
+          nystrom_method(z.landmarks),
+          linformer_method(z.linformer_proj),
+          efficient_method()};
 }
 
 double error_vs_exact(const Method& m, const Inputs& in, const Tensor<float>& out,

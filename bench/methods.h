@@ -35,7 +35,11 @@ struct Method {
   std::function<void(const Problem&, const std::string& dir)> write_parameters;
 };
 
-std::vector<Method> all_methods();
+// Sizes of the approximations: FAVOR+ random features m, Nyström landmarks, Linformer s_proj.
+struct MethodSizes {
+  int64_t favor_features = 256, landmarks = 64, linformer_proj = 256;
+};
+std::vector<Method> all_methods(const MethodSizes& sizes = {});
 
 // Largest |out − exact| / max|exact| over `sample_rows` evenly spaced query rows of every
 // (batch, head), the exact rows computed by the float64 reference.

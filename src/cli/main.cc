@@ -33,6 +33,8 @@ const char* kUsage =
     "          --n 1024,2048,...   sequence lengths (default 512..65536, doubling)\n"
     "          --batch B --heads H --head-dim D   (default 1, 8, 64)\n"
     "          --threads T         (default: all cores)\n"
+    "          --m M --landmarks L --s-proj S   FAVOR+ features, Nyström landmarks, Linformer\n"
+    "                              projection rows (default 256, 64, 256)\n"
     "          --methods A,B,...   only methods whose name contains one of these substrings\n"
     "                              (\"recurrent\": decoding only)\n"
     "          --exact-max-n N     skip exact softmax above this n (default 16384: it is O(n^2))\n"
@@ -82,6 +84,7 @@ struct Args {
   std::string plots;
   linattn::bench::AccuracyOptions accuracy;
   bool n_set = false, heads_set = false;
+  linattn::bench::MethodSizes sizes;
 };
 
 Args parse_args(int argc, char** argv, int first) {
@@ -102,6 +105,9 @@ Args parse_args(int argc, char** argv, int first) {
     else if (f == "--csv") a.csv = value();
     else if (f == "--exact-max-n") a.exact_max_n = parse_int(f, value());
     else if (f == "--no-torch") a.torch = false;
+    else if (f == "--m") a.sizes.favor_features = parse_int(f, value());
+    else if (f == "--landmarks") a.sizes.landmarks = parse_int(f, value());
+    else if (f == "--s-proj") a.sizes.linformer_proj = parse_int(f, value());
     else if (f == "--out") a.accuracy.out_dir = value();
     else if (f == "--seeds") a.accuracy.seeds = static_cast<int>(parse_int(f, value()));
     else if (f == "--plots") a.plots = value();
@@ -111,13 +117,14 @@ Args parse_args(int argc, char** argv, int first) {
   return a;
 }
 
-std::vector<Method> selected_methods(const std::string& filter) {
+std::vector<Method> selected_methods(const std::string& filter,
+                                     const linattn::bench::MethodSizes& sizes) {
   std::vector<Method> out;
   std::vector<std::string> wanted;
   std::stringstream ss(filter);
   for (std::string item; std::getline(ss, item, ',');)
     if (!item.empty()) wanted.push_back(item);
-  for (auto& m : linattn::bench::all_methods())
+  for (auto& m : linattn::bench::all_methods(sizes))
     if (wanted.empty() || std::any_of(wanted.begin(), wanted.end(), [&](const std::string& w) {
           return m.name.find(w) != std::string::npos;
         }))
@@ -137,7 +144,7 @@ int demo(const Args& a) {
   std::printf("%-28s %10s %9s %8s %13s %13s %11s %11s\n", "method", "time (ms)", "GFLOP/s",
               "% sgemm", "extra (wksp)", "extra (RSS)", "err vs own", "vs softmax");
   const auto in = linattn::bench::make_inputs(p);
-  for (const auto& m : selected_methods(a.methods)) {
+  for (const auto& m : selected_methods(a.methods, a.sizes)) {
     linattn::Tensor<float> out;
     const auto mem = linattn::bench::measure_peak_memory([&] { out = m.forward(in); });
     const auto t = linattn::bench::time_runs([&] { out = m.forward(in); }, 1, 5, 1.0);
@@ -165,10 +172,12 @@ int demo(const Args& a) {
 void bench_recurrent(const Args& a) {
   Problem p = a.problem;
   const int64_t d = p.head_dim;
-  const auto w = linattn::random_features<float>(256, d, linattn::FeatureKind::Orthogonal, 42);
+  const int64_t m = a.sizes.favor_features;
+  const auto w = linattn::random_features<float>(m, d, linattn::FeatureKind::Orthogonal, 42);
   linattn::RecurrentOptions o;
   o.feature_map = "favor";
-  std::printf("\n%-26s %9s %14s %12s\n", "recurrent step (favor+ m=256)", "after", "time (us)", "GFLOP/s");
+  const std::string title = "recurrent step (favor+ m=" + std::to_string(m) + ")";
+  std::printf("\n%-26s %9s %14s %12s\n", title.c_str(), "after", "time (us)", "GFLOP/s");
   Problem one = p;
   one.n = 1;
   const auto tok = linattn::bench::make_inputs(one);
@@ -195,7 +204,7 @@ void bench_recurrent(const Args& a) {
           linattn::bench::time_runs([&] { (void)states[i].step(qt, qt, qt); }, 20, 200, 0.2, 2000).median_s);
   std::fprintf(stderr, "\r%80s\r", "");
   // Per step and head: two feature maps (2·m·d each) and the state update and read (2·m·d_v each).
-  const double flops = 4.0 * 256 * (d + d) * p.batch * p.heads;
+  const double flops = 4.0 * double(m) * double(d + d) * double(p.batch * p.heads);
   for (size_t i = 0; i < positions.size(); ++i) {
     std::sort(medians[i].begin(), medians[i].end());
     const double t = medians[i][medians[i].size() / 2];
@@ -246,7 +255,7 @@ int bench(const Args& a) {
     bench_recurrent(a);
     return 0;
   }
-  const auto methods = selected_methods(a.methods);
+  const auto methods = selected_methods(a.methods, a.sizes);
   const double gemm = linattn::bench::sgemm_gflops(linattn::num_threads());
   const std::string python = LINATTN_PYTHON, bench_dir = LINATTN_BENCH_DIR;
   std::string no_torch = a.torch ? linattn::bench::torch_unavailable_reason(python) : "--no-torch";
