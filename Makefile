@@ -5,7 +5,7 @@ BUILD := build
 JOBS ?= 2
 CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$(PYTHON) -DPYTHON_EXECUTABLE=$(PYTHON)
 
-.PHONY: deps build demo test test-cpp test-python test-sanitize bench clean
+.PHONY: deps build demo test test-cpp test-python test-sanitize bench accuracy clean
 
 deps:
 	@bash scripts/install-deps.sh
@@ -40,6 +40,12 @@ bench:
 	LINATTN_WITH_BENCH_DEPS=1 bash scripts/install-deps.sh
 	$(MAKE) build
 	$(BUILD)/bin/linattn bench --plots out/bench
+
+# The accuracy studies of docs/accuracy.md: CSV and plots in out/accuracy.
+accuracy:
+	LINATTN_WITH_BENCH_DEPS=1 bash scripts/install-deps.sh
+	$(MAKE) build
+	$(BUILD)/bin/linattn accuracy --out out/accuracy
 
 clean:
 	rm -rf $(BUILD) build-sanitize

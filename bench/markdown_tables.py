@@ -35,29 +35,56 @@ def bench(path):
             human(r["workspace_bytes"]), torch_cells))
 
 
-def accuracy(d):
-    for name, key in (("accuracy_size.csv", "size"), ("accuracy_scale.csv", "sigma"), ("accuracy_n.csv", "n")):
-        rows = list(csv.DictReader(open(d + "/" + name)))
-        groups = defaultdict(list)
-        for r in rows:
-            groups[(r["input"], r["method"], r["size"], r[key])].append((float(r["out_rel_err"]), float(r["grad_rel_err"])))
-        print("\n%s (mean over %d seeds; min–max):\n" % (name, len(next(iter(groups.values())))))
-        extra = "" if key == "size" else " %s |" % key
-        print("| input | method | size |%s output rel. error | (dq, dk, dv) rel. error |" % extra)
-        print("|---|---|---:|%s---:|---:|" % ("" if key == "size" else "---:|"))
-        for (inp, meth, size, x), v in groups.items():
-            o = [a for a, _ in v]
-            g = [b for _, b in v]
-            xcell = "" if key == "size" else " %s |" % x
-            print("| %s | %s | %s |%s %.3g (%.3g–%.3g) | %.3g (%.3g–%.3g) |" % (
-                inp, meth, size, xcell, mean(o), min(o), max(o), mean(g), min(g), max(g)))
-    rows = list(csv.DictReader(open(d + "/kernel_mse.csv")))
-    print("\nkernel_mse.csv:\n")
-    print("| features | projection | m | ‖q‖·‖k‖ | relative MSE (± s.e.) |")
-    print("|---|---|---:|---:|---:|")
+def cell(v):
+    return "%.3g (%.3g–%.3g)" % (mean(v), min(v), max(v))
+
+
+def pivot(rows, metric, across, where):
+    """One table: a row per method (and size when `across` is not the size), a column per value
+    of `across`; cells are the mean over seeds and (min–max)."""
+    cols = sorted({float(r[across]) for r in rows} - ({0.0} if across == "size" else set()))
+    groups = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        print("| %s | %s | %s | %s | %.3g ± %.2g |" % (r["features"], r["kind"], r["m"], r["norm_product"],
-                                                   float(r["rel_mse"]), float(r["rel_mse_stderr"])))
+        if all(r[k] == v for k, v in where.items()):
+            label = r["method"] + ("" if across == "size" or r["size"] == "0" else " " + r["size"])
+            groups[label][float(r[across])].append(float(r[metric]))
+    head = {"size": "size", "sigma": "σ =", "n": "n ="}[across]
+    print("| method | " + " | ".join("%s %g" % (head, c) for c in cols) + " |")
+    print("|---|" + "---:|" * len(cols))
+    for label, by in groups.items():
+        if across == "size" and list(by) == [0.0]:
+            print("| %s (no size) | %s |" % (label, cell(by[0.0])) + " ″ |" * (len(cols) - 1))
+            continue
+        print("| %s | " % label + " | ".join(cell(by[c]) if c in by else "" for c in cols) + " |")
+
+
+def accuracy(d):
+    for name, across, fixed in (("accuracy_size.csv", "size", ("sigma",)), ("accuracy_scale.csv", "sigma", ()),
+                                ("accuracy_n.csv", "n", ())):
+        rows = list(csv.DictReader(open(d + "/" + name)))
+        seeds = len({r["seed"] for r in rows})
+        for metric, what in (("out_rel_err", "output"), ("grad_rel_err", "(dq, dk, dv)")):
+            for inp in ("gaussian", "clustered"):
+                for f in sorted({tuple(r[k] for k in fixed) for r in rows}):
+                    where = dict(zip(fixed, f), input=inp)
+                    print("\n%s: relative error of the %s, %s inputs%s; mean over %d seeds (min–max)\n" % (
+                        name, what, inp, "".join(", %s = %s" % kv for kv in zip(fixed, f)), seeds))
+                    pivot(rows, metric, across, where)
+    rows = list(csv.DictReader(open(d + "/kernel_mse.csv")))
+    for across, fixed, value, title in (("m", "norm_product", 1.0, "against m, ‖q‖·‖k‖ = 1"),
+                                        ("norm_product", "m", 64.0, "against ‖q‖·‖k‖, m = 64")):
+        sel = [r for r in rows if float(r[fixed]) == value]
+        cols = sorted({float(r[across]) for r in sel})
+        print("\nkernel_mse.csv, %s: E[(φ(q)·φ(k) − exp(q·k))²] / exp(q·k)², d = 16, mean over %s pairs and "
+              "%s projections ± standard error\n" % (title, sel[0]["pairs"], sel[0]["seeds"]))
+        print("| features (projection) | " + " | ".join("%s %g" % ("m =" if across == "m" else "‖q‖·‖k‖ =", c)
+                                                   for c in cols) + " |")
+        print("|---|" + "---:|" * len(cols))
+        labels = list(dict.fromkeys("%s (%s)" % (r["features"], r["kind"]) for r in sel))
+        for label in labels:
+            by = {float(r[across]): r for r in sel if "%s (%s)" % (r["features"], r["kind"]) == label}
+            print("| %s | " % label + " | ".join("%.3g ± %.2g" % (float(by[c]["rel_mse"]), float(by[c]["rel_mse_stderr"]))
+                                                 if c in by else "" for c in cols) + " |")
     rows = list(csv.DictReader(open(d + "/rank.csv")))
     print("\nrank.csv:\n")
     print("| input | method | size | numerical rank (n = 512) | effective rank | fraction of a row holding 90% of its mass |")

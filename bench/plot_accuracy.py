@@ -15,8 +15,8 @@ def rows(path):
     return list(csv.DictReader(open(path)))
 
 
-def error_plot(path, xkey, xlabel, out, logx=True):
-    data = rows(path)
+def error_plot(path, xkey, xlabel, out, logx=True, sigma=None):
+    data = [r for r in rows(path) if sigma is None or float(r["sigma"]) == sigma]
     fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=False)
     for col, inp in enumerate(("gaussian", "clustered")):
         for row, metric in enumerate(("out_rel_err", "grad_rel_err")):
@@ -45,7 +45,8 @@ def error_plot(path, xkey, xlabel, out, logx=True):
             ax.set_title("%s inputs" % inp, fontsize=9)
             ax.grid(True, which="both", lw=0.3)
             ax.legend(fontsize=6)
-    fig.suptitle("‖approx − exact‖_F / ‖exact‖_F in float64; mean over seeds, bars min..max", fontsize=9)
+    fig.suptitle("‖approx − exact‖_F / ‖exact‖_F in float64; mean over seeds, bars min..max" +
+                 ("" if sigma is None else "; input scale σ = %g" % sigma), fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -77,7 +78,9 @@ def kernel_plot(path, out):
 
 
 def main(d):
-    error_plot(d + "/accuracy_size.csv", "size", "features / landmarks / projection rows", d + "/error_vs_size.png")
+    for sigma in sorted({float(r["sigma"]) for r in rows(d + "/accuracy_size.csv")}):
+        error_plot(d + "/accuracy_size.csv", "size", "features / landmarks / projection rows",
+                   d + "/error_vs_size_sigma%g.png" % sigma, sigma=sigma)
     error_plot(d + "/accuracy_scale.csv", "sigma", "input scale σ (q, k entries ~ σ)", d + "/error_vs_scale.png", logx=False)
     error_plot(d + "/accuracy_n.csv", "n", "sequence length n", d + "/error_vs_n.png")
     kernel_plot(d + "/kernel_mse.csv", d + "/kernel_mse.png")

@@ -192,6 +192,84 @@ void check_simd_kernels() {
 TEST(Simd, FloatKernelsMatchScalar) { check_simd_kernels<float>(); }
 TEST(Simd, DoubleKernelsMatchScalar) { check_simd_kernels<double>(); }
 
+// Softmax down the columns of a row-major block and its backward, against float64 loops, on
+// column counts that exercise full vectors and scalar tails and row counts that cross the
+// 256-row summation blocks. Bounds: e = exp(scale·x − max), the max exact, scale·x rounded or
+// fused into the subtraction (the compiler may contract it to an FMA), the subtraction rounded,
+// exp within 1 ulp: e is within (u(|scale·x| + |scale·x − max|) + 3u)·e; the blocked sums carry at most γ_{256 + rows/256 + 1}; 1/sum one
+// more u. The backward's δ and the products: γ_{256 + rows/256 + 1} + 4u relative to Σ|P dP|.
+template <class T>
+void check_softmax_columns() {
+  const double u = unit_roundoff<T>();
+  for (size_t rows : {size_t{1}, size_t{5}, size_t{300}, size_t{1000}})
+    for (size_t cols : {size_t{1}, size_t{7}, size_t{16}, size_t{37}, size_t{64}}) {
+      SCOPED_TRACE(::testing::Message() << rows << "x" << cols);
+      const size_t ld = cols + 3;  // a source with a larger leading dimension
+      std::vector<T> src(rows * ld), e(rows * cols), inv(cols), work(3 * cols), g(rows * cols);
+      fill_normal(src.data(), int64_t(src.size()), 11 + rows + cols, 3.0);
+      fill_normal(g.data(), int64_t(g.size()), 13 + rows + cols);
+      const T scale = T(0.7);
+      ASSERT_TRUE(simd::softmax_columns(src.data(), ld, e.data(), rows, cols, scale, inv.data(), work.data()));
+      const double gsum = gamma<T>(256.0 + double(rows) / 256 + 1);
+      // x[r,c] = scale·src rounded, minus the column max, and the exps in long double so the
+      // reference's own rounding (to double, +u) is all it adds; rel_e: e's relative error bound.
+      std::vector<long double> x(rows * cols);
+      std::vector<double> rel_e(rows * cols), p(rows * cols), rel_p(rows * cols);
+      for (size_t c = 0; c < cols; ++c) {
+        long double mx = -INFINITY;
+        for (size_t r = 0; r < rows; ++r) mx = std::max<long double>(mx, T(src[r * ld + c] * scale));
+        long double sum = 0;
+        double sum_err = 0;
+        for (size_t r = 0; r < rows; ++r) {
+          const size_t i = r * cols + c;
+          x[i] = static_cast<long double>(T(src[r * ld + c] * scale)) - mx;
+          rel_e[i] = u * (std::abs(double(src[r * ld + c]) * scale) + std::abs(double(x[i]))) + 4 * u;
+          const double want = double(std::exp(x[i]));
+          EXPECT_NEAR(e[i], want, rel_e[i] * want) << r << "," << c;
+          sum += std::exp(x[i]);
+          sum_err += rel_e[i] * want;
+        }
+        const double rel_inv = sum_err / double(sum) + gsum + 2 * u;
+        EXPECT_NEAR(inv[c], double(1 / sum), rel_inv / double(sum)) << c;
+        for (size_t r = 0; r < rows; ++r) {
+          const size_t i = r * cols + c;
+          p[i] = double(std::exp(x[i]) / sum);
+          rel_p[i] = rel_e[i] + rel_inv;
+        }
+      }
+      // Backward: g = scale·P∘(dP − δ), δ_c = Σ_r P dP, against the double P; the fast path
+      // rounds δ's sum (gsum), its product by inv (u), and coef = scale·inv, coef·e, dP − δ
+      // and the last product (4u).
+      std::vector<T> dk = g;
+      simd::softmax_columns_backward(e.data(), inv.data(), dk.data(), rows, cols, scale, work.data());
+      for (size_t c = 0; c < cols; ++c) {
+        double delta = 0, delta_err = 0;
+        for (size_t r = 0; r < rows; ++r) {
+          const size_t i = r * cols + c;
+          delta += p[i] * g[i];
+          delta_err += (rel_p[i] + gsum) * std::abs(p[i] * g[i]);
+        }
+        delta_err += u * std::abs(delta);
+        for (size_t r = 0; r < rows; ++r) {
+          const size_t i = r * cols + c;
+          const double dP = g[i], diff = dP - delta;
+          const double want = scale * p[i] * diff;
+          const double bound = scale * p[i] * ((rel_p[i] + 4 * u) * std::abs(diff) + delta_err) + 4 * u * std::abs(want);
+          EXPECT_NEAR(dk[i], want, bound) << r << "," << c;
+        }
+      }
+    }
+}
+
+TEST(Simd, FloatSoftmaxColumnsMatchesLoops) { check_softmax_columns<float>(); }
+TEST(Simd, DoubleSoftmaxColumnsMatchesLoops) { check_softmax_columns<double>(); }
+
+// A column whose scaled values overflow is reported, not turned into NaN.
+TEST(Simd, SoftmaxColumnsReportsOverflow) {
+  std::vector<float> src{1.f, 3e38f, 2.f, 1.f}, e(4), inv(2), work(6);
+  EXPECT_FALSE(simd::softmax_columns(src.data(), 2, e.data(), 2, 2, 10.f, inv.data(), work.data()));
+}
+
 // Large negative arguments underflow to 0 rather than producing garbage.
 TEST(Simd, ExpUnderflowsToZero) {
   std::vector<float> x{-200.f, -1e30f, 0.f};

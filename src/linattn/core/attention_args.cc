@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "linattn/core/simd.h"
+#include "linattn/core/threading.h"
 
 namespace linattn {
 namespace {
@@ -19,11 +20,17 @@ template <class T>
 void check_rows_finite(const char* fn, const char* name, const TensorView<const T>& x,
                        const std::vector<int64_t>& rows_per_batch) {
   const int64_t B = x.dim(0), H = x.dim(1), D = x.dim(3);
+  // The rows of one (b, h) are contiguous: check them at SIMD speed on all workers (this pass
+  // reads every input once, as much memory traffic as some methods' whole forward), and only
+  // look for the offending index, serially, when something is off.
+  std::vector<char> bad(static_cast<size_t>(B * H), 0);
+  parallel_for(B * H, [&](int64_t bh, int) {
+    bad[static_cast<size_t>(bh)] =
+        !simd::all_finite(x.row(bh, 0), static_cast<size_t>(rows_per_batch[static_cast<size_t>(bh / H)] * D));
+  });
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
-      // The rows of one (b, h) are contiguous: check them at SIMD speed, and only look for
-      // the offending index when something is off.
-      if (simd::all_finite(x.row(b * H + h, 0), static_cast<size_t>(rows_per_batch[b] * D))) continue;
+      if (!bad[static_cast<size_t>(b * H + h)]) continue;
       for (int64_t i = 0; i < rows_per_batch[b]; ++i) {
         const T* r = x.row(b * H + h, i);
         for (int64_t c = 0; c < D; ++c)
@@ -78,6 +85,14 @@ double resolve_scale(const char* fn, const AttentionOptions& opts, int64_t head_
 }
 
 template <class T>
+void check_finite(const char* fn, const char* name, TensorView<const T> x) {
+  if (x.size() == 0 || simd::all_finite(x.data, static_cast<size_t>(x.size()))) return;
+  for (int64_t i = 0; i < x.size(); ++i)
+    require(std::isfinite(x.data[i]), fn, ": ", name, " has a non-finite value at flat index ", i,
+            " (", x.data[i], ")");
+}
+
+template <class T>
 void check_same_shape_finite(const char* fn, const char* name, TensorView<const T> x,
                              const Shape& expected) {
   require(x.shape == expected, fn, ": ", name, " has shape ", shape_string(x.shape), "; expected ",
@@ -86,9 +101,7 @@ void check_same_shape_finite(const char* fn, const char* name, TensorView<const 
   if (x.rank() == 4) {
     check_rows_finite(fn, name, x, std::vector<int64_t>(static_cast<size_t>(x.dim(0)), x.dim(2)));
   } else {
-    for (int64_t i = 0; i < x.size(); ++i)
-      require(std::isfinite(x.data[i]), fn, ": ", name, " has a non-finite value at flat index ",
-              i);
+    check_finite(fn, name, x);
   }
 }
 
@@ -100,6 +113,8 @@ template AttentionDims check_attention_args<double>(const char*, TensorView<cons
                                                     TensorView<const double>,
                                                     TensorView<const double>,
                                                     const AttentionOptions&);
+template void check_finite<float>(const char*, const char*, TensorView<const float>);
+template void check_finite<double>(const char*, const char*, TensorView<const double>);
 template void check_same_shape_finite<float>(const char*, const char*, TensorView<const float>,
                                              const Shape&);
 template void check_same_shape_finite<double>(const char*, const char*, TensorView<const double>,

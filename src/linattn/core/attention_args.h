@@ -58,6 +58,10 @@ AttentionDims check_attention_args(const char* fn, TensorView<const T> q, Tensor
 // The scale to use: opts.scale if set (must be finite), else 1/sqrt(head_dim).
 double resolve_scale(const char* fn, const AttentionOptions& opts, int64_t head_dim);
 
+// Checks that every value of x (any rank, contiguous) is finite, naming the first bad flat index.
+template <class T>
+void check_finite(const char* fn, const char* name, TensorView<const T> x);
+
 // Checks a tensor that must have exactly `expected` shape and finite values.
 template <class T>
 void check_same_shape_finite(const char* fn, const char* name, TensorView<const T> x,

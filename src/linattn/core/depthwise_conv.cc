@@ -15,8 +15,7 @@ void check_depthwise_conv(const char* fn, const char* name, const AttentionDims&
   require(causal || w.dim(1) % 2 == 1, fn, ": ", name,
           " needs an odd K when causal=false (got K = ", w.dim(1), ") so the convolution is centred");
   require(d.n_q == d.n_k, fn, ": ", name, " needs n_q == n_k (got ", d.n_q, " and ", d.n_k, ")");
-  for (int64_t i = 0; i < w.size(); ++i)
-    require(std::isfinite(w.data[i]), fn, ": ", name, " has a non-finite value at flat index ", i);
+  check_finite(fn, name, w);
 }
 
 template <class T>

@@ -4,6 +4,7 @@
 #define HWY_TARGET_INCLUDE "linattn/core/simd.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -87,6 +88,91 @@ bool SoftmaxRows(T* x, size_t rows, size_t cols, size_t ld, T* inv_sums) {
     else Scale(row, cols, inv);
   }
   return true;
+}
+
+// Column sums are taken in blocks of kColumnBlock rows, each block's partial sum then added to
+// the total: rounding error ~(kColumnBlock + rows/kColumnBlock)·u instead of rows·u.
+constexpr size_t kColumnBlock = 256;
+
+// acc[c] += a[c]·b[c] (b == nullptr: acc[c] += a[c]) for one row of cols values.
+template <class T>
+HWY_INLINE void AccumulateRow(T* acc, const T* a, const T* b, size_t cols) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  size_t c = 0;
+  for (; c + N <= cols; c += N) {
+    const auto x = b ? hn::Mul(hn::LoadU(d, a + c), hn::LoadU(d, b + c)) : hn::LoadU(d, a + c);
+    hn::StoreU(hn::Add(hn::LoadU(d, acc + c), x), d, acc + c);
+  }
+  for (; c < cols; ++c) acc[c] += b ? a[c] * b[c] : a[c];
+}
+
+// sum[c] = Σ_r a[r,c]·b[r,c] (b == nullptr: Σ_r a[r,c]) over `rows` contiguous rows of cols,
+// blocked as above; part is scratch of cols values.
+template <class T>
+void ColumnSums(const T* a, const T* b, size_t rows, size_t cols, T* sum, T* part) {
+  for (size_t c = 0; c < cols; ++c) sum[c] = 0;
+  for (size_t r0 = 0; r0 < rows; r0 += kColumnBlock) {
+    for (size_t c = 0; c < cols; ++c) part[c] = 0;
+    const size_t r1 = r0 + kColumnBlock < rows ? r0 + kColumnBlock : rows;
+    for (size_t r = r0; r < r1; ++r) AccumulateRow(part, a + r * cols, b ? b + r * cols : nullptr, cols);
+    AccumulateRow(sum, part, static_cast<const T*>(nullptr), cols);
+  }
+}
+
+template <class T>
+bool SoftmaxColumns(const T* src, size_t ld, T* dst, size_t rows, size_t cols, T scale,
+                    T* inv_sums, T* work) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  const auto vs = hn::Set(d, scale);
+  T* col_max = work;
+  for (size_t c = 0; c < cols; ++c) col_max[c] = -std::numeric_limits<T>::infinity();
+  for (size_t r = 0; r < rows; ++r) {
+    const T* x = src + r * ld;
+    size_t c = 0;
+    for (; c + N <= cols; c += N)
+      hn::StoreU(hn::Max(hn::LoadU(d, col_max + c), hn::Mul(hn::LoadU(d, x + c), vs)), d, col_max + c);
+    for (; c < cols; ++c) col_max[c] = std::max(col_max[c], x[c] * scale);
+  }
+  for (size_t c = 0; c < cols; ++c)
+    if (!(col_max[c] - col_max[c] == 0)) return false;  // ±inf or NaN (or no rows)
+  // e = exp(scale·x − max), the same product as above, so each column's max gives exp(0) = 1.
+  for (size_t r = 0; r < rows; ++r) {
+    const T* x = src + r * ld;
+    T* y = dst + r * cols;
+    size_t c = 0;
+    for (; c + N <= cols; c += N)
+      hn::StoreU(hn::Exp(d, hn::Sub(hn::Mul(hn::LoadU(d, x + c), vs), hn::LoadU(d, col_max + c))), d, y + c);
+    for (; c < cols; ++c) y[c] = std::exp(x[c] * scale - col_max[c]);
+  }
+  ColumnSums(dst, static_cast<const T*>(nullptr), rows, cols, inv_sums, work + cols);
+  for (size_t c = 0; c < cols; ++c) inv_sums[c] = T(1) / inv_sums[c];
+  return true;
+}
+
+template <class T>
+void SoftmaxColumnsBackward(const T* e, const T* inv_sums, T* g, size_t rows, size_t cols, T scale,
+                            T* work) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  T* delta = work;          // δ_c = inv_c·Σ_r e[r,c]·g[r,c] = Σ_r P[r,c]·dP[r,c]
+  T* coef = work + cols;    // scale·inv_c
+  ColumnSums(e, g, rows, cols, delta, work + 2 * cols);
+  for (size_t c = 0; c < cols; ++c) {
+    delta[c] *= inv_sums[c];
+    coef[c] = scale * inv_sums[c];
+  }
+  for (size_t r = 0; r < rows; ++r) {
+    const T* er = e + r * cols;
+    T* gr = g + r * cols;
+    size_t c = 0;
+    for (; c + N <= cols; c += N) {
+      const auto p = hn::Mul(hn::LoadU(d, coef + c), hn::LoadU(d, er + c));
+      hn::StoreU(hn::Mul(p, hn::Sub(hn::LoadU(d, gr + c), hn::LoadU(d, delta + c))), d, gr + c);
+    }
+    for (; c < cols; ++c) gr[c] = coef[c] * er[c] * (gr[c] - delta[c]);
+  }
 }
 
 template <class T>
@@ -229,6 +315,22 @@ bool SoftmaxRowsF32(float* x, size_t rows, size_t cols, size_t ld, float* inv) {
 bool SoftmaxRowsF64(double* x, size_t rows, size_t cols, size_t ld, double* inv) {
   return SoftmaxRows(x, rows, cols, ld, inv);
 }
+bool SoftmaxColumnsF32(const float* src, size_t ld, float* dst, size_t rows, size_t cols, float scale,
+                       float* inv, float* work) {
+  return SoftmaxColumns(src, ld, dst, rows, cols, scale, inv, work);
+}
+bool SoftmaxColumnsF64(const double* src, size_t ld, double* dst, size_t rows, size_t cols, double scale,
+                       double* inv, double* work) {
+  return SoftmaxColumns(src, ld, dst, rows, cols, scale, inv, work);
+}
+void SoftmaxColumnsBackwardF32(const float* e, const float* inv, float* g, size_t rows, size_t cols,
+                               float scale, float* work) {
+  SoftmaxColumnsBackward(e, inv, g, rows, cols, scale, work);
+}
+void SoftmaxColumnsBackwardF64(const double* e, const double* inv, double* g, size_t rows, size_t cols,
+                               double scale, double* work) {
+  SoftmaxColumnsBackward(e, inv, g, rows, cols, scale, work);
+}
 void ScaleF32(float* x, size_t n, float a) { Scale(x, n, a); }
 void ScaleF64(double* x, size_t n, double a) { Scale(x, n, a); }
 void SoftmaxGradF32(float* ds, const float* p, const float* dp, size_t n, float delta) {
@@ -257,6 +359,10 @@ HWY_EXPORT(ExpShiftedSumF32);
 HWY_EXPORT(ExpShiftedSumF64);
 HWY_EXPORT(SoftmaxRowsF32);
 HWY_EXPORT(SoftmaxRowsF64);
+HWY_EXPORT(SoftmaxColumnsF32);
+HWY_EXPORT(SoftmaxColumnsF64);
+HWY_EXPORT(SoftmaxColumnsBackwardF32);
+HWY_EXPORT(SoftmaxColumnsBackwardF64);
 HWY_EXPORT(ScaleF32);
 HWY_EXPORT(ScaleF64);
 HWY_EXPORT(SoftmaxGradF32);
@@ -312,6 +418,22 @@ bool softmax_rows(float* x, size_t rows, size_t cols, size_t ld, float* inv_sums
 }
 bool softmax_rows(double* x, size_t rows, size_t cols, size_t ld, double* inv_sums) {
   return HWY_DYNAMIC_DISPATCH(SoftmaxRowsF64)(x, rows, cols, ld, inv_sums);
+}
+bool softmax_columns(const float* src, size_t ld_src, float* dst, size_t rows, size_t cols, float scale,
+                     float* inv_sums, float* work) {
+  return HWY_DYNAMIC_DISPATCH(SoftmaxColumnsF32)(src, ld_src, dst, rows, cols, scale, inv_sums, work);
+}
+bool softmax_columns(const double* src, size_t ld_src, double* dst, size_t rows, size_t cols,
+                     double scale, double* inv_sums, double* work) {
+  return HWY_DYNAMIC_DISPATCH(SoftmaxColumnsF64)(src, ld_src, dst, rows, cols, scale, inv_sums, work);
+}
+void softmax_columns_backward(const float* e, const float* inv_sums, float* g, size_t rows, size_t cols,
+                              float scale, float* work) {
+  HWY_DYNAMIC_DISPATCH(SoftmaxColumnsBackwardF32)(e, inv_sums, g, rows, cols, scale, work);
+}
+void softmax_columns_backward(const double* e, const double* inv_sums, double* g, size_t rows,
+                              size_t cols, double scale, double* work) {
+  HWY_DYNAMIC_DISPATCH(SoftmaxColumnsBackwardF64)(e, inv_sums, g, rows, cols, scale, work);
 }
 void softmax_grad(float* ds, const float* p, const float* dp, size_t n, float delta) {
   HWY_DYNAMIC_DISPATCH(SoftmaxGradF32)(ds, p, dp, n, delta);

@@ -27,6 +27,24 @@ void scale(double* x, size_t n, double a);
 bool softmax_rows(float* x, size_t rows, size_t cols, size_t ld, float* inv_sums = nullptr);
 bool softmax_rows(double* x, size_t rows, size_t cols, size_t ld, double* inv_sums = nullptr);
 
+// Softmax down the columns of a rows × cols block (rows >= 1), for softmax over positions of a
+// row-major [positions, features] matrix without transposing it: reads scale·src (leading
+// dimension ld_src), writes the unnormalised e = exp(scale·src − column max) into dst (rows ×
+// cols, contiguous) and inv_sums[c] = 1/Σ_r e[r,c]; P = e·diag(inv_sums). work: 2·cols values.
+// Column sums are blocked (error ~(256 + rows/256)·u). Returns false if a column's max is ±inf
+// or NaN.
+bool softmax_columns(const float* src, size_t ld_src, float* dst, size_t rows, size_t cols, float scale,
+                     float* inv_sums, float* work);
+bool softmax_columns(const double* src, size_t ld_src, double* dst, size_t rows, size_t cols,
+                     double scale, double* inv_sums, double* work);
+
+// Its backward, in place on g (rows × cols, contiguous, holding dP on entry):
+// g = scale·P ∘ (dP − δ), δ_c = Σ_r P[r,c]·dP[r,c], P = e·diag(inv_sums). work: 3·cols values.
+void softmax_columns_backward(const float* e, const float* inv_sums, float* g, size_t rows, size_t cols,
+                              float scale, float* work);
+void softmax_columns_backward(const double* e, const double* inv_sums, double* g, size_t rows,
+                              size_t cols, double scale, double* work);
+
 // ds[i] = p[i] * (dp[i] - delta): the softmax backward, dS = P ∘ (dP − rowsum(P∘dP)).
 void softmax_grad(float* ds, const float* p, const float* dp, size_t n, float delta);
 void softmax_grad(double* ds, const double* p, const double* dp, size_t n, double delta);

@@ -49,6 +49,10 @@ Tracked identity_minus(const Arith& a, double c, const Tracked& X);
 // P = softmax of each row of S, computed as exp(s − max) (exp within 1 ulp), a sum, and a
 // multiplication by 1/sum. With δs the row's largest score error, each exp is off by a
 // relative ε_j ≤ expm1(2δs + u|s_j − max|) + 2u, so |δP_j| ≤ (2·max_j ε_j + γ_{cols+3})·P_j.
+// The bound also covers a fast path that keeps exp(s − max) unnormalised and applies 1/sum to a
+// later product instead (Nyström's F3, Efficient Attention's ρ_k): each term then carries
+// relative error ≤ ε_j + γ_{cols+1} in place of the above, and the product's own rounding of
+// the 1/sum factor is the one its matmul bound (γ_{K+2}) already allows for α.
 Tracked softmax_rows(const Arith& a, const Tracked& S);
 // dS = P ∘ (dP − δ), δ = Σ_j P_j dP_j per row (a dot product, then one subtraction and one
 // product per element).

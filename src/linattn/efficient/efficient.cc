@@ -1,13 +1,16 @@
 // Efficient Attention forward and backward, per (batch, head):
-//   ρ_kᵀ = softmax over positions of (K_L·s)ᵀ [d, L] (rows of the transposed block, so the
-//   row softmax of the SIMD layer applies); G = ρ_kᵀ V_L [d, d_v];
+//   E = exp(K_L·s − column max) [L, d], kept unnormalised, with inv_c = 1/Σ_j E[j,c], so the
+//   softmax over positions is ρ_k = E·diag(inv) (computed down the columns of the row-major K:
+//   no transpose); G = ρ_kᵀ V_L = diag(inv)·(Eᵀ V_L) [d, d_v];
 //   blocks of query rows: ρ_q = softmax over features of Q_blk·s; out_blk = ρ_q G.
-// Backward: dG = Σ_blk ρ_qᵀ dout, dq = s·softmax'(ρ_q, dout Gᵀ); dv_L = ρ_k dG,
-//   dk_L = s·softmax'(ρ_kᵀ, dG V_Lᵀ)ᵀ. Parallel over (batch, head): no atomics.
+// Backward: dG = Σ_blk ρ_qᵀ dout, dq = s·softmax'(ρ_q, dout Gᵀ); dρ_k = V_L dGᵀ,
+//   dk_L = s·ρ_k∘(dρ_k − colsum(ρ_k∘dρ_k)), dv_L = ρ_k dG = E·(diag(inv) dG).
+// Parallel over (batch, head): no atomics.
 #include <algorithm>
 
 #include "linattn/core/blas.h"
 #include "linattn/core/row_softmax.h"
+#include "linattn/core/simd.h"
 #include "linattn/core/threading.h"
 #include "linattn/efficient/internal.h"
 
@@ -33,28 +36,26 @@ Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, T
 template <class T>
 struct Buffers {
   Buffers(const Setup& s, bool backward)
-      : kt(s.d.head_dim * s.d.n_k),
+      : e(s.d.head_dim * s.d.n_k),
+        inv(s.d.head_dim),
+        work(3 * s.d.head_dim),
         g(s.d.head_dim * s.d.value_dim),
         qb(std::min(kRowBlock, s.d.n_q) * s.d.head_dim),
-        dkt(backward ? s.d.head_dim * s.d.n_k : 0),
         dg(backward ? s.d.head_dim * s.d.value_dim : 0),
         dqb(backward ? std::min(kRowBlock, s.d.n_q) * s.d.head_dim : 0) {}
-  Buffer<T> kt, g, qb, dkt, dg, dqb;
+  Buffer<T> e, inv, work, g, qb, dg, dqb;
 };
 
-// ρ_kᵀ [d, L] and G = ρ_kᵀ V_L [d, d_v] for head bh.
+// E [L, d], inv [d] and G = diag(inv)·Eᵀ V_L [d, d_v] for head bh.
 template <class T>
 void key_side(const char* fn, const Setup& s, TensorView<const T> k, TensorView<const T> v,
               int64_t bh, int64_t L, Buffers<T>& b) {
-  const int64_t hd = s.d.head_dim;
-  const T sc = static_cast<T>(s.scale);
-  for (int64_t i = 0; i < L; ++i) {
-    const T* kr = k.row(bh, i);
-    for (int64_t c = 0; c < hd; ++c) b.kt[c * L + i] = sc * kr[c];
-  }
-  softmax_rows(fn, b.kt.data(), hd, L, L);
-  gemm<T>(Trans::No, Trans::No, hd, s.d.value_dim, L, T(1), b.kt.data(), L, v.row(bh, 0),
-          s.d.value_dim, T(0), b.g.data(), s.d.value_dim);
+  const int64_t hd = s.d.head_dim, dv = s.d.value_dim;
+  require(simd::softmax_columns(k.row(bh, 0), static_cast<size_t>(hd), b.e.data(), static_cast<size_t>(L),
+                                static_cast<size_t>(hd), static_cast<T>(s.scale), b.inv.data(), b.work.data()),
+          fn, ": attention scores overflowed to inf or NaN; the inputs are too large for this dtype");
+  gemm<T>(Trans::Yes, Trans::No, hd, dv, L, T(1), b.e.data(), hd, v.row(bh, 0), dv, T(0), b.g.data(), dv);
+  for (int64_t c = 0; c < hd; ++c) simd::scale(b.g.data() + c * dv, static_cast<size_t>(dv), b.inv[c]);
 }
 
 // ρ_q = softmax over features of s·Q for `rows` query rows from r0, into b.qb.
@@ -130,15 +131,15 @@ AttentionGrads<T> efficient_attention_backward(TensorView<const T> q, TensorView
       T* dq = g.dq.view().row(bh, r0);
       for (int64_t i = 0; i < rows * hd; ++i) dq[i] = sc * b.dqb[i];
     }
-    // G = ρ_kᵀ V_L: dρ_kᵀ = dG V_Lᵀ, dv_L = ρ_k dG
-    gemm<T>(Trans::No, Trans::Yes, hd, L, dv, T(1), b.dg.data(), dv, v.row(bh, 0), dv, T(0), b.dkt.data(), L);
-    gemm<T>(Trans::Yes, Trans::No, L, dv, hd, T(1), b.kt.data(), L, b.dg.data(), dv, T(0),
+    // G = ρ_kᵀ V_L: dρ_k = V_L dGᵀ (into dk's rows, then the softmax backward in place),
+    // dv_L = E·(diag(inv) dG).
+    T* dk = g.dk.view().row(bh, 0);
+    gemm<T>(Trans::No, Trans::Yes, L, hd, dv, T(1), v.row(bh, 0), dv, b.dg.data(), dv, T(0), dk, hd);
+    simd::softmax_columns_backward(b.e.data(), b.inv.data(), dk, static_cast<size_t>(L),
+                                   static_cast<size_t>(hd), sc, b.work.data());
+    for (int64_t c = 0; c < hd; ++c) simd::scale(b.dg.data() + c * dv, static_cast<size_t>(dv), b.inv[c]);
+    gemm<T>(Trans::No, Trans::No, L, dv, hd, T(1), b.e.data(), hd, b.dg.data(), dv, T(0),
             g.dv.view().row(bh, 0), dv);
-    softmax_rows_backward(b.kt.data(), b.dkt.data(), hd, L, L, L);
-    for (int64_t i = 0; i < L; ++i) {
-      T* dk = g.dk.view().row(bh, i);
-      for (int64_t c = 0; c < hd; ++c) dk[c] = sc * b.dkt[c * L + i];
-    }
   });
   return g;
 }

@@ -42,8 +42,7 @@ Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, T
   for (const auto* x : {&e, &f}) {
     const char* name = x == &e ? "e" : "f";
     require(x->size() == 0 || x->data != nullptr, fn, ": ", name, " has no data");
-    for (int64_t i = 0; i < x->size(); ++i)
-      require(std::isfinite(x->data[i]), fn, ": ", name, " has a non-finite value at flat index ", i);
+    check_finite(fn, name, *x);
   }
   return s;
 }

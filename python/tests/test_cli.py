@@ -1,0 +1,41 @@
+"""The `linattn` program's bench and accuracy commands on small sizes: they run, write one CSV row
+per (method, n, pass) with sane numbers, and reject bad options with a message naming them.
+The full sweeps (minutes to an hour) are run by hand for docs/; this only guards the plumbing."""
+import csv
+import os
+import subprocess
+
+import pytest
+
+import linattn
+
+# The build puts the Python package in <build>/python/linattn and the program in <build>/bin.
+BIN = os.path.join(os.path.dirname(linattn.__file__), "..", "..", "bin", "linattn")
+pytestmark = pytest.mark.skipif(not os.path.exists(BIN), reason="linattn program not built")
+
+
+def run(*args):
+    return subprocess.run([BIN, *args], capture_output=True, text=True, timeout=600)
+
+
+def test_bench_writes_one_row_per_method_n_and_pass(tmp_path):
+    out = tmp_path / "bench.csv"
+    r = run("bench", "--n", "128,256", "--heads", "2", "--no-torch", "--m", "32", "--landmarks", "16",
+            "--s-proj", "32", "--csv", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = list(csv.DictReader(open(out)))
+    methods = {row["method"] for row in rows}
+    assert {"exact softmax", "favor+ m=32", "nystrom m=16", "linformer s=32", "efficient attention"} <= methods
+    assert len(rows) == len(methods) * 2 * 2  # every method at both n, forward and forward+backward
+    for row in rows:
+        assert float(row["median_s"]) > 0
+        assert float(row["gflops"]) > 0
+        assert row["torch_status"] != "ok"  # --no-torch
+    assert "crossover" in r.stdout
+
+
+def test_bench_rejects_unknown_option_and_method():
+    r = run("bench", "--frobnicate", "3")
+    assert r.returncode != 0 and "--frobnicate" in r.stderr
+    r = run("bench", "--n", "128", "--methods", "no-such-method", "--no-torch")
+    assert r.returncode != 0 and "no-such-method" in r.stderr
