@@ -47,46 +47,52 @@ def crossovers(rows, pass_name):
 
 
 def plot(rows, pass_name, what, path):
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    """Two panels, non-causal and causal (each with exact attention of that kind)."""
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.8))
     names = sorted({r["method"] for r in rows}, key=lambda s: (not s.startswith("exact"), s))
+    colors = {name: "C%d" % (i % 10) for i, name in enumerate(names)}
     cross = crossovers(rows, pass_name) if what == "time" else {}
-    for i, name in enumerate(names):
-        pts = sorted((r["n"], r) for r in rows if r["method"] == name and r["pass"] == pass_name)
-        if not pts:
-            continue
-        color = "C%d" % (i % 10)
-        ns = [n for n, _ in pts]
-        if what == "time":
-            ours = [r["median_s"] * 1e3 for _, r in pts]
-            theirs = [(n, r["torch_median_s"] * 1e3) for n, r in pts if r["torch_status"] == "ok"]
-        else:
-            ours = [max(r["rss_growth_bytes"], r["workspace_bytes"], 1) / 2**20 for _, r in pts]
-            theirs = [(n, r["torch_rss_growth_bytes"] / 2**20) for n, r in pts
-                      if r["torch_status"] == "ok" and r["torch_rss_growth_bytes"] > 0]
-        ax.plot(ns, ours, "-o", color=color, ms=3, label=name)
-        if theirs:
-            ax.plot([n for n, _ in theirs], [t for _, t in theirs], "--", color=color, lw=1,
-                    label=name + " (PyTorch)")
-        skipped = [n for n, r in pts if r["torch_status"] == "skipped"]
-        if skipped and theirs:
-            ax.plot(skipped, [theirs[-1][1]] * len(skipped), "x", color=color, ms=5)
-        if cross.get(name):
-            n0 = cross[name]
-            y0 = [o for n, o in zip(ns, ours) if n == n0][0]
-            ax.annotate("crossover n=%d" % n0, (n0, y0), textcoords="offset points", xytext=(5, -12),
-                        fontsize=7, color=color)
-            ax.plot([n0], [y0], "s", color=color, ms=7, mfc="none")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("sequence length n")
-    ax.set_ylabel("time (ms)" if what == "time" else "peak extra memory (MiB)")
+    for ax, causal in zip(axes, ("0", "1")):
+        for name in names:
+            pts = sorted((r["n"], r) for r in rows
+                         if r["method"] == name and r["pass"] == pass_name and r["causal"] == causal)
+            if not pts:
+                continue
+            color = colors[name]
+            ns = [n for n, _ in pts]
+            if what == "time":
+                ours = [r["median_s"] * 1e3 for _, r in pts]
+                theirs = [(n, r["torch_median_s"] * 1e3) for n, r in pts if r["torch_status"] == "ok"]
+            else:
+                ours = [max(r["rss_growth_bytes"], r["workspace_bytes"], 1) / 2**20 for _, r in pts]
+                theirs = [(n, r["torch_rss_growth_bytes"] / 2**20) for n, r in pts
+                          if r["torch_status"] == "ok" and r["torch_rss_growth_bytes"] > 0]
+            ax.plot(ns, ours, "-o", color=color, ms=3, label=name)
+            if theirs:
+                ax.plot([n for n, _ in theirs], [t for _, t in theirs], "--", color=color, lw=1,
+                        label=name + " (PyTorch)")
+            skipped = [n for n, r in pts if r["torch_status"] == "skipped"]
+            if skipped and theirs:
+                ax.plot(skipped, [theirs[-1][1]] * len(skipped), "x", color=color, ms=5)
+            if cross.get(name):
+                n0 = cross[name]
+                y0 = [o for n, o in zip(ns, ours) if n == n0][0]
+                ax.annotate("crossover n=%d" % n0, (n0, y0), textcoords="offset points", xytext=(6, -3),
+                            fontsize=7, color=color)
+                ax.plot([n0], [y0], "s", color=color, ms=7, mfc="none")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length n")
+        ax.set_ylabel("time (ms)" if what == "time" else "peak extra memory (MiB)")
+        ax.set_title("causal" if causal == "1" else "non-causal", fontsize=9)
+        ax.grid(True, which="both", lw=0.3)
+        ax.legend(fontsize=6, ncol=2)
     b, h, d = rows[0]["batch"], rows[0]["heads"], rows[0]["head_dim"]
-    ax.set_title("%s, %s: B=%s H=%s d=%s float32, %s threads (solid: linattn, dashed: PyTorch, "
-                 "x: PyTorch skipped)" % (what, pass_name, b, h, d, rows[0]["threads"]), fontsize=8)
-    ax.grid(True, which="both", lw=0.3)
-    ax.legend(fontsize=6, ncol=2)
+    fig.suptitle("%s, %s: B=%s H=%s d=%s float32, %s threads (solid: linattn, dashed: PyTorch, x: PyTorch "
+                 "skipped, would not fit in memory; square: crossover with linattn's exact attention)"
+                 % (what, pass_name, b, h, d, rows[0]["threads"]), fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

@@ -10,6 +10,9 @@ REQUESTS.csv: dir,method,causal,pass,batch,heads,n,head_dim,threads
   random features and projections linattn itself used.
 RESULTS.csv: method,causal,pass,status,median_s,runs,rss_growth_bytes,note
   status is ok, skipped (would not fit in memory) or unavailable (no such PyTorch version).
+  rss_growth_bytes: growth of the peak resident memory over one call, measured in a fresh
+  process (python3 torch_bench.py --memory REQUESTS.csv INDEX) so no memory cached from
+  earlier calls hides what the call needs.
 
 PyTorch gets its best conditions: torch.set_num_threads(threads) (it starts with 1 on these
 machines) and OMP_WAIT_POLICY=passive (set before torch is imported), so idle OpenMP threads do
@@ -18,6 +21,7 @@ not spin against the BLAS threads.
 import csv
 import math
 import os
+import subprocess
 import sys
 import time
 
@@ -160,66 +164,96 @@ def time_runs(run, n):
     return float(np.median(times)), len(times)
 
 
+def prepare(r, cache):
+    """The implementation, inputs, extra parameters and estimated peak bytes of one request."""
+    B, H, n, d = (int(r[x]) for x in ("batch", "heads", "n", "head_dim"))
+    name, causal, backward = r["method"], r["causal"] == "1", r["pass"] == "fwd+bwd"
+    fn = implementation(name)
+    if fn is None:
+        return None
+    key = r["dir"]
+    if key not in cache:
+        cache.clear()
+        shape = (B, H, n, d)
+        cache[key] = {x: load(os.path.join(key, x + ".f32"), shape) for x in ("q", "k", "v", "dout")}
+    t = cache[key]
+    extra = {"landmarks": 64}
+    m = d
+    if name.startswith("favor+"):
+        m = int(name.split("m=")[1].split()[0])
+        extra["favor_w"] = load(os.path.join(key, "favor_w_%d.f32" % m), (m, d))
+    if name.startswith("nystrom"):
+        extra["landmarks"] = m = int(name.split("m=")[1].split()[0])
+    if name.startswith("linformer"):
+        s = int(name.split("s=")[1].split()[0])
+        m = s
+        extra["linformer_e"] = load(os.path.join(key, "linformer_%d_e.f32" % s), (s, n))
+        extra["linformer_f"] = load(os.path.join(key, "linformer_%d_f.f32" % s), (s, n))
+    need = bytes_needed(name, causal, B, H, n, d, m, backward)
+
+    if backward:
+        params = [t["q"], t["k"], t["v"]] + [extra[x] for x in ("linformer_e", "linformer_f") if x in extra]
+
+        def run():
+            ps = [p.detach().requires_grad_(True) for p in params]
+            ex = dict(extra)
+            if "linformer_e" in ex:
+                ex["linformer_e"], ex["linformer_f"] = ps[3], ps[4]
+            y = fn(ps[0], ps[1], ps[2], causal, ex)
+            y.backward(t["dout"])
+    else:
+        def run():
+            with torch.no_grad():
+                fn(t["q"], t["k"], t["v"], causal, extra)
+    return run, need
+
+
+def measure_memory(requests_path, index):
+    """Peak RSS growth of one call of request `index`, in this fresh process: with nothing freed
+    and cached by the allocator yet, the high-water mark sees every byte the call needs."""
+    r = list(csv.DictReader(open(requests_path)))[index]
+    torch.set_num_threads(int(r["threads"]))
+    run, _ = prepare(r, {})
+    if not rss_reset():
+        print(-1)
+        return
+    before = status_bytes("VmRSS:")
+    run()
+    print(status_bytes("VmHWM:") - before)
+
+
 def main(requests_path, results_path):
     rows = list(csv.DictReader(open(requests_path)))
     out = open(results_path, "w", newline="")
     w = csv.writer(out)
     w.writerow(["method", "causal", "pass", "status", "median_s", "runs", "rss_growth_bytes", "note"])
     cache = {}
-    for r in rows:
-        B, H, n, d, threads = (int(r[x]) for x in ("batch", "heads", "n", "head_dim", "threads"))
-        torch.set_num_threads(threads)
-        name, causal, backward = r["method"], r["causal"] == "1", r["pass"] == "fwd+bwd"
-        fn = implementation(name)
-        if fn is None:
-            w.writerow([name, r["causal"], r["pass"], "unavailable", "", "", "", "no PyTorch version"])
+    for index, r in enumerate(rows):
+        n = int(r["n"])
+        torch.set_num_threads(int(r["threads"]))
+        prepared = prepare(r, cache)
+        if prepared is None:
+            w.writerow([r["method"], r["causal"], r["pass"], "unavailable", "", "", "", "no PyTorch version"])
             continue
-        key = r["dir"]
-        if key not in cache:
-            cache.clear()
-            shape = (B, H, n, d)
-            cache[key] = {x: load(os.path.join(key, x + ".f32"), shape) for x in ("q", "k", "v", "dout")}
-        t = cache[key]
-        extra = {"landmarks": 64}
-        m = d
-        if name.startswith("favor+"):
-            m = int(name.split("m=")[1].split()[0])
-            extra["favor_w"] = load(os.path.join(key, "favor_w_%d.f32" % m), (m, d))
-        if name.startswith("nystrom"):
-            extra["landmarks"] = m = int(name.split("m=")[1].split()[0])
-        if name.startswith("linformer"):
-            s = int(name.split("s=")[1].split()[0])
-            m = s
-            extra["linformer_e"] = load(os.path.join(key, "linformer_%d_e.f32" % s), (s, n))
-            extra["linformer_f"] = load(os.path.join(key, "linformer_%d_f.f32" % s), (s, n))
-        need = bytes_needed(name, causal, B, H, n, d, m, backward)
+        run, need = prepared
         if need > 0.6 * available_bytes():
-            w.writerow([name, r["causal"], r["pass"], "skipped", "", "", need,
+            w.writerow([r["method"], r["causal"], r["pass"], "skipped", "", "", need,
                         "would need about %.1f GiB" % (need / 2**30)])
             out.flush()
             continue
-        if backward:
-            params = [t["q"], t["k"], t["v"]] + [extra[x] for x in ("linformer_e", "linformer_f") if x in extra]
-
-            def run():
-                ps = [p.detach().requires_grad_(True) for p in params]
-                ex = dict(extra)
-                if "linformer_e" in ex:
-                    ex["linformer_e"], ex["linformer_f"] = ps[3], ps[4]
-                y = fn(ps[0], ps[1], ps[2], causal, ex)
-                y.backward(t["dout"])
-        else:
-            def run():
-                with torch.no_grad():
-                    fn(t["q"], t["k"], t["v"], causal, extra)
-        ok = rss_reset()
-        before = status_bytes("VmRSS:")
-        run()  # warm-up, and the memory high-water mark
-        growth = status_bytes("VmHWM:") - before if ok else -1
+        run()  # warm-up
         median, runs = time_runs(run, n)
-        w.writerow([name, r["causal"], r["pass"], "ok", median, runs, growth, ""])
+        # Memory in a fresh process: in this one, memory freed by earlier calls stays mapped and
+        # is reused, so the high-water mark would under-count.
+        mem = subprocess.run([sys.executable, __file__, "--memory", requests_path, str(index)],
+                             capture_output=True, text=True)
+        growth = int(mem.stdout.split()[-1]) if mem.returncode == 0 and mem.stdout.split() else -1
+        w.writerow([r["method"], r["causal"], r["pass"], "ok", median, runs, growth, ""])
         out.flush()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "--memory":
+        measure_memory(sys.argv[2], int(sys.argv[3]))
+    else:
+        main(sys.argv[1], sys.argv[2])
