@@ -1,6 +1,7 @@
 """Markdown tables for docs/ from the CSV files of `linattn bench` and `linattn accuracy`.
 
 Usage: markdown_tables.py bench BENCH.csv          time, rate, memory and PyTorch per row
+       markdown_tables.py bench-summary BENCH.csv  the same as method × n grids per pass
        markdown_tables.py accuracy DIR              error summaries, kernel MSE, ranks
 """
 import csv
@@ -33,6 +34,43 @@ def bench(path):
         print("| %s | %s | %s | %.1f | %.1f | %.0f%% | %s | %s |" % (
             r["method"], r["n"], r["pass"], t, float(r["gflops"]), 100 * float(r["fraction_of_sgemm"]),
             human(r["workspace_bytes"]), torch_cells))
+
+
+def bench_summary(path):
+    """Per pass, a method × n grid: time (ours / PyTorch), % of the sgemm rate, and memory."""
+    rows = list(csv.DictReader(open(path)))
+    ns = sorted({int(r["n"]) for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    by = {(r["method"], int(r["n"]), r["pass"]): r for r in rows}
+    for pass_name in ("fwd", "fwd+bwd"):
+        for what, title in (("time", "time in ms (in brackets: ours / PyTorch; skip: PyTorch would not fit in memory)"),
+                            ("rate", "GFLOP/s by each method's FLOP count, and % of the measured sgemm rate"),
+                            ("memory", "peak extra memory: ours (workspace, RSS growth incl. outputs) / PyTorch (RSS growth)")):
+            print("\n%s, %s:\n" % (pass_name, title))
+            print("| method | " + " | ".join("n = %d" % n for n in ns) + " |")
+            print("|---|" + "---:|" * len(ns))
+            for m in methods:
+                cells = []
+                for n in ns:
+                    r = by.get((m, n, pass_name))
+                    if r is None:
+                        cells.append("")
+                        continue
+                    if what == "time":
+                        t = float(r["median_s"]) * 1e3
+                        if r["torch_status"] == "ok":
+                            extra = " (%.2f)" % (t / (float(r["torch_median_s"]) * 1e3))
+                        elif r["torch_status"] == "skipped":
+                            extra = " (skip)"
+                        else:
+                            extra = ""
+                        cells.append(("%.3g" % t if t < 100 else "%.0f" % t) + extra)
+                    elif what == "rate":
+                        cells.append("%.0f (%.0f%%)" % (float(r["gflops"]), 100 * float(r["fraction_of_sgemm"])))
+                    else:
+                        theirs = human(r["torch_rss_growth_bytes"]) if r["torch_status"] == "ok" else "-"
+                        cells.append("%s, %s / %s" % (human(r["workspace_bytes"]), human(r["rss_growth_bytes"]), theirs))
+                print("| %s | " % m + " | ".join(cells) + " |")
 
 
 def cell(v):
@@ -95,4 +133,4 @@ def accuracy(d):
 
 
 if __name__ == "__main__":
-    {"bench": bench, "accuracy": accuracy}[sys.argv[1]](sys.argv[2])
+    {"bench": bench, "bench-summary": bench_summary, "accuracy": accuracy}[sys.argv[1]](sys.argv[2])

@@ -225,7 +225,7 @@ def measure_memory(requests_path, index):
 def main(requests_path, results_path):
     rows = list(csv.DictReader(open(requests_path)))
     out = open(results_path, "w", newline="")
-    w = csv.writer(out)
+    w = csv.writer(out, lineterminator="\n")
     w.writerow(["method", "causal", "pass", "status", "median_s", "runs", "rss_growth_bytes", "note"])
     cache = {}
     for index, r in enumerate(rows):

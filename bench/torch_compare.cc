@@ -66,6 +66,7 @@ std::map<std::pair<std::string, std::string>, TorchResult> run_torch(
   std::string line;
   std::getline(res, line);  // header
   while (std::getline(res, line)) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();  // Python's csv ends rows with \r\n
     const auto f = split_csv_line(line);
     if (f.size() < 8) continue;
     TorchResult r;
