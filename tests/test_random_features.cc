@@ -73,8 +73,9 @@ TEST(RandomFeatures, BlocksAreOrthogonal) {
           ASSERT_LE(std::abs(cosine), testing::gamma<double>(4 * d)) << i << "," << j;
         }
       }
-    if (kind == FeatureKind::OrthogonalFixed)
+    if (kind == FeatureKind::OrthogonalFixed) {
       for (int64_t i = 0; i < m; ++i) ASSERT_NEAR(std::sqrt(dot_rows(w, i, i)), 4.0, 1e-13);
+    }
   }
 }
 

@@ -354,8 +354,9 @@ TEST(SoftmaxErrors, NonFiniteInputsAreRejected) {
       const std::string err = error_of([&] { softmax_attention_backward<float>(q, k, v, dout); });
       EXPECT_THAT(err, HasSubstr(std::string(which) + " has a non-finite value"));
       EXPECT_THAT(err, HasSubstr("at [0, 1, 1, 3]"));
-      if (which[0] != 'd')
+      if (which[0] != 'd') {
         EXPECT_THAT(error_of([&] { softmax_attention<float>(q, k, v); }), HasSubstr("non-finite"));
+      }
     }
   }
 }
