@@ -99,13 +99,13 @@ Approx linformer(int64_t s, int64_t n, uint64_t seed) {
           }};
 }
 
-// Linformer with E = F = segment-mean pooling (row j averages positions floor(j·n/s) ..
-// ceil((j+1)·n/s) − 1, Nyström's landmark rule): a structured projection, showing what E and F
-// can achieve when they are not random; trained projections are what the method relies on.
+// Linformer with E = F = segment-mean pooling (Nyström's landmark segments): a structured
+// projection, showing what E and F can achieve when they are not random; trained projections
+// are what the method relies on.
 Approx linformer_pooled(int64_t s, int64_t n) {
   auto e = std::make_shared<Tensor<T>>(Shape{s, n});
   for (int64_t j = 0; j < s; ++j) {
-    const int64_t lo = j * n / s, hi = ((j + 1) * n + s - 1) / s;
+    const int64_t lo = segment_begin(j, n, s), hi = segment_end(j, n, s);
     for (int64_t i = lo; i < hi; ++i) (*e)[j * n + i] = T(1) / T(hi - lo);
   }
   return {"linformer pooled", s,
