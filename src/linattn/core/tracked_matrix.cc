@@ -84,6 +84,21 @@ Tracked identity_minus(const Arith& a, double c, const Tracked& X) {
   return C;
 }
 
+Bounded zero_bounded(const Shape& shape) { return {Tensor<double>(shape), Tensor<double>(shape)}; }
+
+void store(const Tracked& x, Bounded& r, int64_t offset, int64_t ld) {
+  for (int64_t i = 0; i < x.rows; ++i)
+    for (int64_t j = 0; j < x.cols; ++j) {
+      r.value[offset + i * ld + j] = x.v(i, j);
+      r.bound[offset + i * ld + j] = x.e(i, j);
+    }
+}
+
+void store_head(const Tracked& x, Bounded& r, int64_t bh) {
+  const int64_t n = r.value.dim(2), c = r.value.dim(3);
+  store(x, r, bh * n * c, c);
+}
+
 Tracked softmax_rows(const Arith& a, const Tracked& S) {
   Tracked P(S.rows, S.cols);
   for (int64_t i = 0; i < S.rows; ++i) {

@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "linattn/core/bounded.h"
+
 namespace linattn::reference {
 
 struct Arith {
@@ -30,6 +32,13 @@ struct Tracked {
   double& e(int64_t i, int64_t j) { return err[static_cast<size_t>(i * cols + j)]; }
   double e(int64_t i, int64_t j) const { return err[static_cast<size_t>(i * cols + j)]; }
 };
+
+// A result of `shape` with value and bound 0, for references to fill with store().
+Bounded zero_bounded(const Shape& shape);
+// Writes x's values and bounds into r from flat offset on, its rows ld apart.
+void store(const Tracked& x, Bounded& r, int64_t offset, int64_t ld);
+// Writes x as the first rows of head bh of a [B, H, n, c] result.
+void store_head(const Tracked& x, Bounded& r, int64_t bh);
 
 // rows × cols values of an input (exact: error 0), row i at data + i·ld.
 Tracked input(const double* data, int64_t rows, int64_t cols, int64_t ld);

@@ -22,17 +22,6 @@ Head head(const Arith& a, const efficient::Setup& s, TensorView<const double> q,
   return x;
 }
 
-void store(const Tracked& x, Bounded& r, int64_t bh) {
-  const int64_t n = r.value.dim(2), c = r.value.dim(3);
-  for (int64_t i = 0; i < x.rows; ++i)
-    for (int64_t j = 0; j < x.cols; ++j) {
-      r.value[(bh * n + i) * c + j] = x.v(i, j);
-      r.bound[(bh * n + i) * c + j] = x.e(i, j);
-    }
-}
-
-Bounded zeros(const Shape& shape) { return {Tensor<double>(shape), Tensor<double>(shape)}; }
-
 }  // namespace
 
 Bounded efficient_attention(TensorView<const double> q, TensorView<const double> k,
@@ -41,12 +30,12 @@ Bounded efficient_attention(TensorView<const double> q, TensorView<const double>
   const Arith a{u};
   const efficient::Setup s = efficient::check_args("reference::efficient_attention", q, k, v, opts);
   const KeyMask mask(s.d, s.mask_opts);
-  Bounded out = zeros({s.d.batch, s.d.heads, s.d.n_q, s.d.value_dim});
+  Bounded out = zero_bounded({s.d.batch, s.d.heads, s.d.n_q, s.d.value_dim});
   for (int64_t bh = 0; bh < s.d.bh(); ++bh) {
     const int64_t L = mask.key_length(bh / s.d.heads);
     if (L == 0) continue;
     const Head x = head(a, s, q, k, v, bh, L);
-    store(matmul(a, x.rho_q, false, x.G, false), out, bh);
+    store_head(matmul(a, x.rho_q, false, x.G, false), out, bh);
   }
   return out;
 }
@@ -61,17 +50,18 @@ std::vector<Bounded> efficient_attention_backward(TensorView<const double> q,
       efficient::check_args("reference::efficient_attention_backward", q, k, v, opts);
   const AttentionDims& d = s.d;
   const KeyMask mask(d, s.mask_opts);
-  Bounded dq = zeros(q.shape), dk = zeros(k.shape), dv = zeros(v.shape);
+  Bounded dq = zero_bounded(q.shape), dk = zero_bounded(k.shape), dv = zero_bounded(v.shape);
   for (int64_t bh = 0; bh < d.bh(); ++bh) {
     const int64_t L = mask.key_length(bh / d.heads);
     if (L == 0) continue;
     const Head x = head(a, s, q, k, v, bh, L);
     const Tracked G = input(dout.row(bh, 0), d.n_q, d.value_dim, d.value_dim);
     const Tracked dG = matmul(a, x.rho_q, true, G, false);
-    store(scale(a, softmax_rows_backward(a, x.rho_q, matmul(a, G, false, x.G, true)), s.scale), dq, bh);
+    store_head(scale(a, softmax_rows_backward(a, x.rho_q, matmul(a, G, false, x.G, true)), s.scale), dq,
+               bh);
     const Tracked dSk = softmax_rows_backward(a, x.rho_kt, matmul(a, dG, false, x.V, true));
-    store(transpose(scale(a, dSk, s.scale)), dk, bh);
-    store(matmul(a, x.rho_kt, true, dG, false), dv, bh);
+    store_head(transpose(scale(a, dSk, s.scale)), dk, bh);
+    store_head(matmul(a, x.rho_kt, true, dG, false), dv, bh);
   }
   std::vector<Bounded> grads;
   for (Bounded* g : {&dq, &dk, &dv}) grads.push_back(std::move(*g));

@@ -27,14 +27,6 @@ Head head(const Arith& a, const linformer::Setup& s, TensorView<const double> q,
   return x;
 }
 
-void store(const Tracked& x, Bounded& r, int64_t offset, int64_t ld) {
-  for (int64_t i = 0; i < x.rows; ++i)
-    for (int64_t j = 0; j < x.cols; ++j) {
-      r.value[offset + i * ld + j] = x.v(i, j);
-      r.bound[offset + i * ld + j] = x.e(i, j);
-    }
-}
-
 // r[offset..] += x (a BLAS product accumulated with beta = 1): one more rounding per element.
 void accumulate(const Arith& a, const Tracked& x, Bounded& r, int64_t offset, int64_t ld) {
   for (int64_t i = 0; i < x.rows; ++i)
@@ -45,8 +37,6 @@ void accumulate(const Arith& a, const Tracked& x, Bounded& r, int64_t offset, in
     }
 }
 
-Bounded zeros(const Shape& shape) { return {Tensor<double>(shape), Tensor<double>(shape)}; }
-
 }  // namespace
 
 Bounded linformer_attention(TensorView<const double> q, TensorView<const double> k,
@@ -56,7 +46,7 @@ Bounded linformer_attention(TensorView<const double> q, TensorView<const double>
   const linformer::Setup s = linformer::check_args("reference::linformer_attention", q, k, v, e, f, opts);
   const AttentionDims& d = s.d;
   const KeyMask mask(d, s.mask_opts);
-  Bounded out = zeros({d.batch, d.heads, d.n_q, d.value_dim});
+  Bounded out = zero_bounded({d.batch, d.heads, d.n_q, d.value_dim});
   for (int64_t bh = 0; bh < d.bh(); ++bh) {
     const Head x = head(a, s, q, k, v, e, f, bh, mask.key_length(bh / d.heads));
     store(matmul(a, x.P, false, x.Vp, false), out, bh * d.n_q * d.value_dim, d.value_dim);
@@ -76,8 +66,8 @@ std::vector<Bounded> linformer_attention_backward(TensorView<const double> q,
       linformer::check_args("reference::linformer_attention_backward", q, k, v, e, f, opts);
   const AttentionDims& d = s.d;
   const KeyMask mask(d, s.mask_opts);
-  Bounded dq = zeros(q.shape), dk = zeros(k.shape), dv = zeros(v.shape), de = zeros(e.shape),
-          df = zeros(f.shape);
+  Bounded dq = zero_bounded(q.shape), dk = zero_bounded(k.shape), dv = zero_bounded(v.shape),
+          de = zero_bounded(e.shape), df = zero_bounded(f.shape);
   for (int64_t bh = 0; bh < d.bh(); ++bh) {
     const int64_t L = mask.key_length(bh / d.heads), h = bh % d.heads;
     const Head x = head(a, s, q, k, v, e, f, bh, L);

@@ -213,16 +213,6 @@ Head head(const Arith& a, const nystrom::Setup& s, TensorView<const double> q,
   return h;
 }
 
-void store(const Tracked& x, Bounded& r, int64_t bh) {
-  const int64_t n = r.value.dim(2), c = r.value.dim(3);
-  for (int64_t i = 0; i < x.rows; ++i)
-    for (int64_t j = 0; j < x.cols; ++j) {
-      r.value[(bh * n + i) * c + j] = x.v(i, j);
-      r.bound[(bh * n + i) * c + j] = x.e(i, j);
-    }
-}
-
-Bounded zeros(const Shape& shape) { return {Tensor<double>(shape), Tensor<double>(shape)}; }
 
 // out[i] += Σ_t w[h,t]·v[i+t−off], added term by term in the fast path: |δ| ≤ γ_{2K}(|out| + Σ|w v|).
 void add_conv(const Arith& a, const nystrom::Setup& s, const KeyMask& mask, TensorView<const double> v,
@@ -254,12 +244,12 @@ Bounded nystrom_attention(TensorView<const double> q, TensorView<const double> k
   const Arith a{u};
   const nystrom::Setup s = nystrom::check_args("reference::nystrom_attention", q, k, v, opts, conv_weight);
   const KeyMask mask(s.d, s.mask_opts);
-  Bounded out = zeros({s.d.batch, s.d.heads, s.d.n_q, s.d.value_dim});
+  Bounded out = zero_bounded({s.d.batch, s.d.heads, s.d.n_q, s.d.value_dim});
   for (int64_t bh = 0; bh < s.d.bh(); ++bh) {
     const int64_t L = mask.key_length(bh / s.d.heads);
     if (L == 0) continue;
     const Head h = head(a, s, q, k, v, bh, L);
-    store(matmul(a, h.F1, false, h.Y, false), out, bh);
+    store_head(matmul(a, h.F1, false, h.Y, false), out, bh);
   }
   if (conv_weight) add_conv(a, s, mask, v, *conv_weight, out);
   return out;
@@ -277,7 +267,7 @@ std::vector<Bounded> nystrom_attention_backward(TensorView<const double> q,
       nystrom::check_args("reference::nystrom_attention_backward", q, k, v, opts, conv_weight);
   const AttentionDims& d = s.d;
   const KeyMask mask(d, s.mask_opts);
-  Bounded dq = zeros(q.shape), dk = zeros(k.shape), dv = zeros(v.shape);
+  Bounded dq = zero_bounded(q.shape), dk = zero_bounded(k.shape), dv = zero_bounded(v.shape);
   for (int64_t bh = 0; bh < d.bh(); ++bh) {
     const int64_t L = mask.key_length(bh / d.heads);
     if (L == 0) continue;
@@ -304,9 +294,9 @@ std::vector<Bounded> nystrom_attention_backward(TensorView<const double> q,
     std::copy(dQ_valid.val.begin(), dQ_valid.val.end(), dQ.val.begin());
     std::copy(dQ_valid.err.begin(), dQ_valid.err.end(), dQ.err.begin());
     add_unpooled(a, dK, dKt);
-    store(dQ, dq, bh);
-    store(dK, dk, bh);
-    store(dV, dv, bh);
+    store_head(dQ, dq, bh);
+    store_head(dK, dk, bh);
+    store_head(dV, dv, bh);
   }
   std::vector<Bounded> grads;
   grads.push_back(std::move(dq));
@@ -315,7 +305,7 @@ std::vector<Bounded> nystrom_attention_backward(TensorView<const double> q,
     // dv[j] += Σ_t w[h,t]·dout[j−t+off] term by term; dw[h,t] = Σ_{b,i,c} dout·v (inputs only).
     const TensorView<const double> w = *conv_weight;
     const int64_t K = w.dim(1), off = (K - 1) / 2;
-    Bounded dw = zeros(w.shape);
+    Bounded dw = zero_bounded(w.shape);
     std::vector<double> dw_abs(static_cast<size_t>(w.size()), 0.0);
     for (int64_t bh = 0; bh < d.bh(); ++bh) {
       const int64_t h = bh % d.heads, L = mask.key_length(bh / d.heads);
