@@ -85,6 +85,20 @@ double resolve_scale(const char* fn, const AttentionOptions& opts, int64_t head_
 }
 
 template <class T>
+NonCausalArgs check_noncausal_args(const char* fn, TensorView<const T> q, TensorView<const T> k,
+                                   TensorView<const T> v, bool causal,
+                                   const std::optional<std::vector<int64_t>>& key_lengths,
+                                   std::optional<double> scale, const char* why) {
+  require(!causal, fn, ": causal=true is not supported: ", why);
+  NonCausalArgs a;
+  a.mask_opts.key_lengths = key_lengths;
+  a.mask_opts.scale = scale;
+  a.d = check_attention_args(fn, q, k, v, a.mask_opts);
+  a.scale = resolve_scale(fn, a.mask_opts, a.d.head_dim);
+  return a;
+}
+
+template <class T>
 void check_finite(const char* fn, const char* name, TensorView<const T> x) {
   if (x.size() == 0 || simd::all_finite(x.data, static_cast<size_t>(x.size()))) return;
   for (int64_t i = 0; i < x.size(); ++i)
@@ -113,6 +127,14 @@ template AttentionDims check_attention_args<double>(const char*, TensorView<cons
                                                     TensorView<const double>,
                                                     TensorView<const double>,
                                                     const AttentionOptions&);
+template NonCausalArgs check_noncausal_args<float>(const char*, TensorView<const float>,
+                                                   TensorView<const float>, TensorView<const float>,
+                                                   bool, const std::optional<std::vector<int64_t>>&,
+                                                   std::optional<double>, const char*);
+template NonCausalArgs check_noncausal_args<double>(const char*, TensorView<const double>,
+                                                    TensorView<const double>, TensorView<const double>,
+                                                    bool, const std::optional<std::vector<int64_t>>&,
+                                                    std::optional<double>, const char*);
 template void check_finite<float>(const char*, const char*, TensorView<const float>);
 template void check_finite<double>(const char*, const char*, TensorView<const double>);
 template void check_same_shape_finite<float>(const char*, const char*, TensorView<const float>,

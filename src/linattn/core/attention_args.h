@@ -62,6 +62,20 @@ double resolve_scale(const char* fn, const AttentionOptions& opts, int64_t head_
 template <class T>
 void check_finite(const char* fn, const char* name, TensorView<const T> x);
 
+// The common start of every method without a causal form (Nyström, Linformer, Efficient
+// Attention): causal must be false, else an error "causal=true is not supported: <why>";
+// then q, k, v and key_lengths as check_attention_args checks them, and the scale.
+struct NonCausalArgs {
+  AttentionDims d;
+  AttentionOptions mask_opts;  // key_lengths and scale; causal false
+  double scale;
+};
+template <class T>
+NonCausalArgs check_noncausal_args(const char* fn, TensorView<const T> q, TensorView<const T> k,
+                                   TensorView<const T> v, bool causal,
+                                   const std::optional<std::vector<int64_t>>& key_lengths,
+                                   std::optional<double> scale, const char* why);
+
 // Checks a tensor that must have exactly `expected` shape and finite values.
 template <class T>
 void check_same_shape_finite(const char* fn, const char* name, TensorView<const T> x,

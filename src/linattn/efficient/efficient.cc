@@ -22,15 +22,9 @@ inline constexpr int64_t kRowBlock = 256;
 template <class T>
 Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                  const EfficientAttentionOptions& opts) {
-  require(!opts.causal, fn,
-          ": causal=true is not supported: Efficient Attention normalises keys over all "
-          "positions, so every output would see future positions");
-  Setup s;
-  s.mask_opts.key_lengths = opts.key_lengths;
-  s.mask_opts.scale = opts.scale;
-  s.d = check_attention_args(fn, q, k, v, s.mask_opts);
-  s.scale = resolve_scale(fn, s.mask_opts, s.d.head_dim);
-  return s;
+  return check_noncausal_args(fn, q, k, v, opts.causal, opts.key_lengths, opts.scale,
+                              "Efficient Attention normalises keys over all positions, so every "
+                              "output would see future positions");
 }
 
 template <class T>

@@ -5,11 +5,7 @@
 
 namespace linattn::efficient {
 
-struct Setup {
-  AttentionDims d;
-  AttentionOptions mask_opts;
-  double scale;
-};
+using Setup = NonCausalArgs;
 
 template <class T>
 Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,

@@ -5,12 +5,9 @@
 
 namespace linattn::linformer {
 
-struct Setup {
-  AttentionDims d;
-  AttentionOptions mask_opts;
-  double scale;
-  int64_t s_proj, n_max;
-  bool per_head;
+struct Setup : NonCausalArgs {
+  int64_t s_proj = 0, n_max = 0;
+  bool per_head = false;
   // Projection matrix of head h: rows of n_max values.
   int64_t offset(int64_t h) const { return per_head ? h * s_proj * n_max : 0; }
 };

@@ -19,14 +19,9 @@ inline constexpr int64_t kRowBlock = 256;
 template <class T>
 Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                  TensorView<const T> e, TensorView<const T> f, const LinformerOptions& opts) {
-  require(!opts.causal, fn,
-          ": causal=true is not supported: Linformer projects keys and values over the whole "
-          "sequence, so every output would see future positions");
-  Setup s;
-  s.mask_opts.key_lengths = opts.key_lengths;
-  s.mask_opts.scale = opts.scale;
-  s.d = check_attention_args(fn, q, k, v, s.mask_opts);
-  s.scale = resolve_scale(fn, s.mask_opts, s.d.head_dim);
+  Setup s{check_noncausal_args(fn, q, k, v, opts.causal, opts.key_lengths, opts.scale,
+                               "Linformer projects keys and values over the whole sequence, so "
+                               "every output would see future positions")};
   require(e.rank() == 2 || e.rank() == 3, fn, ": e has shape ", shape_string(e.shape),
           "; expected [s_proj, n_max] or [heads, s_proj, n_max]");
   require(f.shape == e.shape, fn, ": f has shape ", shape_string(f.shape),

@@ -28,13 +28,9 @@ void pool(const T* x, int64_t ld, int64_t L, int64_t m, int64_t d, T* out) {
 template <class T>
 Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                  const NystromOptions& opts, std::optional<TensorView<const T>> conv_weight) {
-  require(!opts.causal, fn,
-          ": causal=true is not supported: Nyström landmarks are means over segments of the whole "
-          "sequence, so every output would see future positions");
-  Setup s;
-  s.mask_opts.key_lengths = opts.key_lengths;
-  s.mask_opts.scale = opts.scale;
-  s.d = check_attention_args(fn, q, k, v, s.mask_opts);
+  Setup s{check_noncausal_args(fn, q, k, v, opts.causal, opts.key_lengths, opts.scale,
+                               "Nyström landmarks are means over segments of the whole sequence, "
+                               "so every output would see future positions")};
   require(s.d.n_q == s.d.n_k, fn, ": q and k must have the same sequence length (self-attention: ",
           "landmarks pool queries and keys over the same positions), got n_q = ", s.d.n_q,
           ", n_k = ", s.d.n_k);
@@ -42,7 +38,6 @@ Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, T
   require(opts.pinv_iterations >= 0, fn, ": pinv_iterations must be >= 0, got ",
           opts.pinv_iterations);
   s.pinv = parse_pinv(fn, opts.pinv);
-  s.scale = resolve_scale(fn, s.mask_opts, s.d.head_dim);
   s.max_landmarks = std::min(opts.num_landmarks, s.d.n_k);
   s.iterations = opts.pinv_iterations;
   if (conv_weight) check_depthwise_conv(fn, "conv_weight", s.d, false, *conv_weight);

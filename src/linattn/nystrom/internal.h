@@ -13,13 +13,10 @@ namespace linattn::nystrom {
 
 inline constexpr int64_t kRowBlock = 1024;  // query rows per softmax(Q K̃ᵀ) block
 
-struct Setup {
-  AttentionDims d;
-  AttentionOptions mask_opts;  // key_lengths only
-  double scale;
-  PinvMethod pinv;
-  int64_t max_landmarks;  // min(num_landmarks, n)
-  int64_t iterations;
+struct Setup : NonCausalArgs {
+  PinvMethod pinv = PinvMethod::Iterative;
+  int64_t max_landmarks = 0;  // min(num_landmarks, n)
+  int64_t iterations = 0;
 };
 
 template <class T>
