@@ -1,4 +1,4 @@
-// Core: threading, BLAS wrapper, SIMD kernels against scalar loops, random numbers, memory.
+// Core: BLAS wrapper, SIMD kernels against scalar loops, random numbers, memory.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -21,56 +21,6 @@ namespace {
 using testing::gamma;
 using testing::ScopedThreads;
 using testing::unit_roundoff;
-
-TEST(Threading, EveryTaskRunsOnceOnAValidWorker) {
-  for (int threads : {1, 2, 3, 8}) {
-    ScopedThreads scope(threads);
-    EXPECT_EQ(num_threads(), threads);
-    std::vector<std::atomic<int>> hits(1000);
-    std::atomic<bool> bad_worker{false};
-    parallel_for(1000, [&](int64_t t, int w) {
-      hits[t].fetch_add(1);
-      if (w < 0 || w >= threads) bad_worker = true;
-    });
-    for (auto& h : hits) ASSERT_EQ(h.load(), 1);
-    EXPECT_FALSE(bad_worker.load());
-  }
-}
-
-TEST(Threading, ExceptionsReachTheCaller) {
-  ScopedThreads scope(2);
-  EXPECT_THROW(parallel_for(100, [](int64_t t, int) {
-                 if (t == 57) throw std::runtime_error("task 57");
-               }),
-               std::runtime_error);
-  // The pool still works afterwards.
-  std::atomic<int> count{0};
-  parallel_for(10, [&](int64_t, int) { ++count; });
-  EXPECT_EQ(count.load(), 10);
-}
-
-TEST(Threading, NestedCallsRunOnTheCallingWorker) {
-  ScopedThreads scope(2);
-  std::atomic<int> count{0};
-  parallel_for(4, [&](int64_t, int outer) {
-    parallel_for(5, [&](int64_t, int inner) {
-      EXPECT_EQ(inner, 0);
-      ++count;
-    });
-  });
-  EXPECT_EQ(count.load(), 20);
-}
-
-TEST(Threading, BadThreadCountIsAnError) { EXPECT_THROW(set_num_threads(0), Error); }
-
-TEST(Threading, BlasIsSingleThreadedInsideParallelFor) {
-  ScopedThreads scope(2);
-  set_blas_num_threads(2);
-  std::atomic<int> seen{0};
-  parallel_for(4, [&](int64_t, int) { seen = blas_num_threads(); });
-  EXPECT_EQ(seen.load(), 1);
-  EXPECT_EQ(blas_num_threads(), 2);  // restored
-}
 
 // gemm against a float64 triple loop, all transposes, odd sizes and leading dimensions.
 // Bound: |δc| ≤ γ_{K+2}·(|α|·|A|·|B| + |β|·|C|) elementwise.

@@ -222,7 +222,7 @@ TEST(SoftmaxForward, CallableFromInsideParallelFor) {
              v = random_tensor<float>({1, 2, 300, 16}, 3);
   const auto want = softmax_attention<float>(q, k, v).out;
   std::vector<Tensor<float>> got(6);
-  parallel_for(6, [&](int64_t t, int) { got[t] = softmax_attention<float>(q, k, v).out; });
+  parallel_for(6, [&](int64_t t) { got[t] = softmax_attention<float>(q, k, v).out; });
   for (const auto& out : got)
     for (int64_t i = 0; i < out.size(); ++i) ASSERT_EQ(out[i], want[i]);
 }

@@ -388,13 +388,6 @@ int accuracy(const Args& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Give OpenBLAS the kernels this CPU supports (see better_blas_coretype): OpenBLAS reads
-  // OPENBLAS_CORETYPE only at load, so restart once with it set. A value the user set wins.
-  if (!std::getenv("OPENBLAS_CORETYPE") && !std::getenv("LINATTN_KEEP_BLAS_CORE"))
-    if (const char* core = linattn::better_blas_coretype()) {
-      setenv("OPENBLAS_CORETYPE", core, 1);
-      execv("/proc/self/exe", argv);  // returns only on failure: carry on as we are
-    }
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     std::fputs(kUsage, argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;

@@ -24,7 +24,7 @@ void check_rows_finite(const char* fn, const char* name, const TensorView<const 
   // reads every input once, as much memory traffic as some methods' whole forward), and only
   // look for the offending index, serially, when something is off.
   std::vector<char> bad(static_cast<size_t>(B * H), 0);
-  parallel_for(B * H, [&](int64_t bh, int) {
+  parallel_for(B * H, [&](int64_t bh) {
     bad[static_cast<size_t>(bh)] =
         !simd::all_finite(x.row(bh, 0), static_cast<size_t>(rows_per_batch[static_cast<size_t>(bh / H)] * D));
   });

@@ -15,6 +15,14 @@ blasint to_int(int64_t v, const char* what) {
           " is outside the BLAS integer range");
   return static_cast<blasint>(v);
 }
+// Called before every product; sets the BLAS to one thread the first time.
+void single_threaded_blas() {
+  static const bool once = [] {
+    openblas_set_num_threads(1);
+    return true;
+  }();
+  (void)once;
+}
 // C := beta·C, what a product with K = 0 leaves (the BLAS would reject lda = 0).
 template <class T>
 void scale_rows(int64_t M, int64_t N, T beta, T* C, int64_t ldc) {
@@ -29,6 +37,7 @@ void gemm<float>(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alph
                  int64_t ldc) {
   if (M == 0 || N == 0) return;
   if (K == 0) return scale_rows(M, N, beta, C, ldc);
+  single_threaded_blas();
   cblas_sgemm(CblasRowMajor, to_cblas(ta), to_cblas(tb), to_int(M, "M"), to_int(N, "N"),
               to_int(K, "K"), alpha, A, to_int(lda, "lda"), B, to_int(ldb, "ldb"), beta, C,
               to_int(ldc, "ldc"));
@@ -40,15 +49,10 @@ void gemm<double>(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, double al
                   double* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
   if (K == 0) return scale_rows(M, N, beta, C, ldc);
+  single_threaded_blas();
   cblas_dgemm(CblasRowMajor, to_cblas(ta), to_cblas(tb), to_int(M, "M"), to_int(N, "N"),
               to_int(K, "K"), alpha, A, to_int(lda, "lda"), B, to_int(ldb, "ldb"), beta, C,
               to_int(ldc, "ldc"));
-}
-
-int blas_num_threads() { return openblas_get_num_threads(); }
-void set_blas_num_threads(int n) {
-  require(n >= 1, "set_blas_num_threads: n must be >= 1, got ", n);
-  openblas_set_num_threads(n);
 }
 
 const char* blas_name() {
@@ -60,21 +64,6 @@ const char* blas_name() {
     return s;
   }();
   return name.c_str();
-}
-
-const char* better_blas_coretype() {
-  const std::string core = openblas_get_corename();
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  if (avx512 && (core == "Haswell" || core == "Zen" || core == "Sandybridge")) return "SkylakeX";
-  return nullptr;
-}
-
-BlasSingleThreaded::BlasSingleThreaded() : saved_(openblas_get_num_threads()) {
-  if (saved_ != 1) openblas_set_num_threads(1);
-}
-BlasSingleThreaded::~BlasSingleThreaded() {
-  if (saved_ != 1) openblas_set_num_threads(saved_);
 }
 
 }  // namespace linattn

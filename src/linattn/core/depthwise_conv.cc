@@ -22,7 +22,7 @@ template <class T>
 void depthwise_conv_forward(TensorView<const T> v, TensorView<const T> w, const AttentionDims& d,
                             const KeyMask& mask, bool causal, T* out) {
   const int64_t K = w.dim(1), off = causal ? K - 1 : (K - 1) / 2, dv = d.value_dim, n = d.n_q;
-  parallel_for(d.bh(), [&](int64_t bh, int) {
+  parallel_for(d.bh(), [&](int64_t bh) {
     const int64_t h = bh % d.heads, L = mask.key_length(bh / d.heads);
     for (int64_t i = 0; i < n; ++i) {
       T* o = out + (bh * n + i) * dv;
@@ -41,7 +41,7 @@ template <class T>
 void depthwise_conv_backward(TensorView<const T> v, TensorView<const T> w, const T* dout,
                              const AttentionDims& d, const KeyMask& mask, bool causal, T* dv, T* dw) {
   const int64_t K = w.dim(1), off = causal ? K - 1 : (K - 1) / 2, dvd = d.value_dim, n = d.n_q;
-  parallel_for(d.bh(), [&](int64_t bh, int) {
+  parallel_for(d.bh(), [&](int64_t bh) {
     const int64_t h = bh % d.heads, L = mask.key_length(bh / d.heads);
     for (int64_t j = 0; j < L; ++j) {
       T* g = dv + (bh * n + j) * dvd;
@@ -54,7 +54,7 @@ void depthwise_conv_backward(TensorView<const T> v, TensorView<const T> w, const
       }
     }
   });
-  parallel_for(d.heads, [&](int64_t h, int) {  // one task per head: no atomics
+  parallel_for(d.heads, [&](int64_t h) {  // one task per head: no atomics
     for (int64_t t = 0; t < K; ++t) {
       T acc = 0;
       for (int64_t b = 0; b < d.batch; ++b) {

@@ -1,30 +1,93 @@
 #include "linattn/core/threading.h"
 
+#include <pthread.h>
+
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
+#include <deque>
 #include <exception>
-#include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
-#include <vector>
-
-#include "linattn/core/blas.h"
-#include "linattn/core/error.h"
 
 namespace linattn {
 namespace {
 
-thread_local bool t_in_region = false;
+using Clock = std::chrono::steady_clock;
+constexpr auto kPollInterval = std::chrono::milliseconds(20);
 
-// Persistent workers that sleep on a condition variable between regions. A region costs
-// one wake-up (tens of microseconds); kernels run one region per call.
-class ThreadPool {
- public:
-  explicit ThreadPool(int workers) : workers_(workers) {
-    for (int w = 1; w < workers_; ++w) threads_.emplace_back([this, w] { worker_loop(w); });
+std::atomic<InterruptPoll> g_poll{nullptr};
+
+// One run of a loop. Lives on its caller's stack; the pool only hands out pointers to it while
+// it is open, and the caller waits until no helper is inside before returning.
+struct Job {
+  const std::function<void(int64_t, int)>* fn = nullptr;
+  int64_t num_tasks = 0;
+  int slots = 1;  // worker ids 0..slots-1; 0 is the caller
+  std::atomic<int64_t> next_task{0};
+  std::atomic<bool> stop{false};
+  std::mutex error_mu;
+  std::exception_ptr error;
+  // Caller thread only.
+  bool interrupted = false;
+  Clock::time_point last_poll = Clock::now();
+  // Guarded by the pool's mutex.
+  int next_slot = 1;
+  int active = 0;  // helpers inside work()
+};
+
+thread_local Job* t_job = nullptr;  // the job whose task this thread is running
+thread_local bool t_is_caller = false;
+
+void record_error(Job& job) {
+  {
+    std::lock_guard<std::mutex> lock(job.error_mu);
+    if (!job.error) job.error = std::current_exception();
   }
-  ~ThreadPool() {
+  job.stop.store(true);
+}
+
+// On the caller's thread: asks the installed poll, at most every kPollInterval.
+bool poll_says_stop(Job& job) {
+  const InterruptPoll poll = g_poll.load(std::memory_order_relaxed);
+  if (!poll) return false;
+  const auto now = Clock::now();
+  if (now - job.last_poll < kPollInterval) return false;
+  job.last_poll = now;
+  if (!poll()) return false;
+  job.interrupted = true;
+  job.stop.store(true);
+  return true;
+}
+
+void work(Job& job, int slot) {
+  Job* const outer = t_job;
+  const bool outer_caller = t_is_caller;
+  t_job = &job;
+  t_is_caller = slot == 0;
+  for (;;) {
+    if (job.stop.load(std::memory_order_relaxed)) break;
+    if (slot == 0 && poll_says_stop(job)) break;
+    const int64_t task = job.next_task.fetch_add(1);
+    if (task >= job.num_tasks) break;
+    try {
+      (*job.fn)(task, slot);
+    } catch (...) {
+      record_error(job);
+    }
+  }
+  t_job = outer;
+  t_is_caller = outer_caller;
+}
+
+// Helper threads, grown on demand up to the largest worker count asked for, never shrunk (idle
+// helpers sleep on a condition variable and are not woken for jobs that do not need them).
+class Pool {
+ public:
+  ~Pool() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       stop_ = true;
@@ -32,92 +95,101 @@ class ThreadPool {
     wake_.notify_all();
     for (auto& t : threads_) t.join();
   }
-  int workers() const { return workers_; }
 
-  void run(int64_t num_tasks, const std::function<void(int64_t, int)>& fn) {
+  void run(Job& job) {
+    const int wanted = job.slots - 1;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      fn_ = &fn;
-      num_tasks_ = num_tasks;
-      next_.store(0);
-      error_ = nullptr;
-      busy_ = workers_ - 1;
-      ++generation_;
+      while (static_cast<int>(threads_.size()) < wanted) threads_.emplace_back([this] { helper_loop(); });
+      open_.push_back(&job);
     }
-    wake_.notify_all();
-    work(0);
+    if (wanted >= static_cast<int>(threads_.size())) {
+      wake_.notify_all();
+    } else {
+      for (int i = 0; i < wanted; ++i) wake_.notify_one();
+    }
+    work(job, 0);
     std::unique_lock<std::mutex> lock(mu_);
-    done_.wait(lock, [this] { return busy_ == 0; });
-    fn_ = nullptr;
-    if (error_) std::rethrow_exception(error_);
+    open_.erase(std::remove(open_.begin(), open_.end(), &job), open_.end());
+    // Wait for the helpers still inside; keep polling so Ctrl-C reaches long tasks through
+    // interruption_point().
+    while (job.active > 0) {
+      if (g_poll.load(std::memory_order_relaxed) && !job.stop.load()) {
+        done_.wait_for(lock, kPollInterval);
+        if (job.active == 0) break;
+        lock.unlock();
+        poll_says_stop(job);
+        lock.lock();
+      } else {
+        done_.wait(lock, [&] { return job.active == 0; });
+      }
+    }
   }
 
  private:
-  void work(int worker) {
-    t_in_region = true;
+  void helper_loop() {
+    std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
-      const int64_t task = next_.fetch_add(1);
-      if (task >= num_tasks_) break;
-      try {
-        (*fn_)(task, worker);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!error_) error_ = std::current_exception();
-        next_.store(num_tasks_);  // stop handing out tasks
-      }
-    }
-    t_in_region = false;
-  }
-
-  void worker_loop(int worker) {
-    uint64_t seen = 0;
-    for (;;) {
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
-      }
-      work(worker);
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (--busy_ == 0) done_.notify_one();
-      }
+      wake_.wait(lock, [&] { return stop_ || !open_.empty(); });
+      if (stop_) return;
+      Job* job = open_.front();
+      const int slot = job->next_slot++;
+      if (job->next_slot >= job->slots) open_.pop_front();
+      ++job->active;
+      lock.unlock();
+      work(*job, slot);
+      lock.lock();
+      if (--job->active == 0) done_.notify_all();
     }
   }
 
-  const int workers_;
-  std::vector<std::thread> threads_;
   std::mutex mu_;
   std::condition_variable wake_, done_;
-  const std::function<void(int64_t, int)>* fn_ = nullptr;
-  int64_t num_tasks_ = 0;
-  std::atomic<int64_t> next_{0};
-  std::exception_ptr error_;
-  int busy_ = 0;
-  uint64_t generation_ = 0;
+  std::vector<std::thread> threads_;
+  std::deque<Job*> open_;  // jobs with worker ids left to hand out
   bool stop_ = false;
 };
 
+// Created on first use. A forked child (Python multiprocessing) has none of the parent's helper
+// threads and maybe a mutex locked by one of them: it drops the parent's pool (leaked on
+// purpose: its threads do not exist there) and makes its own.
+std::atomic<Pool*> g_pool{nullptr};
+
+void forget_pool_in_child() { g_pool.store(nullptr); }
+
+Pool& pool() {
+  Pool* p = g_pool.load();
+  if (p) return *p;
+  static std::once_flag atfork_once;
+  std::call_once(atfork_once, [] { pthread_atfork(nullptr, nullptr, forget_pool_in_child); });
+  auto* fresh = new Pool();
+  if (g_pool.compare_exchange_strong(p, fresh)) {
+    // The first pool lives for the whole process and is destroyed (its threads joined) at exit.
+    static struct Owner {
+      Pool* owned;
+      ~Owner() {
+        if (g_pool.load() == owned) delete owned;
+      }
+    } owner{fresh};
+    return *fresh;
+  }
+  delete fresh;  // another thread made one first
+  return *p;
+}
+
 int default_threads() {
   if (const char* env = std::getenv("LINATTN_NUM_THREADS")) {
-    const int n = std::atoi(env);
-    if (n >= 1) return n;
+    char* end = nullptr;
+    const long n = std::strtol(env, &end, 10);
+    require(end != env && *end == '\0' && n >= 1 && n <= kMaxThreads,
+            "LINATTN_NUM_THREADS must be an integer in [1, ", kMaxThreads, "], got \"", env, "\"");
+    return static_cast<int>(n);
   }
   const unsigned hw = std::thread::hardware_concurrency();
-  return hw ? static_cast<int>(hw) : 1;
+  return hw == 0 ? 1 : static_cast<int>(std::min<unsigned>(hw, kMaxThreads));
 }
 
-std::mutex g_pool_mu;  // one region at a time; guards g_pool
-std::unique_ptr<ThreadPool> g_pool;
-// The configured count, readable without the lock: a kernel called from inside a region
-// (whose caller holds g_pool_mu) must still be able to size its scratch.
 std::atomic<int> g_threads{0};  // 0: not chosen yet
-
-ThreadPool& pool_locked() {
-  if (!g_pool) g_pool = std::make_unique<ThreadPool>(num_threads());
-  return *g_pool;
-}
 
 }  // namespace
 
@@ -132,35 +204,44 @@ int num_threads() {
 }
 
 void set_num_threads(int n) {
-  require(n >= 1, "set_num_threads: n must be >= 1, got ", n);
-  require(!t_in_region, "set_num_threads: cannot be called from inside parallel_for");
-  std::lock_guard<std::mutex> lock(g_pool_mu);
+  require(n >= 1 && n <= kMaxThreads, "set_num_threads: n must be in [1, ", kMaxThreads, "], got ", n);
   g_threads.store(n);
-  if (g_pool && g_pool->workers() == n) return;
-  g_pool = std::make_unique<ThreadPool>(n);
 }
 
-void parallel_for(int64_t num_tasks, const std::function<void(int64_t, int)>& fn) {
-  if (num_tasks <= 0) return;
-  if (t_in_region) {  // nested: run here, as this worker's own work
-    for (int64_t t = 0; t < num_tasks; ++t) fn(t, 0);
+ParallelLoop::ParallelLoop(int64_t num_tasks) : tasks_(std::max<int64_t>(num_tasks, 0)) {
+  workers_ = t_job ? 1 : static_cast<int>(std::clamp<int64_t>(tasks_, 1, num_threads()));
+}
+
+void ParallelLoop::run(const std::function<void(int64_t, int)>& fn) const {
+  if (tasks_ == 0) return;
+  if (t_job) {  // nested: this worker runs the inner loop itself
+    for (int64_t t = 0; t < tasks_; ++t) fn(t, 0);
     return;
   }
-  std::lock_guard<std::mutex> lock(g_pool_mu);
-  ThreadPool& pool = pool_locked();
-  BlasSingleThreaded blas_scope;
-  if (pool.workers() == 1 || num_tasks == 1) {
-    t_in_region = true;
-    try {
-      for (int64_t t = 0; t < num_tasks; ++t) fn(t, 0);
-    } catch (...) {
-      t_in_region = false;
-      throw;
-    }
-    t_in_region = false;
-    return;
+  Job job;
+  job.fn = &fn;
+  job.num_tasks = tasks_;
+  job.slots = workers_;
+  if (workers_ == 1) {
+    work(job, 0);
+  } else {
+    pool().run(job);
   }
-  pool.run(num_tasks, fn);
+  if (job.error) std::rethrow_exception(job.error);
+  if (job.interrupted) throw Interrupted();
+}
+
+void parallel_for(int64_t num_tasks, const std::function<void(int64_t)>& fn) {
+  ParallelLoop(num_tasks).run([&](int64_t task, int) { fn(task); });
+}
+
+void set_interrupt_poll(InterruptPoll poll) { g_poll.store(poll); }
+
+void interruption_point() {
+  Job* job = t_job;
+  if (!job) return;
+  if (t_is_caller) poll_says_stop(*job);
+  if (job->stop.load(std::memory_order_relaxed)) throw Interrupted();
 }
 
 }  // namespace linattn

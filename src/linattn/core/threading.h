@@ -1,22 +1,92 @@
-// The one parallel primitive: parallel_for over task indices on a fixed pool of workers.
-// Workers are numbered 0..num_workers()-1 (0 is the calling thread), so callers allocate
-// per-worker scratch before the loop and index it by worker.
+// The one parallel primitive: a loop over task indices whose worker count is fixed when the
+// loop is made, run on a shared pool of helper threads. Per-worker scratch is sized from that
+// count (PerWorker below) and indexed by the worker id run() hands out, so a loop can never
+// hand out an id its scratch does not cover, whatever set_num_threads does meanwhile.
+//
+// Several threads may run loops at once (two Python threads, say): each loop's caller works as
+// its worker 0 and takes as many idle helpers as its worker count allows; nothing is serialised
+// behind a process-wide lock.
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+#include "linattn/core/error.h"
 
 namespace linattn {
 
-// Threads used by every kernel. Default: LINATTN_NUM_THREADS, else the hardware's count.
+// The largest thread count set_num_threads accepts (users' machines have up to a few hundred
+// hardware threads; more only oversubscribes them).
+inline constexpr int kMaxThreads = 1024;
+
+// Threads a loop may use. Default: LINATTN_NUM_THREADS (an integer in [1, kMaxThreads], else
+// the first call throws Error), otherwise the hardware's thread count, at most kMaxThreads.
 int num_threads();
-// Sets the thread count for later calls (n >= 1); throws Error otherwise.
+// Sets the thread count for loops made from now on; n in [1, kMaxThreads], else Error. Safe to
+// call while other threads run loops: those keep the worker count they were made with.
 void set_num_threads(int n);
 
-// Runs fn(task, worker) for task in [0, num_tasks) with dynamic scheduling.
-// Exceptions thrown by fn are rethrown on the calling thread (the first one wins).
-// While it runs, BLAS calls are single-threaded: parallelism comes from our tasks.
-// Nested calls from inside fn run serially on the calling worker.
-void parallel_for(int64_t num_tasks, const std::function<void(int64_t task, int worker)>& fn);
+// A parallel loop over tasks [0, num_tasks). workers() = min(num_threads(), num_tasks), and 1
+// when the loop is made inside another loop's task (nested loops run on the calling worker).
+class ParallelLoop {
+ public:
+  explicit ParallelLoop(int64_t num_tasks);
+  int workers() const { return workers_; }
+  int64_t tasks() const { return tasks_; }
+  // Runs fn(task, worker) for every task, worker in [0, workers()), dynamic scheduling. The
+  // first exception thrown by fn stops the hand-out of tasks and is rethrown here, after
+  // every worker has left fn.
+  void run(const std::function<void(int64_t task, int worker)>& fn) const;
+
+ private:
+  int64_t tasks_;
+  int workers_;
+};
+
+// For loops that need no per-worker scratch: fn(task).
+void parallel_for(int64_t num_tasks, const std::function<void(int64_t task)>& fn);
+
+// One S per worker of a loop, built before the loop runs (from make(), or default-built).
+template <class S>
+class PerWorker {
+ public:
+  explicit PerWorker(const ParallelLoop& loop) : items_(static_cast<size_t>(loop.workers())) {}
+  template <class Make>
+  PerWorker(const ParallelLoop& loop, Make&& make) {
+    items_.reserve(static_cast<size_t>(loop.workers()));
+    for (int w = 0; w < loop.workers(); ++w) items_.push_back(make());
+  }
+  S& operator[](int worker) {
+    // Cheap enough to keep in release builds: one comparison per task.
+    if (worker < 0 || static_cast<size_t>(worker) >= items_.size())
+      throw std::logic_error("PerWorker: worker id " + std::to_string(worker) +
+                             " outside the loop's " + std::to_string(items_.size()) + " workers");
+    return items_[static_cast<size_t>(worker)];
+  }
+  int size() const { return static_cast<int>(items_.size()); }
+
+ private:
+  std::vector<S> items_;
+};
+
+// ---- interruption (Ctrl-C from Python) -----------------------------------------------------
+
+// Thrown out of a loop (and so out of the public function) when the interrupt poll said stop.
+class Interrupted : public std::runtime_error {
+ public:
+  Interrupted() : std::runtime_error("linattn: interrupted") {}
+};
+
+// A poll for "stop now" (the Python module installs one that checks for KeyboardInterrupt).
+// It is called only on the thread that started the outermost loop, between tasks and at
+// interruption points, at most every 20 ms. nullptr (the default) disables polling.
+using InterruptPoll = bool (*)();
+void set_interrupt_poll(InterruptPoll poll);
+
+// Call inside long tasks: throws Interrupted once the current loop has been told to stop.
+void interruption_point();
 
 }  // namespace linattn

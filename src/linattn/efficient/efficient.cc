@@ -74,15 +74,15 @@ Tensor<T> efficient_attention(TensorView<const T> q, TensorView<const T> k, Tens
   const KeyMask mask(d, s.mask_opts);
   // out [B,H,n_q,d_v]: every row is written below (zeros for items without keys).
   Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim}, false, Init::Uninitialized);
-  std::vector<efficient::Buffers<T>> buffers;
-  for (int w = 0; w < std::min<int64_t>(num_threads(), d.bh()); ++w) buffers.emplace_back(s, false);
-  parallel_for(d.bh(), [&](int64_t bh, int worker) {
+  const ParallelLoop loop(d.bh());
+  PerWorker<efficient::Buffers<T>> buffers(loop, [&] { return efficient::Buffers<T>(s, false); });
+  loop.run([&](int64_t bh, int worker) {
     const int64_t L = mask.key_length(bh / d.heads);
     if (L == 0) {  // no keys: out = 0
       std::fill(out.view().row(bh, 0), out.view().row(bh, 0) + d.n_q * d.value_dim, T(0));
       return;
     }
-    efficient::Buffers<T>& b = buffers[static_cast<size_t>(worker)];
+    efficient::Buffers<T>& b = buffers[worker];
     efficient::key_side(fn, s, k, v, bh, L, b);
     for (int64_t r0 = 0; r0 < d.n_q; r0 += efficient::kRowBlock) {
       const int64_t rows = std::min(efficient::kRowBlock, d.n_q - r0);
@@ -106,12 +106,12 @@ AttentionGrads<T> efficient_attention_backward(TensorView<const T> q, TensorView
   AttentionGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape)};
   const int64_t hd = d.head_dim, dv = d.value_dim;
   const T sc = static_cast<T>(s.scale);
-  std::vector<efficient::Buffers<T>> buffers;
-  for (int w = 0; w < std::min<int64_t>(num_threads(), d.bh()); ++w) buffers.emplace_back(s, true);
-  parallel_for(d.bh(), [&](int64_t bh, int worker) {
+  const ParallelLoop loop(d.bh());
+  PerWorker<efficient::Buffers<T>> buffers(loop, [&] { return efficient::Buffers<T>(s, true); });
+  loop.run([&](int64_t bh, int worker) {
     const int64_t L = mask.key_length(bh / d.heads);
     if (L == 0) return;  // out = 0 for any q, k, v: all gradients 0
-    efficient::Buffers<T>& b = buffers[static_cast<size_t>(worker)];
+    efficient::Buffers<T>& b = buffers[worker];
     efficient::key_side(fn, s, k, v, bh, L, b);
     std::fill(b.dg.data(), b.dg.data() + hd * dv, T(0));
     for (int64_t r0 = 0; r0 < d.n_q; r0 += efficient::kRowBlock) {

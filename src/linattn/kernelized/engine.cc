@@ -479,10 +479,10 @@ void set_feature_cache_bytes(int64_t bytes) { g_feature_cache_bytes.store(bytes)
 template <class T>
 void forward(const Problem<T>& p, T* out) {
   const bool causal = p.mask->causal();
-  std::vector<Scratch<T>> scratch;
-  for (int w = 0; w < num_threads(); ++w) scratch.emplace_back(p, causal);
-  parallel_for(p.dims.bh(), [&](int64_t bh, int worker) {
-    Scratch<T>& s = scratch[static_cast<size_t>(worker)];
+  const ParallelLoop loop(p.dims.bh());
+  PerWorker<Scratch<T>> scratch(loop, [&] { return Scratch<T>(p, causal); });
+  loop.run([&](int64_t bh, int worker) {
+    Scratch<T>& s = scratch[worker];
     if (causal) {
       forward_causal(p, bh, s, out);
     } else {
@@ -495,39 +495,34 @@ template <class T>
 void forward_causal_from_state(const Problem<T>& p, T* out, T* S, T* z, T* c) {
   require(p.mask->causal(), "forward_causal_from_state: the problem must be causal");
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
-  std::vector<Scratch<T>> scratch;
-  for (int w = 0; w < num_threads(); ++w) scratch.emplace_back(p, true);
-  parallel_for(p.dims.bh(), [&](int64_t bh, int worker) {
-    forward_causal(p, bh, scratch[static_cast<size_t>(worker)], out, S + bh * m * dv, z + bh * m,
-                   c + bh);
+  const ParallelLoop loop(p.dims.bh());
+  PerWorker<Scratch<T>> scratch(loop, [&] { return Scratch<T>(p, true); });
+  loop.run([&](int64_t bh, int worker) {
+    forward_causal(p, bh, scratch[worker], out, S + bh * m * dv, z + bh * m, c + bh);
   });
 }
 
 template <class T>
 void backward(const Problem<T>& p, const T* dout, T* dq, T* dk, T* dv) {
   const bool causal = p.mask->causal();
-  std::vector<Scratch<T>> scratch;
   // causal: D, M, dden per row of the current batch·head (O(n)). Non-causal: φ̃k and ls of
   // every key, so the key pass need not compute the features again, when that fits in
   // kFeatureCacheBytes per worker (else they are recomputed: same result, more time).
   const int64_t cache_size = p.dims.n_k * (p.fmap->dim() + 1);
   const bool cache = !causal && cache_size * static_cast<int64_t>(sizeof(T)) <= feature_cache_bytes();
-  std::vector<Buffer<T>> saved;
-  for (int w = 0; w < num_threads(); ++w) {
-    scratch.emplace_back(p, causal);
-    saved.emplace_back(causal ? 3 * p.dims.n_q : cache ? cache_size : 0);
-  }
+  const ParallelLoop loop(p.dims.bh());
+  PerWorker<Scratch<T>> scratch(loop, [&] { return Scratch<T>(p, causal); });
+  PerWorker<Buffer<T>> saved(loop, [&] { return Buffer<T>(causal ? 3 * p.dims.n_q : cache ? cache_size : 0); });
   const int64_t d = p.dims.head_dim, dvd = p.dims.value_dim;
-  parallel_for(p.dims.bh(), [&](int64_t bh, int worker) {
+  loop.run([&](int64_t bh, int worker) {
     // Gradients of padded keys stay 0: the passes only write valid rows.
     std::fill(dk + bh * p.dims.n_k * d, dk + (bh + 1) * p.dims.n_k * d, T(0));
     std::fill(dv + bh * p.dims.n_k * dvd, dv + (bh + 1) * p.dims.n_k * dvd, T(0));
-    Scratch<T>& s = scratch[static_cast<size_t>(worker)];
+    Scratch<T>& s = scratch[worker];
     if (causal) {
-      backward_causal(p, bh, s, saved[static_cast<size_t>(worker)], dout, dq, dk, dv);
+      backward_causal(p, bh, s, saved[worker], dout, dq, dk, dv);
     } else {
-      backward_noncausal(p, bh, s, cache ? saved[static_cast<size_t>(worker)].data() : nullptr, dout,
-                         dq, dk, dv);
+      backward_noncausal(p, bh, s, cache ? saved[worker].data() : nullptr, dout, dq, dk, dv);
     }
   });
 }

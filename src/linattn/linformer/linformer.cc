@@ -76,10 +76,10 @@ Tensor<T> linformer_attention(TensorView<const T> q, TensorView<const T> k, Tens
   // out [B,H,n_q,d_v]: every row is written below (P·V' = 0 for an item without keys).
   Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim}, false, Init::Uninitialized);
   const T sc = static_cast<T>(s.scale);
-  std::vector<linformer::Buffers<T>> buffers;
-  for (int w = 0; w < std::min<int64_t>(num_threads(), d.bh()); ++w) buffers.emplace_back(s, false);
-  parallel_for(d.bh(), [&](int64_t bh, int worker) {
-    linformer::Buffers<T>& b = buffers[static_cast<size_t>(worker)];
+  const ParallelLoop loop(d.bh());
+  PerWorker<linformer::Buffers<T>> buffers(loop, [&] { return linformer::Buffers<T>(s, false); });
+  loop.run([&](int64_t bh, int worker) {
+    linformer::Buffers<T>& b = buffers[worker];
     linformer::project(s, k, v, e, f, bh, mask.key_length(bh / d.heads), b);
     for (int64_t r0 = 0; r0 < d.n_q; r0 += linformer::kRowBlock) {
       const int64_t rows = std::min(linformer::kRowBlock, d.n_q - r0);
@@ -109,10 +109,10 @@ LinformerGrads<T> linformer_attention_backward(TensorView<const T> q, TensorView
   const T sc = static_cast<T>(s.scale);
   // dK' [BH, s, d] and dV' [BH, s, d_v]: O(B·H·s·d), independent of n.
   Tensor<T> dkp({d.bh(), sp, hd}, true), dvp({d.bh(), sp, dv}, true);
-  std::vector<linformer::Buffers<T>> buffers;
-  for (int w = 0; w < std::min<int64_t>(num_threads(), d.bh()); ++w) buffers.emplace_back(s, true);
-  parallel_for(d.bh(), [&](int64_t bh, int worker) {
-    linformer::Buffers<T>& b = buffers[static_cast<size_t>(worker)];
+  const ParallelLoop loop(d.bh());
+  PerWorker<linformer::Buffers<T>> buffers(loop, [&] { return linformer::Buffers<T>(s, true); });
+  loop.run([&](int64_t bh, int worker) {
+    linformer::Buffers<T>& b = buffers[worker];
     const int64_t L = mask.key_length(bh / d.heads), h = bh % d.heads;
     linformer::project(s, k, v, e, f, bh, L, b);
     T *dk_p = dkp.data() + bh * sp * hd, *dv_p = dvp.data() + bh * sp * dv;
@@ -140,7 +140,7 @@ LinformerGrads<T> linformer_attention_backward(TensorView<const T> q, TensorView
   // dE[:, j] = Σ_{b,h sharing E} dK'_bh K_bh[j]ᵀ over j < L_b; tasks own column blocks of one matrix.
   constexpr int64_t kCols = 256;
   const int64_t col_blocks = (d.n_k + kCols - 1) / kCols, mats = s.per_head ? d.heads : 1;
-  parallel_for(mats * col_blocks, [&](int64_t task, int) {
+  parallel_for(mats * col_blocks, [&](int64_t task) {
     const int64_t mat = task / col_blocks, j0 = (task % col_blocks) * kCols;
     for (int64_t bh = 0; bh < d.bh(); ++bh) {
       const int64_t h = bh % d.heads;

@@ -41,12 +41,12 @@ NystromGrads<T> nystrom_attention_backward(TensorView<const T> q, TensorView<con
   NystromGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape), Tensor<T>()};
   const int64_t hd = d.head_dim, dv = d.value_dim;
   const T sc = static_cast<T>(s.scale);
-  std::vector<nystrom::HeadBuffers<T>> buffers;
-  for (int w = 0; w < std::min<int64_t>(num_threads(), d.bh()); ++w) buffers.emplace_back(s, true);
-  parallel_for(d.bh(), [&](int64_t bh, int worker) {
+  const ParallelLoop loop(d.bh());
+  PerWorker<nystrom::HeadBuffers<T>> buffers(loop, [&] { return nystrom::HeadBuffers<T>(s, true); });
+  loop.run([&](int64_t bh, int worker) {
     const int64_t L = mask.key_length(bh / d.heads), m = std::min(s.max_landmarks, L);
     if (L == 0) return;  // the attention term is 0 and so are its gradients
-    nystrom::HeadBuffers<T>& hb = buffers[static_cast<size_t>(worker)];
+    nystrom::HeadBuffers<T>& hb = buffers[worker];
     nystrom::landmark_side(fn, s, q, k, v, bh, L, m, hb, true);
     T *dy = hb.dy.data(), *dqt = hb.dqt.data(), *dkt = hb.dkt.data(), *ds = hb.dscores.data();
     std::fill(dy, dy + m * dv, T(0));

@@ -20,15 +20,15 @@ Tensor<T> nystrom_attention(TensorView<const T> q, TensorView<const T> k, Tensor
   // out [B,H,n,d_v]: every row is written below (zeros for items without keys).
   Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim}, false, Init::Uninitialized);
   const T sc = static_cast<T>(s.scale);
-  std::vector<nystrom::HeadBuffers<T>> buffers;
-  for (int w = 0; w < std::min<int64_t>(num_threads(), d.bh()); ++w) buffers.emplace_back(s, false);
-  parallel_for(d.bh(), [&](int64_t bh, int worker) {
+  const ParallelLoop loop(d.bh());
+  PerWorker<nystrom::HeadBuffers<T>> buffers(loop, [&] { return nystrom::HeadBuffers<T>(s, false); });
+  loop.run([&](int64_t bh, int worker) {
     const int64_t L = mask.key_length(bh / d.heads), m = std::min(s.max_landmarks, L);
     if (L == 0) {  // no keys: the attention term is 0
       std::fill(out.view().row(bh, 0), out.view().row(bh, 0) + d.n_q * d.value_dim, T(0));
       return;
     }
-    nystrom::HeadBuffers<T>& hb = buffers[static_cast<size_t>(worker)];
+    nystrom::HeadBuffers<T>& hb = buffers[worker];
     nystrom::landmark_side(fn, s, q, k, v, bh, L, m, hb, false);
     for (int64_t r0 = 0; r0 < d.n_q; r0 += nystrom::kRowBlock) {
       const int64_t rows = std::min(nystrom::kRowBlock, d.n_q - r0);

@@ -92,7 +92,7 @@ AttentionGrads<T> backward(TensorView<const T> q, TensorView<const T> k, TensorV
 
   // δ_i = dout_i · out_i = Σ_j p_ij dp_ij
   Buffer<T> delta(d.bh() * d.n_q);
-  parallel_for(d.bh(), [&](int64_t bh, int) {
+  parallel_for(d.bh(), [&](int64_t bh) {
     for (int64_t i = 0; i < d.n_q; ++i)
       delta[bh * d.n_q + i] =
           simd::dot(dout.row(bh, i), out.row(bh, i), static_cast<size_t>(d.value_dim));
@@ -103,20 +103,20 @@ AttentionGrads<T> backward(TensorView<const T> q, TensorView<const T> k, TensorV
   if (d.bh() < workers) splits = std::min<int64_t>((workers + d.bh() - 1) / d.bh(), key_blocks);
   splits = std::max<int64_t>(splits, 1);
   Buffer<T> dq_partial(splits > 1 ? splits * d.bh() * d.n_q * d.head_dim : 0);
-  std::vector<Tile<T>> tiles(static_cast<size_t>(workers));
   const BackwardArgs<T> args{q, k, v, dout, lse.data, delta.data(), d, &mask, static_cast<T>(scale)};
-  parallel_for(d.bh() * splits, [&](int64_t task, int worker) {
+  const ParallelLoop loop(d.bh() * splits);
+  PerWorker<Tile<T>> tiles(loop);
+  loop.run([&](int64_t task, int worker) {
     const int64_t bh = task / splits, s = task % splits;
     const int64_t j_begin = key_blocks * s / splits * kBlockK;
     const int64_t j_end = std::min(d.n_k, key_blocks * (s + 1) / splits * kBlockK);
     T* dq = splits > 1 ? dq_partial.data() + (s * d.bh() + bh) * d.n_q * d.head_dim
                        : g.dq.data() + bh * d.n_q * d.head_dim;
-    backward_keys(args, bh, j_begin, j_end, tiles[static_cast<size_t>(worker)], dq, g.dk.data(),
-                  g.dv.data());
+    backward_keys(args, bh, j_begin, j_end, tiles[worker], dq, g.dk.data(), g.dv.data());
   });
   if (splits > 1) {
     const int64_t per_bh = d.n_q * d.head_dim;
-    parallel_for(d.bh(), [&](int64_t bh, int) {
+    parallel_for(d.bh(), [&](int64_t bh) {
       T* dst = g.dq.data() + bh * per_bh;
       for (int64_t s = 0; s < splits; ++s) {
         const T* src = dq_partial.data() + (s * d.bh() + bh) * per_bh;

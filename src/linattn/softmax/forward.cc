@@ -89,15 +89,16 @@ SoftmaxAttentionResult<T> forward(TensorView<const T> q, TensorView<const T> k,
                               Tensor<T>({d.batch, d.heads, d.n_q}, as_workspace)};
   const KeyMask mask(d, opts);
   const int64_t q_blocks = (d.n_q + kBlockQ - 1) / kBlockQ;
-  std::vector<Tile<T>> tiles(static_cast<size_t>(num_threads()));
   T* out = r.out.data();
   T* lse = r.lse.data();
+  const ParallelLoop loop(d.bh() * q_blocks);
+  PerWorker<Tile<T>> tiles(loop);
   // Last query blocks first: under a causal mask they see the most keys.
-  parallel_for(d.bh() * q_blocks, [&](int64_t task, int worker) {
+  loop.run([&](int64_t task, int worker) {
     const int64_t bh = task / q_blocks;
     const int64_t blk = q_blocks - 1 - task % q_blocks;
-    forward_block<T>(q, k, v, d, mask, static_cast<T>(scale), bh, blk * kBlockQ,
-                     tiles[static_cast<size_t>(worker)], out, lse);
+    forward_block<T>(q, k, v, d, mask, static_cast<T>(scale), bh, blk * kBlockQ, tiles[worker],
+                     out, lse);
   });
   return r;
 }
