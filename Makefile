@@ -1,9 +1,11 @@
 # The two entry points of the README: `make demo` and `make test`.
-# Both install missing Debian packages first, then configure and build in Release.
-PYTHON := /usr/bin/python3
+# Both install missing Debian packages and the pinned PyPI packages (.venv) first, then
+# configure and build in Release.
+# Python is the project's virtual environment (.venv, made by scripts/setup-venv.sh).
+PYTHON := $(CURDIR)/.venv/bin/python
 BUILD := build
 JOBS ?= 2
-CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$(PYTHON) -DPYTHON_EXECUTABLE=$(PYTHON)
+CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$(PYTHON)
 
 .PHONY: deps build demo test test-cpp test-python test-sanitize bench accuracy clean
 
@@ -29,6 +31,7 @@ test-python:
 # C++ tests with AddressSanitizer + UndefinedBehaviorSanitizer in their own build folder.
 test-sanitize: deps
 	cmake -S . -B build-sanitize -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLINATTN_SANITIZE=ON \
+	  -DPython_EXECUTABLE=$(PYTHON) \
 	  -DLINATTN_PYTHON=OFF -DLINATTN_CLI=OFF
 	cmake --build build-sanitize -j $(JOBS)
 	cd build-sanitize && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \

@@ -9,12 +9,9 @@
 #include <numeric>
 #include <vector>
 
+#include "linattn/core/blas.h"
 #include "linattn/linattn.h"
 #include "linattn/core/random.h"
-
-extern "C" void dgesdd_(const char* jobz, const int* m, const int* n, double* a, const int* lda,
-                        double* s, double* u, const int* ldu, double* vt, const int* ldvt,
-                        double* work, const int* lwork, int* iwork, int* info);
 
 namespace linattn::bench {
 namespace {
@@ -232,17 +229,10 @@ void kernel_study(const AccuracyOptions& o) {
   }
 }
 
-// Singular values of an n×n row-major matrix (LAPACK dgesdd, values only).
+// Singular values of an n×n matrix (LAPACK dgesdd, values only; the transpose has the same).
 std::vector<double> singular_values(const T* a, int64_t n) {
   std::vector<double> A(a, a + n * n), s(static_cast<size_t>(n));
-  const int ni = static_cast<int>(n);
-  int lwork = -1, info = 0;
-  double query = 0;
-  std::vector<int> iwork(static_cast<size_t>(8 * n));
-  dgesdd_("N", &ni, &ni, A.data(), &ni, s.data(), nullptr, &ni, nullptr, &ni, &query, &lwork, iwork.data(), &info);
-  lwork = static_cast<int>(query);
-  std::vector<double> work(static_cast<size_t>(std::max(lwork, 1)));
-  dgesdd_("N", &ni, &ni, A.data(), &ni, s.data(), nullptr, &ni, nullptr, &ni, work.data(), &lwork, iwork.data(), &info);
+  svd("linattn accuracy (rank study)", n, A.data(), s.data());
   return s;
 }
 

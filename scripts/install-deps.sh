@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Installs the Debian packages linattn needs, and only those that are missing.
+# Installs the Debian packages linattn needs, and only those that are missing; then the
+# project's virtual environment (.venv) with its pinned PyPI packages.
 # Works as root on a fresh Debian 12; uses sudo when not root.
 set -euo pipefail
 
 packages=(
   cmake make g++ pkg-config
-  libopenblas-dev        # BLAS: sgemm/dgemm for every matrix product
   libhwy-dev             # Highway: SIMD with runtime dispatch, vectorised exp
   libboost-dev           # Boost.Math: chi-square quantiles and CDF for random-feature norms
   libgtest-dev           # GoogleTest, run through CTest
-  pybind11-dev python3-dev python3-numpy python3-pytest
-  python3-scipy          # tests only: independent chi-square quantiles and KS tests
+  python3-dev python3-venv  # the Python module's headers; .venv (scripts/setup-venv.sh) holds
+                         # the PyPI packages: OpenBLAS (scipy-openblas32), pybind11, numpy, ...
 )
 if [ "${LINATTN_WITH_BENCH_DEPS:-0}" = 1 ]; then
   packages+=(python3-torch python3-matplotlib)
@@ -22,11 +22,12 @@ for p in "${packages[@]}"; do
     missing+=("$p")
   fi
 done
-[ ${#missing[@]} -eq 0 ] && exit 0
-
-echo "install-deps: installing ${missing[*]}"
-sudo=""
-[ "$(id -u)" -eq 0 ] || sudo="sudo"
-export DEBIAN_FRONTEND=noninteractive
-$sudo apt-get update -q
-$sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "install-deps: installing ${missing[*]}"
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -q
+  $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+bash "$(dirname "$0")/setup-venv.sh"

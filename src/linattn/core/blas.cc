@@ -2,10 +2,26 @@
 
 #include <cblas.h>
 
+#include <algorithm>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "linattn/core/error.h"
+
+// SciPy's OpenBLAS build prefixes every symbol (scipy_cblas_sgemm, ...); its pkg-config file
+// defines BLAS_SYMBOL_PREFIX. Unprefixed for a system OpenBLAS.
+#ifdef BLAS_SYMBOL_PREFIX
+#define LINATTN_CONCAT2(a, b) a##b
+#define LINATTN_CONCAT(a, b) LINATTN_CONCAT2(a, b)
+#define BLAS_FN(name) LINATTN_CONCAT(BLAS_SYMBOL_PREFIX, name)
+#else
+#define BLAS_FN(name) name
+#endif
+
+extern "C" void BLAS_FN(dgesdd_)(const char* jobz, const int* m, const int* n, double* a, const int* lda,
+                                 double* s, double* u, const int* ldu, double* vt, const int* ldvt,
+                                 double* work, const int* lwork, int* iwork, int* info);
 
 namespace linattn {
 namespace {
@@ -18,7 +34,7 @@ blasint to_int(int64_t v, const char* what) {
 // Called before every product; sets the BLAS to one thread the first time.
 void single_threaded_blas() {
   static const bool once = [] {
-    openblas_set_num_threads(1);
+    BLAS_FN(openblas_set_num_threads)(1);
     return true;
   }();
   (void)once;
@@ -38,7 +54,7 @@ void gemm<float>(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alph
   if (M == 0 || N == 0) return;
   if (K == 0) return scale_rows(M, N, beta, C, ldc);
   single_threaded_blas();
-  cblas_sgemm(CblasRowMajor, to_cblas(ta), to_cblas(tb), to_int(M, "M"), to_int(N, "N"),
+  BLAS_FN(cblas_sgemm)(CblasRowMajor, to_cblas(ta), to_cblas(tb), to_int(M, "M"), to_int(N, "N"),
               to_int(K, "K"), alpha, A, to_int(lda, "lda"), B, to_int(ldb, "ldb"), beta, C,
               to_int(ldc, "ldc"));
 }
@@ -50,20 +66,36 @@ void gemm<double>(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, double al
   if (M == 0 || N == 0) return;
   if (K == 0) return scale_rows(M, N, beta, C, ldc);
   single_threaded_blas();
-  cblas_dgemm(CblasRowMajor, to_cblas(ta), to_cblas(tb), to_int(M, "M"), to_int(N, "N"),
+  BLAS_FN(cblas_dgemm)(CblasRowMajor, to_cblas(ta), to_cblas(tb), to_int(M, "M"), to_int(N, "N"),
               to_int(K, "K"), alpha, A, to_int(lda, "lda"), B, to_int(ldb, "ldb"), beta, C,
               to_int(ldc, "ldc"));
 }
 
 const char* blas_name() {
   static const std::string name = [] {
-    std::string s = openblas_get_config();
+    std::string s = BLAS_FN(openblas_get_config)();
     s += " (core ";
-    s += openblas_get_corename();
+    s += BLAS_FN(openblas_get_corename)();
     s += ")";
     return s;
   }();
   return name.c_str();
+}
+
+void svd(const char* fn, int64_t n, double* a, double* s, double* u, double* vt) {
+  require(n >= 1 && n <= std::numeric_limits<int>::max() / 8, fn, ": svd of a ", n, "×", n,
+          " matrix is outside LAPACK's integer range");
+  single_threaded_blas();
+  const int ni = static_cast<int>(n);
+  std::vector<int> iwork(static_cast<size_t>(8 * n));
+  int lwork = -1, info = 0;
+  double query = 0;
+  const char* jobz = u && vt ? "A" : "N";
+  BLAS_FN(dgesdd_)(jobz, &ni, &ni, a, &ni, s, u, &ni, vt, &ni, &query, &lwork, iwork.data(), &info);
+  lwork = std::max(static_cast<int>(query), 1);
+  std::vector<double> work(static_cast<size_t>(lwork));
+  BLAS_FN(dgesdd_)(jobz, &ni, &ni, a, &ni, s, u, &ni, vt, &ni, work.data(), &lwork, iwork.data(), &info);
+  require(info == 0, fn, ": LAPACK dgesdd failed (info = ", info, ")");
 }
 
 }  // namespace linattn

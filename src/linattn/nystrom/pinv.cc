@@ -9,10 +9,6 @@
 #include "linattn/core/error.h"
 #include "linattn/core/memory.h"
 
-extern "C" void dgesdd_(const char* jobz, const int* m, const int* n, double* a, const int* lda,
-                        double* s, double* u, const int* ldu, double* vt, const int* ldvt,
-                        double* work, const int* lwork, int* iwork, int* info);
-
 namespace linattn::nystrom {
 namespace {
 
@@ -128,22 +124,12 @@ void iterative_backward(const T* A, int64_t m, int64_t iterations, const T* iter
 
 template <class T>
 void exact_forward(const T* A, int64_t m, T* Z) {
-  const int mi = static_cast<int>(m);
   Buffer<double> a(m * m), u(m * m), vt(m * m), s(m);
-  Buffer<int> iwork(8 * m);
   // LAPACK is column-major, so it sees the row-major array of A as M = Aᵀ = U·S·Vᵀ, and
   // pinv(A) = pinv(M)ᵀ = U·S⁺·Vᵀ: Z[i][j] = Σ_r U[i][r]/s_r·Vᵀ[r][j], read column-major below.
   for (int64_t i = 0; i < m * m; ++i) a[i] = static_cast<double>(A[i]);
-  int lwork = -1, info = 0;
-  double query = 0;
-  dgesdd_("A", &mi, &mi, a.data(), &mi, s.data(), u.data(), &mi, vt.data(), &mi, &query, &lwork,
-          iwork.data(), &info);
-  lwork = static_cast<int>(query);
-  Buffer<double> work(std::max(lwork, 1));
-  dgesdd_("A", &mi, &mi, a.data(), &mi, s.data(), u.data(), &mi, vt.data(), &mi, work.data(),
-          &lwork, iwork.data(), &info);
-  require(info == 0, "nystrom_attention: LAPACK dgesdd failed (info = ", info,
-          ") computing the exact pseudo-inverse of the landmark kernel");
+  svd("nystrom_attention (exact pseudo-inverse of the landmark kernel)", m, a.data(), s.data(),
+      u.data(), vt.data());
   const double cutoff = static_cast<double>(m) * std::numeric_limits<T>::epsilon() * s[0];
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < m; ++j) {
