@@ -33,19 +33,36 @@ struct Array {
   }
 };
 
+// The dtype as linattn sees it, compared by value: an unpickled float32 dtype (or one from
+// np.load, a memmap, another process) is equal to np.dtype(np.float32) but not the same object.
+std::optional<DType> float_dtype(const py::dtype& dt) {
+  if (dt.kind() != 'f') return std::nullopt;
+  if (dt.itemsize() == 4) return DType::F32;
+  if (dt.itemsize() == 8) return DType::F64;
+  return std::nullopt;
+}
+
+// Float data in the other byte order is refused, not converted behind the caller's back.
+[[noreturn]] void foreign_byte_order(const char* fn, const char* name, const py::dtype& dt) {
+  const std::string order = dt.byteorder() == '>' ? "big-endian" : "little-endian";
+  const std::string type = dt.itemsize() == 4 ? "float32" : "float64";
+  throw py::type_error(std::string(fn) + ": " + name + " has dtype " + order + " " + type + " ('" +
+                       std::string(py::str(dt.attr("str"))) + "'); linattn takes the machine's byte order: convert with " +
+                       name + ".astype(numpy." + type + ")");
+}
+
 Array as_array(const char* fn, const char* name, const py::handle& obj) {
   if (!py::isinstance<py::array>(obj))
     throw py::type_error(std::string(fn) + ": " + name + " must be a numpy.ndarray, got " +
                          std::string(py::str(py::type::of(obj).attr("__name__"))));
   auto a = py::reinterpret_borrow<py::array>(obj);
-  DType dt;
-  if (a.dtype().is(py::dtype::of<float>())) dt = DType::F32;
-  else if (a.dtype().is(py::dtype::of<double>())) dt = DType::F64;
-  else
+  const std::optional<DType> dt = float_dtype(a.dtype());
+  if (!dt)
     throw py::type_error(std::string(fn) + ": " + name + " must have dtype float32 or float64, got " +
                          std::string(py::str(a.dtype())));
+  if (!a.dtype().attr("isnative").cast<bool>()) foreign_byte_order(fn, name, a.dtype());
   if (!(a.flags() & py::array::c_style)) a = py::array::ensure(a, py::array::c_style);
-  return {a, dt};
+  return {a, *dt};
 }
 
 // All tensor arguments share one dtype.
@@ -163,10 +180,14 @@ py::tuple softmax_attention_backward(const py::object& q, const py::object& k,
 
 DType dtype_arg(const char* fn, const py::object& dtype) {
   const py::dtype dt = py::dtype::from_args(dtype);
-  if (dt.is(py::dtype::of<float>())) return DType::F32;
-  if (dt.is(py::dtype::of<double>())) return DType::F64;
-  throw py::type_error(std::string(fn) + ": dtype must be float32 or float64, got " +
-                       std::string(py::str(py::object(dt))));
+  const std::optional<DType> f = float_dtype(dt);
+  if (!f)
+    throw py::type_error(std::string(fn) + ": dtype must be float32 or float64, got " +
+                         std::string(py::str(py::object(dt))));
+  if (!dt.attr("isnative").cast<bool>())
+    throw py::type_error(std::string(fn) + ": dtype must be float32 or float64 in the machine's byte order, got '" +
+                         std::string(py::str(dt.attr("str"))) + "'");
+  return *f;
 }
 
 py::array random_features(int64_t num_features, int64_t head_dim, const std::string& kind,
