@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <variant>
 #include <vector>
 
@@ -376,7 +377,12 @@ class PyRecurrentState {
   template <class T>
   static py::array run_step(linattn::RecurrentState<T>& st, const Array& Q, const Array& K,
                             const Array& V) {
-    return to_numpy(st.step(Q.view<T>(), K.view<T>(), V.view<T>()));
+    Tensor<T> out;
+    {
+      py::gil_scoped_release nogil;
+      out = st.step(Q.view<T>(), K.view<T>(), V.view<T>());
+    }
+    return to_numpy(std::move(out));
   }
   Variant s_;
 };
@@ -613,6 +619,23 @@ py::tuple efficient_attention_backward(const py::object& q, const py::object& k,
   });
 }
 
+// ---- Ctrl-C ---------------------------------------------------------------------------------
+
+// Kernels run with the GIL released, so Python cannot raise KeyboardInterrupt until they
+// return. The library polls this between blocks (at most every 20 ms, on the calling thread):
+// on the main thread it takes the GIL and runs Python's pending signal handlers; if one raised,
+// the exception is kept here and the call ends with it (see the translator below).
+std::thread::id g_main_thread;
+thread_local PyObject* t_pending[3] = {nullptr, nullptr, nullptr};  // type, value, traceback
+
+bool python_interrupt_poll() {
+  if (std::this_thread::get_id() != g_main_thread || !Py_IsInitialized()) return false;
+  py::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() == 0) return false;
+  PyErr_Fetch(&t_pending[0], &t_pending[1], &t_pending[2]);
+  return true;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_linattn, m) {
@@ -622,8 +645,17 @@ PYBIND11_MODULE(_linattn, m) {
       if (p) std::rethrow_exception(p);
     } catch (const linattn::Error& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const linattn::Interrupted&) {
+      if (t_pending[0]) {  // what the signal handler raised, usually KeyboardInterrupt
+        PyErr_Restore(t_pending[0], t_pending[1], t_pending[2]);
+        t_pending[0] = t_pending[1] = t_pending[2] = nullptr;
+      } else {
+        PyErr_SetNone(PyExc_KeyboardInterrupt);
+      }
     }
   });
+  g_main_thread = std::this_thread::get_id();  // Python imports modules on the main thread
+  linattn::set_interrupt_poll(python_interrupt_poll);
 
   m.def("softmax_attention", &softmax_attention, py::arg("q"), py::arg("k"), py::arg("v"),
         py::kw_only(), py::arg("causal") = false, py::arg("scale") = py::none(),

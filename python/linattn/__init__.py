@@ -48,4 +48,4 @@ __all__ = [
     "softmax_attention_backward",
     "workspace_stats",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -2,6 +2,9 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
+#include <new>
+#include <utility>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -35,6 +38,28 @@ template <class... Parts>
 void require(bool ok, const Parts&... parts) {
   if (!ok) fail(parts...);
 }
+
+// Thrown when memory cannot be had: a std::bad_alloc whose message says what was asked for
+// and, where a public function sized it from its arguments, which ones (MemoryError in Python).
+class OutOfMemory : public std::bad_alloc {
+ public:
+  explicit OutOfMemory(std::string what) : what_(std::move(what)) {}
+  const char* what() const noexcept override { return what_.c_str(); }
+
+ private:
+  std::string what_;
+};
+
+// "16.0 GiB" and the like.
+std::string human_bytes(double bytes);
+
+// The element count of an array sized by a public function's integer arguments, named in
+// `factors` ({"s_proj", s}, {"n_max", n}, ...): each must be >= 1 (else Error), their product
+// times elem_bytes must fit in 64 bits (else Error) and in this machine's memory (else
+// OutOfMemory), all messages naming `fn` and the arguments. `what` names the array(s).
+int64_t sized_by_arguments(const char* fn, const char* what,
+                           std::initializer_list<std::pair<const char*, int64_t>> factors,
+                           int64_t elem_bytes, int64_t copies = 1);
 
 std::string shape_string(const std::vector<int64_t>& shape);
 

@@ -1,5 +1,9 @@
 #include "linattn/core/memory.h"
 
+#include <string>
+
+#include "linattn/core/error.h"
+
 #include <atomic>
 #include <cstdlib>
 #include <new>
@@ -13,8 +17,8 @@ std::atomic<int64_t> g_peak{0};
 void* aligned_alloc_bytes(size_t bytes) {
   if (bytes == 0) return nullptr;
   const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
-  void* p = std::aligned_alloc(kAlignment, rounded);
-  if (!p) throw std::bad_alloc();
+  void* p = rounded < bytes ? nullptr : std::aligned_alloc(kAlignment, rounded);
+  if (!p) throw OutOfMemory("linattn: cannot allocate " + human_bytes(static_cast<double>(bytes)) + " (out of memory)");
   return p;
 }
 
@@ -25,6 +29,14 @@ WorkspaceStats workspace_stats() { return {g_current.load(), g_peak.load()}; }
 void reset_workspace_peak() { g_peak.store(g_current.load()); }
 
 namespace detail {
+size_t checked_bytes(int64_t count, size_t elem_bytes) {
+  size_t bytes = 0;
+  if (count < 0 || __builtin_mul_overflow(static_cast<size_t>(count), elem_bytes, &bytes))
+    throw OutOfMemory("linattn: cannot allocate " + std::to_string(count) + " values of " +
+                      std::to_string(elem_bytes) + " bytes (the size overflows)");
+  return bytes;
+}
+
 void workspace_add(int64_t bytes) {
   const int64_t now = g_current.fetch_add(bytes) + bytes;
   int64_t peak = g_peak.load();

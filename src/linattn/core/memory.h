@@ -11,7 +11,7 @@ namespace linattn {
 
 inline constexpr size_t kAlignment = 64;  // one cache line, and one AVX-512 vector
 
-void* aligned_alloc_bytes(size_t bytes);  // throws std::bad_alloc; nullptr for 0 bytes
+void* aligned_alloc_bytes(size_t bytes);  // throws OutOfMemory; nullptr for 0 bytes
 void aligned_free(void* p) noexcept;
 
 // Workspace accounting (process-wide, thread-safe).
@@ -24,6 +24,8 @@ void reset_workspace_peak();  // peak := current
 
 namespace detail {
 void workspace_add(int64_t bytes);
+// count·elem_bytes, or OutOfMemory when that is negative or overflows.
+size_t checked_bytes(int64_t count, size_t elem_bytes);
 struct AlignedDeleter {
   void operator()(void* p) const noexcept { aligned_free(p); }
 };
@@ -38,7 +40,7 @@ class Buffer {
  public:
   Buffer() = default;
   explicit Buffer(int64_t count, bool counted = true, Init init = Init::Zero)
-      : data_(static_cast<T*>(aligned_alloc_bytes(sizeof(T) * static_cast<size_t>(count)))),
+      : data_(static_cast<T*>(aligned_alloc_bytes(detail::checked_bytes(count, sizeof(T))))),
         size_(count),
         counted_(counted) {
     if (count > 0 && init == Init::Zero) std::memset(data_.get(), 0, sizeof(T) * static_cast<size_t>(count));

@@ -20,8 +20,9 @@ FeatureKind parse_feature_kind(const std::string& kind);  // "iid", "orthogonal"
 const char* feature_kind_name(FeatureKind kind);
 
 // ω [num_features, head_dim]. Same seed, same matrix on every machine and thread count: it
-// is computed in float64 by plain loops (Householder QR; no BLAS/LAPACK, whose kernels are
-// chosen per CPU and round differently), then rounded to T.
+// is computed in float64 by plain loops in a fixed order (a thin Householder QR of only the
+// rows each block needs, O(d·r²); no BLAS/LAPACK, whose kernels are chosen per CPU and round
+// differently), then rounded to T.
 template <class T>
 Tensor<T> random_features(int64_t num_features, int64_t head_dim,
                           FeatureKind kind = FeatureKind::Orthogonal, uint64_t seed = 0);

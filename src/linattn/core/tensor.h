@@ -13,9 +13,13 @@ namespace linattn {
 
 using Shape = std::vector<int64_t>;
 
+// The number of elements of a shape; Error for a negative dimension or a count beyond int64.
 inline int64_t element_count(const Shape& shape) {
   int64_t n = 1;
-  for (int64_t s : shape) n *= s;
+  for (int64_t s : shape) {
+    require(s >= 0, "shape ", shape_string(shape), " has a negative dimension");
+    if (__builtin_mul_overflow(n, s, &n)) fail("shape ", shape_string(shape), " has more elements than fit in 64 bits");
+  }
   return n;
 }
 

@@ -235,6 +235,11 @@ void parallel_for(int64_t num_tasks, const std::function<void(int64_t)>& fn) {
   ParallelLoop(num_tasks).run([&](int64_t task, int) { fn(task); });
 }
 
+SingleUser::Scope::Scope(const SingleUser& owner, const char* fn, const char* what) : owner_(owner) {
+  require(!owner.busy_.exchange(true), fn, ": ", what,
+          " is in use by another thread; it holds one sequence, so give each thread its own (copy())");
+}
+
 void set_interrupt_poll(InterruptPoll poll) { g_poll.store(poll); }
 
 void interruption_point() {

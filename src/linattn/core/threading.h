@@ -8,6 +8,7 @@
 // behind a process-wide lock.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <stdexcept>
@@ -70,6 +71,29 @@ class PerWorker {
 
  private:
   std::vector<S> items_;
+};
+
+// Marks an object that must not be used by two threads at once (a decoding state holds one
+// sequence): a second concurrent user gets an Error naming `fn` instead of corrupting it.
+class SingleUser {
+ public:
+  SingleUser() = default;
+  SingleUser(SingleUser&&) noexcept {}  // a moved-to object starts unused
+  SingleUser& operator=(SingleUser&&) noexcept { return *this; }
+
+  class Scope {
+   public:
+    Scope(const SingleUser& owner, const char* fn, const char* what);
+    ~Scope() { owner_.busy_.store(false); }
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    const SingleUser& owner_;
+  };
+
+ private:
+  mutable std::atomic<bool> busy_{false};
 };
 
 // ---- interruption (Ctrl-C from Python) -----------------------------------------------------

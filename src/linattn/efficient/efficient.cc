@@ -85,6 +85,7 @@ Tensor<T> efficient_attention(TensorView<const T> q, TensorView<const T> k, Tens
     efficient::Buffers<T>& b = buffers[worker];
     efficient::key_side(fn, s, k, v, bh, L, b);
     for (int64_t r0 = 0; r0 < d.n_q; r0 += efficient::kRowBlock) {
+      interruption_point();
       const int64_t rows = std::min(efficient::kRowBlock, d.n_q - r0);
       efficient::query_block(fn, s, q, bh, r0, rows, b);
       gemm<T>(Trans::No, Trans::No, rows, d.value_dim, d.head_dim, T(1), b.qb.data(), d.head_dim,
@@ -115,6 +116,7 @@ AttentionGrads<T> efficient_attention_backward(TensorView<const T> q, TensorView
     efficient::key_side(fn, s, k, v, bh, L, b);
     std::fill(b.dg.data(), b.dg.data() + hd * dv, T(0));
     for (int64_t r0 = 0; r0 < d.n_q; r0 += efficient::kRowBlock) {
+      interruption_point();
       const int64_t rows = std::min(efficient::kRowBlock, d.n_q - r0);
       const T* go = dout.row(bh, r0);
       efficient::query_block(fn, s, q, bh, r0, rows, b);

@@ -148,6 +148,7 @@ T accumulate_kv(const Problem<T>& p, int64_t bh, int64_t key_len, Scratch<T>& s,
   std::fill(s.kvz.data(), s.kvz.data() + m * da, T(0));
   T c = neg_inf<T>();
   for (int64_t j0 = 0; j0 < key_len; j0 += kBlockRows) {
+    interruption_point();
     const int64_t rows = std::min(kBlockRows, key_len - j0);
     key_features(p, bh, j0, rows, s.phi.data(), s.ls.data());
     if (p.fmap->stabilized()) {
@@ -189,6 +190,7 @@ void forward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* out) {
   const int64_t key_len = p.mask->key_length(bh / p.dims.heads);
   accumulate_kv(p, bh, key_len, s);
   for (int64_t i0 = 0; i0 < p.dims.n_q; i0 += kBlockRows) {
+    interruption_point();
     const int64_t rows = std::min(kBlockRows, p.dims.n_q - i0);
     query_rows(p, bh, i0, rows, s, out + (bh * p.dims.n_q + i0) * dv);
   }
@@ -203,6 +205,7 @@ void backward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* cache
   std::fill(s.dkvz.data(), s.dkvz.data() + m * da, T(0));
   // Queries: [dnum | dden]; dφ̃q = [dnum | dden]·[KV | z]ᵀ; [dKV | dz] += φ̃qᵀ·[dnum | dden].
   for (int64_t i0 = 0; i0 < p.dims.n_q; i0 += kBlockRows) {
+    interruption_point();
     const int64_t rows = std::min(kBlockRows, p.dims.n_q - i0);
     query_rows(p, bh, i0, rows, s, s.num.data());
     output_grads(dout + (bh * p.dims.n_q + i0) * dv, s.num.data(), s.D.data(), rows, dv,
@@ -221,6 +224,7 @@ void backward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* cache
   // Keys entered as φ̃k_jᵀ[w_j v_j, w_j]: dφ̃k_j = [w_j v_j, w_j]·[dKV | dz]ᵀ and
   // dv_j = w_j·(φ̃k_j·dKV).
   for (int64_t j0 = 0; j0 < key_len; j0 += kBlockRows) {
+    interruption_point();
     const int64_t rows = std::min(kBlockRows, key_len - j0);
     const T* phi = s.phi.data();
     const T* ls = s.ls.data();
@@ -339,6 +343,7 @@ void forward_causal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* out, T* S
   }
   T alpha[kChunk];
   for (int64_t t0 = 0; t0 < n; t0 += kChunk) {
+    interruption_point();
     const int64_t rows = std::min(kChunk, n - t0);
     const int64_t kr = chunk_features(p, bh, t0, rows, key_len, s);
     chunk_weights(p, rows, kr, c, s, s.M.data(), alpha);
@@ -368,6 +373,7 @@ void backward_causal(const Problem<T>& p, int64_t bh, Scratch<T>& s, Buffer<T>& 
   std::fill(s.z.data(), s.z.data() + m, T(0));
   T c = p.fmap->stabilized() ? neg_inf<T>() : T(0);
   for (int64_t t0 = 0; t0 < n; t0 += kChunk) {
+    interruption_point();
     const int64_t rows = std::min(kChunk, n - t0);
     const int64_t kr = chunk_features(p, bh, t0, rows, key_len, s);
     chunk_weights(p, rows, kr, c, s, M_all + t0, alpha);
@@ -404,6 +410,7 @@ void backward_causal(const Problem<T>& p, int64_t bh, Scratch<T>& s, Buffer<T>& 
   T rho = neg_inf<T>();
   const int64_t last = (n - 1) / kChunk * kChunk;
   for (int64_t t0 = last; t0 >= 0; t0 -= kChunk) {
+    interruption_point();
     const int64_t rows = std::min(kChunk, n - t0);
     const int64_t kr = chunk_features(p, bh, t0, rows, key_len, s);
     // W from the saved M (c only enters α, unused here).

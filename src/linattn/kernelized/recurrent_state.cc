@@ -43,6 +43,9 @@ RecurrentState<T>::RecurrentState(int64_t batch, int64_t heads, int64_t head_dim
   }
   rebuild_map();
   const int64_t m = fmap_.dim();
+  if (batch > 0 && heads > 0)  // S [B,H,m',d_v], z, c: the state's size, checked before allocating
+    sized_by_arguments(fn, "the state S", {{"batch", batch}, {"heads", heads}, {"feature dim", m}, {"value_dim", value_dim}},
+                       sizeof(T));
   S_ = Tensor<T>({batch, heads, m, value_dim});
   z_ = Tensor<T>({batch, heads, m});
   c_ = Tensor<T>({batch, heads});
@@ -65,6 +68,7 @@ void RecurrentState<T>::rebuild_map() {
 
 template <class T>
 RecurrentState<T> RecurrentState<T>::copy() const {
+  const SingleUser::Scope in_use(user_, "RecurrentState.copy", "this state");
   RecurrentState r;
   r.batch_ = batch_, r.heads_ = heads_, r.head_dim_ = head_dim_, r.value_dim_ = value_dim_;
   r.tokens_ = tokens_;
@@ -79,6 +83,7 @@ template <class T>
 Tensor<T> RecurrentState<T>::prefill(TensorView<const T> q, TensorView<const T> k,
                                      TensorView<const T> v) {
   const char* fn = "RecurrentState.prefill";
+  const SingleUser::Scope in_use(user_, fn, "this state");
   AttentionOptions mo;
   mo.causal = true;
   const AttentionDims d = check_attention_args(fn, q, k, v, mo);
@@ -99,6 +104,7 @@ template <class T>
 Tensor<T> RecurrentState<T>::step(TensorView<const T> q_t, TensorView<const T> k_t,
                                   TensorView<const T> v_t) {
   const char* fn = "RecurrentState.step";
+  const SingleUser::Scope in_use(user_, fn, "this state");
   const Shape qk{batch_, heads_, head_dim_}, vs{batch_, heads_, value_dim_};
   check_same_shape_finite(fn, "q_t", q_t, qk);
   check_same_shape_finite(fn, "k_t", k_t, qk);

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "linattn/core/tensor.h"
+#include "linattn/core/threading.h"
 #include "linattn/kernelized/feature_map.h"
 
 namespace linattn {
@@ -33,7 +34,8 @@ class RecurrentState {
   Tensor<T> prefill(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v);
   // q_t, k_t [B,H,d], v_t [B,H,d_v] -> out [B,H,d_v]; O(m'·d_v) per (batch, head).
   Tensor<T> step(TensorView<const T> q_t, TensorView<const T> k_t, TensorView<const T> v_t);
-  // An independent copy (to roll back to).
+  // An independent copy (to roll back to, or for another thread). prefill, step and copy
+  // throw Error while another thread is inside one of them on the same state.
   RecurrentState copy() const;
 
   int64_t tokens() const { return tokens_; }  // tokens consumed so far
@@ -48,6 +50,7 @@ class RecurrentState {
   Tensor<T> projection_;  // owned copy (favor)
   FeatureMap<T> fmap_;
   Tensor<T> S_, z_, c_;   // [B,H,m',d_v], [B,H,m'], [B,H]
+  SingleUser user_;       // prefill, step and copy from two threads at once are refused
 };
 
 // The state for decoding, by the name the Python module uses.

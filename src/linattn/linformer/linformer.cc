@@ -82,6 +82,7 @@ Tensor<T> linformer_attention(TensorView<const T> q, TensorView<const T> k, Tens
     linformer::Buffers<T>& b = buffers[worker];
     linformer::project(s, k, v, e, f, bh, mask.key_length(bh / d.heads), b);
     for (int64_t r0 = 0; r0 < d.n_q; r0 += linformer::kRowBlock) {
+      interruption_point();
       const int64_t rows = std::min(linformer::kRowBlock, d.n_q - r0);
       gemm<T>(Trans::No, Trans::Yes, rows, s.s_proj, d.head_dim, sc, q.row(bh, r0), d.head_dim,
               b.kp.data(), d.head_dim, T(0), b.p.data(), s.s_proj);
@@ -117,6 +118,7 @@ LinformerGrads<T> linformer_attention_backward(TensorView<const T> q, TensorView
     linformer::project(s, k, v, e, f, bh, L, b);
     T *dk_p = dkp.data() + bh * sp * hd, *dv_p = dvp.data() + bh * sp * dv;
     for (int64_t r0 = 0; r0 < d.n_q; r0 += linformer::kRowBlock) {
+      interruption_point();
       const int64_t rows = std::min(linformer::kRowBlock, d.n_q - r0);
       const T* go = dout.row(bh, r0);
       gemm<T>(Trans::No, Trans::Yes, rows, sp, hd, sc, q.row(bh, r0), hd, b.kp.data(), hd, T(0),
@@ -160,9 +162,11 @@ template <class T>
 std::pair<Tensor<T>, Tensor<T>> linformer_projections(int64_t s_proj, int64_t n_max, int64_t heads,
                                                       uint64_t seed) {
   const char* fn = "linformer_projections";
-  require(s_proj >= 1, fn, ": s_proj must be >= 1, got ", s_proj);
-  require(n_max >= 1, fn, ": n_max must be >= 1, got ", n_max);
   require(heads >= 0, fn, ": heads must be >= 0 (0: shared by all heads), got ", heads);
+  if (heads == 0)
+    sized_by_arguments(fn, "e and f", {{"s_proj", s_proj}, {"n_max", n_max}}, sizeof(T), 2);
+  else
+    sized_by_arguments(fn, "e and f", {{"heads", heads}, {"s_proj", s_proj}, {"n_max", n_max}}, sizeof(T), 2);
   const Shape shape = heads == 0 ? Shape{s_proj, n_max} : Shape{heads, s_proj, n_max};
   const double a = std::sqrt(3.0 / static_cast<double>(n_max + s_proj));
   std::pair<Tensor<T>, Tensor<T>> ef{Tensor<T>(shape), Tensor<T>(shape)};

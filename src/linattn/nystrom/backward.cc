@@ -54,6 +54,7 @@ NystromGrads<T> nystrom_attention_backward(TensorView<const T> q, TensorView<con
     std::fill(dkt, dkt + m * hd, T(0));
     // out_blk = softmax(Q_blk K̃ᵀ·s)·Y
     for (int64_t r0 = 0; r0 < d.n_q; r0 += nystrom::kRowBlock) {
+      interruption_point();
       const int64_t rows = std::min(nystrom::kRowBlock, d.n_q - r0);
       T* f1 = hb.scores.data();
       const T* go = dout.row(bh, r0);

@@ -31,6 +31,7 @@ Tensor<T> nystrom_attention(TensorView<const T> q, TensorView<const T> k, Tensor
     nystrom::HeadBuffers<T>& hb = buffers[worker];
     nystrom::landmark_side(fn, s, q, k, v, bh, L, m, hb, false);
     for (int64_t r0 = 0; r0 < d.n_q; r0 += nystrom::kRowBlock) {
+      interruption_point();
       const int64_t rows = std::min(nystrom::kRowBlock, d.n_q - r0);
       T* f1 = hb.scores.data();
       gemm<T>(Trans::No, Trans::Yes, rows, m, d.head_dim, sc, q.row(bh, r0), d.head_dim,

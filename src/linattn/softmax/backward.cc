@@ -46,6 +46,7 @@ void backward_keys(const BackwardArgs<T>& a, int64_t bh, int64_t j_begin, int64_
   const int64_t b = bh / d.heads;
   const int64_t key_len = a.mask->key_length(b);
   for (int64_t j0 = j_begin; j0 < std::min(j_end, key_len); j0 += kBlockK) {
+    interruption_point();
     const int64_t bk = std::min({kBlockK, j_end - j0, key_len - j0});
     T* dk_blk = dk + (bh * d.n_k + j0) * d.head_dim;
     T* dv_blk = dv + (bh * d.n_k + j0) * d.value_dim;
@@ -53,6 +54,7 @@ void backward_keys(const BackwardArgs<T>& a, int64_t bh, int64_t j_begin, int64_
     int64_t i_start = 0;
     if (a.mask->causal()) i_start = std::max<int64_t>(0, j0 - (d.n_k - d.n_q));
     for (int64_t i0 = i_start; i0 < d.n_q; i0 += kBlockQ) {
+      interruption_point();
       const int64_t bq = std::min(kBlockQ, d.n_q - i0);
       gemm<T>(Trans::No, Trans::Yes, bq, bk, d.head_dim, a.scale, a.q.row(bh, i0), d.head_dim,
               a.k.row(bh, j0), d.head_dim, T(0), t.p.data(), kBlockK);

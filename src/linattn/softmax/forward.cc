@@ -41,6 +41,7 @@ void forward_block(TensorView<const T> q, TensorView<const T> k, TensorView<cons
   }
   T* o = out + (bh * d.n_q + i0) * d.value_dim;  // bq rows of the output, used as accumulator
   for (int64_t j0 = 0; j0 < kmax; j0 += kBlockK) {
+    interruption_point();
     const int64_t bk = std::min(kBlockK, kmax - j0);
     gemm<T>(Trans::No, Trans::Yes, bq, bk, d.head_dim, scale, q.row(bh, i0), d.head_dim,
             k.row(bh, j0), d.head_dim, T(0), t.s.data(), kBlockK);
