@@ -15,22 +15,28 @@ void check_rank4(const char* fn, const char* name, const TensorView<const T>& x)
   require(x.size() == 0 || x.data != nullptr, fn, ": ", name, " has no data");
 }
 
-// Finite values in rows [0, rows_b) of every (b, h) of a [B,H,N,D] tensor.
+// Checks that rows [0, rows_b) of every (b, h) of a [B,H,N,D] tensor are finite and returns the
+// largest |value| among them.
 template <class T>
-void check_rows_finite(const char* fn, const char* name, const TensorView<const T>& x,
-                       const std::vector<int64_t>& rows_per_batch) {
+double check_rows_finite(const char* fn, const char* name, const TensorView<const T>& x,
+                         const std::vector<int64_t>& rows_per_batch) {
   const int64_t B = x.dim(0), H = x.dim(1), D = x.dim(3);
-  // The rows of one (b, h) are contiguous: check them at SIMD speed on all workers (this pass
-  // reads every input once, as much memory traffic as some methods' whole forward), and only
-  // look for the offending index, serially, when something is off.
-  std::vector<char> bad(static_cast<size_t>(B * H), 0);
+  // The rows of one (b, h) are contiguous: one SIMD pass per (b, h) on all workers gives both
+  // answers (this pass reads every input once, as much memory traffic as some methods' whole
+  // forward), and only look for the offending index, serially, when something is off.
+  std::vector<double> max_abs(static_cast<size_t>(B * H), 0.0);
   parallel_for(B * H, [&](int64_t bh) {
-    bad[static_cast<size_t>(bh)] =
-        !simd::all_finite(x.row(bh, 0), static_cast<size_t>(rows_per_batch[static_cast<size_t>(bh / H)] * D));
+    max_abs[static_cast<size_t>(bh)] = static_cast<double>(
+        simd::finite_max_abs(x.row(bh, 0), static_cast<size_t>(rows_per_batch[static_cast<size_t>(bh / H)] * D)));
   });
+  double largest = 0;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
-      if (!bad[static_cast<size_t>(b * H + h)]) continue;
+      const double m = max_abs[static_cast<size_t>(b * H + h)];
+      if (!std::isnan(m)) {
+        largest = std::max(largest, m);
+        continue;
+      }
       for (int64_t i = 0; i < rows_per_batch[b]; ++i) {
         const T* r = x.row(b * H + h, i);
         for (int64_t c = 0; c < D; ++c)
@@ -39,6 +45,7 @@ void check_rows_finite(const char* fn, const char* name, const TensorView<const 
                  ", ", c, "]; inputs must be finite");
       }
     }
+  return largest;
 }
 
 }  // namespace
@@ -71,10 +78,14 @@ AttentionDims check_attention_args(const char* fn, TensorView<const T> q, Tensor
       key_rows[b] = kl[b];
     }
   }
-  check_rows_finite(fn, "q", q, std::vector<int64_t>(static_cast<size_t>(d.batch), d.n_q));
-  check_rows_finite(fn, "k", k, key_rows);
-  check_rows_finite(fn, "v", v, key_rows);
-  resolve_scale(fn, opts, d.head_dim);
+  d.q_max = check_rows_finite(fn, "q", q, std::vector<int64_t>(static_cast<size_t>(d.batch), d.n_q));
+  d.k_max = check_rows_finite(fn, "k", k, key_rows);
+  d.v_max = check_rows_finite(fn, "v", v, key_rows);
+  const double scale = resolve_scale(fn, opts, d.head_dim);
+  const T as_t = static_cast<T>(scale);
+  require(std::isfinite(as_t) && (scale == 0 || as_t != 0), fn, ": scale = ", scale,
+          " is outside the range of ", dtype_name<T>(),
+          " (it would round to ", as_t, ")");
   return d;
 }
 

@@ -20,9 +20,12 @@ struct AttentionOptions {
   std::optional<std::vector<int64_t>> key_lengths;
 };
 
-// Sizes of one attention call: q [B,H,n_q,d], k [B,H,n_k,d], v [B,H,n_k,d_v].
+// Sizes of one attention call: q [B,H,n_q,d], k [B,H,n_k,d], v [B,H,n_k,d_v], and the largest
+// |value| of each at the positions that matter (filled by check_attention_args, which reads
+// every such value anyway; methods use them to keep their sums inside the dtype's range).
 struct AttentionDims {
   int64_t batch, heads, n_q, n_k, head_dim, value_dim;
+  double q_max = 0, k_max = 0, v_max = 0;
   int64_t bh() const { return batch * heads; }
 };
 

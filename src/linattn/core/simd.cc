@@ -288,7 +288,105 @@ bool AllFinite(const T* x, size_t n) {
   return hn::AllTrue(d, hn::IsFinite(hn::Add(acc0, acc1)));
 }
 
+// m[c] = max(m[c], max_r x[r, c]): vectors run along the columns, rows one after another.
+template <class T>
+void ColumnMax(const T* x, size_t rows, size_t cols, size_t ld, T* m) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  size_t c = 0;
+  for (; c + N <= cols; c += N) {
+    auto acc = hn::LoadU(d, m + c);
+    for (size_t r = 0; r < rows; ++r) acc = hn::Max(acc, hn::LoadU(d, x + r * ld + c));
+    hn::StoreU(acc, d, m + c);
+  }
+  for (; c < cols; ++c)
+    for (size_t r = 0; r < rows; ++r) m[c] = std::max(m[c], x[r * ld + c]);
+}
+
+// x[r, c] = exp(x[r, c] − shift[c]); arguments are clamped at the lowest finite value, so an
+// x of −inf (or one far below its shift) gives 0, never NaN. Callers keep x − shift <= 0.
+template <class T>
+void ExpMinusColumns(T* x, size_t rows, size_t cols, size_t ld, const T* shift) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  const auto lowest = hn::Set(d, std::numeric_limits<T>::lowest());
+  for (size_t r = 0; r < rows; ++r) {
+    T* row = x + r * ld;
+    size_t c = 0;
+    for (; c + N <= cols; c += N) {
+      const auto a = hn::Max(hn::Sub(hn::LoadU(d, row + c), hn::LoadU(d, shift + c)), lowest);
+      hn::StoreU(hn::Exp(d, a), d, row + c);
+    }
+    if (c < cols) {
+      const auto mask = hn::FirstN(d, cols - c);
+      const auto a = hn::Max(hn::Sub(hn::MaskedLoad(mask, d, row + c), hn::MaskedLoad(mask, d, shift + c)), lowest);
+      hn::BlendedStore(hn::Exp(d, a), mask, d, row + c);
+    }
+  }
+}
+
+// y = x + offset, t = max y, x = exp(y − t); returns t. A row whose every y is −inf becomes 0
+// and returns −inf.
+template <class T>
+T ExpRowOffset(T* x, size_t cols, const T* offset) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  const T ninf = -std::numeric_limits<T>::infinity();
+  auto m = hn::Set(d, ninf);
+  size_t c = 0;
+  for (; c + N <= cols; c += N) m = hn::Max(m, hn::Add(hn::LoadU(d, x + c), hn::LoadU(d, offset + c)));
+  T t = hn::GetLane(hn::MaxOfLanes(d, m));
+  for (; c < cols; ++c) t = std::max(t, x[c] + offset[c]);
+  if (t == ninf) {
+    std::fill(x, x + cols, T(0));
+    return t;
+  }
+  const auto vt = hn::Set(d, t);
+  const auto lowest = hn::Set(d, std::numeric_limits<T>::lowest());
+  c = 0;
+  for (; c + N <= cols; c += N) {
+    const auto y = hn::Add(hn::LoadU(d, x + c), hn::LoadU(d, offset + c));
+    hn::StoreU(hn::Exp(d, hn::Max(hn::Sub(y, vt), lowest)), d, x + c);
+  }
+  for (; c < cols; ++c) {
+    const T a = x[c] + offset[c] - t;
+    x[c] = a == ninf ? T(0) : std::exp(a);
+  }
+  return t;
+}
+
+// max |x[i]| when every x[i] is finite, else NaN: one pass for both questions.
+template <class T>
+T FiniteMaxAbs(const T* x, size_t n) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  const auto zero = hn::Zero(d);
+  auto m = hn::Zero(d), nan = hn::Zero(d);  // x·0 + nan stays 0 unless some x is not finite
+  size_t i = 0;
+  for (; i + N <= n; i += N) {
+    const auto v = hn::LoadU(d, x + i);
+    m = hn::Max(m, hn::Abs(v));
+    nan = hn::MulAdd(v, zero, nan);
+  }
+  if (i < n) {
+    const auto mask = hn::FirstN(d, n - i);
+    const auto v = hn::MaskedLoad(mask, d, x + i);
+    m = hn::Max(m, hn::Abs(v));
+    nan = hn::MulAdd(v, zero, nan);
+  }
+  if (!hn::AllTrue(d, hn::IsFinite(nan))) return std::numeric_limits<T>::quiet_NaN();
+  return hn::GetLane(hn::MaxOfLanes(d, m));
+}
+
 // HWY_EXPORT needs one non-template name per function and type.
+void ColumnMaxF32(const float* x, size_t r, size_t c, size_t ld, float* m) { ColumnMax(x, r, c, ld, m); }
+void ColumnMaxF64(const double* x, size_t r, size_t c, size_t ld, double* m) { ColumnMax(x, r, c, ld, m); }
+void ExpMinusColumnsF32(float* x, size_t r, size_t c, size_t ld, const float* s) { ExpMinusColumns(x, r, c, ld, s); }
+void ExpMinusColumnsF64(double* x, size_t r, size_t c, size_t ld, const double* s) { ExpMinusColumns(x, r, c, ld, s); }
+float ExpRowOffsetF32(float* x, size_t c, const float* o) { return ExpRowOffset(x, c, o); }
+double ExpRowOffsetF64(double* x, size_t c, const double* o) { return ExpRowOffset(x, c, o); }
+float FiniteMaxAbsF32(const float* x, size_t n) { return FiniteMaxAbs(x, n); }
+double FiniteMaxAbsF64(const double* x, size_t n) { return FiniteMaxAbs(x, n); }
 bool AllFiniteF32(const float* x, size_t n) { return AllFinite(x, n); }
 bool AllFiniteF64(const double* x, size_t n) { return AllFinite(x, n); }
 void EluPlusOneF32(const float* x, float* out, size_t n) { EluPlusOne(x, out, n); }
@@ -353,6 +451,14 @@ HWY_AFTER_NAMESPACE();
 
 namespace linattn {
 namespace simd {
+HWY_EXPORT(ColumnMaxF32);
+HWY_EXPORT(ColumnMaxF64);
+HWY_EXPORT(ExpMinusColumnsF32);
+HWY_EXPORT(ExpMinusColumnsF64);
+HWY_EXPORT(ExpRowOffsetF32);
+HWY_EXPORT(ExpRowOffsetF64);
+HWY_EXPORT(FiniteMaxAbsF32);
+HWY_EXPORT(FiniteMaxAbsF64);
 HWY_EXPORT(MaxValueF32);
 HWY_EXPORT(MaxValueF64);
 HWY_EXPORT(ExpShiftedSumF32);
@@ -381,6 +487,26 @@ HWY_EXPORT(EluPlusOneF64);
 HWY_EXPORT(ProductDifferenceF32);
 HWY_EXPORT(ProductDifferenceF64);
 
+void column_max(const float* x, size_t rows, size_t cols, size_t ld, float* m) {
+  HWY_DYNAMIC_DISPATCH(ColumnMaxF32)(x, rows, cols, ld, m);
+}
+void column_max(const double* x, size_t rows, size_t cols, size_t ld, double* m) {
+  HWY_DYNAMIC_DISPATCH(ColumnMaxF64)(x, rows, cols, ld, m);
+}
+void exp_minus_columns(float* x, size_t rows, size_t cols, size_t ld, const float* shift) {
+  HWY_DYNAMIC_DISPATCH(ExpMinusColumnsF32)(x, rows, cols, ld, shift);
+}
+void exp_minus_columns(double* x, size_t rows, size_t cols, size_t ld, const double* shift) {
+  HWY_DYNAMIC_DISPATCH(ExpMinusColumnsF64)(x, rows, cols, ld, shift);
+}
+float exp_row_offset(float* x, size_t cols, const float* offset) {
+  return HWY_DYNAMIC_DISPATCH(ExpRowOffsetF32)(x, cols, offset);
+}
+double exp_row_offset(double* x, size_t cols, const double* offset) {
+  return HWY_DYNAMIC_DISPATCH(ExpRowOffsetF64)(x, cols, offset);
+}
+float finite_max_abs(const float* x, size_t n) { return HWY_DYNAMIC_DISPATCH(FiniteMaxAbsF32)(x, n); }
+double finite_max_abs(const double* x, size_t n) { return HWY_DYNAMIC_DISPATCH(FiniteMaxAbsF64)(x, n); }
 bool all_finite(const float* x, size_t n) { return HWY_DYNAMIC_DISPATCH(AllFiniteF32)(x, n); }
 bool all_finite(const double* x, size_t n) { return HWY_DYNAMIC_DISPATCH(AllFiniteF64)(x, n); }
 void elu_plus_one(const float* x, float* out, size_t n) { HWY_DYNAMIC_DISPATCH(EluPlusOneF32)(x, out, n); }

@@ -71,6 +71,24 @@ void product_difference(const double* a, const double* b, const double* c, const
 void elu_plus_one(const float* x, float* out, size_t n);
 void elu_plus_one(const double* x, double* out, size_t n);
 
+// m[c] = max(m[c], max_r x[r, c]) over `rows` rows of `cols` values (leading dimension ld).
+void column_max(const float* x, size_t rows, size_t cols, size_t ld, float* m);
+void column_max(const double* x, size_t rows, size_t cols, size_t ld, double* m);
+
+// x[r, c] = exp(x[r, c] − shift[c]) in place (callers keep x − shift <= 0); an argument of −inf
+// or below the lowest finite value gives 0.
+void exp_minus_columns(float* x, size_t rows, size_t cols, size_t ld, const float* shift);
+void exp_minus_columns(double* x, size_t rows, size_t cols, size_t ld, const double* shift);
+
+// One row: y[c] = x[c] + offset[c], t = max_c y[c], x[c] = exp(y[c] − t); returns t. offset may
+// hold −inf (those entries become 0); if every y is −inf the row becomes 0 and −inf is returned.
+float exp_row_offset(float* x, size_t cols, const float* offset);
+double exp_row_offset(double* x, size_t cols, const double* offset);
+
+// max_i |x[i]| if every x[i] is finite, else NaN; 0 for n == 0.
+float finite_max_abs(const float* x, size_t n);
+double finite_max_abs(const double* x, size_t n);
+
 // True when every x[i] is finite (no NaN, no ±inf).
 bool all_finite(const float* x, size_t n);
 bool all_finite(const double* x, size_t n);

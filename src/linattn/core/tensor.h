@@ -13,6 +13,11 @@ namespace linattn {
 
 using Shape = std::vector<int64_t>;
 
+template <class T>
+constexpr const char* dtype_name() {
+  return sizeof(T) == 4 ? "float32" : "float64";
+}
+
 // The number of elements of a shape; Error for a negative dimension or a count beyond int64.
 inline int64_t element_count(const Shape& shape) {
   int64_t n = 1;

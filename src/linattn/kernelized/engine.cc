@@ -1,24 +1,35 @@
-// Kernelized attention in O(n). Notation per (batch·head): φ̃ are the (stabilised) features
-// and ls their log-scales, φ = φ̃·exp(ls) (ls = 0 for unstabilised maps). Query log-scales
-// cancel in the ratio and are dropped. Key log-scales are carried as a running maximum c:
-// key j enters sums with weight exp(ls_j − c) <= 1, and sums are rescaled when c grows, so
-// nothing overflows and the dominant keys never underflow.
+// Kernelized attention in O(n). Per (batch·head), with key features K_j = φ(k_j) and query
+// features Q_i = φ(q_i) (up to factors that cancel):
+//   num_i = Q_i·Σ_j K_jᵀ v_j,  den_i = Q_i·Σ_j K_j + eps,  out_i = num_i / den_i.
 //
-// Non-causal:  KV = Σ_j w_j φ̃k_j v_jᵀ,  z = Σ_j w_j φ̃k_j   (w_j = exp(ls_j − c))
-//              num_i = φ̃q_i·KV,  den_i = φ̃q_i·z,  out_i = num_i / (den_i + eps)
-// Causal (chunks of kChunk rows, carried prefix state S, z with log-scale c):
-//              M_i = max(c, max_{j<=i in chunk} ls_j),  α_i = exp(c − M_i)
-//              W_ij = (φ̃q_i·φ̃k_j)·exp(ls_j − M_i) for j <= i in the chunk
-//              num_i = α_i φ̃q_i·S + Σ_j W_ij v_j,  den_i = α_i φ̃q_i·z + Σ_j W_ij
-// Backward, with D_i = den_i + eps, dnum_i = dout_i/D_i, dden_i = −dout_i·out_i/D_i:
-//              dφ̃q_i = α_i(S·dnum_i + z·dden_i) + Σ_j P_ij φ̃k_j,  P_ij = (dnum_i·v_j + dden_i)·exp(ls_j − M_i)
-//              dφ̃k_j = exp(ls_j + ρ)(R·v_j + r) + Σ_i P_ij φ̃q_i
-//              dv_j  = exp(ls_j + ρ) Rᵀφ̃k_j + Σ_i W_ij dnum_i
-// where R = Σ_{later i} exp(−M_i − ρ) φ̃q_i dnum_iᵀ, r likewise with dden_i, is the suffix
-// state of a reverse pass with its own running log-scale ρ = max(−M_i).
-// A row with D_i = 0 (possible only with eps = 0) gets out_i = 0 and no gradient.
+// FAVOR maps come in log form, φ_r = s_r·exp(L_r) (feature_map.h), and at large input norms
+// the L_r span thousands of units: no single scale keeps every exp(L) in range, and scaling by
+// row (the usual max-subtraction) lets a query's features and the keys' features live on
+// disjoint sets of r, so that every product underflows and 0/0 comes out. So the keys are
+// scaled per feature r: K_jr = s_jr·exp(L_jr − c_r) with c_r the largest L_jr over the keys so
+// far, and the query takes the shifts back: Q_ir = s_ir·exp(Lq_ir + c_r − t_i), t_i the row's
+// largest exponent. Then every feature reached by a key has Σ_j K_jr >= 1, the query's largest
+// weight is 1, and den_i >= 1 (non-causal). The shifts cancel exactly in Q_i·K_j, so they are
+// constants for the gradients.
+//
+// Causal, in chunks: the state S = Σ K_jᵀv_j, z = Σ K_j over earlier chunks (scale c), and
+// within a chunk the masked matrix W_ij = Q_i·K_j (j <= i). A chunk's keys move c to c'; a key
+// that query i sees must not be crushed by a later key of the same chunk, so a chunk ends where
+// some feature's running maximum has grown by more than kGrowth over its value at the chunk's
+// start (down to chunks of one row, which are exact). That keeps each query's visible mass at
+// >= e^−kGrowth of its largest feature, so den_i >= e^−kGrowth > 0 when the row sees any key.
+//
+// Backward (D_i = den_i, dnum_i = dout_i/D_i, dden_i = −dout_i·out_i/D_i, P_ij = dnum_i·v_j + dden_i):
+//   dQ_i = dnum_i·Sᵀ + dden_i·z + Σ_{j<=i} P_ij K_j
+//   dK_j = Σ_{i>=j} P_ij Q_i + R·v_j + ρ,   dv_j = Σ_{i>=j} W_ij dnum_i + K_j·R
+// with R = Σ_{later i} Q_iᵀ dnum_i, ρ = Σ_{later i} Q_i dden_i the suffix state of a reverse
+// pass over the chunks, carried in the scale of the chunk at hand: going back one chunk
+// multiplies it by exp(c_prev − c') <= 1, so it never overflows. The feature maps' backward
+// turns dQ, dK into dq, dk (via dL = dK∘K and, trig, ds = dK∘exp(L − c)).
+// A row with D_i = 0 (no key in sight, eps = 0) gets out_i = 0 and no gradient.
 #include "linattn/kernelized/engine.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <limits>
@@ -36,26 +47,164 @@ constexpr T neg_inf() {
   return -std::numeric_limits<T>::infinity();
 }
 
-// exp(a − b) with exp(−inf − x) = 0 for any x, including −inf.
+// The largest growth (in e-folds) of a feature's running maximum within one causal chunk:
+// about half the exponent range, so e^−kGrowth is far above the smallest normal number.
 template <class T>
-T exp_diff(T a, T b) {
-  return a == neg_inf<T>() ? T(0) : std::exp(a - b);
+constexpr T kGrowth = sizeof(T) == 4 ? T(40) : T(300);
+
+// Features of one block of rows. Plain maps: f = φ(x). FAVOR: e = exp(L − shift) (first the
+// logits L), s = the trig factors, and f = s∘e for trig (else the features are e itself).
+template <class T>
+struct Features {
+  Features(const FeatureMap<T>& fm, int64_t rows)
+      : f(fm.log_form() && !fm.has_factor() ? 0 : rows * fm.dim()),
+        e(fm.log_form() ? rows * fm.dim() : 0),
+        s(fm.has_factor() ? rows * fm.dim() : 0),
+        t(rows) {}
+  Buffer<T> f, e, s;
+  Buffer<T> t;  // query rows: the exponent shift t_i (FAVOR)
+  const T* values(const FeatureMap<T>& fm) const { return fm.log_form() && !fm.has_factor() ? e.data() : f.data(); }
+  T* values(const FeatureMap<T>& fm) { return fm.log_form() && !fm.has_factor() ? e.data() : f.data(); }
+};
+
+// Rows of a block (non-causal) or chunk (causal), no more than the problem has.
+template <class T>
+int64_t block_rows(const Problem<T>& p, bool causal) {
+  return std::max<int64_t>(1, std::min(causal ? kChunk : kBlockRows, std::max(p.dims.n_q, p.dims.n_k)));
 }
 
+// Per-worker buffers, allocated before the loop; each mode gets only what it uses.
 template <class T>
-void add_column_sums(const T* a, int64_t rows, int64_t cols, T* z) {
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t c = 0; c < cols; ++c) z[c] += a[i * cols + c];
+struct Scratch {
+  Scratch(const Problem<T>& p, bool causal)
+      : qf(*p.fmap, block_rows(p, causal)), kf(*p.fmap, block_rows(p, causal)) {
+    const int64_t rows = block_rows(p, causal), m = p.fmap->dim(), dv = p.dims.value_dim;
+    dphi = Buffer<T>(rows * m);
+    dlog = Buffer<T>(p.fmap->has_factor() ? rows * m : 0);
+    fs = Buffer<T>(p.fmap->scratch_size(rows));
+    D = Buffer<T>(rows);
+    num = Buffer<T>(rows * dv);
+    dnum = Buffer<T>(rows * dv);
+    dden = Buffer<T>(rows);
+    c = Buffer<T>(m);
+    c_new = Buffer<T>(m);
+    if (causal) {
+      run_max = Buffer<T>(m);
+      S = Buffer<T>(m * dv);
+      z = Buffer<T>(m);
+      R = Buffer<T>(m * dv);
+      rho = Buffer<T>(m);
+      W = Buffer<T>(rows * kChunk);  // leading dimension kChunk
+      P = Buffer<T>(rows * kChunk);
+    } else {
+      kvz = Buffer<T>(m * (dv + 1));
+      dkvz = Buffer<T>(m * (dv + 1));
+      vaug = Buffer<T>(rows * (dv + 1));
+      nd = Buffer<T>(rows * (dv + 1));
+      dnd = Buffer<T>(rows * (dv + 1));
+    }
+  }
+  Features<T> qf, kf;
+  // Gradients of a block's features (dphi), and for trig the gradient of its logits (dlog);
+  // the feature map's backward scratch; denominators, outputs and their gradients.
+  Buffer<T> dphi, dlog, fs, D, num, dnum, dden;
+  Buffer<T> c, c_new;  // per-feature log-shifts of the keys (FAVOR), and scratch for raising them
+  Buffer<T> run_max;   // causal: a chunk's running maxima while finding where it ends
+  // Causal: state S, z; suffix state R, ρ; a chunk's W and P.
+  Buffer<T> S, z, R, rho, W, P;
+  // Non-causal, augmented so one product gives both sums: [KV | z] (m'×(d_v+1)), [V | 1]
+  // (rows×(d_v+1)), [num | den] and [dnum | dden] (rows×(d_v+1)).
+  Buffer<T> kvz, dkvz, vaug, nd, dnd;
+};
+
+// ---- features --------------------------------------------------------------------------------
+
+// Key logits (FAVOR, into kf.e and kf.s) or features (plain, into kf.f) of `rows` key rows
+// from j0.
+template <class T>
+void key_logits(const Problem<T>& p, int64_t bh, int64_t j0, int64_t rows, Features<T>& kf) {
+  if (p.fmap->log_form()) {
+    p.fmap->logits(p.fn, p.k.row(bh, j0), rows, Side::Key, kf.e.data(), kf.s.data());
+  } else {
+    p.fmap->features(p.k.row(bh, j0), rows, kf.f.data());
+  }
 }
 
-// out_i = num_i / D_i (0 where D_i = 0), in place on the num rows.
+// FAVOR: kf.e holds key logits; make them the features exp(L − c) (times s for trig).
+template <class T>
+void finish_key_features(const Problem<T>& p, int64_t rows, const T* c, Features<T>& kf) {
+  if (!p.fmap->log_form() || rows == 0) return;
+  const int64_t m = p.fmap->dim();
+  simd::exp_minus_columns(kf.e.data(), static_cast<size_t>(rows), static_cast<size_t>(m),
+                          static_cast<size_t>(m), c);
+  if (p.fmap->has_factor())
+    for (int64_t i = 0; i < rows * m; ++i) kf.f[i] = kf.s[i] * kf.e[i];
+}
+
+// Query features of `rows` rows from i0 against the key shifts c: FAVOR Q_ir =
+// s_ir·exp(Lq_ir + c_r − t_i) with t_i (into qf.t) the row's largest exponent.
+template <class T>
+void query_features(const Problem<T>& p, int64_t bh, int64_t i0, int64_t rows, const T* c,
+                    Features<T>& qf) {
+  if (!p.fmap->log_form()) {
+    p.fmap->features(p.q.row(bh, i0), rows, qf.f.data());
+    return;
+  }
+  const int64_t m = p.fmap->dim();
+  p.fmap->logits(p.fn, p.q.row(bh, i0), rows, Side::Query, qf.e.data(), qf.s.data());
+  for (int64_t i = 0; i < rows; ++i) qf.t[i] = simd::exp_row_offset(qf.e.data() + i * m, static_cast<size_t>(m), c);
+  if (p.fmap->has_factor())
+    for (int64_t i = 0; i < rows * m; ++i) qf.f[i] = qf.s[i] * qf.e[i];
+}
+
+// Raises the shifts c to cover `rows` key logits L (rows × m'); the state rows whose shift
+// grew (S: m' rows of s_cols values; z: m' values, may be null) are multiplied by
+// exp(c_old − c_new) <= 1. c_new: m' values of scratch.
+template <class T>
+void raise_shifts(const T* L, int64_t rows, int64_t m, T* c, T* c_new, T* S, int64_t s_cols, T* z) {
+  if (rows == 0) return;
+  std::copy(c, c + m, c_new);
+  simd::column_max(L, static_cast<size_t>(rows), static_cast<size_t>(m), static_cast<size_t>(m), c_new);
+  for (int64_t r = 0; r < m; ++r) {
+    if (!(c_new[r] > c[r])) continue;
+    if (c[r] != neg_inf<T>()) {
+      const T f = std::exp(c[r] - c_new[r]);
+      simd::scale(S + r * s_cols, static_cast<size_t>(s_cols), f);
+      if (z) z[r] *= f;
+    }
+    c[r] = c_new[r];
+  }
+}
+
+// dx [rows × d] from dφ (in s.dphi) for a block whose features are f: plain maps through their
+// Jacobian; FAVOR, φ = s∘exp(L − shift), through dL = dφ∘φ and (trig) ds = dφ∘exp(L − shift).
+template <class T>
+void feature_backward(const Problem<T>& p, const T* x, int64_t rows, Side side, const Features<T>& f,
+                      Scratch<T>& s, T* dx) {
+  T* dphi = s.dphi.data();
+  if (!p.fmap->log_form()) {
+    p.fmap->features_backward(x, rows, f.f.data(), dphi, dx);
+    return;
+  }
+  const int64_t n = rows * p.fmap->dim();
+  T* ds = nullptr;
+  if (p.fmap->has_factor()) {
+    ds = s.dlog.data();
+    for (int64_t i = 0; i < n; ++i) ds[i] = dphi[i] * f.e[i];
+  }
+  const T* phi = f.values(*p.fmap);
+  for (int64_t i = 0; i < n; ++i) dphi[i] *= phi[i];
+  p.fmap->logits_backward(x, rows, side, dphi, f.s.data(), ds, dx, s.fs.data());
+}
+
+// out_i = num_i / D_i in place on the num rows (0 where D_i = 0).
 template <class T>
 void divide_rows(T* num, const T* D, int64_t rows, int64_t dv) {
   for (int64_t i = 0; i < rows; ++i) {
     if (D[i] != 0) {
       simd::scale(num + i * dv, static_cast<size_t>(dv), T(1) / D[i]);
     } else {
-      for (int64_t c = 0; c < dv; ++c) num[i * dv + c] = 0;
+      std::fill(num + i * dv, num + (i + 1) * dv, T(0));
     }
   }
 }
@@ -71,109 +220,58 @@ void output_grads(const T* dout, const T* out, const T* D, int64_t rows, int64_t
   }
 }
 
-// Per-worker buffers, allocated before the parallel loop; each mode gets only what it uses.
-template <class T>
-struct Scratch {
-  Scratch(const Problem<T>& p, bool causal) {
-    const int64_t rows = causal ? kChunk : kBlockRows, m = p.fmap->dim(), dv = p.dims.value_dim;
-    phi = Buffer<T>(rows * m);
-    dphi = Buffer<T>(rows * m);
-    fs = Buffer<T>(p.fmap->scratch_size(rows));
-    ls = Buffer<T>(rows);
-    D = Buffer<T>(rows);
-    num = Buffer<T>(rows * dv);
-    dnum = Buffer<T>(rows * dv);
-    dden = Buffer<T>(rows);
-    if (causal) {
-      phi2 = Buffer<T>(rows * m);
-      psi = Buffer<T>(rows * m);
-      M = Buffer<T>(rows);
-      kv = Buffer<T>(m * dv);
-      dkv = Buffer<T>(m * dv);
-      z = Buffer<T>(m);
-      dz = Buffer<T>(m);
-      a = Buffer<T>(kChunk * kChunk);
-      b = Buffer<T>(kChunk * kChunk);
-    } else {
-      kvz = Buffer<T>(m * (dv + 1));
-      dkvz = Buffer<T>(m * (dv + 1));
-      vaug = Buffer<T>(rows * (dv + 1));
-      nd = Buffer<T>(rows * (dv + 1));
-      dnd = Buffer<T>(rows * (dv + 1));
-    }
-  }
-  // Both modes: features φ̃ (queries, or keys non-causal), their gradient, the feature map's
-  // scratch, key log-scales, denominators, outputs and output gradients of a block.
-  Buffer<T> phi, dphi, fs, ls, D, num, dnum, dden;
-  // Causal: key features φ̃k and scaled copies of a chunk, running maxima M, the carried state
-  // S = kv, z (and the backward's suffix state in dkv, dz), the chunk's W and P tiles.
-  Buffer<T> phi2, psi, M, kv, z, dkv, dz, a, b;
-  // Non-causal, augmented so one product gives both sums: [KV | z] (m'×(d_v+1)), [w∘V | w]
-  // (rows×(d_v+1)), [num | den] and [dnum | dden] (rows×(d_v+1)).
-  Buffer<T> kvz, dkvz, vaug, nd, dnd;
-};
-
-// Key features of rows [j0, j0+rows) with log-scales (0 for unstabilised maps).
-template <class T>
-void key_features(const Problem<T>& p, int64_t bh, int64_t j0, int64_t rows, T* phi, T* ls) {
-  p.fmap->forward(p.k.row(bh, j0), rows, phi, p.fmap->stabilized() ? ls : nullptr);
-  if (!p.fmap->stabilized())
-    for (int64_t j = 0; j < rows; ++j) ls[j] = 0;
-}
-
 // ---- non-causal ----------------------------------------------------------------------------
 
-// s.vaug rows = [w_j v_j, w_j], w_j = exp(ls_j − c) (1 for unstabilised maps).
+// s.vaug rows = [v_j, 1].
 template <class T>
-void augmented_values(const Problem<T>& p, int64_t bh, int64_t j0, int64_t rows, T c,
-                      const T* ls, Scratch<T>& s) {
+void augmented_values(const Problem<T>& p, int64_t bh, int64_t j0, int64_t rows, Scratch<T>& s) {
   const int64_t dv = p.dims.value_dim, da = dv + 1;
   for (int64_t j = 0; j < rows; ++j) {
-    const T w = p.fmap->stabilized() ? std::exp(ls[j] - c) : T(1);
-    const T* vr = p.v.row(bh, j0 + j);
-    T* a = s.vaug.data() + j * da;
-    for (int64_t cc = 0; cc < dv; ++cc) a[cc] = w * vr[cc];
-    a[dv] = w;
+    std::copy(p.v.row(bh, j0 + j), p.v.row(bh, j0 + j) + dv, s.vaug.data() + j * da);
+    s.vaug[j * da + dv] = 1;
   }
 }
 
-// [KV | z] = Σ_j φ̃k_jᵀ·[w_j v_j, w_j] over the valid keys of bh, w_j = exp(ls_j − c) with the
-// running key log-scale c (rescaled as it grows); returns the final c. On return s.phi and
-// s.vaug hold the last block (the backward's key pass rebuilds them).
-// cache (optional, n_k·(m'+1) values): keeps φ̃k and ls of every key for the backward.
+// Values per key row the backward's cache keeps: the logits (and trig factors) or features.
 template <class T>
-T accumulate_kv(const Problem<T>& p, int64_t bh, int64_t key_len, Scratch<T>& s,
-                T* cache = nullptr) {
+int64_t cache_values_per_key(const FeatureMap<T>& fm) {
+  return fm.dim() * (fm.has_factor() ? 2 : 1);
+}
+
+// [KV | z] = Σ_j K_jᵀ·[v_j, 1] over the valid keys of bh, with the shifts c (FAVOR) raised
+// block by block. cache (optional, n_k rows): keeps each key row's logits (and trig factors) or
+// features for the backward's key pass.
+template <class T>
+void accumulate_kv(const Problem<T>& p, int64_t bh, int64_t key_len, Scratch<T>& s, T* cache) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, da = dv + 1;
   std::fill(s.kvz.data(), s.kvz.data() + m * da, T(0));
-  T c = neg_inf<T>();
+  std::fill(s.c.data(), s.c.data() + m, p.fmap->log_form() ? neg_inf<T>() : T(0));
   for (int64_t j0 = 0; j0 < key_len; j0 += kBlockRows) {
     interruption_point();
     const int64_t rows = std::min(kBlockRows, key_len - j0);
-    key_features(p, bh, j0, rows, s.phi.data(), s.ls.data());
-    if (p.fmap->stabilized()) {
-      const T c_new = std::max(c, simd::max_value(s.ls.data(), static_cast<size_t>(rows)));
-      if (c_new > c && c != neg_inf<T>()) simd::scale(s.kvz.data(), static_cast<size_t>(m * da), std::exp(c - c_new));
-      c = c_new;
-    }
-    augmented_values(p, bh, j0, rows, c, s.ls.data(), s);
-    gemm<T>(Trans::Yes, Trans::No, m, da, rows, T(1), s.phi.data(), m, s.vaug.data(), da, T(1),
-            s.kvz.data(), da);
+    Features<T>& kf = s.kf;
+    key_logits(p, bh, j0, rows, kf);
     if (cache) {
-      std::copy(s.phi.data(), s.phi.data() + rows * m, cache + j0 * m);
-      std::copy(s.ls.data(), s.ls.data() + rows, cache + p.dims.n_k * m + j0);
+      T* dst = cache + j0 * cache_values_per_key(*p.fmap);
+      const T* src = p.fmap->log_form() ? kf.e.data() : kf.f.data();
+      std::copy(src, src + rows * m, dst);
+      if (p.fmap->has_factor()) std::copy(kf.s.data(), kf.s.data() + rows * m, dst + rows * m);
     }
+    if (p.fmap->log_form()) raise_shifts(kf.e.data(), rows, m, s.c.data(), s.c_new.data(), s.kvz.data(), da, static_cast<T*>(nullptr));
+    finish_key_features(p, rows, s.c.data(), kf);
+    augmented_values(p, bh, j0, rows, s);
+    gemm<T>(Trans::Yes, Trans::No, m, da, rows, T(1), kf.values(*p.fmap), m, s.vaug.data(), da, T(1),
+            s.kvz.data(), da);
   }
-  return c;
 }
 
 // [num | den] for query rows [i0, i0+rows) into s.nd, D_i = den_i + eps into s.D, and
-// out_i = num_i / D_i into out (stride d_v); φ̃q left in s.phi.
+// out_i = num_i / D_i into out (stride d_v); the query features stay in s.qf.
 template <class T>
 void query_rows(const Problem<T>& p, int64_t bh, int64_t i0, int64_t rows, Scratch<T>& s, T* out) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, da = dv + 1;
-  p.fmap->forward(p.q.row(bh, i0), rows, s.phi.data(), nullptr);
-  gemm<T>(Trans::No, Trans::No, rows, da, m, T(1), s.phi.data(), m, s.kvz.data(), da, T(0),
+  query_features(p, bh, i0, rows, s.c.data(), s.qf);
+  gemm<T>(Trans::No, Trans::No, rows, da, m, T(1), s.qf.values(*p.fmap), m, s.kvz.data(), da, T(0),
           s.nd.data(), da);
   for (int64_t i = 0; i < rows; ++i) {
     const T* nd = s.nd.data() + i * da;
@@ -187,8 +285,7 @@ void query_rows(const Problem<T>& p, int64_t bh, int64_t i0, int64_t rows, Scrat
 template <class T>
 void forward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* out) {
   const int64_t dv = p.dims.value_dim;
-  const int64_t key_len = p.mask->key_length(bh / p.dims.heads);
-  accumulate_kv(p, bh, key_len, s);
+  accumulate_kv(p, bh, p.mask->key_length(bh / p.dims.heads), s, static_cast<T*>(nullptr));
   for (int64_t i0 = 0; i0 < p.dims.n_q; i0 += kBlockRows) {
     interruption_point();
     const int64_t rows = std::min(kBlockRows, p.dims.n_q - i0);
@@ -201,9 +298,9 @@ void backward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* cache
                         T* dq, T* dk, T* dv_out) {
   const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, da = dv + 1;
   const int64_t key_len = p.mask->key_length(bh / p.dims.heads);
-  const T c = accumulate_kv(p, bh, key_len, s, cache);
+  accumulate_kv(p, bh, key_len, s, cache);
   std::fill(s.dkvz.data(), s.dkvz.data() + m * da, T(0));
-  // Queries: [dnum | dden]; dφ̃q = [dnum | dden]·[KV | z]ᵀ; [dKV | dz] += φ̃qᵀ·[dnum | dden].
+  // Queries: [dnum | dden]; dQ = [dnum | dden]·[KV | z]ᵀ; [dKV | dz] += Qᵀ·[dnum | dden].
   for (int64_t i0 = 0; i0 < p.dims.n_q; i0 += kBlockRows) {
     interruption_point();
     const int64_t rows = std::min(kBlockRows, p.dims.n_q - i0);
@@ -216,114 +313,121 @@ void backward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* cache
     }
     gemm<T>(Trans::No, Trans::Yes, rows, m, da, T(1), s.dnd.data(), da, s.kvz.data(), da, T(0),
             s.dphi.data(), m);
-    gemm<T>(Trans::Yes, Trans::No, m, da, rows, T(1), s.phi.data(), m, s.dnd.data(), da, T(1),
+    gemm<T>(Trans::Yes, Trans::No, m, da, rows, T(1), s.qf.values(*p.fmap), m, s.dnd.data(), da, T(1),
             s.dkvz.data(), da);
-    p.fmap->backward(p.q.row(bh, i0), rows, s.phi.data(), s.dphi.data(),
-                     dq + (bh * p.dims.n_q + i0) * d, s.fs.data());
+    feature_backward(p, p.q.row(bh, i0), rows, Side::Query, s.qf, s, dq + (bh * p.dims.n_q + i0) * d);
   }
-  // Keys entered as φ̃k_jᵀ[w_j v_j, w_j]: dφ̃k_j = [w_j v_j, w_j]·[dKV | dz]ᵀ and
-  // dv_j = w_j·(φ̃k_j·dKV).
+  // Keys entered as K_jᵀ[v_j, 1]: dK_j = [v_j, 1]·[dKV | dz]ᵀ and dv_j = K_j·dKV.
   for (int64_t j0 = 0; j0 < key_len; j0 += kBlockRows) {
     interruption_point();
     const int64_t rows = std::min(kBlockRows, key_len - j0);
-    const T* phi = s.phi.data();
-    const T* ls = s.ls.data();
+    Features<T>& kf = s.kf;
     if (cache) {
-      phi = cache + j0 * m;
-      ls = cache + p.dims.n_k * m + j0;
+      const T* src = cache + j0 * cache_values_per_key(*p.fmap);
+      std::copy(src, src + rows * m, p.fmap->log_form() ? kf.e.data() : kf.f.data());
+      if (p.fmap->has_factor()) std::copy(src + rows * m, src + 2 * rows * m, kf.s.data());
     } else {
-      key_features(p, bh, j0, rows, s.phi.data(), s.ls.data());
+      key_logits(p, bh, j0, rows, kf);
     }
-    augmented_values(p, bh, j0, rows, c, ls, s);
+    finish_key_features(p, rows, s.c.data(), kf);  // against the final shifts
+    augmented_values(p, bh, j0, rows, s);
     gemm<T>(Trans::No, Trans::Yes, rows, m, da, T(1), s.vaug.data(), da, s.dkvz.data(), da, T(0),
             s.dphi.data(), m);
-    T* dvb = dv_out + (bh * p.dims.n_k + j0) * dv;
-    gemm<T>(Trans::No, Trans::No, rows, dv, m, T(1), phi, m, s.dkvz.data(), da, T(0), dvb, dv);
-    if (p.fmap->stabilized())
-      for (int64_t j = 0; j < rows; ++j) simd::scale(dvb + j * dv, static_cast<size_t>(dv), s.vaug[j * da + dv]);
-    p.fmap->backward(p.k.row(bh, j0), rows, phi, s.dphi.data(), dk + (bh * p.dims.n_k + j0) * d,
-                     s.fs.data());
+    gemm<T>(Trans::No, Trans::No, rows, dv, m, T(1), kf.values(*p.fmap), m, s.dkvz.data(), da, T(0),
+            dv_out + (bh * p.dims.n_k + j0) * dv, dv);
+    feature_backward(p, p.k.row(bh, j0), rows, Side::Key, kf, s, dk + (bh * p.dims.n_k + j0) * d);
   }
 }
 
 // ---- causal --------------------------------------------------------------------------------
 
-// One chunk's intra-chunk weights. With φ̃q in s.phi, φ̃k in s.phi2, key log-scales in s.ls
-// (−inf for padded keys) and the carried log-scale c: fills M_i (into M), α_i (into alpha),
-// and W (C×C, row-major, zero above the diagonal and for padded keys) into s.a.
+// Where a chunk whose kr valid key logits are in L (rows × m') must end so that no feature's
+// running maximum grows by more than kGrowth over its value at the chunk's start, max(c_r,
+// L_0r): the first row that would, or `rows` (the chunk's length) if none. >= 1.
 template <class T>
-void chunk_weights(const Problem<T>& p, int64_t rows, int64_t kr, T c, Scratch<T>& s, T* M,
-                   T* alpha) {
-  const int64_t m = p.fmap->dim();
-  gemm<T>(Trans::No, Trans::Yes, rows, kr, m, T(1), s.phi.data(), m, s.phi2.data(), m, T(0),
-          s.a.data(), kChunk);
-  T run = c;
-  for (int64_t i = 0; i < rows; ++i) {
-    run = std::max(run, s.ls[i]);
-    M[i] = run;
-    alpha[i] = exp_diff(c, run);
-    T* w = s.a.data() + i * kChunk;
-    const int64_t jend = std::min(i + 1, kr);
-    for (int64_t j = 0; j < jend; ++j) w[j] *= exp_diff(s.ls[j], run);
-    for (int64_t j = jend; j < rows; ++j) w[j] = 0;
+int64_t chunk_length(const T* L, int64_t kr, int64_t rows, int64_t m, const T* c, T* base, T* run) {
+  if (kr == 0) return rows;
+  for (int64_t r = 0; r < m; ++r) base[r] = run[r] = std::max(c[r], L[r]);
+  for (int64_t j = 1; j < kr; ++j) {
+    T growth = 0;
+    for (int64_t r = 0; r < m; ++r) {
+      run[r] = std::max(run[r], L[j * m + r]);
+      growth = std::max(growth, run[r] - base[r]);
+    }
+    if (growth > kGrowth<T>) return j;
   }
+  return rows;
 }
 
-// Adds this chunk's keys to the carried state (S = s.kv, z = s.z, log-scale c).
+// One chunk from t0: its length (rows, cut where the shifts would grow too fast), its valid
+// keys (kr), their features K (raising the shifts c and rescaling the state), and the query
+// features Q. rows and kr come in as the longest chunk and its valid keys.
 template <class T>
-T update_state(const Problem<T>& p, int64_t bh, int64_t t0, int64_t rows, T c, Scratch<T>& s) {
-  // rows: the chunk's valid keys only.
-  if (rows == 0) return c;
+void chunk_features(const Problem<T>& p, int64_t bh, int64_t t0, int64_t& rows, int64_t& kr,
+                    Scratch<T>& s) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
-  const T c_new = std::max(c, simd::max_value(s.ls.data(), static_cast<size_t>(rows)));
-  if (c_new == neg_inf<T>()) return c;  // no valid key yet
-  if (c != neg_inf<T>() && c_new > c) {
-    const T beta = std::exp(c - c_new);
-    simd::scale(s.kv.data(), static_cast<size_t>(m * dv), beta);
-    simd::scale(s.z.data(), static_cast<size_t>(m), beta);
+  if (kr > 0) key_logits(p, bh, t0, kr, s.kf);
+  if (p.fmap->log_form() && kr > 0) {
+    rows = chunk_length(s.kf.e.data(), kr, rows, m, s.c.data(), s.c_new.data(), s.run_max.data());
+    kr = std::min(kr, rows);
+    raise_shifts(s.kf.e.data(), kr, m, s.c.data(), s.c_new.data(), s.S.data(), dv, s.z.data());
+    finish_key_features(p, kr, s.c.data(), s.kf);
   }
-  for (int64_t j = 0; j < rows; ++j) {
-    const T w = exp_diff(s.ls[j], c_new);
-    for (int64_t r = 0; r < m; ++r) s.psi[j * m + r] = w * s.phi2[j * m + r];
-  }
-  gemm<T>(Trans::Yes, Trans::No, m, dv, rows, T(1), s.psi.data(), m, p.v.row(bh, t0), dv, T(1),
-          s.kv.data(), dv);
-  add_column_sums(s.psi.data(), rows, m, s.z.data());
-  return c_new;
+  query_features(p, bh, t0, rows, s.c.data(), s.qf);
 }
 
-// Features of chunk [t0, t0+rows): φ̃q → s.phi, φ̃k → s.phi2, ls → s.ls. Keys past key_len
-// are never read (they may hold anything): their feature rows are 0 and ls = −inf. Returns
-// the number of valid keys in the chunk; key-side products stop there, so no padded value
-// (inf or NaN) meets a zero weight.
+// A chunk's W_ij = Q_i·K_j for j <= i (0 above the diagonal), rows × kr, into s.W.
 template <class T>
-int64_t chunk_features(const Problem<T>& p, int64_t bh, int64_t t0, int64_t rows,
-                       int64_t key_len, Scratch<T>& s) {
+void chunk_weights(const Problem<T>& p, int64_t rows, int64_t kr, Scratch<T>& s) {
+  if (kr == 0) return;
   const int64_t m = p.fmap->dim();
-  const int64_t kr = std::clamp<int64_t>(key_len - t0, 0, rows);
-  p.fmap->forward(p.q.row(bh, t0), rows, s.phi.data(), nullptr);
-  if (kr > 0) key_features(p, bh, t0, kr, s.phi2.data(), s.ls.data());
-  for (int64_t j = kr; j < rows; ++j) {
-    s.ls[j] = neg_inf<T>();
-    for (int64_t r = 0; r < m; ++r) s.phi2[j * m + r] = 0;
-  }
-  return kr;
+  gemm<T>(Trans::No, Trans::Yes, rows, kr, m, T(1), s.qf.values(*p.fmap), m, s.kf.values(*p.fmap), m,
+          T(0), s.W.data(), kChunk);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = i + 1; j < kr; ++j) s.W[i * kChunk + j] = 0;
 }
 
-// num_i, D_i of a chunk into num (rows×dv) and D, given chunk_weights' W and alpha.
+// num_i = Q_i·S + Σ_j W_ij v_j into num (rows × d_v) and D_i = Q_i·z + Σ_j W_ij + eps.
 template <class T>
 void chunk_outputs(const Problem<T>& p, int64_t bh, int64_t t0, int64_t rows, int64_t kr,
-                   Scratch<T>& s, const T* alpha, T* num, T* D) {
+                   Scratch<T>& s, T* num, T* D) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
-  gemm<T>(Trans::No, Trans::No, rows, dv, m, T(1), s.phi.data(), m, s.kv.data(), dv, T(0), num, dv);
+  const T* Q = s.qf.values(*p.fmap);
+  gemm<T>(Trans::No, Trans::No, rows, dv, m, T(1), Q, m, s.S.data(), dv, T(0), num, dv);
   for (int64_t i = 0; i < rows; ++i) {
-    simd::scale(num + i * dv, static_cast<size_t>(dv), alpha[i]);
-    T den = alpha[i] * simd::dot(s.phi.data() + i * m, s.z.data(), static_cast<size_t>(m));
-    for (int64_t j = 0; j < std::min(i + 1, kr); ++j) den += s.a[i * kChunk + j];
+    T den = simd::dot(Q + i * m, s.z.data(), static_cast<size_t>(m));
+    for (int64_t j = 0; j < std::min(i + 1, kr); ++j) den += s.W[i * kChunk + j];
     D[i] = den + p.eps;
   }
-  gemm<T>(Trans::No, Trans::No, rows, dv, kr, T(1), s.a.data(), kChunk, p.v.row(bh, t0), dv,
-          T(1), num, dv);
+  if (kr > 0)
+    gemm<T>(Trans::No, Trans::No, rows, dv, kr, T(1), s.W.data(), kChunk, p.v.row(bh, t0), dv, T(1),
+            num, dv);
+}
+
+// S += Kᵀ·V, z += Σ_j K_j over the chunk's kr valid keys.
+template <class T>
+void add_chunk_to_state(const Problem<T>& p, int64_t bh, int64_t t0, int64_t kr, Scratch<T>& s) {
+  if (kr == 0) return;
+  const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
+  const T* K = s.kf.values(*p.fmap);
+  gemm<T>(Trans::Yes, Trans::No, m, dv, kr, T(1), K, m, p.v.row(bh, t0), dv, T(1), s.S.data(), dv);
+  for (int64_t j = 0; j < kr; ++j)
+    for (int64_t r = 0; r < m; ++r) s.z[r] += K[j * m + r];
+}
+
+// The state at the start: S, z and shifts from the caller (RecurrentState), or empty.
+template <class T>
+void start_state(const Problem<T>& p, Scratch<T>& s, const T* S0, const T* z0, const T* c0) {
+  const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
+  if (S0) {
+    std::copy(S0, S0 + m * dv, s.S.data());
+    std::copy(z0, z0 + m, s.z.data());
+    std::copy(c0, c0 + m, s.c.data());
+    return;
+  }
+  std::fill(s.S.data(), s.S.data() + m * dv, T(0));
+  std::fill(s.z.data(), s.z.data() + m, T(0));
+  std::fill(s.c.data(), s.c.data() + m, p.fmap->log_form() ? neg_inf<T>() : T(0));
 }
 
 // state: S, z, c of this batch·head to start from and to leave the final state in, or null
@@ -333,146 +437,141 @@ void forward_causal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* out, T* S
                     T* z0 = nullptr, T* c0 = nullptr) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, n = p.dims.n_q;
   const int64_t key_len = p.mask->key_length(bh / p.dims.heads);
-  std::fill(s.kv.data(), s.kv.data() + m * dv, T(0));
-  std::fill(s.z.data(), s.z.data() + m, T(0));
-  T c = p.fmap->stabilized() ? neg_inf<T>() : T(0);
-  if (S0) {
-    std::copy(S0, S0 + m * dv, s.kv.data());
-    std::copy(z0, z0 + m, s.z.data());
-    c = *c0;
-  }
-  T alpha[kChunk];
-  for (int64_t t0 = 0; t0 < n; t0 += kChunk) {
+  start_state(p, s, S0, z0, c0);
+  for (int64_t t0 = 0; t0 < n;) {
     interruption_point();
-    const int64_t rows = std::min(kChunk, n - t0);
-    const int64_t kr = chunk_features(p, bh, t0, rows, key_len, s);
-    chunk_weights(p, rows, kr, c, s, s.M.data(), alpha);
+    int64_t rows = std::min(kChunk, n - t0), kr = std::clamp<int64_t>(key_len - t0, 0, rows);
+    chunk_features(p, bh, t0, rows, kr, s);
+    chunk_weights(p, rows, kr, s);
     T* o = out + (bh * n + t0) * dv;
-    chunk_outputs(p, bh, t0, rows, kr, s, alpha, o, s.D.data());
+    chunk_outputs(p, bh, t0, rows, kr, s, o, s.D.data());
     divide_rows(o, s.D.data(), rows, dv);
-    c = update_state(p, bh, t0, kr, c, s);
+    add_chunk_to_state(p, bh, t0, kr, s);
+    t0 += rows;
   }
   if (S0) {
-    std::copy(s.kv.data(), s.kv.data() + m * dv, S0);
+    std::copy(s.S.data(), s.S.data() + m * dv, S0);
     std::copy(s.z.data(), s.z.data() + m, z0);
-    *c0 = c;
+    std::copy(s.c.data(), s.c.data() + m, c0);
   }
 }
 
+// What the causal backward's forward pass keeps for its reverse pass, per batch·head: D_i and
+// dden_i per row, and per chunk its extent and the shifts its features were made with.
 template <class T>
-void backward_causal(const Problem<T>& p, int64_t bh, Scratch<T>& s, Buffer<T>& saved,
-                     const T* dout, T* dq, T* dk, T* dv_out) {
+struct CausalSaved {
+  struct Chunk {
+    int64_t t0, rows, kr;
+  };
+  std::vector<T> D, dden, shifts;  // shifts: m' per chunk
+  std::vector<Chunk> chunks;
+};
+
+// P_ij = (dnum_i·v_j + dden_i) on the chunk's causal triangle (0 elsewhere), rows × kr, into s.P.
+template <class T>
+void chunk_output_grads(const Problem<T>& p, int64_t bh, int64_t t0, int64_t rows, int64_t kr,
+                        const T* dden, Scratch<T>& s) {
+  if (kr == 0) return;
+  const int64_t dv = p.dims.value_dim;
+  gemm<T>(Trans::No, Trans::Yes, rows, kr, dv, T(1), s.dnum.data(), dv, p.v.row(bh, t0), dv, T(0),
+          s.P.data(), kChunk);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < kr; ++j) s.P[i * kChunk + j] = j <= i ? s.P[i * kChunk + j] + dden[i] : T(0);
+}
+
+// Pass A, forward in time: the outputs again, D and dden per row, each chunk's extent and
+// shifts, and dq: dQ_i = dnum_i·Sᵀ + dden_i·z + Σ_{j<=i} P_ij K_j.
+template <class T>
+void causal_forward_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, CausalSaved<T>& saved,
+                         const T* dout, T* dq) {
   const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, n = p.dims.n_q;
   const int64_t key_len = p.mask->key_length(bh / p.dims.heads);
-  T* D_all = saved.data();         // [n]
-  T* M_all = saved.data() + n;     // [n]
-  T* dden_all = saved.data() + 2 * n;
-  T alpha[kChunk];
-  // Pass A, forward in time: out, D, M; dφ̃q with the prefix state; dq.
-  std::fill(s.kv.data(), s.kv.data() + m * dv, T(0));
-  std::fill(s.z.data(), s.z.data() + m, T(0));
-  T c = p.fmap->stabilized() ? neg_inf<T>() : T(0);
-  for (int64_t t0 = 0; t0 < n; t0 += kChunk) {
+  start_state(p, s, static_cast<const T*>(nullptr), static_cast<const T*>(nullptr), static_cast<const T*>(nullptr));
+  saved.D.resize(static_cast<size_t>(n));
+  saved.dden.resize(static_cast<size_t>(n));
+  saved.chunks.clear();
+  saved.shifts.clear();
+  for (int64_t t0 = 0; t0 < n;) {
     interruption_point();
-    const int64_t rows = std::min(kChunk, n - t0);
-    const int64_t kr = chunk_features(p, bh, t0, rows, key_len, s);
-    chunk_weights(p, rows, kr, c, s, M_all + t0, alpha);
-    chunk_outputs(p, bh, t0, rows, kr, s, alpha, s.num.data(), D_all + t0);
-    divide_rows(s.num.data(), D_all + t0, rows, dv);
-    output_grads(dout + (bh * n + t0) * dv, s.num.data(), D_all + t0, rows, dv, s.dnum.data(),
-                 dden_all + t0);
-    // P_ij = (dnum_i·v_j + dden_i)·exp(ls_j − M_i) on the causal triangle: W_ij/(φ̃q_i·φ̃k_j)
-    // is that exponential, so build it from dnum·Vᵀ and the same mask.
-    gemm<T>(Trans::No, Trans::Yes, rows, kr, dv, T(1), s.dnum.data(), dv, p.v.row(bh, t0), dv,
-            T(0), s.b.data(), kChunk);
-    for (int64_t i = 0; i < rows; ++i) {
-      T* pr = s.b.data() + i * kChunk;
-      const int64_t jend = std::min(i + 1, kr);
-      for (int64_t j = 0; j < jend; ++j)
-        pr[j] = (pr[j] + dden_all[t0 + i]) * exp_diff(s.ls[j], M_all[t0 + i]);
-      for (int64_t j = jend; j < rows; ++j) pr[j] = 0;
-    }
-    // dφ̃q = α∘(dnum·Sᵀ + dden·zᵀ) + P·φ̃k
-    gemm<T>(Trans::No, Trans::Yes, rows, m, dv, T(1), s.dnum.data(), dv, s.kv.data(), dv, T(0),
+    int64_t rows = std::min(kChunk, n - t0), kr = std::clamp<int64_t>(key_len - t0, 0, rows);
+    chunk_features(p, bh, t0, rows, kr, s);
+    chunk_weights(p, rows, kr, s);
+    T* D = saved.D.data() + t0;
+    T* dden = saved.dden.data() + t0;
+    chunk_outputs(p, bh, t0, rows, kr, s, s.num.data(), D);
+    divide_rows(s.num.data(), D, rows, dv);
+    output_grads(dout + (bh * n + t0) * dv, s.num.data(), D, rows, dv, s.dnum.data(), dden);
+    chunk_output_grads(p, bh, t0, rows, kr, dden, s);
+    gemm<T>(Trans::No, Trans::Yes, rows, m, dv, T(1), s.dnum.data(), dv, s.S.data(), dv, T(0),
             s.dphi.data(), m);
     for (int64_t i = 0; i < rows; ++i)
-      for (int64_t r = 0; r < m; ++r)
-        s.dphi[i * m + r] = alpha[i] * (s.dphi[i * m + r] + dden_all[t0 + i] * s.z[r]);
-    gemm<T>(Trans::No, Trans::No, rows, m, kr, T(1), s.b.data(), kChunk, s.phi2.data(), m, T(1),
-            s.dphi.data(), m);
-    p.fmap->backward(p.q.row(bh, t0), rows, s.phi.data(), s.dphi.data(), dq + (bh * n + t0) * d,
-                     s.fs.data());
-    c = update_state(p, bh, t0, kr, c, s);
+      for (int64_t r = 0; r < m; ++r) s.dphi[i * m + r] += dden[i] * s.z[r];
+    if (kr > 0)
+      gemm<T>(Trans::No, Trans::No, rows, m, kr, T(1), s.P.data(), kChunk, s.kf.values(*p.fmap), m, T(1),
+              s.dphi.data(), m);
+    feature_backward(p, p.q.row(bh, t0), rows, Side::Query, s.qf, s, dq + (bh * n + t0) * d);
+    saved.chunks.push_back({t0, rows, kr});
+    saved.shifts.insert(saved.shifts.end(), s.c.data(), s.c.data() + m);
+    add_chunk_to_state(p, bh, t0, kr, s);
+    t0 += rows;
   }
-  // Pass B, backward in time: suffix state R (in s.dkv), r (in s.dz) with log-scale rho.
-  std::fill(s.dkv.data(), s.dkv.data() + m * dv, T(0));
-  std::fill(s.dz.data(), s.dz.data() + m, T(0));
-  T rho = neg_inf<T>();
-  const int64_t last = (n - 1) / kChunk * kChunk;
-  for (int64_t t0 = last; t0 >= 0; t0 -= kChunk) {
+}
+
+// Pass B, backward in time over the saved chunks, with the suffix state R (s.R), ρ (s.rho) in
+// the scale of the chunk at hand: dk and dv.
+template <class T>
+void causal_reverse_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, const CausalSaved<T>& saved,
+                         const T* dout, T* dk, T* dv_out) {
+  const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, n = p.dims.n_q;
+  std::fill(s.R.data(), s.R.data() + m * dv, T(0));
+  std::fill(s.rho.data(), s.rho.data() + m, T(0));
+  const int64_t chunks = static_cast<int64_t>(saved.chunks.size());
+  for (int64_t k = chunks - 1; k >= 0; --k) {
     interruption_point();
-    const int64_t rows = std::min(kChunk, n - t0);
-    const int64_t kr = chunk_features(p, bh, t0, rows, key_len, s);
-    // W from the saved M (c only enters α, unused here).
-    gemm<T>(Trans::No, Trans::Yes, rows, kr, m, T(1), s.phi.data(), m, s.phi2.data(), m, T(0),
-            s.a.data(), kChunk);
+    const auto [t0, rows, kr] = saved.chunks[static_cast<size_t>(k)];
+    const T* c = saved.shifts.data() + k * m;
+    if (k + 1 < chunks && p.fmap->log_form()) {  // from the next chunk's scale to this one's
+      const T* c_next = saved.shifts.data() + (k + 1) * m;
+      for (int64_t r = 0; r < m; ++r) {
+        if (c_next[r] == neg_inf<T>() || c[r] == c_next[r]) continue;
+        const T f = c[r] == neg_inf<T>() ? T(0) : std::exp(c[r] - c_next[r]);
+        simd::scale(s.R.data() + r * dv, static_cast<size_t>(dv), f);
+        s.rho[r] *= f;
+      }
+    }
+    // The chunk's features again, with the shifts it had.
+    if (kr > 0) {
+      key_logits(p, bh, t0, kr, s.kf);
+      finish_key_features(p, kr, c, s.kf);
+    }
+    query_features(p, bh, t0, rows, c, s.qf);
+    chunk_weights(p, rows, kr, s);
+    const T* D = saved.D.data() + t0;
+    const T* dden = saved.dden.data() + t0;
     for (int64_t i = 0; i < rows; ++i) {
-      const T inv = D_all[t0 + i] != 0 ? T(1) / D_all[t0 + i] : T(0);
+      const T inv = D[i] != 0 ? T(1) / D[i] : T(0);
       for (int64_t cc = 0; cc < dv; ++cc) s.dnum[i * dv + cc] = dout[(bh * n + t0 + i) * dv + cc] * inv;
     }
-    gemm<T>(Trans::No, Trans::Yes, rows, kr, dv, T(1), s.dnum.data(), dv, p.v.row(bh, t0), dv,
-            T(0), s.b.data(), kChunk);
-    for (int64_t i = 0; i < rows; ++i) {
-      T* w = s.a.data() + i * kChunk;
-      T* pr = s.b.data() + i * kChunk;
-      const int64_t jend = std::min(i + 1, kr);
-      for (int64_t j = 0; j < jend; ++j) {
-        const T e = exp_diff(s.ls[j], M_all[t0 + i]);
-        w[j] *= e;
-        pr[j] = (pr[j] + dden_all[t0 + i]) * e;
-      }
-      for (int64_t j = jend; j < rows; ++j) w[j] = pr[j] = 0;
-    }
+    chunk_output_grads(p, bh, t0, rows, kr, dden, s);
+    const T* Q = s.qf.values(*p.fmap);
     if (kr > 0) {
-      // dφ̃k = γ∘(v·Rᵀ + 1·rᵀ) + Pᵀ·φ̃q, γ_j = exp(ls_j + ρ)
-      gemm<T>(Trans::No, Trans::Yes, kr, m, dv, T(1), p.v.row(bh, t0), dv, s.dkv.data(), dv, T(0),
+      const T* K = s.kf.values(*p.fmap);
+      // dK = Pᵀ·Q + V·Rᵀ + 1·ρᵀ
+      gemm<T>(Trans::No, Trans::Yes, kr, m, dv, T(1), p.v.row(bh, t0), dv, s.R.data(), dv, T(0),
               s.dphi.data(), m);
-      T gamma[kChunk];
-      for (int64_t j = 0; j < kr; ++j) {
-        gamma[j] = rho == neg_inf<T>() ? T(0) : std::exp(s.ls[j] + rho);
-        for (int64_t r = 0; r < m; ++r) s.dphi[j * m + r] = gamma[j] * (s.dphi[j * m + r] + s.dz[r]);
-      }
-      gemm<T>(Trans::Yes, Trans::No, kr, m, rows, T(1), s.b.data(), kChunk, s.phi.data(), m, T(1),
-              s.dphi.data(), m);
-      // dv = γ∘(φ̃k·R) + Wᵀ·dnum
+      for (int64_t j = 0; j < kr; ++j)
+        for (int64_t r = 0; r < m; ++r) s.dphi[j * m + r] += s.rho[r];
+      gemm<T>(Trans::Yes, Trans::No, kr, m, rows, T(1), s.P.data(), kChunk, Q, m, T(1), s.dphi.data(), m);
+      // dv = Wᵀ·dnum + K·R
       T* dvc = dv_out + (bh * n + t0) * dv;
-      gemm<T>(Trans::No, Trans::No, kr, dv, m, T(1), s.phi2.data(), m, s.dkv.data(), dv, T(0), dvc, dv);
-      for (int64_t j = 0; j < kr; ++j) simd::scale(dvc + j * dv, static_cast<size_t>(dv), gamma[j]);
-      gemm<T>(Trans::Yes, Trans::No, kr, dv, rows, T(1), s.a.data(), kChunk, s.dnum.data(), dv,
-              T(1), dvc, dv);
-      p.fmap->backward(p.k.row(bh, t0), kr, s.phi2.data(), s.dphi.data(), dk + (bh * n + t0) * d,
-                       s.fs.data());
+      gemm<T>(Trans::No, Trans::No, kr, dv, m, T(1), K, m, s.R.data(), dv, T(0), dvc, dv);
+      gemm<T>(Trans::Yes, Trans::No, kr, dv, rows, T(1), s.W.data(), kChunk, s.dnum.data(), dv, T(1), dvc, dv);
+      feature_backward(p, p.k.row(bh, t0), kr, Side::Key, s.kf, s, dk + (bh * n + t0) * d);
     }
-    // Add this chunk's queries to the suffix state.
-    T rho_new = rho;
+    // This chunk's queries join the suffix state: R += Qᵀ·dnum, ρ += Qᵀ·dden.
+    gemm<T>(Trans::Yes, Trans::No, m, dv, rows, T(1), Q, m, s.dnum.data(), dv, T(1), s.R.data(), dv);
     for (int64_t i = 0; i < rows; ++i)
-      if (M_all[t0 + i] != neg_inf<T>()) rho_new = std::max(rho_new, -M_all[t0 + i]);
-    if (rho_new == neg_inf<T>()) continue;
-    if (rho != neg_inf<T>() && rho_new > rho) {
-      const T beta = std::exp(rho - rho_new);
-      simd::scale(s.dkv.data(), static_cast<size_t>(m * dv), beta);
-      simd::scale(s.dz.data(), static_cast<size_t>(m), beta);
-    }
-    rho = rho_new;
-    for (int64_t i = 0; i < rows; ++i) {
-      const T w = M_all[t0 + i] == neg_inf<T>() ? T(0) : std::exp(-M_all[t0 + i] - rho);
-      for (int64_t r = 0; r < m; ++r) {
-        s.psi[i * m + r] = w * s.phi[i * m + r];
-        s.dz[r] += s.psi[i * m + r] * dden_all[t0 + i];
-      }
-    }
-    gemm<T>(Trans::Yes, Trans::No, m, dv, rows, T(1), s.psi.data(), m, s.dnum.data(), dv, T(1),
-            s.dkv.data(), dv);
+      for (int64_t r = 0; r < m; ++r) s.rho[r] += Q[i * m + r] * dden[i];
   }
 }
 
@@ -505,21 +604,22 @@ void forward_causal_from_state(const Problem<T>& p, T* out, T* S, T* z, T* c) {
   const ParallelLoop loop(p.dims.bh());
   PerWorker<Scratch<T>> scratch(loop, [&] { return Scratch<T>(p, true); });
   loop.run([&](int64_t bh, int worker) {
-    forward_causal(p, bh, scratch[worker], out, S + bh * m * dv, z + bh * m, c + bh);
+    forward_causal(p, bh, scratch[worker], out, S + bh * m * dv, z + bh * m, c + bh * m);
   });
 }
 
 template <class T>
 void backward(const Problem<T>& p, const T* dout, T* dq, T* dk, T* dv) {
   const bool causal = p.mask->causal();
-  // causal: D, M, dden per row of the current batch·head (O(n)). Non-causal: φ̃k and ls of
-  // every key, so the key pass need not compute the features again, when that fits in
-  // kFeatureCacheBytes per worker (else they are recomputed: same result, more time).
-  const int64_t cache_size = p.dims.n_k * (p.fmap->dim() + 1);
+  // Non-causal: the key logits (or features) of every key, so the key pass need not compute
+  // them again, when that fits in feature_cache_bytes() per worker (else they are recomputed:
+  // same result, more time).
+  const int64_t cache_size = p.dims.n_k * cache_values_per_key(*p.fmap);
   const bool cache = !causal && cache_size * static_cast<int64_t>(sizeof(T)) <= feature_cache_bytes();
   const ParallelLoop loop(p.dims.bh());
   PerWorker<Scratch<T>> scratch(loop, [&] { return Scratch<T>(p, causal); });
-  PerWorker<Buffer<T>> saved(loop, [&] { return Buffer<T>(causal ? 3 * p.dims.n_q : cache ? cache_size : 0); });
+  PerWorker<Buffer<T>> cached(loop, [&] { return Buffer<T>(cache ? cache_size : 0); });
+  PerWorker<CausalSaved<T>> saved(loop);
   const int64_t d = p.dims.head_dim, dvd = p.dims.value_dim;
   loop.run([&](int64_t bh, int worker) {
     // Gradients of padded keys stay 0: the passes only write valid rows.
@@ -527,9 +627,10 @@ void backward(const Problem<T>& p, const T* dout, T* dq, T* dk, T* dv) {
     std::fill(dv + bh * p.dims.n_k * dvd, dv + (bh + 1) * p.dims.n_k * dvd, T(0));
     Scratch<T>& s = scratch[worker];
     if (causal) {
-      backward_causal(p, bh, s, saved[worker], dout, dq, dk, dv);
+      causal_forward_pass(p, bh, s, saved[worker], dout, dq);
+      causal_reverse_pass(p, bh, s, saved[worker], dout, dk, dv);
     } else {
-      backward_noncausal(p, bh, s, cache ? saved[worker].data() : nullptr, dout, dq, dk, dv);
+      backward_noncausal(p, bh, s, cache ? cached[worker].data() : nullptr, dout, dq, dk, dv);
     }
   });
 }

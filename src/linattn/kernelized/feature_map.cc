@@ -1,6 +1,8 @@
 #include "linattn/kernelized/feature_map.h"
 
+#include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "linattn/core/attention_args.h"
 #include "linattn/core/blas.h"
@@ -61,11 +63,13 @@ FeatureMap<T> FeatureMap<T>::favor(const char* fn, FeatureMapKind kind,
 
 template <class T>
 int64_t FeatureMap<T>::scratch_size(int64_t n) const {
-  return stabilized() ? n * m_ : 0;  // the backward's ω coefficients
+  return log_form() ? n * m_ : 0;  // the backward's ∂loss/∂U
 }
 
+// ---- plain maps -----------------------------------------------------------------------------
+
 template <class T>
-void FeatureMap<T>::forward(const T* x, int64_t n, T* phi, T* log_scale) const {
+void FeatureMap<T>::features(const T* x, int64_t n, T* phi) const {
   const int64_t d = d_;
   switch (kind_) {
     case FeatureMapKind::Elu:
@@ -75,57 +79,37 @@ void FeatureMap<T>::forward(const T* x, int64_t n, T* phi, T* log_scale) const {
       for (int64_t i = 0; i < n * d; ++i) phi[i] = x[i] > 0 ? x[i] : T(0);
       return;
     case FeatureMapKind::Focused: {
+      // φ = ‖r‖·rᵖ/‖rᵖ‖ is unchanged when r is divided by its largest entry μ first, and then
+      // r̂ᵖ <= 1 cannot overflow for any p (it underflows to 0 only where r̂ᵖ is negligible
+      // next to the 1 of the largest entry); ‖r‖ = μ·‖r̂‖ cannot overflow either.
       const T p = static_cast<T>(focus_power_);
       for (int64_t i = 0; i < n; ++i) {
         const T* xr = x + i * d;
         T* f = phi + i * d;
+        T mu = 0;
+        for (int64_t c = 0; c < d; ++c) mu = std::max(mu, xr[c]);
+        if (!(mu > 0)) {
+          std::fill(f, f + d, T(0));
+          continue;
+        }
         T r2 = 0, a2 = 0;
         for (int64_t c = 0; c < d; ++c) {
-          const T r = xr[c] > 0 ? xr[c] : T(0);
-          f[c] = r > 0 ? std::pow(r, p) : T(0);
-          r2 += r * r;
+          const T rh = xr[c] > 0 ? xr[c] / mu : T(0);
+          f[c] = rh > 0 ? std::pow(rh, p) : T(0);
+          r2 += rh * rh;
           a2 += f[c] * f[c];
         }
-        const T factor = a2 > 0 ? std::sqrt(r2) / std::sqrt(a2) : T(0);
+        const T factor = mu * std::sqrt(r2) / std::sqrt(a2);  // a2 >= 1: the largest entry is 1
         for (int64_t c = 0; c < d; ++c) f[c] *= factor;
       }
       return;
     }
-    default: break;
-  }
-  // FAVOR: U = x̃·ωᵀ with x̃ = √scale·x, written straight into the feature rows (first m
-  // columns); then per row the map and its log-scale, in place.
-  const int64_t m = m_;
-  const T s = static_cast<T>(sqrt_scale_);
-  gemm<T>(Trans::No, Trans::Yes, n, m, d, s, x, d, omega_, d, T(0), phi, dim_);
-  const T half_log_m = T(0.5) * std::log(static_cast<T>(kind_ == FeatureMapKind::FavorPositive ? m : 2 * m));
-  for (int64_t i = 0; i < n; ++i) {
-    const T h = T(0.5) * s * s * simd::dot(x + i * d, x + i * d, static_cast<size_t>(d));  // ‖x̃‖²/2
-    T* f = phi + i * dim_;  // f[0, m) holds U
-    T ls;
-    if (kind_ == FeatureMapKind::FavorPositive) {
-      const T c = simd::max_value(f, static_cast<size_t>(m));
-      simd::exp_shifted_sum(f, static_cast<size_t>(m), c);  // exp(U − max U)
-      ls = c - h - half_log_m;
-    } else if (kind_ == FeatureMapKind::FavorHyperbolic) {
-      const T c = simd::max_abs(f, static_cast<size_t>(m));
-      for (int64_t r = 0; r < m; ++r) f[m + r] = -f[r];
-      simd::exp_shifted_sum(f, static_cast<size_t>(2 * m), c);
-      ls = c - h - half_log_m;
-    } else {
-      require(simd::max_abs(f, static_cast<size_t>(m)) <= T(39000),
-              "favor_attention: |ω·x| exceeds 39000, where trig features lose all accuracy; "
-              "scale down the inputs");
-      simd::sin_cos(f, static_cast<size_t>(m), f, f + m);  // in place: each lane read, then written
-      ls = h - half_log_m;
-    }
-    if (log_scale) log_scale[i] = ls;
+    default: fail("FeatureMap::features: not a plain feature map");
   }
 }
 
 template <class T>
-void FeatureMap<T>::backward(const T* x, int64_t n, const T* phi, const T* dphi, T* dx,
-                             T* scratch) const {
+void FeatureMap<T>::features_backward(const T* x, int64_t n, const T* phi, const T* dphi, T* dx) const {
   const int64_t d = d_;
   switch (kind_) {
     case FeatureMapKind::Elu:  // d/dx (x + 1) = 1; d/dx exp(x) = exp(x) = φ
@@ -135,73 +119,129 @@ void FeatureMap<T>::backward(const T* x, int64_t n, const T* phi, const T* dphi,
       for (int64_t i = 0; i < n * d; ++i) dx[i] = x[i] > 0 ? dphi[i] : T(0);
       return;
     case FeatureMapKind::Focused: {
-      // φ = R·a/A with r = relu(x), a = rᵖ, R = ‖r‖, A = ‖a‖. For g = dL/dφ:
-      // dL/dR = g·a/A;  dL/da = R·g/A − R·(g·a)·a/A³;  dL/dr = dL/dR·r/R + dL/da ∘ p·rᵖ⁻¹.
+      // φ = R·a/A with r̂ = relu(x)/μ, a = r̂ᵖ, R = ‖relu(x)‖ = μ‖r̂‖, A = ‖a‖; φ does not depend
+      // on μ, so μ is held constant. For g = dL/dφ:
+      // dL/dR = g·a/A;  dL/da = R·g/A − R·(g·a)·a/A³;
+      // dL/dx_c = dL/dR·r_c/R + dL/da_c·p·r̂_c^(p−1)/μ   (x_c > 0; 0 otherwise).
       const T p = static_cast<T>(focus_power_);
       for (int64_t i = 0; i < n; ++i) {
         const T* xr = x + i * d;
         const T* g = dphi + i * d;
         T* out = dx + i * d;
+        T mu = 0;
+        for (int64_t c = 0; c < d; ++c) mu = std::max(mu, xr[c]);
+        if (!(mu > 0)) {
+          std::fill(out, out + d, T(0));
+          continue;
+        }
         T r2 = 0, a2 = 0, ga = 0;
         for (int64_t c = 0; c < d; ++c) {
-          const T r = xr[c] > 0 ? xr[c] : T(0);
-          const T a = r > 0 ? std::pow(r, p) : T(0);
-          r2 += r * r;
+          const T rh = xr[c] > 0 ? xr[c] / mu : T(0);
+          const T a = rh > 0 ? std::pow(rh, p) : T(0);
+          r2 += rh * rh;
           a2 += a * a;
           ga += g[c] * a;
         }
-        if (a2 <= 0) {
-          for (int64_t c = 0; c < d; ++c) out[c] = 0;
-          continue;
-        }
-        const T R = std::sqrt(r2), A = std::sqrt(a2);
+        const T Rh = std::sqrt(r2), A = std::sqrt(a2), R = mu * Rh;
         const T dR = ga / A;
         for (int64_t c = 0; c < d; ++c) {
-          const T r = xr[c] > 0 ? xr[c] : T(0);
-          if (r <= 0) {
+          const T rh = xr[c] > 0 ? xr[c] / mu : T(0);
+          if (rh <= 0) {
             out[c] = 0;
             continue;
           }
-          const T a = std::pow(r, p);
+          const T a = std::pow(rh, p);
           const T da = R * g[c] / A - R * ga * a / (A * A * A);
-          out[c] = dR * r / R + da * p * std::pow(r, p - 1);
+          out[c] = dR * rh / Rh + da * p * std::pow(rh, p - 1) / mu;
         }
       }
       return;
     }
-    default: break;
+    default: fail("FeatureMap::features_backward: not a plain feature map");
   }
-  // FAVOR, with x̃ = s·x and U = ωx̃:
-  //  positive   ∂φ̃_r/∂x̃ = φ̃_r(ω_r − x̃)            → dx̃ = ωᵀ(g∘φ̃) − (g·φ̃)x̃
-  //  hyperbolic ∂φ̃±_r/∂x̃ = φ̃±_r(±ω_r − x̃)         → dx̃ = ωᵀ(g⁺∘φ̃⁺ − g⁻∘φ̃⁻) − (g·φ̃)x̃
-  //  trig       ∂φ̃s_r/∂x̃ = φ̃s_r x̃ + φ̃c_r ω_r, ∂φ̃c_r/∂x̃ = φ̃c_r x̃ − φ̃s_r ω_r
-  //                                                → dx̃ = ωᵀ(gs∘φ̃c − gc∘φ̃s) + (g·φ̃)x̃
-  // and dx = s·dx̃. The log-scale is held constant (see the header).
-  const int64_t m = m_;
-  const T s = static_cast<T>(sqrt_scale_);
-  T* w = scratch;  // [n × m]: the coefficient of ω for each row
+}
+
+// ---- FAVOR maps -----------------------------------------------------------------------------
+
+template <class T>
+void FeatureMap<T>::logits(const char* fn, const T* x, int64_t n, Side side, T* L, T* s) const {
+  require(log_form(), "FeatureMap::logits: not a FAVOR feature map");
+  const int64_t d = d_, m = m_;
+  const T sq = static_cast<T>(sqrt_scale_);
+  const char* who = side == Side::Key ? "k" : "q";
+  // U = x̃·ωᵀ, straight into the first m columns of L (positive, hyperbolic) or s (trig).
+  T* U = kind_ == FeatureMapKind::FavorTrig ? s : L;
+  gemm<T>(Trans::No, Trans::Yes, n, m, d, sq, x, d, omega_, d, T(0), U, dim_);
   for (int64_t i = 0; i < n; ++i) {
-    const T* f = phi + i * dim_;
-    const T* g = dphi + i * dim_;
-    T* wr = w + i * m;
-    const T gphi = simd::dot(g, f, static_cast<size_t>(dim_));
-    T coef_x;  // coefficient of x̃
-    const size_t mm = static_cast<size_t>(m);
-    if (kind_ == FeatureMapKind::FavorPositive) {
-      simd::product_difference(g, f, static_cast<const T*>(nullptr), static_cast<const T*>(nullptr), wr, mm);
-      coef_x = -gphi;
-    } else if (kind_ == FeatureMapKind::FavorHyperbolic) {
-      simd::product_difference(g, f, g + m, f + m, wr, mm);
-      coef_x = -gphi;
-    } else {
-      simd::product_difference(g, f + m, g + m, f, wr, mm);
-      coef_x = gphi;
-    }
-    // dx = s·(coef_x·s·x) here; s·ωᵀw is added by the product below.
     const T* xr = x + i * d;
-    for (int64_t c = 0; c < d; ++c) dx[i * d + c] = coef_x * s * s * xr[c];
+    T* u = U + i * dim_;
+    const T umax = simd::finite_max_abs(u, static_cast<size_t>(m));
+    require(std::isfinite(umax), fn, ": ω·x̃ overflows ", dtype_name<T>(),
+            " for a row of ", who, "; scale the inputs down or use float64");
+    // ‖x̃‖²/2, for keys only: on a query row it is one factor of every feature, which cancels.
+    const T h = side == Side::Key ? T(0.5) * sq * sq * simd::dot(xr, xr, static_cast<size_t>(d)) : T(0);
+    require(std::isfinite(h), fn, ": ‖x̃‖²/2 overflows ", dtype_name<T>(),
+            " for a row of ", who, "; scale the inputs down or use float64");
+    T* l = L + i * dim_;
+    switch (kind_) {
+      case FeatureMapKind::FavorPositive:
+        if (side == Side::Key)
+          for (int64_t r = 0; r < m; ++r) l[r] = u[r] - h;
+        break;
+      case FeatureMapKind::FavorHyperbolic:
+        for (int64_t r = 0; r < m; ++r) {
+          const T ur = u[r];
+          l[r] = side == Side::Key ? ur - h : ur;
+          l[m + r] = side == Side::Key ? -ur - h : -ur;
+        }
+        break;
+      default:  // trig
+        require(umax <= T(39000), fn, ": |ω·x̃| exceeds 39000, where trig features lose all accuracy; "
+                "scale down the inputs");
+        simd::sin_cos(u, static_cast<size_t>(m), u, u + m);  // in place: each lane read, then written
+        std::fill(l, l + dim_, side == Side::Key ? h : T(0));
+        break;
+    }
   }
-  gemm<T>(Trans::No, Trans::No, n, d, m, s, w, m, omega_, d, T(1), dx, d);
+}
+
+template <class T>
+void FeatureMap<T>::logits_backward(const T* x, int64_t n, Side side, const T* dL, const T* s,
+                                    const T* ds, T* dx, T* scratch) const {
+  // With x̃ = √scale·x and U = x̃·ωᵀ: dx = √scale·(dU·ω + coef·x̃), coef = ∂loss/∂h (keys, and
+  // trig, whose L = h): positive −Σ_r dL_r; hyperbolic −Σ_r (dL⁺_r + dL⁻_r); trig +Σ_r dL_r.
+  //   positive   dU = dL
+  //   hyperbolic dU = dL⁺ − dL⁻            (L = [U − h, −U − h])
+  //   trig       dU = ds⁺∘cos U − ds⁻∘sin U (s = [sin U, cos U])
+  const int64_t d = d_, m = m_;
+  const T sq = static_cast<T>(sqrt_scale_);
+  const size_t mm = static_cast<size_t>(m);
+  T* dU = scratch;  // [n × m]
+  for (int64_t i = 0; i < n; ++i) {
+    const T* g = dL + i * dim_;
+    T* du = dU + i * m;
+    T coef = 0;
+    switch (kind_) {
+      case FeatureMapKind::FavorPositive:
+        std::copy(g, g + m, du);
+        if (side == Side::Key) coef = -std::accumulate(g, g + m, T(0));
+        break;
+      case FeatureMapKind::FavorHyperbolic:
+        for (int64_t r = 0; r < m; ++r) du[r] = g[r] - g[m + r];
+        if (side == Side::Key) coef = -std::accumulate(g, g + 2 * m, T(0));
+        break;
+      default: {  // trig
+        const T* si = s + i * dim_;
+        const T* dsi = ds + i * dim_;
+        simd::product_difference(dsi, si + m, dsi + m, si, du, mm);
+        if (side == Side::Key) coef = std::accumulate(g, g + 2 * m, T(0));
+        break;
+      }
+    }
+    const T* xr = x + i * d;
+    for (int64_t c = 0; c < d; ++c) dx[i * d + c] = coef * sq * sq * xr[c];
+  }
+  gemm<T>(Trans::No, Trans::No, n, d, m, sq, dU, m, omega_, d, T(1), dx, d);
 }
 
 template class FeatureMap<float>;

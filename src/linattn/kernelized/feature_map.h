@@ -1,14 +1,16 @@
 // Feature maps φ of kernelized attention, applied to blocks of rows.
-// Stabilised maps (FAVOR) return φ̃ and a per-row log-scale ls with φ(x) = φ̃(x)·exp(ls(x)),
-// so that no exponent overflows; the attention carries ls (for keys) or drops it (for
-// queries, where a per-row constant cancels in the ratio).
+//
+// Plain maps (elu+1, relu, focused) give φ(x) directly: bounded by a small multiple of |x|.
+// Random-feature maps (FAVOR) give φ in log form, φ_r(x) = s_r(x)·exp(L_r(x)) with s_r = 1 for
+// the positive maps: the engine exponentiates L − shift with per-feature shifts chosen from the
+// keys it has seen (see engine.cc), so no exponent overflows and no denominator underflows, at
+// any input norm where the logits themselves are finite.
 #pragma once
 
 #include <cstdint>
 #include <optional>
 #include <string>
 
-#include "linattn/core/memory.h"
 #include "linattn/core/tensor.h"
 
 namespace linattn {
@@ -21,6 +23,10 @@ enum class FeatureMapKind {
   FavorHyperbolic,  // exp(−‖x̃‖²/2)/√(2m)·[exp(ω·x̃), exp(−ω·x̃)]
   FavorTrig,        // exp(‖x̃‖²/2)/√m·[sin(ω·x̃), cos(ω·x̃)]
 };
+
+// Which side of the attention a row is on. Terms constant over a query row's features cancel
+// in out_i = φ(q_i)·Σφ(k)v / φ(q_i)·Σφ(k), so query logits leave them out.
+enum class Side { Query, Key };
 
 template <class T>
 class FeatureMap {
@@ -37,16 +43,30 @@ class FeatureMap {
   FeatureMapKind kind() const { return kind_; }
   int64_t input_dim() const { return d_; }
   int64_t dim() const { return dim_; }  // m' = d (plain), m (positive), 2m (hyperbolic, trig)
-  bool stabilized() const { return kind_ >= FeatureMapKind::FavorPositive; }
+  // FAVOR maps: φ in log form (logits below); plain maps: φ itself (features below).
+  bool log_form() const { return kind_ >= FeatureMapKind::FavorPositive; }
+  // Trig: φ = s·exp(L) with s = [sin, cos] not all 1.
+  bool has_factor() const { return kind_ == FeatureMapKind::FavorTrig; }
+  double focus_power() const { return focus_power_; }
 
-  // phi [n × dim()] = φ̃(x) for rows x [n × d] (row stride d); log_scale [n] (stabilised maps
-  // only; may be null to drop it).
-  void forward(const T* x, int64_t n, T* phi, T* log_scale) const;
-  // dx [n × d] = (∂φ̃/∂x)ᵀ·dphi with the log-scale held constant (it cancels in attention,
-  // so this is the exact gradient of the attention). phi: forward()'s output for x.
+  // ---- plain maps ----
+  // phi [n × d] = φ(x) for rows x [n × d].
+  void features(const T* x, int64_t n, T* phi) const;
+  // dx [n × d] = (∂φ/∂x)ᵀ·dphi; phi: features() of x.
+  void features_backward(const T* x, int64_t n, const T* phi, const T* dphi, T* dx) const;
+
+  // ---- FAVOR maps ----
+  // L [n × m'] = the log-magnitudes and, for trig, s [n × m'] the factors (s may be null
+  // otherwise), up to a constant shared by all rows and features (log √m' is left out):
+  //   keys:    positive L = U − h; hyperbolic [U − h, −U − h]; trig L = h, s = [sin U, cos U]
+  //   queries: positive L = U;     hyperbolic [U, −U];         trig L = 0, s = [sin U, cos U]
+  // with U = x̃·ωᵀ, x̃ = √scale·x, h = ‖x̃‖²/2. Throws Error if a logit is not finite.
+  void logits(const char* fn, const T* x, int64_t n, Side side, T* L, T* s) const;
+  // dx [n × d] from dL = ∂loss/∂L and (trig) ds = ∂loss/∂s; s: logits()' factors (trig).
   // scratch: scratch_size(n) values.
-  void backward(const T* x, int64_t n, const T* phi, const T* dphi, T* dx, T* scratch) const;
-  int64_t scratch_size(int64_t n) const;  // of backward()
+  void logits_backward(const T* x, int64_t n, Side side, const T* dL, const T* s, const T* ds,
+                       T* dx, T* scratch) const;
+  int64_t scratch_size(int64_t n) const;
 
  private:
   FeatureMapKind kind_ = FeatureMapKind::Elu;

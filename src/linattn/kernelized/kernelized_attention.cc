@@ -55,7 +55,7 @@ Tensor<T> linear_attention(TensorView<const T> q, TensorView<const T> k, TensorV
   if (dwc_weight) check_depthwise_conv(fn, "dwc_weight", d, opts.causal, *dwc_weight);
   const KeyMask mask(d, mo);
   Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim});
-  kernelized::forward<T>({q, k, v, d, &mask, &fmap, static_cast<T>(opts.eps)}, out.data());
+  kernelized::forward<T>({fn, q, k, v, d, &mask, &fmap, static_cast<T>(opts.eps)}, out.data());
   if (dwc_weight) depthwise_conv_forward(v, *dwc_weight, d, mask, opts.causal, out.data());
   return out;
 }
@@ -73,7 +73,7 @@ KernelizedGrads<T> linear_attention_backward(TensorView<const T> q, TensorView<c
   if (dwc_weight) check_depthwise_conv(fn, "dwc_weight", d, opts.causal, *dwc_weight);
   const KeyMask mask(d, mo);
   KernelizedGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape), Tensor<T>()};
-  kernelized::backward<T>({q, k, v, d, &mask, &fmap, static_cast<T>(opts.eps)}, dout.data,
+  kernelized::backward<T>({fn, q, k, v, d, &mask, &fmap, static_cast<T>(opts.eps)}, dout.data,
                           g.dq.data(), g.dk.data(), g.dv.data());
   if (dwc_weight) {
     g.d_dwc_weight = Tensor<T>(dwc_weight->shape);
@@ -91,7 +91,7 @@ Tensor<T> favor_attention(TensorView<const T> q, TensorView<const T> k, TensorVi
   const FeatureMap<T> fmap = favor_map(fn, opts, d, projection);
   const KeyMask mask(d, mo);
   Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim});
-  kernelized::forward<T>({q, k, v, d, &mask, &fmap, T(0)}, out.data());
+  kernelized::forward<T>({fn, q, k, v, d, &mask, &fmap, T(0)}, out.data());
   return out;
 }
 
@@ -106,7 +106,7 @@ AttentionGrads<T> favor_attention_backward(TensorView<const T> q, TensorView<con
   check_same_shape_finite(fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
   const KeyMask mask(d, mo);
   AttentionGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape)};
-  kernelized::backward<T>({q, k, v, d, &mask, &fmap, T(0)}, dout.data, g.dq.data(), g.dk.data(),
+  kernelized::backward<T>({fn, q, k, v, d, &mask, &fmap, T(0)}, dout.data, g.dq.data(), g.dk.data(),
                           g.dv.data());
   return g;
 }

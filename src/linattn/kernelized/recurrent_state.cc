@@ -48,8 +48,8 @@ RecurrentState<T>::RecurrentState(int64_t batch, int64_t heads, int64_t head_dim
                        sizeof(T));
   S_ = Tensor<T>({batch, heads, m, value_dim});
   z_ = Tensor<T>({batch, heads, m});
-  c_ = Tensor<T>({batch, heads});
-  const T c0 = favor ? -std::numeric_limits<T>::infinity() : T(0);
+  c_ = Tensor<T>({batch, heads, m});
+  const T c0 = favor ? -std::numeric_limits<T>::infinity() : T(0);  // per feature: no key yet
   for (int64_t i = 0; i < c_.size(); ++i) c_[i] = c0;
 }
 
@@ -94,7 +94,7 @@ Tensor<T> RecurrentState<T>::prefill(TensorView<const T> q, TensorView<const T> 
   require(d.n_q == d.n_k, fn, ": q and k must have the same length (got ", d.n_q, " and ", d.n_k, ")");
   const KeyMask mask(d, mo);
   Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim});
-  kernelized::forward_causal_from_state<T>({q, k, v, d, &mask, &fmap_, static_cast<T>(opts_.eps)},
+  kernelized::forward_causal_from_state<T>({fn, q, k, v, d, &mask, &fmap_, static_cast<T>(opts_.eps)},
                                            out.data(), S_.data(), z_.data(), c_.data());
   tokens_ += d.n_q;
   return out;
@@ -109,47 +109,17 @@ Tensor<T> RecurrentState<T>::step(TensorView<const T> q_t, TensorView<const T> k
   check_same_shape_finite(fn, "q_t", q_t, qk);
   check_same_shape_finite(fn, "k_t", k_t, qk);
   check_same_shape_finite(fn, "v_t", v_t, vs);
-  const int64_t m = fmap_.dim(), dv = value_dim_, d = head_dim_;
-  Tensor<T> out({batch_, heads_, dv});
-  Buffer<T> phiq(m), phik(m);
-  for (int64_t bh = 0; bh < batch_ * heads_; ++bh) {
-    T* S = S_.data() + bh * m * dv;
-    T* z = z_.data() + bh * m;
-    T& c = c_[bh];
-    // Key first: query t sees key t. S, z are stored divided by exp(c).
-    T ls = 0;
-    fmap_.forward(k_t.data + bh * d, 1, phik.data(), fmap_.stabilized() ? &ls : nullptr);
-    if (fmap_.stabilized()) {
-      const T c_new = std::max(c, ls);
-      if (c != -std::numeric_limits<T>::infinity() && c_new > c) {
-        simd::scale(S, static_cast<size_t>(m * dv), std::exp(c - c_new));
-        simd::scale(z, static_cast<size_t>(m), std::exp(c - c_new));
-      }
-      c = c_new;
-      simd::scale(phik.data(), static_cast<size_t>(m), std::exp(ls - c));
-    }
-    const T* vt = v_t.data + bh * dv;
-    for (int64_t r = 0; r < m; ++r) {
-      const T f = phik[r];
-      T* Sr = S + r * dv;
-      for (int64_t cc = 0; cc < dv; ++cc) Sr[cc] += f * vt[cc];
-      z[r] += f;
-    }
-    // out = φ̃q·S / (φ̃q·z + eps)
-    fmap_.forward(q_t.data + bh * d, 1, phiq.data(), nullptr);
-    T* o = out.data() + bh * dv;
-    for (int64_t r = 0; r < m; ++r) {
-      const T f = phiq[r];
-      const T* Sr = S + r * dv;
-      for (int64_t cc = 0; cc < dv; ++cc) o[cc] += f * Sr[cc];
-    }
-    const T D = simd::dot(phiq.data(), z, static_cast<size_t>(m)) + static_cast<T>(opts_.eps);
-    if (D != 0) {
-      simd::scale(o, static_cast<size_t>(dv), T(1) / D);
-    } else {
-      for (int64_t cc = 0; cc < dv; ++cc) o[cc] = 0;
-    }
-  }
+  // One token is a causal chunk of one row: the engine's prefill path, so a step gives exactly
+  // what prefill gives for the same token.
+  const Shape one_qk{batch_, heads_, 1, head_dim_}, one_v{batch_, heads_, 1, value_dim_};
+  const TensorView<const T> q{q_t.data, one_qk}, k{k_t.data, one_qk}, v{v_t.data, one_v};
+  AttentionOptions mo;
+  mo.causal = true;
+  const AttentionDims d{batch_, heads_, 1, 1, head_dim_, value_dim_};
+  const KeyMask mask(d, mo);
+  Tensor<T> out({batch_, heads_, value_dim_}, false, Init::Uninitialized);
+  kernelized::forward_causal_from_state<T>({fn, q, k, v, d, &mask, &fmap_, static_cast<T>(opts_.eps)},
+                                           out.data(), S_.data(), z_.data(), c_.data());
   ++tokens_;
   return out;
 }

@@ -1,7 +1,8 @@
 // Constant-size state for autoregressive decoding with kernelized attention: after any number
 // of tokens it holds S = Σ_j φ(k_j) v_jᵀ [m'×d_v] and z = Σ_j φ(k_j) [m'] per (batch, head),
-// and for FAVOR a running log-scale c (S and z are stored divided by exp(c), rescaled when a
-// larger key exponent arrives), so decoding never overflows and never looks ahead.
+// and for FAVOR per-feature log-shifts c [m'] (row r of S and z is stored divided by exp(c_r),
+// rescaled when a larger key exponent arrives), so decoding never overflows and never looks
+// ahead.
 #pragma once
 
 #include <optional>
@@ -49,7 +50,7 @@ class RecurrentState {
   RecurrentOptions opts_;
   Tensor<T> projection_;  // owned copy (favor)
   FeatureMap<T> fmap_;
-  Tensor<T> S_, z_, c_;   // [B,H,m',d_v], [B,H,m'], [B,H]
+  Tensor<T> S_, z_, c_;   // [B,H,m',d_v], [B,H,m'], [B,H,m']
   SingleUser user_;       // prefill, step and copy from two threads at once are refused
 };
 

@@ -1,0 +1,61 @@
+// Keeping results inside the dtype's range: inputs are finite (checked at the boundary), but
+// finite values near the dtype's limit (v up to float32's 3.4e38) make sums of them overflow.
+#pragma once
+
+#include <cmath>
+#include <limits>
+
+#include "linattn/core/error.h"
+#include "linattn/core/simd.h"
+#include "linattn/core/tensor.h"
+
+namespace linattn {
+
+// t *= 2^e, exactly (unless it overflows or underflows).
+template <class T>
+void scale_by_power_of_two(Tensor<T>& t, int e) {
+  if (e == 0) return;
+  for (int64_t i = 0; i < t.size(); ++i) t[i] = std::ldexp(t[i], e);
+}
+
+// Every method's output is linear in v, and so are its gradients in dout: out(v) =
+// 2^e·out(v·2^−e) exactly, since scaling by a power of two rounds nothing. So a tensor whose
+// largest |value| exceeds 2^(emax/2) (float32: 9.2e18) is computed as a copy scaled down to
+// below 2^(emax/4 + 1) (float32: 8.6e9), where no method's sums come near the range, and the
+// results are scaled back. Only entries below 2^(emin + emax/4) lose digits in the copy, and
+// next to an entry above 2^(emax/2) they are far below the result's rounding error. Below the
+// threshold (every input of ordinary size): no copy, no cost.
+template <class T>
+class ValueScale {
+ public:
+  ValueScale(TensorView<const T> x, double max_abs) : view_(x) {
+    constexpr int emax = std::numeric_limits<T>::max_exponent;  // 128 (float), 1024 (double)
+    if (!(max_abs > std::ldexp(1.0, emax / 2))) return;
+    exponent_ = std::ilogb(max_abs) - emax / 4;
+    copy_ = Tensor<T>(x.shape, /*workspace=*/true, Init::Uninitialized);
+    for (int64_t i = 0; i < x.size(); ++i) copy_[i] = std::ldexp(x.data[i], -exponent_);
+    view_ = copy_.view();
+  }
+  TensorView<const T> view() const { return view_; }
+  int exponent() const { return exponent_; }
+  // t *= 2^e: the result for the unscaled input (may overflow; check_result_finite says so).
+  void restore(Tensor<T>& t) const { scale_by_power_of_two(t, exponent_); }
+  // The largest |value| of view(): at most 2^(emax/4 + 1) when scaled.
+  double max_abs(double unscaled_max_abs) const { return std::ldexp(unscaled_max_abs, -exponent_); }
+
+ private:
+  TensorView<const T> view_;
+  Tensor<T> copy_;
+  int exponent_ = 0;
+};
+
+// Error when a result computed from finite inputs is not finite: the true value is beyond the
+// dtype's range (a gradient of huge inputs, say). Never a silent inf or NaN.
+template <class T>
+void check_result_finite(const char* fn, const char* what, const Tensor<T>& t) {
+  if (t.size() == 0 || simd::all_finite(t.data(), static_cast<size_t>(t.size()))) return;
+  fail(fn, ": ", what, " overflows ", dtype_name<T>(),
+       ": the inputs are finite but too large for this dtype; scale them down or use float64");
+}
+
+}  // namespace linattn
