@@ -12,6 +12,11 @@
 #include "linattn/core/blas.h"
 #include "linattn/linattn.h"
 #include "linattn/core/random.h"
+#include "linattn/softmax/reference.h"
+#include "linattn/kernelized/reference.h"
+#include "linattn/nystrom/reference.h"
+#include "linattn/linformer/reference.h"
+#include "linattn/efficient/reference.h"
 
 namespace linattn::bench {
 namespace {

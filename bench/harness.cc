@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "linattn/core/blas.h"
-#include "linattn/core/memory.h"
+#include "linattn/memory.h"
 #include "linattn/core/simd.h"
-#include "linattn/core/threading.h"
+#include "linattn/core/parallel.h"
 
 namespace linattn::bench {
 namespace {

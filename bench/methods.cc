@@ -8,12 +8,17 @@
 #include <stdexcept>
 
 #include "linattn/core/random.h"
-#include "linattn/core/random_features.h"
-#include "linattn/efficient/efficient_attention.h"
-#include "linattn/kernelized/kernelized_attention.h"
-#include "linattn/linformer/linformer_attention.h"
-#include "linattn/nystrom/nystrom_attention.h"
-#include "linattn/softmax/softmax_attention.h"
+#include "linattn/random_features.h"
+#include "linattn/efficient.h"
+#include "linattn/kernelized.h"
+#include "linattn/linformer.h"
+#include "linattn/nystrom.h"
+#include "linattn/softmax.h"
+#include "linattn/softmax/reference.h"
+#include "linattn/kernelized/reference.h"
+#include "linattn/nystrom/reference.h"
+#include "linattn/linformer/reference.h"
+#include "linattn/efficient/reference.h"
 
 namespace linattn::bench {
 

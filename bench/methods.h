@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "linattn/core/tensor.h"
+#include "linattn/tensor.h"
 
 namespace linattn::bench {
 

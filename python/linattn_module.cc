@@ -201,8 +201,6 @@ py::array random_features(int64_t num_features, int64_t head_dim, const std::str
 }
 
 py::array chi_quantile_radii(int64_t num_features, int64_t head_dim) {
-  linattn::require(num_features >= 1 && head_dim >= 1,
-                   "chi_quantile_radii: num_features and head_dim must be >= 1");
   const auto r = linattn::chi_quantile_radii(num_features, head_dim);
   Tensor<double> t({num_features});
   std::copy(r.begin(), r.end(), t.data());
@@ -265,14 +263,14 @@ py::tuple linear_attention_backward(const py::object& q, const py::object& k, co
     using T = decltype(tag);
     std::optional<TensorView<const T>> w;
     if (W) w = W->view<T>();
-    linattn::KernelizedGrads<T> g;
+    linattn::AttentionGrads<T> g;
     {
       py::gil_scoped_release nogil;
       g = linattn::linear_attention_backward<T>(Q.view<T>(), K.view<T>(), V.view<T>(), G.view<T>(), o, w);
     }
     if (W)
       return py::make_tuple(to_numpy(std::move(g.dq)), to_numpy(std::move(g.dk)),
-                            to_numpy(std::move(g.dv)), to_numpy(std::move(g.d_dwc_weight)));
+                            to_numpy(std::move(g.dv)), to_numpy(std::move(g.params[0].second)));
     return py::make_tuple(to_numpy(std::move(g.dq)), to_numpy(std::move(g.dk)), to_numpy(std::move(g.dv)));
   });
 }
@@ -494,7 +492,7 @@ py::tuple nystrom_attention_backward(const py::object& q, const py::object& k, c
   const auto o = nystrom_options(fn, num_landmarks, pinv_iterations, pinv, key_lengths, scale, causal);
   return by_dtype(in.dtype(), [&](auto tag) -> py::tuple {
     using T = decltype(tag);
-    linattn::NystromGrads<T> g;
+    linattn::AttentionGrads<T> g;
     {
       py::gil_scoped_release nogil;
       g = linattn::nystrom_attention_backward<T>(
@@ -502,7 +500,7 @@ py::tuple nystrom_attention_backward(const py::object& q, const py::object& k, c
           in.tensor<T>("dout"), o, in.optional<T>("conv_weight"));
     }
     if (conv_weight.is_none()) return numpy_tuple(std::move(g.dq), std::move(g.dk), std::move(g.dv));
-    return numpy_tuple(std::move(g.dq), std::move(g.dk), std::move(g.dv), std::move(g.d_conv_weight));
+    return numpy_tuple(std::move(g.dq), std::move(g.dk), std::move(g.dv), std::move(g.params[0].second));
   });
 }
 
@@ -545,14 +543,15 @@ py::tuple linformer_attention_backward(const py::object& q, const py::object& k,
   const auto o = linformer_options(fn, key_lengths, scale, causal);
   return by_dtype(in.dtype(), [&](auto tag) -> py::tuple {
     using T = decltype(tag);
-    linattn::LinformerGrads<T> g;
+    linattn::AttentionGrads<T> g;
     {
       py::gil_scoped_release nogil;
       g = linattn::linformer_attention_backward<T>(
           in.tensor<T>("q"), in.tensor<T>("k"), in.tensor<T>("v"),
           in.tensor<T>("e"), in.tensor<T>("f"), in.tensor<T>("dout"), o);
     }
-    return numpy_tuple(std::move(g.dq), std::move(g.dk), std::move(g.dv), std::move(g.de), std::move(g.df));
+    return numpy_tuple(std::move(g.dq), std::move(g.dk), std::move(g.dv), std::move(g.params[0].second),
+                       std::move(g.params[1].second));
   });
 }
 

@@ -26,7 +26,9 @@
 #include <string>
 #include <vector>
 
-#include "linattn/kernelized/kernelized_attention.h"
+#include "linattn/core/attention_args.h"
+#include "linattn/kernelized.h"
+#include "linattn/kernelized/reference.h"
 #include "test_util.h"
 
 namespace linattn::testing {

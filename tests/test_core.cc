@@ -9,10 +9,10 @@
 #include <vector>
 
 #include "linattn/core/blas.h"
-#include "linattn/core/memory.h"
+#include "linattn/memory.h"
 #include "linattn/core/random.h"
 #include "linattn/core/simd.h"
-#include "linattn/core/threading.h"
+#include "linattn/core/parallel.h"
 #include "test_util.h"
 
 namespace linattn {

@@ -10,9 +10,10 @@
 #include <tuple>
 
 #include "kernelized_bounds.h"
-#include "linattn/core/random_features.h"
+#include "linattn/random_features.h"
 #include "linattn/kernelized/engine.h"
-#include "linattn/kernelized/kernelized_attention.h"
+#include "linattn/kernelized.h"
+#include "linattn/kernelized/reference.h"
 #include "test_util.h"
 
 namespace linattn {
@@ -182,13 +183,13 @@ TEST(KernelizedGradient, DepthwiseConvolution) {
       return L;
     };
     const auto g = linear_attention_backward<double>(q, k, v, G, o, w.view());
-    ASSERT_EQ(g.d_dwc_weight.shape(), (Shape{H, K}));
-    expect_gradient(w, g.d_dwc_weight, loss, "d_dwc_weight");
+    ASSERT_EQ(g.param("dwc_weight").shape(), (Shape{H, K}));
+    expect_gradient(w, g.param("dwc_weight"), loss, "d_dwc_weight");
     expect_gradient(v, g.dv, loss, "dv");
     expect_gradient(q, g.dq, loss, "dq");
     const auto gr = reference::linear_attention_backward(q, k, v, G, o, w.view());
-    for (int64_t i = 0; i < g.d_dwc_weight.size(); ++i)
-      ASSERT_NEAR(g.d_dwc_weight[i], gr.d_dwc_weight[i], 1e-12);
+    for (int64_t i = 0; i < g.param("dwc_weight").size(); ++i)
+      ASSERT_NEAR(g.param("dwc_weight")[i], gr.param("dwc_weight")[i], 1e-12);
     // Padded positions of v (>= 13 in item 1) never reach the output.
     auto v2 = cast<double>(v);
     for (int64_t h = 0; h < H; ++h)

@@ -7,8 +7,9 @@
 #include <cmath>
 #include <vector>
 
-#include "linattn/core/random_features.h"
-#include "linattn/kernelized/kernelized_attention.h"
+#include "linattn/random_features.h"
+#include "linattn/kernelized.h"
+#include "linattn/kernelized/reference.h"
 #include "test_util.h"
 
 namespace linattn {

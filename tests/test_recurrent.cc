@@ -6,8 +6,8 @@
 #include <cmath>
 
 #include "kernelized_bounds.h"
-#include "linattn/core/random_features.h"
-#include "linattn/kernelized/recurrent_state.h"
+#include "linattn/random_features.h"
+#include "linattn/kernelized.h"
 #include "test_util.h"
 
 namespace linattn {

@@ -9,7 +9,8 @@
 #include <limits>
 #include <tuple>
 
-#include "linattn/softmax/softmax_attention.h"
+#include "linattn/softmax.h"
+#include "linattn/softmax/reference.h"
 #include "softmax_bounds.h"
 #include "test_util.h"
 

@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-#include "linattn/core/threading.h"
+#include "linattn/core/parallel.h"
 #include "test_util.h"
 
 namespace linattn {

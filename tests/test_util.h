@@ -12,8 +12,8 @@
 
 #include "linattn/core/error.h"
 #include "linattn/core/random.h"
-#include "linattn/core/tensor.h"
-#include "linattn/core/threading.h"
+#include "linattn/tensor.h"
+#include "linattn/core/parallel.h"
 
 namespace linattn::testing {
 

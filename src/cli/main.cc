@@ -16,8 +16,8 @@
 #include "../../bench/methods.h"
 #include "../../bench/torch_compare.h"
 #include "linattn/core/blas.h"
-#include "linattn/core/random_features.h"
-#include "linattn/kernelized/recurrent_state.h"
+#include "linattn/random_features.h"
+#include "linattn/kernelized.h"
 #include "linattn/linattn.h"
 
 namespace {

@@ -1,9 +1,10 @@
+#include "linattn/core/error.h"
 #include "linattn/core/attention_args.h"
 
 #include <cmath>
 
 #include "linattn/core/simd.h"
-#include "linattn/core/threading.h"
+#include "linattn/core/parallel.h"
 
 namespace linattn {
 namespace {
@@ -97,37 +98,35 @@ double resolve_scale(const char* fn, const AttentionOptions& opts, int64_t head_
 
 template <class T>
 NonCausalArgs check_noncausal_args(const char* fn, TensorView<const T> q, TensorView<const T> k,
-                                   TensorView<const T> v, bool causal,
-                                   const std::optional<std::vector<int64_t>>& key_lengths,
-                                   std::optional<double> scale, const char* why) {
-  require(!causal, fn, ": causal=true is not supported: ", why);
+                                   TensorView<const T> v, const AttentionOptions& opts, const char* why) {
+  require(!opts.causal, fn, ": causal=true is not supported: ", why);
   NonCausalArgs a;
-  a.mask_opts.key_lengths = key_lengths;
-  a.mask_opts.scale = scale;
+  a.mask_opts = opts;
   a.d = check_attention_args(fn, q, k, v, a.mask_opts);
   a.scale = resolve_scale(fn, a.mask_opts, a.d.head_dim);
   return a;
 }
 
 template <class T>
-void check_finite(const char* fn, const char* name, TensorView<const T> x) {
-  if (x.size() == 0 || simd::all_finite(x.data, static_cast<size_t>(x.size()))) return;
+double check_finite(const char* fn, const char* name, TensorView<const T> x) {
+  if (x.size() == 0) return 0;
+  const double m = simd::finite_max_abs(x.data, static_cast<size_t>(x.size()));
+  if (!std::isnan(m)) return m;
   for (int64_t i = 0; i < x.size(); ++i)
     require(std::isfinite(x.data[i]), fn, ": ", name, " has a non-finite value at flat index ", i,
             " (", x.data[i], ")");
+  return m;
 }
 
 template <class T>
-void check_same_shape_finite(const char* fn, const char* name, TensorView<const T> x,
-                             const Shape& expected) {
+double check_same_shape_finite(const char* fn, const char* name, TensorView<const T> x,
+                               const Shape& expected) {
   require(x.shape == expected, fn, ": ", name, " has shape ", shape_string(x.shape), "; expected ",
           shape_string(expected));
   require(x.size() == 0 || x.data != nullptr, fn, ": ", name, " has no data");
-  if (x.rank() == 4) {
-    check_rows_finite(fn, name, x, std::vector<int64_t>(static_cast<size_t>(x.dim(0)), x.dim(2)));
-  } else {
-    check_finite(fn, name, x);
-  }
+  if (x.rank() == 4)
+    return check_rows_finite(fn, name, x, std::vector<int64_t>(static_cast<size_t>(x.dim(0)), x.dim(2)));
+  return check_finite(fn, name, x);
 }
 
 template AttentionDims check_attention_args<float>(const char*, TensorView<const float>,
@@ -140,17 +139,15 @@ template AttentionDims check_attention_args<double>(const char*, TensorView<cons
                                                     const AttentionOptions&);
 template NonCausalArgs check_noncausal_args<float>(const char*, TensorView<const float>,
                                                    TensorView<const float>, TensorView<const float>,
-                                                   bool, const std::optional<std::vector<int64_t>>&,
-                                                   std::optional<double>, const char*);
+                                                   const AttentionOptions&, const char*);
 template NonCausalArgs check_noncausal_args<double>(const char*, TensorView<const double>,
-                                                    TensorView<const double>, TensorView<const double>,
-                                                    bool, const std::optional<std::vector<int64_t>>&,
-                                                    std::optional<double>, const char*);
-template void check_finite<float>(const char*, const char*, TensorView<const float>);
-template void check_finite<double>(const char*, const char*, TensorView<const double>);
-template void check_same_shape_finite<float>(const char*, const char*, TensorView<const float>,
+                                                   TensorView<const double>, TensorView<const double>,
+                                                   const AttentionOptions&, const char*);
+template double check_finite<float>(const char*, const char*, TensorView<const float>);
+template double check_finite<double>(const char*, const char*, TensorView<const double>);
+template double check_same_shape_finite<float>(const char*, const char*, TensorView<const float>,
                                              const Shape&);
-template void check_same_shape_finite<double>(const char*, const char*, TensorView<const double>,
+template double check_same_shape_finite<double>(const char*, const char*, TensorView<const double>,
                                               const Shape&);
 
 }  // namespace linattn

@@ -7,18 +7,11 @@
 #include <optional>
 #include <vector>
 
-#include "linattn/core/tensor.h"
+#include "linattn/core/attention_args.h"
+#include "linattn/attention.h"
+#include "linattn/tensor.h"
 
 namespace linattn {
-
-struct AttentionOptions {
-  // Query i sees keys j <= i + (n_k - n_q): aligned bottom-right, so the last query sees all.
-  bool causal = false;
-  // Logit scale; default 1/sqrt(head_dim). Must be finite.
-  std::optional<double> scale;
-  // One length per batch item; keys at positions >= key_lengths[b] are ignored.
-  std::optional<std::vector<int64_t>> key_lengths;
-};
 
 // Sizes of one attention call: q [B,H,n_q,d], k [B,H,n_k,d], v [B,H,n_k,d_v], and the largest
 // |value| of each at the positions that matter (filled by check_attention_args, which reads
@@ -61,12 +54,13 @@ AttentionDims check_attention_args(const char* fn, TensorView<const T> q, Tensor
 // The scale to use: opts.scale if set (must be finite), else 1/sqrt(head_dim).
 double resolve_scale(const char* fn, const AttentionOptions& opts, int64_t head_dim);
 
-// Checks that every value of x (any rank, contiguous) is finite, naming the first bad flat index.
+// Checks that every value of x (any rank, contiguous) is finite, naming the first bad flat
+// index; returns its largest |value|.
 template <class T>
-void check_finite(const char* fn, const char* name, TensorView<const T> x);
+double check_finite(const char* fn, const char* name, TensorView<const T> x);
 
 // The common start of every method without a causal form (Nyström, Linformer, Efficient
-// Attention): causal must be false, else an error "causal=true is not supported: <why>";
+// Attention): opts.causal must be false, else an error "causal=true is not supported: <why>";
 // then q, k, v and key_lengths as check_attention_args checks them, and the scale.
 struct NonCausalArgs {
   AttentionDims d;
@@ -75,13 +69,12 @@ struct NonCausalArgs {
 };
 template <class T>
 NonCausalArgs check_noncausal_args(const char* fn, TensorView<const T> q, TensorView<const T> k,
-                                   TensorView<const T> v, bool causal,
-                                   const std::optional<std::vector<int64_t>>& key_lengths,
-                                   std::optional<double> scale, const char* why);
+                                   TensorView<const T> v, const AttentionOptions& opts, const char* why);
 
-// Checks a tensor that must have exactly `expected` shape and finite values.
+// Checks a tensor that must have exactly `expected` shape and finite values; returns its
+// largest |value|.
 template <class T>
-void check_same_shape_finite(const char* fn, const char* name, TensorView<const T> x,
+double check_same_shape_finite(const char* fn, const char* name, TensorView<const T> x,
                              const Shape& expected);
 
 }  // namespace linattn

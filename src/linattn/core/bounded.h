@@ -2,7 +2,7 @@
 // worst-case bound on the rounding error of a fast path computing it (see tracked_matrix.h).
 #pragma once
 
-#include "linattn/core/tensor.h"
+#include "linattn/tensor.h"
 
 namespace linattn::reference {
 struct Bounded {

@@ -1,9 +1,11 @@
+#include "linattn/core/attention_args.h"
+#include "linattn/core/error.h"
 #include "linattn/core/depthwise_conv.h"
 
 #include <cmath>
 
 #include "linattn/core/simd.h"
-#include "linattn/core/threading.h"
+#include "linattn/core/parallel.h"
 
 namespace linattn {
 

@@ -1,23 +1,18 @@
-// linattn::Error and the argument checks every public function runs at its boundary.
+// Helpers for raising linattn::Error (include/linattn/error.h) with messages built from parts.
 #pragma once
 
 #include <cstdint>
 #include <initializer_list>
-#include <new>
-#include <utility>
 #include <sstream>
-#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
-namespace linattn {
+#include "linattn/core/error.h"
+#include "linattn/error.h"
+#include "linattn/tensor.h"  // shape_string
 
-// Thrown for every bad argument. The message names the function, the argument and what was
-// expected. The Python module turns it into ValueError.
-class Error : public std::invalid_argument {
- public:
-  explicit Error(const std::string& what) : std::invalid_argument(what) {}
-};
+namespace linattn {
 
 namespace detail {
 template <class... Parts>
@@ -39,17 +34,6 @@ void require(bool ok, const Parts&... parts) {
   if (!ok) fail(parts...);
 }
 
-// Thrown when memory cannot be had: a std::bad_alloc whose message says what was asked for
-// and, where a public function sized it from its arguments, which ones (MemoryError in Python).
-class OutOfMemory : public std::bad_alloc {
- public:
-  explicit OutOfMemory(std::string what) : what_(std::move(what)) {}
-  const char* what() const noexcept override { return what_.c_str(); }
-
- private:
-  std::string what_;
-};
-
 // "16.0 GiB" and the like.
 std::string human_bytes(double bytes);
 
@@ -61,6 +45,5 @@ int64_t sized_by_arguments(const char* fn, const char* what,
                            std::initializer_list<std::pair<const char*, int64_t>> factors,
                            int64_t elem_bytes, int64_t copies = 1);
 
-std::string shape_string(const std::vector<int64_t>& shape);
 
 }  // namespace linattn

@@ -1,4 +1,4 @@
-#include "linattn/core/memory.h"
+#include "linattn/memory.h"
 
 #include <string>
 

@@ -1,4 +1,5 @@
-#include "linattn/core/random_features.h"
+#include "linattn/core/error.h"
+#include "linattn/random_features.h"
 
 #include <boost/math/special_functions/gamma.hpp>
 #include <cmath>

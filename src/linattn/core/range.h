@@ -5,9 +5,10 @@
 #include <cmath>
 #include <limits>
 
+#include "linattn/attention.h"
 #include "linattn/core/error.h"
 #include "linattn/core/simd.h"
-#include "linattn/core/tensor.h"
+#include "linattn/tensor.h"
 
 namespace linattn {
 
@@ -30,11 +31,11 @@ class ValueScale {
  public:
   ValueScale(TensorView<const T> x, double max_abs) : view_(x) {
     constexpr int emax = std::numeric_limits<T>::max_exponent;  // 128 (float), 1024 (double)
-    if (!(max_abs > std::ldexp(1.0, emax / 2))) return;
-    exponent_ = std::ilogb(max_abs) - emax / 4;
-    copy_ = Tensor<T>(x.shape, /*workspace=*/true, Init::Uninitialized);
-    for (int64_t i = 0; i < x.size(); ++i) copy_[i] = std::ldexp(x.data[i], -exponent_);
-    view_ = copy_.view();
+    if (max_abs > std::ldexp(1.0, emax / 2)) scale_copy(std::ilogb(max_abs) - emax / 4);
+  }
+  // x scaled by the same power of two as `like` (a saved output of the scaled input, say).
+  ValueScale(TensorView<const T> x, const ValueScale& like) : view_(x) {
+    if (like.exponent_ != 0) scale_copy(like.exponent_);
   }
   TensorView<const T> view() const { return view_; }
   int exponent() const { return exponent_; }
@@ -44,6 +45,13 @@ class ValueScale {
   double max_abs(double unscaled_max_abs) const { return std::ldexp(unscaled_max_abs, -exponent_); }
 
  private:
+  void scale_copy(int exponent) {
+    exponent_ = exponent;
+    copy_ = Tensor<T>(view_.shape, /*workspace=*/true, Init::Uninitialized);
+    for (int64_t i = 0; i < copy_.size(); ++i) copy_[i] = std::ldexp(view_.data[i], -exponent_);
+    view_ = copy_.view();
+  }
+
   TensorView<const T> view_;
   Tensor<T> copy_;
   int exponent_ = 0;
@@ -56,6 +64,21 @@ void check_result_finite(const char* fn, const char* what, const Tensor<T>& t) {
   if (t.size() == 0 || simd::all_finite(t.data(), static_cast<size_t>(t.size()))) return;
   fail(fn, ": ", what, " overflows ", dtype_name<T>(),
        ": the inputs are finite but too large for this dtype; scale them down or use float64");
+}
+
+// After a backward computed from v·2^−v_exp and dout·2^−dout_exp (ValueScale): dq, dk and the
+// parameter gradients are linear in v and in dout, dv in dout alone; then every gradient is
+// checked to be finite.
+template <class T>
+void restore_gradients(const char* fn, AttentionGrads<T>& g, int v_exp, int dout_exp) {
+  scale_by_power_of_two(g.dq, v_exp + dout_exp);
+  scale_by_power_of_two(g.dk, v_exp + dout_exp);
+  scale_by_power_of_two(g.dv, dout_exp);
+  for (auto& [name, t] : g.params) scale_by_power_of_two(t, v_exp + dout_exp);
+  check_result_finite(fn, "dq", g.dq);
+  check_result_finite(fn, "dk", g.dk);
+  check_result_finite(fn, "dv", g.dv);
+  for (const auto& [name, t] : g.params) check_result_finite(fn, ("the gradient of " + name).c_str(), t);
 }
 
 }  // namespace linattn

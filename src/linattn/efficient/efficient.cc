@@ -8,10 +8,13 @@
 // Parallel over (batch, head): no atomics.
 #include <algorithm>
 
+#include "linattn/core/attention_args.h"
+#include "linattn/core/error.h"
 #include "linattn/core/blas.h"
 #include "linattn/core/row_softmax.h"
 #include "linattn/core/simd.h"
-#include "linattn/core/threading.h"
+#include "linattn/core/parallel.h"
+#include "linattn/core/range.h"
 #include "linattn/efficient/internal.h"
 
 namespace linattn {
@@ -22,7 +25,7 @@ inline constexpr int64_t kRowBlock = 256;
 template <class T>
 Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                  const EfficientAttentionOptions& opts) {
-  return check_noncausal_args(fn, q, k, v, opts.causal, opts.key_lengths, opts.scale,
+  return check_noncausal_args(fn, q, k, v, opts,
                               "Efficient Attention normalises keys over all positions, so every "
                               "output would see future positions");
 }
@@ -66,11 +69,13 @@ void query_block(const char* fn, const Setup& s, TensorView<const T> q, int64_t 
 }  // namespace efficient
 
 template <class T>
-Tensor<T> efficient_attention(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+Tensor<T> efficient_attention(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v_arg,
                               const EfficientAttentionOptions& opts) {
   const char* fn = "efficient_attention";
-  const efficient::Setup s = efficient::check_args(fn, q, k, v, opts);
+  const efficient::Setup s = efficient::check_args(fn, q, k, v_arg, opts);
   const AttentionDims& d = s.d;
+  const ValueScale<T> vs(v_arg, d.v_max);  // out is linear in v (range.h)
+  const TensorView<const T> v = vs.view();
   const KeyMask mask(d, s.mask_opts);
   // out [B,H,n_q,d_v]: every row is written below (zeros for items without keys).
   Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim}, false, Init::Uninitialized);
@@ -92,19 +97,24 @@ Tensor<T> efficient_attention(TensorView<const T> q, TensorView<const T> k, Tens
               b.g.data(), d.value_dim, T(0), out.view().row(bh, r0), d.value_dim);
     }
   });
+  vs.restore(out);
+  check_result_finite(fn, "the output", out);
   return out;
 }
 
 template <class T>
 AttentionGrads<T> efficient_attention_backward(TensorView<const T> q, TensorView<const T> k,
-                                               TensorView<const T> v, TensorView<const T> dout,
+                                               TensorView<const T> v_arg, TensorView<const T> dout_arg,
                                                const EfficientAttentionOptions& opts) {
   const char* fn = "efficient_attention_backward";
-  const efficient::Setup s = efficient::check_args(fn, q, k, v, opts);
+  const efficient::Setup s = efficient::check_args(fn, q, k, v_arg, opts);
   const AttentionDims& d = s.d;
-  check_same_shape_finite(fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
+  const double dout_max =
+      check_same_shape_finite(fn, "dout", dout_arg, {d.batch, d.heads, d.n_q, d.value_dim});
+  const ValueScale<T> vs(v_arg, d.v_max), gs(dout_arg, dout_max);  // range.h
+  const TensorView<const T> v = vs.view(), dout = gs.view();
   const KeyMask mask(d, s.mask_opts);
-  AttentionGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape)};
+  AttentionGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape), {}};
   const int64_t hd = d.head_dim, dv = d.value_dim;
   const T sc = static_cast<T>(s.scale);
   const ParallelLoop loop(d.bh());
@@ -137,6 +147,7 @@ AttentionGrads<T> efficient_attention_backward(TensorView<const T> q, TensorView
     gemm<T>(Trans::No, Trans::No, L, dv, hd, T(1), b.e.data(), hd, b.dg.data(), dv, T(0),
             g.dv.view().row(bh, 0), dv);
   });
+  restore_gradients(fn, g, vs.exponent(), gs.exponent());
   return g;
 }
 

@@ -1,7 +1,8 @@
 // Argument checks shared by the Efficient Attention fast path and its reference.
 #pragma once
 
-#include "linattn/efficient/efficient_attention.h"
+#include "linattn/core/attention_args.h"
+#include "linattn/efficient.h"
 
 namespace linattn::efficient {
 

@@ -1,3 +1,5 @@
+#include "linattn/core/attention_args.h"
+#include "linattn/efficient/reference.h"
 // Efficient Attention in plain float64 loops with rounding bounds (tracked_matrix.h), in the
 // fast path's association.
 #include "linattn/core/tracked_matrix.h"

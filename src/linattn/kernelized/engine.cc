@@ -27,6 +27,7 @@
 // multiplies it by exp(c_prev − c') <= 1, so it never overflows. The feature maps' backward
 // turns dQ, dK into dq, dk (via dL = dK∘K and, trig, ds = dK∘exp(L − c)).
 // A row with D_i = 0 (no key in sight, eps = 0) gets out_i = 0 and no gradient.
+#include "linattn/core/error.h"
 #include "linattn/kernelized/engine.h"
 
 #include <algorithm>
@@ -37,7 +38,7 @@
 
 #include "linattn/core/blas.h"
 #include "linattn/core/simd.h"
-#include "linattn/core/threading.h"
+#include "linattn/core/parallel.h"
 
 namespace linattn::kernelized {
 namespace {

@@ -1,3 +1,4 @@
+#include "linattn/core/error.h"
 #include "linattn/kernelized/feature_map.h"
 
 #include <algorithm>

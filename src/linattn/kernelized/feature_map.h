@@ -11,7 +11,7 @@
 #include <optional>
 #include <string>
 
-#include "linattn/core/tensor.h"
+#include "linattn/tensor.h"
 
 namespace linattn {
 

@@ -1,24 +1,17 @@
 // linear_attention and favor_attention: argument checks, feature map set-up, the engine, and
 // the depthwise convolution of focused linear attention.
-#include "linattn/kernelized/kernelized_attention.h"
-
 #include <cmath>
 
+#include "linattn/core/attention_args.h"
 #include "linattn/core/depthwise_conv.h"
+#include "linattn/core/error.h"
+#include "linattn/core/range.h"
+#include "linattn/kernelized.h"
 #include "linattn/kernelized/engine.h"
 #include "linattn/kernelized/feature_map.h"
 
 namespace linattn {
 namespace {
-
-AttentionOptions mask_options(bool causal, const std::optional<std::vector<int64_t>>& lengths,
-                              std::optional<double> scale = std::nullopt) {
-  AttentionOptions o;
-  o.causal = causal;
-  o.key_lengths = lengths;
-  o.scale = scale;
-  return o;
-}
 
 template <class T>
 AttentionDims check_common(const char* fn, TensorView<const T> q, TensorView<const T> k,
@@ -29,11 +22,33 @@ AttentionDims check_common(const char* fn, TensorView<const T> q, TensorView<con
   return d;
 }
 
+// The plain maps' largest feature for inputs of largest |value| x: elu+1 <= x + 1, relu <= x,
+// focused = ‖r‖·rᵖ/‖rᵖ‖ <= ‖r‖ <= √d·x.
+double plain_feature_bound(FeatureMapKind kind, double x, int64_t d) {
+  switch (kind) {
+    case FeatureMapKind::Elu: return x + 1;
+    case FeatureMapKind::Relu: return x;
+    default: return std::sqrt(static_cast<double>(d)) * x;
+  }
+}
+
 template <class T>
-FeatureMap<T> plain_map(const char* fn, const LinearAttentionOptions& o, int64_t head_dim) {
+FeatureMap<T> plain_map(const char* fn, const LinearAttentionOptions& o, const AttentionDims& d,
+                        double v_max) {
+  require(!o.scale, fn, ": scale is not used by linear attention (its feature maps take q and k "
+          "as they are); leave it unset");
   require(std::isfinite(o.eps) && o.eps >= 0, fn, ": eps must be finite and >= 0, got ", o.eps);
-  return FeatureMap<T>::plain(fn, parse_plain_feature_map(fn, o.feature_map), head_dim,
-                              o.focus_power);
+  const FeatureMapKind kind = parse_plain_feature_map(fn, o.feature_map);
+  // num_i = φ(q_i)·Σ_j φ(k_j)v_jᵀ and den_i are sums of d·n_k products of features and values:
+  // refuse inputs whose bound on them leaves the dtype's range (rather than return inf/inf).
+  const double bound = static_cast<double>(d.head_dim) * static_cast<double>(std::max<int64_t>(d.n_k, 1)) *
+                       plain_feature_bound(kind, d.q_max, d.head_dim) *
+                       plain_feature_bound(kind, d.k_max, d.head_dim) * std::max(1.0, v_max);
+  require(bound <= std::ldexp(1.0, std::numeric_limits<T>::max_exponent - 8), fn, ": q and k are too large for ",
+          dtype_name<T>(), " with feature_map=\"", o.feature_map, "\": the attention sums reach ", bound,
+          " (max |q| = ", d.q_max, ", max |k| = ", d.k_max, ", over ", d.n_k,
+          " keys), beyond the dtype's range; scale q and k down or use float64");
+  return FeatureMap<T>::plain(fn, kind, d.head_dim, o.focus_power);
 }
 
 template <class T>
@@ -49,36 +64,41 @@ Tensor<T> linear_attention(TensorView<const T> q, TensorView<const T> k, TensorV
                            const LinearAttentionOptions& opts,
                            std::optional<TensorView<const T>> dwc_weight) {
   const char* fn = "linear_attention";
-  const AttentionOptions mo = mask_options(opts.causal, opts.key_lengths);
-  const AttentionDims d = check_common(fn, q, k, v, mo);
-  const FeatureMap<T> fmap = plain_map<T>(fn, opts, d.head_dim);
+  const AttentionDims d = check_common(fn, q, k, v, opts);
+  const ValueScale<T> vs(v, d.v_max);
+  const FeatureMap<T> fmap = plain_map<T>(fn, opts, d, vs.max_abs(d.v_max));
   if (dwc_weight) check_depthwise_conv(fn, "dwc_weight", d, opts.causal, *dwc_weight);
-  const KeyMask mask(d, mo);
-  Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim});
-  kernelized::forward<T>({fn, q, k, v, d, &mask, &fmap, static_cast<T>(opts.eps)}, out.data());
-  if (dwc_weight) depthwise_conv_forward(v, *dwc_weight, d, mask, opts.causal, out.data());
+  const KeyMask mask(d, opts);
+  Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim}, false, Init::Uninitialized);
+  kernelized::forward<T>({fn, q, k, vs.view(), d, &mask, &fmap, static_cast<T>(opts.eps)}, out.data());
+  if (dwc_weight) depthwise_conv_forward(vs.view(), *dwc_weight, d, mask, opts.causal, out.data());
+  vs.restore(out);
+  check_result_finite(fn, "the output", out);
   return out;
 }
 
 template <class T>
-KernelizedGrads<T> linear_attention_backward(TensorView<const T> q, TensorView<const T> k,
-                                             TensorView<const T> v, TensorView<const T> dout,
-                                             const LinearAttentionOptions& opts,
-                                             std::optional<TensorView<const T>> dwc_weight) {
+AttentionGrads<T> linear_attention_backward(TensorView<const T> q, TensorView<const T> k,
+                                            TensorView<const T> v, TensorView<const T> dout,
+                                            const LinearAttentionOptions& opts,
+                                            std::optional<TensorView<const T>> dwc_weight) {
   const char* fn = "linear_attention_backward";
-  const AttentionOptions mo = mask_options(opts.causal, opts.key_lengths);
-  const AttentionDims d = check_common(fn, q, k, v, mo);
-  const FeatureMap<T> fmap = plain_map<T>(fn, opts, d.head_dim);
-  check_same_shape_finite(fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
+  const AttentionDims d = check_common(fn, q, k, v, opts);
+  const double dout_max = check_same_shape_finite(fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
+  const ValueScale<T> vs(v, d.v_max), gs(dout, dout_max);
+  const FeatureMap<T> fmap = plain_map<T>(fn, opts, d, vs.max_abs(d.v_max));
   if (dwc_weight) check_depthwise_conv(fn, "dwc_weight", d, opts.causal, *dwc_weight);
-  const KeyMask mask(d, mo);
-  KernelizedGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape), Tensor<T>()};
-  kernelized::backward<T>({fn, q, k, v, d, &mask, &fmap, static_cast<T>(opts.eps)}, dout.data,
+  const KeyMask mask(d, opts);
+  AttentionGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape), {}};
+  kernelized::backward<T>({fn, q, k, vs.view(), d, &mask, &fmap, static_cast<T>(opts.eps)}, gs.view().data,
                           g.dq.data(), g.dk.data(), g.dv.data());
   if (dwc_weight) {
-    g.d_dwc_weight = Tensor<T>(dwc_weight->shape);
-    depthwise_conv_backward(v, *dwc_weight, dout.data, d, mask, opts.causal, g.dv.data(), g.d_dwc_weight.data());
+    Tensor<T> dw(dwc_weight->shape);
+    depthwise_conv_backward(vs.view(), *dwc_weight, gs.view().data, d, mask, opts.causal, g.dv.data(),
+                            dw.data());
+    g.params.emplace_back("dwc_weight", std::move(dw));
   }
+  restore_gradients(fn, g, vs.exponent(), gs.exponent());
   return g;
 }
 
@@ -86,12 +106,14 @@ template <class T>
 Tensor<T> favor_attention(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                           TensorView<const T> projection, const FavorOptions& opts) {
   const char* fn = "favor_attention";
-  const AttentionOptions mo = mask_options(opts.causal, opts.key_lengths, opts.scale);
-  const AttentionDims d = check_common(fn, q, k, v, mo);
+  const AttentionDims d = check_common(fn, q, k, v, opts);
   const FeatureMap<T> fmap = favor_map(fn, opts, d, projection);
-  const KeyMask mask(d, mo);
-  Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim});
-  kernelized::forward<T>({fn, q, k, v, d, &mask, &fmap, T(0)}, out.data());
+  const ValueScale<T> vs(v, d.v_max);
+  const KeyMask mask(d, opts);
+  Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim}, false, Init::Uninitialized);
+  kernelized::forward<T>({fn, q, k, vs.view(), d, &mask, &fmap, T(0)}, out.data());
+  vs.restore(out);
+  check_result_finite(fn, "the output", out);
   return out;
 }
 
@@ -100,14 +122,15 @@ AttentionGrads<T> favor_attention_backward(TensorView<const T> q, TensorView<con
                                            TensorView<const T> v, TensorView<const T> projection,
                                            TensorView<const T> dout, const FavorOptions& opts) {
   const char* fn = "favor_attention_backward";
-  const AttentionOptions mo = mask_options(opts.causal, opts.key_lengths, opts.scale);
-  const AttentionDims d = check_common(fn, q, k, v, mo);
+  const AttentionDims d = check_common(fn, q, k, v, opts);
   const FeatureMap<T> fmap = favor_map(fn, opts, d, projection);
-  check_same_shape_finite(fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
-  const KeyMask mask(d, mo);
-  AttentionGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape)};
-  kernelized::backward<T>({fn, q, k, v, d, &mask, &fmap, T(0)}, dout.data, g.dq.data(), g.dk.data(),
-                          g.dv.data());
+  const double dout_max = check_same_shape_finite(fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
+  const ValueScale<T> vs(v, d.v_max), gs(dout, dout_max);
+  const KeyMask mask(d, opts);
+  AttentionGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape), {}};
+  kernelized::backward<T>({fn, q, k, vs.view(), d, &mask, &fmap, T(0)}, gs.view().data, g.dq.data(),
+                          g.dk.data(), g.dv.data());
+  restore_gradients(fn, g, vs.exponent(), gs.exponent());
   return g;
 }
 
@@ -115,7 +138,7 @@ AttentionGrads<T> favor_attention_backward(TensorView<const T> q, TensorView<con
   template Tensor<T> linear_attention(TensorView<const T>, TensorView<const T>,                 \
                                       TensorView<const T>, const LinearAttentionOptions&,       \
                                       std::optional<TensorView<const T>>);                      \
-  template KernelizedGrads<T> linear_attention_backward(                                        \
+  template AttentionGrads<T> linear_attention_backward(                                         \
       TensorView<const T>, TensorView<const T>, TensorView<const T>, TensorView<const T>,       \
       const LinearAttentionOptions&, std::optional<TensorView<const T>>);                       \
   template Tensor<T> favor_attention(TensorView<const T>, TensorView<const T>,                  \

@@ -5,7 +5,9 @@
 #include <functional>
 #include <vector>
 
-#include "linattn/kernelized/kernelized_attention.h"
+#include "linattn/core/attention_args.h"
+#include "linattn/core/error.h"
+#include "linattn/kernelized/reference.h"
 
 namespace linattn::reference {
 namespace {
@@ -228,7 +230,7 @@ Tensor<double> linear_attention(TensorView<const double> q, TensorView<const dou
   return out;
 }
 
-KernelizedGrads<double> linear_attention_backward(TensorView<const double> q,
+AttentionGrads<double> linear_attention_backward(TensorView<const double> q,
                                                   TensorView<const double> k,
                                                   TensorView<const double> v,
                                                   TensorView<const double> dout,
@@ -236,12 +238,13 @@ KernelizedGrads<double> linear_attention_backward(TensorView<const double> q,
                                                   std::optional<TensorView<const double>> dwc_weight) {
   const Problem p = linear_problem(q, k, v, o);
   Tensor<double> out({p.d.batch, p.d.heads, p.d.n_q, p.d.value_dim});
-  KernelizedGrads<double> g{Tensor<double>(q.shape), Tensor<double>(k.shape),
-                            Tensor<double>(v.shape), Tensor<double>()};
+  AttentionGrads<double> g{Tensor<double>(q.shape), Tensor<double>(k.shape),
+                           Tensor<double>(v.shape), {}};
   run(p, dout.data, out.data(), g.dq.data(), g.dk.data(), g.dv.data());
   if (dwc_weight) {
-    g.d_dwc_weight = Tensor<double>(dwc_weight->shape);
-    dwc(p, *dwc_weight, dout.data, out.data(), g.dv.data(), g.d_dwc_weight.data());
+    Tensor<double> dw(dwc_weight->shape);
+    dwc(p, *dwc_weight, dout.data, out.data(), g.dv.data(), dw.data());
+    g.params.emplace_back("dwc_weight", std::move(dw));
   }
   return g;
 }

@@ -1,7 +1,8 @@
 // Argument checks shared by the Linformer fast path and its reference.
 #pragma once
 
-#include "linattn/linformer/linformer_attention.h"
+#include "linattn/core/attention_args.h"
+#include "linattn/linformer.h"
 
 namespace linattn::linformer {
 

@@ -5,10 +5,13 @@
 // over column blocks, so no two tasks write the same element (no atomics).
 #include <cmath>
 
+#include "linattn/core/attention_args.h"
+#include "linattn/core/error.h"
 #include "linattn/core/blas.h"
 #include "linattn/core/random.h"
 #include "linattn/core/row_softmax.h"
-#include "linattn/core/threading.h"
+#include "linattn/core/parallel.h"
+#include "linattn/core/range.h"
 #include "linattn/linformer/internal.h"
 
 namespace linattn {
@@ -19,7 +22,7 @@ inline constexpr int64_t kRowBlock = 256;
 template <class T>
 Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                  TensorView<const T> e, TensorView<const T> f, const LinformerOptions& opts) {
-  Setup s{check_noncausal_args(fn, q, k, v, opts.causal, opts.key_lengths, opts.scale,
+  Setup s{check_noncausal_args(fn, q, k, v, opts,
                                "Linformer projects keys and values over the whole sequence, so "
                                "every output would see future positions")};
   require(e.rank() == 2 || e.rank() == 3, fn, ": e has shape ", shape_string(e.shape),
@@ -66,12 +69,14 @@ void project(const Setup& s, TensorView<const T> k, TensorView<const T> v, Tenso
 }  // namespace linformer
 
 template <class T>
-Tensor<T> linformer_attention(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+Tensor<T> linformer_attention(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v_arg,
                               TensorView<const T> e, TensorView<const T> f,
                               const LinformerOptions& opts) {
   const char* fn = "linformer_attention";
-  const linformer::Setup s = linformer::check_args(fn, q, k, v, e, f, opts);
+  const linformer::Setup s = linformer::check_args(fn, q, k, v_arg, e, f, opts);
   const AttentionDims& d = s.d;
+  const ValueScale<T> vs(v_arg, d.v_max);  // out is linear in v (range.h)
+  const TensorView<const T> v = vs.view();
   const KeyMask mask(d, s.mask_opts);
   // out [B,H,n_q,d_v]: every row is written below (P·V' = 0 for an item without keys).
   Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim}, false, Init::Uninitialized);
@@ -91,21 +96,29 @@ Tensor<T> linformer_attention(TensorView<const T> q, TensorView<const T> k, Tens
               b.vp.data(), d.value_dim, T(0), out.view().row(bh, r0), d.value_dim);
     }
   });
+  vs.restore(out);
+  check_result_finite(fn, "the output", out);
   return out;
 }
 
 template <class T>
-LinformerGrads<T> linformer_attention_backward(TensorView<const T> q, TensorView<const T> k,
-                                               TensorView<const T> v, TensorView<const T> e,
-                                               TensorView<const T> f, TensorView<const T> dout,
+AttentionGrads<T> linformer_attention_backward(TensorView<const T> q, TensorView<const T> k,
+                                               TensorView<const T> v_arg, TensorView<const T> e,
+                                               TensorView<const T> f, TensorView<const T> dout_arg,
                                                const LinformerOptions& opts) {
   const char* fn = "linformer_attention_backward";
-  const linformer::Setup s = linformer::check_args(fn, q, k, v, e, f, opts);
+  const linformer::Setup s = linformer::check_args(fn, q, k, v_arg, e, f, opts);
   const AttentionDims& d = s.d;
-  check_same_shape_finite(fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
+  const double dout_max =
+      check_same_shape_finite(fn, "dout", dout_arg, {d.batch, d.heads, d.n_q, d.value_dim});
+  const ValueScale<T> vs(v_arg, d.v_max), gs(dout_arg, dout_max);  // range.h
+  const TensorView<const T> v = vs.view(), dout = gs.view();
   const KeyMask mask(d, s.mask_opts);
-  LinformerGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape), Tensor<T>(e.shape),
-                      Tensor<T>(f.shape)};
+  AttentionGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape), {}};
+  g.params.emplace_back("e", Tensor<T>(e.shape));
+  g.params.emplace_back("f", Tensor<T>(f.shape));
+  Tensor<T>& de = g.params[0].second;
+  Tensor<T>& df = g.params[1].second;
   const int64_t hd = d.head_dim, dv = d.value_dim, sp = s.s_proj;
   const T sc = static_cast<T>(s.scale);
   // dK' [BH, s, d] and dV' [BH, s, d_v]: O(B·H·s·d), independent of n.
@@ -150,11 +163,12 @@ LinformerGrads<T> linformer_attention_backward(TensorView<const T> q, TensorView
       const int64_t j1 = std::min(j0 + kCols, mask.key_length(bh / d.heads));
       if (j1 <= j0) continue;
       gemm<T>(Trans::No, Trans::Yes, sp, j1 - j0, hd, T(1), dkp.data() + bh * sp * hd, hd,
-              k.row(bh, j0), hd, T(1), g.de.data() + s.offset(h) + j0, s.n_max);
+              k.row(bh, j0), hd, T(1), de.data() + s.offset(h) + j0, s.n_max);
       gemm<T>(Trans::No, Trans::Yes, sp, j1 - j0, dv, T(1), dvp.data() + bh * sp * dv, dv,
-              v.row(bh, j0), dv, T(1), g.df.data() + s.offset(h) + j0, s.n_max);
+              v.row(bh, j0), dv, T(1), df.data() + s.offset(h) + j0, s.n_max);
     }
   });
+  restore_gradients(fn, g, vs.exponent(), gs.exponent());
   return g;
 }
 
@@ -185,7 +199,7 @@ std::pair<Tensor<T>, Tensor<T>> linformer_projections(int64_t s_proj, int64_t n_
   template Tensor<T> linformer_attention(TensorView<const T>, TensorView<const T>,              \
                                          TensorView<const T>, TensorView<const T>,              \
                                          TensorView<const T>, const LinformerOptions&);         \
-  template LinformerGrads<T> linformer_attention_backward(                                      \
+  template AttentionGrads<T> linformer_attention_backward(                                      \
       TensorView<const T>, TensorView<const T>, TensorView<const T>, TensorView<const T>,       \
       TensorView<const T>, TensorView<const T>, const LinformerOptions&);                       \
   template std::pair<Tensor<T>, Tensor<T>> linformer_projections<T>(int64_t, int64_t, int64_t,  \

@@ -6,10 +6,12 @@
 //   Z = pinv(A): dA;  A = softmax(Q̃K̃ᵀ·s): dQ̃ += s·dS2 K̃, dK̃ += s·dS2ᵀ Q̃
 //   Q̃, K̃ = segment means: dq_i += dQ̃_j/len_j, dk_i += dK̃_j/len_j for i in segment j.
 // Parallel over (batch, head): each task owns its rows of dq, dk, dv, so no atomics.
+#include "linattn/core/attention_args.h"
 #include "linattn/core/blas.h"
 #include "linattn/core/depthwise_conv.h"
 #include "linattn/core/row_softmax.h"
-#include "linattn/core/threading.h"
+#include "linattn/core/parallel.h"
+#include "linattn/core/range.h"
 #include "linattn/nystrom/internal.h"
 
 namespace linattn {
@@ -29,16 +31,19 @@ void unpool(const T* g, int64_t L, int64_t m, int64_t d, T* x, int64_t ld) {
 }  // namespace
 
 template <class T>
-NystromGrads<T> nystrom_attention_backward(TensorView<const T> q, TensorView<const T> k,
-                                           TensorView<const T> v, TensorView<const T> dout,
-                                           const NystromOptions& opts,
-                                           std::optional<TensorView<const T>> conv_weight) {
+AttentionGrads<T> nystrom_attention_backward(TensorView<const T> q, TensorView<const T> k,
+                                             TensorView<const T> v_arg, TensorView<const T> dout_arg,
+                                             const NystromOptions& opts,
+                                             std::optional<TensorView<const T>> conv_weight) {
   const char* fn = "nystrom_attention_backward";
-  const nystrom::Setup s = nystrom::check_args(fn, q, k, v, opts, conv_weight);
+  const nystrom::Setup s = nystrom::check_args(fn, q, k, v_arg, opts, conv_weight);
   const AttentionDims& d = s.d;
-  check_same_shape_finite(fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
+  const double dout_max =
+      check_same_shape_finite(fn, "dout", dout_arg, {d.batch, d.heads, d.n_q, d.value_dim});
+  const ValueScale<T> vs(v_arg, d.v_max), gs(dout_arg, dout_max);  // range.h
+  const TensorView<const T> v = vs.view(), dout = gs.view();
   const KeyMask mask(d, s.mask_opts);
-  NystromGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape), Tensor<T>()};
+  AttentionGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape), {}};
   const int64_t hd = d.head_dim, dv = d.value_dim;
   const T sc = static_cast<T>(s.scale);
   const ParallelLoop loop(d.bh());
@@ -89,17 +94,18 @@ NystromGrads<T> nystrom_attention_backward(TensorView<const T> q, TensorView<con
     unpool(dkt, L, m, hd, g.dk.view().row(bh, 0), hd);
   });
   if (conv_weight) {
-    g.d_conv_weight = Tensor<T>(conv_weight->shape);
-    depthwise_conv_backward(v, *conv_weight, dout.data, d, mask, false, g.dv.data(),
-                            g.d_conv_weight.data());
+    Tensor<T> dw(conv_weight->shape);
+    depthwise_conv_backward(v, *conv_weight, dout.data, d, mask, false, g.dv.data(), dw.data());
+    g.params.emplace_back("conv_weight", std::move(dw));
   }
+  restore_gradients(fn, g, vs.exponent(), gs.exponent());
   return g;
 }
 
-template NystromGrads<float> nystrom_attention_backward(
+template AttentionGrads<float> nystrom_attention_backward(
     TensorView<const float>, TensorView<const float>, TensorView<const float>,
     TensorView<const float>, const NystromOptions&, std::optional<TensorView<const float>>);
-template NystromGrads<double> nystrom_attention_backward(
+template AttentionGrads<double> nystrom_attention_backward(
     TensorView<const double>, TensorView<const double>, TensorView<const double>,
     TensorView<const double>, const NystromOptions&, std::optional<TensorView<const double>>);
 

@@ -1,5 +1,7 @@
 #include <cmath>
 
+#include "linattn/core/attention_args.h"
+#include "linattn/core/error.h"
 #include "linattn/core/blas.h"
 #include "linattn/core/depthwise_conv.h"
 #include "linattn/core/row_softmax.h"
@@ -28,7 +30,7 @@ void pool(const T* x, int64_t ld, int64_t L, int64_t m, int64_t d, T* out) {
 template <class T>
 Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                  const NystromOptions& opts, std::optional<TensorView<const T>> conv_weight) {
-  Setup s{check_noncausal_args(fn, q, k, v, opts.causal, opts.key_lengths, opts.scale,
+  Setup s{check_noncausal_args(fn, q, k, v, opts,
                                "Nyström landmarks are means over segments of the whole sequence, "
                                "so every output would see future positions")};
   require(s.d.n_q == s.d.n_k, fn, ": q and k must have the same sequence length (self-attention: ",

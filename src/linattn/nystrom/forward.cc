@@ -2,20 +2,24 @@
 // then blocks of query rows: out_blk = softmax(Q_blk K̃ᵀ·s)·Y. Parallel over (batch, head).
 #include <algorithm>
 
+#include "linattn/core/attention_args.h"
 #include "linattn/core/blas.h"
 #include "linattn/core/depthwise_conv.h"
 #include "linattn/core/row_softmax.h"
-#include "linattn/core/threading.h"
+#include "linattn/core/parallel.h"
+#include "linattn/core/range.h"
 #include "linattn/nystrom/internal.h"
 
 namespace linattn {
 
 template <class T>
-Tensor<T> nystrom_attention(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+Tensor<T> nystrom_attention(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v_arg,
                             const NystromOptions& opts, std::optional<TensorView<const T>> conv_weight) {
   const char* fn = "nystrom_attention";
-  const nystrom::Setup s = nystrom::check_args(fn, q, k, v, opts, conv_weight);
+  const nystrom::Setup s = nystrom::check_args(fn, q, k, v_arg, opts, conv_weight);
   const AttentionDims& d = s.d;
+  const ValueScale<T> vs(v_arg, d.v_max);  // out is linear in v (range.h)
+  const TensorView<const T> v = vs.view();
   const KeyMask mask(d, s.mask_opts);
   // out [B,H,n,d_v]: every row is written below (zeros for items without keys).
   Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim}, false, Init::Uninitialized);
@@ -42,6 +46,8 @@ Tensor<T> nystrom_attention(TensorView<const T> q, TensorView<const T> k, Tensor
     }
   });
   if (conv_weight) depthwise_conv_forward(v, *conv_weight, d, mask, false, out.data());
+  vs.restore(out);
+  check_result_finite(fn, "the output", out);
   return out;
 }
 

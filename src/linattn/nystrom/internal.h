@@ -5,8 +5,9 @@
 #include <algorithm>
 #include <optional>
 
-#include "linattn/core/memory.h"
-#include "linattn/nystrom/nystrom_attention.h"
+#include "linattn/core/attention_args.h"
+#include "linattn/memory.h"
+#include "linattn/nystrom.h"
 #include "linattn/nystrom/pinv.h"
 
 namespace linattn::nystrom {

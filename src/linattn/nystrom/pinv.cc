@@ -7,7 +7,7 @@
 
 #include "linattn/core/blas.h"
 #include "linattn/core/error.h"
-#include "linattn/core/memory.h"
+#include "linattn/memory.h"
 
 namespace linattn::nystrom {
 namespace {

@@ -1,3 +1,5 @@
+#include "linattn/core/attention_args.h"
+#include "linattn/nystrom/reference.h"
 // Nyström attention in plain float64 loops (tracked_matrix.h), in the association the fast path
 // uses, with worst-case rounding bounds for a fast path at unit roundoff u.
 #include <cmath>

@@ -11,9 +11,12 @@
 #include <cmath>
 #include <limits>
 
+#include "linattn/core/attention_args.h"
+#include "linattn/core/error.h"
 #include "linattn/core/blas.h"
 #include "linattn/core/simd.h"
-#include "linattn/core/threading.h"
+#include "linattn/core/parallel.h"
+#include "linattn/core/range.h"
 #include "linattn/softmax/forward_internal.h"
 
 namespace linattn {
@@ -87,7 +90,7 @@ AttentionGrads<T> backward(TensorView<const T> q, TensorView<const T> k, TensorV
                            TensorView<const T> dout, TensorView<const T> out,
                            TensorView<const T> lse, const AttentionDims& d,
                            const AttentionOptions& opts, double scale) {
-  AttentionGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape)};
+  AttentionGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape), {}};
   if (d.bh() == 0) return g;
   const KeyMask mask(d, opts);
   const int workers = num_threads();
@@ -139,14 +142,18 @@ AttentionGrads<T> softmax_attention_backward(TensorView<const T> q, TensorView<c
   const char* fn = "softmax_attention_backward";
   const AttentionDims d = check_attention_args(fn, q, k, v, opts);
   const double scale = resolve_scale(fn, opts, d.head_dim);
-  check_same_shape_finite(fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
+  const double dout_max = check_same_shape_finite(fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
   check_same_shape_finite(fn, "out", out, {d.batch, d.heads, d.n_q, d.value_dim});
   require(lse.shape == Shape{d.batch, d.heads, d.n_q}, fn, ": lse has shape ",
           shape_string(lse.shape), "; expected ", shape_string({d.batch, d.heads, d.n_q}));
   for (int64_t i = 0; i < lse.size(); ++i)
     require(!std::isnan(lse.data[i]) && lse.data[i] != std::numeric_limits<T>::infinity(), fn,
             ": lse[", i, "] = ", lse.data[i], "; expected a finite value or -inf");
-  return backward(q, k, v, dout, out, lse, d, opts, scale);
+  // Gradients are linear in v and dout (range.h); out scales with v.
+  const ValueScale<T> vs(v, d.v_max), gs(dout, dout_max), os(out, vs);
+  AttentionGrads<T> g = backward(q, k, vs.view(), gs.view(), os.view(), lse, d, opts, scale);
+  restore_gradients(fn, g, vs.exponent(), gs.exponent());
+  return g;
 }
 
 template <class T>
@@ -156,9 +163,12 @@ AttentionGrads<T> softmax_attention_backward(TensorView<const T> q, TensorView<c
   const char* fn = "softmax_attention_backward";
   const AttentionDims d = check_attention_args(fn, q, k, v, opts);
   const double scale = resolve_scale(fn, opts, d.head_dim);
-  check_same_shape_finite(fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
-  const auto fwd = softmax_detail::forward(q, k, v, d, opts, scale, /*as_workspace=*/true);
-  return backward(q, k, v, dout, fwd.out.view(), fwd.lse.view(), d, opts, scale);
+  const double dout_max = check_same_shape_finite(fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
+  const ValueScale<T> vs(v, d.v_max), gs(dout, dout_max);  // range.h
+  const auto fwd = softmax_detail::forward(q, k, vs.view(), d, opts, scale, /*as_workspace=*/true);
+  AttentionGrads<T> g = backward(q, k, vs.view(), gs.view(), fwd.out.view(), fwd.lse.view(), d, opts, scale);
+  restore_gradients(fn, g, vs.exponent(), gs.exponent());
+  return g;
 }
 
 #define LINATTN_INSTANTIATE(T)                                                                 \

@@ -7,9 +7,12 @@
 #include <cmath>
 #include <limits>
 
+#include "linattn/core/attention_args.h"
+#include "linattn/core/error.h"
 #include "linattn/core/blas.h"
 #include "linattn/core/simd.h"
-#include "linattn/core/threading.h"
+#include "linattn/core/parallel.h"
+#include "linattn/core/range.h"
 #include "linattn/softmax/forward_internal.h"
 
 namespace linattn {
@@ -116,9 +119,14 @@ template SoftmaxAttentionResult<double> forward(TensorView<const double>,
 template <class T>
 SoftmaxAttentionResult<T> softmax_attention(TensorView<const T> q, TensorView<const T> k,
                                             TensorView<const T> v, const AttentionOptions& opts) {
-  const AttentionDims d = check_attention_args("softmax_attention", q, k, v, opts);
-  const double scale = resolve_scale("softmax_attention", opts, d.head_dim);
-  return softmax_detail::forward(q, k, v, d, opts, scale, false);
+  const char* fn = "softmax_attention";
+  const AttentionDims d = check_attention_args(fn, q, k, v, opts);
+  const double scale = resolve_scale(fn, opts, d.head_dim);
+  const ValueScale<T> vs(v, d.v_max);  // out is linear in v, lse does not depend on it (range.h)
+  SoftmaxAttentionResult<T> r = softmax_detail::forward(q, k, vs.view(), d, opts, scale, false);
+  vs.restore(r.out);
+  check_result_finite(fn, "the output", r.out);
+  return r;
 }
 
 template SoftmaxAttentionResult<float> softmax_attention(TensorView<const float>,

@@ -1,7 +1,8 @@
 // Shared between the forward and the backward (which may recompute the forward).
 #pragma once
 
-#include "linattn/softmax/softmax_attention.h"
+#include "linattn/core/attention_args.h"
+#include "linattn/softmax.h"
 
 namespace linattn::softmax_detail {
 

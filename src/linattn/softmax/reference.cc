@@ -3,7 +3,8 @@
 #include <limits>
 #include <vector>
 
-#include "linattn/softmax/softmax_attention.h"
+#include "linattn/core/attention_args.h"
+#include "linattn/softmax/reference.h"
 
 namespace linattn::reference {
 

@@ -1,4 +1,5 @@
-// The one parallel primitive: a loop over task indices whose worker count is fixed when the
+// The one parallel primitive (internal; include/linattn/threading.h has the public thread
+// count): a loop over task indices whose worker count is fixed when the
 // loop is made, run on a shared pool of helper threads. Per-worker scratch is sized from that
 // count (PerWorker below) and indexed by the worker id run() hands out, so a loop can never
 // hand out an id its scratch does not cover, whatever set_num_threads does meanwhile.
@@ -16,19 +17,9 @@
 #include <vector>
 
 #include "linattn/core/error.h"
+#include "linattn/threading.h"
 
 namespace linattn {
-
-// The largest thread count set_num_threads accepts (users' machines have up to a few hundred
-// hardware threads; more only oversubscribes them).
-inline constexpr int kMaxThreads = 1024;
-
-// Threads a loop may use. Default: LINATTN_NUM_THREADS (an integer in [1, kMaxThreads], else
-// the first call throws Error), otherwise the hardware's thread count, at most kMaxThreads.
-int num_threads();
-// Sets the thread count for loops made from now on; n in [1, kMaxThreads], else Error. Safe to
-// call while other threads run loops: those keep the worker count they were made with.
-void set_num_threads(int n);
 
 // A parallel loop over tasks [0, num_tasks). workers() = min(num_threads(), num_tasks), and 1
 // when the loop is made inside another loop's task (nested loops run on the calling worker).
@@ -96,19 +87,7 @@ class SingleUser {
   mutable std::atomic<bool> busy_{false};
 };
 
-// ---- interruption (Ctrl-C from Python) -----------------------------------------------------
-
-// Thrown out of a loop (and so out of the public function) when the interrupt poll said stop.
-class Interrupted : public std::runtime_error {
- public:
-  Interrupted() : std::runtime_error("linattn: interrupted") {}
-};
-
-// A poll for "stop now" (the Python module installs one that checks for KeyboardInterrupt).
-// It is called only on the thread that started the outermost loop, between tasks and at
-// interruption points, at most every 20 ms. nullptr (the default) disables polling.
-using InterruptPoll = bool (*)();
-void set_interrupt_poll(InterruptPoll poll);
+// ---- interruption ---------------------------------------------------------------------------
 
 // Call inside long tasks: throws Interrupted once the current loop has been told to stop.
 void interruption_point();

@@ -2,12 +2,13 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
-#include "linattn/core/error.h"
-#include "linattn/core/memory.h"
+#include "linattn/error.h"
+#include "linattn/memory.h"
 
 namespace linattn {
 
@@ -18,12 +19,20 @@ constexpr const char* dtype_name() {
   return sizeof(T) == 4 ? "float32" : "float64";
 }
 
+// "[2, 8, 1024, 64]".
+inline std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
 // The number of elements of a shape; Error for a negative dimension or a count beyond int64.
 inline int64_t element_count(const Shape& shape) {
   int64_t n = 1;
   for (int64_t s : shape) {
-    require(s >= 0, "shape ", shape_string(shape), " has a negative dimension");
-    if (__builtin_mul_overflow(n, s, &n)) fail("shape ", shape_string(shape), " has more elements than fit in 64 bits");
+    if (s < 0) throw Error("shape " + shape_string(shape) + " has a negative dimension");
+    if (__builtin_mul_overflow(n, s, &n))
+      throw Error("shape " + shape_string(shape) + " has more elements than fit in 64 bits");
   }
   return n;
 }
@@ -68,12 +77,6 @@ class Tensor {
  private:
   Shape shape_;
   Buffer<T> buf_;
-};
-
-// Gradients of an attention function, in the order of its inputs.
-template <class T>
-struct AttentionGrads {
-  Tensor<T> dq, dk, dv;
 };
 
 }  // namespace linattn

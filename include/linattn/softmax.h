@@ -1,8 +1,8 @@
 // Exact softmax attention: out = softmax(q·kᵀ·scale + mask)·v, in O(n·d) extra memory.
 #pragma once
 
-#include "linattn/core/attention_args.h"
-#include "linattn/core/tensor.h"
+#include "linattn/attention.h"
+#include "linattn/tensor.h"
 
 namespace linattn {
 
@@ -32,19 +32,5 @@ AttentionGrads<T> softmax_attention_backward(TensorView<const T> q, TensorView<c
                                              TensorView<const T> v, TensorView<const T> dout,
                                              TensorView<const T> out, TensorView<const T> lse,
                                              const AttentionOptions& opts = {});
-
-namespace reference {
-// Plain float64 loops over the full score matrix: the definition the fast path is tested
-// against. O(n_q·n_k) memory per (b, h).
-SoftmaxAttentionResult<double> softmax_attention(TensorView<const double> q,
-                                                 TensorView<const double> k,
-                                                 TensorView<const double> v,
-                                                 const AttentionOptions& opts = {});
-AttentionGrads<double> softmax_attention_backward(TensorView<const double> q,
-                                                  TensorView<const double> k,
-                                                  TensorView<const double> v,
-                                                  TensorView<const double> dout,
-                                                  const AttentionOptions& opts = {});
-}  // namespace reference
 
 }  // namespace linattn

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "linattn/core/tensor.h"
+#include "linattn/tensor.h"
 
 namespace linattn {
 

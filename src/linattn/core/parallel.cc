@@ -1,4 +1,5 @@
-#include "linattn/core/threading.h"
+#include "linattn/core/error.h"
+#include "linattn/core/parallel.h"
 
 #include <pthread.h>
 

@@ -1,0 +1,108 @@
+// Kernelized (linear) attention and Performer / FAVOR+:
+//   out_i = Σ_j (φ(q_i)·φ(k_j)) v_j / (Σ_j φ(q_i)·φ(k_j) + eps)
+// over the keys query i sees. O(n) time and memory.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "linattn/attention.h"
+#include "linattn/tensor.h"
+
+namespace linattn {
+
+// causal: query i sees keys j <= i (needs n_q == n_k; for decoding use RecurrentState).
+// scale: not used by these maps (they take q and k as they are); setting it is an error.
+struct LinearAttentionOptions : AttentionOptions {
+  std::string feature_map = "elu";  // "elu" (elu(x)+1), "relu", "focused"
+  double eps = 1e-6;                // added to every denominator (>= 0, finite)
+  double focus_power = 3;           // p of the "focused" map (>= 1, finite)
+};
+
+// scale: approximates softmax(q·kᵀ·scale); default 1/sqrt(d), must be > 0.
+struct FavorOptions : AttentionOptions {
+  std::string kernel = "positive";  // "positive" (FAVOR+), "hyperbolic", "trig"
+};
+
+// q [B,H,n_q,d], k [B,H,n_k,d], v [B,H,n_k,d_v] -> out [B,H,n_q,d_v].
+// dwc_weight [heads, K]: adds a depthwise convolution of v along the sequence (n_q == n_k):
+// out[i] += Σ_t w[h,t]·v[i+t−(K−1)/2] (K odd) or, causal, Σ_t w[h,t]·v[i+t−(K−1)]; v is 0
+// outside the sequence and at padded positions.
+template <class T>
+Tensor<T> linear_attention(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                           const LinearAttentionOptions& opts = {},
+                           std::optional<TensorView<const T>> dwc_weight = std::nullopt);
+
+// Gradients dq, dk, dv and, with a dwc_weight, params {"dwc_weight"}.
+template <class T>
+AttentionGrads<T> linear_attention_backward(
+    TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<const T> dout,
+    const LinearAttentionOptions& opts = {},
+    std::optional<TensorView<const T>> dwc_weight = std::nullopt);
+
+// projection ω [m, d] (see random_features) -> out [B,H,n_q,d_v] ≈ softmax attention.
+template <class T>
+Tensor<T> favor_attention(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                          TensorView<const T> projection, const FavorOptions& opts = {});
+
+template <class T>
+AttentionGrads<T> favor_attention_backward(TensorView<const T> q, TensorView<const T> k,
+                                           TensorView<const T> v, TensorView<const T> projection,
+                                           TensorView<const T> dout, const FavorOptions& opts = {});
+
+// ---- decoding ---------------------------------------------------------------------------------
+
+struct RecurrentOptions {
+  std::string feature_map = "elu";    // "elu", "relu", "focused" or "favor"
+  std::optional<std::string> kernel;  // favor only: "positive" (default), "hyperbolic", "trig"
+  std::optional<double> scale;        // favor only: default 1/sqrt(head_dim)
+  double eps = 1e-6;                  // elu/relu/focused: as linear_attention (favor: 0)
+  double focus_power = 3;             // focused only
+};
+
+// Constant-size state for autoregressive decoding with kernelized attention: after any number
+// of tokens it holds S = Σ_j φ(k_j) v_jᵀ [m'×d_v] and z = Σ_j φ(k_j) [m'] per (batch, head),
+// and for FAVOR per-feature log-shifts (row r of S and z is stored divided by exp(c_r),
+// rescaled when a larger key exponent arrives), so decoding never overflows and never looks
+// ahead. One state holds one batch of sequences: prefill, step and copy refuse (Error) while
+// another thread is inside one of them on the same state.
+template <class T>
+class RecurrentState {
+ public:
+  // projection ω [m, head_dim] is required for "favor" and refused otherwise; it is copied.
+  RecurrentState(int64_t batch, int64_t heads, int64_t head_dim, int64_t value_dim,
+                 const RecurrentOptions& opts = {},
+                 std::optional<TensorView<const T>> projection = std::nullopt);
+  RecurrentState(RecurrentState&&) noexcept;
+  RecurrentState& operator=(RecurrentState&&) noexcept;
+  ~RecurrentState();
+
+  // q, k, v [B,H,n,d|d_v] -> out [B,H,n,d_v]: the causal outputs of these n tokens after all
+  // tokens seen so far (chunked), leaving the state after them.
+  Tensor<T> prefill(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v);
+  // q_t, k_t [B,H,d], v_t [B,H,d_v] -> out [B,H,d_v]; O(m'·d_v) per (batch, head). Exactly
+  // what prefill gives for the same token.
+  Tensor<T> step(TensorView<const T> q_t, TensorView<const T> k_t, TensorView<const T> v_t);
+  // An independent copy (to roll back to, or for another thread).
+  RecurrentState copy() const;
+
+  int64_t tokens() const;       // tokens consumed so far
+  int64_t feature_dim() const;  // m'
+
+ private:
+  struct Impl;
+  explicit RecurrentState(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// The state for decoding, by the name the Python module uses.
+template <class T>
+RecurrentState<T> recurrent_state(int64_t batch, int64_t heads, int64_t head_dim,
+                                  int64_t value_dim, const RecurrentOptions& opts = {},
+                                  std::optional<TensorView<const T>> projection = std::nullopt) {
+  return RecurrentState<T>(batch, heads, head_dim, value_dim, opts, projection);
+}
+
+}  // namespace linattn
