@@ -65,63 +65,31 @@ struct Approx {
   std::function<AttentionGrads<T>(const Data&)> backward;
 };
 
-Approx favor(const std::string& kind, int64_t m, uint64_t seed, int64_t d) {
-  auto w = std::make_shared<Tensor<T>>(random_features<T>(m, d, kind, seed));
-  return {"favor+ " + kind, m,
-          [w](const Data& x, TensorView<const T> v) { return favor_attention<T>(x.q, x.k, v, *w); },
-          [w](const Data& x) { return favor_attention_backward<T>(x.q, x.k, x.v, *w, x.dout); }};
+// A registered method with the given extra tensors (projection, E and F) at `size`.
+Approx registered(const MethodInfo& info, const std::string& name, int64_t size,
+                  std::vector<std::pair<std::string, Tensor<T>>> tensors) {
+  auto owned = std::make_shared<std::vector<std::pair<std::string, Tensor<T>>>>(std::move(tensors));
+  auto args = [&info, owned, size](const Data& x, TensorView<const T> v) {
+    MethodArgs<T> a;
+    a.q = x.q, a.k = x.k, a.v = v;
+    if (info.option(info.size_name) && size > 0) a.options[info.size_name] = size;
+    for (const auto& [n, t] : *owned) a.tensors[n] = t.view();
+    return a;
+  };
+  return {name, size, [&info, args](const Data& x, TensorView<const T> v) { return info.f64.forward(args(x, v)).out; },
+          [&info, args](const Data& x) { return info.f64.backward(args(x, x.v), x.dout, {}); }};
 }
 
-Approx elu() {
-  return {"linear elu", 0,
-          [](const Data& x, TensorView<const T> v) { return linear_attention<T>(x.q, x.k, v); },
-          [](const Data& x) {
-            auto g = linear_attention_backward<T>(x.q, x.k, x.v, x.dout);
-            return AttentionGrads<T>{std::move(g.dq), std::move(g.dk), std::move(g.dv)};
-          }};
-}
-
-Approx nystrom(int64_t m) {
-  NystromOptions o;
-  o.num_landmarks = m;
-  return {"nystrom", m, [o](const Data& x, TensorView<const T> v) { return nystrom_attention<T>(x.q, x.k, v, o); },
-          [o](const Data& x) {
-            auto g = nystrom_attention_backward<T>(x.q, x.k, x.v, x.dout, o);
-            return AttentionGrads<T>{std::move(g.dq), std::move(g.dk), std::move(g.dv)};
-          }};
-}
-
-Approx linformer(int64_t s, int64_t n, uint64_t seed) {
-  auto ef = std::make_shared<std::pair<Tensor<T>, Tensor<T>>>(linformer_projections<T>(s, n, 0, seed));
-  return {"linformer", s,
-          [ef](const Data& x, TensorView<const T> v) { return linformer_attention<T>(x.q, x.k, v, ef->first, ef->second); },
-          [ef](const Data& x) {
-            auto g = linformer_attention_backward<T>(x.q, x.k, x.v, ef->first, ef->second, x.dout);
-            return AttentionGrads<T>{std::move(g.dq), std::move(g.dk), std::move(g.dv)};
-          }};
-}
-
-// Linformer with E = F = segment-mean pooling (Nyström's landmark segments): a structured
-// projection, showing what E and F can achieve when they are not random; trained projections
-// are what the method relies on.
-Approx linformer_pooled(int64_t s, int64_t n) {
-  auto e = std::make_shared<Tensor<T>>(Shape{s, n});
+// Segment-mean pooling as Linformer projections, E = F (Nyström's landmark segments): a
+// structured projection, showing what E and F can achieve when they are not random; trained
+// projections are what the method relies on.
+Tensor<T> pooling(int64_t s, int64_t n) {
+  Tensor<T> e({s, n});
   for (int64_t j = 0; j < s; ++j) {
     const int64_t lo = segment_begin(j, n, s), hi = segment_end(j, n, s);
-    for (int64_t i = lo; i < hi; ++i) (*e)[j * n + i] = T(1) / T(hi - lo);
+    for (int64_t i = lo; i < hi; ++i) e[j * n + i] = T(1) / T(hi - lo);
   }
-  return {"linformer pooled", s,
-          [e](const Data& x, TensorView<const T> v) { return linformer_attention<T>(x.q, x.k, v, *e, *e); },
-          [e](const Data& x) {
-            auto g = linformer_attention_backward<T>(x.q, x.k, x.v, *e, *e, x.dout);
-            return AttentionGrads<T>{std::move(g.dq), std::move(g.dk), std::move(g.dv)};
-          }};
-}
-
-Approx efficient() {
-  return {"efficient attention", 0,
-          [](const Data& x, TensorView<const T> v) { return efficient_attention<T>(x.q, x.k, v); },
-          [](const Data& x) { return efficient_attention_backward<T>(x.q, x.k, x.v, x.dout); }};
+  return e;
 }
 
 double rel_err(const std::vector<const Tensor<T>*>& got, const std::vector<const Tensor<T>*>& want) {
@@ -134,19 +102,39 @@ double rel_err(const std::vector<const Tensor<T>*>& got, const std::vector<const
   return std::sqrt(num / den);
 }
 
-// Methods at the sizes of a study; `sizes` false: each at its default size only.
-std::vector<Approx> methods(bool sizes, int64_t n, int64_t d, uint64_t seed) {
+// Every registered approximation at the sizes of a study (`sizes` false: its default size only).
+// Methods that take a random-feature projection are studied with each kind of projection,
+// methods that take sequence projections E, F also with pooling ones.
+std::vector<Approx> methods(bool sizes, int64_t H, int64_t n, int64_t d, uint64_t seed) {
   std::vector<Approx> out;
-  const std::vector<int64_t> feat = sizes ? std::vector<int64_t>{16, 32, 64, 128, 256, 512} : std::vector<int64_t>{256};
-  const std::vector<int64_t> land = sizes ? std::vector<int64_t>{8, 16, 32, 64, 128, 256} : std::vector<int64_t>{64};
-  for (int64_t m : feat) out.push_back(favor("orthogonal", m, seed, d));
-  for (int64_t m : feat) out.push_back(favor("iid", m, seed, d));
-  for (int64_t m : feat) out.push_back(favor("quantile", m, seed, d));
-  for (int64_t m : land) out.push_back(nystrom(m));
-  for (int64_t s : feat) out.push_back(linformer(s, n, seed));
-  for (int64_t s : feat) out.push_back(linformer_pooled(s, n));
-  out.push_back(elu());
-  out.push_back(efficient());
+  for (const MethodInfo& info : linattn::methods()) {
+    if (info.exact) continue;
+    std::vector<int64_t> size_list{info.default_size};
+    if (sizes && !info.size_name.empty())
+      size_list = info.option(info.size_name) ? std::vector<int64_t>{8, 16, 32, 64, 128, 256}
+                                              : std::vector<int64_t>{16, 32, 64, 128, 256, 512};
+    for (const int64_t size : size_list) {
+      auto tensors = info.f64.example_tensors(H, d, n, size, seed);
+      const auto has = [&](const char* name) {
+        return std::any_of(tensors.begin(), tensors.end(), [&](const auto& t) { return t.first == name; });
+      };
+      if (has("projection")) {
+        for (const char* kind : {"orthogonal", "iid", "quantile"}) {
+          std::vector<std::pair<std::string, Tensor<T>>> t;
+          t.emplace_back("projection", random_features<T>(size, d, kind, seed));
+          out.push_back(registered(info, info.label + " " + kind, size, std::move(t)));
+        }
+        continue;
+      }
+      out.push_back(registered(info, info.label, size, std::move(tensors)));
+      if (has("e")) {
+        std::vector<std::pair<std::string, Tensor<T>>> t;
+        t.emplace_back("e", pooling(size, n));
+        t.emplace_back("f", pooling(size, n));
+        out.push_back(registered(info, info.label + " pooled", size, std::move(t)));
+      }
+    }
+  }
   return out;
 }
 
@@ -172,7 +160,7 @@ void error_study(const AccuracyOptions& o, const std::string& file, const std::s
           const Data x = make_data(input, o.heads, n, o.head_dim, sigma, static_cast<uint64_t>(seed));
           const auto exact = softmax_attention<T>(x.q, x.k, x.v);
           const auto exact_g = softmax_attention_backward<T>(x.q, x.k, x.v, x.dout, exact.out, exact.lse);
-          for (const Approx& a : methods(varying == "size", n, o.head_dim, static_cast<uint64_t>(seed))) {
+          for (const Approx& a : methods(varying == "size", o.heads, n, o.head_dim, static_cast<uint64_t>(seed))) {
             const auto out = a.forward(x, x.v);
             const auto g = a.backward(x);
             csv << input << ",\"" << a.name << "\"," << a.size << ',' << n << ',' << sigma << ',' << seed << ','
@@ -253,10 +241,10 @@ void rank_study(const AccuracyOptions& o) {
   for (const char* input : {"gaussian", "clustered"}) {
     progress(std::string("rank: ") + input);
     const Data x = make_data(input, 1, n, d, 1.0, 0);
-    std::vector<Approx> all{{"exact softmax", 0,
-                             [](const Data& x, TensorView<const T> v) { return softmax_attention<T>(x.q, x.k, v).out; },
-                             nullptr}};
-    for (const Approx& a : methods(false, n, d, 0)) all.push_back(a);
+    std::vector<Approx> all;
+    for (const MethodInfo& info : linattn::methods())
+      if (info.exact) all.push_back(registered(info, info.label, 0, {}));
+    for (const Approx& a : methods(false, 1, n, d, 0)) all.push_back(a);
     for (const Approx& a : all) {
       const auto A = a.forward(x, eye.view());
       const auto s = singular_values(A.data(), n);

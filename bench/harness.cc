@@ -9,10 +9,14 @@
 #include <thread>
 #include <vector>
 
+#include <cstdlib>
+#include <filesystem>
+#include <stdexcept>
+
 #include "linattn/core/blas.h"
-#include "linattn/memory.h"
-#include "linattn/core/simd.h"
+#include "linattn/core/error.h"
 #include "linattn/core/parallel.h"
+#include "linattn/linattn.h"
 
 namespace linattn::bench {
 namespace {
@@ -21,9 +25,9 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// A field of /proc/self/status in bytes (e.g. "VmHWM:"), or -1.
-int64_t proc_status_bytes(const std::string& key) {
-  std::ifstream f("/proc/self/status");
+// A field of a /proc file in kB, in bytes (e.g. "VmHWM:" of /proc/self/status), or -1.
+int64_t proc_field_bytes(const char* file, const std::string& key) {
+  std::ifstream f(file);
   std::string line;
   while (std::getline(f, line))
     if (line.rfind(key, 0) == 0) {
@@ -34,6 +38,8 @@ int64_t proc_status_bytes(const std::string& key) {
     }
   return -1;
 }
+int64_t proc_status_bytes(const std::string& key) { return proc_field_bytes("/proc/self/status", key); }
+int64_t proc_meminfo_bytes(const std::string& key) { return proc_field_bytes("/proc/meminfo", key); }
 
 bool reset_rss_high_water_mark() {
   std::ofstream f("/proc/self/clear_refs");
@@ -116,8 +122,39 @@ std::string machine_summary() {
     }
   std::ostringstream os;
   os << std::thread::hardware_concurrency() << " cores (" << cpu << "), " << num_threads()
-     << " linattn threads, BLAS " << blas_name() << ", SIMD " << simd::target_name();
+     << " linattn threads, " << build_info();
   return os.str();
+}
+
+std::string scripts_dir() {
+  if (const char* env = std::getenv("LINATTN_BENCH_DIR")) return env;
+  std::error_code ec;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) throw std::runtime_error("cannot find the program's own path (/proc/self/exe): " + ec.message());
+  return (exe.parent_path().parent_path() / "share" / "linattn" / "bench").string();
+}
+
+std::string python() {
+  if (const char* env = std::getenv("LINATTN_PYTHON")) return env;
+  return "python3";
+}
+
+void require_writable_dir(const std::string& flag, const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) throw std::runtime_error(flag + " " + dir + ": cannot create the folder (" + ec.message() + ")");
+  const std::filesystem::path probe = std::filesystem::path(dir) / ".linattn-write-test";
+  std::ofstream f(probe);
+  if (!f) throw std::runtime_error(flag + " " + dir + ": cannot write there");
+  f.close();
+  std::filesystem::remove(probe, ec);
+}
+
+void require_memory(const std::string& what, double bytes) {
+  const int64_t available = proc_meminfo_bytes("MemAvailable:");
+  if (available > 0 && bytes > static_cast<double>(available))
+    throw std::runtime_error(what + " needs " + human_bytes(static_cast<int64_t>(std::min(bytes, 9e18))) +
+                             "; this machine has " + human_bytes(available) + " available");
 }
 
 std::string human_bytes(int64_t bytes) {
@@ -125,8 +162,10 @@ std::string human_bytes(int64_t bytes) {
   char buf[32];
   if (bytes < (1 << 20))
     std::snprintf(buf, sizeof buf, "%.1f KiB", bytes / 1024.0);
-  else
+  else if (bytes < (int64_t{1} << 30))
     std::snprintf(buf, sizeof buf, "%.1f MiB", bytes / 1048576.0);
+  else
+    return linattn::human_bytes(static_cast<double>(bytes));
   return buf;
 }
 

@@ -35,4 +35,18 @@ PeakMemory measure_peak_memory(const std::function<void()>& fn);
 std::string machine_summary();  // cores, CPU model, BLAS, SIMD target
 std::string human_bytes(int64_t bytes);
 
+// Where the benchmarks' Python helpers (torch_bench.py, plot_bench.py, plot_accuracy.py) are:
+// share/linattn/bench beside the program's own folder (the build tree and an installation lay
+// them out alike). LINATTN_BENCH_DIR overrides.
+std::string scripts_dir();
+// The Python interpreter for them: LINATTN_PYTHON if set, else python3 from PATH.
+std::string python();
+
+// Makes `dir` (and its parents) and checks a file can be written there; throws
+// std::runtime_error with a one-line reason naming `flag` otherwise.
+void require_writable_dir(const std::string& flag, const std::string& dir);
+// Throws std::runtime_error naming `what` when `bytes` exceed the memory this machine has
+// available now (MemAvailable), so a run that cannot fit ends with a message, not the OOM killer.
+void require_memory(const std::string& what, double bytes);
+
 }  // namespace linattn::bench

@@ -2,23 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
-#include <memory>
 #include <fstream>
-#include <optional>
+#include <memory>
 #include <stdexcept>
 
 #include "linattn/core/random.h"
-#include "linattn/random_features.h"
-#include "linattn/efficient.h"
-#include "linattn/kernelized.h"
-#include "linattn/linformer.h"
-#include "linattn/nystrom.h"
-#include "linattn/softmax.h"
+#include "linattn/reference_registry.h"
 #include "linattn/softmax/reference.h"
-#include "linattn/kernelized/reference.h"
-#include "linattn/nystrom/reference.h"
-#include "linattn/linformer/reference.h"
-#include "linattn/efficient/reference.h"
 
 namespace linattn::bench {
 
@@ -40,275 +30,153 @@ void write_raw(const std::string& path, const Tensor<float>& t) {
   if (!f) throw std::runtime_error("cannot write " + path);
 }
 
-// Visible (query, key) pairs per head: n² without a mask, n(n+1)/2 causal.
-double score_pairs(const Problem& p, bool causal) {
-  const double n = static_cast<double>(p.n);
-  return causal ? n * (n + 1) / 2 : n * n;
-}
-
-Method softmax_method(bool causal) {
-  Method m;
-  m.name = causal ? "exact softmax (causal)" : "exact softmax";
-  m.causal = causal;
-  // Forward: two products per visible pair (q·k and p·v), 2 FLOPs per multiply-add.
-  m.forward_flops = [causal](const Problem& p) {
-    return 4.0 * p.head_dim * score_pairs(p, causal) * p.batch * p.heads;
-  };
-  // Backward: five products (recomputed S, dV, dP, dK, dQ): 2.5× the forward.
-  m.backward_flops = [causal](const Problem& p) {
-    return 10.0 * p.head_dim * score_pairs(p, causal) * p.batch * p.heads;
-  };
-  AttentionOptions opts;
-  opts.causal = causal;
-  m.forward = [opts](const Inputs& in) { return softmax_attention<float>(in.q, in.k, in.v, opts).out; };
-  m.forward_backward = [opts](const Inputs& in) {
-    const auto f = softmax_attention<float>(in.q, in.k, in.v, opts);
-    const auto g = softmax_attention_backward<float>(in.q, in.k, in.v, in.dout, f.out, f.lse, opts);
-    (void)g;
-  };
-  m.own_error = [m](const Inputs& in, const Tensor<float>& out, int64_t rows) {
-    return error_vs_exact(m, in, out, rows);
-  };
-  return m;
-}
-
-Tensor<double> to_double(const Tensor<float>& x) {
-  Tensor<double> y(x.shape());
-  for (int64_t i = 0; i < x.size(); ++i) y[i] = x[i];
+Tensor<double> to_double(TensorView<const float> x) {
+  Tensor<double> y(x.shape);
+  for (int64_t i = 0; i < x.size(); ++i) y[i] = x.data[i];
   return y;
 }
 
-// Rows of head bh of a [B,H,n,D] tensor as an [n, D] float64 matrix.
-Tensor<double> head_rows(const Tensor<float>& x, int64_t bh) {
-  const int64_t n = x.dim(2), D = x.dim(3);
-  Tensor<double> y({n, D});
-  for (int64_t i = 0; i < n * D; ++i) y[i] = x[bh * n * D + i];
+AttentionShape shape_of(const Problem& p) {
+  return {p.batch, p.heads, p.n, p.n, p.head_dim, p.head_dim};
+}
+
+// Rows [0, rows) of a [B,H,n,D] tensor.
+Tensor<double> first_rows(const Tensor<double>& x, int64_t rows) {
+  const int64_t BH = x.dim(0) * x.dim(1), n = x.dim(2), D = x.dim(3);
+  Tensor<double> y({x.dim(0), x.dim(1), rows, D});
+  for (int64_t bh = 0; bh < BH; ++bh)
+    std::copy(x.data() + bh * n * D, x.data() + (bh * n + rows) * D, y.data() + bh * rows * D);
   return y;
 }
 
-// Sampled rows of kernelized attention from the float64 reference features:
-// out_i = Σ_j (φq_i·φk_j) v_j / (Σ_j φq_i·φk_j + eps) over j < n (or j <= i causal).
-double kernelized_own_error(const Inputs& in, const Tensor<float>& out, int64_t sample_rows,
-                            const std::string& name, const Tensor<double>* w, bool causal,
-                            double eps) {
-  const int64_t BH = in.q.dim(0) * in.q.dim(1), n = in.q.dim(2), dv = in.v.dim(3);
-  const double scale = 1 / std::sqrt(double(in.q.dim(3)));
-  double max_err = 0, max_ref = 0;
-  for (int64_t bh = 0; bh < BH; ++bh) {
-    std::optional<TensorView<const double>> proj;
-    if (w) proj = w->view();
-    const auto fq = reference::features(head_rows(in.q, bh), name, proj, scale);
-    const auto fk = reference::features(head_rows(in.k, bh), name, proj, scale);
-    const int64_t m = fq.dim(1), rows = std::min(sample_rows, n);
-    for (int64_t s = 0; s < rows; ++s) {
-      const int64_t i = s * n / rows, nvis = causal ? i + 1 : n;
-      std::vector<double> num(dv, 0.0);
-      double den = eps;
-      for (int64_t j = 0; j < nvis; ++j) {
-        double a = 0;
-        for (int64_t r = 0; r < m; ++r) a += fq[i * m + r] * fk[j * m + r];
-        den += a;
-        for (int64_t c = 0; c < dv; ++c) num[c] += a * in.v.view().row(bh, j)[c];
-      }
-      for (int64_t c = 0; c < dv; ++c) {
-        const double ref = den != 0 ? num[c] / den : 0.0;
-        max_err = std::max(max_err, std::abs(out.view().row(bh, i)[c] - ref));
-        max_ref = std::max(max_ref, std::abs(ref));
-      }
-    }
-  }
-  return max_ref > 0 ? max_err / max_ref : max_err;
-}
-
-Method linear_method(const std::string& map, bool causal) {
-  Method m;
-  m.name = "linear " + map + (causal ? " (causal)" : "");
-  m.causal = causal;
-  // φ(q)·KV and KV = φ(k)ᵀV (2·n·d·d_v each) plus the normaliser; the convention
-  // 4·n·m·(d + d_v) with m = d counts the feature products FAVOR has and this map has not.
-  m.forward_flops = [](const Problem& p) {
-    return 4.0 * p.n * p.head_dim * (p.head_dim + p.head_dim) * p.batch * p.heads;
-  };
-  m.backward_flops = [m](const Problem& p) { return 2 * m.forward_flops(p); };
-  LinearAttentionOptions o;
-  o.feature_map = map;
-  o.causal = causal;
-  m.forward = [o](const Inputs& in) { return linear_attention<float>(in.q, in.k, in.v, o); };
-  m.forward_backward = [o](const Inputs& in) {
-    (void)linear_attention<float>(in.q, in.k, in.v, o);
-    (void)linear_attention_backward<float>(in.q, in.k, in.v, in.dout, o);
-  };
-  m.own_error = [map, causal, o](const Inputs& in, const Tensor<float>& out, int64_t rows) {
-    return kernelized_own_error(in, out, rows, map, nullptr, causal, o.eps);
-  };
-  return m;
-}
-
-Method favor_method(int64_t features, bool causal) {
-  Method m;
-  m.name = "favor+ m=" + std::to_string(features) + (causal ? " (causal)" : "");
-  m.causal = causal;
-  // Per head: φ(q), φ(k) (2·n·m·d each), KV and φ(q)·KV (2·n·m·d_v each): 4·n·m·(d + d_v).
-  m.forward_flops = [features](const Problem& p) {
-    return 4.0 * p.n * features * (p.head_dim + p.head_dim) * p.batch * p.heads;
-  };
-  m.backward_flops = [m](const Problem& p) { return 2 * m.forward_flops(p); };
-  auto w = std::make_shared<Tensor<float>>();
-  auto wd = std::make_shared<Tensor<double>>();
-  FavorOptions o;
-  o.causal = causal;
-  auto projection = [w, wd, features](int64_t d) {
-    if (w->size() == 0 || w->dim(1) != d) {
-      *w = random_features<float>(features, d, FeatureKind::Orthogonal, 42);
-      *wd = Tensor<double>(w->shape());
-      for (int64_t i = 0; i < w->size(); ++i) (*wd)[i] = (*w)[i];
-    }
-    return w;
-  };
-  m.forward = [o, projection](const Inputs& in) {
-    return favor_attention<float>(in.q, in.k, in.v, *projection(in.q.dim(3)), o);
-  };
-  m.forward_backward = [o, projection](const Inputs& in) {
-    const auto& pw = *projection(in.q.dim(3));
-    (void)favor_attention<float>(in.q, in.k, in.v, pw, o);
-    (void)favor_attention_backward<float>(in.q, in.k, in.v, pw, in.dout, o);
-  };
-  m.own_error = [projection, wd, causal](const Inputs& in, const Tensor<float>& out, int64_t rows) {
-    projection(in.q.dim(3));
-    return kernelized_own_error(in, out, rows, "positive", wd.get(), causal, 0.0);
-  };
-  m.write_parameters = [projection, features](const Problem& p, const std::string& dir) {
-    write_raw(dir + "/favor_w_" + std::to_string(features) + ".f32", *projection(p.head_dim));
-  };
-  return m;
-}
-
-
-// Largest |out − ref| / max|ref| over sampled rows of every (batch, head) of [B,H,n,d_v] tensors.
-double sampled_error(const Tensor<float>& out, const Tensor<double>& ref, int64_t sample_rows) {
-  const int64_t BH = out.dim(0) * out.dim(1), n = out.dim(2), dv = out.dim(3),
-                rows = std::min(sample_rows, n);
+// Largest |out − ref| / max|ref| over `rows` of every (b, h): out row rows_out[s] against ref
+// row s of a [B,H,S,d_v] reference.
+double compare_rows(const Tensor<float>& out, const Tensor<double>& ref, const std::vector<int64_t>& rows) {
+  const int64_t BH = out.dim(0) * out.dim(1), n = out.dim(2), dv = out.dim(3), S = ref.dim(2);
   double max_err = 0, max_ref = 0;
   for (int64_t bh = 0; bh < BH; ++bh)
-    for (int64_t s = 0; s < rows; ++s) {
-      const int64_t i = s * n / rows;
+    for (size_t s = 0; s < rows.size(); ++s)
       for (int64_t c = 0; c < dv; ++c) {
-        const double r = ref[(bh * n + i) * dv + c];
-        max_err = std::max(max_err, std::abs(out.view().row(bh, i)[c] - r));
+        const double r = ref[(bh * S + static_cast<int64_t>(s)) * dv + c];
+        max_err = std::max(max_err, std::abs(out[(bh * n + rows[s]) * dv + c] - r));
         max_ref = std::max(max_ref, std::abs(r));
       }
-    }
   return max_ref > 0 ? max_err / max_ref : max_err;
 }
 
-Method nystrom_method(int64_t landmarks) {
-  Method m;
-  m.name = "nystrom m=" + std::to_string(landmarks);
-  NystromOptions o;
-  o.num_landmarks = landmarks;
-  // Per head, with m landmarks and T pinv iterations: softmax(QK̃ᵀ)·Y and softmax(Q̃Kᵀ)·V
-  // (2·n·m·d + 2·n·m·d_v each), the m×m kernel and Y = Z·W (2m²(d + d_v)), and four m×m
-  // products (2m³ each) per iteration.
-  m.forward_flops = [o](const Problem& p) {
-    const double n = p.n, mm = std::min<int64_t>(o.num_landmarks, p.n), d = p.head_dim;
-    return (4 * n * mm * (d + d) + 2 * mm * mm * (d + d) + 8.0 * o.pinv_iterations * mm * mm * mm) *
-           p.batch * p.heads;
-  };
-  // The backward's products (backward.cc): n·m·(12d + 10d_v) for the recomputed and adjoint
-  // products over the sequence, 22 m×m products per pinv iteration, and the m×m terms.
-  m.backward_flops = [o](const Problem& p) {
-    const double n = p.n, mm = std::min<int64_t>(o.num_landmarks, p.n), d = p.head_dim;
-    return (n * mm * (12 * d + 10 * d) + 8 * mm * mm * (d + d) + 22.0 * o.pinv_iterations * mm * mm * mm) *
-           p.batch * p.heads;
-  };
-  m.forward = [o](const Inputs& in) { return nystrom_attention<float>(in.q, in.k, in.v, o); };
-  m.forward_backward = [o](const Inputs& in) {
-    (void)nystrom_attention<float>(in.q, in.k, in.v, o);
-    (void)nystrom_attention_backward<float>(in.q, in.k, in.v, in.dout, o);
-  };
-  m.own_error = [o](const Inputs& in, const Tensor<float>& out, int64_t rows) {
-    const auto ref = reference::nystrom_attention(to_double(in.q), to_double(in.k), to_double(in.v), o,
-                                                  std::nullopt);
-    return sampled_error(out, ref.value, rows);
-  };
-  return m;
+// Rows `rows` of every (b, h) of a [B,H,n,D] tensor, as [B,H,rows.size(),D].
+Tensor<double> pick_rows(const Tensor<double>& x, const std::vector<int64_t>& rows) {
+  const int64_t BH = x.dim(0) * x.dim(1), D = x.dim(3), S = static_cast<int64_t>(rows.size());
+  Tensor<double> y({x.dim(0), x.dim(1), S, D});
+  for (int64_t bh = 0; bh < BH; ++bh)
+    for (int64_t s = 0; s < S; ++s)
+      std::copy(x.view().row(bh, rows[s]), x.view().row(bh, rows[s]) + D, y.view().row(bh, s));
+  return y;
 }
 
-Method linformer_method(int64_t s_proj) {
-  Method m;
-  m.name = "linformer s=" + std::to_string(s_proj);
-  // Per head: K' = E·K, V' = F·V, Q·K'ᵀ and P·V': 4·n·s·(d + d_v).
-  m.forward_flops = [s_proj](const Problem& p) {
-    return 4.0 * p.n * s_proj * (p.head_dim + p.head_dim) * p.batch * p.heads;
-  };
-  // Backward (linformer.cc): n·s·(12d + 10d_v).
-  m.backward_flops = [s_proj](const Problem& p) {
-    return 1.0 * p.n * s_proj * (12 * p.head_dim + 10 * p.head_dim) * p.batch * p.heads;
-  };
-  // E, F [s, n] shared by heads, as linformer_projections draws them, for the current n.
-  auto ef = std::make_shared<std::pair<Tensor<float>, Tensor<float>>>();
-  auto projections = [ef, s_proj](int64_t n) {
-    if (ef->first.size() == 0 || ef->first.dim(1) != n) *ef = linformer_projections<float>(s_proj, n, 0, 42);
-    return ef;
-  };
-  m.forward = [projections](const Inputs& in) {
-    const auto ef = projections(in.k.dim(2));
-    return linformer_attention<float>(in.q, in.k, in.v, ef->first, ef->second);
-  };
-  m.forward_backward = [projections](const Inputs& in) {
-    const auto ef = projections(in.k.dim(2));
-    (void)linformer_attention<float>(in.q, in.k, in.v, ef->first, ef->second);
-    (void)linformer_attention_backward<float>(in.q, in.k, in.v, ef->first, ef->second, in.dout);
-  };
-  m.own_error = [projections](const Inputs& in, const Tensor<float>& out, int64_t rows) {
-    const auto ef = projections(in.k.dim(2));
-    const auto ref = reference::linformer_attention(to_double(in.q), to_double(in.k), to_double(in.v),
-                                                    to_double(ef->first), to_double(ef->second), {});
-    return sampled_error(out, ref.value, rows);
-  };
-  m.write_parameters = [projections, s_proj](const Problem& p, const std::string& dir) {
-    const auto ef = projections(p.n);
-    write_raw(dir + "/linformer_" + std::to_string(s_proj) + "_e.f32", ef->first);
-    write_raw(dir + "/linformer_" + std::to_string(s_proj) + "_f.f32", ef->second);
-  };
-  return m;
+std::vector<int64_t> sample_rows(int64_t n, int64_t count) {
+  std::vector<int64_t> rows;
+  const int64_t c = std::min(count, n);
+  for (int64_t s = 0; s < c; ++s) rows.push_back(s * n / c);
+  return rows;
 }
 
-Method efficient_method() {
+// The registry method at one size, causal or not, on the bench's inputs.
+Method make_method(const MethodInfo& info, int64_t size, bool causal) {
   Method m;
-  m.name = "efficient attention";
-  // Per head: G = ρ_kᵀV and ρ_q·G, 2·n·d·d_v each.
-  m.forward_flops = [](const Problem& p) {
-    return 4.0 * p.n * p.head_dim * p.head_dim * p.batch * p.heads;
+  m.info = &info;
+  m.causal = causal;
+  m.size = info.size_name.empty() ? 0 : size;
+  m.name = info.label + (m.size ? " " + info.size_symbol + "=" + std::to_string(m.size) : "") +
+           (causal ? " (causal)" : "");
+  const bool size_is_option = info.option(info.size_name) != nullptr;
+  // The extra tensors (projection, E and F) depend on the problem's heads, head_dim and n: made
+  // once per problem, float32 for the kernels and float64 for the reference.
+  struct Extra {
+    int64_t heads = -1, head_dim = -1, n = -1;
+    std::vector<std::pair<std::string, Tensor<float>>> f32;
+    std::vector<std::pair<std::string, Tensor<double>>> f64;
   };
-  // Backward (efficient.cc): five n·d·d_v products.
-  m.backward_flops = [](const Problem& p) {
-    return 10.0 * p.n * p.head_dim * p.head_dim * p.batch * p.heads;
+  auto extra = std::make_shared<Extra>();
+  auto args = [&info, extra, causal, size = m.size, size_is_option](const Problem& p, const Inputs* in) {
+    if (extra->heads != p.heads || extra->head_dim != p.head_dim || extra->n != p.n) {
+      extra->f32 = info.f32.example_tensors(p.heads, p.head_dim, p.n, size, 42);
+      extra->f64.clear();
+      for (const auto& [name, t] : extra->f32) extra->f64.emplace_back(name, to_double(t.view()));
+      extra->heads = p.heads, extra->head_dim = p.head_dim, extra->n = p.n;
+    }
+    MethodArgs<float> a;
+    if (in) a.q = in->q, a.k = in->k, a.v = in->v;
+    a.options["causal"] = causal;
+    if (size_is_option && size > 0) a.options[info.size_name] = size;
+    for (const auto& [name, t] : extra->f32) a.tensors[name] = t.view();
+    return a;
   };
-  m.forward = [](const Inputs& in) { return efficient_attention<float>(in.q, in.k, in.v); };
-  m.forward_backward = [](const Inputs& in) {
-    (void)efficient_attention<float>(in.q, in.k, in.v);
-    (void)efficient_attention_backward<float>(in.q, in.k, in.v, in.dout);
+  m.forward_flops = [&info, args](const Problem& p) { return info.flops(shape_of(p), args(p, nullptr), false); };
+  m.backward_flops = [&info, args](const Problem& p) { return info.flops(shape_of(p), args(p, nullptr), true); };
+  auto problem_of = [](const Inputs& in) {
+    return Problem{in.q.dim(0), in.q.dim(1), in.q.dim(2), in.q.dim(3), 0};
   };
-  m.own_error = [](const Inputs& in, const Tensor<float>& out, int64_t rows) {
-    const auto ref = reference::efficient_attention(to_double(in.q), to_double(in.k), to_double(in.v), {});
-    return sampled_error(out, ref.value, rows);
+  m.forward = [&info, args, problem_of](const Inputs& in) { return info.f32.forward(args(problem_of(in), &in)).out; };
+  m.forward_backward = [&info, args, problem_of](const Inputs& in) {
+    const MethodArgs<float> a = args(problem_of(in), &in);
+    MethodOutput<float> f = info.f32.forward(a);
+    std::map<std::string, TensorView<const float>, std::less<>> saved{{"out", f.out.view()}};
+    for (const auto& [name, t] : f.saved) saved[name] = t.view();
+    (void)info.f32.backward(a, in.dout, saved);
   };
+  // The float64 reference is O(n²): for sampled rows, as one-row problems where rows are
+  // independent (non-causal), on the first 512 positions (causal: they do not see later ones),
+  // or whole (Nyström, whose landmarks pool every query).
+  m.own_error = [&info, args, problem_of, causal, extra](const Inputs& in, const Tensor<float>& out, int64_t count) {
+    const auto& ref = reference::reference_of(info.name);
+    const Problem p = problem_of(in);
+    args(p, &in);  // makes the extra tensors
+    MethodArgs<double> a;
+    a.options["causal"] = causal;
+    for (const auto& [name, value] : args(p, nullptr).options) a.options[name] = value;
+    for (const auto& [name, t] : extra->f64) a.tensors[name] = t.view();
+    Tensor<double> q = to_double(in.q), k = to_double(in.k), v = to_double(in.v);
+    a.k = k, a.v = v;
+    if (!ref.rows_independent) {
+      a.q = q;
+      return compare_rows(out, pick_rows(ref.forward(a), sample_rows(p.n, count)), sample_rows(p.n, count));
+    }
+    if (causal) {
+      const int64_t n = std::min<int64_t>(p.n, 512);
+      Tensor<double> qn = first_rows(q, n), kn = first_rows(k, n), vn = first_rows(v, n);
+      a.q = qn, a.k = kn, a.v = vn;
+      return compare_rows(out, pick_rows(ref.forward(a), sample_rows(n, count)), sample_rows(n, count));
+    }
+    const std::vector<int64_t> rows = sample_rows(p.n, count);
+    Tensor<double> qs({p.batch, p.heads, static_cast<int64_t>(rows.size()), p.head_dim});
+    for (int64_t bh = 0; bh < p.batch * p.heads; ++bh)
+      for (size_t s = 0; s < rows.size(); ++s)
+        std::copy(q.view().row(bh, rows[s]), q.view().row(bh, rows[s]) + p.head_dim,
+                  qs.view().row(bh, static_cast<int64_t>(s)));
+    a.q = qs;
+    return compare_rows(out, ref.forward(a), rows);
+  };
+  if (!info.f32.example_tensors(1, 1, 1, m.size, 42).empty())
+    m.write_parameters = [&info, args, extra, size = m.size](const Problem& p, const std::string& dir) {
+      args(p, nullptr);
+      for (const auto& [name, t] : extra->f32)
+        write_raw(dir + "/" + info.name + "_" + name + "_" + std::to_string(size) + ".f32", t);
+    };
   return m;
 }
 
 }  // namespace
 
-std::vector<Method> all_methods(const MethodSizes& z) {
-  return {softmax_method(false),
-          softmax_method(true),
-          linear_method("elu", false),
-          linear_method("elu", true),
-          favor_method(z.favor_features, false),
-          favor_method(z.favor_features, true),
-          nystrom_method(z.landmarks),
-          linformer_method(z.linformer_proj),
-          efficient_method()};
+std::vector<Method> all_methods(const MethodSizes& sizes) {
+  std::vector<Method> out;
+  for (const MethodInfo& info : methods()) {
+    const auto it = sizes.find(info.size_name);
+    const int64_t size = it != sizes.end() ? it->second : info.default_size;
+    out.push_back(make_method(info, size, false));
+    if (info.no_causal.empty()) out.push_back(make_method(info, size, true));
+  }
+  return out;
 }
 
 double error_vs_exact(const Method& m, const Inputs& in, const Tensor<float>& out,

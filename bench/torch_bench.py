@@ -181,14 +181,14 @@ def prepare(r, cache):
     m = d
     if name.startswith("favor+"):
         m = int(name.split("m=")[1].split()[0])
-        extra["favor_w"] = load(os.path.join(key, "favor_w_%d.f32" % m), (m, d))
+        extra["favor_w"] = load(os.path.join(key, "favor_projection_%d.f32" % m), (m, d))
     if name.startswith("nystrom"):
         extra["landmarks"] = m = int(name.split("m=")[1].split()[0])
     if name.startswith("linformer"):
         s = int(name.split("s=")[1].split()[0])
         m = s
-        extra["linformer_e"] = load(os.path.join(key, "linformer_%d_e.f32" % s), (s, n))
-        extra["linformer_f"] = load(os.path.join(key, "linformer_%d_f.f32" % s), (s, n))
+        extra["linformer_e"] = load(os.path.join(key, "linformer_e_%d.f32" % s), (s, n))
+        extra["linformer_f"] = load(os.path.join(key, "linformer_f_%d.f32" % s), (s, n))
     need = bytes_needed(name, causal, B, H, n, d, m, backward)
 
     if backward:

@@ -5,6 +5,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <deque>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -15,7 +17,6 @@
 #include "linattn/linattn.h"
 
 namespace py = pybind11;
-using linattn::AttentionOptions;
 using linattn::Tensor;
 using linattn::TensorView;
 
@@ -106,14 +107,6 @@ std::optional<double> as_scale(const char* fn, const py::object& scale) {
   return scale.cast<double>();
 }
 
-AttentionOptions make_options(const char* fn, bool causal, const py::object& scale,
-                              const py::object& key_lengths) {
-  AttentionOptions o;
-  o.causal = causal;
-  o.scale = as_scale(fn, scale);
-  o.key_lengths = as_lengths(fn, key_lengths);
-  return o;
-}
 
 // Hands a tensor's memory to NumPy without a copy.
 template <class T>
@@ -122,62 +115,6 @@ py::array to_numpy(Tensor<T>&& t) {
   py::capsule free_when_done(owned, [](void* p) { delete static_cast<Tensor<T>*>(p); });
   return py::array_t<T>(owned->shape(), owned->data(), free_when_done);
 }
-
-py::object softmax_attention(const py::object& q, const py::object& k, const py::object& v,
-                             bool causal, const py::object& scale, const py::object& key_lengths,
-                             bool return_lse) {
-  const char* fn = "softmax_attention";
-  const Array Q = as_array(fn, "q", q), K = as_array(fn, "k", k), V = as_array(fn, "v", v);
-  const AttentionOptions o = make_options(fn, causal, scale, key_lengths);
-  auto run = [&](auto tag) -> py::object {
-    using T = decltype(tag);
-    linattn::SoftmaxAttentionResult<T> r;
-    {
-      py::gil_scoped_release nogil;
-      r = linattn::softmax_attention<T>(Q.view<T>(), K.view<T>(), V.view<T>(), o);
-    }
-    if (return_lse) return py::make_tuple(to_numpy(std::move(r.out)), to_numpy(std::move(r.lse)));
-    return to_numpy(std::move(r.out));
-  };
-  return common_dtype(fn, {{"q", &Q}, {"k", &K}, {"v", &V}}) == DType::F32 ? run(float{})
-                                                                           : run(double{});
-}
-
-py::tuple softmax_attention_backward(const py::object& q, const py::object& k,
-                                     const py::object& v, const py::object& dout, bool causal,
-                                     const py::object& scale, const py::object& key_lengths,
-                                     const py::object& out, const py::object& lse) {
-  const char* fn = "softmax_attention_backward";
-  const Array Q = as_array(fn, "q", q), K = as_array(fn, "k", k), V = as_array(fn, "v", v),
-              G = as_array(fn, "dout", dout);
-  const AttentionOptions o = make_options(fn, causal, scale, key_lengths);
-  if (out.is_none() != lse.is_none())
-    throw py::value_error(std::string(fn) + ": pass both out and lse (from the forward), or neither");
-  std::optional<Array> O, L;
-  std::vector<std::pair<const char*, const Array*>> all{{"q", &Q}, {"k", &K}, {"v", &V}, {"dout", &G}};
-  if (!out.is_none()) {
-    O = as_array(fn, "out", out);
-    L = as_array(fn, "lse", lse);
-    all.push_back({"out", &*O});
-    all.push_back({"lse", &*L});
-  }
-  auto run = [&](auto tag) -> py::tuple {
-    using T = decltype(tag);
-    linattn::AttentionGrads<T> g;
-    {
-      py::gil_scoped_release nogil;
-      g = O ? linattn::softmax_attention_backward<T>(Q.view<T>(), K.view<T>(), V.view<T>(),
-                                                     G.view<T>(), O->view<T>(), L->view<T>(), o)
-            : linattn::softmax_attention_backward<T>(Q.view<T>(), K.view<T>(), V.view<T>(),
-                                                     G.view<T>(), o);
-    }
-    return py::make_tuple(to_numpy(std::move(g.dq)), to_numpy(std::move(g.dk)),
-                          to_numpy(std::move(g.dv)));
-  };
-  return common_dtype(fn, all) == DType::F32 ? run(float{}) : run(double{});
-}
-
-// ---- kernelized --------------------------------------------------------------------------
 
 DType dtype_arg(const char* fn, const py::object& dtype) {
   const py::dtype dt = py::dtype::from_args(dtype);
@@ -205,126 +142,6 @@ py::array chi_quantile_radii(int64_t num_features, int64_t head_dim) {
   Tensor<double> t({num_features});
   std::copy(r.begin(), r.end(), t.data());
   return to_numpy(std::move(t));
-}
-
-linattn::LinearAttentionOptions linear_options(const char* fn, const std::string& feature_map,
-                                               bool causal, const py::object& key_lengths,
-                                               double eps, double focus_power) {
-  linattn::LinearAttentionOptions o;
-  o.feature_map = feature_map;
-  o.causal = causal;
-  o.key_lengths = as_lengths(fn, key_lengths);
-  o.eps = eps;
-  o.focus_power = focus_power;
-  return o;
-}
-
-py::object linear_attention(const py::object& q, const py::object& k, const py::object& v,
-                            const std::string& feature_map, bool causal,
-                            const py::object& key_lengths, double eps, double focus_power,
-                            const py::object& dwc_weight) {
-  const char* fn = "linear_attention";
-  const Array Q = as_array(fn, "q", q), K = as_array(fn, "k", k), V = as_array(fn, "v", v);
-  std::vector<std::pair<const char*, const Array*>> all{{"q", &Q}, {"k", &K}, {"v", &V}};
-  std::optional<Array> W;
-  if (!dwc_weight.is_none()) {
-    W = as_array(fn, "dwc_weight", dwc_weight);
-    all.push_back({"dwc_weight", &*W});
-  }
-  const auto o = linear_options(fn, feature_map, causal, key_lengths, eps, focus_power);
-  return by_dtype(common_dtype(fn, all), [&](auto tag) -> py::object {
-    using T = decltype(tag);
-    std::optional<TensorView<const T>> w;
-    if (W) w = W->view<T>();
-    Tensor<T> out;
-    {
-      py::gil_scoped_release nogil;
-      out = linattn::linear_attention<T>(Q.view<T>(), K.view<T>(), V.view<T>(), o, w);
-    }
-    return to_numpy(std::move(out));
-  });
-}
-
-py::tuple linear_attention_backward(const py::object& q, const py::object& k, const py::object& v,
-                                    const py::object& dout, const std::string& feature_map,
-                                    bool causal, const py::object& key_lengths, double eps,
-                                    double focus_power, const py::object& dwc_weight) {
-  const char* fn = "linear_attention_backward";
-  const Array Q = as_array(fn, "q", q), K = as_array(fn, "k", k), V = as_array(fn, "v", v),
-              G = as_array(fn, "dout", dout);
-  std::vector<std::pair<const char*, const Array*>> all{{"q", &Q}, {"k", &K}, {"v", &V}, {"dout", &G}};
-  std::optional<Array> W;
-  if (!dwc_weight.is_none()) {
-    W = as_array(fn, "dwc_weight", dwc_weight);
-    all.push_back({"dwc_weight", &*W});
-  }
-  const auto o = linear_options(fn, feature_map, causal, key_lengths, eps, focus_power);
-  return by_dtype(common_dtype(fn, all), [&](auto tag) -> py::tuple {
-    using T = decltype(tag);
-    std::optional<TensorView<const T>> w;
-    if (W) w = W->view<T>();
-    linattn::AttentionGrads<T> g;
-    {
-      py::gil_scoped_release nogil;
-      g = linattn::linear_attention_backward<T>(Q.view<T>(), K.view<T>(), V.view<T>(), G.view<T>(), o, w);
-    }
-    if (W)
-      return py::make_tuple(to_numpy(std::move(g.dq)), to_numpy(std::move(g.dk)),
-                            to_numpy(std::move(g.dv)), to_numpy(std::move(g.params[0].second)));
-    return py::make_tuple(to_numpy(std::move(g.dq)), to_numpy(std::move(g.dk)), to_numpy(std::move(g.dv)));
-  });
-}
-
-linattn::FavorOptions favor_options(const char* fn, const std::string& kernel, bool causal,
-                                    const py::object& key_lengths, const py::object& scale) {
-  linattn::FavorOptions o;
-  o.kernel = kernel;
-  o.causal = causal;
-  o.key_lengths = as_lengths(fn, key_lengths);
-  o.scale = as_scale(fn, scale);
-  return o;
-}
-
-py::array favor_attention(const py::object& q, const py::object& k, const py::object& v,
-                          const py::object& projection, const std::string& kernel, bool causal,
-                          const py::object& key_lengths, const py::object& scale) {
-  const char* fn = "favor_attention";
-  const Array Q = as_array(fn, "q", q), K = as_array(fn, "k", k), V = as_array(fn, "v", v),
-              W = as_array(fn, "projection", projection);
-  const auto o = favor_options(fn, kernel, causal, key_lengths, scale);
-  return by_dtype(common_dtype(fn, {{"q", &Q}, {"k", &K}, {"v", &V}, {"projection", &W}}),
-                  [&](auto tag) -> py::array {
-                    using T = decltype(tag);
-                    Tensor<T> out;
-                    {
-                      py::gil_scoped_release nogil;
-                      out = linattn::favor_attention<T>(Q.view<T>(), K.view<T>(), V.view<T>(), W.view<T>(), o);
-                    }
-                    return to_numpy(std::move(out));
-                  });
-}
-
-py::tuple favor_attention_backward(const py::object& q, const py::object& k, const py::object& v,
-                                   const py::object& projection, const py::object& dout,
-                                   const std::string& kernel, bool causal,
-                                   const py::object& key_lengths, const py::object& scale) {
-  const char* fn = "favor_attention_backward";
-  const Array Q = as_array(fn, "q", q), K = as_array(fn, "k", k), V = as_array(fn, "v", v),
-              W = as_array(fn, "projection", projection), G = as_array(fn, "dout", dout);
-  const auto o = favor_options(fn, kernel, causal, key_lengths, scale);
-  return by_dtype(
-      common_dtype(fn, {{"q", &Q}, {"k", &K}, {"v", &V}, {"projection", &W}, {"dout", &G}}),
-      [&](auto tag) -> py::tuple {
-        using T = decltype(tag);
-        linattn::AttentionGrads<T> g;
-        {
-          py::gil_scoped_release nogil;
-          g = linattn::favor_attention_backward<T>(Q.view<T>(), K.view<T>(), V.view<T>(), W.view<T>(),
-                                                   G.view<T>(), o);
-        }
-        return py::make_tuple(to_numpy(std::move(g.dq)), to_numpy(std::move(g.dk)),
-                              to_numpy(std::move(g.dv)));
-      });
 }
 
 // RecurrentState of either dtype behind one Python class.
@@ -414,8 +231,6 @@ PyRecurrentState recurrent_state(int64_t batch, int64_t heads, int64_t head_dim,
   });
 }
 
-// ---- Nyström, Linformer, Efficient Attention ----------------------------------------------
-
 // The tensor arguments of one call, by name; optional ones may be None. One dtype for all.
 class Inputs {
  public:
@@ -448,113 +263,6 @@ py::tuple numpy_tuple(Ts&&... ts) {
   return py::make_tuple(to_numpy(std::move(ts))...);
 }
 
-linattn::NystromOptions nystrom_options(const char* fn, int64_t num_landmarks, int64_t pinv_iterations,
-                                        const std::string& pinv, const py::object& key_lengths,
-                                        const py::object& scale, bool causal) {
-  linattn::NystromOptions o;
-  o.num_landmarks = num_landmarks;
-  o.pinv_iterations = pinv_iterations;
-  o.pinv = pinv;
-  o.key_lengths = as_lengths(fn, key_lengths);
-  o.scale = as_scale(fn, scale);
-  o.causal = causal;
-  return o;
-}
-
-py::array nystrom_attention(const py::object& q, const py::object& k, const py::object& v,
-                            int64_t num_landmarks, int64_t pinv_iterations, const std::string& pinv,
-                            const py::object& conv_weight, const py::object& key_lengths,
-                            const py::object& scale, bool causal) {
-  const char* fn = "nystrom_attention";
-  Inputs in(fn);
-  in.add("q", q).add("k", k).add("v", v).add("conv_weight", conv_weight);
-  const auto o = nystrom_options(fn, num_landmarks, pinv_iterations, pinv, key_lengths, scale, causal);
-  return by_dtype(in.dtype(), [&](auto tag) -> py::array {
-    using T = decltype(tag);
-    Tensor<T> out;
-    {
-      py::gil_scoped_release nogil;
-      out = linattn::nystrom_attention<T>(in.tensor<T>("q"), in.tensor<T>("k"),
-                                          in.tensor<T>("v"), o, in.optional<T>("conv_weight"));
-    }
-    return to_numpy(std::move(out));
-  });
-}
-
-py::tuple nystrom_attention_backward(const py::object& q, const py::object& k, const py::object& v,
-                                     const py::object& dout, int64_t num_landmarks,
-                                     int64_t pinv_iterations, const std::string& pinv,
-                                     const py::object& conv_weight, const py::object& key_lengths,
-                                     const py::object& scale, bool causal) {
-  const char* fn = "nystrom_attention_backward";
-  Inputs in(fn);
-  in.add("q", q).add("k", k).add("v", v).add("dout", dout).add("conv_weight", conv_weight);
-  const auto o = nystrom_options(fn, num_landmarks, pinv_iterations, pinv, key_lengths, scale, causal);
-  return by_dtype(in.dtype(), [&](auto tag) -> py::tuple {
-    using T = decltype(tag);
-    linattn::AttentionGrads<T> g;
-    {
-      py::gil_scoped_release nogil;
-      g = linattn::nystrom_attention_backward<T>(
-          in.tensor<T>("q"), in.tensor<T>("k"), in.tensor<T>("v"),
-          in.tensor<T>("dout"), o, in.optional<T>("conv_weight"));
-    }
-    if (conv_weight.is_none()) return numpy_tuple(std::move(g.dq), std::move(g.dk), std::move(g.dv));
-    return numpy_tuple(std::move(g.dq), std::move(g.dk), std::move(g.dv), std::move(g.params[0].second));
-  });
-}
-
-linattn::LinformerOptions linformer_options(const char* fn, const py::object& key_lengths,
-                                            const py::object& scale, bool causal) {
-  linattn::LinformerOptions o;
-  o.key_lengths = as_lengths(fn, key_lengths);
-  o.scale = as_scale(fn, scale);
-  o.causal = causal;
-  return o;
-}
-
-py::array linformer_attention(const py::object& q, const py::object& k, const py::object& v,
-                              const py::object& e, const py::object& f, const py::object& key_lengths,
-                              const py::object& scale, bool causal) {
-  const char* fn = "linformer_attention";
-  Inputs in(fn);
-  in.add("q", q).add("k", k).add("v", v).add("e", e).add("f", f);
-  const auto o = linformer_options(fn, key_lengths, scale, causal);
-  return by_dtype(in.dtype(), [&](auto tag) -> py::array {
-    using T = decltype(tag);
-    Tensor<T> out;
-    {
-      py::gil_scoped_release nogil;
-      out = linattn::linformer_attention<T>(in.tensor<T>("q"), in.tensor<T>("k"),
-                                            in.tensor<T>("v"), in.tensor<T>("e"),
-                                            in.tensor<T>("f"), o);
-    }
-    return to_numpy(std::move(out));
-  });
-}
-
-py::tuple linformer_attention_backward(const py::object& q, const py::object& k, const py::object& v,
-                                       const py::object& e, const py::object& f, const py::object& dout,
-                                       const py::object& key_lengths, const py::object& scale,
-                                       bool causal) {
-  const char* fn = "linformer_attention_backward";
-  Inputs in(fn);
-  in.add("q", q).add("k", k).add("v", v).add("e", e).add("f", f).add("dout", dout);
-  const auto o = linformer_options(fn, key_lengths, scale, causal);
-  return by_dtype(in.dtype(), [&](auto tag) -> py::tuple {
-    using T = decltype(tag);
-    linattn::AttentionGrads<T> g;
-    {
-      py::gil_scoped_release nogil;
-      g = linattn::linformer_attention_backward<T>(
-          in.tensor<T>("q"), in.tensor<T>("k"), in.tensor<T>("v"),
-          in.tensor<T>("e"), in.tensor<T>("f"), in.tensor<T>("dout"), o);
-    }
-    return numpy_tuple(std::move(g.dq), std::move(g.dk), std::move(g.dv), std::move(g.params[0].second),
-                       std::move(g.params[1].second));
-  });
-}
-
 py::tuple linformer_projections(int64_t s_proj, int64_t n_max, const py::object& heads, uint64_t seed,
                                 const py::object& dtype) {
   const char* fn = "linformer_projections";
@@ -571,51 +279,166 @@ py::tuple linformer_projections(int64_t s_proj, int64_t n_max, const py::object&
   });
 }
 
-linattn::EfficientAttentionOptions efficient_options(const char* fn, const py::object& key_lengths,
-                                                     const py::object& scale, bool causal) {
-  linattn::EfficientAttentionOptions o;
-  o.key_lengths = as_lengths(fn, key_lengths);
-  o.scale = as_scale(fn, scale);
-  o.causal = causal;
-  return o;
+
+// ---- the registered methods -------------------------------------------------------------------
+
+// One option's Python value as the registry's OptionValue, by the kind the method declares.
+// Types that do not fit are TypeErrors naming the function and the option.
+linattn::OptionValue option_value(const std::string& fn, const linattn::OptionInfo& o, const py::handle& x) {
+  using Kind = linattn::OptionInfo::Kind;
+  const std::string what = fn + ": " + o.name;
+  const bool is_bool = py::isinstance<py::bool_>(x) || py::str(py::type::of(x).attr("__name__")).cast<std::string>() == "bool_";
+  switch (o.kind) {
+    case Kind::Bool:
+      if (!is_bool) throw py::type_error(what + " must be True or False, got " + std::string(py::repr(x)));
+      return x.cast<bool>();
+    case Kind::Int: {
+      if (is_bool || !py::hasattr(x, "__index__"))  // int and numpy integers; not bool, not float
+        throw py::type_error(what + " must be an integer, got " + std::string(py::repr(x)));
+      const py::object i = x.attr("__index__")();
+      try {
+        return i.cast<int64_t>();
+      } catch (const py::cast_error&) {
+        throw py::value_error(what + " = " + std::string(py::repr(x)) + " does not fit in 64 bits");
+      }
+    }
+    case Kind::Float:
+      if (is_bool || py::isinstance<py::str>(x) || !py::hasattr(x, "__float__"))
+        throw py::type_error(what + (o.optional ? " must be a float or None" : " must be a float") + ", got " +
+                             std::string(py::repr(x)));
+      return x.attr("__float__")().cast<double>();
+    case Kind::String:
+      if (!py::isinstance<py::str>(x)) throw py::type_error(what + " must be a string, got " + std::string(py::repr(x)));
+      return x.cast<std::string>();
+    case Kind::Lengths: {
+      const auto lengths = as_lengths(fn.c_str(), py::reinterpret_borrow<py::object>(x));
+      return lengths ? *lengths : std::vector<int64_t>{};
+    }
+    case Kind::Tensor: break;
+  }
+  throw py::type_error(what + " is a tensor input");
 }
 
-py::array efficient_attention(const py::object& q, const py::object& k, const py::object& v,
-                              const py::object& key_lengths, const py::object& scale, bool causal) {
-  const char* fn = "efficient_attention";
-  Inputs in(fn);
-  in.add("q", q).add("k", k).add("v", v);
-  const auto o = efficient_options(fn, key_lengths, scale, causal);
-  return by_dtype(in.dtype(), [&](auto tag) -> py::array {
+// The registered method's MethodArgs from Python arguments: q, k, v, the tensors (by name) and
+// the options (by name; None for an optional option means "not given").
+struct PyCall {
+  const linattn::MethodInfo* info;
+  std::string fn;
+  Inputs arrays;
+  std::map<std::string, linattn::OptionValue, std::less<>> options;
+  std::vector<std::string> tensor_names;
+
+  PyCall(const linattn::MethodInfo& m, std::string function, const py::object& q, const py::object& k,
+         const py::object& v, const py::dict& tensors, const py::dict& opts)
+      : info(&m), fn(std::move(function)), arrays(fn.c_str()) {
+    arrays.add("q", q).add("k", k).add("v", v);
+    for (const auto& [key, value] : tensors) {
+      const std::string name = py::str(key);
+      const linattn::OptionInfo* o = m.option(name);
+      if (!o || o->kind != linattn::OptionInfo::Kind::Tensor)
+        throw py::type_error(fn + ": unexpected tensor argument '" + name + "'");
+      if (value.is_none()) continue;
+      names_.push_back(name);
+      arrays.add(names_.back().c_str(), py::reinterpret_borrow<py::object>(value));
+      tensor_names.push_back(name);
+    }
+    for (const auto& [key, value] : opts) {
+      const std::string name = py::str(key);
+      const linattn::OptionInfo* o = m.option(name);
+      if (!o || o->kind == linattn::OptionInfo::Kind::Tensor)
+        throw py::type_error(fn + ": unexpected keyword argument '" + name + "'");
+      if (value.is_none()) {
+        if (!o->optional) throw py::type_error(fn + ": " + name + " must not be None");
+        continue;
+      }
+      options[name] = option_value(fn, *o, value);
+    }
+  }
+  template <class T>
+  linattn::MethodArgs<T> args() const {
+    linattn::MethodArgs<T> a;
+    a.q = arrays.tensor<T>("q"), a.k = arrays.tensor<T>("k"), a.v = arrays.tensor<T>("v");
+    a.options = options;
+    for (const auto& name : tensor_names) a.tensors[name] = arrays.tensor<T>(name.c_str());
+    return a;
+  }
+
+ private:
+  std::deque<std::string> names_;  // stable storage for the names Inputs keeps by pointer
+};
+
+py::object method_forward(const std::string& name, const py::object& q, const py::object& k, const py::object& v,
+                          const py::dict& tensors, const py::dict& options, const std::vector<std::string>& want_saved) {
+  const linattn::MethodInfo& m = linattn::method(name);
+  const PyCall call(m, m.function, q, k, v, tensors, options);
+  return by_dtype(call.arrays.dtype(), [&](auto tag) -> py::object {
     using T = decltype(tag);
-    Tensor<T> out;
+    const linattn::MethodArgs<T> a = call.args<T>();
+    linattn::MethodOutput<T> r;
     {
       py::gil_scoped_release nogil;
-      out = linattn::efficient_attention<T>(in.tensor<T>("q"), in.tensor<T>("k"),
-                                            in.tensor<T>("v"), o);
+      r = m.functions<T>().forward(a);
     }
-    return to_numpy(std::move(out));
+    if (want_saved.empty()) return to_numpy(std::move(r.out));
+    py::list out;
+    out.append(to_numpy(std::move(r.out)));
+    for (const std::string& s : want_saved)
+      for (auto& [saved_name, t] : r.saved)
+        if (saved_name == s) out.append(to_numpy(std::move(t)));
+    return py::tuple(out);
   });
 }
 
-py::tuple efficient_attention_backward(const py::object& q, const py::object& k, const py::object& v,
-                                       const py::object& dout, const py::object& key_lengths,
-                                       const py::object& scale, bool causal) {
-  const char* fn = "efficient_attention_backward";
-  Inputs in(fn);
-  in.add("q", q).add("k", k).add("v", v).add("dout", dout);
-  const auto o = efficient_options(fn, key_lengths, scale, causal);
-  return by_dtype(in.dtype(), [&](auto tag) -> py::tuple {
+py::tuple method_backward(const std::string& name, const py::object& q, const py::object& k, const py::object& v,
+                          const py::object& dout, const py::dict& tensors, const py::dict& options,
+                          const py::dict& saved) {
+  const linattn::MethodInfo& m = linattn::method(name);
+  const std::string fn = m.function + "_backward";
+  PyCall call(m, fn, q, k, v, tensors, options);
+  call.arrays.add("dout", dout);
+  std::deque<std::string> saved_names;
+  for (const auto& [key, value] : saved) {
+    if (value.is_none()) continue;
+    saved_names.push_back(py::str(key));
+    call.arrays.add(saved_names.back().c_str(), py::reinterpret_borrow<py::object>(value));
+  }
+  return by_dtype(call.arrays.dtype(), [&](auto tag) -> py::tuple {
     using T = decltype(tag);
+    const linattn::MethodArgs<T> a = call.args<T>();
+    std::map<std::string, TensorView<const T>, std::less<>> s;
+    for (const auto& n : saved_names) s[n] = call.arrays.tensor<T>(n.c_str());
     linattn::AttentionGrads<T> g;
     {
       py::gil_scoped_release nogil;
-      g = linattn::efficient_attention_backward<T>(in.tensor<T>("q"), in.tensor<T>("k"),
-                                                   in.tensor<T>("v"),
-                                                   in.tensor<T>("dout"), o);
+      g = m.functions<T>().backward(a, call.arrays.tensor<T>("dout"), s);
     }
-    return numpy_tuple(std::move(g.dq), std::move(g.dk), std::move(g.dv));
+    py::list out;
+    out.append(to_numpy(std::move(g.dq)));
+    out.append(to_numpy(std::move(g.dk)));
+    out.append(to_numpy(std::move(g.dv)));
+    for (auto& [pname, t] : g.params) out.append(to_numpy(std::move(t)));
+    return py::tuple(out);
   });
+}
+
+// The registry as Python data, for linattn/__init__.py to build each method's functions.
+py::list method_descriptions() {
+  static const char* kinds[] = {"bool", "int", "float", "str", "lengths", "tensor"};
+  py::list out;
+  for (const linattn::MethodInfo& m : linattn::methods()) {
+    py::list opts;
+    for (const linattn::OptionInfo& o : m.options)
+      opts.append(py::dict(py::arg("name") = o.name, py::arg("kind") = kinds[static_cast<int>(o.kind)],
+                           py::arg("optional") = o.optional, py::arg("default") = o.default_value,
+                           py::arg("doc") = o.doc, py::arg("choices") = o.choices,
+                           py::arg("positional") = o.positional, py::arg("has_gradient") = o.has_gradient));
+    out.append(py::dict(py::arg("name") = m.name, py::arg("function") = m.function, py::arg("label") = m.label,
+                        py::arg("summary") = m.summary, py::arg("docs") = m.docs,
+                        py::arg("no_causal") = m.no_causal, py::arg("options") = opts,
+                        py::arg("saved") = m.saved, py::arg("size_name") = m.size_name,
+                        py::arg("default_size") = m.default_size, py::arg("block_rows") = m.block_rows));
+  }
+  return out;
 }
 
 // ---- Ctrl-C ---------------------------------------------------------------------------------
@@ -655,24 +478,16 @@ PYBIND11_MODULE(_linattn, m) {
   });
   g_main_thread = std::this_thread::get_id();  // Python imports modules on the main thread
   linattn::set_interrupt_poll(python_interrupt_poll);
+  m.attr("__version__") = linattn::version();
 
-  m.def("softmax_attention", &softmax_attention, py::arg("q"), py::arg("k"), py::arg("v"),
-        py::kw_only(), py::arg("causal") = false, py::arg("scale") = py::none(),
-        py::arg("key_lengths") = py::none(), py::arg("return_lse") = false,
-        R"doc(Exact attention softmax(q·kᵀ·scale + mask)·v.
+  // Every registered method: linattn/__init__.py makes `<function>` and `<function>_backward`
+  // with real signatures and docstrings from these descriptions.
+  m.def("_methods", &method_descriptions);
+  m.def("_forward", &method_forward, py::arg("name"), py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("tensors"), py::arg("options"), py::arg("want_saved"));
+  m.def("_backward", &method_backward, py::arg("name"), py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("dout"), py::arg("tensors"), py::arg("options"), py::arg("saved"));
 
-q [B,H,n_q,d], k [B,H,n_k,d], v [B,H,n_k,d_v], float32 or float64 (all the same).
-causal: query i sees keys j <= i + n_k - n_q. key_lengths: one int per batch item; keys at
-positions >= key_lengths[b] are ignored. scale defaults to 1/sqrt(d).
-Returns out [B,H,n_q,d_v], or (out, lse [B,H,n_q]) with return_lse=True. Rows that see no key
-get zeros (lse = -inf).)doc");
-  m.def("softmax_attention_backward", &softmax_attention_backward, py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("dout"), py::kw_only(), py::arg("causal") = false,
-        py::arg("scale") = py::none(), py::arg("key_lengths") = py::none(),
-        py::arg("out") = py::none(), py::arg("lse") = py::none(),
-        R"doc(Gradients (dq, dk, dv) of sum(dout * softmax_attention(q, k, v, ...)).
-
-Pass out and lse from softmax_attention(..., return_lse=True) to skip recomputing the forward.)doc");
   m.def("random_features", &random_features, py::arg("num_features"), py::arg("head_dim"),
         py::arg("kind") = "orthogonal", py::arg("seed") = 0, py::arg("dtype") = py::dtype::of<float>(),
         R"doc(Random projection ω [num_features, head_dim] for FAVOR attention.
@@ -682,39 +497,13 @@ kind: "iid" (rows N(0, I)), "orthogonal" (blocks of head_dim orthogonal rows, no
 seeded order). Same seed, same matrix on every machine and thread count.)doc");
   m.def("chi_quantile_radii", &chi_quantile_radii, py::arg("num_features"), py::arg("head_dim"),
         "The radii R_i, P(r <= R_i) = i/(m+1) for r ~ chi(head_dim), i = 1..m (sorted).");
-  m.def("linear_attention", &linear_attention, py::arg("q"), py::arg("k"), py::arg("v"),
-        py::kw_only(), py::arg("feature_map") = "elu", py::arg("causal") = false,
-        py::arg("key_lengths") = py::none(), py::arg("eps") = 1e-6, py::arg("focus_power") = 3.0,
-        py::arg("dwc_weight") = py::none(),
-        R"doc(Kernelized attention φ(q)(φ(k)ᵀv) / (φ(q)·Σφ(k) + eps) in O(n).
-
-feature_map: "elu" (elu+1), "relu", "focused" (relu, then ‖x‖·xᵖ/‖xᵖ‖ with p = focus_power).
-causal: query i sees keys j <= i (n_q == n_k). dwc_weight [heads, K]: adds a depthwise
-convolution of v along the sequence (K odd unless causal).)doc");
-  m.def("linear_attention_backward", &linear_attention_backward, py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("dout"), py::kw_only(), py::arg("feature_map") = "elu",
-        py::arg("causal") = false, py::arg("key_lengths") = py::none(), py::arg("eps") = 1e-6,
-        py::arg("focus_power") = 3.0, py::arg("dwc_weight") = py::none(),
-        "Gradients (dq, dk, dv[, d_dwc_weight]) of sum(dout * linear_attention(...)).");
-  m.def("favor_attention", &favor_attention, py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("projection"), py::kw_only(), py::arg("kernel") = "positive",
-        py::arg("causal") = false, py::arg("key_lengths") = py::none(), py::arg("scale") = py::none(),
-        R"doc(Performer attention approximating softmax(q·kᵀ·scale)·v with random features.
-
-projection [m, head_dim] from random_features. kernel: "positive" (FAVOR+), "hyperbolic",
-"trig" (not positive: its denominator can vanish; rows whose denominator is exactly 0 get 0).)doc");
-  m.def("favor_attention_backward", &favor_attention_backward, py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("projection"), py::arg("dout"), py::kw_only(),
-        py::arg("kernel") = "positive", py::arg("causal") = false,
-        py::arg("key_lengths") = py::none(), py::arg("scale") = py::none(),
-        "Gradients (dq, dk, dv) of sum(dout * favor_attention(...)).");
   py::class_<PyRecurrentState>(m, "RecurrentState",
                                "Constant-size decoding state; make one with recurrent_state().")
       .def("prefill", &PyRecurrentState::prefill, py::arg("q"), py::arg("k"), py::arg("v"),
            "[B,H,n,d] in, [B,H,n,d_v] out: causal outputs of n tokens, chunked.")
       .def("step", &PyRecurrentState::step, py::arg("q_t"), py::arg("k_t"), py::arg("v_t"),
            "[B,H,d] in, [B,H,d_v] out: one token.")
-      .def("copy", &PyRecurrentState::copy, "An independent copy, to roll back to.")
+      .def("copy", &PyRecurrentState::copy, "An independent copy, to roll back to (or for another thread).")
       .def_property_readonly("tokens", &PyRecurrentState::tokens)
       .def_property_readonly("dtype", &PyRecurrentState::dtype);
   m.def("recurrent_state", &recurrent_state, py::arg("batch"), py::arg("heads"),
@@ -725,51 +514,18 @@ projection [m, head_dim] from random_features. kernel: "positive" (FAVOR+), "hyp
         R"doc(A decoding state for feature_map "elu", "relu", "focused" or "favor" (with projection).
 
 dtype: float32 or float64 (default: the projection's, else float32). Step outputs equal the
-causal outputs of linear_attention / favor_attention over the same tokens.)doc");
-  m.def("nystrom_attention", &nystrom_attention, py::arg("q"), py::arg("k"), py::arg("v"),
-        py::kw_only(), py::arg("num_landmarks") = 64, py::arg("pinv_iterations") = 6,
-        py::arg("pinv") = "iterative", py::arg("conv_weight") = py::none(),
-        py::arg("key_lengths") = py::none(), py::arg("scale") = py::none(), py::arg("causal") = false,
-        R"doc(Nyströmformer: softmax(q·k̃ᵀ·s)·pinv(softmax(q̃·k̃ᵀ·s))·softmax(q̃·kᵀ·s)·v.
-
-Landmarks q̃, k̃ are segment means (min(num_landmarks, n) of them; n_q == n_k). pinv:
-"iterative" (pinv_iterations Newton–Schulz-type steps) or "exact" (SVD). conv_weight
-[heads, K], K odd, adds a depthwise convolution of v. causal=True raises ValueError.)doc");
-  m.def("nystrom_attention_backward", &nystrom_attention_backward, py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("dout"), py::kw_only(), py::arg("num_landmarks") = 64,
-        py::arg("pinv_iterations") = 6, py::arg("pinv") = "iterative",
-        py::arg("conv_weight") = py::none(), py::arg("key_lengths") = py::none(),
-        py::arg("scale") = py::none(), py::arg("causal") = false,
-        "Gradients (dq, dk, dv[, d_conv_weight]) of sum(dout * nystrom_attention(...)).");
-  m.def("linformer_attention", &linformer_attention, py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("e"), py::arg("f"), py::kw_only(), py::arg("key_lengths") = py::none(),
-        py::arg("scale") = py::none(), py::arg("causal") = false,
-        R"doc(Linformer: softmax(q·(e·k)ᵀ·scale)·(f·v).
-
-e, f: [s_proj, n_max] (shared by heads) or [heads, s_proj, n_max], n_k <= n_max (the first n_k
-columns are used; see linformer_projections). causal=True raises ValueError.)doc");
-  m.def("linformer_attention_backward", &linformer_attention_backward, py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("e"), py::arg("f"), py::arg("dout"), py::kw_only(),
-        py::arg("key_lengths") = py::none(), py::arg("scale") = py::none(), py::arg("causal") = false,
-        "Gradients (dq, dk, dv, de, df) of sum(dout * linformer_attention(...)).");
+causal outputs of linear_attention / favor_attention over the same tokens. A state holds one
+batch of sequences: using it from two threads at once raises ValueError (copy() it instead).)doc");
   m.def("linformer_projections", &linformer_projections, py::arg("s_proj"), py::arg("n_max"),
         py::kw_only(), py::arg("heads") = py::none(), py::arg("seed") = 0,
         py::arg("dtype") = py::dtype::of<float>(),
         R"doc((e, f) initialised as fairseq's Linformer does: Xavier-uniform, gain 1/sqrt(2),
 i.e. uniform on (-a, a), a = sqrt(3 / (n_max + s_proj)). heads=None: shared [s_proj, n_max];
 else [heads, s_proj, n_max]. Reproducible by seed.)doc");
-  m.def("efficient_attention", &efficient_attention, py::arg("q"), py::arg("k"), py::arg("v"),
-        py::kw_only(), py::arg("key_lengths") = py::none(), py::arg("scale") = py::none(),
-        py::arg("causal") = false,
-        R"doc(Efficient Attention: softmax over head_dim of q·s times (softmax over positions of
-k·s)ᵀ·v, s = scale (default 1/sqrt(head_dim)). causal=True raises ValueError.)doc");
-  m.def("efficient_attention_backward", &efficient_attention_backward, py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("dout"), py::kw_only(), py::arg("key_lengths") = py::none(),
-        py::arg("scale") = py::none(), py::arg("causal") = false,
-        "Gradients (dq, dk, dv) of sum(dout * efficient_attention(...)).");
   m.def("set_num_threads", &linattn::set_num_threads, py::arg("n"),
-        "Threads used by every kernel (default: LINATTN_NUM_THREADS, else all cores).");
+        "Threads used by every kernel, 1..1024 (default: LINATTN_NUM_THREADS, else all cores).");
   m.def("get_num_threads", &linattn::num_threads);
+  m.def("build_info", &linattn::build_info, "The BLAS (and its kernels) and SIMD target this build runs on.");
   m.def("workspace_stats", [] {
     const auto s = linattn::workspace_stats();
     return py::dict(py::arg("current_bytes") = s.current_bytes, py::arg("peak_bytes") = s.peak_bytes);

@@ -25,6 +25,13 @@ struct AttentionOptions {
   std::optional<std::vector<int64_t>> key_lengths;
 };
 
+// The sizes of one call: q [batch, heads, n_q, head_dim], k [batch, heads, n_k, head_dim],
+// v [batch, heads, n_k, value_dim].
+struct AttentionShape {
+  int64_t batch = 0, heads = 0, n_q = 0, n_k = 0, head_dim = 0, value_dim = 0;
+  int64_t bh() const { return batch * heads; }
+};
+
 // Gradients of Σ dout∘out with respect to every input that has one.
 template <class T>
 struct AttentionGrads {

@@ -10,6 +10,7 @@
 #include "linattn/memory.h"
 #include "linattn/nystrom.h"
 #include "linattn/random_features.h"
+#include "linattn/registry.h"
 #include "linattn/softmax.h"
 #include "linattn/tensor.h"
 #include "linattn/threading.h"

@@ -11,14 +11,11 @@
 
 #include <unistd.h>
 
-#include "../../bench/accuracy.h"
-#include "../../bench/harness.h"
-#include "../../bench/methods.h"
-#include "../../bench/torch_compare.h"
-#include "linattn/core/blas.h"
-#include "linattn/random_features.h"
-#include "linattn/kernelized.h"
+#include "accuracy.h"
+#include "harness.h"
 #include "linattn/linattn.h"
+#include "methods.h"
+#include "torch_compare.h"
 
 namespace {
 
@@ -48,7 +45,7 @@ const char* kUsage =
     "          --seeds S --n N --heads H --head-dim D   (default 5, 1024, 4, 64)\n";
 
 [[noreturn]] void usage_error(const std::string& msg) {
-  std::fprintf(stderr, "linattn: %s\n%s", msg.c_str(), kUsage);
+  std::fprintf(stderr, "linattn: %s (linattn --help lists the options)\n", msg.c_str());
   std::exit(2);
 }
 
@@ -105,15 +102,27 @@ Args parse_args(int argc, char** argv, int first) {
     else if (f == "--csv") a.csv = value();
     else if (f == "--exact-max-n") a.exact_max_n = parse_int(f, value());
     else if (f == "--no-torch") a.torch = false;
-    else if (f == "--m") a.sizes.favor_features = parse_int(f, value());
-    else if (f == "--landmarks") a.sizes.landmarks = parse_int(f, value());
-    else if (f == "--s-proj") a.sizes.linformer_proj = parse_int(f, value());
+    else if (f == "--m") a.sizes["num_features"] = parse_int(f, value());
+    else if (f == "--landmarks") a.sizes["num_landmarks"] = parse_int(f, value());
+    else if (f == "--s-proj") a.sizes["s_proj"] = parse_int(f, value());
     else if (f == "--out") a.accuracy.out_dir = value();
     else if (f == "--seeds") a.accuracy.seeds = static_cast<int>(parse_int(f, value()));
     else if (f == "--plots") a.plots = value();
     else usage_error("unknown option '" + f + "'");
   }
   if (a.threads > 0) linattn::set_num_threads(a.threads);
+  // Fail now, in one line, rather than after minutes of work.
+  if (!a.plots.empty()) linattn::bench::require_writable_dir("--plots", a.plots);
+  if (!a.csv.empty())
+    linattn::bench::require_writable_dir("--csv", std::filesystem::absolute(a.csv).parent_path().string());
+  for (const int64_t n : a.ns) {
+    const Problem& p = a.problem;
+    // q, k, v, dout and an output, float32, plus the same again for a backward's gradients.
+    const double bytes = 8.0 * double(p.batch) * double(p.heads) * double(n) * double(p.head_dim) * 4;
+    linattn::bench::require_memory("--n " + std::to_string(n) + " (B=" + std::to_string(p.batch) +
+                                       " H=" + std::to_string(p.heads) + " d=" + std::to_string(p.head_dim) + ")",
+                                   bytes);
+  }
   return a;
 }
 
@@ -172,7 +181,8 @@ int demo(const Args& a) {
 void bench_recurrent(const Args& a) {
   Problem p = a.problem;
   const int64_t d = p.head_dim;
-  const int64_t m = a.sizes.favor_features;
+  const auto it = a.sizes.find("num_features");
+  const int64_t m = it != a.sizes.end() ? it->second : linattn::method("favor").default_size;
   const auto w = linattn::random_features<float>(m, d, linattn::FeatureKind::Orthogonal, 42);
   linattn::RecurrentOptions o;
   o.feature_map = "favor";
@@ -257,7 +267,7 @@ int bench(const Args& a) {
   }
   const auto methods = selected_methods(a.methods, a.sizes);
   const double gemm = linattn::bench::sgemm_gflops(linattn::num_threads());
-  const std::string python = LINATTN_PYTHON, bench_dir = LINATTN_BENCH_DIR;
+  const std::string python = linattn::bench::python(), bench_dir = linattn::bench::scripts_dir();
   std::string no_torch = a.torch ? linattn::bench::torch_unavailable_reason(python) : "--no-torch";
   std::printf("linattn bench: B=%lld H=%lld d=%lld float32\nmachine: %s\n",
               (long long)a.problem.batch, (long long)a.problem.heads,
@@ -274,9 +284,8 @@ int bench(const Args& a) {
   if (csv_path.empty() && !a.plots.empty()) csv_path = a.plots + "/bench.csv";
   std::ofstream csv;
   if (!csv_path.empty()) {
-    if (!a.plots.empty()) std::filesystem::create_directories(a.plots);
     csv.open(csv_path);
-    if (!csv) usage_error("cannot write " + csv_path);
+    if (!csv) throw std::runtime_error("cannot write " + csv_path);
     csv << "method,causal,n,batch,heads,head_dim,pass,flops,median_s,min_s,runs,gflops,"
            "fraction_of_sgemm,workspace_bytes,rss_growth_bytes,sgemm_gflops,threads,"
            "torch_status,torch_median_s,torch_runs,torch_rss_growth_bytes,torch_note\n";
@@ -375,10 +384,11 @@ int accuracy(const Args& a) {
   o.heads = a.heads_set ? a.problem.heads : 4;
   o.head_dim = a.problem.head_dim;
   if (a.n_set) o.n = a.ns.front();
+  linattn::bench::require_writable_dir("--out", o.out_dir);
   std::printf("linattn accuracy: H=%lld d=%lld n=%lld, %d seeds, float64; writing %s\n", (long long)o.heads,
               (long long)o.head_dim, (long long)o.n, o.seeds, o.out_dir.c_str());
   linattn::bench::run_accuracy(o);
-  const std::string python = LINATTN_PYTHON, bench_dir = LINATTN_BENCH_DIR;
+  const std::string python = linattn::bench::python(), bench_dir = linattn::bench::scripts_dir();
   const std::string cmd = python + " " + bench_dir + "/plot_accuracy.py " + o.out_dir;
   if (std::system(cmd.c_str()) != 0)
     std::fprintf(stderr, "linattn: plotting failed (%s); the CSV files are in %s\n", cmd.c_str(), o.out_dir.c_str());
@@ -398,7 +408,7 @@ int main(int argc, char** argv) {
     if (cmd == "demo") return demo(args);
     if (cmd == "bench") return bench(args);
     if (cmd == "accuracy") return accuracy(args);
-  } catch (const linattn::Error& e) {
+  } catch (const std::exception& e) {  // bad arguments, out of memory, unwritable files: one line
     std::fprintf(stderr, "linattn: %s\n", e.what());
     return 1;
   }

@@ -57,7 +57,7 @@ AttentionDims check_attention_args(const char* fn, TensorView<const T> q, Tensor
   check_rank4(fn, "q", q);
   check_rank4(fn, "k", k);
   check_rank4(fn, "v", v);
-  AttentionDims d{q.dim(0), q.dim(1), q.dim(2), k.dim(2), q.dim(3), v.dim(3)};
+  AttentionDims d{{q.dim(0), q.dim(1), q.dim(2), k.dim(2), q.dim(3), v.dim(3)}};
   require(d.head_dim >= 1, fn, ": head_dim (last dimension of q) must be >= 1, got shape ",
           shape_string(q.shape));
   require(d.value_dim >= 1, fn, ": value_dim (last dimension of v) must be >= 1, got shape ",

@@ -16,17 +16,15 @@ namespace linattn {
 // Sizes of one attention call: q [B,H,n_q,d], k [B,H,n_k,d], v [B,H,n_k,d_v], and the largest
 // |value| of each at the positions that matter (filled by check_attention_args, which reads
 // every such value anyway; methods use them to keep their sums inside the dtype's range).
-struct AttentionDims {
-  int64_t batch, heads, n_q, n_k, head_dim, value_dim;
+struct AttentionDims : AttentionShape {
   double q_max = 0, k_max = 0, v_max = 0;
-  int64_t bh() const { return batch * heads; }
 };
 
 // Which keys query row i of batch item b sees. Every mask we support keeps a prefix of the
 // keys, so one number per row says it all: keys [0, visible(b, i)).
 class KeyMask {
  public:
-  KeyMask(const AttentionDims& dims, const AttentionOptions& opts)
+  KeyMask(const AttentionShape& dims, const AttentionOptions& opts)
       : causal_(opts.causal), offset_(dims.n_k - dims.n_q), n_k_(dims.n_k) {
     if (opts.key_lengths) lengths_ = *opts.key_lengths;
   }

@@ -20,8 +20,6 @@
 namespace linattn {
 namespace efficient {
 
-inline constexpr int64_t kRowBlock = 256;
-
 template <class T>
 Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                  const EfficientAttentionOptions& opts) {

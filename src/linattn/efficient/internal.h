@@ -6,6 +6,8 @@
 
 namespace linattn::efficient {
 
+inline constexpr int64_t kRowBlock = 256;  // query rows per block
+
 using Setup = NonCausalArgs;
 
 template <class T>

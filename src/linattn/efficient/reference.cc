@@ -1,5 +1,7 @@
 #include "linattn/core/attention_args.h"
 #include "linattn/efficient/reference.h"
+#include "linattn/efficient/args.h"
+#include "linattn/reference_registry.h"
 // Efficient Attention in plain float64 loops with rounding bounds (tracked_matrix.h), in the
 // fast path's association.
 #include "linattn/core/tracked_matrix.h"
@@ -68,6 +70,22 @@ std::vector<Bounded> efficient_attention_backward(TensorView<const double> q,
   std::vector<Bounded> grads;
   for (Bounded* g : {&dq, &dk, &dv}) grads.push_back(std::move(*g));
   return grads;
+}
+
+}  // namespace linattn::reference
+
+namespace linattn::reference {
+
+ReferenceInfo reference_efficient() {
+  ReferenceInfo r;
+  r.forward = [](const MethodArgs<double>& a) {
+    return efficient_attention(a.q, a.k, a.v, efficient::options_from(a)).value;
+  };
+  r.backward = [](const MethodArgs<double>& a, TensorView<const double> dout) {
+    auto b = efficient_attention_backward(a.q, a.k, a.v, dout, efficient::options_from(a));
+    return AttentionGrads<double>{std::move(b[0].value), std::move(b[1].value), std::move(b[2].value), {}};
+  };
+  return r;
 }
 
 }  // namespace linattn::reference

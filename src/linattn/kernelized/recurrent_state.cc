@@ -155,7 +155,7 @@ Tensor<T> RecurrentState<T>::step(TensorView<const T> q_t, TensorView<const T> k
   // what prefill gives for the same token.
   const Shape one_qk{s.batch, s.heads, 1, s.head_dim}, one_v{s.batch, s.heads, 1, s.value_dim};
   const TensorView<const T> q{q_t.data, one_qk}, k{k_t.data, one_qk}, v{v_t.data, one_v};
-  const AttentionDims d{s.batch, s.heads, 1, 1, s.head_dim, s.value_dim};
+  const AttentionDims d{{s.batch, s.heads, 1, 1, s.head_dim, s.value_dim}};
   Tensor<T> out({s.batch, s.heads, s.value_dim}, false, Init::Uninitialized);
   s.run(fn, d, q, k, v, out.data());
   check_result_finite(fn, "the output", out);

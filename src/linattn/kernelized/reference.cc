@@ -8,6 +8,8 @@
 #include "linattn/core/attention_args.h"
 #include "linattn/core/error.h"
 #include "linattn/kernelized/reference.h"
+#include "linattn/kernelized/args.h"
+#include "linattn/reference_registry.h"
 
 namespace linattn::reference {
 namespace {
@@ -292,6 +294,36 @@ Tensor<double> features(TensorView<const double> x, const std::string& name,
     }
   }
   return out;
+}
+
+}  // namespace linattn::reference
+
+namespace linattn::reference {
+
+ReferenceInfo reference_linear() {
+  ReferenceInfo r;
+  r.forward = [](const MethodArgs<double>& a) {
+    const auto c = kernelized::linear_call(a);
+    return linear_attention(a.q, a.k, a.v, c.opts, c.dwc_weight);
+  };
+  r.backward = [](const MethodArgs<double>& a, TensorView<const double> dout) {
+    const auto c = kernelized::linear_call(a);
+    return linear_attention_backward(a.q, a.k, a.v, dout, c.opts, c.dwc_weight);
+  };
+  return r;
+}
+
+ReferenceInfo reference_favor() {
+  ReferenceInfo r;
+  r.forward = [](const MethodArgs<double>& a) {
+    const auto c = kernelized::favor_call(a);
+    return favor_attention(a.q, a.k, a.v, c.projection, c.opts);
+  };
+  r.backward = [](const MethodArgs<double>& a, TensorView<const double> dout) {
+    const auto c = kernelized::favor_call(a);
+    return favor_attention_backward(a.q, a.k, a.v, c.projection, dout, c.opts);
+  };
+  return r;
 }
 
 }  // namespace linattn::reference

@@ -6,6 +6,9 @@
 
 namespace linattn::linformer {
 
+inline constexpr int64_t kRowBlock = 256;  // query rows per softmax(Q K'ᵀ) block
+inline constexpr int64_t kColBlock = 256;  // columns of dE, dF per task of the backward
+
 struct Setup : NonCausalArgs {
   int64_t s_proj = 0, n_max = 0;
   bool per_head = false;

@@ -17,8 +17,6 @@
 namespace linattn {
 namespace linformer {
 
-inline constexpr int64_t kRowBlock = 256;
-
 template <class T>
 Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                  TensorView<const T> e, TensorView<const T> f, const LinformerOptions& opts) {
@@ -153,7 +151,7 @@ AttentionGrads<T> linformer_attention_backward(TensorView<const T> q, TensorView
             g.dv.view().row(bh, 0), dv);
   });
   // dE[:, j] = Σ_{b,h sharing E} dK'_bh K_bh[j]ᵀ over j < L_b; tasks own column blocks of one matrix.
-  constexpr int64_t kCols = 256;
+  constexpr int64_t kCols = linformer::kColBlock;
   const int64_t col_blocks = (d.n_k + kCols - 1) / kCols, mats = s.per_head ? d.heads : 1;
   parallel_for(mats * col_blocks, [&](int64_t task) {
     const int64_t mat = task / col_blocks, j0 = (task % col_blocks) * kCols;

@@ -1,5 +1,7 @@
 #include "linattn/core/attention_args.h"
 #include "linattn/linformer/reference.h"
+#include "linattn/linformer/args.h"
+#include "linattn/reference_registry.h"
 // Linformer in plain float64 loops with rounding bounds (tracked_matrix.h), in the fast path's
 // association.
 #include "linattn/core/tracked_matrix.h"
@@ -86,6 +88,27 @@ std::vector<Bounded> linformer_attention_backward(TensorView<const double> q,
   std::vector<Bounded> grads;
   for (Bounded* g : {&dq, &dk, &dv, &de, &df}) grads.push_back(std::move(*g));
   return grads;
+}
+
+}  // namespace linattn::reference
+
+namespace linattn::reference {
+
+ReferenceInfo reference_linformer() {
+  ReferenceInfo r;
+  r.forward = [](const MethodArgs<double>& a) {
+    const auto c = linformer::call_from(a);
+    return linformer_attention(a.q, a.k, a.v, c.e, c.f, c.opts).value;
+  };
+  r.backward = [](const MethodArgs<double>& a, TensorView<const double> dout) {
+    const auto c = linformer::call_from(a);
+    auto b = linformer_attention_backward(a.q, a.k, a.v, c.e, c.f, dout, c.opts);
+    AttentionGrads<double> g{std::move(b[0].value), std::move(b[1].value), std::move(b[2].value), {}};
+    g.params.emplace_back("e", std::move(b[3].value));
+    g.params.emplace_back("f", std::move(b[4].value));
+    return g;
+  };
+  return r;
 }
 
 }  // namespace linattn::reference

@@ -1,5 +1,7 @@
 #include "linattn/core/attention_args.h"
 #include "linattn/nystrom/reference.h"
+#include "linattn/nystrom/args.h"
+#include "linattn/reference_registry.h"
 // Nyström attention in plain float64 loops (tracked_matrix.h), in the association the fast path
 // uses, with worst-case rounding bounds for a fast path at unit roundoff u.
 #include <cmath>
@@ -335,6 +337,27 @@ std::vector<Bounded> nystrom_attention_backward(TensorView<const double> q,
     grads.push_back(std::move(dv));
   }
   return grads;
+}
+
+}  // namespace linattn::reference
+
+namespace linattn::reference {
+
+ReferenceInfo reference_nystrom() {
+  ReferenceInfo r;
+  r.forward = [](const MethodArgs<double>& a) {
+    const auto c = nystrom::call_from(a);
+    return nystrom_attention(a.q, a.k, a.v, c.opts, c.conv_weight).value;
+  };
+  r.backward = [](const MethodArgs<double>& a, TensorView<const double> dout) {
+    const auto c = nystrom::call_from(a);
+    auto b = nystrom_attention_backward(a.q, a.k, a.v, dout, c.opts, c.conv_weight);
+    AttentionGrads<double> g{std::move(b[0].value), std::move(b[1].value), std::move(b[2].value), {}};
+    if (c.conv_weight) g.params.emplace_back("conv_weight", std::move(b[3].value));
+    return g;
+  };
+  r.rows_independent = false;
+  return r;
 }
 
 }  // namespace linattn::reference

@@ -22,8 +22,8 @@
 namespace linattn {
 namespace {
 
-constexpr int64_t kBlockQ = 128;
-constexpr int64_t kBlockK = 128;
+constexpr int64_t kBlockQ = softmax_detail::kBackwardBlockQ;
+constexpr int64_t kBlockK = softmax_detail::kBackwardBlockK;
 
 template <class T>
 struct Tile {

@@ -18,8 +18,8 @@
 namespace linattn {
 namespace {
 
-constexpr int64_t kBlockQ = 128;
-constexpr int64_t kBlockK = 512;
+constexpr int64_t kBlockQ = softmax_detail::kForwardBlockQ;
+constexpr int64_t kBlockK = softmax_detail::kForwardBlockK;
 
 template <class T>
 struct Tile {

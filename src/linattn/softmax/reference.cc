@@ -5,6 +5,8 @@
 
 #include "linattn/core/attention_args.h"
 #include "linattn/softmax/reference.h"
+#include "linattn/softmax/args.h"
+#include "linattn/reference_registry.h"
 
 namespace linattn::reference {
 
@@ -93,6 +95,21 @@ AttentionGrads<double> softmax_attention_backward(TensorView<const double> q,
       }
     }
   return g;
+}
+
+}  // namespace linattn::reference
+
+namespace linattn::reference {
+
+ReferenceInfo reference_softmax() {
+  ReferenceInfo r;
+  r.forward = [](const MethodArgs<double>& a) {
+    return softmax_attention(a.q, a.k, a.v, softmax_detail::options_from(a)).out;
+  };
+  r.backward = [](const MethodArgs<double>& a, TensorView<const double> dout) {
+    return softmax_attention_backward(a.q, a.k, a.v, dout, softmax_detail::options_from(a));
+  };
+  return r;
 }
 
 }  // namespace linattn::reference

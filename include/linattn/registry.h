@@ -1,0 +1,110 @@
+// The methods linattn implements, each described once, by its own folder: its name, its
+// options, its forward and backward (and, in the reference library, its float64 reference).
+// The command-line program, the benchmarks, the accuracy study, the Python module and the tests
+// take the list from here; adding a method is its folder plus one line in
+// src/linattn/methods.def (docs/adding-a-method.md).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "linattn/attention.h"
+#include "linattn/tensor.h"
+
+namespace linattn {
+
+// One option's value: a flag, an integer, a number, a text, or a list of integers (key_lengths).
+using OptionValue = std::variant<bool, int64_t, double, std::string, std::vector<int64_t>>;
+
+// One input a method takes besides q, k and v.
+struct OptionInfo {
+  enum class Kind { Bool, Int, Float, String, Lengths, Tensor };
+  std::string name;
+  Kind kind = Kind::Bool;
+  bool optional = false;             // may be absent / None (scale, key_lengths, conv weights)
+  std::string default_value;         // as Python writes it: "False", "None", "64", "'elu'"
+  std::string doc;                   // one line
+  std::vector<std::string> choices;  // the accepted values of a String option
+  bool positional = false;           // a Tensor passed by position after q, k, v (projection, e, f)
+  bool has_gradient = false;         // a Tensor whose gradient the backward returns
+};
+
+// A call's inputs by name: options (absent ones take their defaults) and extra tensors.
+template <class T>
+struct MethodArgs {
+  TensorView<const T> q, k, v;
+  std::map<std::string, OptionValue, std::less<>> options;
+  std::map<std::string, TensorView<const T>, std::less<>> tensors;
+};
+
+// What a forward returns: the output and what its backward can reuse instead of recomputing
+// (softmax: "lse"), by name.
+template <class T>
+struct MethodOutput {
+  Tensor<T> out;
+  std::vector<std::pair<std::string, Tensor<T>>> saved;
+};
+
+template <class T>
+struct MethodFunctions {
+  std::function<MethodOutput<T>(const MethodArgs<T>&)> forward;
+  // saved: the forward's "out" and saved tensors by name, or empty to recompute them.
+  std::function<AttentionGrads<T>(const MethodArgs<T>&, TensorView<const T> dout,
+                                  const std::map<std::string, TensorView<const T>, std::less<>>& saved)>
+      backward;
+  // The extra tensors a call must have that a demo, benchmark or test does not bring (favor:
+  // projection; linformer: e and f), for `heads` heads of head_dim and n_k keys, from a seed;
+  // size: the method's size knob (size_name below), 0 for its default.
+  std::function<std::vector<std::pair<std::string, Tensor<T>>>(int64_t heads, int64_t head_dim,
+                                                               int64_t n_k, int64_t size, uint64_t seed)>
+      example_tensors;
+};
+
+struct MethodInfo {
+  std::string name;      // "favor"
+  std::string function;  // "favor_attention"; the backward is function + "_backward"
+  std::string label;     // in tables: "favor+" (then " m=256" for its size, " (causal)")
+  std::string summary;   // one line
+  std::string docs;      // its page: "docs/methods/kernelized.md"
+  std::string no_causal; // empty when causal=true is supported, else why it is refused
+  bool exact = false;    // computes exact softmax attention: what approximations are compared to
+  std::vector<OptionInfo> options;  // in the order the Python function takes them
+  std::vector<std::string> saved;   // names of MethodOutput::saved
+  // The size knob of the approximation and its default: favor "num_features" (rows of the
+  // projection), nystrom "num_landmarks" (an option), linformer "s_proj" (rows of e, f); empty
+  // for exact or size-free methods.
+  std::string size_name;
+  std::string size_symbol;  // in labels: "m", "s"
+  int64_t default_size = 0;
+  // Rows in the method's largest internal block or chunk: tests run sequences longer than this.
+  int64_t block_rows = 0;
+  // Multiply-add FLOPs (2 per multiply-add) of one forward, or of the backward alone, for the
+  // benchmarks' GFLOP/s.
+  std::function<double(const AttentionShape&, const MethodArgs<float>&, bool backward)> flops;
+  MethodFunctions<float> f32;
+  MethodFunctions<double> f64;
+
+  template <class T>
+  const MethodFunctions<T>& functions() const {
+    if constexpr (sizeof(T) == 4) {
+      return f32;
+    } else {
+      return f64;
+    }
+  }
+  const OptionInfo* option(std::string_view option_name) const;
+};
+
+// Every registered method, in the order listings show them.
+const std::vector<MethodInfo>& methods();
+// One by name; Error naming the registered ones when there is none.
+const MethodInfo& method(std::string_view name);
+
+}  // namespace linattn

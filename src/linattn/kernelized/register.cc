@@ -1,0 +1,115 @@
+// linear_attention and favor_attention in the method registry.
+#include "linattn/core/method_support.h"
+#include "linattn/kernelized.h"
+#include "linattn/kernelized/args.h"
+#include "linattn/kernelized/engine.h"
+#include "linattn/random_features.h"
+
+namespace linattn {
+namespace {
+
+using namespace registry_support;
+
+template <class T>
+MethodOutput<T> linear_forward(const MethodArgs<T>& a) {
+  const auto c = kernelized::linear_call(a);
+  return {linear_attention<T>(a.q, a.k, a.v, c.opts, c.dwc_weight), {}};
+}
+
+template <class T>
+AttentionGrads<T> linear_backward(const MethodArgs<T>& a, TensorView<const T> dout,
+                                  const std::map<std::string, TensorView<const T>, std::less<>>&) {
+  const auto c = kernelized::linear_call(a);
+  return linear_attention_backward<T>(a.q, a.k, a.v, dout, c.opts, c.dwc_weight);
+}
+
+template <class T>
+MethodOutput<T> favor_forward(const MethodArgs<T>& a) {
+  const auto c = kernelized::favor_call(a);
+  return {favor_attention<T>(a.q, a.k, a.v, c.projection, c.opts), {}};
+}
+
+template <class T>
+AttentionGrads<T> favor_backward(const MethodArgs<T>& a, TensorView<const T> dout,
+                                 const std::map<std::string, TensorView<const T>, std::less<>>&) {
+  const auto c = kernelized::favor_call(a);
+  return favor_attention_backward<T>(a.q, a.k, a.v, c.projection, dout, c.opts);
+}
+
+constexpr int64_t kDefaultFeatures = 256;
+
+template <class T>
+std::vector<std::pair<std::string, Tensor<T>>> favor_example(int64_t, int64_t head_dim, int64_t, int64_t size,
+                                                             uint64_t seed) {
+  std::vector<std::pair<std::string, Tensor<T>>> t;
+  t.emplace_back("projection", random_features<T>(size > 0 ? size : kDefaultFeatures, head_dim,
+                                                  FeatureKind::Orthogonal, seed));
+  return t;
+}
+
+}  // namespace
+
+MethodInfo describe_linear() {
+  const LinearAttentionOptions defaults;
+  MethodInfo m;
+  m.name = "linear";
+  m.function = "linear_attention";
+  m.label = "linear elu";
+  m.summary = "kernelized attention φ(q)(φ(k)ᵀv)/(φ(q)·Σφ(k) + eps) with φ = elu+1, relu or focused: O(n)";
+  m.docs = "docs/methods/kernelized.md";
+  m.options = {
+      string_option("feature_map", defaults.feature_map, {"elu", "relu", "focused"},
+                    "elu (elu(x)+1), relu, or focused (relu, then ‖x‖·xᵖ/‖xᵖ‖ with p = focus_power)"),
+      causal_option(""),
+      key_lengths_option(),
+      float_option("eps", defaults.eps, "added to every denominator (finite, >= 0)"),
+      float_option("focus_power", defaults.focus_power, "p of the focused map (finite, >= 1)"),
+      tensor_input("dwc_weight", false, true,
+                   "[heads, K]: adds a depthwise convolution of v along the sequence (K odd unless causal)"),
+  };
+  m.block_rows = kernelized::kBlockRows;
+  // The convention FAVOR's count below sets, 4·n·m·(d + d_v), with m = d (this map has no
+  // feature products, so it overstates the work); the backward twice that.
+  m.flops = [](const AttentionShape& s, const MethodArgs<float>&, bool backward) {
+    const double f = 2.0 * (s.n_q + s.n_k) * s.head_dim * (s.head_dim + s.value_dim) * s.bh();
+    return backward ? 2 * f : f;
+  };
+  m.f32 = LINATTN_METHOD_FUNCTIONS(float, linear_forward, linear_backward, no_example_tensors);
+  m.f64 = LINATTN_METHOD_FUNCTIONS(double, linear_forward, linear_backward, no_example_tensors);
+  return m;
+}
+
+MethodInfo describe_favor() {
+  const FavorOptions defaults;
+  MethodInfo m;
+  m.name = "favor";
+  m.function = "favor_attention";
+  m.label = "favor+";
+  m.summary = "Performer / FAVOR+: random features approximating softmax attention, O(n·m)";
+  m.docs = "docs/methods/kernelized.md";
+  m.options = {
+      tensor_input("projection", true, false, "ω [num_features, head_dim] from random_features"),
+      string_option("kernel", defaults.kernel, {"positive", "hyperbolic", "trig"},
+                    "positive (FAVOR+), hyperbolic (±ω), or trig (sin/cos; its denominator can vanish)"),
+      causal_option(""),
+      key_lengths_option(),
+      scale_option("approximates softmax(q·kᵀ·scale); None: 1/sqrt(head_dim); > 0"),
+  };
+  m.size_name = "num_features";
+  m.size_symbol = "m";
+  m.default_size = kDefaultFeatures;
+  m.block_rows = kernelized::kBlockRows;
+  // Per head: the logits of q and k, 2·n·m·d each, and KV = φ(k)ᵀV, φ(q)·KV, 2·n·m·d_v each:
+  // 4·n·m·(d + d_v) (positive features; the normaliser column left out); the backward twice that.
+  m.flops = [](const AttentionShape& s, const MethodArgs<float>& a, bool backward) {
+    const auto w = a.tensors.find("projection");
+    const double mm = w != a.tensors.end() ? static_cast<double>(w->second.dim(0)) : kDefaultFeatures;
+    const double f = 2.0 * (s.n_q + s.n_k) * mm * (s.head_dim + s.value_dim) * s.bh();
+    return backward ? 2 * f : f;
+  };
+  m.f32 = LINATTN_METHOD_FUNCTIONS(float, favor_forward, favor_backward, favor_example);
+  m.f64 = LINATTN_METHOD_FUNCTIONS(double, favor_forward, favor_backward, favor_example);
+  return m;
+}
+
+}  // namespace linattn

@@ -1,0 +1,59 @@
+// Exact softmax attention in the method registry.
+#include "linattn/core/method_support.h"
+#include "linattn/softmax.h"
+#include "linattn/softmax/args.h"
+#include "linattn/softmax/forward_internal.h"
+
+namespace linattn {
+namespace {
+
+using namespace registry_support;
+
+template <class T>
+MethodOutput<T> forward(const MethodArgs<T>& a) {
+  const AttentionOptions o = softmax_detail::options_from(a);
+  SoftmaxAttentionResult<T> r = softmax_attention<T>(a.q, a.k, a.v, o);
+  MethodOutput<T> out{std::move(r.out), {}};
+  out.saved.emplace_back("lse", std::move(r.lse));
+  return out;
+}
+
+template <class T>
+AttentionGrads<T> backward(const MethodArgs<T>& a, TensorView<const T> dout,
+                           const std::map<std::string, TensorView<const T>, std::less<>>& saved) {
+  const AttentionOptions o = softmax_detail::options_from(a);
+  const auto out = saved_tensor(saved, "out"), lse = saved_tensor(saved, "lse");
+  require(out.has_value() == lse.has_value(),
+          "softmax_attention_backward: pass both out and lse (from the forward), or neither");
+  if (out) return softmax_attention_backward<T>(a.q, a.k, a.v, dout, *out, *lse, o);
+  return softmax_attention_backward<T>(a.q, a.k, a.v, dout, o);
+}
+
+}  // namespace
+
+MethodInfo describe_softmax() {
+  MethodInfo m;
+  m.name = "softmax";
+  m.function = "softmax_attention";
+  m.label = "exact softmax";
+  m.summary = "exact attention softmax(q·kᵀ·scale)·v, tiled with an online softmax: O(n·d) memory";
+  m.docs = "docs/methods/softmax.md";
+  m.exact = true;
+  m.options = {causal_option(""), scale_option(), key_lengths_option()};
+  m.saved = {"lse"};
+  m.block_rows = std::max(softmax_detail::kForwardBlockK, softmax_detail::kBackwardBlockK);
+  // Per visible (query, key) pair: forward q·k and p·v, 2(d + d_v); backward S again, dP, dV,
+  // dK, dQ, 6d + 4d_v. 2 FLOPs per multiply-add.
+  m.flops = [](const AttentionShape& s, const MethodArgs<float>& a, bool backward) {
+    const auto c = a.options.find("causal");
+    const bool causal = c != a.options.end() && std::get<bool>(c->second);
+    const double pairs = causal ? 0.5 * s.n_q * (s.n_q + 1.0) : 1.0 * s.n_q * s.n_k;
+    const double d = static_cast<double>(s.head_dim), dv = static_cast<double>(s.value_dim);
+    return (backward ? 6 * d + 4 * dv : 2 * (d + dv)) * pairs * s.bh();
+  };
+  m.f32 = LINATTN_METHOD_FUNCTIONS(float, forward, backward, no_example_tensors);
+  m.f64 = LINATTN_METHOD_FUNCTIONS(double, forward, backward, no_example_tensors);
+  return m;
+}
+
+}  // namespace linattn
