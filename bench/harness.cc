@@ -83,8 +83,8 @@ double sgemm_gflops(int threads, int n) {
       [&] {
         parallel_for(panels, [&](int64_t p) {
           const int64_t r0 = p * panel, rows = std::min<int64_t>(panel, n - r0);
-          gemm<float>(Trans::No, Trans::No, rows, n, n, 1.f, a.data() + r0 * n, n, b.data(), n, 0.f,
-                      c.data() + r0 * n, n);
+          matmul<float>(mat(c.data() + r0 * n, rows, n), mat(a.data() + r0 * n, rows, n),
+                        mat(b.data(), n, n));
         });
       },
       2, 10, 2.0);

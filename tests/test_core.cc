@@ -22,21 +22,19 @@ using testing::gamma;
 using testing::ScopedThreads;
 using testing::unit_roundoff;
 
-// gemm against a float64 triple loop, all transposes, odd sizes and leading dimensions.
+// matmul against a float64 triple loop, all transposes, odd sizes and leading dimensions.
 // Bound: |δc| ≤ γ_{K+2}·(|α|·|A|·|B| + |β|·|C|) elementwise.
-TEST(Blas, GemmMatchesLoops) {
+TEST(Blas, MatmulMatchesLoops) {
   const int64_t M = 13, N = 7, K = 29, pad = 3;
-  for (Trans ta : {Trans::No, Trans::Yes})
-    for (Trans tb : {Trans::No, Trans::Yes}) {
-      const int64_t lda = (ta == Trans::No ? K : M) + pad, ldb = (tb == Trans::No ? N : K) + pad,
-                    ldc = N + pad;
-      std::vector<float> A((ta == Trans::No ? M : K) * lda), B((tb == Trans::No ? K : N) * ldb),
-          C(M * ldc);
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      const int64_t lda = (!ta ? K : M) + pad, ldb = (!tb ? N : K) + pad, ldc = N + pad;
+      std::vector<float> A((!ta ? M : K) * lda), B((!tb ? K : N) * ldb), C(M * ldc);
       fill_normal(A.data(), A.size(), 1);
       fill_normal(B.data(), B.size(), 2);
       fill_normal(C.data(), C.size(), 3);
-      auto a = [&](int64_t i, int64_t k) { return double(ta == Trans::No ? A[i * lda + k] : A[k * lda + i]); };
-      auto b = [&](int64_t k, int64_t j) { return double(tb == Trans::No ? B[k * ldb + j] : B[j * ldb + k]); };
+      auto a = [&](int64_t i, int64_t k) { return double(!ta ? A[i * lda + k] : A[k * lda + i]); };
+      auto b = [&](int64_t k, int64_t j) { return double(!tb ? B[k * ldb + j] : B[j * ldb + k]); };
       std::vector<double> want(M * N), bound(M * N);
       const double alpha = 0.75, beta = -0.5;
       for (int64_t i = 0; i < M; ++i)
@@ -49,7 +47,9 @@ TEST(Blas, GemmMatchesLoops) {
           want[i * N + j] = alpha * s + beta * C[i * ldc + j];
           bound[i * N + j] = gamma<float>(K + 2) * (alpha * abs_s + std::abs(beta * C[i * ldc + j]));
         }
-      gemm<float>(ta, tb, M, N, K, float(alpha), A.data(), lda, B.data(), ldb, float(beta), C.data(), ldc);
+      const Mat<const float> am = !ta ? mat<const float>(A.data(), M, K, lda) : mat<const float>(A.data(), K, M, lda).t();
+      const Mat<const float> bm = !tb ? mat<const float>(B.data(), K, N, ldb) : mat<const float>(B.data(), N, K, ldb).t();
+      matmul<float>(mat(C.data(), M, N, ldc), am, bm, float(alpha), float(beta));
       for (int64_t i = 0; i < M; ++i)
         for (int64_t j = 0; j < N; ++j)
           EXPECT_NEAR(C[i * ldc + j], want[i * N + j], bound[i * N + j]) << i << "," << j;
@@ -58,8 +58,21 @@ TEST(Blas, GemmMatchesLoops) {
 
 TEST(Blas, EmptyInnerDimensionScalesC) {
   std::vector<double> C{1, 2, 3, 4};
-  gemm<double>(Trans::No, Trans::No, 2, 2, 0, 1.0, nullptr, 0, nullptr, 0, 0.5, C.data(), 2);
+  matmul<double>(mat(C.data(), 2, 2), mat<const double>(nullptr, 2, 0), mat<const double>(nullptr, 0, 2), 1.0, 0.5);
   EXPECT_EQ(C, (std::vector<double>{0.5, 1, 1.5, 2}));
+}
+
+// Shapes that do not agree, and leading dimensions shorter than their rows, are caught before
+// the BLAS reads anything.
+TEST(Blas, MatmulChecksShapesAndLeadingDimensions) {
+  std::vector<float> A(12), B(12), C(16);
+  EXPECT_THROW(matmul<float>(mat(C.data(), 4, 4), mat<const float>(A.data(), 4, 3), mat<const float>(B.data(), 4, 3)),
+               std::logic_error);  // inner 3 vs 4
+  EXPECT_THROW(matmul<float>(mat(C.data(), 4, 4), mat<const float>(A.data(), 4, 3, 2), mat<const float>(B.data(), 3, 4)),
+               std::logic_error);  // lda 2 < 3 columns
+  EXPECT_THROW(matmul<float>(mat(C.data(), 4, 4).t(), mat<const float>(A.data(), 4, 3), mat<const float>(B.data(), 3, 4)),
+               std::logic_error);  // a transposed result
+  EXPECT_NO_THROW(matmul<float>(mat(C.data(), 4, 4), mat<const float>(A.data(), 3, 4).t(), mat<const float>(B.data(), 3, 4)));
 }
 
 // SIMD kernels against scalar loops, for lengths that exercise the full-vector, two-vector

@@ -33,6 +33,11 @@ struct Size {
 };
 
 enum class Mask { None, Causal, KeyLengths, CausalKeyLengths };
+const char* const kMaskNames[] = {"none", "causal", "key_lengths", "causal_key_lengths"};
+void PrintTo(const Size& z, std::ostream* os) {
+  *os << "n_q=" << z.n_q << " n_k=" << z.n_k << " d=" << z.d << " d_v=" << z.dv;
+}
+void PrintTo(Mask m, std::ostream* os) { *os << kMaskNames[static_cast<int>(m)]; }
 
 KernelizedSpec spec_for(const std::string& map, Mask mask, int64_t batch, int64_t n_k) {
   KernelizedSpec s;
@@ -97,29 +102,31 @@ TEST_P(KernelizedVsReference, Float64) {
 }
 
 std::string kernelized_name(const ::testing::TestParamInfo<KernelizedVsReference::ParamType>& p) {
-  const char* masks[] = {"none", "causal", "key_lengths", "causal_key_lengths"};
   const Size& z = std::get<2>(p.param);
-  return std::get<0>(p.param) + "_" + masks[int(std::get<1>(p.param))] + "_n" +
+  return std::get<0>(p.param) + "_" + kMaskNames[int(std::get<1>(p.param))] + "_n" +
          std::to_string(z.n_q) + "_d" + std::to_string(z.d) + "_dv" + std::to_string(z.dv);
 }
 
-// Sizes cross the causal chunk (64) and the non-causal block (256) boundaries.
+// Sizes from the engine's: 1 and 7 inside a causal chunk, two chunks and a bit, and 300 (4.7
+// chunks); DifferentQueryAndKeyLengths below crosses the non-causal block.
 INSTANTIATE_TEST_SUITE_P(
     All, KernelizedVsReference,
     ::testing::Combine(::testing::Values("elu", "relu", "focused", "positive", "hyperbolic", "trig"),
                        ::testing::Values(Mask::None, Mask::Causal, Mask::KeyLengths,
                                          Mask::CausalKeyLengths),
                        ::testing::Values(Size{1, 1, 16, 16}, Size{7, 7, 16, 8},
-                                         Size{130, 130, 32, 24}, Size{300, 300, 16, 16})),
+                                         Size{2 * kernelized::kChunk + 2, 2 * kernelized::kChunk + 2, 32, 24},
+                                         Size{300, 300, 16, 16})),
     kernelized_name);
 
-// Non-causal with n_q != n_k; 1100 keys cross the 1024-row block of the key passes.
+// Non-causal with n_q != n_k; the keys cross the block of the key passes.
 TEST(KernelizedVsReference, DifferentQueryAndKeyLengths) {
+  constexpr int64_t nk = kernelized::kBlockRows + 76;  // 1100
   for (const char* map : {"elu", "focused", "positive", "trig"}) {
     SCOPED_TRACE(map);
-    const KernelizedSpec spec = spec_for(map, Mask::KeyLengths, 3, 1100);
-    const auto q = random_tensor<double>({3, 2, 50, 16}, 1), k = random_tensor<double>({3, 2, 1100, 16}, 2),
-               v = random_tensor<double>({3, 2, 1100, 12}, 3), dout = random_tensor<double>({3, 2, 50, 12}, 4);
+    const KernelizedSpec spec = spec_for(map, Mask::KeyLengths, 3, nk);
+    const auto q = random_tensor<double>({3, 2, 50, 16}, 1), k = random_tensor<double>({3, 2, nk, 16}, 2),
+               v = random_tensor<double>({3, 2, nk, 12}, 3), dout = random_tensor<double>({3, 2, 50, 12}, 4);
     const auto w = random_features<double>(40, 16, FeatureKind::IID, 5);
     const auto exact = testing::kernelized_exact_with_bounds<double>(q, k, v, dout, &w, spec);
     expect_within(run_forward<double>(spec, q, k, v, &w), exact.out, exact.out_bound, "out");

@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "linattn/softmax.h"
+#include "linattn/softmax/forward_internal.h"
 #include "linattn/softmax/reference.h"
 #include "softmax_bounds.h"
 #include "test_util.h"
@@ -52,6 +53,10 @@ AttentionOptions options_for(Mask m, int64_t batch, int64_t n_k, uint64_t seed) 
 struct Case {
   int64_t n_q, n_k, d, dv;
 };
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << "n_q=" << c.n_q << " n_k=" << c.n_k << " d=" << c.d << " d_v=" << c.dv;
+}
+void PrintTo(Mask m, std::ostream* os) { *os << mask_name(m); }
 
 // Fast float32 and float64 paths, forward and backward, 1 and 2 threads, every mask, against
 // the exact values within the bounds of softmax_bounds.h.
@@ -108,23 +113,28 @@ std::string case_name(const ::testing::TestParamInfo<SoftmaxVsExact::ParamType>&
          std::to_string(c.d) + "_dv" + std::to_string(c.dv) + "_" + mask;
 }
 
+// Sizes from the tiles: kLong spans two key tiles of the forward (512) and several of every
+// other tile, and is a multiple of none; kShort fits inside one.
+constexpr int64_t kLong = 2 * softmax_detail::kForwardBlockK - 24;  // 1000
+constexpr int64_t kShort = softmax_detail::kForwardBlockQ - 28;     // 100
 #ifdef LINATTN_SANITIZED
 // Under ASan/UBSan (whose job is memory and undefined-behaviour errors, ~10x slower) the
-// n = 1000 cases give way to one that still crosses every tile edge (128 queries, 512 keys);
-// the Release run covers them all.
-#define LINATTN_LARGE_CASES Case{130, 600, 64, 40}
+// kLong cases give way to one that still crosses every tile edge (a query tile and a key tile
+// of the forward, plus two); the Release run covers them all.
+#define LINATTN_LARGE_CASES \
+  Case{softmax_detail::kForwardBlockQ + 2, softmax_detail::kForwardBlockK + 88, 64, 40}
 #else
 #define LINATTN_LARGE_CASES                                                                  \
-  Case{1000, 1000, 16, 16}, Case{1000, 1000, 64, 64}, Case{1000, 1000, 96, 96},              \
-      Case{1, 1000, 64, 64}, Case{300, 1000, 96, 40}, Case{1000, 100, 16, 64}
+  Case{kLong, kLong, 16, 16}, Case{kLong, kLong, 64, 64}, Case{kLong, kLong, 96, 96},        \
+      Case{1, kLong, 64, 64}, Case{300, kLong, 96, 40}, Case{kLong, kShort, 16, 64}
 #endif
 
 INSTANTIATE_TEST_SUITE_P(
     Sizes, SoftmaxVsExact,
     ::testing::Combine(::testing::Values(Case{1, 1, 16, 16}, Case{7, 7, 16, 16}, Case{7, 7, 96, 96},
-                                         Case{100, 100, 64, 64}, Case{100, 100, 96, 96},
+                                         Case{kShort, kShort, 64, 64}, Case{kShort, kShort, 96, 96},
                                          // n_q != n_k, value_dim != head_dim
-                                         Case{7, 100, 16, 24}, Case{100, 7, 64, 32},
+                                         Case{7, kShort, 16, 24}, Case{kShort, 7, 64, 32},
                                          LINATTN_LARGE_CASES),
                        ::testing::Values(Mask::None, Mask::Causal, Mask::KeyLengths,
                                          Mask::CausalKeyLengths)),

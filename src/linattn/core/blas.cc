@@ -3,6 +3,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <stdexcept>
 #include <limits>
 #include <string>
 #include <vector>
@@ -25,6 +26,7 @@ extern "C" void BLAS_FN(dgesdd_)(const char* jobz, const int* m, const int* n, d
 
 namespace linattn {
 namespace {
+enum class Trans { No, Yes };
 CBLAS_TRANSPOSE to_cblas(Trans t) { return t == Trans::Yes ? CblasTrans : CblasNoTrans; }
 blasint to_int(int64_t v, const char* what) {
   require(v >= 0 && v <= std::numeric_limits<blasint>::max(), "gemm: ", what, " = ", v,
@@ -45,10 +47,7 @@ void scale_rows(int64_t M, int64_t N, T beta, T* C, int64_t ldc) {
   for (int64_t i = 0; i < M; ++i)
     for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == T(0) ? T(0) : beta * C[i * ldc + j];
 }
-}  // namespace
-
-template <>
-void gemm<float>(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha,
+void gemm(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha,
                  const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
                  int64_t ldc) {
   if (M == 0 || N == 0) return;
@@ -59,8 +58,7 @@ void gemm<float>(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alph
               to_int(ldc, "ldc"));
 }
 
-template <>
-void gemm<double>(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, double alpha,
+void gemm(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, double alpha,
                   const double* A, int64_t lda, const double* B, int64_t ldb, double beta,
                   double* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
@@ -70,6 +68,28 @@ void gemm<double>(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, double al
               to_int(K, "K"), alpha, A, to_int(lda, "lda"), B, to_int(ldb, "ldb"), beta, C,
               to_int(ldc, "ldc"));
 }
+
+}  // namespace
+
+template <class T>
+void matmul(Mat<T> C, Mat<const T> A, Mat<const T> B, T alpha, T beta) {
+  auto bad = [&](const char* what) {
+    throw std::logic_error(std::string("matmul: ") + what + ": C " + std::to_string(C.rows) + "x" +
+                           std::to_string(C.cols) + ", A " + std::to_string(A.op_rows()) + "x" +
+                           std::to_string(A.op_cols()) + ", B " + std::to_string(B.op_rows()) + "x" +
+                           std::to_string(B.op_cols()));
+  };
+  if (C.transposed) bad("the result cannot be a transpose");
+  if (A.op_rows() != C.rows || B.op_cols() != C.cols || A.op_cols() != B.op_rows()) bad("shapes do not agree");
+  for (const auto* m : {&A, &B})
+    if (m->rows > 0 && m->cols > 0 && m->ld < m->cols) bad("a leading dimension is shorter than its rows");
+  if (C.rows > 0 && C.cols > 0 && C.ld < C.cols) bad("C's leading dimension is shorter than its rows");
+  gemm(A.transposed ? Trans::Yes : Trans::No, B.transposed ? Trans::Yes : Trans::No, C.rows, C.cols,
+       A.op_cols(), alpha, A.data, A.ld, B.data, B.ld, beta, C.data, C.ld);
+}
+
+template void matmul<float>(Mat<float>, Mat<const float>, Mat<const float>, float, float);
+template void matmul<double>(Mat<double>, Mat<const double>, Mat<const double>, double, double);
 
 const char* blas_name() {
   static const std::string name = [] {

@@ -3,15 +3,38 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 namespace linattn {
 
-enum class Trans { No, Yes };
-
-// C[M×N] = alpha · op(A)[M×K] · op(B)[K×N] + beta · C, all row-major with leading dims.
+// A row-major matrix operand: `rows`×`cols` values at `data`, consecutive rows `ld` apart
+// (ld >= cols), or with `transposed` its transpose (then an operand of cols×rows). Made with
+// mat(); .t() gives the transpose.
 template <class T>
-void gemm(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t lda,
-          const T* B, int64_t ldb, T beta, T* C, int64_t ldc);
+struct Mat {
+  T* data;
+  int64_t rows, cols, ld;
+  bool transposed = false;
+  Mat t() const { return {data, rows, cols, ld, !transposed}; }
+  int64_t op_rows() const { return transposed ? cols : rows; }  // as an operand of a product
+  int64_t op_cols() const { return transposed ? rows : cols; }
+  operator Mat<const T>() const { return {data, rows, cols, ld, transposed}; }
+};
+template <class T>
+Mat<T> mat(T* data, int64_t rows, int64_t cols, int64_t ld) {
+  return {data, rows, cols, ld, false};
+}
+template <class T>
+Mat<T> mat(T* data, int64_t rows, int64_t cols) {
+  return {data, rows, cols, cols, false};
+}
+
+// C = alpha·A·B + beta·C for matrices C [M×N] (not transposed), A [M×K] and B [K×N] as
+// operands (each possibly a transpose). The shapes must agree and every leading dimension must
+// hold its rows; a mismatch is a bug of the caller (std::logic_error naming the sizes). An
+// empty inner dimension leaves beta·C.
+template <class T>
+void matmul(Mat<T> C, Mat<const T> A, Mat<const T> B, T alpha = T(1), T beta = T(0));
 
 const char* blas_name();
 

@@ -49,7 +49,7 @@ void key_side(const char* fn, const Setup& s, TensorView<const T> k, TensorView<
   require(simd::softmax_columns(k.row(bh, 0), static_cast<size_t>(hd), b.e.data(), static_cast<size_t>(L),
                                 static_cast<size_t>(hd), static_cast<T>(s.scale), b.inv.data(), b.work.data()),
           fn, ": attention scores overflowed to inf or NaN; the inputs are too large for this dtype");
-  gemm<T>(Trans::Yes, Trans::No, hd, dv, L, T(1), b.e.data(), hd, v.row(bh, 0), dv, T(0), b.g.data(), dv);
+  matmul<T>(mat(b.g.data(), hd, dv), mat(b.e.data(), L, hd).t(), mat(v.row(bh, 0), L, dv));
   for (int64_t c = 0; c < hd; ++c) simd::scale(b.g.data() + c * dv, static_cast<size_t>(dv), b.inv[c]);
 }
 
@@ -91,8 +91,8 @@ Tensor<T> efficient_attention(TensorView<const T> q, TensorView<const T> k, Tens
       interruption_point();
       const int64_t rows = std::min(efficient::kRowBlock, d.n_q - r0);
       efficient::query_block(fn, s, q, bh, r0, rows, b);
-      gemm<T>(Trans::No, Trans::No, rows, d.value_dim, d.head_dim, T(1), b.qb.data(), d.head_dim,
-              b.g.data(), d.value_dim, T(0), out.view().row(bh, r0), d.value_dim);
+      matmul<T>(mat(out.view().row(bh, r0), rows, d.value_dim), mat(b.qb.data(), rows, d.head_dim),
+                mat(b.g.data(), d.head_dim, d.value_dim));
     }
   });
   vs.restore(out);
@@ -129,8 +129,9 @@ AttentionGrads<T> efficient_attention_backward(TensorView<const T> q, TensorView
       const T* go = dout.row(bh, r0);
       efficient::query_block(fn, s, q, bh, r0, rows, b);
       // out = ρ_q G: dG += ρ_qᵀ dout, dρ_q = dout Gᵀ
-      gemm<T>(Trans::Yes, Trans::No, hd, dv, rows, T(1), b.qb.data(), hd, go, dv, T(1), b.dg.data(), dv);
-      gemm<T>(Trans::No, Trans::Yes, rows, hd, dv, T(1), go, dv, b.g.data(), dv, T(0), b.dqb.data(), hd);
+      matmul<T>(mat(b.dg.data(), hd, dv), mat(b.qb.data(), rows, hd).t(), mat(go, rows, dv), T(1),
+                T(1));
+      matmul<T>(mat(b.dqb.data(), rows, hd), mat(go, rows, dv), mat(b.g.data(), hd, dv).t());
       softmax_rows_backward(b.qb.data(), b.dqb.data(), rows, hd, hd, hd);
       T* dq = g.dq.view().row(bh, r0);
       for (int64_t i = 0; i < rows * hd; ++i) dq[i] = sc * b.dqb[i];
@@ -138,12 +139,11 @@ AttentionGrads<T> efficient_attention_backward(TensorView<const T> q, TensorView
     // G = ρ_kᵀ V_L: dρ_k = V_L dGᵀ (into dk's rows, then the softmax backward in place),
     // dv_L = E·(diag(inv) dG).
     T* dk = g.dk.view().row(bh, 0);
-    gemm<T>(Trans::No, Trans::Yes, L, hd, dv, T(1), v.row(bh, 0), dv, b.dg.data(), dv, T(0), dk, hd);
+    matmul<T>(mat(dk, L, hd), mat(v.row(bh, 0), L, dv), mat(b.dg.data(), hd, dv).t());
     simd::softmax_columns_backward(b.e.data(), b.inv.data(), dk, static_cast<size_t>(L),
                                    static_cast<size_t>(hd), sc, b.work.data());
     for (int64_t c = 0; c < hd; ++c) simd::scale(b.dg.data() + c * dv, static_cast<size_t>(dv), b.inv[c]);
-    gemm<T>(Trans::No, Trans::No, L, dv, hd, T(1), b.e.data(), hd, b.dg.data(), dv, T(0),
-            g.dv.view().row(bh, 0), dv);
+    matmul<T>(mat(g.dv.view().row(bh, 0), L, dv), mat(b.e.data(), L, hd), mat(b.dg.data(), hd, dv));
   });
   restore_gradients(fn, g, vs.exponent(), gs.exponent());
   return g;

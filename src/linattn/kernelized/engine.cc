@@ -261,8 +261,8 @@ void accumulate_kv(const Problem<T>& p, int64_t bh, int64_t key_len, Scratch<T>&
     if (p.fmap->log_form()) raise_shifts(kf.e.data(), rows, m, s.c.data(), s.c_new.data(), s.kvz.data(), da, static_cast<T*>(nullptr));
     finish_key_features(p, rows, s.c.data(), kf);
     augmented_values(p, bh, j0, rows, s);
-    gemm<T>(Trans::Yes, Trans::No, m, da, rows, T(1), kf.values(*p.fmap), m, s.vaug.data(), da, T(1),
-            s.kvz.data(), da);
+    matmul<T>(mat(s.kvz.data(), m, da), mat(kf.values(*p.fmap), rows, m).t(),
+              mat(s.vaug.data(), rows, da), T(1), T(1));
   }
 }
 
@@ -272,8 +272,8 @@ template <class T>
 void query_rows(const Problem<T>& p, int64_t bh, int64_t i0, int64_t rows, Scratch<T>& s, T* out) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, da = dv + 1;
   query_features(p, bh, i0, rows, s.c.data(), s.qf);
-  gemm<T>(Trans::No, Trans::No, rows, da, m, T(1), s.qf.values(*p.fmap), m, s.kvz.data(), da, T(0),
-          s.nd.data(), da);
+  matmul<T>(mat(s.nd.data(), rows, da), mat(s.qf.values(*p.fmap), rows, m),
+            mat(s.kvz.data(), m, da));
   for (int64_t i = 0; i < rows; ++i) {
     const T* nd = s.nd.data() + i * da;
     const T D = nd[dv] + p.eps;
@@ -312,10 +312,10 @@ void backward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* cache
       std::copy(s.dnum.data() + i * dv, s.dnum.data() + (i + 1) * dv, s.dnd.data() + i * da);
       s.dnd[i * da + dv] = s.dden[i];
     }
-    gemm<T>(Trans::No, Trans::Yes, rows, m, da, T(1), s.dnd.data(), da, s.kvz.data(), da, T(0),
-            s.dphi.data(), m);
-    gemm<T>(Trans::Yes, Trans::No, m, da, rows, T(1), s.qf.values(*p.fmap), m, s.dnd.data(), da, T(1),
-            s.dkvz.data(), da);
+    matmul<T>(mat(s.dphi.data(), rows, m), mat(s.dnd.data(), rows, da),
+              mat(s.kvz.data(), m, da).t());
+    matmul<T>(mat(s.dkvz.data(), m, da), mat(s.qf.values(*p.fmap), rows, m).t(),
+              mat(s.dnd.data(), rows, da), T(1), T(1));
     feature_backward(p, p.q.row(bh, i0), rows, Side::Query, s.qf, s, dq + (bh * p.dims.n_q + i0) * d);
   }
   // Keys entered as K_jᵀ[v_j, 1]: dK_j = [v_j, 1]·[dKV | dz]ᵀ and dv_j = K_j·dKV.
@@ -332,10 +332,10 @@ void backward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* cache
     }
     finish_key_features(p, rows, s.c.data(), kf);  // against the final shifts
     augmented_values(p, bh, j0, rows, s);
-    gemm<T>(Trans::No, Trans::Yes, rows, m, da, T(1), s.vaug.data(), da, s.dkvz.data(), da, T(0),
-            s.dphi.data(), m);
-    gemm<T>(Trans::No, Trans::No, rows, dv, m, T(1), kf.values(*p.fmap), m, s.dkvz.data(), da, T(0),
-            dv_out + (bh * p.dims.n_k + j0) * dv, dv);
+    matmul<T>(mat(s.dphi.data(), rows, m), mat(s.vaug.data(), rows, da),
+              mat(s.dkvz.data(), m, da).t());
+    matmul<T>(mat(dv_out + (bh * p.dims.n_k + j0) * dv, rows, dv), mat(kf.values(*p.fmap), rows, m),
+              mat(s.dkvz.data(), m, dv, da));
     feature_backward(p, p.k.row(bh, j0), rows, Side::Key, kf, s, dk + (bh * p.dims.n_k + j0) * d);
   }
 }
@@ -382,8 +382,8 @@ template <class T>
 void chunk_weights(const Problem<T>& p, int64_t rows, int64_t kr, Scratch<T>& s) {
   if (kr == 0) return;
   const int64_t m = p.fmap->dim();
-  gemm<T>(Trans::No, Trans::Yes, rows, kr, m, T(1), s.qf.values(*p.fmap), m, s.kf.values(*p.fmap), m,
-          T(0), s.W.data(), kChunk);
+  matmul<T>(mat(s.W.data(), rows, kr, kChunk), mat(s.qf.values(*p.fmap), rows, m),
+            mat(s.kf.values(*p.fmap), kr, m).t());
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = i + 1; j < kr; ++j) s.W[i * kChunk + j] = 0;
 }
@@ -394,15 +394,15 @@ void chunk_outputs(const Problem<T>& p, int64_t bh, int64_t t0, int64_t rows, in
                    Scratch<T>& s, T* num, T* D) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
   const T* Q = s.qf.values(*p.fmap);
-  gemm<T>(Trans::No, Trans::No, rows, dv, m, T(1), Q, m, s.S.data(), dv, T(0), num, dv);
+  matmul<T>(mat(num, rows, dv), mat(Q, rows, m), mat(s.S.data(), m, dv));
   for (int64_t i = 0; i < rows; ++i) {
     T den = simd::dot(Q + i * m, s.z.data(), static_cast<size_t>(m));
     for (int64_t j = 0; j < std::min(i + 1, kr); ++j) den += s.W[i * kChunk + j];
     D[i] = den + p.eps;
   }
   if (kr > 0)
-    gemm<T>(Trans::No, Trans::No, rows, dv, kr, T(1), s.W.data(), kChunk, p.v.row(bh, t0), dv, T(1),
-            num, dv);
+    matmul<T>(mat(num, rows, dv), mat(s.W.data(), rows, kr, kChunk), mat(p.v.row(bh, t0), kr, dv),
+              T(1), T(1));
 }
 
 // S += Kᵀ·V, z += Σ_j K_j over the chunk's kr valid keys.
@@ -411,7 +411,7 @@ void add_chunk_to_state(const Problem<T>& p, int64_t bh, int64_t t0, int64_t kr,
   if (kr == 0) return;
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
   const T* K = s.kf.values(*p.fmap);
-  gemm<T>(Trans::Yes, Trans::No, m, dv, kr, T(1), K, m, p.v.row(bh, t0), dv, T(1), s.S.data(), dv);
+  matmul<T>(mat(s.S.data(), m, dv), mat(K, kr, m).t(), mat(p.v.row(bh, t0), kr, dv), T(1), T(1));
   for (int64_t j = 0; j < kr; ++j)
     for (int64_t r = 0; r < m; ++r) s.z[r] += K[j * m + r];
 }
@@ -474,8 +474,8 @@ void chunk_output_grads(const Problem<T>& p, int64_t bh, int64_t t0, int64_t row
                         const T* dden, Scratch<T>& s) {
   if (kr == 0) return;
   const int64_t dv = p.dims.value_dim;
-  gemm<T>(Trans::No, Trans::Yes, rows, kr, dv, T(1), s.dnum.data(), dv, p.v.row(bh, t0), dv, T(0),
-          s.P.data(), kChunk);
+  matmul<T>(mat(s.P.data(), rows, kr, kChunk), mat(s.dnum.data(), rows, dv),
+            mat(p.v.row(bh, t0), kr, dv).t());
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < kr; ++j) s.P[i * kChunk + j] = j <= i ? s.P[i * kChunk + j] + dden[i] : T(0);
 }
@@ -503,13 +503,13 @@ void causal_forward_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, CausalS
     divide_rows(s.num.data(), D, rows, dv);
     output_grads(dout + (bh * n + t0) * dv, s.num.data(), D, rows, dv, s.dnum.data(), dden);
     chunk_output_grads(p, bh, t0, rows, kr, dden, s);
-    gemm<T>(Trans::No, Trans::Yes, rows, m, dv, T(1), s.dnum.data(), dv, s.S.data(), dv, T(0),
-            s.dphi.data(), m);
+    matmul<T>(mat(s.dphi.data(), rows, m), mat(s.dnum.data(), rows, dv),
+              mat(s.S.data(), m, dv).t());
     for (int64_t i = 0; i < rows; ++i)
       for (int64_t r = 0; r < m; ++r) s.dphi[i * m + r] += dden[i] * s.z[r];
     if (kr > 0)
-      gemm<T>(Trans::No, Trans::No, rows, m, kr, T(1), s.P.data(), kChunk, s.kf.values(*p.fmap), m, T(1),
-              s.dphi.data(), m);
+      matmul<T>(mat(s.dphi.data(), rows, m), mat(s.P.data(), rows, kr, kChunk),
+                mat(s.kf.values(*p.fmap), kr, m), T(1), T(1));
     feature_backward(p, p.q.row(bh, t0), rows, Side::Query, s.qf, s, dq + (bh * n + t0) * d);
     saved.chunks.push_back({t0, rows, kr});
     saved.shifts.insert(saved.shifts.end(), s.c.data(), s.c.data() + m);
@@ -558,19 +558,22 @@ void causal_reverse_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, const C
     if (kr > 0) {
       const T* K = s.kf.values(*p.fmap);
       // dK = Pᵀ·Q + V·Rᵀ + 1·ρᵀ
-      gemm<T>(Trans::No, Trans::Yes, kr, m, dv, T(1), p.v.row(bh, t0), dv, s.R.data(), dv, T(0),
-              s.dphi.data(), m);
+      matmul<T>(mat(s.dphi.data(), kr, m), mat(p.v.row(bh, t0), kr, dv),
+                mat(s.R.data(), m, dv).t());
       for (int64_t j = 0; j < kr; ++j)
         for (int64_t r = 0; r < m; ++r) s.dphi[j * m + r] += s.rho[r];
-      gemm<T>(Trans::Yes, Trans::No, kr, m, rows, T(1), s.P.data(), kChunk, Q, m, T(1), s.dphi.data(), m);
+      matmul<T>(mat(s.dphi.data(), kr, m), mat(s.P.data(), rows, kr, kChunk).t(), mat(Q, rows, m),
+                T(1), T(1));
       // dv = Wᵀ·dnum + K·R
       T* dvc = dv_out + (bh * n + t0) * dv;
-      gemm<T>(Trans::No, Trans::No, kr, dv, m, T(1), K, m, s.R.data(), dv, T(0), dvc, dv);
-      gemm<T>(Trans::Yes, Trans::No, kr, dv, rows, T(1), s.W.data(), kChunk, s.dnum.data(), dv, T(1), dvc, dv);
+      matmul<T>(mat(dvc, kr, dv), mat(K, kr, m), mat(s.R.data(), m, dv));
+      matmul<T>(mat(dvc, kr, dv), mat(s.W.data(), rows, kr, kChunk).t(),
+                mat(s.dnum.data(), rows, dv), T(1), T(1));
       feature_backward(p, p.k.row(bh, t0), kr, Side::Key, s.kf, s, dk + (bh * n + t0) * d);
     }
     // This chunk's queries join the suffix state: R += Qᵀ·dnum, ρ += Qᵀ·dden.
-    gemm<T>(Trans::Yes, Trans::No, m, dv, rows, T(1), Q, m, s.dnum.data(), dv, T(1), s.R.data(), dv);
+    matmul<T>(mat(s.R.data(), m, dv), mat(Q, rows, m).t(), mat(s.dnum.data(), rows, dv), T(1),
+              T(1));
     for (int64_t i = 0; i < rows; ++i)
       for (int64_t r = 0; r < m; ++r) s.rho[r] += Q[i * m + r] * dden[i];
   }

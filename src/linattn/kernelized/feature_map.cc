@@ -172,7 +172,7 @@ void FeatureMap<T>::logits(const char* fn, const T* x, int64_t n, Side side, T* 
   const char* who = side == Side::Key ? "k" : "q";
   // U = x̃·ωᵀ, straight into the first m columns of L (positive, hyperbolic) or s (trig).
   T* U = kind_ == FeatureMapKind::FavorTrig ? s : L;
-  gemm<T>(Trans::No, Trans::Yes, n, m, d, sq, x, d, omega_, d, T(0), U, dim_);
+  matmul<T>(mat(U, n, m, dim_), mat(x, n, d), mat(omega_, m, d).t(), sq);
   for (int64_t i = 0; i < n; ++i) {
     const T* xr = x + i * d;
     T* u = U + i * dim_;
@@ -242,7 +242,7 @@ void FeatureMap<T>::logits_backward(const T* x, int64_t n, Side side, const T* d
     const T* xr = x + i * d;
     for (int64_t c = 0; c < d; ++c) dx[i * d + c] = coef * sq * sq * xr[c];
   }
-  gemm<T>(Trans::No, Trans::No, n, d, m, sq, dU, m, omega_, d, T(1), dx, d);
+  matmul<T>(mat(dx, n, d), mat(dU, n, m), mat(omega_, m, d), sq, T(1));
 }
 
 template class FeatureMap<float>;

@@ -58,10 +58,10 @@ template <class T>
 void project(const Setup& s, TensorView<const T> k, TensorView<const T> v, TensorView<const T> e,
              TensorView<const T> f, int64_t bh, int64_t L, Buffers<T>& b) {
   const int64_t h = bh % s.d.heads;
-  gemm<T>(Trans::No, Trans::No, s.s_proj, s.d.head_dim, L, T(1), e.data + s.offset(h), s.n_max,
-          k.row(bh, 0), s.d.head_dim, T(0), b.kp.data(), s.d.head_dim);
-  gemm<T>(Trans::No, Trans::No, s.s_proj, s.d.value_dim, L, T(1), f.data + s.offset(h), s.n_max,
-          v.row(bh, 0), s.d.value_dim, T(0), b.vp.data(), s.d.value_dim);
+  matmul<T>(mat(b.kp.data(), s.s_proj, s.d.head_dim),
+            mat(e.data + s.offset(h), s.s_proj, L, s.n_max), mat(k.row(bh, 0), L, s.d.head_dim));
+  matmul<T>(mat(b.vp.data(), s.s_proj, s.d.value_dim),
+            mat(f.data + s.offset(h), s.s_proj, L, s.n_max), mat(v.row(bh, 0), L, s.d.value_dim));
 }
 
 }  // namespace linformer
@@ -87,11 +87,11 @@ Tensor<T> linformer_attention(TensorView<const T> q, TensorView<const T> k, Tens
     for (int64_t r0 = 0; r0 < d.n_q; r0 += linformer::kRowBlock) {
       interruption_point();
       const int64_t rows = std::min(linformer::kRowBlock, d.n_q - r0);
-      gemm<T>(Trans::No, Trans::Yes, rows, s.s_proj, d.head_dim, sc, q.row(bh, r0), d.head_dim,
-              b.kp.data(), d.head_dim, T(0), b.p.data(), s.s_proj);
+      matmul<T>(mat(b.p.data(), rows, s.s_proj), mat(q.row(bh, r0), rows, d.head_dim),
+                mat(b.kp.data(), s.s_proj, d.head_dim).t(), sc);
       softmax_rows(fn, b.p.data(), rows, s.s_proj, s.s_proj);
-      gemm<T>(Trans::No, Trans::No, rows, d.value_dim, s.s_proj, T(1), b.p.data(), s.s_proj,
-              b.vp.data(), d.value_dim, T(0), out.view().row(bh, r0), d.value_dim);
+      matmul<T>(mat(out.view().row(bh, r0), rows, d.value_dim), mat(b.p.data(), rows, s.s_proj),
+                mat(b.vp.data(), s.s_proj, d.value_dim));
     }
   });
   vs.restore(out);
@@ -132,38 +132,41 @@ AttentionGrads<T> linformer_attention_backward(TensorView<const T> q, TensorView
       interruption_point();
       const int64_t rows = std::min(linformer::kRowBlock, d.n_q - r0);
       const T* go = dout.row(bh, r0);
-      gemm<T>(Trans::No, Trans::Yes, rows, sp, hd, sc, q.row(bh, r0), hd, b.kp.data(), hd, T(0),
-              b.p.data(), sp);
+      matmul<T>(mat(b.p.data(), rows, sp), mat(q.row(bh, r0), rows, hd),
+                mat(b.kp.data(), sp, hd).t(), sc);
       softmax_rows(fn, b.p.data(), rows, sp, sp);
       // out = P·V': dV' += Pᵀ dout, dP = dout V'ᵀ
-      gemm<T>(Trans::Yes, Trans::No, sp, dv, rows, T(1), b.p.data(), sp, go, dv, T(1), dv_p, dv);
-      gemm<T>(Trans::No, Trans::Yes, rows, sp, dv, T(1), go, dv, b.vp.data(), dv, T(0), b.dp.data(), sp);
+      matmul<T>(mat(dv_p, sp, dv), mat(b.p.data(), rows, sp).t(), mat(go, rows, dv), T(1), T(1));
+      matmul<T>(mat(b.dp.data(), rows, sp), mat(go, rows, dv), mat(b.vp.data(), sp, dv).t());
       softmax_rows_backward(b.p.data(), b.dp.data(), rows, sp, sp, sp);
       // S = s·Q K'ᵀ: dq = s·dS K', dK' += s·dSᵀ Q
-      gemm<T>(Trans::No, Trans::No, rows, hd, sp, sc, b.dp.data(), sp, b.kp.data(), hd, T(0),
-              g.dq.view().row(bh, r0), hd);
-      gemm<T>(Trans::Yes, Trans::No, sp, hd, rows, sc, b.dp.data(), sp, q.row(bh, r0), hd, T(1), dk_p, hd);
+      matmul<T>(mat(g.dq.view().row(bh, r0), rows, hd), mat(b.dp.data(), rows, sp),
+                mat(b.kp.data(), sp, hd), sc);
+      matmul<T>(mat(dk_p, sp, hd), mat(b.dp.data(), rows, sp).t(), mat(q.row(bh, r0), rows, hd), sc,
+                T(1));
     }
     // K' = E_L K_L: dk_L = E_Lᵀ dK'; V' = F_L V_L: dv_L = F_Lᵀ dV'
-    gemm<T>(Trans::Yes, Trans::No, L, hd, sp, T(1), e.data + s.offset(h), s.n_max, dk_p, hd, T(0),
-            g.dk.view().row(bh, 0), hd);
-    gemm<T>(Trans::Yes, Trans::No, L, dv, sp, T(1), f.data + s.offset(h), s.n_max, dv_p, dv, T(0),
-            g.dv.view().row(bh, 0), dv);
+    matmul<T>(mat(g.dk.view().row(bh, 0), L, hd), mat(e.data + s.offset(h), sp, L, s.n_max).t(),
+              mat(dk_p, sp, hd));
+    matmul<T>(mat(g.dv.view().row(bh, 0), L, dv), mat(f.data + s.offset(h), sp, L, s.n_max).t(),
+              mat(dv_p, sp, dv));
   });
   // dE[:, j] = Σ_{b,h sharing E} dK'_bh K_bh[j]ᵀ over j < L_b; tasks own column blocks of one matrix.
   constexpr int64_t kCols = linformer::kColBlock;
   const int64_t col_blocks = (d.n_k + kCols - 1) / kCols, mats = s.per_head ? d.heads : 1;
   parallel_for(mats * col_blocks, [&](int64_t task) {
-    const int64_t mat = task / col_blocks, j0 = (task % col_blocks) * kCols;
+    const int64_t which = task / col_blocks, j0 = (task % col_blocks) * kCols;
     for (int64_t bh = 0; bh < d.bh(); ++bh) {
       const int64_t h = bh % d.heads;
-      if (s.per_head && h != mat) continue;
+      if (s.per_head && h != which) continue;
       const int64_t j1 = std::min(j0 + kCols, mask.key_length(bh / d.heads));
       if (j1 <= j0) continue;
-      gemm<T>(Trans::No, Trans::Yes, sp, j1 - j0, hd, T(1), dkp.data() + bh * sp * hd, hd,
-              k.row(bh, j0), hd, T(1), de.data() + s.offset(h) + j0, s.n_max);
-      gemm<T>(Trans::No, Trans::Yes, sp, j1 - j0, dv, T(1), dvp.data() + bh * sp * dv, dv,
-              v.row(bh, j0), dv, T(1), df.data() + s.offset(h) + j0, s.n_max);
+      matmul<T>(mat(de.data() + s.offset(h) + j0, sp, j1 - j0, s.n_max),
+                mat(dkp.data() + bh * sp * hd, sp, hd), mat(k.row(bh, j0), j1 - j0, hd).t(), T(1),
+                T(1));
+      matmul<T>(mat(df.data() + s.offset(h) + j0, sp, j1 - j0, s.n_max),
+                mat(dvp.data() + bh * sp * dv, sp, dv), mat(v.row(bh, j0), j1 - j0, dv).t(), T(1),
+                T(1));
     }
   });
   restore_gradients(fn, g, vs.exponent(), gs.exponent());

@@ -63,32 +63,32 @@ AttentionGrads<T> nystrom_attention_backward(TensorView<const T> q, TensorView<c
       const int64_t rows = std::min(nystrom::kRowBlock, d.n_q - r0);
       T* f1 = hb.scores.data();
       const T* go = dout.row(bh, r0);
-      gemm<T>(Trans::No, Trans::Yes, rows, m, hd, sc, q.row(bh, r0), hd, hb.kt.data(), hd, T(0), f1, m);
+      matmul<T>(mat(f1, rows, m), mat(q.row(bh, r0), rows, hd), mat(hb.kt.data(), m, hd).t(), sc);
       softmax_rows(fn, f1, rows, m, m);
-      gemm<T>(Trans::Yes, Trans::No, m, dv, rows, T(1), f1, m, go, dv, T(1), dy, dv);
-      gemm<T>(Trans::No, Trans::Yes, rows, m, dv, T(1), go, dv, hb.y.data(), dv, T(0), ds, m);
+      matmul<T>(mat(dy, m, dv), mat(f1, rows, m).t(), mat(go, rows, dv), T(1), T(1));
+      matmul<T>(mat(ds, rows, m), mat(go, rows, dv), mat(hb.y.data(), m, dv).t());
       softmax_rows_backward(f1, ds, rows, m, m, m);
-      gemm<T>(Trans::No, Trans::No, rows, hd, m, sc, ds, m, hb.kt.data(), hd, T(0),
-              g.dq.view().row(bh, r0), hd);
-      gemm<T>(Trans::Yes, Trans::No, m, hd, rows, sc, ds, m, q.row(bh, r0), hd, T(1), dkt, hd);
+      matmul<T>(mat(g.dq.view().row(bh, r0), rows, hd), mat(ds, rows, m), mat(hb.kt.data(), m, hd),
+                sc);
+      matmul<T>(mat(dkt, m, hd), mat(ds, rows, m).t(), mat(q.row(bh, r0), rows, hd), sc, T(1));
     }
     // Y = Z·W
-    gemm<T>(Trans::No, Trans::Yes, m, m, dv, T(1), dy, dv, hb.w.data(), dv, T(0), hb.dz.data(), m);
-    gemm<T>(Trans::Yes, Trans::No, m, dv, m, T(1), hb.z.data(), m, dy, dv, T(0), hb.dw.data(), dv);
+    matmul<T>(mat(hb.dz.data(), m, m), mat(dy, m, dv), mat(hb.w.data(), m, dv).t());
+    matmul<T>(mat(hb.dw.data(), m, dv), mat(hb.z.data(), m, m).t(), mat(dy, m, dv));
     // W = F3·V_L
-    gemm<T>(Trans::No, Trans::Yes, m, L, dv, T(1), hb.dw.data(), dv, v.row(bh, 0), dv, T(0), ds, L);
-    gemm<T>(Trans::Yes, Trans::No, L, dv, m, T(1), hb.f3.data(), L, hb.dw.data(), dv, T(0),
-            g.dv.view().row(bh, 0), dv);
+    matmul<T>(mat(ds, m, L), mat(hb.dw.data(), m, dv), mat(v.row(bh, 0), L, dv).t());
+    matmul<T>(mat(g.dv.view().row(bh, 0), L, dv), mat(hb.f3.data(), m, L).t(),
+              mat(hb.dw.data(), m, dv));
     // F3 = softmax(Q̃ K_Lᵀ·s)
     softmax_rows_backward(hb.f3.data(), ds, m, L, L, L);
-    gemm<T>(Trans::No, Trans::No, m, hd, L, sc, ds, L, k.row(bh, 0), hd, T(1), dqt, hd);
-    gemm<T>(Trans::Yes, Trans::No, L, hd, m, sc, ds, L, hb.qt.data(), hd, T(0), g.dk.view().row(bh, 0), hd);
+    matmul<T>(mat(dqt, m, hd), mat(ds, m, L), mat(k.row(bh, 0), L, hd), sc, T(1));
+    matmul<T>(mat(g.dk.view().row(bh, 0), L, hd), mat(ds, m, L).t(), mat(hb.qt.data(), m, hd), sc);
     // Z = pinv(A), A = softmax(Q̃ K̃ᵀ·s)
     nystrom::pinv_backward<T>(s.pinv, hb.a.data(), hb.z.data(), m, s.iterations, hb.iterates.data(),
                               hb.dz.data(), hb.da.data(), hb.pinv_scratch.data());
     softmax_rows_backward(hb.a.data(), hb.da.data(), m, m, m, m);
-    gemm<T>(Trans::No, Trans::No, m, hd, m, sc, hb.da.data(), m, hb.kt.data(), hd, T(1), dqt, hd);
-    gemm<T>(Trans::Yes, Trans::No, m, hd, m, sc, hb.da.data(), m, hb.qt.data(), hd, T(1), dkt, hd);
+    matmul<T>(mat(dqt, m, hd), mat(hb.da.data(), m, m), mat(hb.kt.data(), m, hd), sc, T(1));
+    matmul<T>(mat(dkt, m, hd), mat(hb.da.data(), m, m).t(), mat(hb.qt.data(), m, hd), sc, T(1));
     // Q̃, K̃ = segment means of the valid positions
     unpool(dqt, L, m, hd, g.dq.view().row(bh, 0), hd);
     unpool(dkt, L, m, hd, g.dk.view().row(bh, 0), hd);

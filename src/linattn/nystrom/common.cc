@@ -80,17 +80,17 @@ void landmark_side(const char* fn, const Setup& s, TensorView<const T> q, Tensor
   const T sc = static_cast<T>(s.scale);
   pool(q.row(bh, 0), d, L, m, d, hb.qt.data());
   pool(k.row(bh, 0), d, L, m, d, hb.kt.data());
-  gemm<T>(Trans::No, Trans::Yes, m, m, d, sc, hb.qt.data(), d, hb.kt.data(), d, T(0), hb.a.data(), m);
+  matmul<T>(mat(hb.a.data(), m, m), mat(hb.qt.data(), m, d), mat(hb.kt.data(), m, d).t(), sc);
   softmax_rows(fn, hb.a.data(), m, m, m);
-  gemm<T>(Trans::No, Trans::Yes, m, L, d, sc, hb.qt.data(), d, k.row(bh, 0), d, T(0), hb.f3.data(), L);
+  matmul<T>(mat(hb.f3.data(), m, L), mat(hb.qt.data(), m, d), mat(k.row(bh, 0), L, d).t(), sc);
   softmax_rows(fn, hb.f3.data(), m, L, L, backward ? nullptr : hb.inv_sums.data());
   pinv_forward<T>(s.pinv, hb.a.data(), m, s.iterations, hb.z.data(),
                   backward && s.pinv == PinvMethod::Iterative ? hb.iterates.data() : nullptr,
                   hb.pinv_scratch.data());
-  gemm<T>(Trans::No, Trans::No, m, dv, L, T(1), hb.f3.data(), L, v.row(bh, 0), dv, T(0), hb.w.data(), dv);
+  matmul<T>(mat(hb.w.data(), m, dv), mat(hb.f3.data(), m, L), mat(v.row(bh, 0), L, dv));
   if (!backward)
     for (int64_t j = 0; j < m; ++j) simd::scale(hb.w.data() + j * dv, static_cast<size_t>(dv), hb.inv_sums[j]);
-  gemm<T>(Trans::No, Trans::No, m, dv, m, T(1), hb.z.data(), m, hb.w.data(), dv, T(0), hb.y.data(), dv);
+  matmul<T>(mat(hb.y.data(), m, dv), mat(hb.z.data(), m, m), mat(hb.w.data(), m, dv));
 }
 
 #define LINATTN_INSTANTIATE(T)                                                                 \

@@ -38,11 +38,11 @@ Tensor<T> nystrom_attention(TensorView<const T> q, TensorView<const T> k, Tensor
       interruption_point();
       const int64_t rows = std::min(nystrom::kRowBlock, d.n_q - r0);
       T* f1 = hb.scores.data();
-      gemm<T>(Trans::No, Trans::Yes, rows, m, d.head_dim, sc, q.row(bh, r0), d.head_dim,
-              hb.kt.data(), d.head_dim, T(0), f1, m);
+      matmul<T>(mat(f1, rows, m), mat(q.row(bh, r0), rows, d.head_dim),
+                mat(hb.kt.data(), m, d.head_dim).t(), sc);
       softmax_rows(fn, f1, rows, m, m);
-      gemm<T>(Trans::No, Trans::No, rows, d.value_dim, m, T(1), f1, m, hb.y.data(), d.value_dim,
-              T(0), out.view().row(bh, r0), d.value_dim);
+      matmul<T>(mat(out.view().row(bh, r0), rows, d.value_dim), mat(f1, rows, m),
+                mat(hb.y.data(), m, d.value_dim));
     }
   });
   if (conv_weight) depthwise_conv_forward(v, *conv_weight, d, mask, false, out.data());

@@ -18,10 +18,13 @@ void identity_minus(T c, const T* x, T* out, int64_t m) {  // out = c·I − x
     for (int64_t j = 0; j < m; ++j) out[i * m + j] = (i == j ? c : T(0)) - x[i * m + j];
 }
 
-// C = A·B (or with transposes) for m×m row-major matrices.
+// C = alpha·op(A)·op(B) + beta·C for m×m row-major matrices, op the transpose where asked.
+enum class Op { Plain, Transposed };
 template <class T>
-void mm(Trans ta, Trans tb, int64_t m, T alpha, const T* A, const T* B, T beta, T* C) {
-  gemm<T>(ta, tb, m, m, m, alpha, A, m, B, m, beta, C, m);
+void mm(Op ta, Op tb, int64_t m, T alpha, const T* A, const T* B, T beta, T* C) {
+  const Mat<const T> a = mat(A, m, m), b = mat(B, m, m);
+  matmul<T>(mat(C, m, m), ta == Op::Transposed ? a.t() : a, tb == Op::Transposed ? b.t() : b, alpha,
+            beta);
 }
 
 // ‖A‖₁ (largest column sum of |A|) and ‖A‖∞ (largest row sum), with where they are attained.
@@ -45,11 +48,11 @@ void norms(const T* A, int64_t m, T& n1, int64_t& col, T& ninf, int64_t& row, T*
 // One step's intermediates from V: P = AV, T1 = 7I − P, T3 = 15I − P·T1, T5 = 13I − P·T3.
 template <class T>
 void step_terms(const T* A, const T* V, int64_t m, T* P, T* T1, T* T3, T* T5, T* tmp) {
-  mm<T>(Trans::No, Trans::No, m, 1, A, V, 0, P);
+  mm<T>(Op::Plain, Op::Plain, m, 1, A, V, 0, P);
   identity_minus<T>(7, P, T1, m);
-  mm<T>(Trans::No, Trans::No, m, 1, P, T1, 0, tmp);
+  mm<T>(Op::Plain, Op::Plain, m, 1, P, T1, 0, tmp);
   identity_minus<T>(15, tmp, T3, m);
-  mm<T>(Trans::No, Trans::No, m, 1, P, T3, 0, tmp);
+  mm<T>(Op::Plain, Op::Plain, m, 1, P, T3, 0, tmp);
   identity_minus<T>(13, tmp, T5, m);
 }
 
@@ -68,7 +71,7 @@ void iterative_forward(const T* A, int64_t m, int64_t iterations, T* Z, T* itera
   for (int64_t k = 0; k < iterations; ++k) {
     step_terms(A, v, m, P, T1, T3, T5, tmp);
     T* out = iterates ? iterates + (k + 1) * mm2 : (v == cur ? next : cur);
-    mm<T>(Trans::No, Trans::No, m, T(0.25), v, T5, 0, out);
+    mm<T>(Op::Plain, Op::Plain, m, T(0.25), v, T5, 0, out);
     v = out;
   }
   std::copy(v, v + mm2, Z);
@@ -86,18 +89,18 @@ void iterative_backward(const T* A, int64_t m, int64_t iterations, const T* iter
     const T* V = iterates + k * mm2;
     step_terms(A, V, m, P, T1, T3, T5, tmp);
     // V' = ¼·V·T5
-    mm<T>(Trans::No, Trans::Yes, m, T(0.25), G, T5, 0, dV);  // dV = ¼ G T5ᵀ
-    mm<T>(Trans::Yes, Trans::No, m, T(0.25), V, G, 0, dT);   // dT5 = ¼ Vᵀ G
+    mm<T>(Op::Plain, Op::Transposed, m, T(0.25), G, T5, 0, dV);  // dV = ¼ G T5ᵀ
+    mm<T>(Op::Transposed, Op::Plain, m, T(0.25), V, G, 0, dT);   // dT5 = ¼ Vᵀ G
     // T5 = 13I − P·T3: d(P·T3) = −dT5
-    mm<T>(Trans::No, Trans::Yes, m, T(-1), dT, T3, 0, dP);   // dP = −dT5 T3ᵀ
-    mm<T>(Trans::Yes, Trans::No, m, T(1), P, dT, 0, tmp);    // −dT3 = Pᵀ dT5 = dT2 (T3 = 15I − T2)
+    mm<T>(Op::Plain, Op::Transposed, m, T(-1), dT, T3, 0, dP);   // dP = −dT5 T3ᵀ
+    mm<T>(Op::Transposed, Op::Plain, m, T(1), P, dT, 0, tmp);    // −dT3 = Pᵀ dT5 = dT2 (T3 = 15I − T2)
     // T2 = P·T1
-    mm<T>(Trans::No, Trans::Yes, m, T(1), tmp, T1, 1, dP);   // dP += dT2 T1ᵀ
-    mm<T>(Trans::Yes, Trans::No, m, T(1), P, tmp, 0, dT);    // dT1 = Pᵀ dT2
+    mm<T>(Op::Plain, Op::Transposed, m, T(1), tmp, T1, 1, dP);   // dP += dT2 T1ᵀ
+    mm<T>(Op::Transposed, Op::Plain, m, T(1), P, tmp, 0, dT);    // dT1 = Pᵀ dT2
     for (int64_t i = 0; i < mm2; ++i) dP[i] -= dT[i];        // T1 = 7I − P
     // P = A·V
-    mm<T>(Trans::No, Trans::Yes, m, T(1), dP, V, 1, dA);     // dA += dP Vᵀ
-    mm<T>(Trans::Yes, Trans::No, m, T(1), A, dP, 1, dV);     // dV += Aᵀ dP
+    mm<T>(Op::Plain, Op::Transposed, m, T(1), dP, V, 1, dA);     // dA += dP Vᵀ
+    mm<T>(Op::Transposed, Op::Plain, m, T(1), A, dP, 1, dV);     // dV += Aᵀ dP
     std::swap(G, dV);
   }
   // V₀ = c·Aᵀ with c = 1/(‖A‖₁‖A‖∞).
@@ -144,18 +147,18 @@ template <class T>
 void exact_backward(const T* A, const T* Z, int64_t m, const T* G, T* dA, T* s) {
   const int64_t mm2 = m * m;
   T *X = s, *ZZ = s + mm2, *R = s + 2 * mm2;
-  mm<T>(Trans::Yes, Trans::No, m, 1, Z, G, 0, X);     // X = Zᵀ G
-  mm<T>(Trans::No, Trans::Yes, m, -1, X, Z, 0, dA);   // dA = −Zᵀ G Zᵀ
-  mm<T>(Trans::No, Trans::Yes, m, 1, Z, Z, 0, ZZ);    // Z Zᵀ
-  mm<T>(Trans::Yes, Trans::No, m, 1, G, ZZ, 0, X);    // X = Gᵀ Z Zᵀ
-  mm<T>(Trans::No, Trans::No, m, 1, A, Z, 0, R);      // A Z
+  mm<T>(Op::Transposed, Op::Plain, m, 1, Z, G, 0, X);     // X = Zᵀ G
+  mm<T>(Op::Plain, Op::Transposed, m, -1, X, Z, 0, dA);   // dA = −Zᵀ G Zᵀ
+  mm<T>(Op::Plain, Op::Transposed, m, 1, Z, Z, 0, ZZ);    // Z Zᵀ
+  mm<T>(Op::Transposed, Op::Plain, m, 1, G, ZZ, 0, X);    // X = Gᵀ Z Zᵀ
+  mm<T>(Op::Plain, Op::Plain, m, 1, A, Z, 0, R);      // A Z
   identity_minus<T>(1, R, R, m);                      // R = I − A Z (in place: elementwise)
-  mm<T>(Trans::No, Trans::No, m, 1, R, X, 1, dA);     // dA += (I − AZ) Gᵀ Z Zᵀ
-  mm<T>(Trans::Yes, Trans::No, m, 1, Z, Z, 0, ZZ);    // Zᵀ Z
-  mm<T>(Trans::No, Trans::Yes, m, 1, ZZ, G, 0, X);    // X = Zᵀ Z Gᵀ
-  mm<T>(Trans::No, Trans::No, m, 1, Z, A, 0, R);      // Z A
+  mm<T>(Op::Plain, Op::Plain, m, 1, R, X, 1, dA);     // dA += (I − AZ) Gᵀ Z Zᵀ
+  mm<T>(Op::Transposed, Op::Plain, m, 1, Z, Z, 0, ZZ);    // Zᵀ Z
+  mm<T>(Op::Plain, Op::Transposed, m, 1, ZZ, G, 0, X);    // X = Zᵀ Z Gᵀ
+  mm<T>(Op::Plain, Op::Plain, m, 1, Z, A, 0, R);      // Z A
   identity_minus<T>(1, R, R, m);                      // R = I − Z A
-  mm<T>(Trans::No, Trans::No, m, 1, X, R, 1, dA);     // dA += Zᵀ Z Gᵀ (I − ZA)
+  mm<T>(Op::Plain, Op::Plain, m, 1, X, R, 1, dA);     // dA += Zᵀ Z Gᵀ (I − ZA)
 }
 
 }  // namespace

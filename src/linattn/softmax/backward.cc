@@ -59,8 +59,8 @@ void backward_keys(const BackwardArgs<T>& a, int64_t bh, int64_t j_begin, int64_
     for (int64_t i0 = i_start; i0 < d.n_q; i0 += kBlockQ) {
       interruption_point();
       const int64_t bq = std::min(kBlockQ, d.n_q - i0);
-      gemm<T>(Trans::No, Trans::Yes, bq, bk, d.head_dim, a.scale, a.q.row(bh, i0), d.head_dim,
-              a.k.row(bh, j0), d.head_dim, T(0), t.p.data(), kBlockK);
+      matmul<T>(mat(t.p.data(), bq, bk, kBlockK), mat(a.q.row(bh, i0), bq, d.head_dim),
+                mat(a.k.row(bh, j0), bk, d.head_dim).t(), a.scale);
       for (int64_t r = 0; r < bq; ++r) {
         T* prow = t.p.data() + r * kBlockK;
         const T lse = a.lse[bh * d.n_q + i0 + r];
@@ -69,18 +69,18 @@ void backward_keys(const BackwardArgs<T>& a, int64_t bh, int64_t j_begin, int64_
         if (c > 0) simd::exp_shifted_sum(prow, static_cast<size_t>(c), lse);
         for (int64_t j = c; j < bk; ++j) prow[j] = 0;
       }
-      gemm<T>(Trans::Yes, Trans::No, bk, d.value_dim, bq, T(1), t.p.data(), kBlockK,
-              a.dout.row(bh, i0), d.value_dim, T(1), dv_blk, d.value_dim);
-      gemm<T>(Trans::No, Trans::Yes, bq, bk, d.value_dim, T(1), a.dout.row(bh, i0), d.value_dim,
-              a.v.row(bh, j0), d.value_dim, T(0), t.dp.data(), kBlockK);
+      matmul<T>(mat(dv_blk, bk, d.value_dim), mat(t.p.data(), bq, bk, kBlockK).t(),
+                mat(a.dout.row(bh, i0), bq, d.value_dim), T(1), T(1));
+      matmul<T>(mat(t.dp.data(), bq, bk, kBlockK), mat(a.dout.row(bh, i0), bq, d.value_dim),
+                mat(a.v.row(bh, j0), bk, d.value_dim).t());
       for (int64_t r = 0; r < bq; ++r)
         simd::softmax_grad(t.dp.data() + r * kBlockK, t.p.data() + r * kBlockK,
                            t.dp.data() + r * kBlockK, static_cast<size_t>(bk),
                            a.delta[bh * d.n_q + i0 + r]);
-      gemm<T>(Trans::Yes, Trans::No, bk, d.head_dim, bq, a.scale, t.dp.data(), kBlockK,
-              a.q.row(bh, i0), d.head_dim, T(1), dk_blk, d.head_dim);
-      gemm<T>(Trans::No, Trans::No, bq, d.head_dim, bk, a.scale, t.dp.data(), kBlockK,
-              a.k.row(bh, j0), d.head_dim, T(1), dq + i0 * d.head_dim, d.head_dim);
+      matmul<T>(mat(dk_blk, bk, d.head_dim), mat(t.dp.data(), bq, bk, kBlockK).t(),
+                mat(a.q.row(bh, i0), bq, d.head_dim), a.scale, T(1));
+      matmul<T>(mat(dq + i0 * d.head_dim, bq, d.head_dim), mat(t.dp.data(), bq, bk, kBlockK),
+                mat(a.k.row(bh, j0), bk, d.head_dim), a.scale, T(1));
     }
   }
 }

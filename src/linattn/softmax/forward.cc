@@ -46,8 +46,8 @@ void forward_block(TensorView<const T> q, TensorView<const T> k, TensorView<cons
   for (int64_t j0 = 0; j0 < kmax; j0 += kBlockK) {
     interruption_point();
     const int64_t bk = std::min(kBlockK, kmax - j0);
-    gemm<T>(Trans::No, Trans::Yes, bq, bk, d.head_dim, scale, q.row(bh, i0), d.head_dim,
-            k.row(bh, j0), d.head_dim, T(0), t.s.data(), kBlockK);
+    matmul<T>(mat(t.s.data(), bq, bk, kBlockK), mat(q.row(bh, i0), bq, d.head_dim),
+              mat(k.row(bh, j0), bk, d.head_dim).t(), scale);
     for (int64_t r = 0; r < bq; ++r) {
       T* srow = t.s.data() + r * kBlockK;
       const int64_t c = std::clamp<int64_t>(t.visible[r] - j0, 0, bk);
@@ -66,8 +66,8 @@ void forward_block(TensorView<const T> q, TensorView<const T> k, TensorView<cons
       }
       t.l[r] += sum;
     }
-    gemm<T>(Trans::No, Trans::No, bq, d.value_dim, bk, T(1), t.s.data(), kBlockK,
-            v.row(bh, j0), d.value_dim, T(1), o, d.value_dim);
+    matmul<T>(mat(o, bq, d.value_dim), mat(t.s.data(), bq, bk, kBlockK),
+              mat(v.row(bh, j0), bk, d.value_dim), T(1), T(1));
   }
   for (int64_t r = 0; r < bq; ++r) {
     T* orow = o + r * d.value_dim;
