@@ -38,17 +38,17 @@ test-sanitize: deps
 	  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ctest --output-on-failure -j $(JOBS)
 
 # The full sweep against PyTorch, with CSV and plots in out/bench (installs python3-torch and
-# python3-matplotlib from Debian first).
+# python3-matplotlib from Debian first; the program runs its Python helpers with that python3).
 bench:
 	LINATTN_WITH_BENCH_DEPS=1 bash scripts/install-deps.sh
 	$(MAKE) build
-	$(BUILD)/bin/linattn bench --plots out/bench
+	LINATTN_PYTHON=/usr/bin/python3 $(BUILD)/bin/linattn bench --plots out/bench
 
 # The accuracy studies of docs/accuracy.md: CSV and plots in out/accuracy.
 accuracy:
 	LINATTN_WITH_BENCH_DEPS=1 bash scripts/install-deps.sh
 	$(MAKE) build
-	$(BUILD)/bin/linattn accuracy --out out/accuracy
+	LINATTN_PYTHON=/usr/bin/python3 $(BUILD)/bin/linattn accuracy --out out/accuracy
 
 clean:
 	rm -rf $(BUILD) build-sanitize

@@ -39,3 +39,36 @@ def test_bench_rejects_unknown_option_and_method():
     assert r.returncode != 0 and "--frobnicate" in r.stderr
     r = run("bench", "--n", "128", "--methods", "no-such-method", "--no-torch")
     assert r.returncode != 0 and "no-such-method" in r.stderr
+
+
+def _one_line_failure(r, *words):
+    assert r.returncode != 0
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("linattn: "), r.stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+def test_failures_are_one_line_and_a_nonzero_exit(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where a folder would have to be
+    _one_line_failure(run("bench", "--n", "128", "--no-torch", "--plots", str(blocked / "plots")), "--plots")
+    _one_line_failure(run("bench", "--n", "128", "--no-torch", "--csv", str(blocked / "x.csv")), "--csv")
+    _one_line_failure(run("accuracy", "--out", str(blocked / "acc")), "--out")
+    _one_line_failure(run("bench", "--n", "1000000000", "--no-torch"), "--n 1000000000", "available")
+    _one_line_failure(run("bench", "--n", "128", "--threads", "100000", "--no-torch"), "set_num_threads", "1024")
+    _one_line_failure(run("demo", "--threads", "0"), "--threads")
+
+
+def test_more_threads_than_batch_heads(tmp_path):
+    """The crash of 0.1.0: Nyström, Linformer and Efficient Attention with 16 threads and
+    batch·heads = 2 (what `make demo` does on a 16-core machine)."""
+    env = dict(os.environ, LINATTN_NUM_THREADS="16")
+    r = subprocess.run([BIN, "demo", "--heads", "2", "--methods", "nystrom,linformer,efficient"],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr
+    for name in ("nystrom", "linformer", "efficient"):
+        assert name in r.stdout
+    bad = dict(os.environ, LINATTN_NUM_THREADS="lots")
+    r = subprocess.run([BIN, "demo"], capture_output=True, text=True, timeout=60, env=bad)
+    assert r.returncode != 0 and "LINATTN_NUM_THREADS must be an integer" in r.stderr
