@@ -63,7 +63,7 @@ AttentionGrads<T> run_backward(const KernelizedSpec& s, const Tensor<T>& q, cons
                                const Tensor<T>& v, const Tensor<T>& dout, const Tensor<T>* w) {
   if (s.favor()) return favor_attention_backward<T>(q, k, v, *w, dout, s.favor_options());
   auto g = linear_attention_backward<T>(q, k, v, dout, s.linear_options());
-  return {std::move(g.dq), std::move(g.dk), std::move(g.dv)};
+  return g;
 }
 
 class KernelizedVsReference

@@ -158,14 +158,17 @@ void query_features(const Problem<T>& p, int64_t bh, int64_t i0, int64_t rows, c
     for (int64_t i = 0; i < rows * m; ++i) qf.f[i] = qf.s[i] * qf.e[i];
 }
 
-// Raises the shifts c to cover `rows` key logits L (rows × m'); the state rows whose shift
-// grew (S: m' rows of s_cols values; z: m' values, may be null) are multiplied by
-// exp(c_old − c_new) <= 1. c_new: m' values of scratch.
+// c_new = max(c, column maxima of `rows` key logits L (rows × m')).
 template <class T>
-void raise_shifts(const T* L, int64_t rows, int64_t m, T* c, T* c_new, T* S, int64_t s_cols, T* z) {
-  if (rows == 0) return;
+void column_maxima(const T* L, int64_t rows, int64_t m, const T* c, T* c_new) {
   std::copy(c, c + m, c_new);
   simd::column_max(L, static_cast<size_t>(rows), static_cast<size_t>(m), static_cast<size_t>(m), c_new);
+}
+
+// Raises the shifts c to c_new (>= c); the state rows whose shift grew (S: m' rows of s_cols
+// values; z: m' values, may be null) are multiplied by exp(c_old − c_new) <= 1.
+template <class T>
+void raise_shifts(int64_t m, const T* c_new, T* c, T* S, int64_t s_cols, T* z) {
   for (int64_t r = 0; r < m; ++r) {
     if (!(c_new[r] > c[r])) continue;
     if (c[r] != neg_inf<T>()) {
@@ -258,7 +261,10 @@ void accumulate_kv(const Problem<T>& p, int64_t bh, int64_t key_len, Scratch<T>&
       std::copy(src, src + rows * m, dst);
       if (p.fmap->has_factor()) std::copy(kf.s.data(), kf.s.data() + rows * m, dst + rows * m);
     }
-    if (p.fmap->log_form()) raise_shifts(kf.e.data(), rows, m, s.c.data(), s.c_new.data(), s.kvz.data(), da, static_cast<T*>(nullptr));
+    if (p.fmap->log_form()) {
+      column_maxima(kf.e.data(), rows, m, s.c.data(), s.c_new.data());
+      raise_shifts(m, s.c_new.data(), s.c.data(), s.kvz.data(), da, static_cast<T*>(nullptr));
+    }
     finish_key_features(p, rows, s.c.data(), kf);
     augmented_values(p, bh, j0, rows, s);
     matmul<T>(mat(s.kvz.data(), m, da), mat(kf.values(*p.fmap), rows, m).t(),
@@ -344,10 +350,10 @@ void backward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* cache
 
 // Where a chunk whose kr valid key logits are in L (rows × m') must end so that no feature's
 // running maximum grows by more than kGrowth over its value at the chunk's start, max(c_r,
-// L_0r): the first row that would, or `rows` (the chunk's length) if none. >= 1.
+// L_0r): the first row that would, or `rows` (the chunk's length) if none. >= 1. Called only
+// when the whole chunk's growth exceeds kGrowth (never for ordinary inputs).
 template <class T>
 int64_t chunk_length(const T* L, int64_t kr, int64_t rows, int64_t m, const T* c, T* base, T* run) {
-  if (kr == 0) return rows;
   for (int64_t r = 0; r < m; ++r) base[r] = run[r] = std::max(c[r], L[r]);
   for (int64_t j = 1; j < kr; ++j) {
     T growth = 0;
@@ -369,10 +375,19 @@ void chunk_features(const Problem<T>& p, int64_t bh, int64_t t0, int64_t& rows, 
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
   if (kr > 0) key_logits(p, bh, t0, kr, s.kf);
   if (p.fmap->log_form() && kr > 0) {
-    rows = chunk_length(s.kf.e.data(), kr, rows, m, s.c.data(), s.c_new.data(), s.run_max.data());
-    kr = std::min(kr, rows);
-    raise_shifts(s.kf.e.data(), kr, m, s.c.data(), s.c_new.data(), s.S.data(), dv, s.z.data());
-    finish_key_features(p, kr, s.c.data(), s.kf);
+    const T* L = s.kf.e.data();
+    T* c = s.c.data();
+    T* c_new = s.c_new.data();
+    column_maxima(L, kr, m, c, c_new);
+    T growth = 0;  // of each feature's maximum over the chunk, from max(c_r, L_0r)
+    for (int64_t r = 0; r < m; ++r) growth = std::max(growth, c_new[r] - std::max(c[r], L[r]));
+    if (growth > kGrowth<T>) {
+      rows = chunk_length(L, kr, rows, m, c, s.run_max.data(), c_new);
+      kr = std::min(kr, rows);
+      column_maxima(L, kr, m, c, c_new);
+    }
+    raise_shifts(m, c_new, c, s.S.data(), dv, s.z.data());
+    finish_key_features(p, kr, c, s.kf);
   }
   query_features(p, bh, t0, rows, s.c.data(), s.qf);
 }

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "linattn/core/attention_args.h"
@@ -59,6 +60,11 @@ FeatureMap<T> FeatureMap<T>::favor(const char* fn, FeatureMapKind kind,
   f.dim_ = kind == FeatureMapKind::FavorPositive ? f.m_ : 2 * f.m_;
   f.omega_ = projection.data;
   f.sqrt_scale_ = std::sqrt(scale);
+  for (int64_t r = 0; r < f.m_; ++r) {
+    double nrm = 0;
+    for (int64_t c = 0; c < f.d_; ++c) nrm += double(f.omega_[r * f.d_ + c]) * double(f.omega_[r * f.d_ + c]);
+    f.omega_norm_max_ = std::max(f.omega_norm_max_, std::sqrt(nrm));
+  }
   return f;
 }
 
@@ -173,16 +179,18 @@ void FeatureMap<T>::logits(const char* fn, const T* x, int64_t n, Side side, T* 
   // U = x̃·ωᵀ, straight into the first m columns of L (positive, hyperbolic) or s (trig).
   T* U = kind_ == FeatureMapKind::FavorTrig ? s : L;
   matmul<T>(mat(U, n, m, dim_), mat(x, n, d), mat(omega_, m, d).t(), sq);
+  // Every logit is finite when ‖x̃‖·max_r‖ω_r‖ and ‖x̃‖²/2 are (|ω_r·x̃| <= ‖x̃‖·‖ω_r‖):
+  // checked per row from ‖x‖², which h needs anyway, rather than by a pass over the m logits.
+  const double limit = static_cast<double>(std::numeric_limits<T>::max());
   for (int64_t i = 0; i < n; ++i) {
     const T* xr = x + i * d;
     T* u = U + i * dim_;
-    const T umax = simd::finite_max_abs(u, static_cast<size_t>(m));
-    require(std::isfinite(umax), fn, ": ω·x̃ overflows ", dtype_name<T>(),
-            " for a row of ", who, "; scale the inputs down or use float64");
+    const double xx = static_cast<double>(sq) * sq * simd::dot(xr, xr, static_cast<size_t>(d));  // ‖x̃‖²
+    require(std::sqrt(xx) * omega_norm_max_ < limit && 0.5 * xx < limit, fn, ": a row of ", who,
+            " is too large for ", dtype_name<T>(), " random features (‖x̃‖²/2 = ", 0.5 * xx,
+            "); scale the inputs down or use float64");
     // ‖x̃‖²/2, for keys only: on a query row it is one factor of every feature, which cancels.
-    const T h = side == Side::Key ? T(0.5) * sq * sq * simd::dot(xr, xr, static_cast<size_t>(d)) : T(0);
-    require(std::isfinite(h), fn, ": ‖x̃‖²/2 overflows ", dtype_name<T>(),
-            " for a row of ", who, "; scale the inputs down or use float64");
+    const T h = side == Side::Key ? static_cast<T>(0.5 * xx) : T(0);
     T* l = L + i * dim_;
     switch (kind_) {
       case FeatureMapKind::FavorPositive:
@@ -197,8 +205,8 @@ void FeatureMap<T>::logits(const char* fn, const T* x, int64_t n, Side side, T* 
         }
         break;
       default:  // trig
-        require(umax <= T(39000), fn, ": |ω·x̃| exceeds 39000, where trig features lose all accuracy; "
-                "scale down the inputs");
+        require(simd::max_abs(u, static_cast<size_t>(m)) <= T(39000), fn,
+                ": |ω·x̃| exceeds 39000, where trig features lose all accuracy; scale down the inputs");
         simd::sin_cos(u, static_cast<size_t>(m), u, u + m);  // in place: each lane read, then written
         std::fill(l, l + dim_, side == Side::Key ? h : T(0));
         break;

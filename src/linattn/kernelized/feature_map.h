@@ -72,7 +72,8 @@ class FeatureMap {
   FeatureMapKind kind_ = FeatureMapKind::Elu;
   int64_t d_ = 0, dim_ = 0, m_ = 0;
   double focus_power_ = 3, sqrt_scale_ = 1;
-  const T* omega_ = nullptr;  // [m, d]
+  double omega_norm_max_ = 0;  // max_r ‖ω_r‖: |ω_r·x̃| <= ‖x̃‖·omega_norm_max_
+  const T* omega_ = nullptr;   // [m, d]
 };
 
 // "elu", "relu", "focused" / "positive", "hyperbolic", "trig", with the function name in errors.

@@ -267,7 +267,7 @@ AttentionGrads<double> favor_attention_backward(TensorView<const double> q,
                                                 TensorView<const double> dout, const FavorOptions& o) {
   const Problem p = favor_problem(q, k, v, w, o);
   Tensor<double> out({p.d.batch, p.d.heads, p.d.n_q, p.d.value_dim});
-  AttentionGrads<double> g{Tensor<double>(q.shape), Tensor<double>(k.shape), Tensor<double>(v.shape)};
+  AttentionGrads<double> g{Tensor<double>(q.shape), Tensor<double>(k.shape), Tensor<double>(v.shape), {}};
   run(p, dout.data, out.data(), g.dq.data(), g.dk.data(), g.dv.data());
   return g;
 }

@@ -62,7 +62,7 @@ AttentionGrads<double> softmax_attention_backward(TensorView<const double> q,
   const KeyMask mask(d, opts);
   const auto fwd = softmax_attention(q, k, v, opts);
   AttentionGrads<double> g{Tensor<double>(q.shape), Tensor<double>(k.shape),
-                           Tensor<double>(v.shape)};
+                           Tensor<double>(v.shape), {}};
   std::vector<double> p(static_cast<size_t>(d.n_k)), dp(static_cast<size_t>(d.n_k));
   for (int64_t b = 0; b < d.batch; ++b)
     for (int64_t h = 0; h < d.heads; ++h) {
