@@ -307,6 +307,31 @@ TEST(KernelizedLargeNorms, FavorFloat32MatchesFloat64AtNorm100) {
     }
 }
 
+// The focused map with a large power and large inputs: rᵖ would overflow float32 (10^50) and
+// lose digits to p if r were rounded first; computed on r/2^e in a wider type, it matches the
+// float64 definition within the same derived bound as at p = 3, forward and gradients.
+TEST(KernelizedFocusedPower, LargePowerAndLargeInputs) {
+  const int64_t B = 1, H = 2, n = 70, d = 16;
+  const auto q = random_tensor<double>({B, H, n, d}, 1, 10.0), k = random_tensor<double>({B, H, n, d}, 2, 10.0);
+  const auto v = random_tensor<double>({B, H, n, d}, 3), dout = random_tensor<double>({B, H, n, d}, 4);
+  for (double power : {12.0, 50.0})
+    for (bool causal : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "p = " << power << (causal ? " causal" : ""));
+      KernelizedSpec spec;
+      spec.map = "focused";
+      spec.focus_power = power;
+      spec.causal = causal;
+      const auto qf = cast<float>(q), kf = cast<float>(k), vf = cast<float>(v), gf = cast<float>(dout);
+      const auto exact = testing::kernelized_exact_with_bounds<float>(
+          cast<double>(qf), cast<double>(kf), cast<double>(vf), cast<double>(gf), nullptr, spec);
+      expect_within(run_forward<float>(spec, qf, kf, vf, nullptr), exact.out, exact.out_bound, "out");
+      const auto g = run_backward<float>(spec, qf, kf, vf, gf, nullptr);
+      expect_within(g.dq, exact.dq, exact.dq_bound, "dq");
+      expect_within(g.dk, exact.dk, exact.dk_bound, "dk");
+      expect_within(g.dv, exact.dv, exact.dv_bound, "dv");
+    }
+}
+
 // The non-causal backward caches key features when they fit its budget; without the cache
 // it recomputes them, with bitwise the same result.
 TEST(KernelizedBackward, FeatureCacheDoesNotChangeResults) {
@@ -363,7 +388,9 @@ TEST(KernelizedErrors, OptionsAndShapesAreChecked) {
   o = {};
   o.feature_map = "focused";
   o.focus_power = 0.5;
-  EXPECT_THAT(error_of([&] { linear_attention<float>(q, k, v, o); }), HasSubstr("focus_power must be a finite number >= 1"));
+  EXPECT_THAT(error_of([&] { linear_attention<float>(q, k, v, o); }), HasSubstr("focus_power must be a number in [1, 1000], got 0.5"));
+  o.focus_power = 1001;
+  EXPECT_THAT(error_of([&] { linear_attention<float>(q, k, v, o); }), HasSubstr("focus_power must be a number in [1, 1000], got 1001"));
   const auto qq = random_tensor<float>({1, 2, 6, 8}, 1);
   o = {};
   EXPECT_THAT(error_of([&] { linear_attention<float>(qq, k, v, o, random_tensor<float>({2, 4}, 1).view()); }),

@@ -134,7 +134,7 @@ TEST(Recurrent, BadArgumentsAreErrors) {
   bad_power.feature_map = "focused";
   bad_power.focus_power = 0.5;
   EXPECT_THAT(error_of([&] { RecurrentState<float>(1, 2, 8, 4, bad_power); }),
-              HasSubstr("recurrent_state: focus_power must be a finite number >= 1"));
+              HasSubstr("recurrent_state: focus_power must be a number in [1, 1000], got 0.5"));
   RecurrentOptions elu;
   EXPECT_THAT(error_of([&] { RecurrentState<float>(1, 2, 8, 4, elu, w.view()); }),
               HasSubstr("projection is only used with feature_map=\"favor\""));

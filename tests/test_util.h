@@ -76,6 +76,7 @@ inline double ratio_budget(const std::string& suite, const std::string& what) {
       {"SoftmaxVsExact", {{"out", 0.11}, {"dq", 0.065}, {"dk", 0.041}, {"dv", 0.53}}},
       {"KernelizedVsReference", {{"out", 0.11}, {"dq", 1.0}, {"dk", 0.88}, {"dv", 0.02}}},
       {"KernelizedLargeNorms", {{"out", 0.053}, {"dq", 0.0015}, {"dk", 0.0082}, {"dv", 0.014}}},
+      {"KernelizedFocusedPower", {{"out", 0.22}, {"dq", 0.031}, {"dk", 0.018}, {"dv", 0.085}}},
       {"NystromVsReference", {{"out", 0.098}, {"dq", 0.012}, {"dk", 0.0055}, {"dv", 1.0}, {"d_conv_weight", 0.01}}},
       {"LinformerVsReference", {{"out", 0.41}, {"dq", 0.15}, {"dk", 0.11}, {"dv", 0.34}, {"de", 0.14}, {"df", 0.2}}},
       {"EfficientVsReference", {{"out", 0.53}, {"dq", 0.33}, {"dk", 0.15}, {"dv", 0.57}}},

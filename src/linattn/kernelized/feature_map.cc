@@ -5,6 +5,8 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <type_traits>
+#include <vector>
 
 #include "linattn/core/attention_args.h"
 #include "linattn/core/blas.h"
@@ -30,8 +32,8 @@ template <class T>
 FeatureMap<T> FeatureMap<T>::plain(const char* fn, FeatureMapKind kind, int64_t head_dim,
                                    double focus_power) {
   require(kind <= FeatureMapKind::Focused, "FeatureMap::plain: not a plain feature map");
-  require(std::isfinite(focus_power) && focus_power >= 1, fn,
-          ": focus_power must be a finite number >= 1, got ", focus_power);
+  require(std::isfinite(focus_power) && focus_power >= 1 && focus_power <= kMaxFocusPower, fn,
+          ": focus_power must be a number in [1, ", kMaxFocusPower, "], got ", focus_power);
   FeatureMap f;
   f.kind_ = kind;
   f.d_ = f.dim_ = head_dim;
@@ -68,6 +70,10 @@ FeatureMap<T> FeatureMap<T>::favor(const char* fn, FeatureMapKind kind,
   return f;
 }
 
+// The type the focused map computes in: wider than T, so rᵖ keeps T's digits for any p.
+template <class T>
+using Wide = std::conditional_t<sizeof(T) == 4, double, long double>;
+
 template <class T>
 int64_t FeatureMap<T>::scratch_size(int64_t n) const {
   return log_form() ? n * m_ : 0;  // the backward's ∂loss/∂U
@@ -86,10 +92,14 @@ void FeatureMap<T>::features(const T* x, int64_t n, T* phi) const {
       for (int64_t i = 0; i < n * d; ++i) phi[i] = x[i] > 0 ? x[i] : T(0);
       return;
     case FeatureMapKind::Focused: {
-      // φ = ‖r‖·rᵖ/‖rᵖ‖ is unchanged when r is divided by its largest entry μ first, and then
-      // r̂ᵖ <= 1 cannot overflow for any p (it underflows to 0 only where r̂ᵖ is negligible
-      // next to the 1 of the largest entry); ‖r‖ = μ·‖r̂‖ cannot overflow either.
-      const T p = static_cast<T>(focus_power_);
+      // φ = ‖r‖·rᵖ/‖rᵖ‖ is unchanged when r is divided by a power of two 2^e near its largest
+      // entry μ (exactly: no rounding), and then r̂ = r/2^e < 2 and r̂ᵖ < 2ᵖ cannot overflow the
+      // wide type W for p <= kMaxFocusPower; W's pow is within an ulp of W, far below T's, so
+      // no digits are lost to p (dividing by μ itself would round r̂ and multiply that error
+      // by p). ‖r‖ = 2^e·‖r̂‖ cannot overflow either.
+      thread_local std::vector<Wide<T>> a;
+      a.resize(static_cast<size_t>(d));
+      const Wide<T> p = static_cast<Wide<T>>(focus_power_);
       for (int64_t i = 0; i < n; ++i) {
         const T* xr = x + i * d;
         T* f = phi + i * d;
@@ -99,15 +109,16 @@ void FeatureMap<T>::features(const T* x, int64_t n, T* phi) const {
           std::fill(f, f + d, T(0));
           continue;
         }
-        T r2 = 0, a2 = 0;
+        const int e = std::ilogb(mu);
+        Wide<T> r2 = 0, a2 = 0;
         for (int64_t c = 0; c < d; ++c) {
-          const T rh = xr[c] > 0 ? xr[c] / mu : T(0);
-          f[c] = rh > 0 ? std::pow(rh, p) : T(0);
+          const Wide<T> rh = xr[c] > 0 ? std::ldexp(static_cast<Wide<T>>(xr[c]), -e) : Wide<T>(0);
+          a[c] = rh > 0 ? std::pow(rh, p) : Wide<T>(0);
           r2 += rh * rh;
-          a2 += f[c] * f[c];
+          a2 += a[c] * a[c];
         }
-        const T factor = mu * std::sqrt(r2) / std::sqrt(a2);  // a2 >= 1: the largest entry is 1
-        for (int64_t c = 0; c < d; ++c) f[c] *= factor;
+        const Wide<T> factor = std::ldexp(std::sqrt(r2), e) / std::sqrt(a2);  // a2 >= 1: r̂_max >= 1
+        for (int64_t c = 0; c < d; ++c) f[c] = static_cast<T>(factor * a[c]);
       }
       return;
     }
@@ -126,11 +137,14 @@ void FeatureMap<T>::features_backward(const T* x, int64_t n, const T* phi, const
       for (int64_t i = 0; i < n * d; ++i) dx[i] = x[i] > 0 ? dphi[i] : T(0);
       return;
     case FeatureMapKind::Focused: {
-      // φ = R·a/A with r̂ = relu(x)/μ, a = r̂ᵖ, R = ‖relu(x)‖ = μ‖r̂‖, A = ‖a‖; φ does not depend
-      // on μ, so μ is held constant. For g = dL/dφ:
+      // φ = R·a/A with r̂ = relu(x)/2^e (as in features()), a = r̂ᵖ, R = ‖relu(x)‖ = 2^e‖r̂‖,
+      // A = ‖a‖; φ does not depend on e, so it is held constant. For g = dL/dφ:
       // dL/dR = g·a/A;  dL/da = R·g/A − R·(g·a)·a/A³;
-      // dL/dx_c = dL/dR·r_c/R + dL/da_c·p·r̂_c^(p−1)/μ   (x_c > 0; 0 otherwise).
-      const T p = static_cast<T>(focus_power_);
+      // dL/dx_c = dL/dR·r̂_c/‖r̂‖ + dL/da_c·p·r̂_c^(p−1)/2^e   (x_c > 0; 0 otherwise).
+      // In the wide type W, for the reason features() gives.
+      thread_local std::vector<Wide<T>> a;
+      a.resize(static_cast<size_t>(d));
+      const Wide<T> p = static_cast<Wide<T>>(focus_power_);
       for (int64_t i = 0; i < n; ++i) {
         const T* xr = x + i * d;
         const T* g = dphi + i * d;
@@ -141,25 +155,25 @@ void FeatureMap<T>::features_backward(const T* x, int64_t n, const T* phi, const
           std::fill(out, out + d, T(0));
           continue;
         }
-        T r2 = 0, a2 = 0, ga = 0;
+        const int e = std::ilogb(mu);
+        Wide<T> r2 = 0, a2 = 0, ga = 0;
         for (int64_t c = 0; c < d; ++c) {
-          const T rh = xr[c] > 0 ? xr[c] / mu : T(0);
-          const T a = rh > 0 ? std::pow(rh, p) : T(0);
+          const Wide<T> rh = xr[c] > 0 ? std::ldexp(static_cast<Wide<T>>(xr[c]), -e) : Wide<T>(0);
+          a[c] = rh > 0 ? std::pow(rh, p) : Wide<T>(0);
           r2 += rh * rh;
-          a2 += a * a;
-          ga += g[c] * a;
+          a2 += a[c] * a[c];
+          ga += g[c] * a[c];
         }
-        const T Rh = std::sqrt(r2), A = std::sqrt(a2), R = mu * Rh;
-        const T dR = ga / A;
+        const Wide<T> Rh = std::sqrt(r2), A = std::sqrt(a2), R = std::ldexp(Rh, e);
+        const Wide<T> dR = ga / A;
         for (int64_t c = 0; c < d; ++c) {
-          const T rh = xr[c] > 0 ? xr[c] / mu : T(0);
+          const Wide<T> rh = xr[c] > 0 ? std::ldexp(static_cast<Wide<T>>(xr[c]), -e) : Wide<T>(0);
           if (rh <= 0) {
             out[c] = 0;
             continue;
           }
-          const T a = std::pow(rh, p);
-          const T da = R * g[c] / A - R * ga * a / (A * A * A);
-          out[c] = dR * rh / Rh + da * p * std::pow(rh, p - 1) / mu;
+          const Wide<T> da = R * g[c] / A - R * ga * a[c] / (A * A * A);
+          out[c] = static_cast<T>(dR * rh / Rh + std::ldexp(da * p * std::pow(rh, p - 1), -e));
         }
       }
       return;

@@ -15,6 +15,10 @@
 
 namespace linattn {
 
+// The largest focus_power of the focused map: (r/2^e)ᵖ < 2ᵖ must fit the wide type it is
+// computed in (double for float32, long double for float64).
+inline constexpr double kMaxFocusPower = 1000;
+
 enum class FeatureMapKind {
   Elu,              // elu(x) + 1
   Relu,             // max(x, 0)

@@ -63,7 +63,7 @@ MethodInfo describe_linear() {
       causal_option(""),
       key_lengths_option(),
       float_option("eps", defaults.eps, "added to every denominator (finite, >= 0)"),
-      float_option("focus_power", defaults.focus_power, "p of the focused map (finite, >= 1)"),
+      float_option("focus_power", defaults.focus_power, "p of the focused map (1 to 1000)"),
       tensor_input("dwc_weight", false, true,
                    "[heads, K]: adds a depthwise convolution of v along the sequence (K odd unless causal)"),
   };
