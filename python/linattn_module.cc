@@ -1,6 +1,9 @@
 // Python bindings: NumPy arrays in and out, [batch, heads, seq, head_dim], float32 or float64.
-// linattn::Error becomes ValueError; a wrong type or dtype is a TypeError. The GIL is released
-// while kernels run.
+// The attention methods are bound once, generically, from the registry (_methods, _forward,
+// _backward; linattn/__init__.py gives each its own function with a real signature); the rest
+// (random features, projections, the decoding state, threads) by hand. linattn::Error becomes
+// ValueError, OutOfMemory MemoryError, Interrupted the KeyboardInterrupt that caused it; a
+// wrong type or dtype is a TypeError. The GIL is released while kernels run.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

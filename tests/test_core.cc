@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "linattn/core/blas.h"
+#include "linattn/core/error.h"
 #include "linattn/memory.h"
 #include "linattn/core/random.h"
 #include "linattn/core/simd.h"
@@ -240,6 +241,109 @@ TEST(Simd, ExpUnderflowsToZero) {
   EXPECT_EQ(x[0], 0.f);
   EXPECT_EQ(x[1], 0.f);
   EXPECT_EQ(x[2], 1.f);
+}
+
+// The kernels of FAVOR's per-feature shifts against scalar loops, for row and column counts
+// that cross every vector width (full vectors, tails): column maxima exact; exp(x − shift) and
+// the row exp with offsets within 3u relative (one rounded subtraction or addition, then an
+// exp within 1 ulp) plus the smallest normal number (results that underflow may flush to 0),
+// entries of −inf and far below the shift giving exactly 0.
+template <class T>
+void check_shift_kernels() {
+  const double u = unit_roundoff<T>();
+  const double tiny = std::numeric_limits<T>::min();
+  const T ninf = -std::numeric_limits<T>::infinity();
+  for (size_t rows : {size_t{1}, size_t{3}, size_t{17}})
+    for (size_t cols : {size_t{1}, size_t{5}, size_t{8}, size_t{16}, size_t{19}, size_t{33}}) {
+      SCOPED_TRACE(::testing::Message() << rows << "x" << cols);
+      const size_t ld = cols + 3;
+      std::vector<T> x(rows * ld), m(cols);
+      fill_normal(x.data(), int64_t(x.size()), 5 + rows * cols, 30.0);
+      fill_normal(m.data(), int64_t(m.size()), 6 + cols, 30.0);
+      std::vector<T> want_m = m;
+      for (size_t r = 0; r < rows; ++r)
+        for (size_t c = 0; c < cols; ++c) want_m[c] = std::max(want_m[c], x[r * ld + c]);
+      simd::column_max(x.data(), rows, cols, ld, m.data());
+      EXPECT_EQ(m, want_m);
+
+      std::vector<T> e = x;
+      e[0] = ninf;  // an entry of −inf becomes 0
+      if (cols > 1) e[1] = want_m[1] - T(1e30);
+      simd::exp_minus_columns(e.data(), rows, cols, ld, want_m.data());
+      for (size_t r = 0; r < rows; ++r)
+        for (size_t c = 0; c < cols; ++c) {
+          const size_t i = r * ld + c;
+          double want = std::exp(double(T(x[i] - want_m[c])));
+          if (i == 0 || (i == 1 && cols > 1)) want = 0;
+          ASSERT_NEAR(double(e[i]), want, 3 * u * want + tiny) << r << "," << c;
+        }
+      for (size_t r = 0; r < rows; ++r)  // the padding between rows is untouched
+        for (size_t c = cols; c < ld; ++c) ASSERT_EQ(e[r * ld + c], x[r * ld + c]);
+
+      std::vector<T> row(x.begin(), x.begin() + cols), offset(m.begin(), m.end());
+      offset[0] = ninf;  // a feature no key reached
+      double t = -std::numeric_limits<double>::infinity();
+      for (size_t c = 0; c < cols; ++c) t = std::max(t, double(T(row[c] + offset[c])));
+      const T got_t = simd::exp_row_offset(row.data(), cols, offset.data());
+      EXPECT_EQ(double(got_t), t);
+      for (size_t c = 0; c < cols; ++c) {
+        const double want = c == 0 ? 0.0 : std::exp(double(T(T(x[c] + offset[c]) - got_t)));
+        ASSERT_NEAR(double(row[c]), want, 3 * u * want + tiny) << c;
+      }
+      std::vector<T> none(cols, T(1)), all_ninf(cols, ninf);
+      EXPECT_EQ(simd::exp_row_offset(none.data(), cols, all_ninf.data()), ninf);
+      for (T v : none) EXPECT_EQ(v, T(0));
+    }
+}
+TEST(Simd, FloatShiftKernelsMatchLoops) { check_shift_kernels<float>(); }
+TEST(Simd, DoubleShiftKernelsMatchLoops) { check_shift_kernels<double>(); }
+
+// finite_max_abs: the largest |x| exactly, NaN as soon as one entry is not finite, wherever
+// it sits (full vector or tail).
+TEST(Simd, FiniteMaxAbs) {
+  for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{9}, size_t{33}}) {
+    std::vector<float> x(n);
+    fill_normal(x.data(), int64_t(n), 11 + n);
+    float want = 0;
+    for (float v : x) want = std::max(want, std::abs(v));
+    EXPECT_EQ(simd::finite_max_abs(x.data(), n), want) << n;
+    for (float bad : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                      std::numeric_limits<float>::quiet_NaN()})
+      for (size_t i = 0; i < n; ++i) {
+        std::vector<float> y = x;
+        y[i] = bad;
+        ASSERT_TRUE(std::isnan(simd::finite_max_abs(y.data(), n))) << n << " " << i;
+      }
+  }
+}
+
+// Sizes from arguments: a byte count that overflows is an Error naming the arguments, one
+// beyond the machine's memory an OutOfMemory naming them; in range, the element count.
+TEST(Sizes, ArgumentSizedArraysAreChecked) {
+  EXPECT_EQ(sized_by_arguments("f", "x", {{"a", 3}, {"b", 5}}, 4), 15);
+  const std::string overflow = testing::error_of([] {
+    sized_by_arguments("linformer_projections", "e and f", {{"s_proj", int64_t{1} << 31}, {"n_max", int64_t{1} << 31}}, 4, 2);
+  });
+  EXPECT_NE(overflow.find("linformer_projections: e and f of s_proj × n_max = 2147483648 × 2147483648"), std::string::npos)
+      << overflow;
+  EXPECT_NE(testing::error_of([] { sized_by_arguments("f", "x", {{"a", 0}}, 4); }).find("a must be >= 1, got 0"),
+            std::string::npos);
+  try {
+    sized_by_arguments("random_features", "the projection", {{"num_features", int64_t{1} << 40}, {"head_dim", 64}}, 4);
+    ADD_FAILURE() << "no OutOfMemory";
+  } catch (const OutOfMemory& e) {
+    EXPECT_NE(std::string(e.what()).find("num_features × head_dim"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("more than this machine's memory"), std::string::npos) << e.what();
+  }
+  // A failed allocation is an OutOfMemory (a std::bad_alloc) saying how much was asked for.
+  try {
+    Buffer<float> huge(int64_t{1} << 60);
+    ADD_FAILURE() << "no OutOfMemory";
+  } catch (const OutOfMemory& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot allocate"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(element_count({int64_t{1} << 40, int64_t{1} << 40}), Error);
+  EXPECT_THROW(element_count({3, -1}), Error);
 }
 
 // Same seed, same numbers: a few values pinned so a change of generator is noticed.

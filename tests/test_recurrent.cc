@@ -1,9 +1,12 @@
 // RecurrentState: decoding one token at a time (and prefill + steps) gives the causal
-// outputs; copy() rolls back; FAVOR's running log-scale keeps large norms finite.
+// outputs; copy() rolls back; FAVOR's per-feature shifts keep large norms finite; two threads
+// on one state are refused.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
+#include <thread>
 
 #include "kernelized_bounds.h"
 #include "linattn/random_features.h"
@@ -154,6 +157,37 @@ TEST(Recurrent, BadArgumentsAreErrors) {
   nan[3] = std::nanf("");
   EXPECT_THAT(error_of([&] { s.step(nan, nan, random_tensor<float>({1, 2, 4}, 3)); }),
               HasSubstr("q_t has a non-finite value"));
+}
+
+// A state used from two threads at once: one thread prefills long sequences while the other
+// steps. Every call either runs whole or is refused with an Error naming the conflict; the
+// token count is the sum of the calls that ran, so no call was half-applied.
+TEST(Recurrent, TwoThreadsAtOnceAreRefusedNotInterleaved) {
+  const int64_t B = 1, H = 4, d = 16, n = 4096;
+  RecurrentState<float> state(B, H, d, d);
+  const auto q = random_tensor<float>({B, H, n, d}, 1), k = random_tensor<float>({B, H, n, d}, 2),
+             v = random_tensor<float>({B, H, n, d}, 3);
+  const auto qt = random_tensor<float>({B, H, d}, 4);
+  std::atomic<int64_t> ran{0}, refused{0};
+  auto count = [&](auto call, int64_t tokens) {
+    try {
+      call();
+      ran += tokens;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("in use by another thread"), std::string::npos) << e.what();
+      ++refused;
+    }
+  };
+  std::thread a([&] {
+    for (int i = 0; i < 5; ++i) count([&] { state.prefill(q, k, v); }, n);
+  });
+  std::thread b([&] {
+    for (int i = 0; i < 300; ++i) count([&] { state.step(qt, qt, qt); }, 1);
+  });
+  a.join();
+  b.join();
+  EXPECT_EQ(state.tokens(), ran.load());
+  EXPECT_GT(ran.load(), 0);
 }
 
 }  // namespace
