@@ -159,13 +159,9 @@ void require_memory(const std::string& what, double bytes) {
 
 std::string human_bytes(int64_t bytes) {
   if (bytes < 0) return "n/a";
-  char buf[32];
-  if (bytes < (1 << 20))
-    std::snprintf(buf, sizeof buf, "%.1f KiB", bytes / 1024.0);
-  else if (bytes < (int64_t{1} << 30))
-    std::snprintf(buf, sizeof buf, "%.1f MiB", bytes / 1048576.0);
-  else
-    return linattn::human_bytes(static_cast<double>(bytes));
+  if (bytes >= (1 << 20)) return linattn::human_bytes(static_cast<double>(bytes));
+  char buf[32];  // the tables keep KiB below 1 MiB ("0.0 KiB", not "0 B")
+  std::snprintf(buf, sizeof buf, "%.1f KiB", bytes / 1024.0);
   return buf;
 }
 

@@ -57,11 +57,11 @@ constexpr T kGrowth = sizeof(T) == 4 ? T(40) : T(300);
 // logits L), s = the trig factors, and f = s∘e for trig (else the features are e itself).
 template <class T>
 struct Features {
-  Features(const FeatureMap<T>& fm, int64_t rows)
+  Features(const FeatureMap<T>& fm, int64_t rows, Side side)
       : f(fm.log_form() && !fm.has_factor() ? 0 : rows * fm.dim()),
         e(fm.log_form() ? rows * fm.dim() : 0),
         s(fm.has_factor() ? rows * fm.dim() : 0),
-        t(rows) {}
+        t(fm.log_form() && side == Side::Query ? rows : 0) {}
   Buffer<T> f, e, s;
   Buffer<T> t;  // query rows: the exponent shift t_i (FAVOR)
   const T* values(const FeatureMap<T>& fm) const { return fm.log_form() && !fm.has_factor() ? e.data() : f.data(); }
@@ -78,7 +78,7 @@ int64_t block_rows(const Problem<T>& p, bool causal) {
 template <class T>
 struct Scratch {
   Scratch(const Problem<T>& p, bool causal)
-      : qf(*p.fmap, block_rows(p, causal)), kf(*p.fmap, block_rows(p, causal)) {
+      : qf(*p.fmap, block_rows(p, causal), Side::Query), kf(*p.fmap, block_rows(p, causal), Side::Key) {
     const int64_t rows = block_rows(p, causal), m = p.fmap->dim(), dv = p.dims.value_dim;
     dphi = Buffer<T>(rows * m);
     dlog = Buffer<T>(p.fmap->has_factor() ? rows * m : 0);
