@@ -57,9 +57,9 @@ double resolve_scale(const char* fn, const AttentionOptions& opts, int64_t head_
 template <class T>
 double check_finite(const char* fn, const char* name, TensorView<const T> x);
 
-// The common start of every method without a causal form (Nyström, Linformer, Efficient
-// Attention): opts.causal must be false, else an error "causal=true is not supported: <why>";
-// then q, k, v and key_lengths as check_attention_args checks them, and the scale.
+// The common start of every method without a causal form: opts.causal must be false, else
+// an error "causal=true is not supported: <why>"; then q, k, v and key_lengths as
+// check_attention_args checks them, and the scale.
 struct NonCausalArgs {
   AttentionDims d;
   AttentionOptions mask_opts;  // key_lengths and scale; causal false

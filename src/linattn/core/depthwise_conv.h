@@ -1,5 +1,5 @@
-// Depthwise convolution of V along the sequence, added to an attention output: the local term of
-// focused linear attention (dwc_weight) and of Nyströmformer (conv_weight).
+// Depthwise convolution of V along the sequence, added to an attention output: the local term
+// some methods add (a learned [heads, K] weight, with its gradient).
 //   out[b,h,i] += Σ_t w[h,t]·v[b,h,i+t−off],  off = (K−1)/2 (centred) or K−1 (causal),
 // with v taken as 0 outside the sequence and at padded positions (>= key_length(b)).
 #pragma once

@@ -1,5 +1,5 @@
-// Plain float64 matrices for the reference implementations of Nyström, Linformer and Efficient
-// Attention. Each carries, beside its value, a worst-case bound on the absolute rounding error
+// Plain float64 matrices for the methods' reference implementations (the reference library).
+// Each carries, beside its value, a worst-case bound on the absolute rounding error
 // that a fast path commits computing the same expression in a precision of unit roundoff u:
 // first-order running bounds in the style of Higham (Accuracy and Stability of Numerical
 // Algorithms, ch. 3), every error aligned, γ_n = n·u/(1 − n·u). With u = 0 the bounds are 0
@@ -59,7 +59,7 @@ Tracked identity_minus(const Arith& a, double c, const Tracked& X);
 // multiplication by 1/sum. With δs the row's largest score error, each exp is off by a
 // relative ε_j ≤ expm1(2δs + u|s_j − max|) + 2u, so |δP_j| ≤ (2·max_j ε_j + γ_{cols+3})·P_j.
 // The bound also covers a fast path that keeps exp(s − max) unnormalised and applies 1/sum to a
-// later product instead (Nyström's F3, Efficient Attention's ρ_k): each term then carries
+// later product instead (a method that normalises after its next product): each term carries
 // relative error ≤ ε_j + γ_{cols+1} in place of the above, and the product's own rounding of
 // the 1/sum factor is the one its matmul bound (γ_{K+2}) already allows for α.
 Tracked softmax_rows(const Arith& a, const Tracked& S);
