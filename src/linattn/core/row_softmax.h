@@ -1,5 +1,5 @@
 // Softmax along the rows of a row-major block, and its backward, on the SIMD layer. Used by the
-// methods that softmax small score blocks they hold whole (Nyström, Linformer, Efficient).
+// methods that softmax small score blocks they hold whole.
 #pragma once
 
 #include <cmath>
