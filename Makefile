@@ -1,20 +1,32 @@
 # The two entry points of the README: `make demo` and `make test`.
-# Both install missing Debian packages and the pinned PyPI packages (.venv) first, then
-# configure and build in Release.
+# Both install missing Debian packages and the pinned PyPI packages (.venv, with PyTorch) first,
+# then build in Release: the C++ library, tests and program with CMake in build/, and the
+# Python package, which pip builds from pyproject.toml (scikit-build-core, its own CMake build
+# in build/wheel) and installs into .venv.
 # Python is the project's virtual environment (.venv, made by scripts/setup-venv.sh).
 PYTHON := $(CURDIR)/.venv/bin/python
 BUILD := build
 JOBS ?= 2
-CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$(PYTHON)
+CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$(PYTHON) -DLINATTN_PYTHON=OFF
+# The installed package's build: the venv already holds the pinned build requirements
+# (requirements/build.txt), so no isolated environment and nothing downloaded.
+PIP_INSTALL := $(PYTHON) -m pip install -q --disable-pip-version-check --no-build-isolation \
+  --no-deps -Cbuild-dir=$(BUILD)/wheel -Cbuild.tool-args=-j$(JOBS)
 
-.PHONY: deps build demo test test-cpp test-python test-sanitize bench accuracy clean
+.PHONY: deps build build-cpp install-python demo test test-cpp test-python test-sanitize bench accuracy clean
 
 deps:
 	@bash scripts/install-deps.sh
 
 build: deps
+	$(MAKE) build-cpp install-python
+
+build-cpp:
 	cmake -S . -B $(BUILD) $(CMAKE_FLAGS)
 	cmake --build $(BUILD) -j $(JOBS)
+
+install-python:
+	$(PIP_INSTALL) .
 
 demo: build
 	$(BUILD)/bin/linattn demo
@@ -25,8 +37,10 @@ test: build
 test-cpp:
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 
+# Against the package installed in .venv (run from python/tests, so the checkout's python/ is
+# not what `import linattn` finds); LINATTN_PROGRAM: the program the CLI tests run.
 test-python:
-	PYTHONPATH=$(BUILD)/python $(PYTHON) -m pytest -q python/tests
+	cd python/tests && LINATTN_PROGRAM=$(CURDIR)/$(BUILD)/bin/linattn $(PYTHON) -m pytest -q .
 
 # C++ tests with AddressSanitizer + UndefinedBehaviorSanitizer in their own build folder.
 test-sanitize: deps
@@ -37,18 +51,14 @@ test-sanitize: deps
 	cd build-sanitize && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
 	  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ctest --output-on-failure -j $(JOBS)
 
-# The full sweep against PyTorch, with CSV and plots in out/bench (installs python3-torch and
-# python3-matplotlib from Debian first; the program runs its Python helpers with that python3).
-bench:
-	LINATTN_WITH_BENCH_DEPS=1 bash scripts/install-deps.sh
-	$(MAKE) build
-	LINATTN_PYTHON=/usr/bin/python3 $(BUILD)/bin/linattn bench --plots out/bench
+# The full sweep against PyTorch 2.x and the peer packages (all in .venv), with CSV and plots
+# in out/bench; the program runs its Python helpers with the venv's Python.
+bench: build
+	LINATTN_PYTHON=$(PYTHON) $(BUILD)/bin/linattn bench --plots out/bench
 
 # The accuracy studies of docs/accuracy.md: CSV and plots in out/accuracy.
-accuracy:
-	LINATTN_WITH_BENCH_DEPS=1 bash scripts/install-deps.sh
-	$(MAKE) build
-	LINATTN_PYTHON=/usr/bin/python3 $(BUILD)/bin/linattn accuracy --out out/accuracy
+accuracy: build
+	LINATTN_PYTHON=$(PYTHON) $(BUILD)/bin/linattn accuracy --out out/accuracy
 
 clean:
 	rm -rf $(BUILD) build-sanitize

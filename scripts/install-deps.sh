@@ -10,11 +10,9 @@ packages=(
   libboost-dev           # Boost.Math: chi-square quantiles and CDF for random-feature norms
   libgtest-dev           # GoogleTest, run through CTest
   python3-dev python3-venv  # the Python module's headers; .venv (scripts/setup-venv.sh) holds
-                         # the PyPI packages: OpenBLAS (scipy-openblas32), pybind11, numpy, ...
+                         # the PyPI packages: OpenBLAS (scipy-openblas32), pybind11, numpy,
+                         # PyTorch, the benchmark's peers, matplotlib, ...
 )
-if [ "${LINATTN_WITH_BENCH_DEPS:-0}" = 1 ]; then
-  packages+=(python3-torch python3-matplotlib)
-fi
 
 missing=()
 for p in "${packages[@]}"; do

@@ -9,8 +9,8 @@ import pytest
 
 import linattn
 
-# The build puts the Python package in <build>/python/linattn and the program in <build>/bin.
-BIN = os.path.join(os.path.dirname(linattn.__file__), "..", "..", "bin", "linattn")
+# The program: LINATTN_PROGRAM (make test-python sets it), else the checkout's build/bin/linattn.
+BIN = os.environ.get("LINATTN_PROGRAM") or os.path.join(os.path.dirname(__file__), "..", "..", "build", "bin", "linattn")
 pytestmark = pytest.mark.skipif(not os.path.exists(BIN), reason="linattn program not built")
 
 

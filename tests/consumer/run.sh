@@ -6,7 +6,7 @@ build=$1
 consumer=$2
 prefix=$(mktemp -d)
 trap 'rm -rf "$prefix"' EXIT
-cmake --install "$build" --prefix "$prefix" > "$prefix/install.log"
+cmake --install "$build" --prefix "$prefix" --component cpp > "$prefix/install.log"
 cmake -S "$consumer" -B "$prefix/consumer-build" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_BUILD_TYPE=Release > /dev/null
 cmake --build "$prefix/consumer-build" > /dev/null
 "$prefix/consumer-build/consumer"
