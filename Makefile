@@ -43,12 +43,14 @@ test-python:
 	cd python/tests && LINATTN_PROGRAM=$(CURDIR)/$(BUILD)/bin/linattn $(PYTHON) -m pytest -q .
 
 # C++ tests with AddressSanitizer + UndefinedBehaviorSanitizer in their own build folder.
+# allocator_may_return_null: a test asks for an impossible allocation and expects OutOfMemory;
+# by default ASan aborts the process instead of returning null as malloc does.
 test-sanitize: deps
 	cmake -S . -B build-sanitize -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLINATTN_SANITIZE=ON \
 	  -DPython_EXECUTABLE=$(PYTHON) \
 	  -DLINATTN_PYTHON=OFF -DLINATTN_CLI=OFF
 	cmake --build build-sanitize -j $(JOBS)
-	cd build-sanitize && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+	cd build-sanitize && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:allocator_may_return_null=1 \
 	  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ctest --output-on-failure -j $(JOBS)
 
 # The full sweep against PyTorch 2.x and the peer packages (all in .venv), with CSV and plots
