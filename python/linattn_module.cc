@@ -56,11 +56,31 @@ std::optional<DType> float_dtype(const py::dtype& dt) {
                        name + ".astype(numpy." + type + ")");
 }
 
+// Any CPU array that speaks DLPack (a torch tensor, say) as a NumPy array viewing its memory.
+// One that requires grad is refused (its gradient would be lost without a word): linattn.torch
+// has the differentiable functions.
+py::array from_dlpack(const char* fn, const char* name, const py::handle& obj) {
+  const std::string what = std::string(fn) + ": " + name;
+  if (py::hasattr(obj, "requires_grad") && py::bool_(obj.attr("requires_grad")))
+    throw py::type_error(what + " requires grad; pass " + name + ".detach(), or use linattn.torch, whose "
+                         "functions are differentiable");
+  const py::tuple device = obj.attr("__dlpack_device__")();
+  if (device[0].cast<int>() != 1)  // kDLCPU
+    throw py::type_error(what + " is not in CPU memory (DLPack device " + std::string(py::repr(device)) +
+                         "); linattn runs on the CPU only");
+  return py::module_::import("numpy").attr("from_dlpack")(obj);
+}
+
 Array as_array(const char* fn, const char* name, const py::handle& obj) {
-  if (!py::isinstance<py::array>(obj))
-    throw py::type_error(std::string(fn) + ": " + name + " must be a numpy.ndarray, got " +
-                         std::string(py::str(py::type::of(obj).attr("__name__"))));
-  auto a = py::reinterpret_borrow<py::array>(obj);
+  py::array a;
+  if (py::isinstance<py::array>(obj)) {
+    a = py::reinterpret_borrow<py::array>(obj);
+  } else if (py::hasattr(obj, "__dlpack__") && py::hasattr(obj, "__dlpack_device__")) {
+    a = from_dlpack(fn, name, obj);
+  } else {
+    throw py::type_error(std::string(fn) + ": " + name + " must be a numpy.ndarray or a CPU array with "
+                         "__dlpack__, got " + std::string(py::str(py::type::of(obj).attr("__name__"))));
+  }
   const std::optional<DType> dt = float_dtype(a.dtype());
   if (!dt)
     throw py::type_error(std::string(fn) + ": " + name + " must have dtype float32 or float64, got " +
@@ -424,6 +444,25 @@ py::tuple method_backward(const std::string& name, const py::object& q, const py
   });
 }
 
+// The saved state's feature dimension m' for a call with these extra tensors' shapes and options
+// (for linattn.torch's fake tensors, which have shapes but no data).
+int64_t method_feature_dim(const std::string& name, int64_t head_dim, const py::dict& tensor_shapes,
+                           const py::dict& options) {
+  const linattn::MethodInfo& m = linattn::method(name);
+  if (!m.feature_dim) throw py::value_error(m.function + " saves no tensor with a feature dimension");
+  std::map<std::string, linattn::Shape, std::less<>> shapes;
+  for (const auto& [key, value] : tensor_shapes) shapes[py::str(key)] = value.cast<linattn::Shape>();
+  std::map<std::string, linattn::OptionValue, std::less<>> opts;
+  for (const auto& [key, value] : options) {
+    const std::string option = py::str(key);
+    const linattn::OptionInfo* o = m.option(option);
+    if (!o || o->kind == linattn::OptionInfo::Kind::Tensor)
+      throw py::type_error(m.function + ": unexpected keyword argument '" + option + "'");
+    if (!value.is_none()) opts[option] = option_value(m.function, *o, value);
+  }
+  return m.feature_dim(head_dim, shapes, opts);
+}
+
 // The registry as Python data, for linattn/__init__.py to build each method's functions.
 py::list method_descriptions() {
   static const char* kinds[] = {"bool", "int", "float", "str", "lengths", "tensor"};
@@ -438,7 +477,8 @@ py::list method_descriptions() {
     out.append(py::dict(py::arg("name") = m.name, py::arg("function") = m.function, py::arg("label") = m.label,
                         py::arg("summary") = m.summary, py::arg("docs") = m.docs,
                         py::arg("no_causal") = m.no_causal, py::arg("options") = opts,
-                        py::arg("saved") = m.saved, py::arg("size_name") = m.size_name,
+                        py::arg("saved") = m.saved, py::arg("saved_dims") = m.saved_dims,
+                        py::arg("size_name") = m.size_name,
                         py::arg("default_size") = m.default_size, py::arg("block_rows") = m.block_rows));
   }
   return out;
@@ -488,6 +528,8 @@ PYBIND11_MODULE(_linattn, m) {
   m.def("_methods", &method_descriptions);
   m.def("_forward", &method_forward, py::arg("name"), py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("tensors"), py::arg("options"), py::arg("want_saved"));
+  m.def("_feature_dim", &method_feature_dim, py::arg("name"), py::arg("head_dim"), py::arg("tensor_shapes"),
+        py::arg("options"));
   m.def("_backward", &method_backward, py::arg("name"), py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("dout"), py::arg("tensors"), py::arg("options"), py::arg("saved"));
 

@@ -129,6 +129,16 @@ void check_simd_kernels() {
       EXPECT_NEAR(pd[i], 0.0, 2 * u * std::abs(double(x[i]) * y[i])) << i;  // a·b − b·a, FMA or not
       EXPECT_EQ(pm[i], x[i] * y[i]);
     }
+    // select_positive: exact, zeros (both signs) taking the x <= 0 branch, in place too.
+    std::vector<T> sx = x, sa(n), sb(n), sel(n);
+    if (n > 2) sx[1] = T(0), sx[2] = -T(0);
+    for (size_t i = 0; i < n; ++i) sa[i] = y[i] + T(3), sb[i] = x[i] - T(2);
+    simd::select_positive(sx.data(), sa.data(), sb.data(), sel.data(), n);
+    for (size_t i = 0; i < n; ++i) EXPECT_EQ(sel[i], sx[i] > 0 ? sa[i] : sa[i] * sb[i]) << i;
+    simd::select_positive(sx.data(), sx.data(), static_cast<const T*>(nullptr), sel.data(), n);
+    for (size_t i = 0; i < n; ++i) EXPECT_EQ(sel[i], sx[i] > 0 ? sx[i] : T(0)) << i;
+    simd::select_positive(sx.data(), sa.data(), sb.data(), sa.data(), n);
+    for (size_t i = 0; i < n; ++i) EXPECT_EQ(sa[i], sx[i] > 0 ? y[i] + T(3) : (y[i] + T(3)) * sb[i]) << i;
     // elu(x)+1: exact x+1 for x > 0, exp within 1 ulp plus rounding (2u) otherwise.
     simd::elu_plus_one(x.data(), el.data(), n);
     for (size_t i = 0; i < n; ++i) {

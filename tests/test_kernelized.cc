@@ -14,6 +14,7 @@
 #include "linattn/kernelized/engine.h"
 #include "linattn/kernelized.h"
 #include "linattn/kernelized/reference.h"
+#include "linattn/registry.h"
 #include "test_util.h"
 
 namespace linattn {
@@ -66,6 +67,35 @@ AttentionGrads<T> run_backward(const KernelizedSpec& s, const Tensor<T>& q, cons
   return g;
 }
 
+template <class T>
+KernelizedAttentionResult<T> run_forward_saved(const KernelizedSpec& s, const Tensor<T>& q, const Tensor<T>& k,
+                                               const Tensor<T>& v, const Tensor<T>* w) {
+  if (s.favor()) return favor_attention_with_saved<T>(q, k, v, *w, s.favor_options());
+  return linear_attention_with_saved<T>(q, k, v, s.linear_options());
+}
+
+template <class T>
+AttentionGrads<T> run_backward_saved(const KernelizedSpec& s, const Tensor<T>& q, const Tensor<T>& k,
+                                     const Tensor<T>& v, const Tensor<T>& dout, const Tensor<T>* w,
+                                     const KernelizedAttentionResult<T>& f) {
+  if (s.favor()) return favor_attention_backward<T>(q, k, v, *w, dout, f.out, f.den, f.state, s.favor_options());
+  return linear_attention_backward<T>(q, k, v, dout, f.out, f.den, f.state, s.linear_options());
+}
+
+// The backward from the forward's saved tensors does the same arithmetic as the one that runs
+// the forward itself first (engine.cc): bitwise the same gradients, and the same output.
+template <class T>
+void expect_saved_path_identical(const KernelizedSpec& s, const Tensor<T>& q, const Tensor<T>& k,
+                                 const Tensor<T>& v, const Tensor<T>& dout, const Tensor<T>* w,
+                                 const Tensor<T>& out, const AttentionGrads<T>& g) {
+  const auto f = run_forward_saved<T>(s, q, k, v, w);
+  testing::expect_identical(f.out, out, "out with saved");
+  const auto gs = run_backward_saved<T>(s, q, k, v, dout, w, f);
+  testing::expect_identical(gs.dq, g.dq, "dq from saved");
+  testing::expect_identical(gs.dk, g.dk, "dk from saved");
+  testing::expect_identical(gs.dv, g.dv, "dv from saved");
+}
+
 class KernelizedVsReference
     : public ::testing::TestWithParam<std::tuple<std::string, Mask, Size>> {};
 
@@ -84,11 +114,13 @@ void check(const std::string& map, Mask mask, const Size& z, uint64_t seed) {
   for (int threads : {1, 2}) {
     SCOPED_TRACE(::testing::Message() << map << " threads=" << threads << " T=" << sizeof(T) * 8);
     ScopedThreads scope(threads);
-    expect_within(run_forward<T>(spec, q, k, v, &w), exact.out, exact.out_bound, "out");
+    const auto out = run_forward<T>(spec, q, k, v, &w);
+    expect_within(out, exact.out, exact.out_bound, "out");
     const auto g = run_backward<T>(spec, q, k, v, dout, &w);
     expect_within(g.dq, exact.dq, exact.dq_bound, "dq");
     expect_within(g.dk, exact.dk, exact.dk_bound, "dk");
     expect_within(g.dv, exact.dv, exact.dv_bound, "dv");
+    expect_saved_path_identical<T>(spec, q, k, v, dout, &w, out, g);
   }
 }
 
@@ -332,22 +364,77 @@ TEST(KernelizedFocusedPower, LargePowerAndLargeInputs) {
     }
 }
 
-// The non-causal backward caches key features when they fit its budget; without the cache
-// it recomputes them, with bitwise the same result.
+// The causal backward keeps its chunks' features between its passes as far as the cache
+// allows and computes the rest again, with bitwise the same result: all cached (default), a
+// few chunks' worth, none. FAVOR with a padded item (its chunks end early) and elu.
 TEST(KernelizedBackward, FeatureCacheDoesNotChangeResults) {
-  const auto q = random_tensor<float>({2, 2, 300, 16}, 1), k = random_tensor<float>({2, 2, 1100, 16}, 2),
-             v = random_tensor<float>({2, 2, 1100, 8}, 3), g = random_tensor<float>({2, 2, 300, 8}, 4);
+  const auto q = random_tensor<float>({2, 2, 1100, 16}, 1), k = random_tensor<float>({2, 2, 1100, 16}, 2),
+             v = random_tensor<float>({2, 2, 1100, 8}, 3), g = random_tensor<float>({2, 2, 1100, 8}, 4);
   const auto w = random_features<float>(32, 16);
-  FavorOptions o;
-  o.key_lengths = std::vector<int64_t>{1100, 700};
-  const auto cached = favor_attention_backward<float>(q, k, v, w, g, o);
-  const int64_t saved = kernelized::feature_cache_bytes();
-  kernelized::set_feature_cache_bytes(0);
-  const auto recomputed = favor_attention_backward<float>(q, k, v, w, g, o);
-  kernelized::set_feature_cache_bytes(saved);
-  for (int64_t i = 0; i < cached.dq.size(); ++i) ASSERT_EQ(cached.dq[i], recomputed.dq[i]);
-  for (int64_t i = 0; i < cached.dk.size(); ++i) ASSERT_EQ(cached.dk[i], recomputed.dk[i]);
-  for (int64_t i = 0; i < cached.dv.size(); ++i) ASSERT_EQ(cached.dv[i], recomputed.dv[i]);
+  FavorOptions fo;
+  fo.causal = true;
+  fo.key_lengths = std::vector<int64_t>{1100, 700};
+  LinearAttentionOptions lo;
+  lo.causal = true;
+  const auto favor = favor_attention_with_saved<float>(q, k, v, w, fo);
+  const auto linear = linear_attention_with_saved<float>(q, k, v, lo);
+  const int64_t budget = kernelized::feature_cache_bytes();
+  const auto favor_all = favor_attention_backward<float>(q, k, v, w, g, favor.out, favor.den, favor.state, fo);
+  const auto linear_all = linear_attention_backward<float>(q, k, v, g, linear.out, linear.den, linear.state, lo);
+  for (int64_t bytes : {int64_t{5} * kernelized::kChunk * 4 * 32 * 4, int64_t{0}}) {
+    SCOPED_TRACE(::testing::Message() << "cache bytes " << bytes);
+    kernelized::set_feature_cache_bytes(bytes);
+    for (int threads : {1, 3}) {
+      ScopedThreads scope(threads);
+      const auto f = favor_attention_backward<float>(q, k, v, w, g, favor.out, favor.den, favor.state, fo);
+      const auto l = linear_attention_backward<float>(q, k, v, g, linear.out, linear.den, linear.state, lo);
+      testing::expect_identical(f.dq, favor_all.dq, "favor dq");
+      testing::expect_identical(f.dk, favor_all.dk, "favor dk");
+      testing::expect_identical(f.dv, favor_all.dv, "favor dv");
+      testing::expect_identical(l.dq, linear_all.dq, "elu dq");
+      testing::expect_identical(l.dk, linear_all.dk, "elu dk");
+      testing::expect_identical(l.dv, linear_all.dv, "elu dv");
+    }
+  }
+  kernelized::set_feature_cache_bytes(budget);
+}
+
+// The saved tensors are checked: shapes from the same call, finite values (state's shifts may
+// be −inf), and the registry takes out, den and state together or not at all.
+TEST(KernelizedBackward, SavedTensorsAreChecked) {
+  const auto q = random_tensor<float>({1, 2, 9, 8}, 1), k = random_tensor<float>({1, 2, 9, 8}, 2),
+             v = random_tensor<float>({1, 2, 9, 4}, 3), g = random_tensor<float>({1, 2, 9, 4}, 4);
+  const auto w = random_features<float>(16, 8);
+  const auto f = favor_attention_with_saved<float>(q, k, v, w);
+  EXPECT_EQ(f.den.shape(), (Shape{1, 2, 9}));
+  EXPECT_EQ(f.state.shape(), (Shape{1, 2, 16, 6}));
+  const auto backward = [&](const Tensor<float>& out, const Tensor<float>& den, const Tensor<float>& state) {
+    return error_of([&] { favor_attention_backward<float>(q, k, v, w, g, out, den, state); });
+  };
+  EXPECT_THAT(backward(f.out, f.den, random_tensor<float>({1, 2, 8, 6}, 5)),
+              HasSubstr("favor_attention_backward: state has shape [1, 2, 8, 6]; expected [1, 2, 16, 6]"));
+  EXPECT_THAT(backward(f.out, random_tensor<float>({1, 2, 8}, 5), f.state),
+              HasSubstr("favor_attention_backward: den has shape [1, 2, 8]; expected [1, 2, 9]"));
+  EXPECT_THAT(backward(random_tensor<float>({1, 2, 9, 5}, 5), f.den, f.state),
+              HasSubstr("favor_attention_backward: out has shape"));
+  Tensor<float> den = cast<float>(f.den), state = cast<float>(f.state);
+  den[3] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_THAT(backward(f.out, den, f.state), HasSubstr("den"));
+  state[3] = -std::numeric_limits<float>::infinity();  // an S entry, not a shift
+  EXPECT_THAT(backward(f.out, f.den, state), HasSubstr("state[3] = -inf; expected a finite value"));
+  // No key at all: every shift is −inf, and the backward from that state gives zero gradients.
+  FavorOptions empty;
+  empty.key_lengths = std::vector<int64_t>{0};
+  const auto e = favor_attention_with_saved<float>(q, k, v, w, empty);
+  for (int64_t r = 0; r < 2 * 16; ++r) ASSERT_EQ(e.state[r * 6 + 5], -std::numeric_limits<float>::infinity()) << r;
+  const auto ge = favor_attention_backward<float>(q, k, v, w, g, e.out, e.den, e.state, empty);
+  for (int64_t i = 0; i < ge.dq.size(); ++i) ASSERT_EQ(ge.dq[i], 0.f) << i;
+  for (int64_t i = 0; i < ge.dk.size(); ++i) ASSERT_EQ(ge.dk[i], 0.f) << i;
+  MethodArgs<float> a{q, k, v, {}, {{"projection", w.view()}}};
+  const std::map<std::string, TensorView<const float>, std::less<>> partial{{"out", f.out.view()},
+                                                                            {"den", f.den.view()}};
+  EXPECT_THAT(error_of([&] { method("favor").f32.backward(a, g, partial); }),
+              HasSubstr("favor_attention_backward: pass out, den and state (from the forward), or none of them"));
 }
 
 // Padded keys may hold anything, NaN included.

@@ -81,6 +81,42 @@ void expect_bitwise_equal(const Tensor<T>& got, const Tensor<T>& want, const std
     ASSERT_EQ(got[i], want[i]) << what << " element " << i << " differs";
 }
 
+// The forward's saved tensors have the shapes the registry's saved_dims give (what PyTorch's
+// fake tensors are made from), and the backward from them is bitwise the one that recomputes
+// the forward.
+template <class T>
+void expect_saved_consistent(const MethodInfo& m, const Call<T>& c, const MethodOutput<T>& out,
+                             const AttentionGrads<T>& recomputed) {
+  ASSERT_EQ(out.saved.size(), m.saved.size()) << m.name;
+  ASSERT_EQ(m.saved_dims.size(), m.saved.size()) << m.name;
+  std::map<std::string, Shape, std::less<>> tensor_shapes;
+  for (const auto& [name, t] : c.args.tensors) tensor_shapes[name] = t.shape;
+  const Shape& qs = c.q.shape();
+  std::map<std::string, TensorView<const T>, std::less<>> saved{{"out", out.out.view()}};
+  for (size_t i = 0; i < m.saved.size(); ++i) {
+    ASSERT_EQ(out.saved[i].first, m.saved[i]);
+    Shape want;
+    for (const std::string& token : m.saved_dims[i]) {
+      if (token == "batch") want.push_back(qs[0]);
+      else if (token == "heads") want.push_back(qs[1]);
+      else if (token == "n_q") want.push_back(qs[2]);
+      else if (token == "value_dim+2") want.push_back(c.v.shape()[3] + 2);
+      else if (token == "features") want.push_back(m.feature_dim(qs[3], tensor_shapes, c.args.options));
+      else FAIL() << m.name << ": unknown dimension token " << token;
+    }
+    EXPECT_EQ(out.saved[i].second.shape(), want) << m.name << " " << m.saved[i];
+    saved[m.saved[i]] = out.saved[i].second.view();
+  }
+  if (m.saved.empty()) return;
+  const AttentionGrads<T> g = m.functions<T>().backward(c.args, c.dout, saved);
+  expect_bitwise_equal(g.dq, recomputed.dq, "dq from saved");
+  expect_bitwise_equal(g.dk, recomputed.dk, "dk from saved");
+  expect_bitwise_equal(g.dv, recomputed.dv, "dv from saved");
+  ASSERT_EQ(g.params.size(), recomputed.params.size());
+  for (size_t i = 0; i < g.params.size(); ++i)
+    expect_bitwise_equal(g.params[i].second, recomputed.params[i].second, g.params[i].first + " from saved");
+}
+
 class EveryMethod : public ::testing::TestWithParam<Variant> {};
 
 // Thread counts {1, 2, 3, 8, 16} against batch·heads {1, 2, 3}, with sequences longer than the
@@ -101,6 +137,7 @@ TEST_P(EveryMethod, SameResultsForEveryThreadCount) {
     ScopedThreads scope(threads);
     MethodOutput<float> out = f.forward(c.args);
     AttentionGrads<float> g = f.backward(c.args, c.dout, {});
+    expect_saved_consistent(*x.method, c, out, g);
     if (!out1) {
       out1 = std::move(out);
       grads1 = std::move(g);

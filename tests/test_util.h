@@ -96,6 +96,14 @@ inline std::string current_suite() {
   return slash == std::string::npos ? s : s.substr(slash + 1);
 }
 
+// got == want element by element (same shapes): two paths that do the same arithmetic.
+template <class T>
+void expect_identical(const Tensor<T>& got, const Tensor<T>& want, const char* what) {
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  for (int64_t i = 0; i < got.size(); ++i)
+    ASSERT_EQ(got[i], want[i]) << what << ": element " << i << " of " << got.size();
+}
+
 // Every element of `got` within `bound` of `want` (same shapes), and the largest error/bound
 // ratio within the comparison's regression budget (ratio_budget); reports the worst offender.
 template <class T>

@@ -26,6 +26,22 @@ struct FavorOptions : AttentionOptions {
   std::string kernel = "positive";  // "positive" (FAVOR+), "hyperbolic", "trig"
 };
 
+// A forward's output and what its backward reuses instead of computing the forward again (as
+// exact attention keeps its log-sum-exp); m' is the feature dimension (linear: head_dim; FAVOR:
+// num_features, twice that for the hyperbolic and trig kernels).
+template <class T>
+struct KernelizedAttentionResult {
+  Tensor<T> out;    // [B,H,n_q,d_v]
+  // [B,H,n_q]: each row's normaliser φ(q_i)·Σ_j φ(k_j) + eps, in the engine's scale (FAVOR:
+  // divided by exp(t_i) and the key shifts' factors, so it is not the plain sum).
+  Tensor<T> den;
+  // [B,H,m',d_v+2]: per feature r, [Σ_j φ_r(k_j)·v_j | Σ_j φ_r(k_j) | c_r] over every valid key,
+  // the sums divided by exp(c_r) (FAVOR's per-feature shift; −inf where no key reaches the
+  // feature, 0 for plain maps) and v in the units the engine computed in. Only the non-causal
+  // backward reads it.
+  Tensor<T> state;
+};
+
 // q [B,H,n_q,d], k [B,H,n_k,d], v [B,H,n_k,d_v] -> out [B,H,n_q,d_v].
 // dwc_weight [heads, K]: adds a depthwise convolution of v along the sequence (n_q == n_k):
 // out[i] += Σ_t w[h,t]·v[i+t−(K−1)/2] (K odd) or, causal, Σ_t w[h,t]·v[i+t−(K−1)]; v is 0
@@ -35,10 +51,25 @@ Tensor<T> linear_attention(TensorView<const T> q, TensorView<const T> k, TensorV
                            const LinearAttentionOptions& opts = {},
                            std::optional<TensorView<const T>> dwc_weight = std::nullopt);
 
-// Gradients dq, dk, dv and, with a dwc_weight, params {"dwc_weight"}.
+// The same output, with what the backward reuses.
+template <class T>
+KernelizedAttentionResult<T> linear_attention_with_saved(
+    TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+    const LinearAttentionOptions& opts = {},
+    std::optional<TensorView<const T>> dwc_weight = std::nullopt);
+// Gradients dq, dk, dv and, with a dwc_weight, params {"dwc_weight"}. This overload computes
+// the forward first.
 template <class T>
 AttentionGrads<T> linear_attention_backward(
     TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<const T> dout,
+    const LinearAttentionOptions& opts = {},
+    std::optional<TensorView<const T>> dwc_weight = std::nullopt);
+// Same, from linear_attention_with_saved's out, den and state (with a dwc_weight, out holds
+// the convolution too, so the attention part of it is computed again from state and den).
+template <class T>
+AttentionGrads<T> linear_attention_backward(
+    TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<const T> dout,
+    TensorView<const T> out, TensorView<const T> den, TensorView<const T> state,
     const LinearAttentionOptions& opts = {},
     std::optional<TensorView<const T>> dwc_weight = std::nullopt);
 
@@ -48,9 +79,23 @@ Tensor<T> favor_attention(TensorView<const T> q, TensorView<const T> k, TensorVi
                           TensorView<const T> projection, const FavorOptions& opts = {});
 
 template <class T>
+KernelizedAttentionResult<T> favor_attention_with_saved(TensorView<const T> q, TensorView<const T> k,
+                                                        TensorView<const T> v,
+                                                        TensorView<const T> projection,
+                                                        const FavorOptions& opts = {});
+// Gradients dq, dk, dv (the projection is a constant: no gradient). This overload computes the
+// forward first.
+template <class T>
 AttentionGrads<T> favor_attention_backward(TensorView<const T> q, TensorView<const T> k,
                                            TensorView<const T> v, TensorView<const T> projection,
                                            TensorView<const T> dout, const FavorOptions& opts = {});
+// Same, from favor_attention_with_saved's out, den and state.
+template <class T>
+AttentionGrads<T> favor_attention_backward(TensorView<const T> q, TensorView<const T> k,
+                                           TensorView<const T> v, TensorView<const T> projection,
+                                           TensorView<const T> dout, TensorView<const T> out,
+                                           TensorView<const T> den, TensorView<const T> state,
+                                           const FavorOptions& opts = {});
 
 // ---- decoding ---------------------------------------------------------------------------------
 

@@ -77,6 +77,14 @@ struct MethodInfo {
   bool exact = false;    // computes exact softmax attention: what approximations are compared to
   std::vector<OptionInfo> options;  // in the order the Python function takes them
   std::vector<std::string> saved;   // names of MethodOutput::saved
+  // Their shapes, one token per dimension: "batch", "heads", "n_q", "features" (feature_dim
+  // below) or "value_dim+2"; what PyTorch's fake tensors need without running the method.
+  std::vector<std::vector<std::string>> saved_dims;
+  // The "features" dimension m' from head_dim, the extra tensors' shapes and the options (absent
+  // ones take their defaults); null when no saved tensor has one.
+  std::function<int64_t(int64_t head_dim, const std::map<std::string, Shape, std::less<>>& tensor_shapes,
+                        const std::map<std::string, OptionValue, std::less<>>& options)>
+      feature_dim;
   // The size knob of the approximation and its default: favor "num_features" (rows of the
   // projection), nystrom "num_landmarks" (an option), linformer "s_proj" (rows of e, f); empty
   // for exact or size-free methods.

@@ -75,6 +75,11 @@ def _doc(info, backward):
     return "\n".join(lines)
 
 
+def _and(names):
+    """'a and b', 'a, b and c'."""
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
 def _make(info, backward):
     P = _inspect.Parameter
     opts = info["options"]
@@ -104,9 +109,10 @@ def _make(info, backward):
         options = {o: a[o] for o in option_names}
         if backward:
             saved = {s: a[s] for s in ["out"] + info["saved"]} if info["saved"] else {}
-            if saved and (saved["out"] is None) != all(saved[s] is None for s in info["saved"]):
-                raise ValueError("%s_backward: pass both out and %s (from the forward), or neither"
-                                 % (info["function"], " and ".join(info["saved"])))
+            given = [s for s in saved if saved[s] is not None]
+            if given and len(given) != len(saved):
+                raise ValueError("%s_backward: pass %s (from the forward), or none of them"
+                                 % (info["function"], _and(["out"] + info["saved"])))
             return _linattn._backward(name, a["q"], a["k"], a["v"], a["dout"], tensors, options, saved)
         want = [s for s in info["saved"] if a["return_" + s]]
         return _linattn._forward(name, a["q"], a["k"], a["v"], tensors, options, want)

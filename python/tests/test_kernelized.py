@@ -112,6 +112,33 @@ def test_dwc_weight(rng, causal):
         assert abs(grads[3][idx] - fd) <= 1e-8 * (1 + abs(fd))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("method", ["elu", "focused_dwc", "positive", "trig"])
+def test_backward_from_saved_equals_recomputed(rng, method, causal):
+    """The forward's out, den and state give the backward bitwise what it computes without them."""
+    q, k, v, g = (rng.standard_normal((2, 2, 150, 8)).astype(np.float32) for _ in range(4))
+    if method in ("positive", "trig"):
+        w = linattn.random_features(16, 8, seed=3)
+        fwd = lambda **kw: linattn.favor_attention(q, k, v, w, kernel=method, causal=causal, key_lengths=[150, 90], **kw)
+        bwd = lambda **kw: linattn.favor_attention_backward(q, k, v, w, g, kernel=method, causal=causal,
+                                                            key_lengths=[150, 90], **kw)
+        features = 16 if method == "positive" else 32
+    else:
+        opts = dict(feature_map=method.split("_")[0], causal=causal, key_lengths=[150, 90])
+        if method.endswith("dwc"):
+            opts["dwc_weight"] = rng.standard_normal((2, 3)).astype(np.float32)
+        fwd = lambda **kw: linattn.linear_attention(q, k, v, **opts, **kw)
+        bwd = lambda **kw: linattn.linear_attention_backward(q, k, v, g, **opts, **kw)
+        features = 8
+    out, den, state = fwd(return_den=True, return_state=True)
+    assert den.shape == (2, 2, 150) and state.shape == (2, 2, features, 10)
+    np.testing.assert_array_equal(out, fwd())
+    for got, want in zip(bwd(out=out, den=den, state=state), bwd()):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="pass out, den and state .from the forward., or none of them"):
+        bwd(out=out, den=den)
+
+
 def test_favor_gradient_by_central_differences(rng):
     q, k, v = (rng.standard_normal((1, 2, 9, 4)) for _ in range(3))
     g = rng.standard_normal((1, 2, 9, 4))

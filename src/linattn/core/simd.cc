@@ -256,6 +256,20 @@ void ProductDifference(const T* a, const T* b, const T* c, const T* e, T* out, s
 }
 
 template <class T>
+void SelectPositive(const T* x, const T* a, const T* b, T* out, size_t n) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  const auto zero = hn::Zero(d);
+  size_t i = 0;
+  for (; i + N <= n; i += N) {
+    const auto va = hn::LoadU(d, a + i);
+    const auto other = b ? hn::Mul(va, hn::LoadU(d, b + i)) : zero;
+    hn::StoreU(hn::IfThenElse(hn::Gt(hn::LoadU(d, x + i), zero), va, other), d, out + i);
+  }
+  for (; i < n; ++i) out[i] = x[i] > 0 ? a[i] : (b ? a[i] * b[i] : T(0));
+}
+
+template <class T>
 void EluPlusOne(const T* x, T* out, size_t n) {
   const hn::ScalableTag<T> d;
   const size_t N = hn::Lanes(d);
@@ -389,6 +403,12 @@ float FiniteMaxAbsF32(const float* x, size_t n) { return FiniteMaxAbs(x, n); }
 double FiniteMaxAbsF64(const double* x, size_t n) { return FiniteMaxAbs(x, n); }
 bool AllFiniteF32(const float* x, size_t n) { return AllFinite(x, n); }
 bool AllFiniteF64(const double* x, size_t n) { return AllFinite(x, n); }
+void SelectPositiveF32(const float* x, const float* a, const float* b, float* out, size_t n) {
+  SelectPositive(x, a, b, out, n);
+}
+void SelectPositiveF64(const double* x, const double* a, const double* b, double* out, size_t n) {
+  SelectPositive(x, a, b, out, n);
+}
 void EluPlusOneF32(const float* x, float* out, size_t n) { EluPlusOne(x, out, n); }
 void EluPlusOneF64(const double* x, double* out, size_t n) { EluPlusOne(x, out, n); }
 void ProductDifferenceF32(const float* a, const float* b, const float* c, const float* e, float* out,
@@ -482,6 +502,8 @@ HWY_EXPORT(SinCosF32);
 HWY_EXPORT(SinCosF64);
 HWY_EXPORT(AllFiniteF32);
 HWY_EXPORT(AllFiniteF64);
+HWY_EXPORT(SelectPositiveF32);
+HWY_EXPORT(SelectPositiveF64);
 HWY_EXPORT(EluPlusOneF32);
 HWY_EXPORT(EluPlusOneF64);
 HWY_EXPORT(ProductDifferenceF32);
@@ -509,6 +531,12 @@ float finite_max_abs(const float* x, size_t n) { return HWY_DYNAMIC_DISPATCH(Fin
 double finite_max_abs(const double* x, size_t n) { return HWY_DYNAMIC_DISPATCH(FiniteMaxAbsF64)(x, n); }
 bool all_finite(const float* x, size_t n) { return HWY_DYNAMIC_DISPATCH(AllFiniteF32)(x, n); }
 bool all_finite(const double* x, size_t n) { return HWY_DYNAMIC_DISPATCH(AllFiniteF64)(x, n); }
+void select_positive(const float* x, const float* a, const float* b, float* out, size_t n) {
+  HWY_DYNAMIC_DISPATCH(SelectPositiveF32)(x, a, b, out, n);
+}
+void select_positive(const double* x, const double* a, const double* b, double* out, size_t n) {
+  HWY_DYNAMIC_DISPATCH(SelectPositiveF64)(x, a, b, out, n);
+}
 void elu_plus_one(const float* x, float* out, size_t n) { HWY_DYNAMIC_DISPATCH(EluPlusOneF32)(x, out, n); }
 void elu_plus_one(const double* x, double* out, size_t n) { HWY_DYNAMIC_DISPATCH(EluPlusOneF64)(x, out, n); }
 void product_difference(const float* a, const float* b, const float* c, const float* e, float* out,

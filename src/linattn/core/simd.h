@@ -67,6 +67,12 @@ void product_difference(const float* a, const float* b, const float* c, const fl
 void product_difference(const double* a, const double* b, const double* c, const double* e,
                         double* out, size_t n);
 
+// out[i] = a[i] if x[i] > 0, else a[i]·b[i] (0 with b == nullptr): relu(x) is (x, x, null),
+// the backward of relu (x, dφ, null) and of elu+1 (x, dφ, φ). Branch-free, unlike the scalar
+// loop (whose compare mispredicts on half the entries of random-signed x). out may alias a.
+void select_positive(const float* x, const float* a, const float* b, float* out, size_t n);
+void select_positive(const double* x, const double* a, const double* b, double* out, size_t n);
+
 // out[i] = elu(x[i]) + 1 = x[i] + 1 if x[i] > 0 else exp(x[i]). out may alias x.
 void elu_plus_one(const float* x, float* out, size_t n);
 void elu_plus_one(const double* x, double* out, size_t n);

@@ -19,13 +19,18 @@
 // start (down to chunks of one row, which are exact). That keeps each query's visible mass at
 // >= e^−kGrowth of its largest feature, so den_i >= e^−kGrowth > 0 when the row sees any key.
 //
-// Backward (D_i = den_i, dnum_i = dout_i/D_i, dden_i = −dout_i·out_i/D_i, P_ij = dnum_i·v_j + dden_i):
+// Backward, from the forward's saved D_i and out_i (as exact attention keeps its log-sum-exp)
+// (dnum_i = dout_i/D_i, dden_i = −dout_i·out_i/D_i, P_ij = dnum_i·v_j + dden_i):
 //   dQ_i = dnum_i·Sᵀ + dden_i·z + Σ_{j<=i} P_ij K_j
 //   dK_j = Σ_{i>=j} P_ij Q_i + R·v_j + ρ,   dv_j = Σ_{i>=j} W_ij dnum_i + K_j·R
 // with R = Σ_{later i} Q_iᵀ dnum_i, ρ = Σ_{later i} Q_i dden_i the suffix state of a reverse
 // pass over the chunks, carried in the scale of the chunk at hand: going back one chunk
 // multiplies it by exp(c_prev − c') <= 1, so it never overflows. The feature maps' backward
 // turns dQ, dK into dq, dk (via dL = dK∘K and, trig, ds = dK∘exp(L − c)).
+// Non-causal, S and z come saved from the forward (state), so the backward computes each
+// feature once: queries (dQ, and dS = Σ Q_iᵀ dnum_i, dz = Σ Q_i dden_i), then keys
+// (dK_j = dS·v_j + dz, dv_j = K_j·dS). Causal, the forward pass (dq) keeps its chunks'
+// features for the reverse pass (dk, dv) as far as feature_cache_bytes() allows.
 // A row with D_i = 0 (no key in sight, eps = 0) gets out_i = 0 and no gradient.
 #include "linattn/core/error.h"
 #include "linattn/kernelized/engine.h"
@@ -53,20 +58,39 @@ constexpr T neg_inf() {
 template <class T>
 constexpr T kGrowth = sizeof(T) == 4 ? T(40) : T(300);
 
-// Features of one block of rows. Plain maps: f = φ(x). FAVOR: e = exp(L − shift) (first the
-// logits L), s = the trig factors, and f = s∘e for trig (else the features are e itself).
+// Features of one block of rows, as views. Plain maps: f = φ(x). FAVOR: e = exp(L − shift)
+// (first the logits L), s = the trig factors, and f = s∘e for trig (else the features are e
+// itself); t = the query rows' exponent shifts t_i. The memory is the scratch's own or, in the
+// causal backward, a slot of the feature cache.
 template <class T>
 struct Features {
-  Features(const FeatureMap<T>& fm, int64_t rows, Side side)
-      : f(fm.log_form() && !fm.has_factor() ? 0 : rows * fm.dim()),
-        e(fm.log_form() ? rows * fm.dim() : 0),
-        s(fm.has_factor() ? rows * fm.dim() : 0),
-        t(fm.log_form() && side == Side::Query ? rows : 0) {}
-  Buffer<T> f, e, s;
-  Buffer<T> t;  // query rows: the exponent shift t_i (FAVOR)
-  const T* values(const FeatureMap<T>& fm) const { return fm.log_form() && !fm.has_factor() ? e.data() : f.data(); }
-  T* values(const FeatureMap<T>& fm) { return fm.log_form() && !fm.has_factor() ? e.data() : f.data(); }
+  T* f = nullptr;
+  T* e = nullptr;
+  T* s = nullptr;
+  T* t = nullptr;
+  const T* values(const FeatureMap<T>& fm) const { return fm.log_form() && !fm.has_factor() ? e : f; }
+  T* values(const FeatureMap<T>& fm) { return fm.log_form() && !fm.has_factor() ? e : f; }
 };
+
+// Values per row that a block of features holds on `side`.
+template <class T>
+int64_t feature_values_per_row(const FeatureMap<T>& fm, Side side) {
+  const int64_t m = fm.dim();
+  const bool f = !(fm.log_form() && !fm.has_factor()), e = fm.log_form(), s = fm.has_factor();
+  return m * (int64_t{f} + int64_t{e} + int64_t{s}) + (fm.log_form() && side == Side::Query ? 1 : 0);
+}
+
+// A block of `rows` rows laid out at mem (feature_values_per_row(side)·rows values).
+template <class T>
+Features<T> features_at(const FeatureMap<T>& fm, Side side, int64_t rows, T* mem) {
+  const int64_t m = fm.dim();
+  Features<T> x;
+  if (!(fm.log_form() && !fm.has_factor())) x.f = mem, mem += rows * m;
+  if (fm.log_form()) x.e = mem, mem += rows * m;
+  if (fm.has_factor()) x.s = mem, mem += rows * m;
+  if (fm.log_form() && side == Side::Query) x.t = mem;
+  return x;
+}
 
 // Rows of a block (non-causal) or chunk (causal), no more than the problem has.
 template <class T>
@@ -74,45 +98,52 @@ int64_t block_rows(const Problem<T>& p, bool causal) {
   return std::max<int64_t>(1, std::min(causal ? kChunk : kBlockRows, std::max(p.dims.n_q, p.dims.n_k)));
 }
 
-// Per-worker buffers, allocated before the loop; each mode gets only what it uses.
+// Per-worker buffers, allocated before the loop; each mode gets only what it uses. Every one is
+// written before it is read (a product with beta = 0 writes its result without reading it).
 template <class T>
 struct Scratch {
-  Scratch(const Problem<T>& p, bool causal)
-      : qf(*p.fmap, block_rows(p, causal), Side::Query), kf(*p.fmap, block_rows(p, causal), Side::Key) {
-    const int64_t rows = block_rows(p, causal), m = p.fmap->dim(), dv = p.dims.value_dim;
-    dphi = Buffer<T>(rows * m);
-    dlog = Buffer<T>(p.fmap->has_factor() ? rows * m : 0);
-    fs = Buffer<T>(p.fmap->scratch_size(rows));
-    D = Buffer<T>(rows);
-    num = Buffer<T>(rows * dv);
-    dnum = Buffer<T>(rows * dv);
-    dden = Buffer<T>(rows);
-    c = Buffer<T>(m);
-    c_new = Buffer<T>(m);
+  Scratch(const Problem<T>& p, bool causal) {
+    const FeatureMap<T>& fm = *p.fmap;
+    const int64_t rows = block_rows(p, causal), m = fm.dim(), dv = p.dims.value_dim;
+    auto buffer = [](int64_t n) { return Buffer<T>(n, true, Init::Uninitialized); };
+    const int64_t q_values = feature_values_per_row(fm, Side::Query) * rows;
+    features = buffer(q_values + feature_values_per_row(fm, Side::Key) * rows);
+    qf = features_at(fm, Side::Query, rows, features.data());
+    kf = features_at(fm, Side::Key, rows, features.data() + q_values);
+    dphi = buffer(rows * m);
+    dlog = buffer(fm.has_factor() ? rows * m : 0);
+    fs = buffer(fm.scratch_size(rows));
+    num = buffer(rows * dv);
+    dnum = buffer(rows * dv);
+    dden = buffer(rows);
+    c = buffer(m);
+    c_new = buffer(m);
     if (causal) {
-      run_max = Buffer<T>(m);
-      S = Buffer<T>(m * dv);
-      z = Buffer<T>(m);
-      R = Buffer<T>(m * dv);
-      rho = Buffer<T>(m);
-      W = Buffer<T>(rows * kChunk);  // leading dimension kChunk
-      P = Buffer<T>(rows * kChunk);
+      D = buffer(rows);
+      run_max = buffer(m);
+      S = buffer(m * dv);
+      z = buffer(m);
+      R = buffer(m * dv);
+      rho = buffer(m);
+      W = buffer(rows * kChunk);  // leading dimension kChunk
+      P = buffer(rows * kChunk);
     } else {
-      kvz = Buffer<T>(m * (dv + 1));
-      dkvz = Buffer<T>(m * (dv + 1));
-      vaug = Buffer<T>(rows * (dv + 1));
-      nd = Buffer<T>(rows * (dv + 1));
-      dnd = Buffer<T>(rows * (dv + 1));
+      kvz = buffer(m * (dv + 1));
+      dkvz = buffer(m * (dv + 1));
+      vaug = buffer(rows * (dv + 1));
+      nd = buffer(rows * (dv + 1));
+      dnd = buffer(rows * (dv + 1));
     }
   }
-  Features<T> qf, kf;
+  Buffer<T> features;
+  Features<T> qf, kf;  // the scratch's own blocks of query and key features
   // Gradients of a block's features (dphi), and for trig the gradient of its logits (dlog);
-  // the feature map's backward scratch; denominators, outputs and their gradients.
-  Buffer<T> dphi, dlog, fs, D, num, dnum, dden;
+  // the feature map's backward scratch; outputs and their gradients.
+  Buffer<T> dphi, dlog, fs, num, dnum, dden;
   Buffer<T> c, c_new;  // per-feature log-shifts of the keys (FAVOR), and scratch for raising them
-  Buffer<T> run_max;   // causal: a chunk's running maxima while finding where it ends
-  // Causal: state S, z; suffix state R, ρ; a chunk's W and P.
-  Buffer<T> S, z, R, rho, W, P;
+  // Causal: a chunk's denominators; its running maxima while finding where it ends; state S, z;
+  // suffix state R, ρ; a chunk's W and P.
+  Buffer<T> D, run_max, S, z, R, rho, W, P;
   // Non-causal, augmented so one product gives both sums: [KV | z] (m'×(d_v+1)), [V | 1]
   // (rows×(d_v+1)), [num | den] and [dnum | dden] (rows×(d_v+1)).
   Buffer<T> kvz, dkvz, vaug, nd, dnd;
@@ -125,9 +156,9 @@ struct Scratch {
 template <class T>
 void key_logits(const Problem<T>& p, int64_t bh, int64_t j0, int64_t rows, Features<T>& kf) {
   if (p.fmap->log_form()) {
-    p.fmap->logits(p.fn, p.k.row(bh, j0), rows, Side::Key, kf.e.data(), kf.s.data());
+    p.fmap->logits(p.fn, p.k.row(bh, j0), rows, Side::Key, kf.e, kf.s);
   } else {
-    p.fmap->features(p.k.row(bh, j0), rows, kf.f.data());
+    p.fmap->features(p.k.row(bh, j0), rows, kf.f);
   }
 }
 
@@ -136,10 +167,10 @@ template <class T>
 void finish_key_features(const Problem<T>& p, int64_t rows, const T* c, Features<T>& kf) {
   if (!p.fmap->log_form() || rows == 0) return;
   const int64_t m = p.fmap->dim();
-  simd::exp_minus_columns(kf.e.data(), static_cast<size_t>(rows), static_cast<size_t>(m),
-                          static_cast<size_t>(m), c);
+  simd::exp_minus_columns(kf.e, static_cast<size_t>(rows), static_cast<size_t>(m), static_cast<size_t>(m), c);
   if (p.fmap->has_factor())
-    for (int64_t i = 0; i < rows * m; ++i) kf.f[i] = kf.s[i] * kf.e[i];
+    simd::product_difference(kf.s, kf.e, static_cast<const T*>(nullptr), static_cast<const T*>(nullptr), kf.f,
+                             static_cast<size_t>(rows * m));
 }
 
 // Query features of `rows` rows from i0 against the key shifts c: FAVOR Q_ir =
@@ -148,14 +179,15 @@ template <class T>
 void query_features(const Problem<T>& p, int64_t bh, int64_t i0, int64_t rows, const T* c,
                     Features<T>& qf) {
   if (!p.fmap->log_form()) {
-    p.fmap->features(p.q.row(bh, i0), rows, qf.f.data());
+    p.fmap->features(p.q.row(bh, i0), rows, qf.f);
     return;
   }
   const int64_t m = p.fmap->dim();
-  p.fmap->logits(p.fn, p.q.row(bh, i0), rows, Side::Query, qf.e.data(), qf.s.data());
-  for (int64_t i = 0; i < rows; ++i) qf.t[i] = simd::exp_row_offset(qf.e.data() + i * m, static_cast<size_t>(m), c);
+  p.fmap->logits(p.fn, p.q.row(bh, i0), rows, Side::Query, qf.e, qf.s);
+  for (int64_t i = 0; i < rows; ++i) qf.t[i] = simd::exp_row_offset(qf.e + i * m, static_cast<size_t>(m), c);
   if (p.fmap->has_factor())
-    for (int64_t i = 0; i < rows * m; ++i) qf.f[i] = qf.s[i] * qf.e[i];
+    simd::product_difference(qf.s, qf.e, static_cast<const T*>(nullptr), static_cast<const T*>(nullptr), qf.f,
+                             static_cast<size_t>(rows * m));
 }
 
 // c_new = max(c, column maxima of `rows` key logits L (rows × m')).
@@ -187,18 +219,18 @@ void feature_backward(const Problem<T>& p, const T* x, int64_t rows, Side side, 
                       Scratch<T>& s, T* dx) {
   T* dphi = s.dphi.data();
   if (!p.fmap->log_form()) {
-    p.fmap->features_backward(x, rows, f.f.data(), dphi, dx);
+    p.fmap->features_backward(x, rows, f.f, dphi, dx);
     return;
   }
-  const int64_t n = rows * p.fmap->dim();
+  const size_t n = static_cast<size_t>(rows * p.fmap->dim());
+  const T* none = nullptr;
   T* ds = nullptr;
   if (p.fmap->has_factor()) {
     ds = s.dlog.data();
-    for (int64_t i = 0; i < n; ++i) ds[i] = dphi[i] * f.e[i];
+    simd::product_difference(dphi, f.e, none, none, ds, n);
   }
-  const T* phi = f.values(*p.fmap);
-  for (int64_t i = 0; i < n; ++i) dphi[i] *= phi[i];
-  p.fmap->logits_backward(x, rows, side, dphi, f.s.data(), ds, dx, s.fs.data());
+  simd::product_difference(dphi, f.values(*p.fmap), none, none, dphi, n);
+  p.fmap->logits_backward(x, rows, side, dphi, f.s, ds, dx, s.fs.data());
 }
 
 // out_i = num_i / D_i in place on the num rows (0 where D_i = 0).
@@ -213,13 +245,14 @@ void divide_rows(T* num, const T* D, int64_t rows, int64_t dv) {
   }
 }
 
-// dnum_i = dout_i / D_i, dden_i = −dout_i·out_i / D_i (both 0 where D_i = 0).
+// dnum_i = dout_i / D_i, dden_i = −dout_i·out_i / D_i (both 0 where D_i = 0). dnum has
+// leading dimension ld.
 template <class T>
-void output_grads(const T* dout, const T* out, const T* D, int64_t rows, int64_t dv, T* dnum,
+void output_grads(const T* dout, const T* out, const T* D, int64_t rows, int64_t dv, T* dnum, int64_t ld,
                   T* dden) {
   for (int64_t i = 0; i < rows; ++i) {
     const T inv = D[i] != 0 ? T(1) / D[i] : T(0);
-    for (int64_t c = 0; c < dv; ++c) dnum[i * dv + c] = dout[i * dv + c] * inv;
+    for (int64_t c = 0; c < dv; ++c) dnum[i * ld + c] = dout[i * dv + c] * inv;
     dden[i] = -simd::dot(dout + i * dv, out + i * dv, static_cast<size_t>(dv)) * inv;
   }
 }
@@ -236,17 +269,10 @@ void augmented_values(const Problem<T>& p, int64_t bh, int64_t j0, int64_t rows,
   }
 }
 
-// Values per key row the backward's cache keeps: the logits (and trig factors) or features.
-template <class T>
-int64_t cache_values_per_key(const FeatureMap<T>& fm) {
-  return fm.dim() * (fm.has_factor() ? 2 : 1);
-}
-
 // [KV | z] = Σ_j K_jᵀ·[v_j, 1] over the valid keys of bh, with the shifts c (FAVOR) raised
-// block by block. cache (optional, n_k rows): keeps each key row's logits (and trig factors) or
-// features for the backward's key pass.
+// block by block.
 template <class T>
-void accumulate_kv(const Problem<T>& p, int64_t bh, int64_t key_len, Scratch<T>& s, T* cache) {
+void accumulate_kv(const Problem<T>& p, int64_t bh, int64_t key_len, Scratch<T>& s) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, da = dv + 1;
   std::fill(s.kvz.data(), s.kvz.data() + m * da, T(0));
   std::fill(s.c.data(), s.c.data() + m, p.fmap->log_form() ? neg_inf<T>() : T(0));
@@ -255,14 +281,8 @@ void accumulate_kv(const Problem<T>& p, int64_t bh, int64_t key_len, Scratch<T>&
     const int64_t rows = std::min(kBlockRows, key_len - j0);
     Features<T>& kf = s.kf;
     key_logits(p, bh, j0, rows, kf);
-    if (cache) {
-      T* dst = cache + j0 * cache_values_per_key(*p.fmap);
-      const T* src = p.fmap->log_form() ? kf.e.data() : kf.f.data();
-      std::copy(src, src + rows * m, dst);
-      if (p.fmap->has_factor()) std::copy(kf.s.data(), kf.s.data() + rows * m, dst + rows * m);
-    }
     if (p.fmap->log_form()) {
-      column_maxima(kf.e.data(), rows, m, s.c.data(), s.c_new.data());
+      column_maxima(kf.e, rows, m, s.c.data(), s.c_new.data());
       raise_shifts(m, s.c_new.data(), s.c.data(), s.kvz.data(), da, static_cast<T*>(nullptr));
     }
     finish_key_features(p, rows, s.c.data(), kf);
@@ -272,74 +292,87 @@ void accumulate_kv(const Problem<T>& p, int64_t bh, int64_t key_len, Scratch<T>&
   }
 }
 
-// [num | den] for query rows [i0, i0+rows) into s.nd, D_i = den_i + eps into s.D, and
-// out_i = num_i / D_i into out (stride d_v); the query features stay in s.qf.
+// [num | den] for query rows [i0, i0+rows) into s.nd (their features into s.qf), and
+// out_i = num_i / D_i into out (stride d_v), with D_i from D_in (the saved values) when given,
+// else den_i + eps (then also written to D_out when given).
 template <class T>
-void query_rows(const Problem<T>& p, int64_t bh, int64_t i0, int64_t rows, Scratch<T>& s, T* out) {
+void query_rows(const Problem<T>& p, int64_t bh, int64_t i0, int64_t rows, Scratch<T>& s, T* out,
+                const T* D_in, T* D_out) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, da = dv + 1;
   query_features(p, bh, i0, rows, s.c.data(), s.qf);
   matmul<T>(mat(s.nd.data(), rows, da), mat(s.qf.values(*p.fmap), rows, m),
             mat(s.kvz.data(), m, da));
   for (int64_t i = 0; i < rows; ++i) {
     const T* nd = s.nd.data() + i * da;
-    const T D = nd[dv] + p.eps;
-    s.D[i] = D;
+    const T D = D_in ? D_in[i] : nd[dv] + p.eps;
+    if (D_out) D_out[i] = D;
     const T inv = D != 0 ? T(1) / D : T(0);
     for (int64_t c = 0; c < dv; ++c) out[i * dv + c] = nd[c] * inv;
   }
 }
 
+// state rows [S_r | z_r | c_r] from s.kvz and s.c.
 template <class T>
-void forward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* out) {
-  const int64_t dv = p.dims.value_dim;
-  accumulate_kv(p, bh, p.mask->key_length(bh / p.dims.heads), s, static_cast<T*>(nullptr));
-  for (int64_t i0 = 0; i0 < p.dims.n_q; i0 += kBlockRows) {
-    interruption_point();
-    const int64_t rows = std::min(kBlockRows, p.dims.n_q - i0);
-    query_rows(p, bh, i0, rows, s, out + (bh * p.dims.n_q + i0) * dv);
+void store_state(const Problem<T>& p, const Scratch<T>& s, T* state) {
+  const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
+  for (int64_t r = 0; r < m; ++r) {
+    std::copy(s.kvz.data() + r * (dv + 1), s.kvz.data() + (r + 1) * (dv + 1), state + r * (dv + 2));
+    state[r * (dv + 2) + dv + 1] = s.c[r];
   }
 }
 
 template <class T>
-void backward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* cache, const T* dout,
-                        T* dq, T* dk, T* dv_out) {
-  const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, da = dv + 1;
-  const int64_t key_len = p.mask->key_length(bh / p.dims.heads);
-  accumulate_kv(p, bh, key_len, s, cache);
-  std::fill(s.dkvz.data(), s.dkvz.data() + m * da, T(0));
-  // Queries: [dnum | dden]; dQ = [dnum | dden]·[KV | z]ᵀ; [dKV | dz] += Qᵀ·[dnum | dden].
+void forward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* out, const Saved<T>& save) {
+  const int64_t dv = p.dims.value_dim, m = p.fmap->dim();
+  accumulate_kv(p, bh, p.mask->key_length(bh / p.dims.heads), s);
   for (int64_t i0 = 0; i0 < p.dims.n_q; i0 += kBlockRows) {
     interruption_point();
     const int64_t rows = std::min(kBlockRows, p.dims.n_q - i0);
-    query_rows(p, bh, i0, rows, s, s.num.data());
-    output_grads(dout + (bh * p.dims.n_q + i0) * dv, s.num.data(), s.D.data(), rows, dv,
-                 s.dnum.data(), s.dden.data());
-    for (int64_t i = 0; i < rows; ++i) {
-      std::copy(s.dnum.data() + i * dv, s.dnum.data() + (i + 1) * dv, s.dnd.data() + i * da);
-      s.dnd[i * da + dv] = s.dden[i];
-    }
-    matmul<T>(mat(s.dphi.data(), rows, m), mat(s.dnd.data(), rows, da),
-              mat(s.kvz.data(), m, da).t());
-    matmul<T>(mat(s.dkvz.data(), m, da), mat(s.qf.values(*p.fmap), rows, m).t(),
-              mat(s.dnd.data(), rows, da), T(1), T(1));
-    feature_backward(p, p.q.row(bh, i0), rows, Side::Query, s.qf, s, dq + (bh * p.dims.n_q + i0) * d);
+    query_rows(p, bh, i0, rows, s, out + (bh * p.dims.n_q + i0) * dv, static_cast<const T*>(nullptr),
+               save.den ? save.den + bh * p.dims.n_q + i0 : nullptr);
   }
-  // Keys entered as K_jᵀ[v_j, 1]: dK_j = [v_j, 1]·[dKV | dz]ᵀ and dv_j = K_j·dKV.
+  if (save.state) store_state(p, s, save.state + bh * m * (dv + 2));
+}
+
+// From the saved state: queries give dq and [dKV | dz] = Σ_i Q_iᵀ[dnum_i, dden_i]; then keys,
+// which entered as K_jᵀ[v_j, 1]: dK_j = [v_j, 1]·[dKV | dz]ᵀ and dv_j = K_j·dKV.
+template <class T>
+void backward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, const T* dout, const T* out,
+                        const T* den, const T* state, T* dq, T* dk, T* dv_out) {
+  const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, da = dv + 1;
+  const int64_t n_q = p.dims.n_q, key_len = p.mask->key_length(bh / p.dims.heads);
+  const T* st = state + bh * m * (dv + 2);
+  for (int64_t r = 0; r < m; ++r) {
+    std::copy(st + r * (dv + 2), st + r * (dv + 2) + da, s.kvz.data() + r * da);
+    s.c[r] = st[r * (dv + 2) + dv + 1];
+  }
+  std::fill(s.dkvz.data(), s.dkvz.data() + m * da, T(0));
+  for (int64_t i0 = 0; i0 < n_q; i0 += kBlockRows) {
+    interruption_point();
+    const int64_t rows = std::min(kBlockRows, n_q - i0);
+    const T* D = den + bh * n_q + i0;
+    const T* o = out ? out + (bh * n_q + i0) * dv : nullptr;
+    if (o) {
+      query_features(p, bh, i0, rows, s.c.data(), s.qf);
+    } else {  // the attention output again (the caller's output holds more than attention)
+      query_rows(p, bh, i0, rows, s, s.num.data(), D, static_cast<T*>(nullptr));
+      o = s.num.data();
+    }
+    output_grads(dout + (bh * n_q + i0) * dv, o, D, rows, dv, s.dnd.data(), da, s.dden.data());
+    for (int64_t i = 0; i < rows; ++i) s.dnd[i * da + dv] = s.dden[i];
+    matmul<T>(mat(s.dphi.data(), rows, m), mat(s.dnd.data(), rows, da), mat(s.kvz.data(), m, da).t());
+    matmul<T>(mat(s.dkvz.data(), m, da), mat(s.qf.values(*p.fmap), rows, m).t(), mat(s.dnd.data(), rows, da),
+              T(1), T(1));
+    feature_backward(p, p.q.row(bh, i0), rows, Side::Query, s.qf, s, dq + (bh * n_q + i0) * d);
+  }
   for (int64_t j0 = 0; j0 < key_len; j0 += kBlockRows) {
     interruption_point();
     const int64_t rows = std::min(kBlockRows, key_len - j0);
     Features<T>& kf = s.kf;
-    if (cache) {
-      const T* src = cache + j0 * cache_values_per_key(*p.fmap);
-      std::copy(src, src + rows * m, p.fmap->log_form() ? kf.e.data() : kf.f.data());
-      if (p.fmap->has_factor()) std::copy(src + rows * m, src + 2 * rows * m, kf.s.data());
-    } else {
-      key_logits(p, bh, j0, rows, kf);
-    }
+    key_logits(p, bh, j0, rows, kf);
     finish_key_features(p, rows, s.c.data(), kf);  // against the final shifts
     augmented_values(p, bh, j0, rows, s);
-    matmul<T>(mat(s.dphi.data(), rows, m), mat(s.vaug.data(), rows, da),
-              mat(s.dkvz.data(), m, da).t());
+    matmul<T>(mat(s.dphi.data(), rows, m), mat(s.vaug.data(), rows, da), mat(s.dkvz.data(), m, da).t());
     matmul<T>(mat(dv_out + (bh * p.dims.n_k + j0) * dv, rows, dv), mat(kf.values(*p.fmap), rows, m),
               mat(s.dkvz.data(), m, dv, da));
     feature_backward(p, p.k.row(bh, j0), rows, Side::Key, kf, s, dk + (bh * p.dims.n_k + j0) * d);
@@ -367,15 +400,15 @@ int64_t chunk_length(const T* L, int64_t kr, int64_t rows, int64_t m, const T* c
 }
 
 // One chunk from t0: its length (rows, cut where the shifts would grow too fast), its valid
-// keys (kr), their features K (raising the shifts c and rescaling the state), and the query
-// features Q. rows and kr come in as the longest chunk and its valid keys.
+// keys (kr), their features K into kf (raising the shifts c and rescaling the state), and the
+// query features Q into qf. rows and kr come in as the longest chunk and its valid keys.
 template <class T>
-void chunk_features(const Problem<T>& p, int64_t bh, int64_t t0, int64_t& rows, int64_t& kr,
-                    Scratch<T>& s) {
+void chunk_features(const Problem<T>& p, int64_t bh, int64_t t0, int64_t& rows, int64_t& kr, Scratch<T>& s,
+                    Features<T>& qf, Features<T>& kf) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
-  if (kr > 0) key_logits(p, bh, t0, kr, s.kf);
+  if (kr > 0) key_logits(p, bh, t0, kr, kf);
   if (p.fmap->log_form() && kr > 0) {
-    const T* L = s.kf.e.data();
+    const T* L = kf.e;
     T* c = s.c.data();
     T* c_new = s.c_new.data();
     column_maxima(L, kr, m, c, c_new);
@@ -387,28 +420,29 @@ void chunk_features(const Problem<T>& p, int64_t bh, int64_t t0, int64_t& rows, 
       column_maxima(L, kr, m, c, c_new);
     }
     raise_shifts(m, c_new, c, s.S.data(), dv, s.z.data());
-    finish_key_features(p, kr, c, s.kf);
+    finish_key_features(p, kr, c, kf);
   }
-  query_features(p, bh, t0, rows, s.c.data(), s.qf);
+  query_features(p, bh, t0, rows, s.c.data(), qf);
 }
 
 // A chunk's W_ij = Q_i·K_j for j <= i (0 above the diagonal), rows × kr, into s.W.
 template <class T>
-void chunk_weights(const Problem<T>& p, int64_t rows, int64_t kr, Scratch<T>& s) {
+void chunk_weights(const Problem<T>& p, int64_t rows, int64_t kr, const Features<T>& qf, const Features<T>& kf,
+                   Scratch<T>& s) {
   if (kr == 0) return;
   const int64_t m = p.fmap->dim();
-  matmul<T>(mat(s.W.data(), rows, kr, kChunk), mat(s.qf.values(*p.fmap), rows, m),
-            mat(s.kf.values(*p.fmap), kr, m).t());
+  matmul<T>(mat(s.W.data(), rows, kr, kChunk), mat(qf.values(*p.fmap), rows, m),
+            mat(kf.values(*p.fmap), kr, m).t());
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = i + 1; j < kr; ++j) s.W[i * kChunk + j] = 0;
 }
 
 // num_i = Q_i·S + Σ_j W_ij v_j into num (rows × d_v) and D_i = Q_i·z + Σ_j W_ij + eps.
 template <class T>
-void chunk_outputs(const Problem<T>& p, int64_t bh, int64_t t0, int64_t rows, int64_t kr,
+void chunk_outputs(const Problem<T>& p, int64_t bh, int64_t t0, int64_t rows, int64_t kr, const Features<T>& qf,
                    Scratch<T>& s, T* num, T* D) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
-  const T* Q = s.qf.values(*p.fmap);
+  const T* Q = qf.values(*p.fmap);
   matmul<T>(mat(num, rows, dv), mat(Q, rows, m), mat(s.S.data(), m, dv));
   for (int64_t i = 0; i < rows; ++i) {
     T den = simd::dot(Q + i * m, s.z.data(), static_cast<size_t>(m));
@@ -422,10 +456,11 @@ void chunk_outputs(const Problem<T>& p, int64_t bh, int64_t t0, int64_t rows, in
 
 // S += Kᵀ·V, z += Σ_j K_j over the chunk's kr valid keys.
 template <class T>
-void add_chunk_to_state(const Problem<T>& p, int64_t bh, int64_t t0, int64_t kr, Scratch<T>& s) {
+void add_chunk_to_state(const Problem<T>& p, int64_t bh, int64_t t0, int64_t kr, const Features<T>& kf,
+                        Scratch<T>& s) {
   if (kr == 0) return;
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
-  const T* K = s.kf.values(*p.fmap);
+  const T* K = kf.values(*p.fmap);
   matmul<T>(mat(s.S.data(), m, dv), mat(K, kr, m).t(), mat(p.v.row(bh, t0), kr, dv), T(1), T(1));
   for (int64_t j = 0; j < kr; ++j)
     for (int64_t r = 0; r < m; ++r) s.z[r] += K[j * m + r];
@@ -446,23 +481,24 @@ void start_state(const Problem<T>& p, Scratch<T>& s, const T* S0, const T* z0, c
   std::fill(s.c.data(), s.c.data() + m, p.fmap->log_form() ? neg_inf<T>() : T(0));
 }
 
-// state: S, z, c of this batch·head to start from and to leave the final state in, or null
-// to start empty.
+// carried: S, z, c of this batch·head to start from and to leave the final state in, or null
+// to start empty; save: den and the final state, or null.
 template <class T>
-void forward_causal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* out, T* S0 = nullptr,
-                    T* z0 = nullptr, T* c0 = nullptr) {
+void forward_causal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* out, const Saved<T>& save,
+                    T* S0 = nullptr, T* z0 = nullptr, T* c0 = nullptr) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, n = p.dims.n_q;
   const int64_t key_len = p.mask->key_length(bh / p.dims.heads);
   start_state(p, s, S0, z0, c0);
   for (int64_t t0 = 0; t0 < n;) {
     interruption_point();
     int64_t rows = std::min(kChunk, n - t0), kr = std::clamp<int64_t>(key_len - t0, 0, rows);
-    chunk_features(p, bh, t0, rows, kr, s);
-    chunk_weights(p, rows, kr, s);
+    chunk_features(p, bh, t0, rows, kr, s, s.qf, s.kf);
+    chunk_weights(p, rows, kr, s.qf, s.kf, s);
     T* o = out + (bh * n + t0) * dv;
-    chunk_outputs(p, bh, t0, rows, kr, s, o, s.D.data());
-    divide_rows(o, s.D.data(), rows, dv);
-    add_chunk_to_state(p, bh, t0, kr, s);
+    T* D = save.den ? save.den + bh * n + t0 : s.D.data();
+    chunk_outputs(p, bh, t0, rows, kr, s.qf, s, o, D);
+    divide_rows(o, D, rows, dv);
+    add_chunk_to_state(p, bh, t0, kr, s.kf, s);
     t0 += rows;
   }
   if (S0) {
@@ -470,17 +506,45 @@ void forward_causal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* out, T* S
     std::copy(s.z.data(), s.z.data() + m, z0);
     std::copy(s.c.data(), s.c.data() + m, c0);
   }
+  if (save.state) {
+    T* st = save.state + bh * m * (dv + 2);
+    for (int64_t r = 0; r < m; ++r) {
+      std::copy(s.S.data() + r * dv, s.S.data() + (r + 1) * dv, st + r * (dv + 2));
+      st[r * (dv + 2) + dv] = s.z[r];
+      st[r * (dv + 2) + dv + 1] = s.c[r];
+    }
+  }
 }
 
-// What the causal backward's forward pass keeps for its reverse pass, per batch·head: D_i and
-// dden_i per row, and per chunk its extent and the shifts its features were made with.
+// What the causal backward's forward pass keeps for its reverse pass, per batch·head: dden_i
+// per row, and per chunk its extent, the shifts its features were made with, and where its
+// features are in the cache (if they are).
 template <class T>
 struct CausalSaved {
   struct Chunk {
     int64_t t0, rows, kr;
+    bool cached;
+    Features<T> qf, kf;  // in the cache, when cached
   };
-  std::vector<T> D, dden, shifts;  // shifts: m' per chunk
+  std::vector<T> dden, shifts;  // shifts: m' per chunk
   std::vector<Chunk> chunks;
+};
+
+// The chunks' features kept between the causal backward's passes: a per-worker buffer of
+// feature_cache_bytes(), filled from its start by the forward pass.
+template <class T>
+struct FeatureCache {
+  Buffer<T> mem;
+  int64_t used = 0;
+  // Room for a chunk of `rows` rows (queries and keys), or null features.
+  bool take(const FeatureMap<T>& fm, int64_t rows, Features<T>& qf, Features<T>& kf) {
+    const int64_t q = feature_values_per_row(fm, Side::Query) * rows, k = feature_values_per_row(fm, Side::Key) * rows;
+    if (used + q + k > mem.size()) return false;
+    qf = features_at(fm, Side::Query, rows, mem.data() + used);
+    kf = features_at(fm, Side::Key, rows, mem.data() + used + q);
+    used += q + k;
+    return true;
+  }
 };
 
 // P_ij = (dnum_i·v_j + dden_i) on the chunk's causal triangle (0 elsewhere), rows × kr, into s.P.
@@ -495,40 +559,48 @@ void chunk_output_grads(const Problem<T>& p, int64_t bh, int64_t t0, int64_t row
     for (int64_t j = 0; j < kr; ++j) s.P[i * kChunk + j] = j <= i ? s.P[i * kChunk + j] + dden[i] : T(0);
 }
 
-// Pass A, forward in time: the outputs again, D and dden per row, each chunk's extent and
-// shifts, and dq: dQ_i = dnum_i·Sᵀ + dden_i·z + Σ_{j<=i} P_ij K_j.
+// Pass A, forward in time through the same chunks as the forward (same shifts): dnum and dden
+// from the saved out and D, each chunk's extent and shifts, and dq:
+// dQ_i = dnum_i·Sᵀ + dden_i·z + Σ_{j<=i} P_ij K_j.
 template <class T>
 void causal_forward_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, CausalSaved<T>& saved,
-                         const T* dout, T* dq) {
+                         FeatureCache<T>& cache, const T* dout, const T* out, const T* den, T* dq) {
   const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, n = p.dims.n_q;
   const int64_t key_len = p.mask->key_length(bh / p.dims.heads);
   start_state(p, s, static_cast<const T*>(nullptr), static_cast<const T*>(nullptr), static_cast<const T*>(nullptr));
-  saved.D.resize(static_cast<size_t>(n));
   saved.dden.resize(static_cast<size_t>(n));
   saved.chunks.clear();
   saved.shifts.clear();
+  cache.used = 0;
   for (int64_t t0 = 0; t0 < n;) {
     interruption_point();
     int64_t rows = std::min(kChunk, n - t0), kr = std::clamp<int64_t>(key_len - t0, 0, rows);
-    chunk_features(p, bh, t0, rows, kr, s);
-    chunk_weights(p, rows, kr, s);
-    T* D = saved.D.data() + t0;
+    typename CausalSaved<T>::Chunk chunk{t0, rows, kr, false, s.qf, s.kf};
+    // Into the cache when it has room for the longest chunk (the chunk may come out shorter).
+    chunk.cached = cache.take(*p.fmap, rows, chunk.qf, chunk.kf);
+    chunk_features(p, bh, t0, rows, kr, s, chunk.qf, chunk.kf);
+    chunk.rows = rows, chunk.kr = kr;
+    const T* D = den + bh * n + t0;
     T* dden = saved.dden.data() + t0;
-    chunk_outputs(p, bh, t0, rows, kr, s, s.num.data(), D);
-    divide_rows(s.num.data(), D, rows, dv);
-    output_grads(dout + (bh * n + t0) * dv, s.num.data(), D, rows, dv, s.dnum.data(), dden);
+    const T* o = out ? out + (bh * n + t0) * dv : nullptr;
+    if (!o) {  // the attention output again (the caller's output holds more than attention)
+      chunk_weights(p, rows, kr, chunk.qf, chunk.kf, s);
+      chunk_outputs(p, bh, t0, rows, kr, chunk.qf, s, s.num.data(), s.D.data());
+      divide_rows(s.num.data(), D, rows, dv);
+      o = s.num.data();
+    }
+    output_grads(dout + (bh * n + t0) * dv, o, D, rows, dv, s.dnum.data(), dv, dden);
     chunk_output_grads(p, bh, t0, rows, kr, dden, s);
-    matmul<T>(mat(s.dphi.data(), rows, m), mat(s.dnum.data(), rows, dv),
-              mat(s.S.data(), m, dv).t());
+    matmul<T>(mat(s.dphi.data(), rows, m), mat(s.dnum.data(), rows, dv), mat(s.S.data(), m, dv).t());
     for (int64_t i = 0; i < rows; ++i)
       for (int64_t r = 0; r < m; ++r) s.dphi[i * m + r] += dden[i] * s.z[r];
     if (kr > 0)
-      matmul<T>(mat(s.dphi.data(), rows, m), mat(s.P.data(), rows, kr, kChunk),
-                mat(s.kf.values(*p.fmap), kr, m), T(1), T(1));
-    feature_backward(p, p.q.row(bh, t0), rows, Side::Query, s.qf, s, dq + (bh * n + t0) * d);
-    saved.chunks.push_back({t0, rows, kr});
+      matmul<T>(mat(s.dphi.data(), rows, m), mat(s.P.data(), rows, kr, kChunk), mat(chunk.kf.values(*p.fmap), kr, m),
+                T(1), T(1));
+    feature_backward(p, p.q.row(bh, t0), rows, Side::Query, chunk.qf, s, dq + (bh * n + t0) * d);
+    saved.chunks.push_back(chunk);
     saved.shifts.insert(saved.shifts.end(), s.c.data(), s.c.data() + m);
-    add_chunk_to_state(p, bh, t0, kr, s);
+    add_chunk_to_state(p, bh, t0, kr, chunk.kf, s);
     t0 += rows;
   }
 }
@@ -537,14 +609,15 @@ void causal_forward_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, CausalS
 // the scale of the chunk at hand: dk and dv.
 template <class T>
 void causal_reverse_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, const CausalSaved<T>& saved,
-                         const T* dout, T* dk, T* dv_out) {
+                         const T* dout, const T* den, T* dk, T* dv_out) {
   const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, n = p.dims.n_q;
   std::fill(s.R.data(), s.R.data() + m * dv, T(0));
   std::fill(s.rho.data(), s.rho.data() + m, T(0));
   const int64_t chunks = static_cast<int64_t>(saved.chunks.size());
   for (int64_t k = chunks - 1; k >= 0; --k) {
     interruption_point();
-    const auto [t0, rows, kr] = saved.chunks[static_cast<size_t>(k)];
+    const auto& chunk = saved.chunks[static_cast<size_t>(k)];
+    const int64_t t0 = chunk.t0, rows = chunk.rows, kr = chunk.kr;
     const T* c = saved.shifts.data() + k * m;
     if (k + 1 < chunks && p.fmap->log_form()) {  // from the next chunk's scale to this one's
       const T* c_next = saved.shifts.data() + (k + 1) * m;
@@ -555,40 +628,40 @@ void causal_reverse_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, const C
         s.rho[r] *= f;
       }
     }
-    // The chunk's features again, with the shifts it had.
-    if (kr > 0) {
-      key_logits(p, bh, t0, kr, s.kf);
-      finish_key_features(p, kr, c, s.kf);
+    // The chunk's features: from the cache, or again with the shifts it had.
+    Features<T> qf = chunk.qf, kf = chunk.kf;
+    if (!chunk.cached) {
+      qf = s.qf, kf = s.kf;
+      if (kr > 0) {
+        key_logits(p, bh, t0, kr, kf);
+        finish_key_features(p, kr, c, kf);
+      }
+      query_features(p, bh, t0, rows, c, qf);
     }
-    query_features(p, bh, t0, rows, c, s.qf);
-    chunk_weights(p, rows, kr, s);
-    const T* D = saved.D.data() + t0;
+    chunk_weights(p, rows, kr, qf, kf, s);
+    const T* D = den + bh * n + t0;
     const T* dden = saved.dden.data() + t0;
     for (int64_t i = 0; i < rows; ++i) {
       const T inv = D[i] != 0 ? T(1) / D[i] : T(0);
       for (int64_t cc = 0; cc < dv; ++cc) s.dnum[i * dv + cc] = dout[(bh * n + t0 + i) * dv + cc] * inv;
     }
     chunk_output_grads(p, bh, t0, rows, kr, dden, s);
-    const T* Q = s.qf.values(*p.fmap);
+    const T* Q = qf.values(*p.fmap);
     if (kr > 0) {
-      const T* K = s.kf.values(*p.fmap);
+      const T* K = kf.values(*p.fmap);
       // dK = Pᵀ·Q + V·Rᵀ + 1·ρᵀ
-      matmul<T>(mat(s.dphi.data(), kr, m), mat(p.v.row(bh, t0), kr, dv),
-                mat(s.R.data(), m, dv).t());
+      matmul<T>(mat(s.dphi.data(), kr, m), mat(p.v.row(bh, t0), kr, dv), mat(s.R.data(), m, dv).t());
       for (int64_t j = 0; j < kr; ++j)
         for (int64_t r = 0; r < m; ++r) s.dphi[j * m + r] += s.rho[r];
-      matmul<T>(mat(s.dphi.data(), kr, m), mat(s.P.data(), rows, kr, kChunk).t(), mat(Q, rows, m),
-                T(1), T(1));
+      matmul<T>(mat(s.dphi.data(), kr, m), mat(s.P.data(), rows, kr, kChunk).t(), mat(Q, rows, m), T(1), T(1));
       // dv = Wᵀ·dnum + K·R
       T* dvc = dv_out + (bh * n + t0) * dv;
       matmul<T>(mat(dvc, kr, dv), mat(K, kr, m), mat(s.R.data(), m, dv));
-      matmul<T>(mat(dvc, kr, dv), mat(s.W.data(), rows, kr, kChunk).t(),
-                mat(s.dnum.data(), rows, dv), T(1), T(1));
-      feature_backward(p, p.k.row(bh, t0), kr, Side::Key, s.kf, s, dk + (bh * n + t0) * d);
+      matmul<T>(mat(dvc, kr, dv), mat(s.W.data(), rows, kr, kChunk).t(), mat(s.dnum.data(), rows, dv), T(1), T(1));
+      feature_backward(p, p.k.row(bh, t0), kr, Side::Key, kf, s, dk + (bh * n + t0) * d);
     }
     // This chunk's queries join the suffix state: R += Qᵀ·dnum, ρ += Qᵀ·dden.
-    matmul<T>(mat(s.R.data(), m, dv), mat(Q, rows, m).t(), mat(s.dnum.data(), rows, dv), T(1),
-              T(1));
+    matmul<T>(mat(s.R.data(), m, dv), mat(Q, rows, m).t(), mat(s.dnum.data(), rows, dv), T(1), T(1));
     for (int64_t i = 0; i < rows; ++i)
       for (int64_t r = 0; r < m; ++r) s.rho[r] += Q[i * m + r] * dden[i];
   }
@@ -602,16 +675,16 @@ int64_t feature_cache_bytes() { return g_feature_cache_bytes.load(); }
 void set_feature_cache_bytes(int64_t bytes) { g_feature_cache_bytes.store(bytes); }
 
 template <class T>
-void forward(const Problem<T>& p, T* out) {
+void forward(const Problem<T>& p, T* out, Saved<T> save) {
   const bool causal = p.mask->causal();
   const ParallelLoop loop(p.dims.bh());
   PerWorker<Scratch<T>> scratch(loop, [&] { return Scratch<T>(p, causal); });
   loop.run([&](int64_t bh, int worker) {
     Scratch<T>& s = scratch[worker];
     if (causal) {
-      forward_causal(p, bh, s, out);
+      forward_causal(p, bh, s, out, save);
     } else {
-      forward_noncausal(p, bh, s, out);
+      forward_noncausal(p, bh, s, out, save);
     }
   });
 }
@@ -623,21 +696,23 @@ void forward_causal_from_state(const Problem<T>& p, T* out, T* S, T* z, T* c) {
   const ParallelLoop loop(p.dims.bh());
   PerWorker<Scratch<T>> scratch(loop, [&] { return Scratch<T>(p, true); });
   loop.run([&](int64_t bh, int worker) {
-    forward_causal(p, bh, scratch[worker], out, S + bh * m * dv, z + bh * m, c + bh * m);
+    forward_causal(p, bh, scratch[worker], out, Saved<T>{}, S + bh * m * dv, z + bh * m, c + bh * m);
   });
 }
 
 template <class T>
-void backward(const Problem<T>& p, const T* dout, T* dq, T* dk, T* dv) {
+void backward(const Problem<T>& p, const T* dout, const T* out, const T* den, const T* state, T* dq, T* dk,
+              T* dv) {
   const bool causal = p.mask->causal();
-  // Non-causal: the key logits (or features) of every key, so the key pass need not compute
-  // them again, when that fits in feature_cache_bytes() per worker (else they are recomputed:
-  // same result, more time).
-  const int64_t cache_size = p.dims.n_k * cache_values_per_key(*p.fmap);
-  const bool cache = !causal && cache_size * static_cast<int64_t>(sizeof(T)) <= feature_cache_bytes();
+  require(causal || state, "kernelized::backward: the non-causal backward needs the saved state");
   const ParallelLoop loop(p.dims.bh());
   PerWorker<Scratch<T>> scratch(loop, [&] { return Scratch<T>(p, causal); });
-  PerWorker<Buffer<T>> cached(loop, [&] { return Buffer<T>(cache ? cache_size : 0); });
+  // Causal: as many of the chunks' features as fit in feature_cache_bytes(), for all of them
+  // when the sequence is short enough.
+  const int64_t per_row = feature_values_per_row(*p.fmap, Side::Query) + feature_values_per_row(*p.fmap, Side::Key);
+  const int64_t cache_values =
+      causal ? std::min(p.dims.n_q * per_row, feature_cache_bytes() / static_cast<int64_t>(sizeof(T))) : 0;
+  PerWorker<FeatureCache<T>> cache(loop, [&] { return FeatureCache<T>{Buffer<T>(cache_values, true, Init::Uninitialized), 0}; });
   PerWorker<CausalSaved<T>> saved(loop);
   const int64_t d = p.dims.head_dim, dvd = p.dims.value_dim;
   loop.run([&](int64_t bh, int worker) {
@@ -646,20 +721,22 @@ void backward(const Problem<T>& p, const T* dout, T* dq, T* dk, T* dv) {
     std::fill(dv + bh * p.dims.n_k * dvd, dv + (bh + 1) * p.dims.n_k * dvd, T(0));
     Scratch<T>& s = scratch[worker];
     if (causal) {
-      causal_forward_pass(p, bh, s, saved[worker], dout, dq);
-      causal_reverse_pass(p, bh, s, saved[worker], dout, dk, dv);
+      causal_forward_pass(p, bh, s, saved[worker], cache[worker], dout, out, den, dq);
+      causal_reverse_pass(p, bh, s, saved[worker], dout, den, dk, dv);
     } else {
-      backward_noncausal(p, bh, s, cache ? cached[worker].data() : nullptr, dout, dq, dk, dv);
+      backward_noncausal(p, bh, s, dout, out, den, state, dq, dk, dv);
     }
   });
 }
 
-template void forward<float>(const Problem<float>&, float*);
-template void forward<double>(const Problem<double>&, double*);
+template void forward<float>(const Problem<float>&, float*, Saved<float>);
+template void forward<double>(const Problem<double>&, double*, Saved<double>);
 template void forward_causal_from_state<float>(const Problem<float>&, float*, float*, float*, float*);
 template void forward_causal_from_state<double>(const Problem<double>&, double*, double*, double*,
                                                 double*);
-template void backward<float>(const Problem<float>&, const float*, float*, float*, float*);
-template void backward<double>(const Problem<double>&, const double*, double*, double*, double*);
+template void backward<float>(const Problem<float>&, const float*, const float*, const float*, const float*,
+                              float*, float*, float*);
+template void backward<double>(const Problem<double>&, const double*, const double*, const double*,
+                               const double*, double*, double*, double*);
 
 }  // namespace linattn::kernelized

@@ -19,9 +19,26 @@ struct Problem {
   T eps;                        // added to every denominator (0 for FAVOR)
 };
 
-// out [B,H,n_q,d_v] (overwritten).
+// What the forward keeps for the backward, per batch·head (null: not wanted / not there):
+//   den [BH, n_q]: D_i = φ(q_i)·Σφ(k) + eps, in the scale the forward computed it (FAVOR: with
+//     the row shift t_i and the key shifts c of engine.cc; recomputing the features gives the
+//     same shifts, so the backward can use D_i as it is);
+//   state [BH, m', d_v + 2]: row r = [S_r (d_v values) | z_r | c_r], the sums over every valid
+//     key, S and z divided by exp(c_r) (c_r = −inf for a FAVOR feature that no key reaches;
+//     0 for plain maps): what the non-causal backward's queries need without a pass over keys.
 template <class T>
-void forward(const Problem<T>& p, T* out);
+struct Saved {
+  T* den = nullptr;
+  T* state = nullptr;
+};
+template <class T>
+int64_t state_size(const Problem<T>& p) {
+  return p.dims.bh() * p.fmap->dim() * (p.dims.value_dim + 2);
+}
+
+// out [B,H,n_q,d_v] (overwritten), and what `save` points at.
+template <class T>
+void forward(const Problem<T>& p, T* out, Saved<T> save = {});
 
 // Causal forward that starts from a carried state and leaves the final one there (for
 // RecurrentState): per batch·head, S [m'×d_v], z [m'] and the per-feature log-shifts c [m']
@@ -30,16 +47,19 @@ void forward(const Problem<T>& p, T* out);
 template <class T>
 void forward_causal_from_state(const Problem<T>& p, T* out, T* S, T* z, T* c);
 
-// Gradients of Σ dout∘out: dq, dk, dv (overwritten).
+// Gradients of Σ dout∘out: dq, dk, dv (overwritten), from the forward's saved den and (non-
+// causal) state. out: the forward's attention output, or null to compute it again (when the
+// caller's output also holds a depthwise convolution).
 template <class T>
-void backward(const Problem<T>& p, const T* dout, T* dq, T* dk, T* dv);
+void backward(const Problem<T>& p, const T* dout, const T* out, const T* den, const T* state, T* dq,
+              T* dk, T* dv);
 
 // Rows per block (non-causal) and the longest chunk (causal).
 inline constexpr int64_t kBlockRows = 1024;
 inline constexpr int64_t kChunk = 64;
-// The non-causal backward keeps the key logits (or features) between its passes up to this
-// many bytes per worker (n_k·m' values, twice for trig; default 32 MiB), and recomputes them
-// beyond it. Settable so tests can take both paths.
+// The causal backward keeps each chunk's features between its two passes, up to this many
+// bytes per worker (default 32 MiB: all of them for n·m' up to 4M at float32), and computes
+// the rest again in its second pass. Settable so tests can take both paths.
 int64_t feature_cache_bytes();
 void set_feature_cache_bytes(int64_t bytes);
 

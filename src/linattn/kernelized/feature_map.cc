@@ -89,7 +89,7 @@ void FeatureMap<T>::features(const T* x, int64_t n, T* phi) const {
       simd::elu_plus_one(x, phi, static_cast<size_t>(n * d));
       return;
     case FeatureMapKind::Relu:
-      for (int64_t i = 0; i < n * d; ++i) phi[i] = x[i] > 0 ? x[i] : T(0);
+      simd::select_positive(x, x, static_cast<const T*>(nullptr), phi, static_cast<size_t>(n * d));
       return;
     case FeatureMapKind::Focused: {
       // φ = ‖r‖·rᵖ/‖rᵖ‖ is unchanged when r is divided by a power of two 2^e near its largest
@@ -131,10 +131,10 @@ void FeatureMap<T>::features_backward(const T* x, int64_t n, const T* phi, const
   const int64_t d = d_;
   switch (kind_) {
     case FeatureMapKind::Elu:  // d/dx (x + 1) = 1; d/dx exp(x) = exp(x) = φ
-      for (int64_t i = 0; i < n * d; ++i) dx[i] = x[i] > 0 ? dphi[i] : dphi[i] * phi[i];
+      simd::select_positive(x, dphi, phi, dx, static_cast<size_t>(n * d));
       return;
     case FeatureMapKind::Relu:
-      for (int64_t i = 0; i < n * d; ++i) dx[i] = x[i] > 0 ? dphi[i] : T(0);
+      simd::select_positive(x, dphi, static_cast<const T*>(nullptr), dx, static_cast<size_t>(n * d));
       return;
     case FeatureMapKind::Focused: {
       // φ = R·a/A with r̂ = relu(x)/2^e (as in features()), a = r̂ᵖ, R = ‖relu(x)‖ = 2^e‖r̂‖,

@@ -1,6 +1,8 @@
 // linear_attention and favor_attention: argument checks, feature map set-up, the engine, and
 // the depthwise convolution of focused linear attention.
 #include <cmath>
+#include <limits>
+#include <optional>
 
 #include "linattn/core/attention_args.h"
 #include "linattn/core/depthwise_conv.h"
@@ -57,24 +59,141 @@ FeatureMap<T> favor_map(const char* fn, const FavorOptions& o, const AttentionDi
   return FeatureMap<T>::favor(fn, parse_favor_kernel(fn, o.kernel), projection, d.head_dim, o.scale);
 }
 
+// The saved tensors a backward was given: out [B,H,n_q,d_v] and den [B,H,n_q] finite, state
+// [B,H,m',d_v+2] with S and z finite and each shift c finite or −inf.
+template <class T>
+void check_saved(const char* fn, const AttentionDims& d, int64_t features, TensorView<const T> out,
+                 TensorView<const T> den, TensorView<const T> state) {
+  check_same_shape_finite(fn, "out", out, {d.batch, d.heads, d.n_q, d.value_dim});
+  check_same_shape_finite(fn, "den", den, {d.batch, d.heads, d.n_q});
+  const Shape expected{d.batch, d.heads, features, d.value_dim + 2};
+  require(state.shape == expected, fn, ": state has shape ", shape_string(state.shape), "; expected ",
+          shape_string(expected), " (from the forward with the same options)");
+  const int64_t row = d.value_dim + 2;
+  for (int64_t i = 0; i < state.size(); ++i) {
+    const T x = state.data[i];
+    const bool shift = i % row == row - 1;
+    require(std::isfinite(x) || (shift && x == -std::numeric_limits<T>::infinity()), fn, ": state[", i, "] = ", x,
+            shift ? "; expected a finite value or -inf" : "; expected a finite value");
+  }
+}
+
+// The engine's forward: out restored to v's scale and checked; with `save`, den and state too.
+// dwc_weight (linear attention only) adds its convolution to out.
+template <class T>
+KernelizedAttentionResult<T> run_forward(const kernelized::Problem<T>& p, const ValueScale<T>& vs,
+                                         const std::optional<TensorView<const T>>& dwc_weight, bool save) {
+  const AttentionDims& d = p.dims;
+  KernelizedAttentionResult<T> r;
+  r.out = Tensor<T>({d.batch, d.heads, d.n_q, d.value_dim}, false, Init::Uninitialized);
+  if (save) {
+    r.den = Tensor<T>({d.batch, d.heads, d.n_q}, false, Init::Uninitialized);
+    r.state = Tensor<T>({d.batch, d.heads, p.fmap->dim(), d.value_dim + 2}, false, Init::Uninitialized);
+  }
+  kernelized::forward<T>(p, r.out.data(), {save ? r.den.data() : nullptr, save ? r.state.data() : nullptr});
+  if (dwc_weight) depthwise_conv_forward(vs.view(), *dwc_weight, d, *p.mask, p.mask->causal(), r.out.data());
+  vs.restore(r.out);
+  check_result_finite(p.fn, "the output", r.out);
+  return r;
+}
+
+// What a backward was given of the forward's results.
+template <class T>
+struct SavedViews {
+  TensorView<const T> out, den, state;
+};
+
+// The engine's backward, from `saved` (checked) or, without it, from a forward run here first
+// (into workspace memory: the attention output alone, den, and the state when non-causal).
+// Gradients are linear in v and dout (range.h); the saved out scales with v, and with a
+// dwc_weight it holds the convolution too, so the engine computes the attention part again.
+template <class T>
+AttentionGrads<T> run_backward(const kernelized::Problem<T>& p, const ValueScale<T>& vs, TensorView<const T> dout,
+                               const std::optional<TensorView<const T>>& dwc_weight,
+                               const std::optional<SavedViews<T>>& saved) {
+  const AttentionDims& d = p.dims;
+  const bool causal = p.mask->causal();
+  const double dout_max = check_same_shape_finite(p.fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
+  const ValueScale<T> gs(dout, dout_max);
+  std::optional<ValueScale<T>> os;
+  Tensor<T> out, den, state;
+  const T *out_p = nullptr, *den_p = nullptr, *state_p = nullptr;
+  if (saved) {
+    check_saved(p.fn, d, p.fmap->dim(), saved->out, saved->den, saved->state);
+    os.emplace(saved->out, vs);
+    out_p = dwc_weight ? nullptr : os->view().data;
+    den_p = saved->den.data;
+    state_p = saved->state.data;
+  } else {
+    out = Tensor<T>({d.batch, d.heads, d.n_q, d.value_dim}, true, Init::Uninitialized);
+    den = Tensor<T>({d.batch, d.heads, d.n_q}, true, Init::Uninitialized);
+    if (!causal) state = Tensor<T>({d.batch, d.heads, p.fmap->dim(), d.value_dim + 2}, true, Init::Uninitialized);
+    kernelized::forward<T>(p, out.data(), {den.data(), causal ? nullptr : state.data()});
+    out_p = out.data(), den_p = den.data(), state_p = causal ? nullptr : state.data();
+  }
+  AttentionGrads<T> g{Tensor<T>(p.q.shape), Tensor<T>(p.k.shape), Tensor<T>(p.v.shape), {}};
+  kernelized::backward<T>(p, gs.view().data, out_p, den_p, state_p, g.dq.data(), g.dk.data(), g.dv.data());
+  if (dwc_weight) {
+    Tensor<T> dw(dwc_weight->shape);
+    depthwise_conv_backward(vs.view(), *dwc_weight, gs.view().data, d, *p.mask, causal, g.dv.data(), dw.data());
+    g.params.emplace_back("dwc_weight", std::move(dw));
+  }
+  restore_gradients(p.fn, g, vs.exponent(), gs.exponent());
+  return g;
+}
+
+// Everything a linear_attention call sets up before the engine runs.
+template <class T>
+struct LinearSetup {
+  LinearSetup(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+              const LinearAttentionOptions& opts, const std::optional<TensorView<const T>>& dwc_weight)
+      : d(check_common(fn, q, k, v, opts)),
+        vs(v, d.v_max),
+        fmap(plain_map<T>(fn, opts, d, vs.max_abs(d.v_max))),
+        mask(d, opts),
+        problem{fn, q, k, vs.view(), d, &mask, &fmap, static_cast<T>(opts.eps)} {
+    if (dwc_weight) check_depthwise_conv(fn, "dwc_weight", d, opts.causal, *dwc_weight);
+  }
+  AttentionDims d;
+  ValueScale<T> vs;
+  FeatureMap<T> fmap;
+  KeyMask mask;
+  kernelized::Problem<T> problem;
+};
+
+// Everything a favor_attention call sets up before the engine runs.
+template <class T>
+struct FavorSetup {
+  FavorSetup(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+             TensorView<const T> projection, const FavorOptions& opts)
+      : d(check_common(fn, q, k, v, opts)),
+        fmap(favor_map(fn, opts, d, projection)),
+        vs(v, d.v_max),
+        mask(d, opts),
+        problem{fn, q, k, vs.view(), d, &mask, &fmap, T(0)} {}
+  AttentionDims d;
+  FeatureMap<T> fmap;
+  ValueScale<T> vs;
+  KeyMask mask;
+  kernelized::Problem<T> problem;
+};
+
 }  // namespace
 
 template <class T>
 Tensor<T> linear_attention(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                            const LinearAttentionOptions& opts,
                            std::optional<TensorView<const T>> dwc_weight) {
-  const char* fn = "linear_attention";
-  const AttentionDims d = check_common(fn, q, k, v, opts);
-  const ValueScale<T> vs(v, d.v_max);
-  const FeatureMap<T> fmap = plain_map<T>(fn, opts, d, vs.max_abs(d.v_max));
-  if (dwc_weight) check_depthwise_conv(fn, "dwc_weight", d, opts.causal, *dwc_weight);
-  const KeyMask mask(d, opts);
-  Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim}, false, Init::Uninitialized);
-  kernelized::forward<T>({fn, q, k, vs.view(), d, &mask, &fmap, static_cast<T>(opts.eps)}, out.data());
-  if (dwc_weight) depthwise_conv_forward(vs.view(), *dwc_weight, d, mask, opts.causal, out.data());
-  vs.restore(out);
-  check_result_finite(fn, "the output", out);
-  return out;
+  const LinearSetup<T> s("linear_attention", q, k, v, opts, dwc_weight);
+  return run_forward(s.problem, s.vs, dwc_weight, false).out;
+}
+
+template <class T>
+KernelizedAttentionResult<T> linear_attention_with_saved(TensorView<const T> q, TensorView<const T> k,
+                                                         TensorView<const T> v, const LinearAttentionOptions& opts,
+                                                         std::optional<TensorView<const T>> dwc_weight) {
+  const LinearSetup<T> s("linear_attention", q, k, v, opts, dwc_weight);
+  return run_forward(s.problem, s.vs, dwc_weight, true);
 }
 
 template <class T>
@@ -82,71 +201,78 @@ AttentionGrads<T> linear_attention_backward(TensorView<const T> q, TensorView<co
                                             TensorView<const T> v, TensorView<const T> dout,
                                             const LinearAttentionOptions& opts,
                                             std::optional<TensorView<const T>> dwc_weight) {
-  const char* fn = "linear_attention_backward";
-  const AttentionDims d = check_common(fn, q, k, v, opts);
-  const double dout_max = check_same_shape_finite(fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
-  const ValueScale<T> vs(v, d.v_max), gs(dout, dout_max);
-  const FeatureMap<T> fmap = plain_map<T>(fn, opts, d, vs.max_abs(d.v_max));
-  if (dwc_weight) check_depthwise_conv(fn, "dwc_weight", d, opts.causal, *dwc_weight);
-  const KeyMask mask(d, opts);
-  AttentionGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape), {}};
-  kernelized::backward<T>({fn, q, k, vs.view(), d, &mask, &fmap, static_cast<T>(opts.eps)}, gs.view().data,
-                          g.dq.data(), g.dk.data(), g.dv.data());
-  if (dwc_weight) {
-    Tensor<T> dw(dwc_weight->shape);
-    depthwise_conv_backward(vs.view(), *dwc_weight, gs.view().data, d, mask, opts.causal, g.dv.data(),
-                            dw.data());
-    g.params.emplace_back("dwc_weight", std::move(dw));
-  }
-  restore_gradients(fn, g, vs.exponent(), gs.exponent());
-  return g;
+  const LinearSetup<T> s("linear_attention_backward", q, k, v, opts, dwc_weight);
+  return run_backward<T>(s.problem, s.vs, dout, dwc_weight, std::nullopt);
+}
+
+template <class T>
+AttentionGrads<T> linear_attention_backward(TensorView<const T> q, TensorView<const T> k,
+                                            TensorView<const T> v, TensorView<const T> dout,
+                                            TensorView<const T> out, TensorView<const T> den,
+                                            TensorView<const T> state, const LinearAttentionOptions& opts,
+                                            std::optional<TensorView<const T>> dwc_weight) {
+  const LinearSetup<T> s("linear_attention_backward", q, k, v, opts, dwc_weight);
+  return run_backward<T>(s.problem, s.vs, dout, dwc_weight, SavedViews<T>{out, den, state});
 }
 
 template <class T>
 Tensor<T> favor_attention(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                           TensorView<const T> projection, const FavorOptions& opts) {
-  const char* fn = "favor_attention";
-  const AttentionDims d = check_common(fn, q, k, v, opts);
-  const FeatureMap<T> fmap = favor_map(fn, opts, d, projection);
-  const ValueScale<T> vs(v, d.v_max);
-  const KeyMask mask(d, opts);
-  Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim}, false, Init::Uninitialized);
-  kernelized::forward<T>({fn, q, k, vs.view(), d, &mask, &fmap, T(0)}, out.data());
-  vs.restore(out);
-  check_result_finite(fn, "the output", out);
-  return out;
+  const FavorSetup<T> s("favor_attention", q, k, v, projection, opts);
+  return run_forward<T>(s.problem, s.vs, std::nullopt, false).out;
+}
+
+template <class T>
+KernelizedAttentionResult<T> favor_attention_with_saved(TensorView<const T> q, TensorView<const T> k,
+                                                        TensorView<const T> v, TensorView<const T> projection,
+                                                        const FavorOptions& opts) {
+  const FavorSetup<T> s("favor_attention", q, k, v, projection, opts);
+  return run_forward<T>(s.problem, s.vs, std::nullopt, true);
 }
 
 template <class T>
 AttentionGrads<T> favor_attention_backward(TensorView<const T> q, TensorView<const T> k,
                                            TensorView<const T> v, TensorView<const T> projection,
                                            TensorView<const T> dout, const FavorOptions& opts) {
-  const char* fn = "favor_attention_backward";
-  const AttentionDims d = check_common(fn, q, k, v, opts);
-  const FeatureMap<T> fmap = favor_map(fn, opts, d, projection);
-  const double dout_max = check_same_shape_finite(fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
-  const ValueScale<T> vs(v, d.v_max), gs(dout, dout_max);
-  const KeyMask mask(d, opts);
-  AttentionGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape), {}};
-  kernelized::backward<T>({fn, q, k, vs.view(), d, &mask, &fmap, T(0)}, gs.view().data, g.dq.data(),
-                          g.dk.data(), g.dv.data());
-  restore_gradients(fn, g, vs.exponent(), gs.exponent());
-  return g;
+  const FavorSetup<T> s("favor_attention_backward", q, k, v, projection, opts);
+  return run_backward<T>(s.problem, s.vs, dout, std::nullopt, std::nullopt);
 }
 
-#define LINATTN_INSTANTIATE(T)                                                                  \
-  template Tensor<T> linear_attention(TensorView<const T>, TensorView<const T>,                 \
-                                      TensorView<const T>, const LinearAttentionOptions&,       \
-                                      std::optional<TensorView<const T>>);                      \
-  template AttentionGrads<T> linear_attention_backward(                                         \
-      TensorView<const T>, TensorView<const T>, TensorView<const T>, TensorView<const T>,       \
-      const LinearAttentionOptions&, std::optional<TensorView<const T>>);                       \
-  template Tensor<T> favor_attention(TensorView<const T>, TensorView<const T>,                  \
-                                     TensorView<const T>, TensorView<const T>,                  \
-                                     const FavorOptions&);                                      \
-  template AttentionGrads<T> favor_attention_backward(TensorView<const T>, TensorView<const T>, \
-                                                      TensorView<const T>, TensorView<const T>, \
-                                                      TensorView<const T>, const FavorOptions&);
+template <class T>
+AttentionGrads<T> favor_attention_backward(TensorView<const T> q, TensorView<const T> k,
+                                           TensorView<const T> v, TensorView<const T> projection,
+                                           TensorView<const T> dout, TensorView<const T> out,
+                                           TensorView<const T> den, TensorView<const T> state,
+                                           const FavorOptions& opts) {
+  const FavorSetup<T> s("favor_attention_backward", q, k, v, projection, opts);
+  return run_backward<T>(s.problem, s.vs, dout, std::nullopt, SavedViews<T>{out, den, state});
+}
+
+#define LINATTN_INSTANTIATE(T)                                                                          \
+  template Tensor<T> linear_attention(TensorView<const T>, TensorView<const T>, TensorView<const T>,    \
+                                      const LinearAttentionOptions&, std::optional<TensorView<const T>>); \
+  template KernelizedAttentionResult<T> linear_attention_with_saved(                                    \
+      TensorView<const T>, TensorView<const T>, TensorView<const T>, const LinearAttentionOptions&,     \
+      std::optional<TensorView<const T>>);                                                              \
+  template AttentionGrads<T> linear_attention_backward(                                                 \
+      TensorView<const T>, TensorView<const T>, TensorView<const T>, TensorView<const T>,               \
+      const LinearAttentionOptions&, std::optional<TensorView<const T>>);                               \
+  template AttentionGrads<T> linear_attention_backward(                                                 \
+      TensorView<const T>, TensorView<const T>, TensorView<const T>, TensorView<const T>,               \
+      TensorView<const T>, TensorView<const T>, TensorView<const T>, const LinearAttentionOptions&,     \
+      std::optional<TensorView<const T>>);                                                              \
+  template Tensor<T> favor_attention(TensorView<const T>, TensorView<const T>, TensorView<const T>,     \
+                                     TensorView<const T>, const FavorOptions&);                        \
+  template KernelizedAttentionResult<T> favor_attention_with_saved(                                     \
+      TensorView<const T>, TensorView<const T>, TensorView<const T>, TensorView<const T>,               \
+      const FavorOptions&);                                                                             \
+  template AttentionGrads<T> favor_attention_backward(TensorView<const T>, TensorView<const T>,         \
+                                                      TensorView<const T>, TensorView<const T>,         \
+                                                      TensorView<const T>, const FavorOptions&);        \
+  template AttentionGrads<T> favor_attention_backward(                                                  \
+      TensorView<const T>, TensorView<const T>, TensorView<const T>, TensorView<const T>,               \
+      TensorView<const T>, TensorView<const T>, TensorView<const T>, TensorView<const T>,               \
+      const FavorOptions&);
 LINATTN_INSTANTIATE(float)
 LINATTN_INSTANTIATE(double)
 #undef LINATTN_INSTANTIATE

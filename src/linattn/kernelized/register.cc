@@ -1,4 +1,7 @@
 // linear_attention and favor_attention in the method registry.
+#include <array>
+#include <optional>
+
 #include "linattn/core/method_support.h"
 #include "linattn/kernelized.h"
 #include "linattn/kernelized/args.h"
@@ -10,33 +13,61 @@ namespace {
 
 using namespace registry_support;
 
+// The forward's output with its saved den and state, as a registry output.
+template <class T>
+MethodOutput<T> with_saved(KernelizedAttentionResult<T> r) {
+  MethodOutput<T> out{std::move(r.out), {}};
+  out.saved.emplace_back("den", std::move(r.den));
+  out.saved.emplace_back("state", std::move(r.state));
+  return out;
+}
+
+// out, den and state from a backward's `saved`, all three or none.
+template <class T>
+std::optional<std::array<TensorView<const T>, 3>> saved_views(
+    const char* fn, const std::map<std::string, TensorView<const T>, std::less<>>& saved) {
+  const auto out = saved_tensor(saved, "out"), den = saved_tensor(saved, "den"), state = saved_tensor(saved, "state");
+  const int given = int{out.has_value()} + int{den.has_value()} + int{state.has_value()};
+  require(given == 0 || given == 3, fn, ": pass out, den and state (from the forward), or none of them");
+  if (given == 0) return std::nullopt;
+  return std::array<TensorView<const T>, 3>{*out, *den, *state};
+}
+
 template <class T>
 MethodOutput<T> linear_forward(const MethodArgs<T>& a) {
   const auto c = kernelized::linear_call(a);
-  return {linear_attention<T>(a.q, a.k, a.v, c.opts, c.dwc_weight), {}};
+  return with_saved(linear_attention_with_saved<T>(a.q, a.k, a.v, c.opts, c.dwc_weight));
 }
 
 template <class T>
 AttentionGrads<T> linear_backward(const MethodArgs<T>& a, TensorView<const T> dout,
-                                  const std::map<std::string, TensorView<const T>, std::less<>>&) {
+                                  const std::map<std::string, TensorView<const T>, std::less<>>& saved) {
   const auto c = kernelized::linear_call(a);
+  if (const auto s = saved_views("linear_attention_backward", saved))
+    return linear_attention_backward<T>(a.q, a.k, a.v, dout, (*s)[0], (*s)[1], (*s)[2], c.opts, c.dwc_weight);
   return linear_attention_backward<T>(a.q, a.k, a.v, dout, c.opts, c.dwc_weight);
 }
 
 template <class T>
 MethodOutput<T> favor_forward(const MethodArgs<T>& a) {
   const auto c = kernelized::favor_call(a);
-  return {favor_attention<T>(a.q, a.k, a.v, c.projection, c.opts), {}};
+  return with_saved(favor_attention_with_saved<T>(a.q, a.k, a.v, c.projection, c.opts));
 }
 
 template <class T>
 AttentionGrads<T> favor_backward(const MethodArgs<T>& a, TensorView<const T> dout,
-                                 const std::map<std::string, TensorView<const T>, std::less<>>&) {
+                                 const std::map<std::string, TensorView<const T>, std::less<>>& saved) {
   const auto c = kernelized::favor_call(a);
+  if (const auto s = saved_views("favor_attention_backward", saved))
+    return favor_attention_backward<T>(a.q, a.k, a.v, c.projection, dout, (*s)[0], (*s)[1], (*s)[2], c.opts);
   return favor_attention_backward<T>(a.q, a.k, a.v, c.projection, dout, c.opts);
 }
 
 constexpr int64_t kDefaultFeatures = 256;
+
+// den [B,H,n_q] and state [B,H,m',d_v+2] (kernelized.h).
+const std::vector<std::vector<std::string>> kSavedDims = {{"batch", "heads", "n_q"},
+                                                          {"batch", "heads", "features", "value_dim+2"}};
 
 template <class T>
 std::vector<std::pair<std::string, Tensor<T>>> favor_example(int64_t, int64_t head_dim, int64_t, int64_t size,
@@ -67,6 +98,9 @@ MethodInfo describe_linear() {
       tensor_input("dwc_weight", false, true,
                    "[heads, K]: adds a depthwise convolution of v along the sequence (K odd unless causal)"),
   };
+  m.saved = {"den", "state"};
+  m.saved_dims = kSavedDims;
+  m.feature_dim = [](int64_t head_dim, const auto&, const auto&) { return head_dim; };
   m.block_rows = kernelized::kBlockRows;
   // The convention FAVOR's count below sets, 4·n·m·(d + d_v), with m = d (this map has no
   // feature products, so it overstates the work); the backward twice that.
@@ -94,6 +128,17 @@ MethodInfo describe_favor() {
       causal_option(""),
       key_lengths_option(),
       scale_option("approximates softmax(q·kᵀ·scale); None: 1/sqrt(head_dim); > 0"),
+  };
+  m.saved = {"den", "state"};
+  m.saved_dims = kSavedDims;
+  // m' = num_features, twice that for the kernels with two features per row of ω.
+  m.feature_dim = [defaults](int64_t, const std::map<std::string, Shape, std::less<>>& tensors,
+                             const std::map<std::string, OptionValue, std::less<>>& options) -> int64_t {
+    const auto w = tensors.find("projection");
+    require(w != tensors.end() && !w->second.empty(), "favor_attention: projection is required");
+    const auto k = options.find("kernel");
+    const std::string kernel = k != options.end() ? std::get<std::string>(k->second) : defaults.kernel;
+    return w->second[0] * (kernel == "positive" ? 1 : 2);
   };
   m.size_name = "num_features";
   m.size_symbol = "m";

@@ -41,6 +41,7 @@ MethodInfo describe_softmax() {
   m.exact = true;
   m.options = {causal_option(""), scale_option(), key_lengths_option()};
   m.saved = {"lse"};
+  m.saved_dims = {{"batch", "heads", "n_q"}};
   m.block_rows = std::max(softmax_detail::kForwardBlockK, softmax_detail::kBackwardBlockK);
   // Per visible (query, key) pair: forward q·k and p·v, 2(d + d_v); backward S again, dP, dV,
   // dK, dQ, 6d + 4d_v. 2 FLOPs per multiply-add.

@@ -1,0 +1,120 @@
+"""linattn.torch: linattn's attention methods on PyTorch tensors, differentiable.
+
+The functions have the names, options, defaults and shapes of the NumPy ones (linattn), take
+CPU tensors (float32 or float64, [batch, heads, seq, head_dim]) and return one; their gradients
+reach every floating input that has one (q, k, v, linformer's e and f, dwc_weight). They are
+PyTorch custom operators (torch.ops.linattn.*) with fake implementations and registered
+autograd, so `torch.compile(model, fullgraph=True)` runs models that use them. The backward
+reuses what the forward saved (softmax: each row's log-sum-exp; kernelized: each row's
+normaliser and the key sums), not a second forward.
+
+Inputs: contiguous tensors are used without a copy, others are made contiguous. CUDA (or any
+non-CPU) tensors and dtypes other than float32/float64 raise TypeError. The FAVOR projection is
+a constant of the method, not a parameter: a projection with requires_grad=True raises
+ValueError (keep it a buffer, or pass projection.detach()). key_lengths may be a list, a NumPy
+array or an integer tensor [batch].
+
+See docs/pytorch.md."""
+
+import inspect as _inspect
+
+import numpy as _np
+import torch as _torch
+
+from .. import _default, _linattn
+from ._ops import OPS as _OPS
+from .modules import MultiheadAttention
+
+_ANNOTATIONS = {"bool": "bool", "int": "int", "float": "float", "str": "str",
+                "lengths": "Optional[Union[Sequence[int], Tensor]]", "tensor": "Tensor"}
+
+
+def _tensor(fn, name, x, optional=False):
+    """x as a contiguous CPU float tensor, or a TypeError naming fn and the argument."""
+    if x is None and optional:
+        return None
+    if not isinstance(x, _torch.Tensor):
+        raise TypeError("%s: %s must be a torch.Tensor, got %s" % (fn, name, type(x).__name__))
+    if x.device.type not in ("cpu", "meta"):
+        raise TypeError("%s: %s is on %s; linattn runs on the CPU only (move it with .cpu())" % (fn, name, x.device))
+    if x.dtype not in (_torch.float32, _torch.float64):
+        raise TypeError("%s: %s must have dtype torch.float32 or torch.float64, got %s" % (fn, name, x.dtype))
+    return x.contiguous()
+
+
+def _lengths(fn, x):
+    """key_lengths as an int64 tensor [batch], or None."""
+    if x is None:
+        return None
+    if isinstance(x, _torch.Tensor):
+        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == _torch.bool:
+            raise TypeError("%s: key_lengths must hold integers, got dtype %s" % (fn, x.dtype))
+        if x.device.type not in ("cpu", "meta"):
+            raise TypeError("%s: key_lengths is on %s; linattn runs on the CPU only" % (fn, x.device))
+        return x.to(_torch.int64)
+    a = _np.asarray(x)
+    if a.size > 0 and a.dtype.kind not in "iu":
+        raise TypeError("%s: key_lengths must hold integers, got %r" % (fn, x))
+    return _torch.as_tensor(a.astype(_np.int64))
+
+
+def _scalar(fn, option, x):
+    """A TypeError for an option of the wrong type (before the operator's schema sees it)."""
+    kind, name = option["kind"], option["name"]
+    if x is None:
+        if option["optional"]:
+            return x
+        raise TypeError("%s: %s must not be None" % (fn, name))
+    ok = {"bool": lambda: isinstance(x, (bool, _np.bool_)),
+          "int": lambda: not isinstance(x, (bool, _np.bool_)) and hasattr(x, "__index__"),
+          "float": lambda: not isinstance(x, (bool, _np.bool_, str)) and hasattr(x, "__float__"),
+          "str": lambda: isinstance(x, str)}[kind]()
+    if not ok:
+        raise TypeError("%s: %s must be %s, got %r" % (fn, name, {"bool": "True or False", "int": "an integer",
+                                                                  "float": "a float", "str": "a string"}[kind], x))
+    return {"bool": bool, "int": int, "float": float, "str": str}[kind](x)
+
+
+def _make(ops):
+    info = ops.info
+    P = _inspect.Parameter
+    opts = info["options"]
+    params = [P(x, P.POSITIONAL_OR_KEYWORD, annotation="Tensor") for x in ("q", "k", "v")]
+    params += [P(o["name"], P.POSITIONAL_OR_KEYWORD, annotation="Tensor") for o in opts if o["positional"]]
+    params += [P(o["name"], P.KEYWORD_ONLY, default=_default(o),
+                 annotation=("Optional[%s]" if o["optional"] else "%s") % _ANNOTATIONS[o["kind"]])
+               for o in opts if not o["positional"]]
+    signature = _inspect.Signature(params, return_annotation="Tensor")
+    fn = info["function"]
+
+    def call(*args, **kwargs):
+        a = signature.bind(*args, **kwargs)
+        a.apply_defaults()
+        a = a.arguments
+        tensors = [_tensor(fn, n, a[n]) for n in ("q", "k", "v")]
+        for o in ops.tensor_options:
+            t = _tensor(fn, o["name"], a[o["name"]], optional=not o["positional"])
+            if t is not None and t.requires_grad and not o["has_gradient"]:
+                raise ValueError("%s: %s has requires_grad=True, but it is a constant of the method (no gradient "
+                                 "flows to it); register it as a buffer or pass %s.detach()" % (fn, o["name"], o["name"]))
+            tensors.append(t)
+        if ops.has_lengths:
+            tensors.append(_lengths(fn, a["key_lengths"]))
+        scalars = [_scalar(fn, o, a[o["name"]]) for o in ops.scalar_options]
+        r = ops.forward_op(*tensors, *scalars)
+        return r[0] if ops.saved else r
+
+    call.__name__ = call.__qualname__ = fn
+    call.__signature__ = signature
+    call.__doc__ = (info["summary"] + ".\n\nThe PyTorch form of linattn." + fn + " (differentiable; "
+                    "see its documentation for the options).")
+    call.__module__ = __name__
+    return call
+
+
+__all__ = ["MultiheadAttention"]
+for _ops in _OPS.values():
+    _fn = _make(_ops)
+    globals()[_fn.__name__] = _fn
+    __all__.append(_fn.__name__)
+del _ops, _fn

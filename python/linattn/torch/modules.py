@@ -1,0 +1,284 @@
+"""MultiheadAttention: torch.nn.MultiheadAttention's projections (same parameter names, so
+weights load from one with from_torch) around any linattn method, batch-first, with recurrent
+decoding for the causal kernelized methods."""
+
+import math
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .. import _linattn
+
+# The module's method names: registered methods, and the kernelized feature maps by name.
+_METHODS = {"softmax": ("softmax", {}), "linear": ("linear", {}), "elu": ("linear", {"feature_map": "elu"}),
+            "relu": ("linear", {"feature_map": "relu"}), "focused": ("linear", {"feature_map": "focused"}),
+            "favor": ("favor", {}), "nystrom": ("nystrom", {}), "linformer": ("linformer", {}),
+            "efficient": ("efficient", {})}
+
+
+class DecodingState:
+    """One batch of sequences being decoded by MultiheadAttention.step: the kernelized method's
+    constant-size state (S, z per head) and, with a depthwise convolution, the last K−1 values.
+    Its memory does not grow with the number of steps; copy() it to branch (beam search)."""
+
+    def __init__(self, recurrent, values):
+        self._recurrent = recurrent
+        self._values = values  # [B, H, K-1, head_dim] or None
+
+    @property
+    def tokens(self):
+        """Tokens decoded so far."""
+        return self._recurrent.tokens
+
+    def copy(self):
+        """An independent copy."""
+        return DecodingState(self._recurrent.copy(), None if self._values is None else self._values.clone())
+
+    __copy__ = copy
+
+    def __deepcopy__(self, memo):
+        return self.copy()
+
+
+class MultiheadAttention(torch.nn.Module):
+    """Multi-head attention with a linattn method inside: [batch, seq, embed_dim] in and out.
+
+    method: "softmax" (exact), "elu", "relu", "focused" (linear attention with that feature map;
+    "linear" takes feature_map= as an option), "favor", "nystrom", "linformer", "efficient".
+    method_options: the method's options (linattn.methods()), plus
+      num_features (favor, default 256): rows of the random projection, a buffer in the
+        state_dict; seed (default 0) draws it; feature_redraw_interval (favor, default None):
+        draw a new projection every that many training forwards (never in eval);
+      s_proj (default 256) and max_seq_len (linformer, required): the learned projections e, f
+        [s_proj, max_seq_len], shared by the heads;
+      dwc_kernel_size (focused/linear; nystrom: conv_kernel_size): a learned depthwise
+        convolution of v [num_heads, K] added to the attention output, as in focused linear
+        attention and Nyströmformer.
+    dropout: applied to the attention output before out_proj in training (the linear methods
+    never form the attention weights that torch.nn.MultiheadAttention drops).
+    """
+
+    def __init__(self, embed_dim, num_heads, method="softmax", bias=True, dropout=0.0, *, device=None, dtype=None,
+                 **method_options):
+        super().__init__()
+        if not isinstance(embed_dim, int) or not isinstance(num_heads, int) or embed_dim < 1 or num_heads < 1:
+            raise ValueError("MultiheadAttention: embed_dim and num_heads must be positive integers, got %r and %r"
+                             % (embed_dim, num_heads))
+        if embed_dim % num_heads:
+            raise ValueError("MultiheadAttention: embed_dim = %d is not divisible by num_heads = %d"
+                             % (embed_dim, num_heads))
+        if method not in _METHODS:
+            raise ValueError("MultiheadAttention: method must be one of %s, got %r" % (", ".join(_METHODS), method))
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError("MultiheadAttention: dropout must be in [0, 1), got %r" % (dropout,))
+        factory = {"device": device, "dtype": dtype}
+        self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
+        self.method, self.dropout = method, dropout
+        self.batch_first = True
+        registered, fixed = _METHODS[method]
+        self._registered = registered
+        info = next(m for m in _linattn._methods() if m["name"] == registered)
+        self._function = info["function"]
+        opts = dict(method_options)
+        self.seed = int(opts.pop("seed", 0))
+        num_features = opts.pop("num_features", None)
+        self.feature_redraw_interval = opts.pop("feature_redraw_interval", None)
+        s_proj, max_seq_len = opts.pop("s_proj", None), opts.pop("max_seq_len", None)
+        kernel_size = opts.pop("dwc_kernel_size", None) if registered == "linear" else opts.pop("conv_kernel_size", None)
+        allowed = {o["name"] for o in info["options"] if o["kind"] != "tensor" and o["name"] not in ("causal", "key_lengths")}
+        for name in opts:
+            if name not in allowed:
+                raise TypeError("MultiheadAttention: method %r takes no option %r (its options: %s)"
+                                % (method, name, ", ".join(sorted(allowed)) or "none"))
+        for name in fixed:
+            if name in opts:
+                raise TypeError("MultiheadAttention: method %r sets %s itself" % (method, name))
+        self.method_options = {**fixed, **opts}
+        if num_features is not None and registered != "favor":
+            raise TypeError("MultiheadAttention: num_features is an option of method 'favor' only")
+        if self.feature_redraw_interval is not None and (registered != "favor" or int(self.feature_redraw_interval) < 1):
+            raise ValueError("MultiheadAttention: feature_redraw_interval is for method 'favor', an integer >= 1")
+        if (s_proj is not None or max_seq_len is not None) and registered != "linformer":
+            raise TypeError("MultiheadAttention: s_proj and max_seq_len are options of method 'linformer' only")
+        if kernel_size is not None and registered not in ("linear", "nystrom"):
+            raise TypeError("MultiheadAttention: a depthwise convolution is an option of the linear and nystrom "
+                            "methods only")
+
+        self.in_proj_weight = torch.nn.Parameter(torch.empty((3 * embed_dim, embed_dim), **factory))
+        self.in_proj_bias = torch.nn.Parameter(torch.empty(3 * embed_dim, **factory)) if bias else None
+        self.out_proj = torch.nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        torch.nn.init.xavier_uniform_(self.in_proj_weight)
+        if bias:
+            torch.nn.init.zeros_(self.in_proj_bias)
+            torch.nn.init.zeros_(self.out_proj.bias)
+
+        np_dtype = np.float64 if dtype == torch.float64 else np.float32
+        if registered == "favor":
+            self.num_features = int(num_features if num_features is not None else info["default_size"])
+            self.register_buffer("redraws", torch.zeros((), dtype=torch.int64, device=device))
+            self.register_buffer("projection", self._draw_projection(0, np_dtype).to(device))
+            self._forwards = 0
+        if registered == "linformer":
+            if max_seq_len is None:
+                raise ValueError("MultiheadAttention: method 'linformer' needs max_seq_len (the columns of e and f)")
+            s = int(s_proj if s_proj is not None else info["default_size"])
+            e, f = _linattn.linformer_projections(s, int(max_seq_len), seed=self.seed, dtype=np_dtype)
+            self.e = torch.nn.Parameter(torch.from_numpy(e).to(device))
+            self.f = torch.nn.Parameter(torch.from_numpy(f).to(device))
+        self.conv_weight = None
+        if kernel_size is not None:
+            k = int(kernel_size)
+            if k < 1:
+                raise ValueError("MultiheadAttention: the convolution's kernel size must be >= 1, got %d" % k)
+            self.conv_weight = torch.nn.Parameter(torch.empty((num_heads, k), **factory))
+            torch.nn.init.uniform_(self.conv_weight, -1 / math.sqrt(k), 1 / math.sqrt(k))
+
+    # ---- random features -----------------------------------------------------------------------
+
+    def _draw_projection(self, redraw, np_dtype):
+        # Draw i of the module's seeded sequence: the same projections in every run.
+        return torch.from_numpy(_linattn.random_features(self.num_features, self.head_dim, "orthogonal",
+                                                         (self.seed + 0x9E3779B9 * redraw) % 2**63, np_dtype))
+
+    def redraw_features(self):
+        """Draws the next projection of the seeded sequence (favor); reproducible from the seed."""
+        if self._registered != "favor":
+            raise ValueError("MultiheadAttention: redraw_features() is for method 'favor', not %r" % self.method)
+        with torch.no_grad():
+            self.redraws += 1
+            np_dtype = np.float64 if self.projection.dtype == torch.float64 else np.float32
+            self.projection.copy_(self._draw_projection(int(self.redraws), np_dtype))
+
+    # ---- forward -------------------------------------------------------------------------------
+
+    def _heads(self, x):  # [B, n, E] -> [B, H, n, hd]
+        b, n, _ = x.shape
+        return x.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def _project(self, query, key, value):
+        w, b = self.in_proj_weight, self.in_proj_bias
+        bq, bk, bv = (None, None, None) if b is None else b.chunk(3)
+        wq, wk, wv = w.chunk(3)
+        return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
+
+    def _tensors(self):
+        if self._registered == "favor":
+            return {"projection": self.projection}
+        if self._registered == "linformer":
+            return {"e": self.e, "f": self.f}
+        if self.conv_weight is not None:
+            return {"dwc_weight" if self._registered == "linear" else "conv_weight": self.conv_weight}
+        return {}
+
+    def forward(self, query, key=None, value=None, key_padding_mask=None, is_causal=False, key_lengths=None):
+        """query [B, n_q, E], key and value [B, n_k, E] (default: query) -> [B, n_q, E].
+
+        key_padding_mask: bool [B, n_k], True at padded keys, which must be a suffix of each row
+        (padding at the end); or key_lengths [B] directly. is_causal: each query sees the keys
+        up to its own position (n_q == n_k; not for nystrom, linformer, efficient)."""
+        key = query if key is None else key
+        value = key if value is None else value
+        if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+            raise ValueError("MultiheadAttention: query, key and value must be [batch, seq, embed_dim] (batch first)")
+        if key_padding_mask is not None:
+            if key_lengths is not None:
+                raise ValueError("MultiheadAttention: pass key_padding_mask or key_lengths, not both")
+            key_lengths = _lengths_of_mask(key_padding_mask, key.shape[:2])
+        if self.training and self.feature_redraw_interval is not None:
+            self._forwards += 1
+            if self._forwards % int(self.feature_redraw_interval) == 0:
+                self.redraw_features()
+        q, k, v = (self._heads(x) for x in self._project(query, key, value))
+        attn = getattr(sys.modules[__package__], self._function)(q, k, v, **self._tensors(), causal=bool(is_causal), key_lengths=key_lengths,
+                                         **self.method_options)
+        out = attn.transpose(1, 2).reshape(query.shape[0], query.shape[1], self.embed_dim)
+        if self.training and self.dropout > 0:
+            out = F.dropout(out, self.dropout)
+        return self.out_proj(out)
+
+    # ---- decoding ------------------------------------------------------------------------------
+
+    def init_state(self, batch_size):
+        """A decoding state for batch_size sequences (causal kernelized methods: elu, relu,
+        focused, linear, favor). Decoding runs without autograd."""
+        if self._registered not in ("linear", "favor"):
+            raise ValueError("MultiheadAttention: recurrent decoding is for the kernelized methods (elu, relu, "
+                             "focused, linear, favor), not %r" % self.method)
+        o = self.method_options
+        dtype = np.float64 if self.in_proj_weight.dtype == torch.float64 else np.float32
+        if self._registered == "favor":
+            rs = _linattn.recurrent_state(batch_size, self.num_heads, self.head_dim, self.head_dim, feature_map="favor",
+                                          projection=self.projection.detach().cpu().numpy(),
+                                          kernel=o.get("kernel", "positive"), scale=o.get("scale"), dtype=dtype)
+        else:
+            rs = _linattn.recurrent_state(batch_size, self.num_heads, self.head_dim, self.head_dim,
+                                          feature_map=o.get("feature_map", "elu"), eps=o.get("eps", 1e-6),
+                                          focus_power=o.get("focus_power", 3.0), dtype=dtype)
+        values = None
+        if self.conv_weight is not None:
+            values = self.in_proj_weight.new_zeros((batch_size, self.num_heads, self.conv_weight.shape[1] - 1,
+                                                    self.head_dim))
+        return DecodingState(rs, values)
+
+    @torch.no_grad()
+    def step(self, x_t, state):
+        """x_t [B, E] (or [B, 1, E]): the next token of each sequence -> [B, E] (or [B, 1, E]):
+        row t of the causal forward over the tokens so far, to float rounding."""
+        squeeze = x_t.dim() == 2
+        x = x_t.unsqueeze(1) if squeeze else x_t
+        if x.dim() != 3 or x.shape[1] != 1:
+            raise ValueError("MultiheadAttention.step: x_t must be [batch, embed_dim] or [batch, 1, embed_dim], got %s"
+                             % (tuple(x_t.shape),))
+        q, k, v = (self._heads(y)[:, :, 0] for y in self._project(x, x, x))
+        out = torch.from_numpy(state._recurrent.step(*(t.contiguous().numpy() for t in (q, k, v))))
+        if state._values is not None:
+            # Causal depthwise convolution: out += Σ_t w[h, t]·v[i + t − (K−1)].
+            window = torch.cat([state._values, v.unsqueeze(2)], dim=2)  # [B, H, K, hd]
+            out = out + torch.einsum("bhkd,hk->bhd", window, self.conv_weight)
+            state._values = window[:, :, 1:].clone()
+        out = self.out_proj(out.reshape(x.shape[0], 1, self.embed_dim))
+        return out[:, 0] if squeeze else out
+
+    # ---- loading -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_torch(cls, mha, method="softmax", **method_options):
+        """A MultiheadAttention with `mha`'s (torch.nn.MultiheadAttention) projections and
+        dropout, running `method`: swaps a method into a trained model. Batch-first: if mha was
+        batch_first=False, transpose its inputs."""
+        if not isinstance(mha, torch.nn.MultiheadAttention):
+            raise TypeError("MultiheadAttention.from_torch: expected a torch.nn.MultiheadAttention, got %s"
+                            % type(mha).__name__)
+        if not mha._qkv_same_embed_dim:
+            raise ValueError("MultiheadAttention.from_torch: kdim and vdim must equal embed_dim")
+        if mha.bias_k is not None or mha.add_zero_attn:
+            raise ValueError("MultiheadAttention.from_torch: add_bias_kv and add_zero_attn are not supported")
+        w = mha.in_proj_weight
+        m = cls(mha.embed_dim, mha.num_heads, method, bias=mha.in_proj_bias is not None, dropout=mha.dropout,
+                device=w.device, dtype=w.dtype, **method_options)
+        with torch.no_grad():
+            m.in_proj_weight.copy_(w)
+            m.out_proj.weight.copy_(mha.out_proj.weight)
+            if mha.in_proj_bias is not None:
+                m.in_proj_bias.copy_(mha.in_proj_bias)
+                m.out_proj.bias.copy_(mha.out_proj.bias)
+        return m
+
+
+def _lengths_of_mask(mask, shape):
+    """key_padding_mask (bool [B, n_k], True = padded) -> key_lengths [B]; the padding must be a
+    suffix of each row."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise TypeError("MultiheadAttention: key_padding_mask must be a bool tensor (True at padded keys)")
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError("MultiheadAttention: key_padding_mask has shape %s; expected %s"
+                         % (tuple(mask.shape), tuple(shape)))
+    lengths = (~mask).sum(dim=1)
+    if not torch.compiler.is_compiling():
+        suffix = torch.arange(mask.shape[1], device=mask.device)[None, :] >= lengths[:, None]
+        if not torch.equal(suffix, mask):
+            raise ValueError("MultiheadAttention: key_padding_mask must mark a suffix of each row (padding at "
+                             "the end); linattn's masks keep a prefix of the keys")
+    return lengths
