@@ -1,0 +1,50 @@
+"""Forward+backward time over forward time of the kernelized methods (elu, FAVOR+), with the
+backward from the forward's saved den and state and, for comparison, the one that runs the
+forward again: the figures of docs/methods/kernelized.md (issue 12's target: <= 3.0x
+non-causal, <= 3.5x causal at n >= 4096).
+
+Usage: .venv/bin/python bench/backward_ratio.py [THREADS [N]]   (defaults 1, 4096)
+Inputs B=1, H=8, d=d_v=64, float32, m=256 orthogonal features; medians of 7 runs after one
+warm-up. FLOPs per forward (FAVOR, the registry's count): 4·n·m·(d + d_v)·B·H."""
+import sys
+import time
+
+import numpy as np
+
+import linattn
+
+threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+n = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
+linattn.set_num_threads(threads)
+rng = np.random.default_rng(0)
+q, k, v, dout = (rng.standard_normal((1, 8, n, 64), dtype=np.float32) * 0.5 for _ in range(4))
+w = linattn.random_features(256, 64, seed=1)
+
+
+def median_ms(f, reps=7):
+    f()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    return 1e3 * sorted(times)[reps // 2]
+
+
+print("threads=%d n=%d B=1 H=8 d=64 float32" % (threads, n))
+print("| method | causal | forward ms | forward saving den, state ms | backward from saved ms | "
+      "backward recomputing ms | (fwd+bwd)/fwd |")
+print("|---|---|---|---|---|---|---|")
+for name, fwd, bwd in [
+        ("elu", lambda c, **kw: linattn.linear_attention(q, k, v, causal=c, **kw),
+         lambda c, **kw: linattn.linear_attention_backward(q, k, v, dout, causal=c, **kw)),
+        ("favor+", lambda c, **kw: linattn.favor_attention(q, k, v, w, causal=c, **kw),
+         lambda c, **kw: linattn.favor_attention_backward(q, k, v, w, dout, causal=c, **kw))]:
+    for causal in (False, True):
+        f = median_ms(lambda: fwd(causal))
+        out, den, state = fwd(causal, return_den=True, return_state=True)
+        fs = median_ms(lambda: fwd(causal, return_den=True, return_state=True))
+        b = median_ms(lambda: bwd(causal, out=out, den=den, state=state))
+        br = median_ms(lambda: bwd(causal))
+        print("| %s | %s | %.1f | %.1f | %.1f | %.1f | %.2f |" % (name, causal, f, fs, b, br, (fs + b) / f),
+              flush=True)
