@@ -13,7 +13,7 @@ CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$(PYTHON) -DLINATT
 PIP_INSTALL := $(PYTHON) -m pip install -q --disable-pip-version-check --no-build-isolation \
   --no-deps -Cbuild-dir=$(BUILD)/wheel -Cbuild.tool-args=-j$(JOBS)
 
-.PHONY: deps build build-cpp install-python demo test test-cpp test-python test-sanitize bench accuracy clean
+.PHONY: deps build build-cpp install-python stubs demo test test-cpp test-python test-sanitize bench accuracy clean
 
 deps:
 	@bash scripts/install-deps.sh
@@ -39,6 +39,10 @@ test-cpp:
 
 # Against the package installed in .venv (run from python/tests, so the checkout's python/ is
 # not what `import linattn` finds); LINATTN_PROGRAM: the program the CLI tests run.
+# The type stubs kept in python/linattn, made again from the installed package (scripts/stubs.py).
+stubs: install-python
+	$(PYTHON) scripts/stubs.py python
+
 test-python:
 	cd python/tests && LINATTN_PROGRAM=$(CURDIR)/$(BUILD)/bin/linattn $(PYTHON) -m pytest -q .
 

@@ -26,7 +26,7 @@ from ._ops import OPS as _OPS
 from .modules import MultiheadAttention
 
 _ANNOTATIONS = {"bool": "bool", "int": "int", "float": "float", "str": "str",
-                "lengths": "Optional[Union[Sequence[int], Tensor]]", "tensor": "Tensor"}
+                "lengths": "Union[Sequence[int], Tensor]", "tensor": "Tensor"}
 
 
 def _tensor(fn, name, x, optional=False):

@@ -1,0 +1,81 @@
+"""
+linattn: linear-cost attention and exact softmax attention (NumPy interface)
+"""
+from __future__ import annotations
+import collections.abc
+import numpy
+import typing
+__all__: list[str] = ['RecurrentState', 'build_info', 'chi_quantile_radii', 'get_num_threads', 'linformer_projections', 'random_features', 'recurrent_state', 'reset_workspace_peak', 'set_num_threads', 'workspace_stats']
+class RecurrentState:
+    """
+    Constant-size decoding state; make one with recurrent_state().
+    """
+    def copy(self) -> RecurrentState:
+        """
+        An independent copy, to roll back to (or for another thread).
+        """
+    def prefill(self, q: typing.Any, k: typing.Any, v: typing.Any) -> numpy.ndarray:
+        """
+        [B,H,n,d] in, [B,H,n,d_v] out: causal outputs of n tokens, chunked.
+        """
+    def step(self, q_t: typing.Any, k_t: typing.Any, v_t: typing.Any) -> numpy.ndarray:
+        """
+        [B,H,d] in, [B,H,d_v] out: one token.
+        """
+    @property
+    def dtype(self) -> numpy.dtype[typing.Any]:
+        ...
+    @property
+    def tokens(self) -> int:
+        ...
+def _backward(name: str, q: typing.Any, k: typing.Any, v: typing.Any, dout: typing.Any, tensors: dict, options: dict, saved: dict) -> tuple:
+    ...
+def _feature_dim(name: str, head_dim: typing.SupportsInt | typing.SupportsIndex, tensor_shapes: dict, options: dict) -> int:
+    ...
+def _forward(name: str, q: typing.Any, k: typing.Any, v: typing.Any, tensors: dict, options: dict, want_saved: collections.abc.Sequence[str]) -> typing.Any:
+    ...
+def _methods() -> list:
+    ...
+def build_info() -> str:
+    """
+    The BLAS (and its kernels) and SIMD target this build runs on.
+    """
+def chi_quantile_radii(num_features: typing.SupportsInt | typing.SupportsIndex, head_dim: typing.SupportsInt | typing.SupportsIndex) -> numpy.ndarray:
+    """
+    The radii R_i, P(r <= R_i) = i/(m+1) for r ~ chi(head_dim), i = 1..m (sorted).
+    """
+def get_num_threads() -> int:
+    ...
+def linformer_projections(s_proj: typing.SupportsInt | typing.SupportsIndex, n_max: typing.SupportsInt | typing.SupportsIndex, *, heads: typing.Any = None, seed: typing.SupportsInt | typing.SupportsIndex = 0, dtype: typing.Any = ...) -> tuple:
+    """
+    (e, f) initialised as fairseq's Linformer does: Xavier-uniform, gain 1/sqrt(2),
+    i.e. uniform on (-a, a), a = sqrt(3 / (n_max + s_proj)). heads=None: shared [s_proj, n_max];
+    else [heads, s_proj, n_max]. Reproducible by seed.
+    """
+def random_features(num_features: typing.SupportsInt | typing.SupportsIndex, head_dim: typing.SupportsInt | typing.SupportsIndex, kind: str = 'orthogonal', seed: typing.SupportsInt | typing.SupportsIndex = 0, dtype: typing.Any = ...) -> numpy.ndarray:
+    """
+    Random projection ω [num_features, head_dim] for FAVOR attention.
+    
+    kind: "iid" (rows N(0, I)), "orthogonal" (blocks of head_dim orthogonal rows, norms ~ chi(d)),
+    "orthogonal_fixed" (norms sqrt(d)), "quantile" (norms the chi(d) quantiles at i/(m+1), in a
+    seeded order). Same seed, same matrix on every machine and thread count.
+    """
+def recurrent_state(batch: typing.SupportsInt | typing.SupportsIndex, heads: typing.SupportsInt | typing.SupportsIndex, head_dim: typing.SupportsInt | typing.SupportsIndex, value_dim: typing.SupportsInt | typing.SupportsIndex, *, feature_map: str = 'elu', projection: typing.Any = None, kernel: str = 'positive', scale: typing.Any = None, eps: typing.SupportsFloat | typing.SupportsIndex = 1e-06, focus_power: typing.SupportsFloat | typing.SupportsIndex = 3.0, dtype: typing.Any = None) -> RecurrentState:
+    """
+    A decoding state for feature_map "elu", "relu", "focused" or "favor" (with projection).
+    
+    dtype: float32 or float64 (default: the projection's, else float32). Step outputs equal the
+    causal outputs of linear_attention / favor_attention over the same tokens. A state holds one
+    batch of sequences: using it from two threads at once raises ValueError (copy() it instead).
+    """
+def reset_workspace_peak() -> None:
+    ...
+def set_num_threads(n: typing.SupportsInt | typing.SupportsIndex) -> None:
+    """
+    Threads used by every kernel, 1..1024 (default: LINATTN_NUM_THREADS, else all cores).
+    """
+def workspace_stats() -> dict:
+    """
+    Scratch memory the library holds now and at its peak since reset_workspace_peak().
+    """
+__version__: str = '0.2.0'
