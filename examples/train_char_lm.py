@@ -96,7 +96,7 @@ def train(method, text, steps, batch=16, context=128, seed=0, log=print):
         opt.step()
         losses.append(loss.item())
         if step % max(1, steps // 5) == 0 or step == steps - 1:
-            log("%-8s step %4d  loss %.3f  (%.0f s)" % (method, step, loss, time.perf_counter() - start))
+            log("%-8s step %4d  loss %.3f  (%.0f s)" % (method, step, losses[-1], time.perf_counter() - start))
     model.eval()
     recurrent = method != "softmax"
     prompt = [code[c] for c in "def "]
