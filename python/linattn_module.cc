@@ -342,6 +342,25 @@ linattn::OptionValue option_value(const std::string& fn, const linattn::OptionIn
   throw py::type_error(what + " is a tensor input");
 }
 
+// The options of a call by name (TypeError for a name the method does not take or a None it
+// does not allow; None for an optional option means "not given").
+std::map<std::string, linattn::OptionValue, std::less<>> option_values(const linattn::MethodInfo& m,
+                                                                       const std::string& fn, const py::dict& opts) {
+  std::map<std::string, linattn::OptionValue, std::less<>> options;
+  for (const auto& [key, value] : opts) {
+    const std::string name = py::str(key);
+    const linattn::OptionInfo* o = m.option(name);
+    if (!o || o->kind == linattn::OptionInfo::Kind::Tensor)
+      throw py::type_error(fn + ": unexpected keyword argument '" + name + "'");
+    if (value.is_none()) {
+      if (!o->optional) throw py::type_error(fn + ": " + name + " must not be None");
+      continue;
+    }
+    options[name] = option_value(fn, *o, value);
+  }
+  return options;
+}
+
 // The registered method's MethodArgs from Python arguments: q, k, v, the tensors (by name) and
 // the options (by name; None for an optional option means "not given").
 struct PyCall {
@@ -365,17 +384,7 @@ struct PyCall {
       arrays.add(names_.back().c_str(), py::reinterpret_borrow<py::object>(value));
       tensor_names.push_back(name);
     }
-    for (const auto& [key, value] : opts) {
-      const std::string name = py::str(key);
-      const linattn::OptionInfo* o = m.option(name);
-      if (!o || o->kind == linattn::OptionInfo::Kind::Tensor)
-        throw py::type_error(fn + ": unexpected keyword argument '" + name + "'");
-      if (value.is_none()) {
-        if (!o->optional) throw py::type_error(fn + ": " + name + " must not be None");
-        continue;
-      }
-      options[name] = option_value(fn, *o, value);
-    }
+    options = option_values(m, fn, opts);
   }
   template <class T>
   linattn::MethodArgs<T> args() const {
@@ -452,15 +461,7 @@ int64_t method_feature_dim(const std::string& name, int64_t head_dim, const py::
   if (!m.feature_dim) throw py::value_error(m.function + " saves no tensor with a feature dimension");
   std::map<std::string, linattn::Shape, std::less<>> shapes;
   for (const auto& [key, value] : tensor_shapes) shapes[py::str(key)] = value.cast<linattn::Shape>();
-  std::map<std::string, linattn::OptionValue, std::less<>> opts;
-  for (const auto& [key, value] : options) {
-    const std::string option = py::str(key);
-    const linattn::OptionInfo* o = m.option(option);
-    if (!o || o->kind == linattn::OptionInfo::Kind::Tensor)
-      throw py::type_error(m.function + ": unexpected keyword argument '" + option + "'");
-    if (!value.is_none()) opts[option] = option_value(m.function, *o, value);
-  }
-  return m.feature_dim(head_dim, shapes, opts);
+  return m.feature_dim(head_dim, shapes, option_values(m, m.function, options));
 }
 
 // The registry as Python data, for linattn/__init__.py to build each method's functions.

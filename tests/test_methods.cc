@@ -74,13 +74,6 @@ struct Call {
   }
 };
 
-template <class T>
-void expect_bitwise_equal(const Tensor<T>& got, const Tensor<T>& want, const std::string& what) {
-  ASSERT_EQ(got.shape(), want.shape()) << what;
-  for (int64_t i = 0; i < got.size(); ++i)
-    ASSERT_EQ(got[i], want[i]) << what << " element " << i << " differs";
-}
-
 // The forward's saved tensors have the shapes the registry's saved_dims give (what PyTorch's
 // fake tensors are made from), and the backward from them is bitwise the one that recomputes
 // the forward.
@@ -109,12 +102,12 @@ void expect_saved_consistent(const MethodInfo& m, const Call<T>& c, const Method
   }
   if (m.saved.empty()) return;
   const AttentionGrads<T> g = m.functions<T>().backward(c.args, c.dout, saved);
-  expect_bitwise_equal(g.dq, recomputed.dq, "dq from saved");
-  expect_bitwise_equal(g.dk, recomputed.dk, "dk from saved");
-  expect_bitwise_equal(g.dv, recomputed.dv, "dv from saved");
+  testing::expect_identical(g.dq, recomputed.dq, "dq from saved");
+  testing::expect_identical(g.dk, recomputed.dk, "dk from saved");
+  testing::expect_identical(g.dv, recomputed.dv, "dv from saved");
   ASSERT_EQ(g.params.size(), recomputed.params.size());
   for (size_t i = 0; i < g.params.size(); ++i)
-    expect_bitwise_equal(g.params[i].second, recomputed.params[i].second, g.params[i].first + " from saved");
+    testing::expect_identical(g.params[i].second, recomputed.params[i].second, g.params[i].first + " from saved");
 }
 
 class EveryMethod : public ::testing::TestWithParam<Variant> {};
@@ -143,12 +136,12 @@ TEST_P(EveryMethod, SameResultsForEveryThreadCount) {
       grads1 = std::move(g);
       continue;
     }
-    expect_bitwise_equal(out.out, out1->out, "out");
-    for (size_t i = 0; i < out.saved.size(); ++i) expect_bitwise_equal(out.saved[i].second, out1->saved[i].second, out.saved[i].first);
-    expect_bitwise_equal(g.dk, grads1->dk, "dk");
-    expect_bitwise_equal(g.dv, grads1->dv, "dv");
+    testing::expect_identical(out.out, out1->out, "out");
+    for (size_t i = 0; i < out.saved.size(); ++i) testing::expect_identical(out.saved[i].second, out1->saved[i].second, out.saved[i].first);
+    testing::expect_identical(g.dk, grads1->dk, "dk");
+    testing::expect_identical(g.dv, grads1->dv, "dv");
     ASSERT_EQ(g.params.size(), grads1->params.size());
-    for (size_t i = 0; i < g.params.size(); ++i) expect_bitwise_equal(g.params[i].second, grads1->params[i].second, g.params[i].first);
+    for (size_t i = 0; i < g.params.size(); ++i) testing::expect_identical(g.params[i].second, grads1->params[i].second, g.params[i].first);
     if (x.method->exact && x.batch * x.heads < threads) {
       AttentionOptions o;
       o.causal = x.causal;
@@ -157,7 +150,7 @@ TEST_P(EveryMethod, SameResultsForEveryThreadCount) {
       testing::expect_within(g.dq, exact.dq, exact.dq_bound, "dq");
       testing::expect_within(grads1->dq, exact.dq, exact.dq_bound, "dq (1 thread)");
     } else {
-      expect_bitwise_equal(g.dq, grads1->dq, "dq");
+      testing::expect_identical(g.dq, grads1->dq, "dq");
     }
   }
 }

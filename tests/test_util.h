@@ -98,7 +98,7 @@ inline std::string current_suite() {
 
 // got == want element by element (same shapes): two paths that do the same arithmetic.
 template <class T>
-void expect_identical(const Tensor<T>& got, const Tensor<T>& want, const char* what) {
+void expect_identical(const Tensor<T>& got, const Tensor<T>& want, const std::string& what) {
   ASSERT_EQ(got.shape(), want.shape()) << what;
   for (int64_t i = 0; i < got.size(); ++i)
     ASSERT_EQ(got[i], want[i]) << what << ": element " << i << " of " << got.size();

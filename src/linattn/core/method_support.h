@@ -4,6 +4,7 @@
 // does not take and values of the wrong kind.
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <optional>
@@ -150,13 +151,24 @@ class ArgReader {
   std::string fn_;
 };
 
-// A saved tensor by name from a backward's `saved` map, or none.
-template <class T>
-std::optional<TensorView<const T>> saved_tensor(
-    const std::map<std::string, TensorView<const T>, std::less<>>& saved, const char* name) {
-  const auto it = saved.find(name);
-  if (it == saved.end()) return std::nullopt;
-  return it->second;
+// A backward's saved tensors (the forward's "out" and what it saved) in the order of `names`:
+// all of them, or none (the backward then computes the forward again); some but not all is an
+// error naming them.
+template <class T, size_t N>
+std::optional<std::array<TensorView<const T>, N>> saved_tensors(
+    const char* fn, const std::map<std::string, TensorView<const T>, std::less<>>& saved,
+    const std::array<const char*, N>& names) {
+  std::array<TensorView<const T>, N> views{};
+  size_t given = 0;
+  std::string list;
+  for (size_t i = 0; i < N; ++i) {
+    const auto it = saved.find(names[i]);
+    if (it != saved.end()) views[i] = it->second, ++given;
+    list += (i == 0 ? "" : i + 1 == N ? " and " : ", ") + std::string(names[i]);
+  }
+  require(given == 0 || given == N, fn, ": pass ", list, " (from the forward), or none of them");
+  if (given == 0) return std::nullopt;
+  return views;
 }
 
 // The MethodFunctions of a method whose typed entry points are forward_fn<T>(args) and

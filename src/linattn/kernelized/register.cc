@@ -1,7 +1,4 @@
 // linear_attention and favor_attention in the method registry.
-#include <array>
-#include <optional>
-
 #include "linattn/core/method_support.h"
 #include "linattn/kernelized.h"
 #include "linattn/kernelized/args.h"
@@ -22,17 +19,6 @@ MethodOutput<T> with_saved(KernelizedAttentionResult<T> r) {
   return out;
 }
 
-// out, den and state from a backward's `saved`, all three or none.
-template <class T>
-std::optional<std::array<TensorView<const T>, 3>> saved_views(
-    const char* fn, const std::map<std::string, TensorView<const T>, std::less<>>& saved) {
-  const auto out = saved_tensor(saved, "out"), den = saved_tensor(saved, "den"), state = saved_tensor(saved, "state");
-  const int given = int{out.has_value()} + int{den.has_value()} + int{state.has_value()};
-  require(given == 0 || given == 3, fn, ": pass out, den and state (from the forward), or none of them");
-  if (given == 0) return std::nullopt;
-  return std::array<TensorView<const T>, 3>{*out, *den, *state};
-}
-
 template <class T>
 MethodOutput<T> linear_forward(const MethodArgs<T>& a) {
   const auto c = kernelized::linear_call(a);
@@ -43,7 +29,7 @@ template <class T>
 AttentionGrads<T> linear_backward(const MethodArgs<T>& a, TensorView<const T> dout,
                                   const std::map<std::string, TensorView<const T>, std::less<>>& saved) {
   const auto c = kernelized::linear_call(a);
-  if (const auto s = saved_views("linear_attention_backward", saved))
+  if (const auto s = saved_tensors<T, 3>("linear_attention_backward", saved, {"out", "den", "state"}))
     return linear_attention_backward<T>(a.q, a.k, a.v, dout, (*s)[0], (*s)[1], (*s)[2], c.opts, c.dwc_weight);
   return linear_attention_backward<T>(a.q, a.k, a.v, dout, c.opts, c.dwc_weight);
 }
@@ -58,7 +44,7 @@ template <class T>
 AttentionGrads<T> favor_backward(const MethodArgs<T>& a, TensorView<const T> dout,
                                  const std::map<std::string, TensorView<const T>, std::less<>>& saved) {
   const auto c = kernelized::favor_call(a);
-  if (const auto s = saved_views("favor_attention_backward", saved))
+  if (const auto s = saved_tensors<T, 3>("favor_attention_backward", saved, {"out", "den", "state"}))
     return favor_attention_backward<T>(a.q, a.k, a.v, c.projection, dout, (*s)[0], (*s)[1], (*s)[2], c.opts);
   return favor_attention_backward<T>(a.q, a.k, a.v, c.projection, dout, c.opts);
 }

@@ -22,10 +22,8 @@ template <class T>
 AttentionGrads<T> backward(const MethodArgs<T>& a, TensorView<const T> dout,
                            const std::map<std::string, TensorView<const T>, std::less<>>& saved) {
   const AttentionOptions o = softmax_detail::options_from(a);
-  const auto out = saved_tensor(saved, "out"), lse = saved_tensor(saved, "lse");
-  require(out.has_value() == lse.has_value(),
-          "softmax_attention_backward: pass both out and lse (from the forward), or neither");
-  if (out) return softmax_attention_backward<T>(a.q, a.k, a.v, dout, *out, *lse, o);
+  if (const auto s = saved_tensors<T, 2>("softmax_attention_backward", saved, {"out", "lse"}))
+    return softmax_attention_backward<T>(a.q, a.k, a.v, dout, (*s)[0], (*s)[1], o);
   return softmax_attention_backward<T>(a.q, a.k, a.v, dout, o);
 }
 
