@@ -1,8 +1,19 @@
 """Markdown tables for docs/ from the CSV files of `linattn bench` and `linattn accuracy`.
 
-Usage: markdown_tables.py bench BENCH.csv          time, rate, memory and PyTorch per row
-       markdown_tables.py bench-summary BENCH.csv  the same as method × n grids per pass
+Usage: markdown_tables.py bench BENCH.csv          time, rate, memory and the peers per row
+       markdown_tables.py bench-summary BENCH.csv  the same as method × n grids per pass, plus the
+                                                   crossover n and exact attention against torch sdpa
        markdown_tables.py accuracy DIR              error summaries, kernel MSE, ranks
+
+BENCH.csv is the long format `linattn bench` writes: one row per implementation per (method, n,
+pass), with columns method, causal ("0"/"1"), n, batch, heads, head_dim, pass ("fwd"/"fwd+bwd"),
+impl, status, flops, median_s, min_s, runs, gflops, fraction_of_sgemm, workspace_bytes,
+rss_growth_bytes, sgemm_gflops, threads, note. impl "linattn" is this library (status ok,
+workspace_bytes its exact scratch); any other impl is a peer run on the same inputs ("torch sdpa"
+for the exact softmax rows, "torch plain" for every method, "performer-pytorch", "nystrom-attention",
+"linformer" for their methods) with workspace_bytes -1 and status ok, skipped (would not fit in
+memory; note says why), unavailable or failed. A method's "first peer" is the first peer impl the
+CSV lists for it.
 """
 import csv
 import sys
@@ -20,57 +31,167 @@ def human(b):
     return "%d B" % b
 
 
-def bench(path):
-    rows = list(csv.DictReader(open(path)))
-    print("| method | n | pass | time (ms) | GFLOP/s | % sgemm | extra (wksp) | PyTorch (ms) | ours / PyTorch | PyTorch extra (RSS) |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        t = float(r["median_s"]) * 1e3
-        if r["torch_status"] == "ok":
-            tt = float(r["torch_median_s"]) * 1e3
-            torch_cells = "%.1f | %.2f | %s" % (tt, t / tt, human(r["torch_rss_growth_bytes"]))
+def num(x, empty=0.0):
+    """float of a CSV cell; `empty` for an empty cell."""
+    return float(x) if x not in ("", None) else empty
+
+
+def ms(t):
+    return "%.3g" % t if t < 100 else "%.0f" % t
+
+
+def load_bench(path):
+    """(ours, peers, methods, ns): ours[(method, n, pass)] is the linattn row, peers[...] the peer
+    rows in CSV order; methods in CSV order with their first peer impl (or None)."""
+    ours, peers, first = {}, defaultdict(list), {}
+    for r in csv.DictReader(open(path)):
+        r["n"] = int(r["n"])
+        key = (r["method"], r["n"], r["pass"])
+        first.setdefault(r["method"], None)
+        if r["impl"] == "linattn":
+            ours[key] = r
         else:
-            torch_cells = "%s | - | -" % (r["torch_status"] + (" (" + r["torch_note"] + ")" if r["torch_note"] else ""))
-        print("| %s | %s | %s | %.1f | %.1f | %.0f%% | %s | %s |" % (
-            r["method"], r["n"], r["pass"], t, float(r["gflops"]), 100 * float(r["fraction_of_sgemm"]),
-            human(r["workspace_bytes"]), torch_cells))
+            peers[key].append(r)
+            if first[r["method"]] is None:
+                first[r["method"]] = r["impl"]
+    ns = sorted({k[1] for k in ours})
+    return ours, peers, first, ns
+
+
+def peer_row(peers, key, impl):
+    return next((p for p in peers.get(key, ()) if p["impl"] == impl), None)
+
+
+def peer_ok(p):
+    return p is not None and p["status"] == "ok" and num(p["median_s"]) > 0
+
+
+def bench(path):
+    ours, peers, _, _ = load_bench(path)
+    print("| method | n | pass | time (ms) | GFLOP/s | % sgemm | extra (wksp) | peers: time (ours / peer) |")
+    print("|---|---:|---|---:|---:|---:|---:|---|")
+    for key, r in ours.items():
+        t = num(r["median_s"]) * 1e3
+        cells = []
+        for p in peers.get(key, ()):
+            if peer_ok(p):
+                tt = num(p["median_s"]) * 1e3
+                cells.append("%s: %s ms (%.2f)" % (p["impl"], ms(tt), t / tt))
+            else:
+                cells.append("%s: %s" % (p["impl"], p["status"] + (" (" + p["note"] + ")" if p["note"] else "")))
+        print("| %s | %d | %s | %s | %.1f | %.0f%% | %s | %s |" % (
+            r["method"], r["n"], r["pass"], ms(t), num(r["gflops"]), 100 * num(r["fraction_of_sgemm"]),
+            human(num(r["workspace_bytes"], -1)), "; ".join(cells) or "-"))
+
+
+def crossover(ours, ref, method, pass_name, ns):
+    """Smallest n of the sweep from which `method` stays faster than ref(n) (a time, or None where
+    there is nothing to compare with) at every measured n; None if never."""
+    frm = None
+    for n in ns:
+        r = ours.get((method, n, pass_name))
+        t_ref = ref(n)
+        if r is None or t_ref is None:
+            continue
+        if num(r["median_s"]) < t_ref:
+            frm = n if frm is None else frm
+        else:
+            frm = None
+    return frm
 
 
 def bench_summary(path):
-    """Per pass, a method × n grid: time (ours / PyTorch), % of the sgemm rate, and memory."""
-    rows = list(csv.DictReader(open(path)))
-    ns = sorted({int(r["n"]) for r in rows})
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    by = {(r["method"], int(r["n"]), r["pass"]): r for r in rows}
-    for pass_name in ("fwd", "fwd+bwd"):
-        for what, title in (("time", "time in ms (in brackets: ours / PyTorch; skip: PyTorch would not fit in memory)"),
-                            ("rate", "GFLOP/s by each method's FLOP count, and % of the measured sgemm rate"),
-                            ("memory", "peak extra memory: ours (workspace, RSS growth incl. outputs) / PyTorch (RSS growth)")):
+    """Per pass, method × n grids: time (ours / first peer, ours / torch plain), rate, memory; then
+    the crossover n of each non-exact method and exact attention against torch sdpa."""
+    ours, peers, first, ns = load_bench(path)
+    methods = [m for m in first if any((m, n, p) in ours for n in ns for p in ("fwd", "fwd+bwd"))]
+    exact = [m for m in methods if m.startswith("exact")]
+    causal = {r["method"]: r["causal"] for r in ours.values()}
+    passes = [p for p in ("fwd", "fwd+bwd") if any(k[2] == p for k in ours)]
+
+    def vs(r, p):
+        """ours / peer in brackets, "(skip)", or nothing."""
+        if peer_ok(p):
+            return " (%.2f)" % (num(r["median_s"]) / num(p["median_s"]))
+        return " (skip)" if p is not None and p["status"] == "skipped" else ""
+
+    for pass_name in passes:
+        for what, title in (
+                ("time", "time in ms (in brackets: ours / the method's first peer, named after \"vs\" in the "
+                         "method column; skip: the peer would not fit in memory)"),
+                ("plain", "time in ms (in brackets: ours / torch plain, the same formula in plain PyTorch; "
+                          "skip: it would not fit in memory)"),
+                ("rate", "GFLOP/s by each method's FLOP count, and % of the measured sgemm rate"),
+                ("memory", "peak extra memory: ours (workspace, RSS growth incl. outputs) / the method's first "
+                           "peer, named after \"vs\" (RSS growth)")):
             print("\n%s, %s:\n" % (pass_name, title))
             print("| method | " + " | ".join("n = %d" % n for n in ns) + " |")
             print("|---|" + "---:|" * len(ns))
             for m in methods:
+                impl = {"time": first[m], "memory": first[m], "plain": "torch plain"}.get(what)
                 cells = []
                 for n in ns:
-                    r = by.get((m, n, pass_name))
+                    key = (m, n, pass_name)
+                    r = ours.get(key)
                     if r is None:
                         cells.append("")
                         continue
-                    if what == "time":
-                        t = float(r["median_s"]) * 1e3
-                        if r["torch_status"] == "ok":
-                            extra = " (%.2f)" % (t / (float(r["torch_median_s"]) * 1e3))
-                        elif r["torch_status"] == "skipped":
-                            extra = " (skip)"
-                        else:
-                            extra = ""
-                        cells.append(("%.3g" % t if t < 100 else "%.0f" % t) + extra)
+                    p = peer_row(peers, key, impl) if impl else None
+                    if what in ("time", "plain"):
+                        cells.append(ms(num(r["median_s"]) * 1e3) + vs(r, p))
                     elif what == "rate":
-                        cells.append("%.0f (%.0f%%)" % (float(r["gflops"]), 100 * float(r["fraction_of_sgemm"])))
+                        cells.append("%.0f (%.0f%%)" % (num(r["gflops"]), 100 * num(r["fraction_of_sgemm"])))
                     else:
-                        theirs = human(r["torch_rss_growth_bytes"]) if r["torch_status"] == "ok" else "-"
-                        cells.append("%s, %s / %s" % (human(r["workspace_bytes"]), human(r["rss_growth_bytes"]), theirs))
-                print("| %s | " % m + " | ".join(cells) + " |")
+                        if p is not None and p["status"] == "ok":
+                            theirs = human(num(p["rss_growth_bytes"], -1))
+                        else:
+                            theirs = "skip" if p is not None and p["status"] == "skipped" else "-"
+                        cells.append("%s, %s / %s" % (human(num(r["workspace_bytes"], -1)),
+                                                      human(num(r["rss_growth_bytes"], -1)), theirs))
+                label = m + (" vs " + impl if impl else "") if what != "plain" else m
+                print("| %s | " % label + " | ".join(cells) + " |")
+
+    def exact_of(c):
+        return next((e for e in exact if causal[e] == c), None)
+
+    def ref_ours(c, pass_name):
+        e = exact_of(c)
+        return lambda n: num(ours[(e, n, pass_name)]["median_s"]) if e and (e, n, pass_name) in ours else None
+
+    def ref_sdpa(c, pass_name):
+        e = exact_of(c)
+
+        def f(n):
+            p = peer_row(peers, (e, n, pass_name), "torch sdpa") if e else None
+            return num(p["median_s"]) if peer_ok(p) else None
+        return f
+
+    print("\ncrossover: the smallest n of the sweep from which the method is faster than exact attention of the "
+          "same causality at every measured n (-: never), against linattn's exact attention and against torch "
+          "sdpa:\n")
+    print("| method | " + " | ".join("%s vs %s" % (p, w) for p in passes for w in ("ours exact", "torch sdpa")) + " |")
+    print("|---|" + "---:|" * (2 * len(passes)))
+    for m in methods:
+        if m in exact:
+            continue
+        cells = []
+        for pass_name in passes:
+            for ref in (ref_ours, ref_sdpa):
+                n0 = crossover(ours, ref(causal[m], pass_name), m, pass_name, ns)
+                cells.append("-" if n0 is None else "%d" % n0)
+        print("| %s | " % m + " | ".join(cells) + " |")
+
+    print("\nexact attention vs torch sdpa: time ours / torch sdpa (skip: sdpa would not fit in memory):\n")
+    print("| method | pass | " + " | ".join("n = %d" % n for n in ns) + " |")
+    print("|---|---|" + "---:|" * len(ns))
+    for m in exact:
+        for pass_name in passes:
+            cells = []
+            for n in ns:
+                r = ours.get((m, n, pass_name))
+                p = peer_row(peers, (m, n, pass_name), "torch sdpa")
+                cells.append("" if r is None else vs(r, p).strip(" ()"))
+            print("| %s | %s | " % (m, pass_name) + " | ".join(cells) + " |")
 
 
 def cell(v):

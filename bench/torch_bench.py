@@ -1,20 +1,24 @@
-"""The PyTorch side of `linattn bench`: the same inputs through plain-PyTorch implementations of
-each method, timed the way linattn times its own (one warm-up, then the median of >= 5 runs and
->= 1 s, or of 2 runs from n = 16384).
+"""The peers' side of `linattn bench`: the same inputs through what a PyTorch user would otherwise
+call, timed the way linattn times its own (one warm-up, then the median of >= 5 runs and >= 1 s,
+or of 2 runs from n = 16384). Peers per method (PEERS below): exact attention against
+torch.nn.functional.scaled_dot_product_attention (PyTorch 2.x's fused CPU flash kernel);
+FAVOR+ against performer-pytorch, Nystrom against nystrom-attention, Linformer against
+linformer (lucidrains' packages); every method also against its plain-PyTorch formula.
 
 Usage (the linattn program runs this; one call per sequence length):
     python3 torch_bench.py REQUESTS.csv RESULTS.csv
 REQUESTS.csv: dir,method,causal,pass,batch,heads,n,head_dim,threads
   dir holds q.f32, k.f32, v.f32, dout.f32 ([B,H,n,d] float32, raw), and where the method needs
-  them favor_w_<m>.f32 ([m,d]) and linformer_<s>_e.f32, linformer_<s>_f.f32 ([s,n]): the
-  random features and projections linattn itself used.
-RESULTS.csv: method,causal,pass,status,median_s,runs,rss_growth_bytes,note
-  status is ok, skipped (would not fit in memory) or unavailable (no such PyTorch version).
+  them favor_projection_<m>.f32 ([m,d]) and linformer_e_<s>.f32, linformer_f_<s>.f32 ([s,n]):
+  the random features and projections linattn itself used.
+RESULTS.csv: method,causal,pass,peer,status,median_s,runs,rss_growth_bytes,note
+  one row per request and peer; status is ok, skipped (would not fit in memory) or
+  unavailable (the peer's package cannot be imported).
   rss_growth_bytes: growth of the peak resident memory over one call, measured in a fresh
-  process (python3 torch_bench.py --memory REQUESTS.csv INDEX) so no memory cached from
+  process (python3 torch_bench.py --memory REQUESTS.csv INDEX PEER) so no memory cached from
   earlier calls hides what the call needs.
 
-PyTorch gets its best conditions: torch.set_num_threads(threads) (it starts with 1 on these
+The peers get their best conditions: torch.set_num_threads(threads) (it starts with 1 on these
 machines) and OMP_WAIT_POLICY=passive (set before torch is imported), so idle OpenMP threads do
 not spin against the BLAS threads.
 """
@@ -102,23 +106,118 @@ def efficient(q, k, v, causal, extra):
     return (s * q).softmax(-1) @ ((s * k).softmax(-2).transpose(-1, -2) @ v)
 
 
-METHODS = {"exact softmax": exact, "linear elu": elu, "favor+": favor, "nystrom": nystrom,
-           "linformer": linformer, "efficient attention": efficient}
+# ---- the peers: what a PyTorch user would otherwise call -----------------------------------
+# Each takes the request's float tensors t (q, k, v, dout: [B,H,n,d]) and extra parameters and
+# returns (call, leaves, dout): call(*leaves) is one forward, leaves are what gets a gradient
+# (fresh copies per run) and dout is the output gradient in the peer's own output layout. Inputs
+# are brought into the peer's layout before timing (lucidrains' modules take x as [B, n, H·d]);
+# their input and output projections are identities, so only attention itself is timed.
+
+def plain_peer(fn):
+    def make(t, extra, causal):
+        params = [extra[x] for x in ("linformer_e", "linformer_f") if x in extra]
+
+        def call(q, k, v, *ef):
+            ex = dict(extra)
+            if ef:
+                ex["linformer_e"], ex["linformer_f"] = ef
+            return fn(q, k, v, causal, ex)
+        return call, [t["q"], t["k"], t["v"]] + params, t["dout"]
+    return make
 
 
-def implementation(name):
-    for prefix, fn in METHODS.items():
+def sdpa_peer(t, extra, causal):
+    """torch.nn.functional.scaled_dot_product_attention: on CPU, PyTorch's fused flash kernel."""
+    def call(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return call, [t["q"], t["k"], t["v"]], t["dout"]
+
+
+def packed(t):
+    """q, k, v as one [B, n, 3·H·d] tensor (lucidrains' layout after the qkv Linear) and dout as
+    [B, n, H·d]."""
+    B, H, n, d = t["q"].shape
+    x = torch.cat([t[s].transpose(1, 2).reshape(B, n, H * d) for s in ("q", "k", "v")], -1).contiguous()
+    return x, t["dout"].transpose(1, 2).reshape(B, n, H * d).contiguous()
+
+
+class Slice(torch.nn.Module):
+    """Stands in for a projection Linear: the i-th of three equal slices of the last dimension."""
+    def __init__(self, i):
+        super().__init__()
+        self.i = i
+
+    def forward(self, x):
+        w = x.shape[-1] // 3
+        return x[..., self.i * w:(self.i + 1) * w]
+
+
+def performer_peer(t, extra, causal):
+    """performer-pytorch's FastAttention (FAVOR+, positive features) with our projection."""
+    import contextlib
+    import io
+    from performer_pytorch import FastAttention
+    w = extra["favor_w"]
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints that its CUDA kernel is missing
+        fa = FastAttention(dim_heads=w.shape[1], nb_features=w.shape[0], causal=causal)
+    fa = fa.to(w.dtype)
+    fa.projection_matrix.copy_(w)
+    return fa, [t["q"], t["k"], t["v"]], t["dout"]
+
+
+def nystrom_peer(t, extra, causal):
+    """nystrom-attention's NystromAttention (no residual conv; identity projections)."""
+    from nystrom_attention import NystromAttention
+    B, H, n, d = t["q"].shape
+    mod = NystromAttention(dim=H * d, dim_head=d, heads=H, num_landmarks=extra["landmarks"],
+                           pinv_iterations=6, residual=False).to(t["q"].dtype)
+    mod.to_qkv, mod.to_out = torch.nn.Identity(), torch.nn.Identity()
+    x, dout = packed(t)
+    return mod, [x], dout
+
+
+def linformer_peer(t, extra, causal):
+    """linformer's LinformerSelfAttention with our E, F (proj_k = Eᵀ, proj_v = Fᵀ, which get
+    gradients as its parameters); identity projections."""
+    from linformer import LinformerSelfAttention
+    B, H, n, d = t["q"].shape
+    e, f = extra["linformer_e"], extra["linformer_f"]
+    mod = LinformerSelfAttention(dim=H * d, seq_len=n, k=e.shape[0], heads=H, dim_head=d).to(t["q"].dtype)
+    mod.to_q, mod.to_k, mod.to_v, mod.to_out = Slice(0), Slice(1), Slice(2), torch.nn.Identity()
+    with torch.no_grad():
+        mod.proj_k.copy_(e.T)
+        mod.proj_v.copy_(f.T)
+    x, dout = packed(t)
+    return mod, [x], dout
+
+
+# Per method (by name prefix) its peers, in the order printed; causal tells whether the peer has
+# a causal form.
+PEERS = {
+    "exact softmax": [("torch sdpa", sdpa_peer, True), ("torch plain", plain_peer(exact), True)],
+    "linear elu": [("torch plain", plain_peer(elu), True)],
+    "favor+": [("performer-pytorch", performer_peer, True), ("torch plain", plain_peer(favor), True)],
+    "nystrom": [("nystrom-attention", nystrom_peer, False), ("torch plain", plain_peer(nystrom), False)],
+    "linformer": [("linformer", linformer_peer, False), ("torch plain", plain_peer(linformer), False)],
+    "efficient attention": [("torch plain", plain_peer(efficient), False)],
+}
+
+
+def peers_of(name, causal):
+    for prefix, peers in PEERS.items():
         if name.startswith(prefix):
-            return fn
-    return None
+            return [(p, make) for p, make, has_causal in peers if has_causal or not causal]
+    return []
 
 
-def bytes_needed(name, causal, B, H, n, d, m, backward):
-    """Rough peak of the PyTorch implementation (float32), to skip what cannot fit."""
+def bytes_needed(name, peer, causal, B, H, n, d, m, backward):
+    """Rough peak of a peer (float32), to skip what cannot fit."""
     f = 4 * B * H
-    if name.startswith("exact"):
+    if peer == "torch sdpa":
+        per = 8 * n * d  # flash: blocks, never n×n
+    elif name.startswith("exact"):
         per = 3 * n * n  # scores, softmax, (mask) — and their gradients
-    elif causal:  # prefix sums of φ(k)⊗v and their products
+    elif causal:  # prefix sums of φ(k)⊗v (performer-pytorch's chunks keep them all for autograd)
         per = 2 * n * m * d
     else:
         per = 6 * n * max(m, d)
@@ -164,13 +263,10 @@ def time_runs(run, n):
     return float(np.median(times)), len(times)
 
 
-def prepare(r, cache):
-    """The implementation, inputs, extra parameters and estimated peak bytes of one request."""
+def prepare(r, peer, make, cache):
+    """The run of one request by one peer, and the peer's estimated peak bytes."""
     B, H, n, d = (int(r[x]) for x in ("batch", "heads", "n", "head_dim"))
     name, causal, backward = r["method"], r["causal"] == "1", r["pass"] == "fwd+bwd"
-    fn = implementation(name)
-    if fn is None:
-        return None
     key = r["dir"]
     if key not in cache:
         cache.clear()
@@ -189,31 +285,30 @@ def prepare(r, cache):
         m = s
         extra["linformer_e"] = load(os.path.join(key, "linformer_e_%d.f32" % s), (s, n))
         extra["linformer_f"] = load(os.path.join(key, "linformer_f_%d.f32" % s), (s, n))
-    need = bytes_needed(name, causal, B, H, n, d, m, backward)
+    need = bytes_needed(name, peer, causal, B, H, n, d, m, backward)
+    call, leaves, dout = make(t, extra, causal)
+    params = [p for p in call.parameters()] if isinstance(call, torch.nn.Module) else []
 
     if backward:
-        params = [t["q"], t["k"], t["v"]] + [extra[x] for x in ("linformer_e", "linformer_f") if x in extra]
-
         def run():
-            ps = [p.detach().requires_grad_(True) for p in params]
-            ex = dict(extra)
-            if "linformer_e" in ex:
-                ex["linformer_e"], ex["linformer_f"] = ps[3], ps[4]
-            y = fn(ps[0], ps[1], ps[2], causal, ex)
-            y.backward(t["dout"])
+            for p in params:  # as a training step's zero_grad(set_to_none=True)
+                p.grad = None
+            call(*[x.detach().requires_grad_(True) for x in leaves]).backward(dout)
     else:
         def run():
             with torch.no_grad():
-                fn(t["q"], t["k"], t["v"], causal, extra)
+                call(*leaves)
     return run, need
 
 
-def measure_memory(requests_path, index):
-    """Peak RSS growth of one call of request `index`, in this fresh process: with nothing freed
-    and cached by the allocator yet, the high-water mark sees every byte the call needs."""
+def measure_memory(requests_path, index, peer):
+    """Peak RSS growth of one call of request `index` by `peer`, in this fresh process: with
+    nothing freed and cached by the allocator yet, the high-water mark sees every byte the call
+    needs."""
     r = list(csv.DictReader(open(requests_path)))[index]
     torch.set_num_threads(int(r["threads"]))
-    run, _ = prepare(r, {})
+    make = dict(peers_of(r["method"], r["causal"] == "1"))[peer]
+    run, _ = prepare(r, peer, make, {})
     if not rss_reset():
         print(-1)
         return
@@ -226,34 +321,35 @@ def main(requests_path, results_path):
     rows = list(csv.DictReader(open(requests_path)))
     out = open(results_path, "w", newline="")
     w = csv.writer(out, lineterminator="\n")
-    w.writerow(["method", "causal", "pass", "status", "median_s", "runs", "rss_growth_bytes", "note"])
+    w.writerow(["method", "causal", "pass", "peer", "status", "median_s", "runs", "rss_growth_bytes", "note"])
     cache = {}
     for index, r in enumerate(rows):
         n = int(r["n"])
         torch.set_num_threads(int(r["threads"]))
-        prepared = prepare(r, cache)
-        if prepared is None:
-            w.writerow([r["method"], r["causal"], r["pass"], "unavailable", "", "", "", "no PyTorch version"])
-            continue
-        run, need = prepared
-        if need > 0.6 * available_bytes():
-            w.writerow([r["method"], r["causal"], r["pass"], "skipped", "", "", need,
-                        "would need about %.1f GiB" % (need / 2**30)])
+        for peer, make in peers_of(r["method"], r["causal"] == "1"):
+            head = [r["method"], r["causal"], r["pass"], peer]
+            try:
+                run, need = prepare(r, peer, make, cache)
+            except ImportError as e:
+                w.writerow(head + ["unavailable", "", "", "", "cannot import: %s" % e])
+                continue
+            if need > 0.6 * available_bytes():
+                w.writerow(head + ["skipped", "", "", need, "would need about %.1f GiB" % (need / 2**30)])
+                out.flush()
+                continue
+            run()  # warm-up
+            median, runs = time_runs(run, n)
+            # Memory in a fresh process: in this one, memory freed by earlier calls stays mapped
+            # and is reused, so the high-water mark would under-count.
+            mem = subprocess.run([sys.executable, __file__, "--memory", requests_path, str(index), peer],
+                                 capture_output=True, text=True)
+            growth = int(mem.stdout.split()[-1]) if mem.returncode == 0 and mem.stdout.split() else -1
+            w.writerow(head + ["ok", median, runs, growth, ""])
             out.flush()
-            continue
-        run()  # warm-up
-        median, runs = time_runs(run, n)
-        # Memory in a fresh process: in this one, memory freed by earlier calls stays mapped and
-        # is reused, so the high-water mark would under-count.
-        mem = subprocess.run([sys.executable, __file__, "--memory", requests_path, str(index)],
-                             capture_output=True, text=True)
-        growth = int(mem.stdout.split()[-1]) if mem.returncode == 0 and mem.stdout.split() else -1
-        w.writerow([r["method"], r["causal"], r["pass"], "ok", median, runs, growth, ""])
-        out.flush()
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "--memory":
-        measure_memory(sys.argv[2], int(sys.argv[3]))
+        measure_memory(sys.argv[2], int(sys.argv[3]), sys.argv[4])
     else:
         main(sys.argv[1], sys.argv[2])

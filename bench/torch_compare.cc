@@ -36,13 +36,25 @@ std::string torch_unavailable_reason(const std::string& python) {
   const std::string cmd = python + " -c 'import torch' > /dev/null 2>&1";
   if (std::system(cmd.c_str()) == 0) return "";
   return "PyTorch cannot be imported by " + python +
-         " (install python3-torch: LINATTN_WITH_BENCH_DEPS=1 scripts/install-deps.sh, or make bench)";
+         " (make bench installs requirements/torch.txt into .venv and sets LINATTN_PYTHON)";
 }
 
-std::map<std::pair<std::string, std::string>, TorchResult> run_torch(
+std::string torch_version(const std::string& python) {
+  const std::string cmd = python + " -c 'import torch; print(torch.__version__)' 2> /dev/null";
+  std::string out;
+  if (FILE* f = popen(cmd.c_str(), "r")) {
+    char buf[128];
+    while (std::fgets(buf, sizeof buf, f)) out += buf;
+    pclose(f);
+  }
+  while (!out.empty() && (out.back() == '\n' || out.back() == ' ')) out.pop_back();
+  return out.empty() ? "?" : out;
+}
+
+std::map<std::pair<std::string, std::string>, std::vector<PeerResult>> run_peers(
     const Problem& p, const Inputs& in, const std::vector<const Method*>& methods,
     bool forward_only, int threads, const std::string& python, const std::string& script) {
-  std::map<std::pair<std::string, std::string>, TorchResult> results;
+  std::map<std::pair<std::string, std::string>, std::vector<PeerResult>> results;
   char tmpl[] = "/tmp/linattn-bench-XXXXXX";
   if (!mkdtemp(tmpl)) throw std::runtime_error("cannot make a temporary folder");
   const std::string dir = tmpl;
@@ -64,24 +76,26 @@ std::map<std::pair<std::string, std::string>, TorchResult> run_torch(
   const int rc = std::system(cmd.c_str());
   std::ifstream res(dir + "/results.csv");
   std::string line;
-  std::getline(res, line);  // header
+  std::getline(res, line);  // header: method,causal,pass,peer,status,median_s,runs,rss_growth_bytes,note
   while (std::getline(res, line)) {
-    if (!line.empty() && line.back() == '\r') line.pop_back();  // Python's csv ends rows with \r\n
+    if (!line.empty() && line.back() == '\r') line.pop_back();  // Python's csv may end rows with \r\n
     const auto f = split_csv_line(line);
-    if (f.size() < 8) continue;
-    TorchResult r;
-    r.status = f[3];
-    if (!f[4].empty()) r.median_s = std::stod(f[4]);
-    if (!f[5].empty()) r.runs = std::stoi(f[5]);
-    if (!f[6].empty()) r.rss_growth_bytes = std::stoll(f[6]);
-    r.note = f[7];
-    results[{f[0], f[2]}] = r;
+    if (f.size() < 9) continue;
+    PeerResult r;
+    r.peer = f[3];
+    r.status = f[4];
+    if (!f[5].empty()) r.median_s = std::stod(f[5]);
+    if (!f[6].empty()) r.runs = std::stoi(f[6]);
+    if (!f[7].empty()) r.rss_growth_bytes = std::stoll(f[7]);
+    r.note = f[8];
+    results[{f[0], f[2]}].push_back(r);
   }
-  if (rc != 0)  // rows the helper did not get to (it crashed, e.g. out of memory)
+  if (rc != 0)  // the helper crashed (e.g. out of memory): say so on every row it left out
     for (const Method* m : methods)
       for (const char* pass : {"fwd", "fwd+bwd"})
         if (!results.count({m->name, pass}))
-          results[{m->name, pass}] = {"failed", 0, 0, -1, "the PyTorch helper exited with status " + std::to_string(rc)};
+          results[{m->name, pass}].push_back(
+              {"torch", "failed", 0, 0, -1, "the PyTorch helper exited with status " + std::to_string(rc)});
   std::filesystem::remove_all(dir);
   return results;
 }

@@ -1,6 +1,8 @@
-// The PyTorch column of `linattn bench`: the same inputs (and the same random features and
-// projections) through plain-PyTorch versions of each method, run by bench/torch_bench.py in a
-// Debian python3 with python3-torch. One helper process per sequence length.
+// The peers' column of `linattn bench`: the same inputs (and the same random features and
+// projections) through what a PyTorch user would otherwise call — torch's
+// scaled_dot_product_attention, performer-pytorch, nystrom-attention, linformer and each method's
+// plain-PyTorch formula — run by bench/torch_bench.py with the venv's Python. One helper process
+// per sequence length.
 #pragma once
 
 #include <map>
@@ -12,8 +14,9 @@
 
 namespace linattn::bench {
 
-struct TorchResult {
-  std::string status;  // ok, skipped (would not fit), unavailable, failed
+struct PeerResult {
+  std::string peer;    // "torch sdpa", "performer-pytorch", "torch plain", ...
+  std::string status;  // ok, skipped (would not fit), unavailable (cannot import), failed
   double median_s = 0;
   int runs = 0;
   int64_t rss_growth_bytes = -1;
@@ -22,9 +25,12 @@ struct TorchResult {
 
 // Empty when PyTorch can be used from `python`; else why not.
 std::string torch_unavailable_reason(const std::string& python);
+// torch.__version__ as `python` imports it ("?" when that fails).
+std::string torch_version(const std::string& python);
 
-// Results keyed by (method name, pass "fwd" or "fwd+bwd").
-std::map<std::pair<std::string, std::string>, TorchResult> run_torch(
+// Each method's peers, in bench/torch_bench.py's order, keyed by (method name, pass "fwd" or
+// "fwd+bwd").
+std::map<std::pair<std::string, std::string>, std::vector<PeerResult>> run_peers(
     const Problem& p, const Inputs& in, const std::vector<const Method*>& methods,
     bool forward_only, int threads, const std::string& python, const std::string& script);
 

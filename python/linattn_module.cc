@@ -7,6 +7,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <pybind11/typing.h>
 
 #include <deque>
 #include <map>
@@ -22,6 +23,40 @@
 namespace py = pybind11;
 using linattn::Tensor;
 using linattn::TensorView;
+
+// Typed Python arguments whose checks need more than a type test, so the argument is taken as
+// it comes and checked where it is used (as_array, dtype_arg) with messages that name it; the
+// type is what signatures and the .pyi stubs show. ArrayArg: a numpy.ndarray or any CPU array
+// with __dlpack__ (a torch tensor); DTypeArg: anything numpy.dtype() takes.
+struct ArrayArg {
+  py::object obj;
+};
+struct DTypeArg {
+  py::object obj;
+};
+
+namespace pybind11::detail {
+template <class Arg>
+struct pass_through_caster {
+  bool load(handle src, bool) {
+    value.obj = reinterpret_borrow<object>(src);
+    return true;
+  }
+  static handle cast(const Arg& a, return_value_policy, handle) { return a.obj.inc_ref(); }
+  Arg value;
+  operator Arg&() { return value; }
+  template <class U>
+  using cast_op_type = Arg&;
+};
+template <>
+struct type_caster<ArrayArg> : pass_through_caster<ArrayArg> {
+  static constexpr auto name = const_name("numpy.ndarray");
+};
+template <>
+struct type_caster<DTypeArg> : pass_through_caster<DTypeArg> {
+  static constexpr auto name = const_name("numpy.typing.DTypeLike");
+};
+}  // namespace pybind11::detail
 
 namespace {
 
@@ -70,6 +105,9 @@ py::array from_dlpack(const char* fn, const char* name, const py::handle& obj) {
                          "); linattn runs on the CPU only");
   return py::module_::import("numpy").attr("from_dlpack")(obj);
 }
+
+Array as_array(const char* fn, const char* name, const py::handle& obj);
+Array as_array(const char* fn, const char* name, const ArrayArg& a) { return as_array(fn, name, a.obj); }
 
 Array as_array(const char* fn, const char* name, const py::handle& obj) {
   py::array a;
@@ -139,8 +177,8 @@ py::array to_numpy(Tensor<T>&& t) {
   return py::array_t<T>(owned->shape(), owned->data(), free_when_done);
 }
 
-DType dtype_arg(const char* fn, const py::object& dtype) {
-  const py::dtype dt = py::dtype::from_args(dtype);
+DType dtype_arg(const char* fn, const DTypeArg& dtype) {
+  const py::dtype dt = py::dtype::from_args(dtype.obj);
   const std::optional<DType> f = float_dtype(dt);
   if (!f)
     throw py::type_error(std::string(fn) + ": dtype must be float32 or float64, got " +
@@ -152,7 +190,7 @@ DType dtype_arg(const char* fn, const py::object& dtype) {
 }
 
 py::array random_features(int64_t num_features, int64_t head_dim, const std::string& kind,
-                          uint64_t seed, const py::object& dtype) {
+                          uint64_t seed, const DTypeArg& dtype) {
   const linattn::FeatureKind k = linattn::parse_feature_kind(kind);
   return by_dtype(dtype_arg("random_features", dtype), [&](auto tag) -> py::array {
     using T = decltype(tag);
@@ -173,13 +211,13 @@ class PyRecurrentState {
   using Variant = std::variant<linattn::RecurrentState<float>, linattn::RecurrentState<double>>;
   explicit PyRecurrentState(Variant s) : s_(std::move(s)) {}
 
-  py::array prefill(const py::object& q, const py::object& k, const py::object& v) {
+  py::array prefill(const ArrayArg& q, const ArrayArg& k, const ArrayArg& v) {
     const char* fn = "RecurrentState.prefill";
     const Array Q = as_array(fn, "q", q), K = as_array(fn, "k", k), V = as_array(fn, "v", v);
     check_dtype(fn, common_dtype(fn, {{"q", &Q}, {"k", &K}, {"v", &V}}));
     return std::visit([&](auto& st) -> py::array { return run_prefill(st, Q, K, V); }, s_);
   }
-  py::array step(const py::object& q, const py::object& k, const py::object& v) {
+  py::array step(const ArrayArg& q, const ArrayArg& k, const ArrayArg& v) {
     const char* fn = "RecurrentState.step";
     const Array Q = as_array(fn, "q_t", q), K = as_array(fn, "k_t", k), V = as_array(fn, "v_t", v);
     check_dtype(fn, common_dtype(fn, {{"q_t", &Q}, {"k_t", &K}, {"v_t", &V}}));
@@ -226,9 +264,9 @@ class PyRecurrentState {
 };
 
 PyRecurrentState recurrent_state(int64_t batch, int64_t heads, int64_t head_dim, int64_t value_dim,
-                                 const std::string& feature_map, const py::object& projection,
-                                 const std::string& kernel, const py::object& scale, double eps,
-                                 double focus_power, const py::object& dtype) {
+                                 const std::string& feature_map, const std::optional<ArrayArg>& projection,
+                                 const std::string& kernel, const py::typing::Optional<py::float_>& scale,
+                                 double eps, double focus_power, const std::optional<DTypeArg>& dtype) {
   const char* fn = "recurrent_state";
   linattn::RecurrentOptions o;
   o.feature_map = feature_map;
@@ -238,9 +276,9 @@ PyRecurrentState recurrent_state(int64_t batch, int64_t heads, int64_t head_dim,
   // kernel's default "positive" is the FAVOR+ choice; any other value needs feature_map="favor".
   if (feature_map == "favor" || kernel != "positive") o.kernel = kernel;
   std::optional<Array> W;
-  if (!projection.is_none()) W = as_array(fn, "projection", projection);
+  if (projection) W = as_array(fn, "projection", *projection);
   DType dt = DType::F32;
-  if (!dtype.is_none()) dt = dtype_arg(fn, dtype);
+  if (dtype) dt = dtype_arg(fn, *dtype);
   else if (W) dt = W->dtype;
   if (W && W->dtype != dt)
     throw py::type_error(std::string(fn) + ": projection has dtype " + std::string(py::str(W->arr.dtype())) +
@@ -286,8 +324,8 @@ py::tuple numpy_tuple(Ts&&... ts) {
   return py::make_tuple(to_numpy(std::move(ts))...);
 }
 
-py::tuple linformer_projections(int64_t s_proj, int64_t n_max, const py::object& heads, uint64_t seed,
-                                const py::object& dtype) {
+py::tuple linformer_projections(int64_t s_proj, int64_t n_max, const py::typing::Optional<py::int_>& heads,
+                                uint64_t seed, const DTypeArg& dtype) {
   const char* fn = "linformer_projections";
   int64_t h = 0;
   if (!heads.is_none()) {
@@ -370,10 +408,10 @@ struct PyCall {
   std::map<std::string, linattn::OptionValue, std::less<>> options;
   std::vector<std::string> tensor_names;
 
-  PyCall(const linattn::MethodInfo& m, std::string function, const py::object& q, const py::object& k,
-         const py::object& v, const py::dict& tensors, const py::dict& opts)
+  PyCall(const linattn::MethodInfo& m, std::string function, const ArrayArg& q, const ArrayArg& k,
+         const ArrayArg& v, const py::dict& tensors, const py::dict& opts)
       : info(&m), fn(std::move(function)), arrays(fn.c_str()) {
-    arrays.add("q", q).add("k", k).add("v", v);
+    arrays.add("q", q.obj).add("k", k.obj).add("v", v.obj);
     for (const auto& [key, value] : tensors) {
       const std::string name = py::str(key);
       const linattn::OptionInfo* o = m.option(name);
@@ -399,7 +437,7 @@ struct PyCall {
   std::deque<std::string> names_;  // stable storage for the names Inputs keeps by pointer
 };
 
-py::object method_forward(const std::string& name, const py::object& q, const py::object& k, const py::object& v,
+py::object method_forward(const std::string& name, const ArrayArg& q, const ArrayArg& k, const ArrayArg& v,
                           const py::dict& tensors, const py::dict& options, const std::vector<std::string>& want_saved) {
   const linattn::MethodInfo& m = linattn::method(name);
   const PyCall call(m, m.function, q, k, v, tensors, options);
@@ -421,13 +459,13 @@ py::object method_forward(const std::string& name, const py::object& q, const py
   });
 }
 
-py::tuple method_backward(const std::string& name, const py::object& q, const py::object& k, const py::object& v,
-                          const py::object& dout, const py::dict& tensors, const py::dict& options,
+py::tuple method_backward(const std::string& name, const ArrayArg& q, const ArrayArg& k, const ArrayArg& v,
+                          const ArrayArg& dout, const py::dict& tensors, const py::dict& options,
                           const py::dict& saved) {
   const linattn::MethodInfo& m = linattn::method(name);
   const std::string fn = m.function + "_backward";
   PyCall call(m, fn, q, k, v, tensors, options);
-  call.arrays.add("dout", dout);
+  call.arrays.add("dout", dout.obj);
   std::deque<std::string> saved_names;
   for (const auto& [key, value] : saved) {
     if (value.is_none()) continue;

@@ -4,6 +4,7 @@ linattn: linear-cost attention and exact softmax attention (NumPy interface)
 from __future__ import annotations
 import collections.abc
 import numpy
+import numpy.typing
 import typing
 __all__: list[str] = ['RecurrentState', 'build_info', 'chi_quantile_radii', 'get_num_threads', 'linformer_projections', 'random_features', 'recurrent_state', 'reset_workspace_peak', 'set_num_threads', 'workspace_stats']
 class RecurrentState:
@@ -14,11 +15,11 @@ class RecurrentState:
         """
         An independent copy, to roll back to (or for another thread).
         """
-    def prefill(self, q: typing.Any, k: typing.Any, v: typing.Any) -> numpy.ndarray:
+    def prefill(self, q: numpy.ndarray, k: numpy.ndarray, v: numpy.ndarray) -> numpy.ndarray:
         """
         [B,H,n,d] in, [B,H,n,d_v] out: causal outputs of n tokens, chunked.
         """
-    def step(self, q_t: typing.Any, k_t: typing.Any, v_t: typing.Any) -> numpy.ndarray:
+    def step(self, q_t: numpy.ndarray, k_t: numpy.ndarray, v_t: numpy.ndarray) -> numpy.ndarray:
         """
         [B,H,d] in, [B,H,d_v] out: one token.
         """
@@ -28,11 +29,11 @@ class RecurrentState:
     @property
     def tokens(self) -> int:
         ...
-def _backward(name: str, q: typing.Any, k: typing.Any, v: typing.Any, dout: typing.Any, tensors: dict, options: dict, saved: dict) -> tuple:
+def _backward(name: str, q: numpy.ndarray, k: numpy.ndarray, v: numpy.ndarray, dout: numpy.ndarray, tensors: dict, options: dict, saved: dict) -> tuple:
     ...
 def _feature_dim(name: str, head_dim: typing.SupportsInt | typing.SupportsIndex, tensor_shapes: dict, options: dict) -> int:
     ...
-def _forward(name: str, q: typing.Any, k: typing.Any, v: typing.Any, tensors: dict, options: dict, want_saved: collections.abc.Sequence[str]) -> typing.Any:
+def _forward(name: str, q: numpy.ndarray, k: numpy.ndarray, v: numpy.ndarray, tensors: dict, options: dict, want_saved: collections.abc.Sequence[str]) -> typing.Any:
     ...
 def _methods() -> list:
     ...
@@ -46,13 +47,13 @@ def chi_quantile_radii(num_features: typing.SupportsInt | typing.SupportsIndex, 
     """
 def get_num_threads() -> int:
     ...
-def linformer_projections(s_proj: typing.SupportsInt | typing.SupportsIndex, n_max: typing.SupportsInt | typing.SupportsIndex, *, heads: typing.Any = None, seed: typing.SupportsInt | typing.SupportsIndex = 0, dtype: typing.Any = ...) -> tuple:
+def linformer_projections(s_proj: typing.SupportsInt | typing.SupportsIndex, n_max: typing.SupportsInt | typing.SupportsIndex, *, heads: int | None = None, seed: typing.SupportsInt | typing.SupportsIndex = 0, dtype: numpy.typing.DTypeLike = ...) -> tuple:
     """
     (e, f) initialised as fairseq's Linformer does: Xavier-uniform, gain 1/sqrt(2),
     i.e. uniform on (-a, a), a = sqrt(3 / (n_max + s_proj)). heads=None: shared [s_proj, n_max];
     else [heads, s_proj, n_max]. Reproducible by seed.
     """
-def random_features(num_features: typing.SupportsInt | typing.SupportsIndex, head_dim: typing.SupportsInt | typing.SupportsIndex, kind: str = 'orthogonal', seed: typing.SupportsInt | typing.SupportsIndex = 0, dtype: typing.Any = ...) -> numpy.ndarray:
+def random_features(num_features: typing.SupportsInt | typing.SupportsIndex, head_dim: typing.SupportsInt | typing.SupportsIndex, kind: str = 'orthogonal', seed: typing.SupportsInt | typing.SupportsIndex = 0, dtype: numpy.typing.DTypeLike = ...) -> numpy.ndarray:
     """
     Random projection ω [num_features, head_dim] for FAVOR attention.
     
@@ -60,7 +61,7 @@ def random_features(num_features: typing.SupportsInt | typing.SupportsIndex, hea
     "orthogonal_fixed" (norms sqrt(d)), "quantile" (norms the chi(d) quantiles at i/(m+1), in a
     seeded order). Same seed, same matrix on every machine and thread count.
     """
-def recurrent_state(batch: typing.SupportsInt | typing.SupportsIndex, heads: typing.SupportsInt | typing.SupportsIndex, head_dim: typing.SupportsInt | typing.SupportsIndex, value_dim: typing.SupportsInt | typing.SupportsIndex, *, feature_map: str = 'elu', projection: typing.Any = None, kernel: str = 'positive', scale: typing.Any = None, eps: typing.SupportsFloat | typing.SupportsIndex = 1e-06, focus_power: typing.SupportsFloat | typing.SupportsIndex = 3.0, dtype: typing.Any = None) -> RecurrentState:
+def recurrent_state(batch: typing.SupportsInt | typing.SupportsIndex, heads: typing.SupportsInt | typing.SupportsIndex, head_dim: typing.SupportsInt | typing.SupportsIndex, value_dim: typing.SupportsInt | typing.SupportsIndex, *, feature_map: str = 'elu', projection: numpy.ndarray | None = None, kernel: str = 'positive', scale: float | None = None, eps: typing.SupportsFloat | typing.SupportsIndex = 1e-06, focus_power: typing.SupportsFloat | typing.SupportsIndex = 3.0, dtype: numpy.typing.DTypeLike | None = None) -> RecurrentState:
     """
     A decoding state for feature_map "elu", "relu", "focused" or "favor" (with projection).
     

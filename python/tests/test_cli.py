@@ -30,8 +30,28 @@ def test_bench_writes_one_row_per_method_n_and_pass(tmp_path):
     for row in rows:
         assert float(row["median_s"]) > 0
         assert float(row["gflops"]) > 0
-        assert row["torch_status"] != "ok"  # --no-torch
+        assert row["impl"] == "linattn"  # --no-torch: no peer rows
     assert "crossover" in r.stdout
+
+
+def test_bench_peers_are_rows_of_their_own(tmp_path):
+    """With PyTorch importable, each of our rows is followed by one row per peer (exact attention:
+    torch sdpa and the plain formula), timed on the same inputs."""
+    pytest.importorskip("torch")
+    import sys
+    out = tmp_path / "bench.csv"
+    r = subprocess.run([BIN, "bench", "--n", "64", "--heads", "2", "--methods", "exact", "--forward-only",
+                        "--csv", str(out)], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, LINATTN_PYTHON=sys.executable))
+    assert r.returncode == 0, r.stderr
+    rows = list(csv.DictReader(open(out)))
+    impls = {(row["method"], row["impl"]): row for row in rows}
+    for method in ("exact softmax", "exact softmax (causal)"):
+        for impl in ("linattn", "torch sdpa", "torch plain"):
+            assert impls[(method, impl)]["status"] == "ok", (method, impl)
+            assert float(impls[(method, impl)]["median_s"]) > 0
+    assert len(rows) == 6
+    assert "vs torch sdpa" in r.stdout
 
 
 def test_bench_rejects_unknown_option_and_method():

@@ -1,7 +1,7 @@
-"""The PyTorch implementations `linattn bench` compares against (bench/torch_bench.py) compute
+"""The peers `linattn bench` compares against (bench/torch_bench.py: plain-PyTorch formulas,
+torch's scaled_dot_product_attention, performer-pytorch, nystrom-attention, linformer) compute
 the same functions as linattn, on the same inputs and parameters: otherwise the speed ratios
-would compare different things. Needs Debian's python3-torch (installed by `make bench`);
-skipped where it is missing."""
+would compare different things. Needs requirements/torch.txt (in .venv); skipped without torch."""
 import importlib.util
 import os
 
@@ -55,3 +55,66 @@ def test_nystrom_linformer_efficient(data):
                                linattn.linformer_attention(q, k, v, e, f), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(run(tb.efficient, q, k, v), linattn.efficient_attention(q, k, v),
                                rtol=1e-10, atol=1e-12)
+
+
+def run_peer(method, peer, q, k, v, causal=False, **extra):
+    """One forward of a bench peer, its output as [B,H,n,d] (lucidrains' modules give [B,n,H·d])."""
+    t = {s: torch.from_numpy(np.ascontiguousarray(x)) for s, x in (("q", q), ("k", k), ("v", v))}
+    t["dout"] = torch.zeros_like(t["v"])
+    extra = {x: torch.from_numpy(y) if isinstance(y, np.ndarray) else y for x, y in extra.items()}
+    make = dict(tb.peers_of(method, causal))[peer]
+    call, leaves, _ = make(t, extra, causal)
+    with torch.no_grad():
+        out = call(*leaves)
+    B, H, n, d = q.shape
+    if out.dim() == 3:
+        out = out.reshape(B, n, H, d).transpose(1, 2)
+    return out.numpy()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_peer_is_exact_attention(data, causal):
+    q, k, v = data
+    np.testing.assert_allclose(run_peer("exact softmax", "torch sdpa", q, k, v, causal),
+                               linattn.softmax_attention(q, k, v, causal=causal), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_performer_peer_is_favor(data, causal, monkeypatch):
+    """performer-pytorch adds 1e-4 to every feature (and 1e-6 to the causal key sums); with those
+    set to 0 it computes our FAVOR+ with the same projection. The benchmark times it as shipped:
+    the constants cost nothing."""
+    import functools
+    pp = pytest.importorskip("performer_pytorch.performer_pytorch")
+    monkeypatch.setattr(pp, "softmax_kernel", functools.partial(pp.softmax_kernel, eps=0.0))
+    monkeypatch.setattr(pp, "causal_linear_attention_noncuda",
+                        functools.partial(pp.causal_linear_attention_noncuda, eps=0.0))
+    q, k, v = data
+    w = linattn.random_features(32, q.shape[-1], seed=3, dtype=np.float64)
+    np.testing.assert_allclose(run_peer("favor+ m=32", "performer-pytorch", q, k, v, causal, favor_w=w),
+                               linattn.favor_attention(q, k, v, w, causal=causal), rtol=1e-9, atol=1e-12)
+
+
+def test_nystrom_peer(data):
+    """nystrom-attention scales the pseudo-inverse's first iterate by the largest row and column
+    sums over all heads at once, we per head: the same for one head."""
+    pytest.importorskip("nystrom_attention")
+    q, k, v = (x[:, :1] for x in data)
+    np.testing.assert_allclose(run_peer("nystrom m=12", "nystrom-attention", q, k, v, landmarks=12),
+                               linattn.nystrom_attention(q, k, v, num_landmarks=12), rtol=1e-8, atol=1e-10)
+
+
+def test_linformer_peer(data):
+    pytest.importorskip("linformer")
+    q, k, v = data
+    e, f = linattn.linformer_projections(24, q.shape[2], seed=4, dtype=np.float64)
+    np.testing.assert_allclose(run_peer("linformer s=24", "linformer", q, k, v, linformer_e=e, linformer_f=f),
+                               linattn.linformer_attention(q, k, v, e, f), rtol=1e-10, atol=1e-12)
+
+
+def test_every_method_has_a_peer_and_exact_attention_has_sdpa():
+    for name in ("exact softmax", "linear elu", "favor+ m=256", "nystrom m=64", "linformer s=256",
+                 "efficient attention"):
+        assert tb.peers_of(name, False), name
+    assert [p for p, _ in tb.peers_of("exact softmax (causal)", True)] == ["torch sdpa", "torch plain"]
+    assert tb.peers_of("nystrom m=64", True) == []  # no causal form, as in linattn

@@ -38,7 +38,8 @@ const char* kUsage =
     "          --forward-only      skip forward+backward\n"
     "          --csv FILE          also write the table as CSV\n"
     "          --plots DIR         write the CSV and PNG plots (time, memory vs n) into DIR\n"
-    "          --no-torch          skip the PyTorch comparison (default: on when python3-torch is there)\n"
+    "          --no-torch          skip the peers (torch sdpa, performer-pytorch, ...; default: on\n"
+    "                              when LINATTN_PYTHON, else python3, imports torch)\n"
     "  accuracy  errors of every method against exact attention (float64) over seeds, the\n"
     "          random-feature kernel study, rank and concentration of the attention matrices\n"
     "          --out DIR           CSV files and PNG plots (default out/accuracy)\n"
@@ -229,28 +230,38 @@ struct Row {
   double flops = 0, median_s = 0;
   linattn::bench::Timing timing;
   linattn::bench::PeakMemory memory;
-  linattn::bench::TorchResult torch;
+  std::vector<linattn::bench::PeerResult> peers;
 };
 
-std::string torch_cell(const linattn::bench::TorchResult& t) {
+std::string peer_cell(const linattn::bench::PeerResult& t) {
   if (t.status == "ok") {
     char buf[32];
     std::snprintf(buf, sizeof buf, "%.2f", t.median_s * 1e3);
     return buf;
   }
-  return t.status.empty() ? "-" : t.status;
+  return t.status + (t.note.empty() ? "" : " (" + t.note + ")");
 }
 
-// The smallest n of the sweep from which `method` (at `pass`) is faster than exact attention
-// with the same causality, in this run; -1 if never within the measured range.
-int64_t crossover(const std::vector<Row>& rows, const Row& r) {
+// The median time of `peer` on row r, or -1 when it did not run.
+double peer_time(const Row& r, const std::string& peer) {
+  for (const auto& t : r.peers)
+    if (t.peer == peer && t.status == "ok") return t.median_s;
+  return -1;
+}
+
+// The smallest n of the sweep from which `method` (at `pass`) stays faster than exact attention
+// with the same causality, in this run — linattn's own (peer empty) or a peer's ("torch sdpa");
+// -1 if never within the measured range.
+int64_t crossover(const std::vector<Row>& rows, const Row& r, const std::string& peer = "") {
   const std::string exact = r.method->causal ? "exact softmax (causal)" : "exact softmax";
   int64_t from = -1;
   for (const Row& x : rows) {
     if (x.method != r.method || x.pass != r.pass) continue;
     for (const Row& e : rows)
       if (e.method->name == exact && e.n == x.n && e.pass == x.pass) {
-        if (x.median_s < e.median_s) {
+        const double t = peer.empty() ? e.median_s : peer_time(e, peer);
+        if (t < 0) continue;
+        if (x.median_s < t) {
           if (from < 0) from = x.n;
         } else {
           from = -1;  // slower again: the crossover is later
@@ -274,21 +285,25 @@ int bench(const Args& a) {
               (long long)a.problem.head_dim, linattn::bench::machine_summary().c_str());
   std::printf("measured sgemm rate (2048^3, %d threads): %.1f GFLOP/s\n", linattn::num_threads(), gemm);
   if (no_torch.empty())
-    std::printf("PyTorch: the same inputs through plain PyTorch (bench/torch_bench.py), "
-                "torch.set_num_threads(%d), OMP_WAIT_POLICY=passive\n\n", linattn::num_threads());
+    std::printf("peers: the same inputs through torch sdpa, performer-pytorch, nystrom-attention, linformer "
+                "and plain PyTorch (bench/torch_bench.py), torch %s, torch.set_num_threads(%d), "
+                "OMP_WAIT_POLICY=passive\n\n",
+                linattn::bench::torch_version(python).c_str(), linattn::num_threads());
   else
-    std::printf("PyTorch: not compared (%s)\n\n", no_torch.c_str());
-  std::printf("%-26s %7s %-8s %9s %11s %9s %8s %13s %13s %11s %9s\n", "method", "n", "pass", "GFLOP",
-              "time (ms)", "GFLOP/s", "% sgemm", "extra (wksp)", "extra (RSS)", "torch (ms)", "ours/torch");
+    std::printf("peers: not compared (%s)\n\n", no_torch.c_str());
+  std::printf("%-26s %7s %-8s %9s %11s %9s %8s %13s %13s\n", "method", "n", "pass", "GFLOP", "time (ms)",
+              "GFLOP/s", "% sgemm", "extra (wksp)", "extra (RSS)");
+  std::printf("%-26s %7s %-8s %9s %11s %9s %8s\n", "  vs peer", "", "", "", "time (ms)", "GFLOP/s",
+              "ours/it");
   std::string csv_path = a.csv;
   if (csv_path.empty() && !a.plots.empty()) csv_path = a.plots + "/bench.csv";
   std::ofstream csv;
   if (!csv_path.empty()) {
     csv.open(csv_path);
     if (!csv) throw std::runtime_error("cannot write " + csv_path);
-    csv << "method,causal,n,batch,heads,head_dim,pass,flops,median_s,min_s,runs,gflops,"
-           "fraction_of_sgemm,workspace_bytes,rss_growth_bytes,sgemm_gflops,threads,"
-           "torch_status,torch_median_s,torch_runs,torch_rss_growth_bytes,torch_note\n";
+    // One row per implementation: impl is "linattn" or the peer; workspace_bytes is linattn's.
+    csv << "method,causal,n,batch,heads,head_dim,pass,impl,status,flops,median_s,min_s,runs,gflops,"
+           "fraction_of_sgemm,workspace_bytes,rss_growth_bytes,sgemm_gflops,threads,note\n";
   }
   std::vector<Row> rows;
   for (const int64_t n : a.ns) {
@@ -322,44 +337,54 @@ int bench(const Args& a) {
     }
     if (no_torch.empty() && !run_here.empty()) {
       std::fprintf(stderr, "\r[bench] PyTorch n=%lld ...                              ", (long long)n);
-      const auto torch = linattn::bench::run_torch(p, in, run_here, a.forward_only, linattn::num_threads(),
+      const auto peers = linattn::bench::run_peers(p, in, run_here, a.forward_only, linattn::num_threads(),
                                                    python, bench_dir + "/torch_bench.py");
       for (size_t i = first; i < rows.size(); ++i) {
-        const auto it = torch.find({rows[i].method->name, rows[i].pass});
-        if (it != torch.end()) rows[i].torch = it->second;
+        const auto it = peers.find({rows[i].method->name, rows[i].pass});
+        if (it != peers.end()) rows[i].peers = it->second;
       }
     }
     std::fprintf(stderr, "\r%80s\r", "");
     for (size_t i = first; i < rows.size(); ++i) {
       const Row& r = rows[i];
       const double gflops = r.flops / r.median_s * 1e-9;
-      char ratio[32] = "-";
-      if (r.torch.status == "ok") std::snprintf(ratio, sizeof ratio, "%.2f", r.median_s / r.torch.median_s);
-      std::printf("%-26s %7lld %-8s %9.1f %11.2f %9.1f %7.0f%% %13s %13s %11s %9s\n", r.method->name.c_str(),
+      std::printf("%-26s %7lld %-8s %9.1f %11.2f %9.1f %7.0f%% %13s %13s\n", r.method->name.c_str(),
                   (long long)n, r.pass.c_str(), r.flops * 1e-9, r.median_s * 1e3, gflops, 100 * gflops / gemm,
                   linattn::bench::human_bytes(r.memory.workspace_bytes).c_str(),
-                  linattn::bench::human_bytes(r.memory.rss_growth_bytes).c_str(), torch_cell(r.torch).c_str(),
-                  ratio);
-      if (csv)
+                  linattn::bench::human_bytes(r.memory.rss_growth_bytes).c_str());
+      for (const auto& t : r.peers) {
+        if (t.status == "ok")
+          std::printf("  vs %-22s %7s %-8s %9s %11.2f %9.1f %8.2f %13s %13s\n", t.peer.c_str(), "", "", "",
+                      t.median_s * 1e3, r.flops / t.median_s * 1e-9, r.median_s / t.median_s, "",
+                      linattn::bench::human_bytes(t.rss_growth_bytes).c_str());
+        else
+          std::printf("  vs %-22s %7s %-8s %9s %s\n", t.peer.c_str(), "", "", "", peer_cell(t).c_str());
+      }
+      if (!csv) continue;
+      auto line = [&](const std::string& impl, const std::string& status, double median_s, double min_s,
+                      int runs, int64_t workspace, int64_t rss, const std::string& note) {
+        const double rate = median_s > 0 ? r.flops / median_s * 1e-9 : 0;
         csv << '"' << r.method->name << "\"," << r.method->causal << ',' << n << ',' << p.batch << ','
-            << p.heads << ',' << p.head_dim << ',' << r.pass << ',' << r.flops << ',' << r.median_s << ','
-            << r.timing.min_s << ',' << r.timing.runs << ',' << gflops << ',' << gflops / gemm << ','
-            << r.memory.workspace_bytes << ',' << r.memory.rss_growth_bytes << ',' << gemm << ','
-            << linattn::num_threads() << ',' << r.torch.status << ',' << r.torch.median_s << ','
-            << r.torch.runs << ',' << r.torch.rss_growth_bytes << ",\"" << r.torch.note << "\"\n";
+            << p.heads << ',' << p.head_dim << ',' << r.pass << ",\"" << impl << "\"," << status << ','
+            << r.flops << ',' << median_s << ',' << min_s << ',' << runs << ',' << rate << ',' << rate / gemm
+            << ',' << workspace << ',' << rss << ',' << gemm << ',' << linattn::num_threads() << ",\"" << note
+            << "\"\n";
+      };
+      line("linattn", "ok", r.median_s, r.timing.min_s, r.timing.runs, r.memory.workspace_bytes,
+           r.memory.rss_growth_bytes, "");
+      for (const auto& t : r.peers) line(t.peer, t.status, t.median_s, 0, t.runs, -1, t.rss_growth_bytes, t.note);
     }
     std::fflush(stdout);
     csv.flush();
   }
   std::printf("\ncrossover (smallest n of this sweep from which the method stays faster than our exact "
-              "attention, same causality and pass):\n");
+              "attention, and than torch sdpa, same causality and pass):\n");
   for (const Row& r : rows) {
     if (r.method->name.rfind("exact", 0) == 0 || r.n != rows.front().n) continue;
-    const int64_t from = crossover(rows, r);
-    if (from > 0)
-      std::printf("  %-26s %-8s n = %lld\n", r.method->name.c_str(), r.pass.c_str(), (long long)from);
-    else
-      std::printf("  %-26s %-8s not within the measured n\n", r.method->name.c_str(), r.pass.c_str());
+    auto show = [](int64_t from) { return from > 0 ? "n = " + std::to_string(from) : std::string("not within the measured n"); };
+    std::printf("  %-26s %-8s %-28s", r.method->name.c_str(), r.pass.c_str(), show(crossover(rows, r)).c_str());
+    if (no_torch.empty()) std::printf("  (torch sdpa: %s)", show(crossover(rows, r, "torch sdpa")).c_str());
+    std::printf("\n");
   }
   if (!a.plots.empty()) {
     csv.close();

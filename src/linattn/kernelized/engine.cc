@@ -716,9 +716,10 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* den, co
   PerWorker<CausalSaved<T>> saved(loop);
   const int64_t d = p.dims.head_dim, dvd = p.dims.value_dim;
   loop.run([&](int64_t bh, int worker) {
-    // Gradients of padded keys stay 0: the passes only write valid rows.
-    std::fill(dk + bh * p.dims.n_k * d, dk + (bh + 1) * p.dims.n_k * d, T(0));
-    std::fill(dv + bh * p.dims.n_k * dvd, dv + (bh + 1) * p.dims.n_k * dvd, T(0));
+    // The passes write every query row and the valid key rows; padded keys get 0.
+    const int64_t key_len = p.mask->key_length(bh / p.dims.heads);
+    std::fill(dk + (bh * p.dims.n_k + key_len) * d, dk + (bh + 1) * p.dims.n_k * d, T(0));
+    std::fill(dv + (bh * p.dims.n_k + key_len) * dvd, dv + (bh + 1) * p.dims.n_k * dvd, T(0));
     Scratch<T>& s = scratch[worker];
     if (causal) {
       causal_forward_pass(p, bh, s, saved[worker], cache[worker], dout, out, den, dq);

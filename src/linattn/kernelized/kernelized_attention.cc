@@ -131,7 +131,9 @@ AttentionGrads<T> run_backward(const kernelized::Problem<T>& p, const ValueScale
     kernelized::forward<T>(p, out.data(), {den.data(), causal ? nullptr : state.data()});
     out_p = out.data(), den_p = den.data(), state_p = causal ? nullptr : state.data();
   }
-  AttentionGrads<T> g{Tensor<T>(p.q.shape), Tensor<T>(p.k.shape), Tensor<T>(p.v.shape), {}};
+  // The engine writes every element of dq, dk and dv (padded keys' rows with 0).
+  AttentionGrads<T> g{Tensor<T>(p.q.shape, false, Init::Uninitialized), Tensor<T>(p.k.shape, false, Init::Uninitialized),
+                      Tensor<T>(p.v.shape, false, Init::Uninitialized), {}};
   kernelized::backward<T>(p, gs.view().data, out_p, den_p, state_p, g.dq.data(), g.dk.data(), g.dv.data());
   if (dwc_weight) {
     Tensor<T> dw(dwc_weight->shape);
