@@ -4,8 +4,8 @@ forward again: the figures of docs/methods/kernelized.md (issue 12's target: <= 
 non-causal, <= 3.5x causal at n >= 4096).
 
 Usage: .venv/bin/python bench/backward_ratio.py [THREADS [N]]   (defaults 1, 4096)
-Inputs B=1, H=8, d=d_v=64, float32, m=256 orthogonal features; medians of 7 runs after one
-warm-up. FLOPs per forward (FAVOR, the registry's count): 4·n·m·(d + d_v)·B·H."""
+Inputs B=1, H=8, d=d_v=64, float32, m=256 orthogonal features; medians of 15 runs after one
+warm-up, interleaved. FLOPs per forward (FAVOR, the registry's count): 4·n·m·(d + d_v)·B·H."""
 import sys
 import time
 
@@ -21,14 +21,18 @@ q, k, v, dout = (rng.standard_normal((1, 8, n, 64), dtype=np.float32) * 0.5 for 
 w = linattn.random_features(256, 64, seed=1)
 
 
-def median_ms(f, reps=7):
-    f()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
+def medians_ms(fns, reps=15):
+    """Medians of `reps` timings of each function, taken in interleaved rounds (one call of each
+    per round) after one warm-up, so drift in this shared machine's speed hits all alike."""
+    for f in fns:
         f()
-        times.append(time.perf_counter() - t)
-    return 1e3 * sorted(times)[reps // 2]
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for f, t in zip(fns, times):
+            t0 = time.perf_counter()
+            f()
+            t.append(time.perf_counter() - t0)
+    return [1e3 * sorted(t)[reps // 2] for t in times]
 
 
 print("threads=%d n=%d B=1 H=8 d=64 float32" % (threads, n))
@@ -41,10 +45,8 @@ for name, fwd, bwd in [
         ("favor+", lambda c, **kw: linattn.favor_attention(q, k, v, w, causal=c, **kw),
          lambda c, **kw: linattn.favor_attention_backward(q, k, v, w, dout, causal=c, **kw))]:
     for causal in (False, True):
-        f = median_ms(lambda: fwd(causal))
         out, den, state = fwd(causal, return_den=True, return_state=True)
-        fs = median_ms(lambda: fwd(causal, return_den=True, return_state=True))
-        b = median_ms(lambda: bwd(causal, out=out, den=den, state=state))
-        br = median_ms(lambda: bwd(causal))
+        f, fs, b, br = medians_ms([lambda: fwd(causal), lambda: fwd(causal, return_den=True, return_state=True),
+                                   lambda: bwd(causal, out=out, den=den, state=state), lambda: bwd(causal)])
         print("| %s | %s | %.1f | %.1f | %.1f | %.1f | %.2f |" % (name, causal, f, fs, b, br, (fs + b) / f),
               flush=True)

@@ -437,6 +437,30 @@ TEST(KernelizedBackward, SavedTensorsAreChecked) {
               HasSubstr("favor_attention_backward: pass out, den and state (from the forward), or none of them"));
 }
 
+// The engine checks the gradients while it writes them (no second pass over dq, dk, dv when
+// nothing was rescaled): a saved den far too small makes dout/den overflow float32, and that is
+// an Error naming the gradient, causal and not, on 1, 2 and 5 threads; with den as saved the
+// same calls are finite.
+TEST(KernelizedBackward, GradientOverflowFoundInTheKernelIsAnError) {
+  const auto q = random_tensor<float>({1, 3, 40, 8}, 1), k = random_tensor<float>({1, 3, 40, 8}, 2),
+             v = random_tensor<float>({1, 3, 40, 4}, 3), g = random_tensor<float>({1, 3, 40, 4}, 4);
+  for (const bool causal : {false, true})
+    for (const int threads : {1, 2, 5}) {
+      testing::ScopedThreads scope(threads);
+      LinearAttentionOptions o;
+      o.causal = causal;
+      const auto f = linear_attention_with_saved<float>(q, k, v, o);
+      const auto ok = linear_attention_backward<float>(q, k, v, g, f.out, f.den, f.state, o);
+      for (const Tensor<float>* t : {&ok.dq, &ok.dk, &ok.dv})
+        for (int64_t i = 0; i < t->size(); ++i) ASSERT_TRUE(std::isfinite((*t)[i])) << i;
+      Tensor<float> den = cast<float>(f.den);
+      den[2 * 40 + 17] = 1e-38f;  // head 2, row 17: dnum = dout / 1e-38 overflows
+      EXPECT_THAT(error_of([&] { linear_attention_backward<float>(q, k, v, g, f.out, den, f.state, o); }),
+                  HasSubstr("overflows float32"))
+          << "causal " << causal << ", " << threads << " threads";
+    }
+}
+
 // Padded keys may hold anything, NaN included.
 TEST(KernelizedMask, PaddedKeysAreIgnored) {
   auto q = random_tensor<float>({2, 2, 100, 8}, 1), k = random_tensor<float>({2, 2, 100, 8}, 2),

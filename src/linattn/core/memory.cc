@@ -4,6 +4,8 @@
 
 #include "linattn/core/error.h"
 
+#include <sys/mman.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <new>
@@ -16,8 +18,14 @@ std::atomic<int64_t> g_peak{0};
 
 void* aligned_alloc_bytes(size_t bytes) {
   if (bytes == 0) return nullptr;
-  const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
-  void* p = rounded < bytes ? nullptr : std::aligned_alloc(kAlignment, rounded);
+  // Buffers of 8 MiB and more (outputs, gradients) in 2 MiB pages where the kernel offers them
+  // on request (transparent_hugepage=madvise): first touch then faults once per 2 MiB instead
+  // of once per 4 KiB, which was a tenth of a kernelized backward's time.
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t align = bytes >= 4 * kHuge ? kHuge : kAlignment;
+  const size_t rounded = (bytes + align - 1) / align * align;
+  void* p = rounded < bytes ? nullptr : std::aligned_alloc(align, rounded);
+  if (p && align == kHuge) (void)madvise(p, rounded, MADV_HUGEPAGE);  // a hint: failure is harmless
   if (!p) throw OutOfMemory("linattn: cannot allocate " + human_bytes(static_cast<double>(bytes)) + " (out of memory)");
   return p;
 }

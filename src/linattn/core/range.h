@@ -78,18 +78,26 @@ void check_result_finite(const char* fn, const char* what, const Tensor<T>& t) {
        ": the inputs are finite but too large for this dtype; scale them down or use float64");
 }
 
+// Which of dq, dk, dv a backward's kernel already found finite while it wrote them (in cache),
+// so restore_gradients need not read them again when it does not rescale them.
+struct CheckedGradients {
+  bool dq = false, dk = false, dv = false;
+};
+
 // After a backward computed from v·2^−v_exp and dout·2^−dout_exp (ValueScale): dq, dk and the
 // parameter gradients are linear in v and in dout, dv in dout alone; then every gradient is
-// checked to be finite.
+// checked to be finite (unless `checked` says so and it was not rescaled).
 template <class T>
-void restore_gradients(const char* fn, AttentionGrads<T>& g, int v_exp, int dout_exp) {
+void restore_gradients(const char* fn, AttentionGrads<T>& g, int v_exp, int dout_exp,
+                       CheckedGradients checked = {}) {
   scale_by_power_of_two(g.dq, v_exp + dout_exp);
   scale_by_power_of_two(g.dk, v_exp + dout_exp);
   scale_by_power_of_two(g.dv, dout_exp);
   for (auto& [name, t] : g.params) scale_by_power_of_two(t, v_exp + dout_exp);
-  check_result_finite(fn, "dq", g.dq);
-  check_result_finite(fn, "dk", g.dk);
-  check_result_finite(fn, "dv", g.dv);
+  const bool qk_scaled = v_exp + dout_exp != 0, v_scaled = dout_exp != 0;
+  if (!checked.dq || qk_scaled) check_result_finite(fn, "dq", g.dq);
+  if (!checked.dk || qk_scaled) check_result_finite(fn, "dk", g.dk);
+  if (!checked.dv || v_scaled) check_result_finite(fn, "dv", g.dv);
   for (const auto& [name, t] : g.params) check_result_finite(fn, ("the gradient of " + name).c_str(), t);
 }
 

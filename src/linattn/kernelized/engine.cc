@@ -147,7 +147,16 @@ struct Scratch {
   // Non-causal, augmented so one product gives both sums: [KV | z] (m'×(d_v+1)), [V | 1]
   // (rows×(d_v+1)), [num | den] and [dnum | dden] (rows×(d_v+1)).
   Buffer<T> kvz, dkvz, vaug, nd, dnd;
+  // Backward: whether every gradient value this worker wrote is finite (written_finite).
+  bool grads_finite = true;
 };
+
+// Checks `count` gradient values just written, while they are in cache: the result check that
+// restore_gradients would otherwise make with one more pass over dq, dk and dv.
+template <class T>
+void written_finite(Scratch<T>& s, const T* x, int64_t count) {
+  if (s.grads_finite) s.grads_finite = simd::all_finite(x, static_cast<size_t>(count));
+}
 
 // ---- features --------------------------------------------------------------------------------
 
@@ -364,6 +373,7 @@ void backward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, const T*
     matmul<T>(mat(s.dkvz.data(), m, da), mat(s.qf.values(*p.fmap), rows, m).t(), mat(s.dnd.data(), rows, da),
               T(1), T(1));
     feature_backward(p, p.q.row(bh, i0), rows, Side::Query, s.qf, s, dq + (bh * n_q + i0) * d);
+    written_finite(s, dq + (bh * n_q + i0) * d, rows * d);
   }
   for (int64_t j0 = 0; j0 < key_len; j0 += kBlockRows) {
     interruption_point();
@@ -376,6 +386,8 @@ void backward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, const T*
     matmul<T>(mat(dv_out + (bh * p.dims.n_k + j0) * dv, rows, dv), mat(kf.values(*p.fmap), rows, m),
               mat(s.dkvz.data(), m, dv, da));
     feature_backward(p, p.k.row(bh, j0), rows, Side::Key, kf, s, dk + (bh * p.dims.n_k + j0) * d);
+    written_finite(s, dk + (bh * p.dims.n_k + j0) * d, rows * d);
+    written_finite(s, dv_out + (bh * p.dims.n_k + j0) * dv, rows * dv);
   }
 }
 
@@ -598,6 +610,7 @@ void causal_forward_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, CausalS
       matmul<T>(mat(s.dphi.data(), rows, m), mat(s.P.data(), rows, kr, kChunk), mat(chunk.kf.values(*p.fmap), kr, m),
                 T(1), T(1));
     feature_backward(p, p.q.row(bh, t0), rows, Side::Query, chunk.qf, s, dq + (bh * n + t0) * d);
+    written_finite(s, dq + (bh * n + t0) * d, rows * d);
     saved.chunks.push_back(chunk);
     saved.shifts.insert(saved.shifts.end(), s.c.data(), s.c.data() + m);
     add_chunk_to_state(p, bh, t0, kr, chunk.kf, s);
@@ -659,6 +672,8 @@ void causal_reverse_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, const C
       matmul<T>(mat(dvc, kr, dv), mat(K, kr, m), mat(s.R.data(), m, dv));
       matmul<T>(mat(dvc, kr, dv), mat(s.W.data(), rows, kr, kChunk).t(), mat(s.dnum.data(), rows, dv), T(1), T(1));
       feature_backward(p, p.k.row(bh, t0), kr, Side::Key, kf, s, dk + (bh * n + t0) * d);
+      written_finite(s, dk + (bh * n + t0) * d, kr * d);
+      written_finite(s, dvc, kr * dv);
     }
     // This chunk's queries join the suffix state: R += Qᵀ·dnum, ρ += Qᵀ·dden.
     matmul<T>(mat(s.R.data(), m, dv), mat(Q, rows, m).t(), mat(s.dnum.data(), rows, dv), T(1), T(1));
@@ -701,7 +716,7 @@ void forward_causal_from_state(const Problem<T>& p, T* out, T* S, T* z, T* c) {
 }
 
 template <class T>
-void backward(const Problem<T>& p, const T* dout, const T* out, const T* den, const T* state, T* dq, T* dk,
+bool backward(const Problem<T>& p, const T* dout, const T* out, const T* den, const T* state, T* dq, T* dk,
               T* dv) {
   const bool causal = p.mask->causal();
   require(causal || state, "kernelized::backward: the non-causal backward needs the saved state");
@@ -728,6 +743,9 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* den, co
       backward_noncausal(p, bh, s, dout, out, den, state, dq, dk, dv);
     }
   });
+  bool finite = true;
+  for (int w = 0; w < scratch.size(); ++w) finite = finite && scratch[w].grads_finite;
+  return finite;
 }
 
 template void forward<float>(const Problem<float>&, float*, Saved<float>);
@@ -735,9 +753,9 @@ template void forward<double>(const Problem<double>&, double*, Saved<double>);
 template void forward_causal_from_state<float>(const Problem<float>&, float*, float*, float*, float*);
 template void forward_causal_from_state<double>(const Problem<double>&, double*, double*, double*,
                                                 double*);
-template void backward<float>(const Problem<float>&, const float*, const float*, const float*, const float*,
+template bool backward<float>(const Problem<float>&, const float*, const float*, const float*, const float*,
                               float*, float*, float*);
-template void backward<double>(const Problem<double>&, const double*, const double*, const double*,
+template bool backward<double>(const Problem<double>&, const double*, const double*, const double*,
                                const double*, double*, double*, double*);
 
 }  // namespace linattn::kernelized

@@ -49,9 +49,10 @@ void forward_causal_from_state(const Problem<T>& p, T* out, T* S, T* z, T* c);
 
 // Gradients of Σ dout∘out: dq, dk, dv (overwritten), from the forward's saved den and (non-
 // causal) state. out: the forward's attention output, or null to compute it again (when the
-// caller's output also holds a depthwise convolution).
+// caller's output also holds a depthwise convolution). Returns whether every value written is
+// finite (checked block by block while in cache; restore_gradients then need not read them).
 template <class T>
-void backward(const Problem<T>& p, const T* dout, const T* out, const T* den, const T* state, T* dq,
+bool backward(const Problem<T>& p, const T* dout, const T* out, const T* den, const T* state, T* dq,
               T* dk, T* dv);
 
 // Rows per block (non-causal) and the longest chunk (causal).

@@ -134,13 +134,15 @@ AttentionGrads<T> run_backward(const kernelized::Problem<T>& p, const ValueScale
   // The engine writes every element of dq, dk and dv (padded keys' rows with 0).
   AttentionGrads<T> g{Tensor<T>(p.q.shape, false, Init::Uninitialized), Tensor<T>(p.k.shape, false, Init::Uninitialized),
                       Tensor<T>(p.v.shape, false, Init::Uninitialized), {}};
-  kernelized::backward<T>(p, gs.view().data, out_p, den_p, state_p, g.dq.data(), g.dk.data(), g.dv.data());
+  const bool finite =
+      kernelized::backward<T>(p, gs.view().data, out_p, den_p, state_p, g.dq.data(), g.dk.data(), g.dv.data());
   if (dwc_weight) {
     Tensor<T> dw(dwc_weight->shape);
     depthwise_conv_backward(vs.view(), *dwc_weight, gs.view().data, d, *p.mask, causal, g.dv.data(), dw.data());
     g.params.emplace_back("dwc_weight", std::move(dw));
   }
-  restore_gradients(p.fn, g, vs.exponent(), gs.exponent());
+  // dv is checked again after the convolution added to it.
+  restore_gradients(p.fn, g, vs.exponent(), gs.exponent(), {finite, finite, finite && !dwc_weight});
   return g;
 }
 
