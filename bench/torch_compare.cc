@@ -32,14 +32,7 @@ std::vector<std::string> split_csv_line(const std::string& line) {
 
 }  // namespace
 
-std::string torch_unavailable_reason(const std::string& python) {
-  const std::string cmd = python + " -c 'import torch' > /dev/null 2>&1";
-  if (std::system(cmd.c_str()) == 0) return "";
-  return "PyTorch cannot be imported by " + python +
-         " (make bench installs requirements/torch.txt into .venv and sets LINATTN_PYTHON)";
-}
-
-std::string torch_version(const std::string& python) {
+TorchCheck check_torch(const std::string& python) {
   const std::string cmd = python + " -c 'import torch; print(torch.__version__)' 2> /dev/null";
   std::string out;
   if (FILE* f = popen(cmd.c_str(), "r")) {
@@ -48,7 +41,9 @@ std::string torch_version(const std::string& python) {
     pclose(f);
   }
   while (!out.empty() && (out.back() == '\n' || out.back() == ' ')) out.pop_back();
-  return out.empty() ? "?" : out;
+  if (!out.empty()) return {out, ""};
+  return {"", "PyTorch cannot be imported by " + python +
+                  " (make bench installs requirements/torch.txt into .venv and sets LINATTN_PYTHON)"};
 }
 
 std::map<std::pair<std::string, std::string>, std::vector<PeerResult>> run_peers(

@@ -23,10 +23,12 @@ struct PeerResult {
   std::string note;
 };
 
-// Empty when PyTorch can be used from `python`; else why not.
-std::string torch_unavailable_reason(const std::string& python);
-// torch.__version__ as `python` imports it ("?" when that fails).
-std::string torch_version(const std::string& python);
+// Whether `python` can import torch: its torch.__version__, or (version empty) why not. One
+// interpreter start, which imports torch (seconds).
+struct TorchCheck {
+  std::string version, why_not;
+};
+TorchCheck check_torch(const std::string& python);
 
 // Each method's peers, in bench/torch_bench.py's order, keyed by (method name, pass "fwd" or
 // "fwd+bwd").

@@ -106,9 +106,6 @@ py::array from_dlpack(const char* fn, const char* name, const py::handle& obj) {
   return py::module_::import("numpy").attr("from_dlpack")(obj);
 }
 
-Array as_array(const char* fn, const char* name, const py::handle& obj);
-Array as_array(const char* fn, const char* name, const ArrayArg& a) { return as_array(fn, name, a.obj); }
-
 Array as_array(const char* fn, const char* name, const py::handle& obj) {
   py::array a;
   if (py::isinstance<py::array>(obj)) {
@@ -127,6 +124,8 @@ Array as_array(const char* fn, const char* name, const py::handle& obj) {
   if (!(a.flags() & py::array::c_style)) a = py::array::ensure(a, py::array::c_style);
   return {a, *dt};
 }
+
+Array as_array(const char* fn, const char* name, const ArrayArg& a) { return as_array(fn, name, a.obj); }
 
 // All tensor arguments share one dtype.
 DType common_dtype(const char* fn, const std::vector<std::pair<const char*, const Array*>>& args) {

@@ -233,15 +233,6 @@ struct Row {
   std::vector<linattn::bench::PeerResult> peers;
 };
 
-std::string peer_cell(const linattn::bench::PeerResult& t) {
-  if (t.status == "ok") {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.2f", t.median_s * 1e3);
-    return buf;
-  }
-  return t.status + (t.note.empty() ? "" : " (" + t.note + ")");
-}
-
 // The median time of `peer` on row r, or -1 when it did not run.
 double peer_time(const Row& r, const std::string& peer) {
   for (const auto& t : r.peers)
@@ -279,7 +270,9 @@ int bench(const Args& a) {
   const auto methods = selected_methods(a.methods, a.sizes);
   const double gemm = linattn::bench::sgemm_gflops(linattn::num_threads());
   const std::string python = linattn::bench::python(), bench_dir = linattn::bench::scripts_dir();
-  std::string no_torch = a.torch ? linattn::bench::torch_unavailable_reason(python) : "--no-torch";
+  const linattn::bench::TorchCheck torch =
+      a.torch ? linattn::bench::check_torch(python) : linattn::bench::TorchCheck{"", "--no-torch"};
+  const std::string& no_torch = torch.why_not;
   std::printf("linattn bench: B=%lld H=%lld d=%lld float32\nmachine: %s\n",
               (long long)a.problem.batch, (long long)a.problem.heads,
               (long long)a.problem.head_dim, linattn::bench::machine_summary().c_str());
@@ -288,7 +281,7 @@ int bench(const Args& a) {
     std::printf("peers: the same inputs through torch sdpa, performer-pytorch, nystrom-attention, linformer "
                 "and plain PyTorch (bench/torch_bench.py), torch %s, torch.set_num_threads(%d), "
                 "OMP_WAIT_POLICY=passive\n\n",
-                linattn::bench::torch_version(python).c_str(), linattn::num_threads());
+                torch.version.c_str(), linattn::num_threads());
   else
     std::printf("peers: not compared (%s)\n\n", no_torch.c_str());
   std::printf("%-26s %7s %-8s %9s %11s %9s %8s %13s %13s\n", "method", "n", "pass", "GFLOP", "time (ms)",
@@ -358,7 +351,8 @@ int bench(const Args& a) {
                       t.median_s * 1e3, r.flops / t.median_s * 1e-9, r.median_s / t.median_s, "",
                       linattn::bench::human_bytes(t.rss_growth_bytes).c_str());
         else
-          std::printf("  vs %-22s %7s %-8s %9s %s\n", t.peer.c_str(), "", "", "", peer_cell(t).c_str());
+          std::printf("  vs %-22s %7s %-8s %9s %s%s\n", t.peer.c_str(), "", "", "", t.status.c_str(),
+                      t.note.empty() ? "" : (" (" + t.note + ")").c_str());
       }
       if (!csv) continue;
       auto line = [&](const std::string& impl, const std::string& status, double median_s, double min_s,
