@@ -4,8 +4,13 @@ forward again: the figures of docs/methods/kernelized.md (issue 12's target: <= 
 non-causal, <= 3.5x causal at n >= 4096).
 
 Usage: .venv/bin/python bench/backward_ratio.py [THREADS [N]]   (defaults 1, 4096)
-Inputs B=1, H=8, d=d_v=64, float32, m=256 orthogonal features; medians of 15 runs after one
-warm-up, interleaved. FLOPs per forward (FAVOR, the registry's count): 4·n·m·(d + d_v)·B·H."""
+Inputs B=1, H=8, d=d_v=64, float32, m=256 orthogonal features. The forward, the forward saving
+den and state, and the backward from them run interleaved, one call of each per round as in
+training, 31 rounds after one warm-up; the table gives their medians, the ratio of the medians
+and the median of the per-round ratios (robust to this shared machine's drift). The backward
+that recomputes the forward is timed afterwards on its own (15 rounds): interleaved, its larger
+allocations perturbed the calls around it. FLOPs per forward (FAVOR, the registry's count):
+4·n·m·(d + d_v)·B·H."""
 import sys
 import time
 
@@ -21,9 +26,9 @@ q, k, v, dout = (rng.standard_normal((1, 8, n, 64), dtype=np.float32) * 0.5 for 
 w = linattn.random_features(256, 64, seed=1)
 
 
-def medians_ms(fns, reps=15):
-    """Medians of `reps` timings of each function, taken in interleaved rounds (one call of each
-    per round) after one warm-up, so drift in this shared machine's speed hits all alike."""
+def rounds_s(fns, reps):
+    """`reps` timings of each function, taken in interleaved rounds (one call of each per round)
+    after one warm-up, so drift in this shared machine's speed hits all alike."""
     for f in fns:
         f()
     times = [[] for _ in fns]
@@ -32,13 +37,17 @@ def medians_ms(fns, reps=15):
             t0 = time.perf_counter()
             f()
             t.append(time.perf_counter() - t0)
-    return [1e3 * sorted(t)[reps // 2] for t in times]
+    return times
+
+
+def median(x):
+    return sorted(x)[len(x) // 2]
 
 
 print("threads=%d n=%d B=1 H=8 d=64 float32" % (threads, n))
 print("| method | causal | forward ms | forward saving den, state ms | backward from saved ms | "
-      "backward recomputing ms | (fwd+bwd)/fwd |")
-print("|---|---|---|---|---|---|---|")
+      "backward recomputing ms | (fwd+bwd)/fwd: of medians | per round, median |")
+print("|---|---|---|---|---|---|---|---|")
 for name, fwd, bwd in [
         ("elu", lambda c, **kw: linattn.linear_attention(q, k, v, causal=c, **kw),
          lambda c, **kw: linattn.linear_attention_backward(q, k, v, dout, causal=c, **kw)),
@@ -46,7 +55,10 @@ for name, fwd, bwd in [
          lambda c, **kw: linattn.favor_attention_backward(q, k, v, w, dout, causal=c, **kw))]:
     for causal in (False, True):
         out, den, state = fwd(causal, return_den=True, return_state=True)
-        f, fs, b, br = medians_ms([lambda: fwd(causal), lambda: fwd(causal, return_den=True, return_state=True),
-                                   lambda: bwd(causal, out=out, den=den, state=state), lambda: bwd(causal)])
-        print("| %s | %s | %.1f | %.1f | %.1f | %.1f | %.2f |" % (name, causal, f, fs, b, br, (fs + b) / f),
-              flush=True)
+        f, fs, b = rounds_s([lambda: fwd(causal), lambda: fwd(causal, return_den=True, return_state=True),
+                             lambda: bwd(causal, out=out, den=den, state=state)], 31)
+        (br,) = rounds_s([lambda: bwd(causal)], 15)
+        per_round = median([(fs[i] + b[i]) / f[i] for i in range(len(f))])
+        f, fs, b, br = (1e3 * median(t) for t in (f, fs, b, br))
+        print("| %s | %s | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f |"
+              % (name, causal, f, fs, b, br, (fs + b) / f, per_round), flush=True)

@@ -113,6 +113,11 @@ void check_simd_kernels() {
     }
     EXPECT_NEAR(simd::dot(x.data(), y.data(), n), want_dot, gamma<T>(double(n)) * abs_dot);
 
+    // Any order of n − 1 additions: |error| <= γ_(n−1)·Σ|x| <= γ_n·Σ|x|.
+    double want_total = 0, abs_total = 0;
+    for (T v : x) want_total += v, abs_total += std::abs(double(v));
+    EXPECT_NEAR(simd::sum(x.data(), n), want_total, gamma<T>(double(n)) * abs_total);
+
     std::vector<T> s = x, ds(n);
     simd::scale(s.data(), n, T(0.5));
     for (size_t i = 0; i < n; ++i) EXPECT_EQ(s[i], x[i] * T(0.5));

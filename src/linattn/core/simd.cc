@@ -239,6 +239,21 @@ T Dot(const T* a, const T* b, size_t n) {
 }
 
 template <class T>
+T Sum(const T* x, size_t n) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  auto s0 = hn::Zero(d), s1 = hn::Zero(d);
+  size_t i = 0;
+  for (; i + 2 * N <= n; i += 2 * N) {
+    s0 = hn::Add(s0, hn::LoadU(d, x + i));
+    s1 = hn::Add(s1, hn::LoadU(d, x + i + N));
+  }
+  for (; i + N <= n; i += N) s0 = hn::Add(s0, hn::LoadU(d, x + i));
+  if (i < n) s1 = hn::Add(s1, hn::MaskedLoad(hn::FirstN(d, n - i), d, x + i));
+  return hn::GetLane(hn::SumOfLanes(d, hn::Add(s0, s1)));
+}
+
+template <class T>
 T MaxAbs(const T* x, size_t n) {
   const hn::ScalableTag<T> d;
   const size_t N = hn::Lanes(d);
@@ -488,6 +503,8 @@ void SoftmaxGradF32(float* ds, const float* p, const float* dp, size_t n, float 
 void SoftmaxGradF64(double* ds, const double* p, const double* dp, size_t n, double delta) {
   SoftmaxGrad(ds, p, dp, n, delta);
 }
+float SumF32(const float* x, size_t n) { return Sum(x, n); }
+double SumF64(const double* x, size_t n) { return Sum(x, n); }
 float DotF32(const float* a, const float* b, size_t n) { return Dot(a, b, n); }
 double DotF64(const double* a, const double* b, size_t n) { return Dot(a, b, n); }
 int64_t CurrentTarget() { return HWY_TARGET; }
@@ -524,6 +541,8 @@ HWY_EXPORT(ScaleF32);
 HWY_EXPORT(ScaleF64);
 HWY_EXPORT(SoftmaxGradF32);
 HWY_EXPORT(SoftmaxGradF64);
+HWY_EXPORT(SumF32);
+HWY_EXPORT(SumF64);
 HWY_EXPORT(DotF32);
 HWY_EXPORT(DotF64);
 HWY_EXPORT(CurrentTarget);
@@ -626,6 +645,8 @@ void softmax_grad(float* ds, const float* p, const float* dp, size_t n, float de
 void softmax_grad(double* ds, const double* p, const double* dp, size_t n, double delta) {
   HWY_DYNAMIC_DISPATCH(SoftmaxGradF64)(ds, p, dp, n, delta);
 }
+float sum(const float* x, size_t n) { return HWY_DYNAMIC_DISPATCH(SumF32)(x, n); }
+double sum(const double* x, size_t n) { return HWY_DYNAMIC_DISPATCH(SumF64)(x, n); }
 float dot(const float* a, const float* b, size_t n) { return HWY_DYNAMIC_DISPATCH(DotF32)(a, b, n); }
 double dot(const double* a, const double* b, size_t n) {
   return HWY_DYNAMIC_DISPATCH(DotF64)(a, b, n);

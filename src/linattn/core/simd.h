@@ -49,6 +49,10 @@ void softmax_columns_backward(const double* e, const double* inv_sums, double* g
 void softmax_grad(float* ds, const float* p, const float* dp, size_t n, float delta);
 void softmax_grad(double* ds, const double* p, const double* dp, size_t n, double delta);
 
+// Σ x[i] (in lane-wise partial sums).
+float sum(const float* x, size_t n);
+double sum(const double* x, size_t n);
+
 // Σ a[i]·b[i].
 float dot(const float* a, const float* b, size_t n);
 double dot(const double* a, const double* b, size_t n);

@@ -26,11 +26,16 @@
 // with R = Σ_{later i} Q_iᵀ dnum_i, ρ = Σ_{later i} Q_i dden_i the suffix state of a reverse
 // pass over the chunks, carried in the scale of the chunk at hand: going back one chunk
 // multiplies it by exp(c_prev − c') <= 1, so it never overflows. The feature maps' backward
-// turns dQ, dK into dq, dk (via dL = dK∘K and, trig, ds = dK∘exp(L − c)).
+// turns dQ, dK into dq, dk (via dL = dK∘K and, trig, ds = dK∘exp(L − c)). Every sum with z,
+// ρ or dden is a product with an augmented operand ([S | z], [R | ρ], [v_j, 1], [dnum_i |
+// dden_i]), so no rank-one loops remain: P = [dnum | dden]·[V | 1]ᵀ, dQ = [dnum | dden]·[S |
+// z]ᵀ + P·K, dK = [V | 1]·[R | ρ]ᵀ + Pᵀ·Q.
 // Non-causal, S and z come saved from the forward (state), so the backward computes each
 // feature once: queries (dQ, and dS = Σ Q_iᵀ dnum_i, dz = Σ Q_i dden_i), then keys
 // (dK_j = dS·v_j + dz, dv_j = K_j·dS). Causal, the forward pass (dq) keeps its chunks'
-// features for the reverse pass (dk, dv) as far as feature_cache_bytes() allows.
+// features and P for the reverse pass (dk, dv) as far as feature_cache_bytes() allows.
+// FLOPs (products only): the causal backward's are 2.5× the forward's for any chunk length
+// (state products 5 against 2, intra-chunk products 5 against 2), as for exact attention.
 // A row with D_i = 0 (no key in sight, eps = 0) gets out_i = 0 and no gradient.
 #include "linattn/core/error.h"
 #include "linattn/kernelized/engine.h"
@@ -114,39 +119,33 @@ struct Scratch {
     dlog = buffer(fm.has_factor() ? rows * m : 0);
     fs = buffer(fm.scratch_size(rows));
     num = buffer(rows * dv);
-    dnum = buffer(rows * dv);
     dden = buffer(rows);
     c = buffer(m);
     c_new = buffer(m);
+    kvz = buffer(m * (dv + 1));
+    dkvz = buffer(m * (dv + 1));
+    vaug = buffer(rows * (dv + 1));
+    nd = buffer(rows * (dv + 1));
+    dnd = buffer(rows * (dv + 1));
     if (causal) {
       D = buffer(rows);
       run_max = buffer(m);
-      S = buffer(m * dv);
-      z = buffer(m);
-      R = buffer(m * dv);
-      rho = buffer(m);
       W = buffer(rows * kChunk);  // leading dimension kChunk
       P = buffer(rows * kChunk);
-    } else {
-      kvz = buffer(m * (dv + 1));
-      dkvz = buffer(m * (dv + 1));
-      vaug = buffer(rows * (dv + 1));
-      nd = buffer(rows * (dv + 1));
-      dnd = buffer(rows * (dv + 1));
     }
   }
   Buffer<T> features;
   Features<T> qf, kf;  // the scratch's own blocks of query and key features
   // Gradients of a block's features (dphi), and for trig the gradient of its logits (dlog);
-  // the feature map's backward scratch; outputs and their gradients.
-  Buffer<T> dphi, dlog, fs, num, dnum, dden;
+  // the feature map's backward scratch; outputs (recomputed) and the output's dden.
+  Buffer<T> dphi, dlog, fs, num, dden;
   Buffer<T> c, c_new;  // per-feature log-shifts of the keys (FAVOR), and scratch for raising them
-  // Causal: a chunk's denominators; its running maxima while finding where it ends; state S, z;
-  // suffix state R, ρ; a chunk's W and P.
-  Buffer<T> D, run_max, S, z, R, rho, W, P;
-  // Non-causal, augmented so one product gives both sums: [KV | z] (m'×(d_v+1)), [V | 1]
-  // (rows×(d_v+1)), [num | den] and [dnum | dden] (rows×(d_v+1)).
+  // Augmented so that one product gives both sums (and no rank-one loops are left): the state
+  // [KV | z] (m'×(d_v+1); causal: S and z so far), its gradient [dKV | dz] (causal: the suffix
+  // state [R | ρ]), [V | 1], [num | den] and [dnum | dden] (rows×(d_v+1)).
   Buffer<T> kvz, dkvz, vaug, nd, dnd;
+  // Causal: a chunk's denominators; its running maxima while finding where it ends; its W and P.
+  Buffer<T> D, run_max, W, P;
   // Backward: whether every gradient value this worker wrote is finite (written_finite).
   bool grads_finite = true;
 };
@@ -240,18 +239,6 @@ void feature_backward(const Problem<T>& p, const T* x, int64_t rows, Side side, 
   }
   simd::product_difference(dphi, f.values(*p.fmap), none, none, dphi, n);
   p.fmap->logits_backward(x, rows, side, dphi, f.s, ds, dx, s.fs.data());
-}
-
-// out_i = num_i / D_i in place on the num rows (0 where D_i = 0).
-template <class T>
-void divide_rows(T* num, const T* D, int64_t rows, int64_t dv) {
-  for (int64_t i = 0; i < rows; ++i) {
-    if (D[i] != 0) {
-      simd::scale(num + i * dv, static_cast<size_t>(dv), T(1) / D[i]);
-    } else {
-      std::fill(num + i * dv, num + (i + 1) * dv, T(0));
-    }
-  }
 }
 
 // dnum_i = dout_i / D_i, dden_i = −dout_i·out_i / D_i (both 0 where D_i = 0). dnum has
@@ -431,10 +418,16 @@ void chunk_features(const Problem<T>& p, int64_t bh, int64_t t0, int64_t& rows, 
       kr = std::min(kr, rows);
       column_maxima(L, kr, m, c, c_new);
     }
-    raise_shifts(m, c_new, c, s.S.data(), dv, s.z.data());
+    raise_shifts(m, c_new, c, s.kvz.data(), dv + 1, static_cast<T*>(nullptr));
     finish_key_features(p, kr, c, kf);
   }
   query_features(p, bh, t0, rows, s.c.data(), qf);
+}
+
+// A chunk's matrix (rows × kr, leading dimension kChunk) with 0 where j > i.
+template <class T>
+void zero_above_diagonal(T* M, int64_t rows, int64_t kr) {
+  for (int64_t i = 0; i < std::min(rows, kr); ++i) std::fill(M + i * kChunk + i + 1, M + i * kChunk + kr, T(0));
 }
 
 // A chunk's W_ij = Q_i·K_j for j <= i (0 above the diagonal), rows × kr, into s.W.
@@ -445,51 +438,50 @@ void chunk_weights(const Problem<T>& p, int64_t rows, int64_t kr, const Features
   const int64_t m = p.fmap->dim();
   matmul<T>(mat(s.W.data(), rows, kr, kChunk), mat(qf.values(*p.fmap), rows, m),
             mat(kf.values(*p.fmap), kr, m).t());
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = i + 1; j < kr; ++j) s.W[i * kChunk + j] = 0;
+  zero_above_diagonal(s.W.data(), rows, kr);
 }
 
-// num_i = Q_i·S + Σ_j W_ij v_j into num (rows × d_v) and D_i = Q_i·z + Σ_j W_ij + eps.
+// [num_i | den_i] = Q_i·[S | z] + Σ_j W_ij·[v_j, 1] into s.nd, with s.vaug = the chunk's [V | 1];
+// out_i = num_i / D_i into out (stride d_v), with D_i from D_in (the saved values) when given,
+// else den_i + eps (then also written to D_out).
 template <class T>
-void chunk_outputs(const Problem<T>& p, int64_t bh, int64_t t0, int64_t rows, int64_t kr, const Features<T>& qf,
-                   Scratch<T>& s, T* num, T* D) {
-  const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
-  const T* Q = qf.values(*p.fmap);
-  matmul<T>(mat(num, rows, dv), mat(Q, rows, m), mat(s.S.data(), m, dv));
-  for (int64_t i = 0; i < rows; ++i) {
-    T den = simd::dot(Q + i * m, s.z.data(), static_cast<size_t>(m));
-    for (int64_t j = 0; j < std::min(i + 1, kr); ++j) den += s.W[i * kChunk + j];
-    D[i] = den + p.eps;
-  }
+void chunk_outputs(const Problem<T>& p, int64_t rows, int64_t kr, const Features<T>& qf, Scratch<T>& s, T* out,
+                   const T* D_in, T* D_out) {
+  const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, da = dv + 1;
+  matmul<T>(mat(s.nd.data(), rows, da), mat(qf.values(*p.fmap), rows, m), mat(s.kvz.data(), m, da));
   if (kr > 0)
-    matmul<T>(mat(num, rows, dv), mat(s.W.data(), rows, kr, kChunk), mat(p.v.row(bh, t0), kr, dv),
-              T(1), T(1));
+    matmul<T>(mat(s.nd.data(), rows, da), mat(s.W.data(), rows, kr, kChunk), mat(s.vaug.data(), kr, da), T(1),
+              T(1));
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* nd = s.nd.data() + i * da;
+    const T D = D_in ? D_in[i] : nd[dv] + p.eps;
+    if (!D_in) D_out[i] = D;
+    const T inv = D != 0 ? T(1) / D : T(0);
+    for (int64_t c = 0; c < dv; ++c) out[i * dv + c] = nd[c] * inv;
+  }
 }
 
-// S += Kᵀ·V, z += Σ_j K_j over the chunk's kr valid keys.
+// [S | z] += Kᵀ·[V | 1] over the chunk's kr valid keys (s.vaug).
 template <class T>
-void add_chunk_to_state(const Problem<T>& p, int64_t bh, int64_t t0, int64_t kr, const Features<T>& kf,
-                        Scratch<T>& s) {
+void add_chunk_to_state(const Problem<T>& p, int64_t kr, const Features<T>& kf, Scratch<T>& s) {
   if (kr == 0) return;
-  const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
-  const T* K = kf.values(*p.fmap);
-  matmul<T>(mat(s.S.data(), m, dv), mat(K, kr, m).t(), mat(p.v.row(bh, t0), kr, dv), T(1), T(1));
-  for (int64_t j = 0; j < kr; ++j)
-    for (int64_t r = 0; r < m; ++r) s.z[r] += K[j * m + r];
+  const int64_t m = p.fmap->dim(), da = p.dims.value_dim + 1;
+  matmul<T>(mat(s.kvz.data(), m, da), mat(kf.values(*p.fmap), kr, m).t(), mat(s.vaug.data(), kr, da), T(1), T(1));
 }
 
 // The state at the start: S, z and shifts from the caller (RecurrentState), or empty.
 template <class T>
 void start_state(const Problem<T>& p, Scratch<T>& s, const T* S0, const T* z0, const T* c0) {
-  const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
+  const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, da = dv + 1;
   if (S0) {
-    std::copy(S0, S0 + m * dv, s.S.data());
-    std::copy(z0, z0 + m, s.z.data());
+    for (int64_t r = 0; r < m; ++r) {
+      std::copy(S0 + r * dv, S0 + (r + 1) * dv, s.kvz.data() + r * da);
+      s.kvz[r * da + dv] = z0[r];
+    }
     std::copy(c0, c0 + m, s.c.data());
     return;
   }
-  std::fill(s.S.data(), s.S.data() + m * dv, T(0));
-  std::fill(s.z.data(), s.z.data() + m, T(0));
+  std::fill(s.kvz.data(), s.kvz.data() + m * da, T(0));
   std::fill(s.c.data(), s.c.data() + m, p.fmap->log_form() ? neg_inf<T>() : T(0));
 }
 
@@ -506,26 +498,20 @@ void forward_causal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* out, cons
     int64_t rows = std::min(kChunk, n - t0), kr = std::clamp<int64_t>(key_len - t0, 0, rows);
     chunk_features(p, bh, t0, rows, kr, s, s.qf, s.kf);
     chunk_weights(p, rows, kr, s.qf, s.kf, s);
-    T* o = out + (bh * n + t0) * dv;
-    T* D = save.den ? save.den + bh * n + t0 : s.D.data();
-    chunk_outputs(p, bh, t0, rows, kr, s.qf, s, o, D);
-    divide_rows(o, D, rows, dv);
-    add_chunk_to_state(p, bh, t0, kr, s.kf, s);
+    augmented_values(p, bh, t0, kr, s);
+    chunk_outputs(p, rows, kr, s.qf, s, out + (bh * n + t0) * dv, static_cast<const T*>(nullptr),
+                  save.den ? save.den + bh * n + t0 : s.D.data());
+    add_chunk_to_state(p, kr, s.kf, s);
     t0 += rows;
   }
   if (S0) {
-    std::copy(s.S.data(), s.S.data() + m * dv, S0);
-    std::copy(s.z.data(), s.z.data() + m, z0);
+    for (int64_t r = 0; r < m; ++r) {
+      std::copy(s.kvz.data() + r * (dv + 1), s.kvz.data() + r * (dv + 1) + dv, S0 + r * dv);
+      z0[r] = s.kvz[r * (dv + 1) + dv];
+    }
     std::copy(s.c.data(), s.c.data() + m, c0);
   }
-  if (save.state) {
-    T* st = save.state + bh * m * (dv + 2);
-    for (int64_t r = 0; r < m; ++r) {
-      std::copy(s.S.data() + r * dv, s.S.data() + (r + 1) * dv, st + r * (dv + 2));
-      st[r * (dv + 2) + dv] = s.z[r];
-      st[r * (dv + 2) + dv + 1] = s.c[r];
-    }
-  }
+  if (save.state) store_state(p, s, save.state + bh * m * (dv + 2));
 }
 
 // What the causal backward's forward pass keeps for its reverse pass, per batch·head: dden_i
@@ -537,38 +523,45 @@ struct CausalSaved {
     int64_t t0, rows, kr;
     bool cached;
     Features<T> qf, kf;  // in the cache, when cached
+    T* P;                // the chunk's P (rows × kr, leading dimension kChunk), when cached
   };
   std::vector<T> dden, shifts;  // shifts: m' per chunk
   std::vector<Chunk> chunks;
 };
 
-// The chunks' features kept between the causal backward's passes: a per-worker buffer of
+// Values per row that the causal backward keeps of a chunk between its passes: the query and
+// key features and the row's P (kChunk values).
+template <class T>
+int64_t cached_values_per_row(const FeatureMap<T>& fm) {
+  return feature_values_per_row(fm, Side::Query) + feature_values_per_row(fm, Side::Key) + kChunk;
+}
+
+// The chunks' features and P kept between the causal backward's passes: a per-worker buffer of
 // feature_cache_bytes(), filled from its start by the forward pass.
 template <class T>
 struct FeatureCache {
   Buffer<T> mem;
   int64_t used = 0;
-  // Room for a chunk of `rows` rows (queries and keys), or null features.
-  bool take(const FeatureMap<T>& fm, int64_t rows, Features<T>& qf, Features<T>& kf) {
+  // Room for a chunk of `rows` rows (queries, keys, P), or false.
+  bool take(const FeatureMap<T>& fm, int64_t rows, Features<T>& qf, Features<T>& kf, T*& P) {
     const int64_t q = feature_values_per_row(fm, Side::Query) * rows, k = feature_values_per_row(fm, Side::Key) * rows;
-    if (used + q + k > mem.size()) return false;
+    if (used + cached_values_per_row(fm) * rows > mem.size()) return false;
     qf = features_at(fm, Side::Query, rows, mem.data() + used);
     kf = features_at(fm, Side::Key, rows, mem.data() + used + q);
-    used += q + k;
+    P = mem.data() + used + q + k;
+    used += cached_values_per_row(fm) * rows;
     return true;
   }
 };
 
-// P_ij = (dnum_i·v_j + dden_i) on the chunk's causal triangle (0 elsewhere), rows × kr, into s.P.
+// P_ij = [dnum_i | dden_i]·[v_j, 1] on the chunk's causal triangle (0 elsewhere), rows × kr
+// (leading dimension kChunk), into P, from s.dnd and s.vaug.
 template <class T>
-void chunk_output_grads(const Problem<T>& p, int64_t bh, int64_t t0, int64_t rows, int64_t kr,
-                        const T* dden, Scratch<T>& s) {
+void chunk_output_grads(const Problem<T>& p, int64_t rows, int64_t kr, const Scratch<T>& s, T* P) {
   if (kr == 0) return;
-  const int64_t dv = p.dims.value_dim;
-  matmul<T>(mat(s.P.data(), rows, kr, kChunk), mat(s.dnum.data(), rows, dv),
-            mat(p.v.row(bh, t0), kr, dv).t());
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < kr; ++j) s.P[i * kChunk + j] = j <= i ? s.P[i * kChunk + j] + dden[i] : T(0);
+  const int64_t da = p.dims.value_dim + 1;
+  matmul<T>(mat(P, rows, kr, kChunk), mat(s.dnd.data(), rows, da), mat(s.vaug.data(), kr, da).t());
+  zero_above_diagonal(P, rows, kr);
 }
 
 // Pass A, forward in time through the same chunks as the forward (same shifts): dnum and dden
@@ -577,7 +570,7 @@ void chunk_output_grads(const Problem<T>& p, int64_t bh, int64_t t0, int64_t row
 template <class T>
 void causal_forward_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, CausalSaved<T>& saved,
                          FeatureCache<T>& cache, const T* dout, const T* out, const T* den, T* dq) {
-  const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, n = p.dims.n_q;
+  const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, da = dv + 1, n = p.dims.n_q;
   const int64_t key_len = p.mask->key_length(bh / p.dims.heads);
   start_state(p, s, static_cast<const T*>(nullptr), static_cast<const T*>(nullptr), static_cast<const T*>(nullptr));
   saved.dden.resize(static_cast<size_t>(n));
@@ -587,45 +580,45 @@ void causal_forward_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, CausalS
   for (int64_t t0 = 0; t0 < n;) {
     interruption_point();
     int64_t rows = std::min(kChunk, n - t0), kr = std::clamp<int64_t>(key_len - t0, 0, rows);
-    typename CausalSaved<T>::Chunk chunk{t0, rows, kr, false, s.qf, s.kf};
+    typename CausalSaved<T>::Chunk chunk{t0, rows, kr, false, s.qf, s.kf, s.P.data()};
     // Into the cache when it has room for the longest chunk (the chunk may come out shorter).
-    chunk.cached = cache.take(*p.fmap, rows, chunk.qf, chunk.kf);
+    chunk.cached = cache.take(*p.fmap, rows, chunk.qf, chunk.kf, chunk.P);
     chunk_features(p, bh, t0, rows, kr, s, chunk.qf, chunk.kf);
     chunk.rows = rows, chunk.kr = kr;
     const T* D = den + bh * n + t0;
     T* dden = saved.dden.data() + t0;
+    augmented_values(p, bh, t0, kr, s);
     const T* o = out ? out + (bh * n + t0) * dv : nullptr;
     if (!o) {  // the attention output again (the caller's output holds more than attention)
       chunk_weights(p, rows, kr, chunk.qf, chunk.kf, s);
-      chunk_outputs(p, bh, t0, rows, kr, chunk.qf, s, s.num.data(), s.D.data());
-      divide_rows(s.num.data(), D, rows, dv);
+      chunk_outputs(p, rows, kr, chunk.qf, s, s.num.data(), D, static_cast<T*>(nullptr));
       o = s.num.data();
     }
-    output_grads(dout + (bh * n + t0) * dv, o, D, rows, dv, s.dnum.data(), dv, dden);
-    chunk_output_grads(p, bh, t0, rows, kr, dden, s);
-    matmul<T>(mat(s.dphi.data(), rows, m), mat(s.dnum.data(), rows, dv), mat(s.S.data(), m, dv).t());
-    for (int64_t i = 0; i < rows; ++i)
-      for (int64_t r = 0; r < m; ++r) s.dphi[i * m + r] += dden[i] * s.z[r];
+    output_grads(dout + (bh * n + t0) * dv, o, D, rows, dv, s.dnd.data(), da, dden);
+    for (int64_t i = 0; i < rows; ++i) s.dnd[i * da + dv] = dden[i];
+    chunk_output_grads(p, rows, kr, s, chunk.P);
+    // dQ = [dnum | dden]·[S | z]ᵀ + P·K
+    matmul<T>(mat(s.dphi.data(), rows, m), mat(s.dnd.data(), rows, da), mat(s.kvz.data(), m, da).t());
     if (kr > 0)
-      matmul<T>(mat(s.dphi.data(), rows, m), mat(s.P.data(), rows, kr, kChunk), mat(chunk.kf.values(*p.fmap), kr, m),
+      matmul<T>(mat(s.dphi.data(), rows, m), mat(chunk.P, rows, kr, kChunk), mat(chunk.kf.values(*p.fmap), kr, m),
                 T(1), T(1));
     feature_backward(p, p.q.row(bh, t0), rows, Side::Query, chunk.qf, s, dq + (bh * n + t0) * d);
     written_finite(s, dq + (bh * n + t0) * d, rows * d);
     saved.chunks.push_back(chunk);
     saved.shifts.insert(saved.shifts.end(), s.c.data(), s.c.data() + m);
-    add_chunk_to_state(p, bh, t0, kr, chunk.kf, s);
+    add_chunk_to_state(p, kr, chunk.kf, s);
     t0 += rows;
   }
 }
 
-// Pass B, backward in time over the saved chunks, with the suffix state R (s.R), ρ (s.rho) in
-// the scale of the chunk at hand: dk and dv.
+// Pass B, backward in time over the saved chunks, with the suffix state [R | ρ] (s.dkvz) in the
+// scale of the chunk at hand: dk and dv.
 template <class T>
 void causal_reverse_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, const CausalSaved<T>& saved,
                          const T* dout, const T* den, T* dk, T* dv_out) {
-  const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, n = p.dims.n_q;
-  std::fill(s.R.data(), s.R.data() + m * dv, T(0));
-  std::fill(s.rho.data(), s.rho.data() + m, T(0));
+  const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, da = dv + 1, n = p.dims.n_q;
+  T* R = s.dkvz.data();  // [R | ρ], m' × (d_v + 1)
+  std::fill(R, R + m * da, T(0));
   const int64_t chunks = static_cast<int64_t>(saved.chunks.size());
   for (int64_t k = chunks - 1; k >= 0; --k) {
     interruption_point();
@@ -637,8 +630,7 @@ void causal_reverse_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, const C
       for (int64_t r = 0; r < m; ++r) {
         if (c_next[r] == neg_inf<T>() || c[r] == c_next[r]) continue;
         const T f = c[r] == neg_inf<T>() ? T(0) : std::exp(c[r] - c_next[r]);
-        simd::scale(s.R.data() + r * dv, static_cast<size_t>(dv), f);
-        s.rho[r] *= f;
+        simd::scale(R + r * da, static_cast<size_t>(da), f);
       }
     }
     // The chunk's features: from the cache, or again with the shifts it had.
@@ -656,29 +648,32 @@ void causal_reverse_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, const C
     const T* dden = saved.dden.data() + t0;
     for (int64_t i = 0; i < rows; ++i) {
       const T inv = D[i] != 0 ? T(1) / D[i] : T(0);
-      for (int64_t cc = 0; cc < dv; ++cc) s.dnum[i * dv + cc] = dout[(bh * n + t0 + i) * dv + cc] * inv;
+      for (int64_t cc = 0; cc < dv; ++cc) s.dnd[i * da + cc] = dout[(bh * n + t0 + i) * dv + cc] * inv;
+      s.dnd[i * da + dv] = dden[i];
     }
-    chunk_output_grads(p, bh, t0, rows, kr, dden, s);
+    augmented_values(p, bh, t0, kr, s);
+    const T* P = chunk.P;
+    if (!chunk.cached) {
+      chunk_output_grads(p, rows, kr, s, s.P.data());
+      P = s.P.data();
+    }
     const T* Q = qf.values(*p.fmap);
     if (kr > 0) {
       const T* K = kf.values(*p.fmap);
-      // dK = Pᵀ·Q + V·Rᵀ + 1·ρᵀ
-      matmul<T>(mat(s.dphi.data(), kr, m), mat(p.v.row(bh, t0), kr, dv), mat(s.R.data(), m, dv).t());
-      for (int64_t j = 0; j < kr; ++j)
-        for (int64_t r = 0; r < m; ++r) s.dphi[j * m + r] += s.rho[r];
-      matmul<T>(mat(s.dphi.data(), kr, m), mat(s.P.data(), rows, kr, kChunk).t(), mat(Q, rows, m), T(1), T(1));
-      // dv = Wᵀ·dnum + K·R
+      // dK = [V | 1]·[R | ρ]ᵀ + Pᵀ·Q
+      matmul<T>(mat(s.dphi.data(), kr, m), mat(s.vaug.data(), kr, da), mat(static_cast<const T*>(R), m, da).t());
+      matmul<T>(mat(s.dphi.data(), kr, m), mat(P, rows, kr, kChunk).t(), mat(Q, rows, m), T(1), T(1));
+      // dv = K·R + Wᵀ·dnum
       T* dvc = dv_out + (bh * n + t0) * dv;
-      matmul<T>(mat(dvc, kr, dv), mat(K, kr, m), mat(s.R.data(), m, dv));
-      matmul<T>(mat(dvc, kr, dv), mat(s.W.data(), rows, kr, kChunk).t(), mat(s.dnum.data(), rows, dv), T(1), T(1));
+      matmul<T>(mat(dvc, kr, dv), mat(K, kr, m), mat(static_cast<const T*>(R), m, dv, da));
+      matmul<T>(mat(dvc, kr, dv), mat(s.W.data(), rows, kr, kChunk).t(), mat(s.dnd.data(), rows, dv, da), T(1),
+                T(1));
       feature_backward(p, p.k.row(bh, t0), kr, Side::Key, kf, s, dk + (bh * n + t0) * d);
       written_finite(s, dk + (bh * n + t0) * d, kr * d);
       written_finite(s, dvc, kr * dv);
     }
-    // This chunk's queries join the suffix state: R += Qᵀ·dnum, ρ += Qᵀ·dden.
-    matmul<T>(mat(s.R.data(), m, dv), mat(Q, rows, m).t(), mat(s.dnum.data(), rows, dv), T(1), T(1));
-    for (int64_t i = 0; i < rows; ++i)
-      for (int64_t r = 0; r < m; ++r) s.rho[r] += Q[i * m + r] * dden[i];
+    // This chunk's queries join the suffix state: [R | ρ] += Qᵀ·[dnum | dden].
+    matmul<T>(mat(R, m, da), mat(Q, rows, m).t(), mat(s.dnd.data(), rows, da), T(1), T(1));
   }
 }
 
@@ -724,9 +719,9 @@ bool backward(const Problem<T>& p, const T* dout, const T* out, const T* den, co
   PerWorker<Scratch<T>> scratch(loop, [&] { return Scratch<T>(p, causal); });
   // Causal: as many of the chunks' features as fit in feature_cache_bytes(), for all of them
   // when the sequence is short enough.
-  const int64_t per_row = feature_values_per_row(*p.fmap, Side::Query) + feature_values_per_row(*p.fmap, Side::Key);
   const int64_t cache_values =
-      causal ? std::min(p.dims.n_q * per_row, feature_cache_bytes() / static_cast<int64_t>(sizeof(T))) : 0;
+      causal ? std::min(p.dims.n_q * cached_values_per_row(*p.fmap), feature_cache_bytes() / static_cast<int64_t>(sizeof(T)))
+             : 0;
   PerWorker<FeatureCache<T>> cache(loop, [&] { return FeatureCache<T>{Buffer<T>(cache_values, true, Init::Uninitialized), 0}; });
   PerWorker<CausalSaved<T>> saved(loop);
   const int64_t d = p.dims.head_dim, dvd = p.dims.value_dim;

@@ -55,12 +55,15 @@ template <class T>
 bool backward(const Problem<T>& p, const T* dout, const T* out, const T* den, const T* state, T* dq,
               T* dk, T* dv);
 
-// Rows per block (non-causal) and the longest chunk (causal).
+// Rows per block (non-causal) and the longest chunk (causal). 32 rows: the causal intra-chunk
+// products grow with the chunk and the state products do not; 32 beat 16, 48 and 64 in both
+// passes here (docs/methods/kernelized.md).
 inline constexpr int64_t kBlockRows = 1024;
-inline constexpr int64_t kChunk = 64;
-// The causal backward keeps each chunk's features between its two passes, up to this many
-// bytes per worker (default 32 MiB: all of them for n·m' up to 4M at float32), and computes
-// the rest again in its second pass. Settable so tests can take both paths.
+inline constexpr int64_t kChunk = 32;
+// The causal backward keeps each chunk's features and its P between its two passes, up to
+// this many bytes per worker (default 32 MiB: all of them for n up to about 15k at m' = 256,
+// 52k at m' = 64, float32), and computes the rest again in its second pass. Settable so
+// tests can take both paths.
 int64_t feature_cache_bytes();
 void set_feature_cache_bytes(int64_t bytes);
 

@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -76,7 +75,8 @@ using Wide = std::conditional_t<sizeof(T) == 4, double, long double>;
 
 template <class T>
 int64_t FeatureMap<T>::scratch_size(int64_t n) const {
-  return log_form() ? n * m_ : 0;  // the backward's ∂loss/∂U
+  // The backward's ∂loss/∂U; positive maps use ∂loss/∂L itself.
+  return log_form() && kind_ != FeatureMapKind::FavorPositive ? n * m_ : 0;
 }
 
 // ---- plain maps -----------------------------------------------------------------------------
@@ -239,32 +239,27 @@ void FeatureMap<T>::logits_backward(const T* x, int64_t n, Side side, const T* d
   const int64_t d = d_, m = m_;
   const T sq = static_cast<T>(sqrt_scale_);
   const size_t mm = static_cast<size_t>(m);
-  T* dU = scratch;  // [n × m]
+  // Positive: dU is dL itself (dim_ == m); the others build it in scratch [n × m].
+  const bool positive = kind_ == FeatureMapKind::FavorPositive;
+  T* dU = scratch;
   for (int64_t i = 0; i < n; ++i) {
     const T* g = dL + i * dim_;
-    T* du = dU + i * m;
-    T coef = 0;
-    switch (kind_) {
-      case FeatureMapKind::FavorPositive:
-        std::copy(g, g + m, du);
-        if (side == Side::Key) coef = -std::accumulate(g, g + m, T(0));
-        break;
-      case FeatureMapKind::FavorHyperbolic:
-        for (int64_t r = 0; r < m; ++r) du[r] = g[r] - g[m + r];
-        if (side == Side::Key) coef = -std::accumulate(g, g + 2 * m, T(0));
-        break;
-      default: {  // trig
-        const T* si = s + i * dim_;
-        const T* dsi = ds + i * dim_;
-        simd::product_difference(dsi, si + m, dsi + m, si, du, mm);
-        if (side == Side::Key) coef = std::accumulate(g, g + 2 * m, T(0));
-        break;
-      }
+    if (kind_ == FeatureMapKind::FavorHyperbolic) {
+      for (int64_t r = 0; r < m; ++r) dU[i * m + r] = g[r] - g[m + r];
+    } else if (!positive) {  // trig
+      const T* si = s + i * dim_;
+      const T* dsi = ds + i * dim_;
+      simd::product_difference(dsi, si + m, dsi + m, si, dU + i * m, mm);
     }
+    // Σ_r over all dim_ logits: positive m, hyperbolic and trig 2m.
+    const T coef =
+        side == Side::Key ? (positive || kind_ == FeatureMapKind::FavorHyperbolic ? T(-1) : T(1)) *
+                                simd::sum(g, static_cast<size_t>(dim_))
+                          : T(0);
     const T* xr = x + i * d;
     for (int64_t c = 0; c < d; ++c) dx[i * d + c] = coef * sq * sq * xr[c];
   }
-  matmul<T>(mat(dx, n, d), mat(dU, n, m), mat(omega_, m, d), sq, T(1));
+  matmul<T>(mat(dx, n, d), mat(positive ? dL : static_cast<const T*>(dU), n, m), mat(omega_, m, d), sq, T(1));
 }
 
 template class FeatureMap<float>;
