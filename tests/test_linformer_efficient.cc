@@ -223,6 +223,41 @@ TEST(EfficientMask, PaddedKeysAreIgnoredAndEmptyItemsAreZero) {
   o.key_lengths = std::vector<int64_t>{n, 0};
   const auto out3 = efficient_attention<double>(q, k, v, o);
   for (int64_t i = n * dv; i < out3.size(); ++i) ASSERT_EQ(out3[i], 0.0);
+  // The backward writes its gradients in full (they are not zeroed first): padded keys' rows
+  // are 0, and an item without keys gets 0 everywhere; at thread counts below and above B·H.
+  const auto dout = random_tensor<double>({B, H, n, dv}, 4);
+  for (const int threads : {1, 3}) {
+    testing::ScopedThreads scope(threads);
+    o.key_lengths = std::vector<int64_t>{n, len};
+    const auto g = efficient_attention_backward<double>(q, k, v, dout, o);
+    for (int64_t j = len; j < n; ++j) {
+      for (int64_t c = 0; c < d; ++c) ASSERT_EQ(g.dk.view().row(1, j)[c], 0.0) << j;
+      for (int64_t c = 0; c < dv; ++c) ASSERT_EQ(g.dv.view().row(1, j)[c], 0.0) << j;
+    }
+    for (const Tensor<double>* t : {&g.dq, &g.dk, &g.dv})
+      for (int64_t i = 0; i < t->size(); ++i) ASSERT_TRUE(std::isfinite((*t)[i])) << i;
+    o.key_lengths = std::vector<int64_t>{n, 0};
+    const auto g0 = efficient_attention_backward<double>(q, k, v, dout, o);
+    for (int64_t i = n * d; i < g0.dq.size(); ++i) ASSERT_EQ(g0.dq[i], 0.0) << i;
+    for (int64_t i = n * d; i < g0.dk.size(); ++i) ASSERT_EQ(g0.dk[i], 0.0) << i;
+    for (int64_t i = n * dv; i < g0.dv.size(); ++i) ASSERT_EQ(g0.dv[i], 0.0) << i;
+  }
+}
+
+// The backward checks its gradients for overflow while it writes them (not in a second pass):
+// v and dout all 2^63, just under the 2^64 where they would be rescaled, make G = ρ_kᵀV = 2^63
+// and dρ_q = dout·Gᵀ = d_v·2^126 = 2^128, past float32's range.
+TEST(EfficientBackward, GradientOverflowIsAnError) {
+  const auto q = random_tensor<float>({2, 3, 40, 8}, 1), k = random_tensor<float>({2, 3, 40, 8}, 2);
+  Tensor<float> v({2, 3, 40, 4}), g({2, 3, 40, 4});
+  for (Tensor<float>* t : {&v, &g})
+    for (int64_t i = 0; i < t->size(); ++i) (*t)[i] = std::ldexp(1.0f, 63);
+  for (const int threads : {1, 2, 5, 16}) {
+    testing::ScopedThreads scope(threads);
+    EXPECT_NE(error_of([&] { efficient_attention_backward<float>(q, k, v, g); }).find("overflows float32"),
+              std::string::npos)
+        << threads << " threads";
+  }
 }
 
 TEST(EfficientErrors, CausalAndShapes) {

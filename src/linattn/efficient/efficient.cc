@@ -7,6 +7,7 @@
 //   dk_L = s·ρ_k∘(dρ_k − colsum(ρ_k∘dρ_k)), dv_L = ρ_k dG = E·(diag(inv) dG).
 // Parallel over (batch, head): no atomics.
 #include <algorithm>
+#include <vector>
 
 #include "linattn/core/attention_args.h"
 #include "linattn/core/error.h"
@@ -112,14 +113,29 @@ AttentionGrads<T> efficient_attention_backward(TensorView<const T> q, TensorView
   const ValueScale<T> vs(v_arg, d.v_max), gs(dout_arg, dout_max);  // range.h
   const TensorView<const T> v = vs.view(), dout = gs.view();
   const KeyMask mask(d, s.mask_opts);
-  AttentionGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape), {}};
+  // Every element of dq, dk, dv is written below: the rows the products give, padded keys' rows
+  // and items without keys with 0.
+  AttentionGrads<T> g{Tensor<T>(q.shape, false, Init::Uninitialized), Tensor<T>(k.shape, false, Init::Uninitialized),
+                      Tensor<T>(v.shape, false, Init::Uninitialized), {}};
   const int64_t hd = d.head_dim, dv = d.value_dim;
   const T sc = static_cast<T>(s.scale);
   const ParallelLoop loop(d.bh());
   PerWorker<efficient::Buffers<T>> buffers(loop, [&] { return efficient::Buffers<T>(s, true); });
+  // Per worker: whether every gradient value it wrote is finite, checked block by block while
+  // in cache (restore_gradients then need not read them again).
+  std::vector<char> finite(static_cast<size_t>(loop.workers()), 1);
   loop.run([&](int64_t bh, int worker) {
     const int64_t L = mask.key_length(bh / d.heads);
-    if (L == 0) return;  // out = 0 for any q, k, v: all gradients 0
+    std::fill(g.dk.view().row(bh, L), g.dk.view().row(bh, 0) + d.n_k * hd, T(0));
+    std::fill(g.dv.view().row(bh, L), g.dv.view().row(bh, 0) + d.n_k * dv, T(0));
+    if (L == 0) {  // out = 0 for any q, k, v: all gradients 0
+      std::fill(g.dq.view().row(bh, 0), g.dq.view().row(bh, 0) + d.n_q * hd, T(0));
+      return;
+    }
+    char& ok = finite[static_cast<size_t>(worker)];
+    auto written = [&ok](const T* x, int64_t count) {
+      if (ok) ok = simd::all_finite(x, static_cast<size_t>(count));
+    };
     efficient::Buffers<T>& b = buffers[worker];
     efficient::key_side(fn, s, k, v, bh, L, b);
     std::fill(b.dg.data(), b.dg.data() + hd * dv, T(0));
@@ -135,6 +151,7 @@ AttentionGrads<T> efficient_attention_backward(TensorView<const T> q, TensorView
       softmax_rows_backward(b.qb.data(), b.dqb.data(), rows, hd, hd, hd);
       T* dq = g.dq.view().row(bh, r0);
       for (int64_t i = 0; i < rows * hd; ++i) dq[i] = sc * b.dqb[i];
+      written(dq, rows * hd);
     }
     // G = ρ_kᵀ V_L: dρ_k = V_L dGᵀ (into dk's rows, then the softmax backward in place),
     // dv_L = E·(diag(inv) dG).
@@ -144,8 +161,11 @@ AttentionGrads<T> efficient_attention_backward(TensorView<const T> q, TensorView
                                    static_cast<size_t>(hd), sc, b.work.data());
     for (int64_t c = 0; c < hd; ++c) simd::scale(b.dg.data() + c * dv, static_cast<size_t>(dv), b.inv[c]);
     matmul<T>(mat(g.dv.view().row(bh, 0), L, dv), mat(b.e.data(), L, hd), mat(b.dg.data(), hd, dv));
+    written(dk, L * hd);
+    written(g.dv.view().row(bh, 0), L * dv);
   });
-  restore_gradients(fn, g, vs.exponent(), gs.exponent());
+  const bool all = std::all_of(finite.begin(), finite.end(), [](char f) { return f != 0; });
+  restore_gradients(fn, g, vs.exponent(), gs.exponent(), {all, all, all});
   return g;
 }
 
