@@ -84,6 +84,17 @@ struct CheckedGradients {
   bool dq = false, dk = false, dv = false;
 };
 
+// A backward worker's check of the gradient values it writes, block by block while they are in
+// cache (the pass over dq, dk, dv that restore_gradients would otherwise make): ok stays true
+// while every value is finite.
+struct WrittenFinite {
+  bool ok = true;
+  template <class T>
+  void check(const T* x, int64_t count) {
+    if (ok) ok = simd::all_finite(x, static_cast<size_t>(count));
+  }
+};
+
 // After a backward computed from v·2^−v_exp and dout·2^−dout_exp (ValueScale): dq, dk and the
 // parameter gradients are linear in v and in dout, dv in dout alone; then every gradient is
 // checked to be finite (unless `checked` says so and it was not rescaled).

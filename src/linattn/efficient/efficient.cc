@@ -7,7 +7,6 @@
 //   dk_L = s·ρ_k∘(dρ_k − colsum(ρ_k∘dρ_k)), dv_L = ρ_k dG = E·(diag(inv) dG).
 // Parallel over (batch, head): no atomics.
 #include <algorithm>
-#include <vector>
 
 #include "linattn/core/attention_args.h"
 #include "linattn/core/error.h"
@@ -121,9 +120,7 @@ AttentionGrads<T> efficient_attention_backward(TensorView<const T> q, TensorView
   const T sc = static_cast<T>(s.scale);
   const ParallelLoop loop(d.bh());
   PerWorker<efficient::Buffers<T>> buffers(loop, [&] { return efficient::Buffers<T>(s, true); });
-  // Per worker: whether every gradient value it wrote is finite, checked block by block while
-  // in cache (restore_gradients then need not read them again).
-  std::vector<char> finite(static_cast<size_t>(loop.workers()), 1);
+  PerWorker<WrittenFinite> written(loop);  // range.h
   loop.run([&](int64_t bh, int worker) {
     const int64_t L = mask.key_length(bh / d.heads);
     std::fill(g.dk.view().row(bh, L), g.dk.view().row(bh, 0) + d.n_k * hd, T(0));
@@ -132,10 +129,7 @@ AttentionGrads<T> efficient_attention_backward(TensorView<const T> q, TensorView
       std::fill(g.dq.view().row(bh, 0), g.dq.view().row(bh, 0) + d.n_q * hd, T(0));
       return;
     }
-    char& ok = finite[static_cast<size_t>(worker)];
-    auto written = [&ok](const T* x, int64_t count) {
-      if (ok) ok = simd::all_finite(x, static_cast<size_t>(count));
-    };
+    WrittenFinite& finite = written[worker];
     efficient::Buffers<T>& b = buffers[worker];
     efficient::key_side(fn, s, k, v, bh, L, b);
     std::fill(b.dg.data(), b.dg.data() + hd * dv, T(0));
@@ -151,7 +145,7 @@ AttentionGrads<T> efficient_attention_backward(TensorView<const T> q, TensorView
       softmax_rows_backward(b.qb.data(), b.dqb.data(), rows, hd, hd, hd);
       T* dq = g.dq.view().row(bh, r0);
       for (int64_t i = 0; i < rows * hd; ++i) dq[i] = sc * b.dqb[i];
-      written(dq, rows * hd);
+      finite.check(dq, rows * hd);
     }
     // G = ρ_kᵀ V_L: dρ_k = V_L dGᵀ (into dk's rows, then the softmax backward in place),
     // dv_L = E·(diag(inv) dG).
@@ -161,10 +155,11 @@ AttentionGrads<T> efficient_attention_backward(TensorView<const T> q, TensorView
                                    static_cast<size_t>(hd), sc, b.work.data());
     for (int64_t c = 0; c < hd; ++c) simd::scale(b.dg.data() + c * dv, static_cast<size_t>(dv), b.inv[c]);
     matmul<T>(mat(g.dv.view().row(bh, 0), L, dv), mat(b.e.data(), L, hd), mat(b.dg.data(), hd, dv));
-    written(dk, L * hd);
-    written(g.dv.view().row(bh, 0), L * dv);
+    finite.check(dk, L * hd);
+    finite.check(g.dv.view().row(bh, 0), L * dv);
   });
-  const bool all = std::all_of(finite.begin(), finite.end(), [](char f) { return f != 0; });
+  bool all = true;
+  for (int w = 0; w < written.size(); ++w) all = all && written[w].ok;
   restore_gradients(fn, g, vs.exponent(), gs.exponent(), {all, all, all});
   return g;
 }

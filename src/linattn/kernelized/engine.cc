@@ -49,6 +49,7 @@
 #include "linattn/core/blas.h"
 #include "linattn/core/simd.h"
 #include "linattn/core/parallel.h"
+#include "linattn/core/range.h"
 
 namespace linattn::kernelized {
 namespace {
@@ -119,7 +120,6 @@ struct Scratch {
     dlog = buffer(fm.has_factor() ? rows * m : 0);
     fs = buffer(fm.scratch_size(rows));
     num = buffer(rows * dv);
-    dden = buffer(rows);
     c = buffer(m);
     c_new = buffer(m);
     kvz = buffer(m * (dv + 1));
@@ -137,8 +137,8 @@ struct Scratch {
   Buffer<T> features;
   Features<T> qf, kf;  // the scratch's own blocks of query and key features
   // Gradients of a block's features (dphi), and for trig the gradient of its logits (dlog);
-  // the feature map's backward scratch; outputs (recomputed) and the output's dden.
-  Buffer<T> dphi, dlog, fs, num, dden;
+  // the feature map's backward scratch; outputs (recomputed).
+  Buffer<T> dphi, dlog, fs, num;
   Buffer<T> c, c_new;  // per-feature log-shifts of the keys (FAVOR), and scratch for raising them
   // Augmented so that one product gives both sums (and no rank-one loops are left): the state
   // [KV | z] (m'×(d_v+1); causal: S and z so far), its gradient [dKV | dz] (causal: the suffix
@@ -146,16 +146,9 @@ struct Scratch {
   Buffer<T> kvz, dkvz, vaug, nd, dnd;
   // Causal: a chunk's denominators; its running maxima while finding where it ends; its W and P.
   Buffer<T> D, run_max, W, P;
-  // Backward: whether every gradient value this worker wrote is finite (written_finite).
-  bool grads_finite = true;
+  // Backward: whether every gradient value this worker wrote is finite (range.h).
+  WrittenFinite written;
 };
-
-// Checks `count` gradient values just written, while they are in cache: the result check that
-// restore_gradients would otherwise make with one more pass over dq, dk and dv.
-template <class T>
-void written_finite(Scratch<T>& s, const T* x, int64_t count) {
-  if (s.grads_finite) s.grads_finite = simd::all_finite(x, static_cast<size_t>(count));
-}
 
 // ---- features --------------------------------------------------------------------------------
 
@@ -206,15 +199,14 @@ void column_maxima(const T* L, int64_t rows, int64_t m, const T* c, T* c_new) {
 }
 
 // Raises the shifts c to c_new (>= c); the state rows whose shift grew (S: m' rows of s_cols
-// values; z: m' values, may be null) are multiplied by exp(c_old − c_new) <= 1.
+// values) are multiplied by exp(c_old − c_new) <= 1.
 template <class T>
-void raise_shifts(int64_t m, const T* c_new, T* c, T* S, int64_t s_cols, T* z) {
+void raise_shifts(int64_t m, const T* c_new, T* c, T* S, int64_t s_cols) {
   for (int64_t r = 0; r < m; ++r) {
     if (!(c_new[r] > c[r])) continue;
     if (c[r] != neg_inf<T>()) {
       const T f = std::exp(c[r] - c_new[r]);
       simd::scale(S + r * s_cols, static_cast<size_t>(s_cols), f);
-      if (z) z[r] *= f;
     }
     c[r] = c_new[r];
   }
@@ -241,15 +233,16 @@ void feature_backward(const Problem<T>& p, const T* x, int64_t rows, Side side, 
   p.fmap->logits_backward(x, rows, side, dphi, f.s, ds, dx, s.fs.data());
 }
 
-// dnum_i = dout_i / D_i, dden_i = −dout_i·out_i / D_i (both 0 where D_i = 0). dnum has
-// leading dimension ld.
+// [dnum_i | dden_i] into dnd (rows × (d_v+1)): dnum_i = dout_i / D_i and dden_i =
+// −dout_i·out_i / D_i (both 0 where D_i = 0), or, with out null, the dden_i given (the causal
+// backward's second pass has them from its first).
 template <class T>
-void output_grads(const T* dout, const T* out, const T* D, int64_t rows, int64_t dv, T* dnum, int64_t ld,
-                  T* dden) {
+void output_grads(const T* dout, const T* out, const T* D, const T* dden, int64_t rows, int64_t dv, T* dnd) {
+  const int64_t da = dv + 1;
   for (int64_t i = 0; i < rows; ++i) {
     const T inv = D[i] != 0 ? T(1) / D[i] : T(0);
-    for (int64_t c = 0; c < dv; ++c) dnum[i * ld + c] = dout[i * dv + c] * inv;
-    dden[i] = -simd::dot(dout + i * dv, out + i * dv, static_cast<size_t>(dv)) * inv;
+    for (int64_t c = 0; c < dv; ++c) dnd[i * da + c] = dout[i * dv + c] * inv;
+    dnd[i * da + dv] = out ? -simd::dot(dout + i * dv, out + i * dv, static_cast<size_t>(dv)) * inv : dden[i];
   }
 }
 
@@ -279,7 +272,7 @@ void accumulate_kv(const Problem<T>& p, int64_t bh, int64_t key_len, Scratch<T>&
     key_logits(p, bh, j0, rows, kf);
     if (p.fmap->log_form()) {
       column_maxima(kf.e, rows, m, s.c.data(), s.c_new.data());
-      raise_shifts(m, s.c_new.data(), s.c.data(), s.kvz.data(), da, static_cast<T*>(nullptr));
+      raise_shifts(m, s.c_new.data(), s.c.data(), s.kvz.data(), da);
     }
     finish_key_features(p, rows, s.c.data(), kf);
     augmented_values(p, bh, j0, rows, s);
@@ -354,13 +347,12 @@ void backward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, const T*
       query_rows(p, bh, i0, rows, s, s.num.data(), D, static_cast<T*>(nullptr));
       o = s.num.data();
     }
-    output_grads(dout + (bh * n_q + i0) * dv, o, D, rows, dv, s.dnd.data(), da, s.dden.data());
-    for (int64_t i = 0; i < rows; ++i) s.dnd[i * da + dv] = s.dden[i];
+    output_grads(dout + (bh * n_q + i0) * dv, o, D, static_cast<const T*>(nullptr), rows, dv, s.dnd.data());
     matmul<T>(mat(s.dphi.data(), rows, m), mat(s.dnd.data(), rows, da), mat(s.kvz.data(), m, da).t());
     matmul<T>(mat(s.dkvz.data(), m, da), mat(s.qf.values(*p.fmap), rows, m).t(), mat(s.dnd.data(), rows, da),
               T(1), T(1));
     feature_backward(p, p.q.row(bh, i0), rows, Side::Query, s.qf, s, dq + (bh * n_q + i0) * d);
-    written_finite(s, dq + (bh * n_q + i0) * d, rows * d);
+    s.written.check(dq + (bh * n_q + i0) * d, rows * d);
   }
   for (int64_t j0 = 0; j0 < key_len; j0 += kBlockRows) {
     interruption_point();
@@ -373,8 +365,8 @@ void backward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, const T*
     matmul<T>(mat(dv_out + (bh * p.dims.n_k + j0) * dv, rows, dv), mat(kf.values(*p.fmap), rows, m),
               mat(s.dkvz.data(), m, dv, da));
     feature_backward(p, p.k.row(bh, j0), rows, Side::Key, kf, s, dk + (bh * p.dims.n_k + j0) * d);
-    written_finite(s, dk + (bh * p.dims.n_k + j0) * d, rows * d);
-    written_finite(s, dv_out + (bh * p.dims.n_k + j0) * dv, rows * dv);
+    s.written.check(dk + (bh * p.dims.n_k + j0) * d, rows * d);
+    s.written.check(dv_out + (bh * p.dims.n_k + j0) * dv, rows * dv);
   }
 }
 
@@ -418,7 +410,7 @@ void chunk_features(const Problem<T>& p, int64_t bh, int64_t t0, int64_t& rows, 
       kr = std::min(kr, rows);
       column_maxima(L, kr, m, c, c_new);
     }
-    raise_shifts(m, c_new, c, s.kvz.data(), dv + 1, static_cast<T*>(nullptr));
+    raise_shifts(m, c_new, c, s.kvz.data(), dv + 1);
     finish_key_features(p, kr, c, kf);
   }
   query_features(p, bh, t0, rows, s.c.data(), qf);
@@ -594,8 +586,8 @@ void causal_forward_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, CausalS
       chunk_outputs(p, rows, kr, chunk.qf, s, s.num.data(), D, static_cast<T*>(nullptr));
       o = s.num.data();
     }
-    output_grads(dout + (bh * n + t0) * dv, o, D, rows, dv, s.dnd.data(), da, dden);
-    for (int64_t i = 0; i < rows; ++i) s.dnd[i * da + dv] = dden[i];
+    output_grads(dout + (bh * n + t0) * dv, o, D, static_cast<const T*>(nullptr), rows, dv, s.dnd.data());
+    for (int64_t i = 0; i < rows; ++i) dden[i] = s.dnd[i * da + dv];  // for the reverse pass
     chunk_output_grads(p, rows, kr, s, chunk.P);
     // dQ = [dnum | dden]·[S | z]ᵀ + P·K
     matmul<T>(mat(s.dphi.data(), rows, m), mat(s.dnd.data(), rows, da), mat(s.kvz.data(), m, da).t());
@@ -603,7 +595,7 @@ void causal_forward_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, CausalS
       matmul<T>(mat(s.dphi.data(), rows, m), mat(chunk.P, rows, kr, kChunk), mat(chunk.kf.values(*p.fmap), kr, m),
                 T(1), T(1));
     feature_backward(p, p.q.row(bh, t0), rows, Side::Query, chunk.qf, s, dq + (bh * n + t0) * d);
-    written_finite(s, dq + (bh * n + t0) * d, rows * d);
+    s.written.check(dq + (bh * n + t0) * d, rows * d);
     saved.chunks.push_back(chunk);
     saved.shifts.insert(saved.shifts.end(), s.c.data(), s.c.data() + m);
     add_chunk_to_state(p, kr, chunk.kf, s);
@@ -644,13 +636,8 @@ void causal_reverse_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, const C
       query_features(p, bh, t0, rows, c, qf);
     }
     chunk_weights(p, rows, kr, qf, kf, s);
-    const T* D = den + bh * n + t0;
-    const T* dden = saved.dden.data() + t0;
-    for (int64_t i = 0; i < rows; ++i) {
-      const T inv = D[i] != 0 ? T(1) / D[i] : T(0);
-      for (int64_t cc = 0; cc < dv; ++cc) s.dnd[i * da + cc] = dout[(bh * n + t0 + i) * dv + cc] * inv;
-      s.dnd[i * da + dv] = dden[i];
-    }
+    output_grads(dout + (bh * n + t0) * dv, static_cast<const T*>(nullptr), den + bh * n + t0,
+                 saved.dden.data() + t0, rows, dv, s.dnd.data());
     augmented_values(p, bh, t0, kr, s);
     const T* P = chunk.P;
     if (!chunk.cached) {
@@ -669,8 +656,8 @@ void causal_reverse_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, const C
       matmul<T>(mat(dvc, kr, dv), mat(s.W.data(), rows, kr, kChunk).t(), mat(s.dnd.data(), rows, dv, da), T(1),
                 T(1));
       feature_backward(p, p.k.row(bh, t0), kr, Side::Key, kf, s, dk + (bh * n + t0) * d);
-      written_finite(s, dk + (bh * n + t0) * d, kr * d);
-      written_finite(s, dvc, kr * dv);
+      s.written.check(dk + (bh * n + t0) * d, kr * d);
+      s.written.check(dvc, kr * dv);
     }
     // This chunk's queries join the suffix state: [R | ρ] += Qᵀ·[dnum | dden].
     matmul<T>(mat(R, m, da), mat(Q, rows, m).t(), mat(s.dnd.data(), rows, da), T(1), T(1));
@@ -739,7 +726,7 @@ bool backward(const Problem<T>& p, const T* dout, const T* out, const T* den, co
     }
   });
   bool finite = true;
-  for (int w = 0; w < scratch.size(); ++w) finite = finite && scratch[w].grads_finite;
+  for (int w = 0; w < scratch.size(); ++w) finite = finite && scratch[w].written.ok;
   return finite;
 }
 
