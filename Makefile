@@ -13,7 +13,7 @@ CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$(PYTHON) -DLINATT
 PIP_INSTALL := $(PYTHON) -m pip install -q --disable-pip-version-check --no-build-isolation \
   --no-deps -Cbuild-dir=$(BUILD)/wheel -Cbuild.tool-args=-j$(JOBS)
 
-.PHONY: deps build build-cpp install-python stubs demo test test-cpp test-python test-sanitize bench accuracy clean
+.PHONY: deps build build-cpp install-python stubs demo test test-cpp test-python test-sanitize bench accuracy models clean
 
 deps:
 	@bash scripts/install-deps.sh
@@ -65,6 +65,12 @@ bench: build
 # The accuracy studies of docs/accuracy.md: CSV and plots in out/accuracy.
 accuracy: build
 	LINATTN_PYTHON=$(PYTHON) $(BUILD)/bin/linattn accuracy --out out/accuracy
+
+# docs/models.md: all-MiniLM-L6-v2 with each method swapped in (zero-shot, against sequence
+# length, after a short distillation) and character-level LMs trained from scratch; about 45 minutes
+# on 2 cores. Raw results in out/models.
+models: build
+	$(PYTHON) bench/models.py --out out/models --docs docs/models.md
 
 clean:
 	rm -rf $(BUILD) build-sanitize

@@ -241,3 +241,15 @@ def test_module_errors():
     out = m(torch.randn(2, 12, 8))
     out.sum().backward()
     assert m.e.grad is not None and m.f.grad is not None
+
+
+def test_multihead_favor_features_kind():
+    # features= picks linattn.random_features' kind; a bad kind or a non-favor method is an error.
+    for kind in ("orthogonal", "iid", "orthogonal_fixed", "quantile"):
+        m = lt.MultiheadAttention(16, 2, "favor", num_features=8, seed=3, features=kind)
+        want = linattn.random_features(8, 8, kind, 3)
+        assert np.array_equal(m.projection.numpy(), want), kind
+    with pytest.raises(ValueError, match="features must be one of"):
+        lt.MultiheadAttention(16, 2, "favor", features="gaussian")
+    with pytest.raises(TypeError, match="features is an option of method 'favor' only"):
+        lt.MultiheadAttention(16, 2, "elu", features="quantile")

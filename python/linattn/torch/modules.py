@@ -17,6 +17,9 @@ _METHODS = {"softmax": ("softmax", {}), "linear": ("linear", {}), "elu": ("linea
             "favor": ("favor", {}), "nystrom": ("nystrom", {}), "linformer": ("linformer", {}),
             "efficient": ("efficient", {})}
 
+# The kinds of linattn.random_features.
+_FEATURE_KINDS = ("orthogonal", "iid", "orthogonal_fixed", "quantile")
+
 
 class DecodingState:
     """One batch of sequences being decoded by MultiheadAttention.step: the kernelized method's
@@ -49,7 +52,9 @@ class MultiheadAttention(torch.nn.Module):
     "linear" takes feature_map= as an option), "favor", "nystrom", "linformer", "efficient".
     method_options: the method's options (linattn.methods()), plus
       num_features (favor, default 256): rows of the random projection, a buffer in the
-        state_dict; seed (default 0) draws it; feature_redraw_interval (favor, default None):
+        state_dict; seed (default 0) draws it; features (favor, default "orthogonal"): the
+        kind of linattn.random_features ("orthogonal", "iid", "orthogonal_fixed", "quantile");
+        feature_redraw_interval (favor, default None):
         draw a new projection every that many training forwards (never in eval);
       s_proj (default 256) and max_seq_len (linformer, required): the learned projections e, f
         [s_proj, max_seq_len], shared by the heads;
@@ -84,6 +89,7 @@ class MultiheadAttention(torch.nn.Module):
         opts = dict(method_options)
         self.seed = int(opts.pop("seed", 0))
         num_features = opts.pop("num_features", None)
+        features = opts.pop("features", None)
         self.feature_redraw_interval = opts.pop("feature_redraw_interval", None)
         s_proj, max_seq_len = opts.pop("s_proj", None), opts.pop("max_seq_len", None)
         kernel_size = opts.pop("dwc_kernel_size", None) if registered == "linear" else opts.pop("conv_kernel_size", None)
@@ -98,6 +104,11 @@ class MultiheadAttention(torch.nn.Module):
         self.method_options = {**fixed, **opts}
         if num_features is not None and registered != "favor":
             raise TypeError("MultiheadAttention: num_features is an option of method 'favor' only")
+        if features is not None and registered != "favor":
+            raise TypeError("MultiheadAttention: features is an option of method 'favor' only")
+        if features is not None and features not in _FEATURE_KINDS:
+            raise ValueError("MultiheadAttention: features must be one of %s, got %r" % (", ".join(_FEATURE_KINDS), features))
+        self.features = features if features is not None else "orthogonal"
         if self.feature_redraw_interval is not None and (registered != "favor" or int(self.feature_redraw_interval) < 1):
             raise ValueError("MultiheadAttention: feature_redraw_interval is for method 'favor', an integer >= 1")
         if (s_proj is not None or max_seq_len is not None) and registered != "linformer":
@@ -139,7 +150,7 @@ class MultiheadAttention(torch.nn.Module):
 
     def _draw_projection(self, redraw, np_dtype):
         # Draw i of the module's seeded sequence: the same projections in every run.
-        return torch.from_numpy(_linattn.random_features(self.num_features, self.head_dim, "orthogonal",
+        return torch.from_numpy(_linattn.random_features(self.num_features, self.head_dim, self.features,
                                                          (self.seed + 0x9E3779B9 * redraw) % 2**63, np_dtype))
 
     def redraw_features(self):
