@@ -129,11 +129,15 @@ def load(backend, options=None, dropout=False):
     return model.eval()
 
 
-def embed(model, batch):
-    """The sentence embedding of all-MiniLM-L6-v2: masked mean of the last layer, normalised."""
-    h = model(**batch).last_hidden_state
-    m = batch["attention_mask"].unsqueeze(-1).to(h.dtype)
+def pool(h, attention_mask):
+    """The sentence embedding of all-MiniLM-L6-v2 from its last layer h: the mean over the valid
+    tokens, normalised."""
+    m = attention_mask.unsqueeze(-1).to(h.dtype)
     return F.normalize((h * m).sum(1) / m.sum(1), dim=-1)
+
+
+def embed(model, batch):
+    return pool(model(**batch).last_hidden_state, batch["attention_mask"])
 
 
 def batches(tokenizer, texts, batch_size, max_tokens=512):
@@ -206,11 +210,9 @@ def time_batch(model, batch, repeats):
 
 # ---- the studies ---------------------------------------------------------------------------------
 
-def zero_shot(tok, texts, configs, probe_n, timing_batch, repeats, bar):
-    """Every config swapped into the pretrained model as is: embedding cosine to the original,
-    per-layer attention error, retrieval recall, time per batch."""
-    original = load("sdpa")
-    base = embed_all(original, tok, texts)
+def zero_shot(tok, original, base, texts, configs, probe_n, timing_batch, repeats, bar):
+    """Every config swapped into the pretrained model as is: embedding cosine to the original
+    (whose embeddings of texts are base), per-layer attention error, retrieval recall, time per batch."""
     queries, docs = split_halves(texts)
     base_q, base_d = embed_all(original, tok, queries), embed_all(original, tok, docs)
     timing = tok(texts[:timing_batch[0]], padding="max_length", truncation=True, max_length=timing_batch[1],
@@ -248,29 +250,28 @@ def windows(tok, texts, length, count):
     return out
 
 
-def length_growth(tok, texts, configs, lengths, count, bar):
+def length_growth(tok, original, texts, configs, lengths, count, bar):
     """Mean embedding cosine to the original against sequence length."""
-    original = load("sdpa")
-    rows = {label: {} for label, _, _ in configs}
-    for n in lengths:
-        w = windows(tok, texts, n, count)
-        base = embed_all(original, tok, w, max_tokens=n)
-        for label, backend, options in configs:
-            rows[label][n] = float((embed_all(load(backend, options), tok, w, max_tokens=n) * base).sum(1).mean())
+    cases = {n: windows(tok, texts, n, count) for n in lengths}
+    bases = {n: embed_all(original, tok, w, max_tokens=n) for n, w in cases.items()}
+    rows = {}
+    for label, backend, options in configs:
+        model = load(backend, options)
+        rows[label] = {}
+        for n, w in cases.items():
+            rows[label][n] = float((embed_all(model, tok, w, max_tokens=n) * bases[n]).sum(1).mean())
             bar.update(1)
     return rows
 
 
-def distill(tok, train_texts, eval_texts, label, backend, options, which, steps, batch_size, max_tokens, lr, seed,
-            teacher_states, bar):
-    """Fine-tunes the swapped model towards the original (teacher) for `steps` steps: loss =
-    mean (1 − cos) of the sentence embeddings + mean squared error of the last hidden states.
+def distill(tok, original, base, before, train_texts, eval_texts, label, backend, options, which, steps, batch_size,
+            max_tokens, lr, seed, bar):
+    """Fine-tunes the swapped model towards the original (the teacher; base: its embeddings of
+    eval_texts, before: the untrained swap's mean cosine to them) for `steps` steps: loss = mean
+    (1 − cos) of the sentence embeddings + mean squared error of the last hidden states.
     which: "all" weights, or "qk" (the query and key projections only)."""
     torch.manual_seed(seed)
     student = load(backend, options)
-    original = load("sdpa")
-    base = embed_all(original, tok, eval_texts)
-    before = float((embed_all(student, tok, eval_texts) * base).sum(1).mean())
     qd, dd = split_halves(eval_texts)
     params = [p for n, p in student.named_parameters()
               if which == "all" or re.search(r"attention\.self\.(query|key)\.", n)]
@@ -286,10 +287,12 @@ def distill(tok, train_texts, eval_texts, label, backend, options, which, steps,
         idx = rng.sample(range(len(train_texts)), batch_size)
         b = tok([train_texts[i] for i in idx], padding=True, truncation=True, max_length=max_tokens,
                 return_tensors="pt")
-        teacher_h, teacher_e = teacher_states(b)
+        with torch.no_grad():
+            teacher_h = original(**b).last_hidden_state
+        teacher_e = pool(teacher_h, b["attention_mask"])
         h = student(**b).last_hidden_state
+        e = pool(h, b["attention_mask"])
         m = b["attention_mask"].unsqueeze(-1).to(h.dtype)
-        e = F.normalize((h * m).sum(1) / m.sum(1), dim=-1)
         loss = (1 - (e * teacher_e).sum(1)).mean() + (((h - teacher_h) ** 2) * m).sum() / (m.sum() * h.shape[-1])
         opt.zero_grad()
         loss.backward()
@@ -302,15 +305,6 @@ def distill(tok, train_texts, eval_texts, label, backend, options, which, steps,
             "train_s": train_s, "cos_before": before, "cos_after": after,
             "gap_closed": (after - before) / (1 - before) if before < 1 else 0.0,
             "recall_after": recall(embed_all(student, tok, qd), embed_all(student, tok, dd))}
-
-
-def teacher(original):
-    @torch.no_grad()
-    def states(b):
-        h = original(**b).last_hidden_state
-        m = b["attention_mask"].unsqueeze(-1).to(h.dtype)
-        return h, F.normalize((h * m).sum(1) / m.sum(1), dim=-1)
-    return states
 
 
 # ---- the report ----------------------------------------------------------------------------------
@@ -492,15 +486,17 @@ def main():
     work = len(configs) + len(lengths) * len(main_configs) + 2 * len(distill_configs) * steps
     results = {"setup": setup}
     with tqdm.tqdm(total=work, desc="models", unit="job", file=sys.stderr) as bar:
-        results["zero_shot"] = zero_shot(tok, texts, configs, setup["probe_n"], setup["timing_batch"],
+        original = load("sdpa")  # the teacher and the reference of every comparison
+        base = embed_all(original, tok, texts)
+        results["zero_shot"] = zero_shot(tok, original, base, texts, configs, setup["probe_n"], setup["timing_batch"],
                                          setup["repeats"], bar)
-        results["lengths"] = {k: {str(n): v for n, v in d.items()}
-                              for k, d in length_growth(tok, texts, main_configs, lengths, length_count, bar).items()}
-        states = teacher(load("sdpa"))
+        results["lengths"] = {k: {str(n): v for n, v in d.items()} for k, d in
+                              length_growth(tok, original, texts, main_configs, lengths, length_count, bar).items()}
         train_texts = [t for _, t, _ in train_set]
-        results["distill"] = [distill(tok, train_texts, texts, label, backend, options, which, steps, setup["batch"],
-                                      setup["distill_tokens"], setup["lr_all"] if which == "all" else setup["lr_qk"],
-                                      0, states, bar)
+        before = {r["label"]: r["cos_mean"] for r in results["zero_shot"]}
+        results["distill"] = [distill(tok, original, base, before[label], train_texts, texts, label, backend, options,
+                                      which, steps, setup["batch"], setup["distill_tokens"],
+                                      setup["lr_all"] if which == "all" else setup["lr_qk"], 0, bar)
                               for label, backend, options in distill_configs for which in ("all", "qk")]
     for r in results["zero_shot"]:  # JSON keys are strings
         r["recall"] = {str(k): v for k, v in r["recall"].items()}

@@ -126,7 +126,7 @@ def attention_function(name):
                 options["dwc_weight"] = _learned(module, name, query, user)["conv_weight"]
         elif function == "favor_attention":
             options["kernel"] = user["kernel"]
-            options["projection"] = _projection(module, name, query, user)
+            options["projection"] = _projection(module, query, user)
         elif function == "nystrom_attention":
             options.update(num_landmarks=user["num_landmarks"], pinv_iterations=user["pinv_iterations"],
                            pinv=user["pinv"])
@@ -197,14 +197,14 @@ def set_options(model, **options):
     if not modules:
         raise ValueError("linattn.hf.set_options: found no attention module (a module with config, is_causal "
                          "and layer_idx attributes) in %s" % type(model).__name__)
+    function = BACKENDS[name][0]
     for m in modules:
         for attr in [a for a in vars(m)["_parameters"] if a.startswith(_PREFIX)] + \
                     [a for a in vars(m)["_buffers"] if a.startswith(_PREFIX)]:
             delattr(m, attr)  # options changed: what was attached for the old ones goes
         anchor = next(m.parameters())
-        function = BACKENDS[name][0]
         if function == "favor_attention":
-            _projection(m, name, anchor, user)
+            _projection(m, anchor, user)
         elif function == "linformer_attention" or user.get("dwc_kernel_size") or user.get("conv_kernel_size"):
             _learned(m, name, anchor, user, create=True)
     return model
@@ -224,7 +224,7 @@ def _heads(module, config):
     return h, d
 
 
-def _projection(module, name, like, user):
+def _projection(module, like, user):
     """Layer layer_idx's FAVOR projection [num_features, head_dim], a buffer made on first use."""
     key = _PREFIX + "projection"
     w = getattr(module, key, None)
