@@ -238,3 +238,32 @@ def test_mask_conversion():
         lh._key_lengths("t", alibi.expand(b, 1, n, n), b, n, n, False)
     with pytest.raises(ValueError, match="4-D attention mask"):
         lh._key_lengths("t", keep[:, 0, 0], b, n, n, False)
+
+
+@pytest.mark.parametrize("name", ["linattn_softmax", "linattn_elu", "linattn_favor", "linattn_focused"])
+def test_decoder_same_at_every_thread_count(name):
+    # batch·heads = 2: linattn's thread counts below, at and above the work items give the same
+    # logits and gradients (each (batch, head) item is computed in one order whatever the count).
+    import linattn
+    lh.register()
+    cfg = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=1, max_position_embeddings=128, eos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg, attn_implementation=name))
+    ids = torch.randint(0, 97, (1, 70), generator=torch.Generator().manual_seed(3))
+    before = linattn.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 2, 3, 8, 16):
+            linattn.set_num_threads(threads)
+            model.zero_grad()
+            logits = model(input_ids=ids).logits
+            logits.square().mean().backward()
+            runs.append((threads, logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    finally:
+        linattn.set_num_threads(before)
+    _, logits0, grads0 = runs[0]
+    for threads, logits, grads in runs[1:]:
+        assert torch.equal(logits, logits0), threads
+        for g, g0 in zip(grads, grads0):
+            assert torch.equal(g, g0), threads
