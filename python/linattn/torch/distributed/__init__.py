@@ -1,0 +1,300 @@
+"""linattn.torch.distributed: attention over a sequence split across processes (context
+parallelism), on torch.distributed (gloo on CPU).
+
+Every rank holds a block of the sequence, q, k, v [batch, heads, n_local, head_dim] at the same
+positions, and calls the same function with the same options, key_lengths (of the whole
+sequence) and shared tensors; each gets its block of the output, equal to linattn.torch's
+single-process result to float rounding, with backward. The functions take linattn.torch's
+names, arguments and defaults, plus
+
+    group:  the process group (None: the default group);
+    layout: "contiguous" (rank r holds one block, in rank order; blocks of any sizes >= 1) or
+            "zigzag" (the sequence cut into 2P chunks, rank r holding chunks r and 2P−1−r, so
+            that a causal mask gives every rank the same work; shard() cuts it so).
+
+What travels, per (batch, head) and rank:
+    softmax_attention    ring attention: P−1 steps each passing a k, v block (O(n/P·d) each),
+                         and in backward the block's dk, dv once more round the ring
+    linear_attention,    one all-reduce of [S | z] (O(m'·d_v), independent of n); causal: an
+    favor_attention      all-gather of every segment's [S | z]; FAVOR adds an all-reduce of its
+                         m' key-shift maxima; dwc_weight adds an all-gather of K−1 edge rows
+    efficient_attention  one all-reduce of [d, d_v+1] and one of d maxima
+    linformer_attention  one all-reduce of [s, d+d_v]
+    nystrom_attention    refused (ValueError); see docs/distributed.md
+and every call starts with an all-gather of a few numbers that checks the ranks agree, so that
+bad input raises the same error on every rank instead of hanging the others.
+
+Gradients: dq, dk, dv are this rank's rows. A parameter shared by the ranks (dwc_weight, e, f)
+gets this rank's share of its gradient on each rank: sum them over ranks for the whole
+sequence's gradient (DistributedDataParallel averages instead: scale the loss by the world
+size, or all-reduce with SUM yourself). Every rank must run backward, with the same
+requires_grad on its inputs, since backward makes collectives too.
+
+See docs/distributed.md."""
+
+import math
+
+import torch
+
+from .. import _lengths, _tensor
+from ... import methods as _methods, _default
+from . import _context, _kernelized, _ring
+from ._comm import Group, reset_traffic, traffic
+from ._layout import LAYOUTS, check_sizes, segments, shard_of, unshard
+
+__all__ = ["softmax_attention", "linear_attention", "favor_attention", "efficient_attention", "linformer_attention",
+           "nystrom_attention", "shard", "gather", "traffic", "reset_traffic"]
+
+_INFO = {m["function"]: m for m in _methods()}
+_DTYPES = {torch.float32: 1, torch.float64: 2}
+_FIELDS = 40  # numbers each rank sends to the agreement check
+
+
+def _option_default(fn, name):
+    return _default(next(o for o in _INFO[fn]["options"] if o["name"] == name))
+
+
+def _full(name):
+    return "linattn.torch.distributed." + name
+
+
+def _checksum(t):
+    """A few numbers that differ when ranks pass different shared tensors."""
+    if t is None:
+        return [0.0, 0.0, 0.0]
+    x = t.detach().double().reshape(-1)
+    return [float(x.numel()), float(x.sum()), float((x * torch.arange(1, x.numel() + 1, dtype=torch.float64)).sum())]
+
+
+def _finite(fn, name, x):
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("%s: %s has a non-finite value; every rank's q, k and v must be finite (padded positions "
+                         "too: give them zeros)" % (fn, name))
+
+
+class _Call:
+    """One call's checked inputs, agreed on by every rank."""
+
+    def __init__(self, name, group, layout, q, k, v, key_lengths, causal, check_options):
+        fn = self.fn = _full(name)
+        self.g = g = Group(fn, group)
+        problem, fields = None, []
+        try:
+            if layout not in LAYOUTS:
+                raise ValueError("%s: layout must be one of %s, got %r" % (fn, ", ".join(LAYOUTS), layout))
+            if not isinstance(causal, bool):
+                raise TypeError("%s: causal must be True or False, got %r" % (fn, causal))
+            q, k, v = (_tensor(fn, n, x) for n, x in (("q", q), ("k", k), ("v", v)))
+            for n, x in (("q", q), ("k", k), ("v", v)):
+                if x.dim() != 4:
+                    raise ValueError("%s: %s must be [batch, heads, n_local, dim], got shape %s" % (fn, n, list(x.shape)))
+            if not (q.dtype == k.dtype == v.dtype):
+                raise TypeError("%s: q, k and v must have one dtype, got %s, %s, %s" % (fn, q.dtype, k.dtype, v.dtype))
+            if q.shape[:3] != k.shape[:3] or k.shape[:3] != v.shape[:3] or q.shape[3] != k.shape[3]:
+                raise ValueError("%s: q, k, v must be [B, H, n_local, d], [B, H, n_local, d], [B, H, n_local, d_v] at "
+                                 "the same positions, got %s, %s, %s" % (fn, list(q.shape), list(k.shape), list(v.shape)))
+            lengths = _lengths(fn, key_lengths)
+            if lengths is not None and lengths.shape != (q.shape[0],):
+                raise ValueError("%s: key_lengths must hold one length per batch item (%d), got shape %s"
+                                 % (fn, q.shape[0], list(lengths.shape)))
+            fields = [q.shape[0], q.shape[1], q.shape[3], v.shape[3], _DTYPES[q.dtype], causal, LAYOUTS.index(layout),
+                      q.requires_grad, k.requires_grad, v.requires_grad]
+            fields += [-1.0, 0.0] if lengths is None else [lengths.numel(), float((lengths * (torch.arange(
+                lengths.numel()) + 1)).sum())]
+            fields += check_options(fn, q, k, v)
+            for n, x in (("q", q), ("k", k), ("v", v)):
+                _finite(fn, n, x)
+        except (TypeError, ValueError) as e:
+            problem, fields = e, []
+        assert len(fields) <= _FIELDS - 2
+        fields = fields + [0.0] * (_FIELDS - 2 - len(fields))
+        self.sizes = g.agree(q.shape[2] if problem is None else 0, fields, problem)
+        self.n = n = sum(self.sizes)
+        if lengths is not None and (int(lengths.min()) < 0 or int(lengths.max()) > n):
+            raise ValueError("%s: key_lengths must lie in [0, n] for the whole sequence's n = %d, got %s"
+                             % (fn, n, lengths.tolist()))
+        message = check_sizes(fn, layout, self.sizes)
+        if message:
+            raise ValueError(message)
+        self.segs = [segments(layout, self.sizes, r) for r in range(g.size)]
+        self.q, self.k, self.v, self.lengths = q, k, v, lengths
+
+
+def _no_options(fn, q, k, v):
+    return []
+
+
+def _scale_of(fn, scale, d):
+    if scale is None:
+        return 1 / math.sqrt(d)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError("%s: scale must be a finite float > 0 or None, got %r" % (fn, scale))
+    return float(scale)
+
+
+def _no_causal(fn, causal, function):
+    if causal is True:
+        raise ValueError("%s: causal=True is not available: %s" % (fn, _INFO[function]["no_causal"]))
+
+
+def softmax_attention(q, k, v, *, causal=False, scale=None, key_lengths=None, group=None, layout="contiguous"):
+    """Exact softmax attention by ring attention; see the module's documentation."""
+    holder = {}
+
+    def check(fn, q, k, v):
+        holder["scale"] = _scale_of(fn, scale, q.shape[3])
+        return [holder["scale"]]
+    c = _Call("softmax_attention", group, layout, q, k, v, key_lengths, causal, check)
+    return _ring.RingSoftmax.apply(c.q, c.k, c.v, c.lengths, causal, holder["scale"], c.g, c.segs)
+
+
+def _dwc_check(fn, w, q, v, causal):
+    w = _tensor(fn, "dwc_weight", w)
+    if w.dim() != 2 or w.shape[0] != q.shape[1] or w.shape[1] < 1:
+        raise ValueError("%s: dwc_weight must be [heads = %d, K], got shape %s" % (fn, q.shape[1], list(w.shape)))
+    if not causal and w.shape[1] % 2 == 0:
+        raise ValueError("%s: dwc_weight's K must be odd unless causal, got K = %d" % (fn, w.shape[1]))
+    if w.dtype != q.dtype:
+        raise TypeError("%s: dwc_weight must have q's dtype %s, got %s" % (fn, q.dtype, w.dtype))
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError("%s: dwc_weight has a non-finite value" % fn)
+    return w
+
+
+def linear_attention(q, k, v, *, feature_map=_option_default("linear_attention", "feature_map"), causal=False,
+                     key_lengths=None, eps=_option_default("linear_attention", "eps"),
+                     focus_power=_option_default("linear_attention", "focus_power"), dwc_weight=None, group=None,
+                     layout="contiguous"):
+    """Kernelized attention (elu, relu, focused) by an all-reduce of the key state; see the
+    module's documentation."""
+    holder = {}
+
+    def check(fn, q, k, v):
+        if feature_map not in ("elu", "relu", "focused"):
+            raise ValueError("%s: feature_map must be elu, relu or focused, got %r" % (fn, feature_map))
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+            raise ValueError("%s: eps must be a finite float >= 0, got %r" % (fn, eps))
+        if isinstance(focus_power, bool) or not isinstance(focus_power, (int, float)) or not 1 <= focus_power <= 1000:
+            raise ValueError("%s: focus_power must lie in [1, 1000], got %r" % (fn, focus_power))
+        holder["w"] = None if dwc_weight is None else _dwc_check(fn, dwc_weight, q, v, causal)
+        return [("elu", "relu", "focused").index(feature_map), eps, focus_power,
+                dwc_weight is not None and dwc_weight.requires_grad] + _checksum(holder["w"])
+    c = _Call("linear_attention", group, layout, q, k, v, key_lengths, causal, check)
+    phi = _kernelized.Features(feature_map, power=float(focus_power))
+    out = _kernelized.attention(c.g, c.segs, c.q, c.k, c.v, c.lengths, causal, float(eps), phi)
+    if holder["w"] is not None:
+        out = out + _kernelized.depthwise_conv(c.g, c.segs, c.v, holder["w"], c.lengths, causal)
+    return out
+
+
+def favor_attention(q, k, v, projection, *, kernel=_option_default("favor_attention", "kernel"), causal=False,
+                    key_lengths=None, scale=None, group=None, layout="contiguous"):
+    """Performer / FAVOR+ by an all-reduce of the key state (the whole sequence's key shift
+    first); see the module's documentation."""
+    holder = {}
+
+    def check(fn, q, k, v):
+        w = _tensor(fn, "projection", projection)
+        if w.dim() != 2 or w.shape[1] != q.shape[3] or w.shape[0] < 1:
+            raise ValueError("%s: projection must be [num_features, head_dim = %d], got shape %s"
+                             % (fn, q.shape[3], list(w.shape)))
+        if w.requires_grad:
+            raise ValueError("%s: projection has requires_grad=True, but it is a constant of the method (no "
+                             "gradient flows to it); register it as a buffer or pass projection.detach()" % fn)
+        if w.dtype != q.dtype:
+            raise TypeError("%s: projection must have q's dtype %s, got %s" % (fn, q.dtype, w.dtype))
+        if not bool(torch.isfinite(w).all()):
+            raise ValueError("%s: projection has a non-finite value" % fn)
+        if kernel not in ("positive", "hyperbolic", "trig"):
+            raise ValueError("%s: kernel must be positive, hyperbolic or trig, got %r" % (fn, kernel))
+        s = holder["scale"] = _scale_of(fn, scale, q.shape[3])
+        limit = torch.finfo(q.dtype).max
+        for name, x in (("q", q), ("k", k)):
+            top = float((x.detach().double() ** 2).sum(-1).max()) * s
+            if not (0.5 * top < limit and math.sqrt(top) * float(w.double().norm(dim=1).max()) < limit):
+                raise ValueError("%s: a row of %s is too large for %s random features; scale the inputs down or use "
+                                 "float64" % (fn, name, q.dtype))
+        holder["w"] = w
+        return [("positive", "hyperbolic", "trig").index(kernel), s] + _checksum(w)
+    c = _Call("favor_attention", group, layout, q, k, v, key_lengths, causal, check)
+    phi = _kernelized.Features("favor", projection=holder["w"], kernel=kernel, sqrt_scale=math.sqrt(holder["scale"]))
+    return _kernelized.attention(c.g, c.segs, c.q, c.k, c.v, c.lengths, causal, 0.0, phi)
+
+
+def efficient_attention(q, k, v, *, key_lengths=None, scale=None, causal=False, group=None, layout="contiguous"):
+    """Efficient Attention by an all-reduce of its context matrix; see the module's documentation."""
+    holder = {}
+
+    def check(fn, q, k, v):
+        _no_causal(fn, causal, "efficient_attention")
+        holder["scale"] = _scale_of(fn, scale, q.shape[3])
+        return [holder["scale"]]
+    c = _Call("efficient_attention", group, layout, q, k, v, key_lengths, causal, check)
+    return _context.efficient(c.g, c.segs, c.q, c.k, c.v, c.lengths, holder["scale"])
+
+
+def linformer_attention(q, k, v, e, f, *, key_lengths=None, scale=None, causal=False, group=None,
+                        layout="contiguous"):
+    """Linformer by an all-reduce of the projected keys and values; e and f [s, n_max] or
+    [heads, s, n_max] are the whole sequence's (each rank uses its columns); see the module's
+    documentation."""
+    holder = {}
+
+    def check(fn, q, k, v):
+        _no_causal(fn, causal, "linformer_attention")
+        E, Fm = _tensor(fn, "e", e), _tensor(fn, "f", f)
+        for name, x in (("e", E), ("f", Fm)):
+            if x.dim() not in (2, 3) or (x.dim() == 3 and x.shape[0] != q.shape[1]):
+                raise ValueError("%s: %s must be [s_proj, n_max] or [heads = %d, s_proj, n_max], got shape %s"
+                                 % (fn, name, q.shape[1], list(x.shape)))
+            if x.dtype != q.dtype:
+                raise TypeError("%s: %s must have q's dtype %s, got %s" % (fn, name, q.dtype, x.dtype))
+            if not bool(torch.isfinite(x).all()):
+                raise ValueError("%s: %s has a non-finite value" % (fn, name))
+        if E.shape != Fm.shape:
+            raise ValueError("%s: f must have e's shape %s, got %s" % (fn, list(E.shape), list(Fm.shape)))
+        holder.update(scale=_scale_of(fn, scale, q.shape[3]), e=E, f=Fm)
+        return [holder["scale"], E.requires_grad, Fm.requires_grad] + _checksum(E) + _checksum(Fm)
+    c = _Call("linformer_attention", group, layout, q, k, v, key_lengths, causal, check)
+    if c.n > holder["e"].shape[-1]:
+        raise ValueError("%s: the whole sequence has n = %d positions, more than e's n_max = %d"
+                         % (c.fn, c.n, holder["e"].shape[-1]))
+    return _context.linformer(c.g, c.segs, c.q, c.k, c.v, holder["e"], holder["f"], c.lengths, holder["scale"])
+
+
+def nystrom_attention(q, k, v, *, num_landmarks=_option_default("nystrom_attention", "num_landmarks"),
+                      pinv_iterations=_option_default("nystrom_attention", "pinv_iterations"),
+                      pinv=_option_default("nystrom_attention", "pinv"), conv_weight=None, key_lengths=None,
+                      scale=None, causal=False, group=None, layout="contiguous"):
+    """Not available: raises ValueError (on every rank, before any collective). Nyström's
+    landmarks are means over segments of each item's valid length, and its m×m core and
+    softmax(Q̃Kᵀ)V need them before any output; see docs/distributed.md for what it would take
+    and what to use instead."""
+    raise ValueError("%s is not available: Nyström's landmarks are means over segments of each item's valid "
+                     "length, so the segments move with key_lengths and straddle ranks; see docs/distributed.md. "
+                     "Gather the sequence (linattn.torch.distributed.gather) and call linattn.torch.nystrom_attention, "
+                     "or use linformer_attention, efficient_attention or favor_attention, which run distributed"
+                     % _full("nystrom_attention"))
+
+
+def shard(x, group=None, layout="contiguous"):
+    """This rank's part of a whole-sequence tensor [B, H, n, ...] in the layout (contiguous:
+    near-equal blocks in rank order; zigzag: chunks r and 2P−1−r of 2P)."""
+    g = Group(_full("shard"), group)
+    if layout not in LAYOUTS:
+        raise ValueError("%s: layout must be one of %s, got %r" % (_full("shard"), ", ".join(LAYOUTS), layout))
+    if x.dim() < 3 or x.shape[2] < (2 if layout == "zigzag" else 1) * g.size:
+        raise ValueError("%s: x must be [B, H, n, ...] with n >= %d for %d ranks in layout %s, got shape %s"
+                         % (_full("shard"), (2 if layout == "zigzag" else 1) * g.size, g.size, layout, list(x.shape)))
+    return shard_of(x, g.rank, g.size, layout)
+
+
+def gather(x, group=None, layout="contiguous"):
+    """The whole-sequence tensor from every rank's block x [B, H, n_local, ...] (every rank gets
+    it; no gradient: for evaluation and tests)."""
+    g = Group(_full("gather"), group)
+    with torch.no_grad():
+        sizes = [int(s) for s in g.all_gather(torch.tensor([x.shape[2]]))[:, 0]]
+        padded = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 3) + [0, max(sizes) - x.shape[2]])
+        parts = g.all_gather(padded)
+    return unshard([parts[r].narrow(2, 0, sizes[r]) for r in range(g.size)], layout)

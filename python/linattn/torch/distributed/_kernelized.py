@@ -1,0 +1,208 @@
+"""Kernelized attention (elu, relu, focused, FAVOR+) over ranks, in torch operations, so that
+autograd derives the backward (the collectives in _comm carry their adjoints).
+
+    out_i = φ(q_i)·S / (φ(q_i)·z + eps),  S = Σ_j φ(k_j) v_jᵀ [m', d_v],  z = Σ_j φ(k_j) [m']
+
+over the keys query i sees. Non-causal: every rank sums its keys into [S | z] and one
+all-reduce makes the whole sequence's; O(m'·d_v) per (batch, head), whatever n. Causal: each
+segment's [S | z] is all-gathered and a segment starts from the sum of the segments before it
+(an exclusive prefix over ranks), then runs the chunked causal form locally.
+
+FAVOR+ is kept finite as linattn's engine keeps it: key features are exp(L_kr − c_r) with c_r
+the largest key logit of feature r over the whole sequence (an all-reduce of maxima), query
+features exp(L_qr + c_r − t_i) with t_i their row maximum. Both shifts cancel in the ratio
+(eps is 0 for FAVOR), so they carry no gradient. The factor 1/√m' cancels too and is left out.
+
+The depthwise convolution of the focused map needs up to K−1 neighbouring rows of v from other
+ranks: every segment's first and last K−1 rows are all-gathered (any row within K−1 of a
+segment lies in those of the segment holding it)."""
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64  # rows per chunk of the causal form: intra-chunk products C×C, one state per chunk
+
+
+def key_mask(lengths, seg, like):
+    """[B,1,len,1] bool: which of the segment's positions are keys (below key_lengths), or None."""
+    if lengths is None:
+        return None
+    pos = torch.arange(seg.start, seg.stop)
+    return (pos.view(1, 1, -1, 1) < lengths.view(-1, 1, 1, 1))
+
+
+def plain_features(x, feature_map, power):
+    if feature_map == "elu":
+        return F.elu(x) + 1
+    r = F.relu(x)
+    if feature_map == "relu":
+        return r
+    # focused: ‖r‖·rᵖ/‖rᵖ‖, with r scaled by its largest entry first so that rᵖ cannot overflow
+    # (the ratio does not change); rows with no positive entry map to 0.
+    top = r.amax(-1, keepdim=True)
+    live = top > 0
+    a = (r / torch.where(live, top, 1)) ** power
+    r2 = (r * r).sum(-1, keepdim=True)
+    a2 = (a * a).sum(-1, keepdim=True)
+    return torch.where(live, torch.sqrt(torch.where(live, r2, 1)) * a / torch.sqrt(torch.where(live, a2, 1)), 0)
+
+
+def favor_logits(x, projection, sqrt_scale, kernel, keys):
+    """(L, s): features are exp(L)·s (s None: 1). Keys carry −‖x̃‖²/2; on queries it cancels."""
+    xt = x * sqrt_scale
+    u = xt @ projection.t()
+    h = 0.5 * (xt * xt).sum(-1, keepdim=True)
+    if kernel == "positive":
+        return (u - h if keys else u), None
+    if kernel == "hyperbolic":
+        L = torch.cat([u, -u], -1)
+        return (L - h if keys else L), None
+    s = torch.cat([torch.sin(u), torch.cos(u)], -1)  # trig: the magnitude exp(‖x̃‖²/2) is in L
+    return (h if keys else torch.zeros_like(h)), s
+
+
+class Features:
+    """φ for one call: plain maps, or FAVOR with the whole sequence's key shift."""
+
+    def __init__(self, feature_map, power=None, projection=None, kernel=None, sqrt_scale=None):
+        self.feature_map, self.power = feature_map, power
+        self.projection, self.kernel, self.sqrt_scale = projection, kernel, sqrt_scale
+        self.shift = None
+
+    @property
+    def favor(self):
+        return self.projection is not None
+
+    def fit_keys(self, g, k_segs, masks):
+        """FAVOR: c = the largest key logit per feature over all ranks' keys."""
+        if not self.favor:
+            return
+        with torch.no_grad():
+            tops = []
+            for k, mask in zip(k_segs, masks):
+                L, _ = favor_logits(k, self.projection, self.sqrt_scale, self.kernel, True)
+                L = L.expand(*k.shape[:3], L.shape[-1])
+                if mask is not None:
+                    L = L.masked_fill(~mask, float("-inf"))
+                tops.append(L.amax(2, keepdim=True))
+            c = g.all_reduce_max(torch.stack(tops).amax(0))
+            self.shift = torch.where(torch.isfinite(c), c, 0)  # −inf: no key at all (a 0 state)
+
+    def keys(self, k, mask):
+        if not self.favor:
+            phi = plain_features(k, self.feature_map, self.power)
+            return phi if mask is None else phi * mask
+        L, s = favor_logits(k, self.projection, self.sqrt_scale, self.kernel, True)
+        L = L - self.shift
+        if mask is not None:
+            L = L.masked_fill(~mask, float("-inf"))
+        phi = torch.exp(L)
+        return phi if s is None else phi * s
+
+    def queries(self, q):
+        if not self.favor:
+            return plain_features(q, self.feature_map, self.power)
+        L, s = favor_logits(q, self.projection, self.sqrt_scale, self.kernel, False)
+        if s is not None:
+            return s  # trig: the query's magnitude and c (one value for every feature) cancel
+        L = L + self.shift
+        return torch.exp(L - L.detach().amax(-1, keepdim=True))
+
+
+def ratio(num_den, eps):
+    """num / (den + eps) from [num | den]; 0 where the denominator is 0 (no key), as linattn."""
+    den = num_den[..., -1:] + eps
+    zero = den == 0
+    return torch.where(zero, 0, num_den[..., :-1] / torch.where(zero, 1, den))
+
+
+def causal_sums(fq, fk, v1, prefix):
+    """[φ(q_i)·Σ_{j<=i} φ(k_j) v1_jᵀ] + φ(q_i)·prefix for one segment: [B,H,n,m'] x2,
+    [B,H,n,c], prefix [B,H,m',c] -> [B,H,n,c], in chunks of CHUNK rows."""
+    B, H, n, m = fq.shape
+    pad = (-n) % CHUNK
+    fq, fk, v1 = (F.pad(x, (0, 0, 0, pad)) for x in (fq, fk, v1))
+    nc = (n + pad) // CHUNK
+    fq, fk = fq.view(B, H, nc, CHUNK, m), fk.view(B, H, nc, CHUNK, m)
+    v1 = v1.view(B, H, nc, CHUNK, -1)
+    intra = (fq @ fk.transpose(-1, -2)).tril() @ v1
+    chunk_states = fk.transpose(-1, -2) @ v1  # [B,H,nc,m',c]
+    before = torch.cat([torch.zeros_like(chunk_states[:, :, :1]), chunk_states[:, :, :-1].cumsum(2)], 2)
+    inter = fq @ (before + prefix.unsqueeze(2))
+    return (intra + inter).reshape(B, H, nc * CHUNK, -1)[:, :, :n]
+
+
+def attention(g, segs, q, k, v, lengths, causal, eps, phi):
+    """This rank's out [B,H,n,d_v]; segs: every rank's segments (this rank's are segs[g.rank])."""
+    mine = segs[g.rank]
+    masks = [key_mask(lengths, s, k) for s in mine]
+    phi.fit_keys(g, [s.rows(k) for s in mine], masks)
+    ones = v.new_ones(*v.shape[:3], 1)
+    v1 = torch.cat([v, ones], -1)
+    fk = [phi.keys(s.rows(k), mask) for s, mask in zip(mine, masks)]
+    fq = [phi.queries(s.rows(q)) for s in mine]
+    states = [f.transpose(-1, -2) @ s.rows(v1) for f, s in zip(fk, mine)]  # [B,H,m',d_v+1] per segment
+    if not causal:
+        total = g.all_reduce_sum(sum(states))
+        return torch.cat([ratio(f @ total, eps) for f in fq], 2)
+    every = g.all_gather(torch.stack(states))  # [P, segments, B, H, m', d_v+1]
+    starts = torch.tensor([[s.start for s in rank_segs] for rank_segs in segs], dtype=every.dtype)
+    outs = []
+    for i, s in enumerate(mine):
+        # The segments before this one, as a 0/1 weight rather than a selection, so that every
+        # rank's backward reaches the all-gather (whose adjoint is a collective) even where no
+        # segment comes before.
+        before = (starts < s.start).to(every.dtype).view(*starts.shape, 1, 1, 1, 1)
+        prefix = (every * before).sum((0, 1))
+        outs.append(ratio(causal_sums(fq[i], fk[i], s.rows(v1), prefix), eps))
+    return torch.cat(outs, 2)
+
+
+def depthwise_conv(g, segs, v, weight, lengths, causal):
+    """out[i] = Σ_t w[h,t]·v[i+t−left] over the whole sequence (v is 0 outside it and at padded
+    positions); left = K−1 (causal) or (K−1)/2. Returns this rank's rows [B,H,n,d_v]."""
+    K = weight.shape[1]
+    left = K - 1 if causal else (K - 1) // 2
+    right = K - 1 - left
+    mine = segs[g.rank]
+    vm = [s.rows(v) if lengths is None else s.rows(v) * key_mask(lengths, s, v) for s in mine]
+    edge = max(left, right)
+    halos = None
+    if edge > 0:
+        def edges(x):  # first and last `edge` rows, zero-padded on the inside when x is shorter
+            short = edge - x.shape[2]
+            front = F.pad(x[:, :, :edge], (0, 0, 0, max(short, 0)))
+            back = F.pad(x[:, :, -edge:], (0, 0, max(short, 0), 0))
+            return torch.cat([front, back], 2)
+        rows = g.all_gather(torch.cat([edges(x) for x in vm], 2))  # [P, B, H, S·2·edge, d_v]
+        per_rank = rows.shape[3]
+        flat = torch.cat([rows.permute(1, 2, 0, 3, 4).reshape(*v.shape[:2], -1, v.shape[-1]),
+                          v.new_zeros(*v.shape[:2], 1, v.shape[-1])], 2)  # last row: zeros
+        zero_row = flat.shape[2] - 1
+        n_total = sum(s.length for r in segs for s in r)
+
+        def index(p):  # row of flat holding global position p
+            if p < 0 or p >= n_total:
+                return zero_row
+            for r, rank_segs in enumerate(segs):
+                for j, s in enumerate(rank_segs):
+                    if s.start <= p < s.stop:
+                        base = r * per_rank + j * 2 * edge
+                        return base + (p - s.start if p - s.start < edge else edge + p - (s.stop - edge))
+            raise AssertionError(p)
+
+        halos = []
+        for s in mine:
+            positions = list(range(s.start - left, s.start)) + list(range(s.stop, s.stop + right))
+            idx = torch.tensor([index(p) for p in positions], dtype=torch.long)
+            h = flat.index_select(2, idx)
+            if lengths is not None:
+                pos = torch.tensor(positions)
+                h = h * (pos.view(1, 1, -1, 1) < lengths.view(-1, 1, 1, 1))
+            halos.append((h[:, :, :left], h[:, :, left:]))
+    outs = []
+    for i, x in enumerate(vm):
+        ext = x if halos is None else torch.cat([halos[i][0], x, halos[i][1]], 2)
+        windows = ext.unfold(2, K, 1)  # [B,H,len,d_v,K]
+        outs.append(torch.einsum("bhldk,hk->bhld", windows, weight))
+    return torch.cat(outs, 2)

@@ -1,0 +1,266 @@
+"""linattn.torch.distributed against linattn.torch's single-process result, on 1, 2 and 4
+processes (torch.multiprocessing spawn, gloo on the loopback interface): forward, every
+gradient, causal and not, both layouts, uneven blocks, padding that ends inside, at and before
+a rank's block; the payload counted; bad input raising on every rank.
+
+Each world size is one spawn that runs every case (spawning costs seconds; the cases are
+small); the processes write what they got to files and the tests here compare.
+
+Tolerance (float64): a compared value is a sum of at most N = 2^16 rounded products (n = 37
+positions, m' <= 2·16 features, d + d_v = 14, over two blocks of the ring or sums of states)
+taken in another order than the single-process kernel, each product within u = 2^-53; with
+the inputs' weights summing to at most κ = 2^4 times the result's largest magnitude, the
+difference is below N·u·κ = 2^-33 times the largest magnitude of the reference tensor. float32
+(two cases): the same with u = 2^-24 and N = 2^8 per value along the kernel's own blocks,
+2^-12."""
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import linattn
+import linattn.torch as lt
+
+B, H, N, D, DV = 2, 2, 37, 8, 6
+# Contiguous blocks of uneven sizes; in 4 ranks, rank 1's single position makes rank 2's
+# 3-row halo (K = 4, causal) span two ranks.
+SIZES = {1: [37], 2: [25, 12], 4: [5, 1, 20, 11]}
+THREADS = {1: 4, 2: 3, 4: 1}  # linattn threads per process: above and below B·H = 4
+TOL64, TOL32 = 2.0 ** -33, 2.0 ** -12
+
+CASES = {
+    "softmax": ("softmax_attention", dict(key_lengths=[37, 23]), "contiguous"),
+    "softmax_causal": ("softmax_attention", dict(causal=True, key_lengths=[37, 4]), "contiguous"),
+    "softmax_causal_zigzag": ("softmax_attention", dict(causal=True), "zigzag"),
+    "softmax_scale_zigzag": ("softmax_attention", dict(scale=0.2, key_lengths=[30, 9]), "zigzag"),
+    "softmax_causal_f32": ("softmax_attention", dict(causal=True, key_lengths=[37, 23], dtype=torch.float32),
+                           "contiguous"),
+    "elu": ("linear_attention", dict(key_lengths=[37, 23]), "contiguous"),
+    "elu_causal": ("linear_attention", dict(causal=True, key_lengths=[37, 4]), "contiguous"),
+    "relu_causal_zigzag": ("linear_attention", dict(feature_map="relu", causal=True), "zigzag"),
+    "focused_causal_dwc": ("linear_attention", dict(feature_map="focused", causal=True, key_lengths=[37, 23],
+                                                    dwc=4), "contiguous"),
+    "focused_dwc_zigzag": ("linear_attention", dict(feature_map="focused", focus_power=5.0, key_lengths=[37, 23],
+                                                    dwc=5), "zigzag"),
+    "favor": ("favor_attention", dict(key_lengths=[37, 23]), "contiguous"),
+    "favor_causal": ("favor_attention", dict(causal=True), "contiguous"),
+    "favor_hyperbolic_causal_zigzag": ("favor_attention", dict(kernel="hyperbolic", causal=True,
+                                                               key_lengths=[37, 4]), "zigzag"),
+    "favor_trig": ("favor_attention", dict(kernel="trig", key_lengths=[37, 23]), "contiguous"),
+    "favor_f32": ("favor_attention", dict(key_lengths=[37, 23], dtype=torch.float32), "contiguous"),
+    "efficient": ("efficient_attention", dict(key_lengths=[37, 4]), "contiguous"),
+    "efficient_zigzag": ("efficient_attention", dict(scale=0.5), "zigzag"),
+    "linformer": ("linformer_attention", dict(key_lengths=[37, 23], e_shape=(5, 40)), "contiguous"),
+    "linformer_heads_zigzag": ("linformer_attention", dict(e_shape=(H, 5, 37)), "zigzag"),
+}
+
+
+def inputs(name):
+    """The whole sequence's inputs of a case (the same in every process): q, k, v, dout,
+    keyword arguments (tensors included), and the names of parameters with gradients."""
+    function, opts, _ = CASES[name]
+    opts = dict(opts)
+    dtype = opts.pop("dtype", torch.float64)
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v = 0.7 * r(B, H, N, D), 0.7 * r(B, H, N, D), r(B, H, N, DV)
+    dout = r(B, H, N, DV)
+    params = []
+    if "dwc" in opts:
+        opts["dwc_weight"] = 0.5 * r(H, opts.pop("dwc"))
+        params.append("dwc_weight")
+    if function == "favor_attention":
+        opts["projection"] = torch.from_numpy(linattn.random_features(16, D, seed=3))
+    if "e_shape" in opts:
+        shape = opts.pop("e_shape")
+        opts["e"], opts["f"] = 0.3 * r(*shape), 0.3 * r(*shape)
+        params += ["e", "f"]
+    cast = lambda x: x.to(dtype)  # noqa: E731
+    opts = {key: cast(x) if isinstance(x, torch.Tensor) else x for key, x in opts.items()}
+    return cast(q), cast(k), cast(v), cast(dout), opts, params
+
+
+def run_case(name, fn, q, k, v, dout, opts, params):
+    """out and the gradients of Σ out·dout, of q, k, v and the parameters."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    opts = dict(opts)
+    for p in params:
+        opts[p] = opts[p].detach().requires_grad_()
+    positional = [opts.pop(p) for p in ("projection", "e", "f") if p in opts]
+    if "e" in params:
+        params_t = positional
+    else:
+        params_t = [opts[p] for p in params]
+    out = fn(q, k, v, *positional, **opts)
+    (out * dout).sum().backward()
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
+            **{"d_" + p: t.grad for p, t in zip(params, params_t)}}
+
+
+def _errors(dist_mod, rank):
+    """Bad input on one rank, or options that differ: every rank raises (nothing hangs)."""
+    got = {}
+    q = torch.randn(B, H, 4, D, dtype=torch.float64)
+    cases = {
+        "dtype_on_rank_1": lambda: dist_mod.softmax_attention(q.float() if rank == 1 else q, q, q),
+        "causal_differs": lambda: dist_mod.linear_attention(q, q, q, causal=rank == 1),
+        "projection_differs": lambda: dist_mod.favor_attention(
+            q, q, q, torch.from_numpy(linattn.random_features(8, D, seed=rank)).double()),
+        "nan_on_last": lambda: dist_mod.efficient_attention(q, q, q * (float("nan") if rank == 3 else 1)),
+        "key_lengths_too_long": lambda: dist_mod.softmax_attention(q, q, q, key_lengths=[3, 100]),
+        "efficient_causal": lambda: dist_mod.efficient_attention(q, q, q, causal=True),
+        "nystrom": lambda: dist_mod.nystrom_attention(q, q, q),
+        "zigzag_sizes": lambda: dist_mod.softmax_attention(*[torch.randn(B, H, 3 + 2 * rank, D)] * 3,
+                                                           layout="zigzag"),
+        "layout": lambda: dist_mod.softmax_attention(q, q, q, layout="striped"),
+    }
+    for key, call in cases.items():
+        try:
+            call()
+            got[key] = None
+        except Exception as e:  # noqa: BLE001 (the test reads the type)
+            got[key] = (type(e).__name__, str(e))
+    return got
+
+
+def _traffic(dist_mod, world):
+    """Payload bytes this rank sent for one forward and backward, by method and n."""
+    got = {}
+    for n_total in (16 * world, 64 * world):
+        n = n_total // world
+        q = torch.randn(B, H, n, D, dtype=torch.float64, requires_grad=True)
+        for name, call in (("softmax", lambda: dist_mod.softmax_attention(q, q, q)),
+                           ("elu", lambda: dist_mod.linear_attention(q, q, q)),
+                           ("elu_causal", lambda: dist_mod.linear_attention(q, q, q, causal=True))):
+            dist_mod.reset_traffic()
+            out = call()
+            forward = dist_mod.traffic()["bytes"]
+            out.sum().backward()
+            got[(name, n_total)] = (forward, dist_mod.traffic()["bytes"] - forward)
+    return got
+
+
+def worker(rank, world, port, outdir):
+    import torch.distributed as dist
+    import linattn.torch.distributed as ld
+    torch.set_num_threads(1)
+    linattn.set_num_threads(THREADS[world])
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=world)
+    result = {"cases": {}, "errors": None, "traffic": None, "failure": None}
+    try:
+        for name, (function, _, layout) in CASES.items():
+            q, k, v, dout, opts, params = inputs(name)
+            if layout == "zigzag":
+                part = lambda x: ld.shard(x, layout="zigzag")  # noqa: E731
+            else:
+                bounds = [sum(SIZES[world][:r]) for r in range(world + 1)]
+                part = lambda x: x[:, :, bounds[rank]:bounds[rank + 1]]  # noqa: E731,B023
+            fn = getattr(ld, function)
+            opts = dict(opts, layout=layout)
+            result["cases"][name] = run_case(name, fn, part(q), part(k), part(v), part(dout), opts, params)
+            result["cases"][name]["gathered"] = ld.gather(result["cases"][name]["out"], layout=layout)
+        result["errors"] = _errors(ld, rank)
+        result["traffic"] = _traffic(ld, world)
+    except Exception:  # noqa: BLE001 (reported by the test)
+        result["failure"] = traceback.format_exc()
+    torch.save(result, os.path.join(outdir, "rank%d.pt" % rank))
+    dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda w: "world%d" % w)
+def world(request, tmp_path_factory):
+    """Every rank's results for one world size."""
+    w = request.param
+    outdir = str(tmp_path_factory.mktemp("world%d" % w))
+    mp.spawn(worker, args=(w, _free_port(), outdir), nprocs=w, join=True)
+    results = [torch.load(os.path.join(outdir, "rank%d.pt" % r), weights_only=False) for r in range(w)]
+    for r, res in enumerate(results):
+        assert res["failure"] is None, "rank %d: %s" % (r, res["failure"])
+    return w, results
+
+
+def _assemble(world, layout, parts):
+    if layout == "zigzag":
+        from linattn.torch.distributed._layout import unshard
+        return unshard(parts, layout)
+    return torch.cat(parts, 2)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_single_process(world, name):
+    w, results = world
+    function, _, layout = CASES[name]
+    q, k, v, dout, opts, params = inputs(name)
+    ref = run_case(name, getattr(lt, function), q, k, v, dout, opts, params)
+    tol = TOL32 if q.dtype == torch.float32 else TOL64
+    for key, expected in ref.items():
+        parts = [res["cases"][name][key] for res in results]
+        got = sum(parts) if key.startswith("d_") else _assemble(w, layout, parts)
+        scale = float(expected.abs().max())
+        err = float((got - expected).abs().max())
+        assert err <= tol * max(scale, 1e-300), "%s %s: max error %.3g, allowed %.3g" % (name, key, err, tol * scale)
+    for res in results:  # gather() returns the whole output on every rank
+        torch.testing.assert_close(res["cases"][name]["gathered"], _assemble(w, layout, [
+            r["cases"][name]["out"] for r in results]), rtol=0, atol=0)
+
+
+def test_errors_raised_on_every_rank(world):
+    w, results = world
+    everywhere = {"key_lengths_too_long", "efficient_causal", "nystrom", "layout"}
+    if w > 1:
+        everywhere |= {"dtype_on_rank_1", "causal_differs", "projection_differs", "zigzag_sizes"}
+    if w == 4:
+        everywhere.add("nan_on_last")
+    assert set(results[0]["errors"]) >= everywhere
+    for key in everywhere:
+        got = [res["errors"][key] for res in results]
+        assert all(g is not None for g in got), (key, got)
+        if key == "dtype_on_rank_1":
+            assert got[1][0] == "TypeError" and "float64" in got[1][1]
+            assert got[0][0] == "ValueError" and "rank 1" in got[0][1]
+        elif key == "nan_on_last":
+            assert got[3][0] == "ValueError" and "non-finite" in got[3][1]
+            assert "rank 3" in got[0][1]
+        elif key in ("causal_differs", "projection_differs"):
+            assert all(g[0] == "ValueError" and "other shapes or options than rank 0" in g[1] for g in got[1:])
+        elif key == "zigzag_sizes":
+            assert all(g[0] == "ValueError" and "zigzag" in g[1] for g in got)
+        else:
+            words = {"key_lengths_too_long": "key_lengths must lie in [0, n]", "efficient_causal": "causal=True",
+                     "nystrom": "not available", "layout": "layout must be one of"}[key]
+            assert all(g[0] == "ValueError" and words in g[1] for g in got), got
+    for key in set(results[0]["errors"]) - everywhere:  # valid on this world size: no error anywhere
+        assert all(res["errors"][key] is None for res in results), key
+
+
+def test_payload(world):
+    """Kernelized attention sends the same bytes whatever n; the ring's grow with n, exactly as
+    counted: the agreement row (40 float64) and P−1 blocks of k and v forward; in backward
+    the same blocks, and P blocks of dk, dv."""
+    w, results = world
+    for res in results:
+        t = res["traffic"]
+        assert t[("elu", 16 * w)] == t[("elu", 64 * w)]
+        assert t[("elu_causal", 16 * w)] == t[("elu_causal", 64 * w)]
+        assert t[("elu_causal", 16 * w)][1] > 0  # backward's all-reduce runs on every rank
+        for n_total in (16 * w, 64 * w):
+            block = B * H * (n_total // w) * (D + D) * 8
+            forward, backward = t[("softmax", n_total)]
+            assert forward == 40 * 8 + (w - 1) * block
+            assert backward == ((w - 1) + (w if w > 1 else 0)) * block
+
+
+def test_needs_an_initialised_group():
+    import linattn.torch.distributed as ld
+    q = torch.randn(1, 1, 4, 4)
+    with pytest.raises(ValueError, match="init_process_group"):
+        ld.softmax_attention(q, q, q)
