@@ -264,3 +264,34 @@ def test_needs_an_initialised_group():
     q = torch.randn(1, 1, 4, 4)
     with pytest.raises(ValueError, match="init_process_group"):
         ld.softmax_attention(q, q, q)
+
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def test_example_under_torchrun():
+    """examples/context_parallel.py on 2 ranks: the losses and parameters of three SGD steps
+    equal one process's (the example asserts it, to 10^-10)."""
+    import subprocess
+    import sys
+    for method in ("softmax", "favor"):
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            os.path.join(ROOT, "examples", "context_parallel.py"), "--method", method, "--n", "96"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "the 2-rank parameters equal the one-process ones after 3 steps" in r.stdout
+
+
+def test_benchmark_quick(tmp_path):
+    """bench/distributed.py --quick writes its section of the page; it exits non-zero when a
+    counted payload differs from the formula in docs/distributed.md."""
+    import subprocess
+    import sys
+    page = tmp_path / "distributed.md"
+    page.write_text("before\n<!-- MEASURED: written by bench/distributed.py -->\nold\n<!-- END MEASURED -->\nafter\n")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "distributed.py"), "--quick", "--out",
+                        str(tmp_path / "out"), "--docs", str(page)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    text = page.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
+    assert "| softmax causal | 128 |" in text and "| Linformer s=256 | 64 |" in text
