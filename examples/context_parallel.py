@@ -4,7 +4,7 @@ linattn.torch.distributed, checked against the same steps in one process.
     torchrun --standalone --nproc-per-node 2 examples/context_parallel.py
     # several machines: on each, with its own --node-rank
     torchrun --nnodes 2 --nproc-per-node 8 --node-rank 0 --master-addr HOST0 --master-port 29500 \
-        examples/context_parallel.py --method favor --n 65536
+        examples/context_parallel.py --method favor --tokens 65536
 
 Position-wise layers (the q/k/v/output projections here; MLPs, norms) run on each rank's block
 as they are; only attention talks to the other ranks. The parameters are replicated, so each
@@ -22,7 +22,7 @@ import linattn.torch.distributed as ld
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--method", choices=["softmax", "elu", "favor"], default="favor")
-ap.add_argument("--n", type=int, default=1024, help="tokens of the whole sequence")
+ap.add_argument("--tokens", type=int, default=1024, help="length of the whole sequence")
 ap.add_argument("--steps", type=int, default=3)
 a = ap.parse_args()
 
@@ -33,8 +33,8 @@ linattn.set_num_threads(1)
 E, H = 64, 4
 torch.manual_seed(0)  # the same parameters and data on every rank
 proj = torch.nn.Linear(E, 3 * E, dtype=torch.float64)
-x_all = torch.randn(1, a.n, E, dtype=torch.float64)
-target_all = torch.randn(1, a.n, E, dtype=torch.float64)
+x_all = torch.randn(1, a.tokens, E, dtype=torch.float64)
+target_all = torch.randn(1, a.tokens, E, dtype=torch.float64)
 features = torch.from_numpy(linattn.random_features(128, E // H, seed=0)).double()
 
 
@@ -60,7 +60,7 @@ single.load_state_dict(proj.state_dict())
 opt = torch.optim.SGD(proj.parameters(), lr=0.1)
 opt_single = torch.optim.SGD(single.parameters(), lr=0.1)
 for step in range(a.steps):
-    loss = ((attend(x, proj, ld) - target) ** 2).sum() / a.n  # this rank's share of the mean
+    loss = ((attend(x, proj, ld) - target) ** 2).sum() / a.tokens  # this rank's share of the mean
     opt.zero_grad()
     loss.backward()
     for p in proj.parameters():
@@ -69,7 +69,7 @@ for step in range(a.steps):
     total = loss.detach().clone()
     dist.all_reduce(total)
     # The same step in one process, on the whole sequence.
-    loss_single = ((attend(x_all, single, lt) - target_all) ** 2).sum() / a.n
+    loss_single = ((attend(x_all, single, lt) - target_all) ** 2).sum() / a.tokens
     opt_single.zero_grad()
     loss_single.backward()
     opt_single.step()

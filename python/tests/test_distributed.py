@@ -276,7 +276,7 @@ def test_example_under_torchrun():
     import sys
     for method in ("softmax", "favor"):
         r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                            os.path.join(ROOT, "examples", "context_parallel.py"), "--method", method, "--n", "96"],
+                            os.path.join(ROOT, "examples", "context_parallel.py"), "--method", method, "--tokens", "96"],
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
         assert "the 2-rank parameters equal the one-process ones after 3 steps" in r.stdout
