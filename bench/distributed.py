@@ -170,7 +170,7 @@ def table(rows, ranks, ns):
     return "\n".join(lines)
 
 
-def report(rows, ranks, ns, command):
+def report(rows, ranks, ns, command, reps):
     bad = [r for r in rows if [r["forward_bytes"], r["backward_bytes"]] != list(r["predicted"])]
     if bad:
         raise SystemExit("payload differs from the formulas: %s" % bad)
@@ -179,7 +179,7 @@ def report(rows, ranks, ns, command):
         "blocks, zig-zag for causal softmax) on this 2-core VM: P gloo processes on the loopback interface, each with "
         "max(1, 2/P) threads. Bytes: payload this rank handed to torch.distributed (linattn.torch.distributed."
         "traffic()), per forward and per backward, every row equal to the formula above. Times: forward + backward, "
-        "median of %d after a warm-up, the slowest rank's." % (command, B, H, D, M_FAVOR, S_LINFORMER, REPS[0]),
+        "median of %d after a warm-up, the slowest rank's." % (command, B, H, D, M_FAVOR, S_LINFORMER, reps),
         "",
         table(rows, ranks, ns),
         "",
@@ -194,9 +194,6 @@ def report(rows, ranks, ns, command):
     ])
 
 
-REPS = [3]
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="out/distributed")
@@ -209,7 +206,6 @@ def main():
     a = ap.parse_args()
     if a.quick:
         a.ns, a.reps = [64, 128], 1
-    REPS[0] = a.reps
     if a.ranks[0] != 1:
         raise SystemExit("--ranks must start with 1 (the single-process times come from it)")
     os.makedirs(a.out, exist_ok=True)
@@ -225,7 +221,7 @@ def main():
     if not a.rows:
         json.dump(rows, open(os.path.join(a.out, "distributed.json"), "w"), indent=1)
     command = "make distributed" if not a.quick else "bench/distributed.py --quick"
-    text = report(rows, a.ranks, a.ns, command)
+    text = report(rows, a.ranks, a.ns, command, a.reps)
     print(text)
     if a.docs:
         doc = Path(a.docs).read_text()

@@ -120,10 +120,6 @@ class _Call:
         self.q, self.k, self.v, self.lengths = q, k, v, lengths
 
 
-def _no_options(fn, q, k, v):
-    return []
-
-
 def _scale_of(fn, scale, d):
     if scale is None:
         return 1 / math.sqrt(d)

@@ -21,7 +21,7 @@ def _masked(x, mask):
 
 def efficient(g, segs, q, k, v, lengths, scale):
     mine = segs[g.rank]
-    masks = [key_mask(lengths, s, k) for s in mine]
+    masks = [key_mask(lengths, s) for s in mine]
     logits = [s.rows(k) * scale if m is None else (s.rows(k) * scale).masked_fill(~m, float("-inf"))
               for s, m in zip(mine, masks)]
     top = g.all_reduce_max(torch.stack([x.amax(2, keepdim=True) for x in logits]).amax(0))
@@ -34,12 +34,11 @@ def efficient(g, segs, q, k, v, lengths, scale):
 
 
 def linformer(g, segs, q, k, v, e, f, lengths, scale):
+    d = k.shape[-1]
     kv = torch.cat([k, v], -1)
     projected = 0
     for s in segs[g.rank]:
-        x = _masked(s.rows(kv), key_mask(lengths, s, kv))
-        d = k.shape[-1]
+        x = _masked(s.rows(kv), key_mask(lengths, s))
         projected = projected + torch.cat([e[..., s.start:s.stop] @ x[..., :d], f[..., s.start:s.stop] @ x[..., d:]], -1)
     projected = g.all_reduce_sum(projected)  # [B,H,s,d+d_v]
-    d = k.shape[-1]
     return softmax_attention(q, projected[..., :d].contiguous(), projected[..., d:].contiguous(), scale=scale)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 CHUNK = 64  # rows per chunk of the causal form: intra-chunk products C×C, one state per chunk
 
 
-def key_mask(lengths, seg, like):
+def key_mask(lengths, seg):
     """[B,1,len,1] bool: which of the segment's positions are keys (below key_lengths), or None."""
     if lengths is None:
         return None
@@ -135,7 +135,7 @@ def causal_sums(fq, fk, v1, prefix):
 def attention(g, segs, q, k, v, lengths, causal, eps, phi):
     """This rank's out [B,H,n,d_v]; segs: every rank's segments (this rank's are segs[g.rank])."""
     mine = segs[g.rank]
-    masks = [key_mask(lengths, s, k) for s in mine]
+    masks = [key_mask(lengths, s) for s in mine]
     phi.fit_keys(g, [s.rows(k) for s in mine], masks)
     ones = v.new_ones(*v.shape[:3], 1)
     v1 = torch.cat([v, ones], -1)
@@ -165,7 +165,7 @@ def depthwise_conv(g, segs, v, weight, lengths, causal):
     left = K - 1 if causal else (K - 1) // 2
     right = K - 1 - left
     mine = segs[g.rank]
-    vm = [s.rows(v) if lengths is None else s.rows(v) * key_mask(lengths, s, v) for s in mine]
+    vm = [s.rows(v) if lengths is None else s.rows(v) * key_mask(lengths, s) for s in mine]
     edge = max(left, right)
     halos = None
     if edge > 0:

@@ -49,6 +49,14 @@ def _merge(out, lse, o, l):
     lse.copy_(new)
 
 
+def _pass_on(g, segs, src, tensors):
+    """Sends tensors [B,H,n_src,·] of block src to the next rank and receives the same tensors
+    of block src−1 from the previous one; returns the wait for them."""
+    n_prev = sum(s.length for s in segs[(src - 1) % g.size])
+    shapes = [(*t.shape[:2], n_prev, t.shape[-1]) for t in tensors]
+    return g.exchange(tensors, (g.rank + 1) % g.size, (g.rank - 1) % g.size, shapes)
+
+
 class RingSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, lengths, causal, scale, g, segs):
@@ -60,10 +68,7 @@ class RingSoftmax(torch.autograd.Function):
         for step in range(g.size):
             src = (g.rank - step) % g.size
             if step + 1 < g.size:  # the next block is on its way while this one is used
-                nxt = segs[(src - 1) % g.size]
-                n_next = sum(s.length for s in nxt)
-                wait = g.exchange(block, (g.rank + 1) % g.size, (g.rank - 1) % g.size,
-                                  [(B, H, n_next, k.shape[-1]), (B, H, n_next, v.shape[-1])])
+                wait = _pass_on(g, segs, src, block)
             for qs, ks, pair_causal in _pairs(causal, segs[g.rank], segs[src]):
                 kl = _key_lengths(lengths, ks)
                 if kl is not None and not bool(kl.any()):
@@ -81,7 +86,6 @@ class RingSoftmax(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, lengths = ctx.saved_tensors
         g, segs = ctx.g, ctx.segs
-        B, H, n, d = q.shape
         dout = dout.contiguous()
         dq = torch.zeros_like(q)
         block = (k, v)
@@ -89,9 +93,7 @@ class RingSoftmax(torch.autograd.Function):
         for step in range(g.size):
             src = (g.rank - step) % g.size
             if step + 1 < g.size:
-                n_next = sum(s.length for s in segs[(src - 1) % g.size])
-                wait = g.exchange(block, (g.rank + 1) % g.size, (g.rank - 1) % g.size,
-                                  [(B, H, n_next, d), (B, H, n_next, v.shape[-1])])
+                wait = _pass_on(g, segs, src, block)
             for qs, ks, pair_causal in _pairs(ctx.causal, segs[g.rank], segs[src]):
                 kl = _key_lengths(lengths, ks)
                 if kl is not None and not bool(kl.any()):
@@ -106,9 +108,7 @@ class RingSoftmax(torch.autograd.Function):
             # last step they reach the block's owner.
             if g.size == 1:
                 break
-            n_prev = sum(s.length for s in segs[(src - 1) % g.size])
-            dk, dv = g.exchange((dk, dv), (g.rank + 1) % g.size, (g.rank - 1) % g.size,
-                                [(B, H, n_prev, d), (B, H, n_prev, v.shape[-1])])()
+            dk, dv = _pass_on(g, segs, src, (dk, dv))()
             if step + 1 < g.size:
                 block = tuple(wait())
         return dq, dk, dv, None, None, None, None, None
