@@ -87,17 +87,13 @@ def run_case(name, fn, q, k, v, dout, opts, params):
     """out and the gradients of Σ out·dout, of q, k, v and the parameters."""
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
     opts = dict(opts)
-    for p in params:
-        opts[p] = opts[p].detach().requires_grad_()
+    trained = {p: opts[p].detach().requires_grad_() for p in params}
+    opts.update(trained)
     positional = [opts.pop(p) for p in ("projection", "e", "f") if p in opts]
-    if "e" in params:
-        params_t = positional
-    else:
-        params_t = [opts[p] for p in params]
     out = fn(q, k, v, *positional, **opts)
     (out * dout).sum().backward()
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
-            **{"d_" + p: t.grad for p, t in zip(params, params_t)}}
+            **{"d_" + p: t.grad for p, t in trained.items()}}
 
 
 def _errors(dist_mod, rank):
@@ -143,13 +139,34 @@ def _traffic(dist_mod, world):
     return got
 
 
+def _thread_counts(dist_mod):
+    """Out and dq of the ring (causal, zig-zag) and of Linformer (whose last step is linattn's
+    softmax) at batch·heads = 2 under 1, 3, 8 and 16 linattn threads."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 40, D, generator=gen, dtype=torch.float64) for _ in range(3))
+    e = torch.randn(5, 40, generator=gen, dtype=torch.float64)
+    part = lambda x: dist_mod.shard(x, layout="zigzag")  # noqa: E731
+    got = {}
+    for threads in (1, 3, 8, 16):
+        linattn.set_num_threads(threads)
+        for name, call in (("softmax", lambda a, b, c: dist_mod.softmax_attention(a, b, c, causal=True,
+                                                                                   layout="zigzag")),
+                           ("linformer", lambda a, b, c: dist_mod.linformer_attention(a, b, c, e, e,
+                                                                                       layout="zigzag"))):
+            ql = part(q).requires_grad_()
+            out = call(ql, part(k), part(v))
+            out.square().sum().backward()
+            got[(name, threads)] = (out.detach(), ql.grad)
+    return got
+
+
 def worker(rank, world, port, outdir):
     import torch.distributed as dist
     import linattn.torch.distributed as ld
     torch.set_num_threads(1)
     linattn.set_num_threads(THREADS[world])
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=world)
-    result = {"cases": {}, "errors": None, "traffic": None, "failure": None}
+    result = {"cases": {}, "errors": None, "traffic": None, "threads": None, "failure": None}
     try:
         for name, (function, _, layout) in CASES.items():
             q, k, v, dout, opts, params = inputs(name)
@@ -164,6 +181,7 @@ def worker(rank, world, port, outdir):
             result["cases"][name]["gathered"] = ld.gather(result["cases"][name]["out"], layout=layout)
         result["errors"] = _errors(ld, rank)
         result["traffic"] = _traffic(ld, world)
+        result["threads"] = _thread_counts(ld)
     except Exception:  # noqa: BLE001 (reported by the test)
         result["failure"] = traceback.format_exc()
     torch.save(result, os.path.join(outdir, "rank%d.pt" % rank))
@@ -257,6 +275,15 @@ def test_payload(world):
             forward, backward = t[("softmax", n_total)]
             assert forward == 40 * 8 + (w - 1) * block
             assert backward == ((w - 1) + (w if w > 1 else 0)) * block
+
+
+def test_thread_counts(world):
+    """1, 3, 8 and 16 threads per process with batch·heads = 2: bitwise the same output and dq."""
+    _, results = world
+    for res in results:
+        for (name, threads), (out, dq) in res["threads"].items():
+            base_out, base_dq = res["threads"][(name, 1)]
+            assert torch.equal(out, base_out) and torch.equal(dq, base_dq), (name, threads)
 
 
 def test_needs_an_initialised_group():
