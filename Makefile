@@ -13,7 +13,7 @@ CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$(PYTHON) -DLINATT
 PIP_INSTALL := $(PYTHON) -m pip install -q --disable-pip-version-check --no-build-isolation \
   --no-deps -Cbuild-dir=$(BUILD)/wheel -Cbuild.tool-args=-j$(JOBS)
 
-.PHONY: deps build build-cpp install-python stubs demo test test-cpp test-python test-sanitize bench accuracy models distributed clean
+.PHONY: deps build build-cpp install-python stubs demo test test-cpp test-python test-sanitize stress-tests bench accuracy models distributed clean
 
 deps:
 	@bash scripts/install-deps.sh
@@ -45,6 +45,11 @@ stubs: install-python
 
 test-python:
 	cd python/tests && LINATTN_PROGRAM=$(CURDIR)/$(BUILD)/bin/linattn $(PYTHON) -m pytest -q .
+
+# The Python suite 3 times, once more with a core kept busy, and the torchrun example 100 times
+# per method; a summary in out/stress/summary.txt (scripts/stress-tests.sh; about 45 minutes).
+stress-tests: build
+	bash scripts/stress-tests.sh
 
 # C++ tests with AddressSanitizer + UndefinedBehaviorSanitizer in their own build folder.
 # allocator_may_return_null: a test asks for an impossible allocation and expects OutOfMemory;

@@ -13,7 +13,6 @@ carries over to a cluster."""
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -84,12 +83,13 @@ def timed(step, reps, sync):
     return statistics.median(times)
 
 
-def worker(rank, P, port, ns, reps, path):
+def worker(rank, P, store, ns, reps, path):
     import linattn.torch.distributed as ld
     threads = max(1, 2 // P)
     torch.set_num_threads(threads)
     linattn.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=P)
+    # A FileStore: no port to choose, so none can be taken by another process first.
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=P)
 
     def sync(elapsed):
         if elapsed is None:
@@ -137,12 +137,6 @@ def worker(rank, P, port, ns, reps, path):
         with open(path, "w") as f:
             json.dump(rows, f)
     dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def human(b):
@@ -216,7 +210,10 @@ def main():
     for P in ([] if rows else a.ranks):
         print("P = %d" % P, flush=True)
         path = os.path.join(a.out, "ranks%d.json" % P)
-        mp.spawn(worker, args=(P, _free_port(), a.ns, a.reps, path), nprocs=P, join=True)
+        store = os.path.join(a.out, "store%d" % P)
+        if os.path.exists(store):
+            os.remove(store)  # a FileStore file must be new
+        mp.spawn(worker, args=(P, store, a.ns, a.reps, path), nprocs=P, join=True)
         rows += json.load(open(path))
     if not a.rows:
         json.dump(rows, open(os.path.join(a.out, "distributed.json"), "w"), indent=1)

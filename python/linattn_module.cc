@@ -3,7 +3,8 @@
 // _backward; linattn/__init__.py gives each its own function with a real signature); the rest
 // (random features, projections, the decoding state, threads) by hand. linattn::Error becomes
 // ValueError, OutOfMemory MemoryError, Interrupted the KeyboardInterrupt that caused it; a
-// wrong type or dtype is a TypeError. The GIL is released while kernels run.
+// wrong type or dtype is a TypeError. The GIL is released while kernels run (call_guard.h:
+// calls on daemon threads at exit).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -18,11 +19,13 @@
 #include <variant>
 #include <vector>
 
+#include "call_guard.h"
 #include "linattn/linattn.h"
 
 namespace py = pybind11;
 using linattn::Tensor;
 using linattn::TensorView;
+using linattn_python::run_without_gil;
 
 // Typed Python arguments whose checks need more than a type test, so the argument is taken as
 // it comes and checked where it is used (as_array, dtype_arg) with messages that name it; the
@@ -242,22 +245,12 @@ class PyRecurrentState {
   template <class T>
   static py::array run_prefill(linattn::RecurrentState<T>& st, const Array& Q, const Array& K,
                                const Array& V) {
-    Tensor<T> out;
-    {
-      py::gil_scoped_release nogil;
-      out = st.prefill(Q.view<T>(), K.view<T>(), V.view<T>());
-    }
-    return to_numpy(std::move(out));
+    return to_numpy(run_without_gil([&] { return st.prefill(Q.view<T>(), K.view<T>(), V.view<T>()); }));
   }
   template <class T>
   static py::array run_step(linattn::RecurrentState<T>& st, const Array& Q, const Array& K,
                             const Array& V) {
-    Tensor<T> out;
-    {
-      py::gil_scoped_release nogil;
-      out = st.step(Q.view<T>(), K.view<T>(), V.view<T>());
-    }
-    return to_numpy(std::move(out));
+    return to_numpy(run_without_gil([&] { return st.step(Q.view<T>(), K.view<T>(), V.view<T>()); }));
   }
   Variant s_;
 };
@@ -443,11 +436,7 @@ py::object method_forward(const std::string& name, const ArrayArg& q, const Arra
   return by_dtype(call.arrays.dtype(), [&](auto tag) -> py::object {
     using T = decltype(tag);
     const linattn::MethodArgs<T> a = call.args<T>();
-    linattn::MethodOutput<T> r;
-    {
-      py::gil_scoped_release nogil;
-      r = m.functions<T>().forward(a);
-    }
+    linattn::MethodOutput<T> r = run_without_gil([&] { return m.functions<T>().forward(a); });
     if (want_saved.empty()) return to_numpy(std::move(r.out));
     py::list out;
     out.append(to_numpy(std::move(r.out)));
@@ -476,11 +465,8 @@ py::tuple method_backward(const std::string& name, const ArrayArg& q, const Arra
     const linattn::MethodArgs<T> a = call.args<T>();
     std::map<std::string, TensorView<const T>, std::less<>> s;
     for (const auto& n : saved_names) s[n] = call.arrays.tensor<T>(n.c_str());
-    linattn::AttentionGrads<T> g;
-    {
-      py::gil_scoped_release nogil;
-      g = m.functions<T>().backward(a, call.arrays.tensor<T>("dout"), s);
-    }
+    linattn::AttentionGrads<T> g =
+        run_without_gil([&] { return m.functions<T>().backward(a, call.arrays.tensor<T>("dout"), s); });
     py::list out;
     out.append(to_numpy(std::move(g.dq)));
     out.append(to_numpy(std::move(g.dk)));
@@ -532,6 +518,7 @@ std::thread::id g_main_thread;
 thread_local PyObject* t_pending[3] = {nullptr, nullptr, nullptr};  // type, value, traceback
 
 bool python_interrupt_poll() {
+  if (linattn_python::Calls::get().must_park()) return true;  // a daemon thread at exit
   if (std::this_thread::get_id() != g_main_thread || !Py_IsInitialized()) return false;
   py::gil_scoped_acquire gil;
   if (PyErr_CheckSignals() == 0) return false;
@@ -558,7 +545,11 @@ PYBIND11_MODULE(_linattn, m) {
     }
   });
   g_main_thread = std::this_thread::get_id();  // Python imports modules on the main thread
+  linattn_python::Calls::get().set_main_thread();
   linattn::set_interrupt_poll(python_interrupt_poll);
+  // Before the interpreter finalizes: stop running calls and wait for them (call_guard.h).
+  py::module_::import("atexit").attr("register")(
+      py::cpp_function([] { linattn_python::Calls::get().exit_begins(); }));
   m.attr("__version__") = linattn::version();
 
   // Every registered method: linattn/__init__.py makes `<function>` and `<function>_backward`

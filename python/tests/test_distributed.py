@@ -14,7 +14,6 @@ difference is below N·u·κ = 2^-33 times the largest magnitude of the referenc
 (two cases): the same with u = 2^-24 and N = 2^8 per value along the kernel's own blocks,
 2^-12."""
 import os
-import socket
 import traceback
 
 import pytest
@@ -30,6 +29,9 @@ B, H, N, D, DV = 2, 2, 37, 8, 6
 SIZES = {1: [37], 2: [25, 12], 4: [5, 1, 20, 11]}
 THREADS = {1: 4, 2: 3, 4: 1}  # linattn threads per process: above and below B·H = 4
 TOL64, TOL32 = 2.0 ** -33, 2.0 ** -12
+# A run of every case takes seconds; these limits only turn a hang into a failure that says so.
+COLLECTIVE_TIMEOUT_S = 300
+SPAWN_LIMIT_S = 900
 
 CASES = {
     "softmax": ("softmax_attention", dict(key_lengths=[37, 23]), "contiguous"),
@@ -160,12 +162,17 @@ def _thread_counts(dist_mod):
     return got
 
 
-def worker(rank, world, port, outdir):
+def worker(rank, world, store, outdir):
+    import datetime
+
     import torch.distributed as dist
     import linattn.torch.distributed as ld
     torch.set_num_threads(1)
     linattn.set_num_threads(THREADS[world])
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=world)
+    # A FileStore, so no port can be taken between choosing and binding it; a collective that
+    # waits longer than the timeout raises instead of hanging.
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     result = {"cases": {}, "errors": None, "traffic": None, "threads": None, "failure": None}
     try:
         for name, (function, _, layout) in CASES.items():
@@ -188,10 +195,17 @@ def worker(rank, world, port, outdir):
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def spawn(fn, args, nprocs):
+    """mp.spawn with a deadline: processes still running after SPAWN_LIMIT_S are killed and
+    the test fails saying so (a hang shows as a failure, never as a stuck test run)."""
+    import time
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + SPAWN_LIMIT_S
+    while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("%d processes still running after %d s" % (nprocs, SPAWN_LIMIT_S))
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda w: "world%d" % w)
@@ -199,7 +213,7 @@ def world(request, tmp_path_factory):
     """Every rank's results for one world size."""
     w = request.param
     outdir = str(tmp_path_factory.mktemp("world%d" % w))
-    mp.spawn(worker, args=(w, _free_port(), outdir), nprocs=w, join=True)
+    spawn(worker, (w, os.path.join(outdir, "store"), outdir), w)
     results = [torch.load(os.path.join(outdir, "rank%d.pt" % r), weights_only=False) for r in range(w)]
     for r, res in enumerate(results):
         assert res["failure"] is None, "rank %d: %s" % (r, res["failure"])
@@ -298,7 +312,9 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 def test_example_under_torchrun():
     """examples/context_parallel.py on 2 ranks: the losses and parameters of three SGD steps
-    equal one process's (the example asserts it, to 10^-10)."""
+    equal one process's (the example asserts it, to 10^-10), and both ranks exit cleanly.
+    torchrun --standalone binds its store to port 0 (the system picks a free one) and its
+    workers share that store, so no port is chosen before it is bound."""
     import subprocess
     import sys
     for method in ("softmax", "favor"):

@@ -1,11 +1,10 @@
 """Never a crash, a hang, a silent NaN or a silent acceptance, from Python: every registered
 method at thread counts above and below batch·heads; sizes whose byte count overflows; values
 near the dtype's limit; FAVOR+ at large norms; the decoding state used from two threads;
-set_num_threads while other threads compute; Ctrl-C; two Python threads at once; repeated
-calls that do not grow memory."""
+set_num_threads while other threads compute; Ctrl-C (in a child process); two Python threads
+at once; repeated calls that do not grow memory."""
 import gc
 import os
-import signal
 import threading
 import time
 
@@ -253,48 +252,64 @@ def test_set_num_threads_while_other_threads_compute(threads):
         t.join()
 
 
-def test_ctrl_c_interrupts_a_long_call():
-    q = np.random.default_rng(0).standard_normal((1, 1, 12288, 64)).astype(np.float32)
-    t0 = time.perf_counter()
-    linattn.softmax_attention(q[:, :, :4096], q[:, :, :4096], q[:, :, :4096])
-    estimate = (time.perf_counter() - t0) * 9  # n² growth to 12288
-    timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
-    t0 = time.perf_counter()
-    with pytest.raises(KeyboardInterrupt):
-        linattn.softmax_attention(q, q, q)
-    elapsed = time.perf_counter() - t0
-    timer.join()
-    assert elapsed < max(0.2 + 1.0, estimate / 2), (elapsed, estimate)
-    # The library works normally afterwards.
-    assert np.isfinite(linattn.softmax_attention(q[:, :, :64], q[:, :, :64], q[:, :, :64])).all()
+@pytest.mark.parametrize("threads_in_child", [1, 3])
+def test_ctrl_c_interrupts_a_long_call(threads_in_child):
+    """SIGINT, sent in a child process (interrupt_child.py) once a call sized to take at least
+    2 s is inside the library, ends that call with KeyboardInterrupt within a quarter of its
+    predicted duration (the library polls for signals every 20 ms); the library works
+    afterwards. The prediction comes from a measured call on the same machine and load, so the
+    margin holds on any machine, idle or loaded."""
+    import json
+    import subprocess
+    import sys
+    child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "interrupt_child.py")
+    r = subprocess.run([sys.executable, child, str(threads_in_child)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    last = report["attempts"][-1]
+    assert last["outcome"] == "interrupted", report  # "late" 3 times: the signal never met a running call
+    latency = last["end"] - last["signal"]
+    assert latency < last["predicted_s"] / 4, report
+    assert report["works_after"]
 
 
 def test_calls_release_the_gil_and_run_side_by_side(threads):
-    """A short call from a second Python thread finishes while a long one is running: neither
-    the GIL nor a library-wide lock serialises them. Results equal the serial ones."""
+    """A short call from the main thread finishes while a long one runs in another thread:
+    neither the GIL nor a library-wide lock serialises them. The long call is sized from the
+    measured short one to take at least 50 times as long, and the short one starts once the
+    long one is inside the library (its workspace is allocated), so the order does not depend
+    on the machine's speed or load; should the long call still end first, it is made longer
+    and the check repeated. Results equal the serial ones."""
     linattn.set_num_threads(1)
     rng = np.random.default_rng(1)
-    big = rng.standard_normal((1, 1, 6144, 64)).astype(np.float32)
     small = rng.standard_normal((1, 1, 256, 64)).astype(np.float32)
-    want_big = linattn.softmax_attention(big, big, big)
     want_small = linattn.softmax_attention(small, small, small)
-    finished = {}
+    t_small = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        linattn.softmax_attention(small, small, small)
+        t_small.append(time.perf_counter() - t0)
+    n = max(1024, int(256 * np.sqrt(50 * max(t_small) / min(t_small))) // 64 * 64)
+    for _ in range(3):
+        big = rng.standard_normal((1, 1, n, 64)).astype(np.float32)
+        finished = {}
 
-    def run(name, x):
-        out = linattn.softmax_attention(x, x, x)
-        finished[name] = (time.perf_counter(), out)
+        def run_big():
+            finished["big"] = linattn.softmax_attention(big, big, big)
 
-    a = threading.Thread(target=run, args=("big", big))
-    a.start()
-    time.sleep(0.05)
-    b = threading.Thread(target=run, args=("small", small))
-    b.start()
-    b.join()
-    a.join()
-    assert finished["small"][0] < finished["big"][0]
-    np.testing.assert_array_equal(finished["big"][1], want_big)
-    np.testing.assert_array_equal(finished["small"][1], want_small)
+        a = threading.Thread(target=run_big)
+        a.start()
+        while linattn.workspace_stats()["current_bytes"] == 0 and a.is_alive():
+            time.sleep(1e-3)
+        out_small = linattn.softmax_attention(small, small, small)
+        big_was_running = "big" not in finished
+        a.join()
+        np.testing.assert_array_equal(out_small, want_small)
+        np.testing.assert_array_equal(finished["big"], linattn.softmax_attention(big, big, big))
+        if big_was_running:
+            break
+        n *= 2
+    assert big_was_running, "the short call never finished while the long one ran"
 
 
 def _rss_bytes():

@@ -88,6 +88,7 @@ void work(Job& job, int slot) {
 // helpers sleep on a condition variable and are not woken for jobs that do not need them).
 class Pool {
  public:
+  // Only a pool that lost the race to be the process's runs this (it has no threads yet).
   ~Pool() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -151,9 +152,12 @@ class Pool {
   bool stop_ = false;
 };
 
-// Created on first use. A forked child (Python multiprocessing) has none of the parent's helper
-// threads and maybe a mutex locked by one of them: it drops the parent's pool (leaked on
-// purpose: its threads do not exist there) and makes its own.
+// Created on first use and never destroyed: its helpers sleep on a condition variable and end
+// with the process. Joining them from a static destructor at exit would race with any thread
+// still inside a loop then (a daemon thread of Python's, say), which would go on using a pool
+// that is gone. A forked child (Python multiprocessing) has none of the parent's helper
+// threads and maybe a mutex locked by one of them: it drops the parent's pool (its threads do
+// not exist there) and makes its own.
 std::atomic<Pool*> g_pool{nullptr};
 
 void forget_pool_in_child() { g_pool.store(nullptr); }
@@ -164,16 +168,7 @@ Pool& pool() {
   static std::once_flag atfork_once;
   std::call_once(atfork_once, [] { pthread_atfork(nullptr, nullptr, forget_pool_in_child); });
   auto* fresh = new Pool();
-  if (g_pool.compare_exchange_strong(p, fresh)) {
-    // The first pool lives for the whole process and is destroyed (its threads joined) at exit.
-    static struct Owner {
-      Pool* owned;
-      ~Owner() {
-        if (g_pool.load() == owned) delete owned;
-      }
-    } owner{fresh};
-    return *fresh;
-  }
+  if (g_pool.compare_exchange_strong(p, fresh)) return *fresh;
   delete fresh;  // another thread made one first
   return *p;
 }

@@ -35,6 +35,12 @@ See docs/distributed.md."""
 import math
 
 import torch
+# Imported before the caller's init_process_group, on purpose: torch._dynamo, imported for the
+# first time after it (torch.optim does so when the first optimizer is made), keeps references
+# to the default process group, so destroy_process_group() no longer ends gloo's worker threads
+# and they live on into interpreter exit, where one can abort the process (PyTorch 2.15;
+# docs/distributed.md, "Exiting cleanly").
+import torch._dynamo  # noqa: F401
 
 from .. import _lengths, _tensor
 from ... import methods as _methods, _default

@@ -5,6 +5,8 @@ Every rank must make the same collectives in the same order, forward and backwar
 hangs. So a call never raises on one rank alone: local checks travel in the first collective
 (`agree`), and every rank raises when any rank's check failed."""
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -26,6 +28,44 @@ def reset_traffic():
 def _count(t):
     _TRAFFIC["bytes"] += t.numel() * t.element_size()
     _TRAFFIC["messages"] += 1
+
+
+# How long a collective's tensors may stay in gloo's hands after it completed (see _handed_back)
+# before that is an error, and how often to look meanwhile.
+_HAND_BACK_LIMIT_S = 60.0
+_HAND_BACK_POLL_S = 20e-6
+_use_count = getattr(torch.Tensor, "_use_count", None)
+
+
+def _collective(tensors, run):
+    """run() (a blocking collective on tensors), then _handed_back(tensors)."""
+    counts = [t._use_count() for t in tensors] if _use_count else None
+    result = run()
+    _handed_back(tensors, counts)
+    return result
+
+
+def _handed_back(tensors, counts):
+    """Waits, with the GIL released, until gloo's worker threads have dropped their references
+    to tensors (each back to its count before the collective).
+
+    Why: a gloo worker destroys a finished Work on its own thread, and with it the last C++
+    reference it held to each tensor; for a tensor that has a Python object, PyTorch then takes
+    the GIL on that thread. If the interpreter has begun to exit by then, Python 3.11 ends the
+    thread with pthread_exit, whose unwind crosses Work's noexcept destructor: std::terminate,
+    and the process aborts after its work is done (docs/distributed.md, "Exiting cleanly").
+    Waiting here means no linattn collective leaves such a drop pending when it returns."""
+    if counts is None:  # a PyTorch without Tensor._use_count: nothing to wait on
+        return
+    deadline = None
+    while any(t._use_count() > c for t, c in zip(tensors, counts)):
+        now = time.monotonic()
+        if deadline is None:
+            deadline = now + _HAND_BACK_LIMIT_S
+        elif now > deadline:
+            raise RuntimeError("linattn.torch.distributed: torch.distributed still holds a collective's tensors "
+                               "%.0f s after it completed" % _HAND_BACK_LIMIT_S)
+        time.sleep(_HAND_BACK_POLL_S)  # releases the GIL, which the worker needs for the drop
 
 
 class Group:
@@ -51,7 +91,7 @@ class Group:
                            dtype=torch.float64)
         rows = [torch.empty_like(row) for _ in range(self.size)]
         _count(row)
-        dist.all_gather(rows, row, group=self.group)
+        _collective([row, *rows], lambda: dist.all_gather(rows, row, group=self.group))
         table = torch.stack(rows)
         if problem is not None:
             raise problem
@@ -71,7 +111,7 @@ class Group:
         """The elementwise maximum over ranks (no gradient: used for shifts that cancel)."""
         y = x.detach().clone()
         _count(y)
-        dist.all_reduce(y, op=dist.ReduceOp.MAX, group=self.group)
+        _collective([y], lambda: dist.all_reduce(y, op=dist.ReduceOp.MAX, group=self.group))
         return y
 
     def all_reduce_sum(self, x):
@@ -86,16 +126,23 @@ class Group:
         """Sends tensors to rank dst and receives tensors of the given shapes from rank src,
         non-blocking; returns (received, wait)."""
         received = [torch.empty(s, dtype=t.dtype) for s, t in zip(shapes, tensors)]
-        ops = []
-        for t in tensors:
+        sent = [t.contiguous() for t in tensors]
+        for t in sent:
             _count(t)
-            ops.append(dist.P2POp(dist.isend, t.contiguous(), self.global_ranks[dst], self.group))
+        counts = [t._use_count() for t in sent] if _use_count else None
+        ops = [dist.P2POp(dist.isend, t, self.global_ranks[dst], self.group) for t in sent]
         ops += [dist.P2POp(dist.irecv, r, self.global_ranks[src], self.group) for r in received]
         works = dist.batch_isend_irecv(ops)
+        del ops
 
         def wait():
             for w in works:
                 w.wait()
+            works.clear()  # a Work holds its tensors
+            # Only the sent tensors: gloo keeps the latest receive buffer of a pair until the
+            # next receive on it (PyTorch 2.15: its use count stays 2 until then), and lets it
+            # go with the process group, in destroy_process_group().
+            _handed_back(sent, counts)
             return received
         return wait
 
@@ -106,7 +153,7 @@ class _AllReduceSum(torch.autograd.Function):
         ctx.g = g
         y = x.contiguous().clone()
         _count(y)
-        dist.all_reduce(y, group=g.group)
+        _collective([y], lambda: dist.all_reduce(y, group=g.group))
         return y
 
     @staticmethod
@@ -114,7 +161,7 @@ class _AllReduceSum(torch.autograd.Function):
         # y = Σ_r x_r is used by every rank's loss, so ∂L/∂x_r = Σ_r' ∂L_r'/∂y.
         dx = dy.contiguous().clone()
         _count(dx)
-        dist.all_reduce(dx, group=ctx.g.group)
+        _collective([dx], lambda: dist.all_reduce(dx, group=ctx.g.group))
         return dx, None
 
 
@@ -125,7 +172,7 @@ class _AllGather(torch.autograd.Function):
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(g.size)]
         _count(x)
-        dist.all_gather(parts, x, group=g.group)
+        _collective([x, *parts], lambda: dist.all_gather(parts, x, group=g.group))
         return torch.stack(parts)
 
     @staticmethod
@@ -134,5 +181,5 @@ class _AllGather(torch.autograd.Function):
         # has none, so an all-reduce of the whole gradient and this rank's slot).
         d = dy.contiguous().clone()
         _count(d)
-        dist.all_reduce(d, group=ctx.g.group)
+        _collective([d], lambda: dist.all_reduce(d, group=ctx.g.group))
         return d[ctx.g.rank], None
