@@ -49,10 +49,13 @@ def numpy_stub():
 
 def torch_stub():
     out = [HEADER, "from typing import Optional, Sequence, Union\n\nfrom torch import Tensor\n\n",
+           "from .feature_maps import HedgehogFeatureMap as HedgehogFeatureMap, "
+           "hedgehog_features as hedgehog_features\n",
            "from .modules import DecodingState as DecodingState, MultiheadAttention as MultiheadAttention\n\n",
            "__all__: list[str]\n\n"]
     for info in linattn.methods():
         out.append(signature_line(getattr(linattn.torch, info["function"]), "Tensor"))
+    out.append(signature_line(linattn.torch.hedgehog_attention, "Tensor"))
     return "".join(out)
 
 

@@ -2,7 +2,7 @@
 // exact float64 result, element by element, derived to first order in the unit roundoff u:
 //
 //  features  each computed feature has an absolute error E_r:
-//            elu 2u|φ| (exp within 1 ulp, one rounding); relu 0; focused γ_{d+8}|φ| (pow,
+//            elu 2u|φ| (exp within 1 ulp, one rounding); relu and identity 0; focused γ_{d+8}|φ| (pow,
 //            two norms, sqrt, division); FAVOR: U_r = √scale·x·ω_r has |δU_r| ≤
 //            γ_{d+1}·√scale·Σ_c|x_c ω_rc| + u|U_r|, and the exponent, the stabilising log-scales
 //            (bounded by L = max |ls| over all rows) and exp add up to
@@ -34,7 +34,7 @@
 namespace linattn::testing {
 
 struct KernelizedSpec {
-  std::string map;  // elu relu focused positive hyperbolic trig
+  std::string map;  // elu relu identity focused positive hyperbolic trig
   bool causal = false;
   std::optional<std::vector<int64_t>> key_lengths;
   double eps = 1e-6;  // linear only
@@ -103,6 +103,8 @@ KernelizedExact kernelized_exact_with_bounds(const Tensor<double>& q, const Tens
     Tensor<double> phi, jac, err;
     std::vector<double> rel;  // E/φ̄ per row (max over features)
   };
+  // The plain maps' features take no projection, whatever the caller passed.
+  if (!spec.favor()) projection = nullptr;
   const int64_t m_proj = projection ? projection->dim(0) : 0;
   auto rows_of = [&](const Tensor<double>& x, int64_t bh, int64_t n, double lmax) {
     Tensor<double> xs({n, d});
@@ -139,7 +141,7 @@ KernelizedExact kernelized_exact_with_bounds(const Tensor<double>& q, const Tens
         const double phi = std::abs(out.phi[i * m + rr]);
         double e;
         if (spec.map == "elu") e = 2 * u * phi;
-        else if (spec.map == "relu") e = 0;
+        else if (spec.map == "relu" || spec.map == "identity") e = 0;
         else if (spec.map == "focused") e = gamma<T>(d + 8) * phi;
         else if (spec.map == "trig") e = amp * (dU[rr % m_proj] + 4 * u) + eta * phi;
         else e = eta * phi;
@@ -243,7 +245,7 @@ KernelizedExact kernelized_exact_with_bounds(const Tensor<double>& q, const Tens
         const double* xr = x.data() + row * d;
         const double* ph = f.phi.data() + i * m;
         const double* mp = Mphi.data() + i * m;
-        if (spec.map == "elu" || spec.map == "relu") {
+        if (spec.map == "elu" || spec.map == "relu" || spec.map == "identity") {
           for (int64_t c = 0; c < d; ++c) outb[c] = eps_g * std::abs(f.jac[(i * m + c) * d + c]) * mp[c];
         } else if (spec.map == "focused") {
           double R2 = 0, A2 = 0, ga = 0;

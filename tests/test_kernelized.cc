@@ -96,6 +96,13 @@ void expect_saved_path_identical(const KernelizedSpec& s, const Tensor<T>& q, co
   testing::expect_identical(gs.dv, g.dv, "dv from saved");
 }
 
+// The identity map takes features, which are >= 0: |x| for it, x as it is for the others.
+Tensor<double> given_features(const std::string& map, Tensor<double> x) {
+  if (map == "identity")
+    for (int64_t i = 0; i < x.size(); ++i) x[i] = std::abs(x[i]);
+  return x;
+}
+
 class KernelizedVsReference
     : public ::testing::TestWithParam<std::tuple<std::string, Mask, Size>> {};
 
@@ -103,8 +110,8 @@ template <class T>
 void check(const std::string& map, Mask mask, const Size& z, uint64_t seed) {
   const int64_t B = 3, H = 2;
   const KernelizedSpec spec = spec_for(map, mask, B, z.n_k);
-  const auto q = cast<T>(random_tensor<double>({B, H, z.n_q, z.d}, seed));
-  const auto k = cast<T>(random_tensor<double>({B, H, z.n_k, z.d}, seed + 1));
+  const auto q = cast<T>(given_features(map, random_tensor<double>({B, H, z.n_q, z.d}, seed)));
+  const auto k = cast<T>(given_features(map, random_tensor<double>({B, H, z.n_k, z.d}, seed + 1)));
   const auto v = cast<T>(random_tensor<double>({B, H, z.n_k, z.dv}, seed + 2));
   const auto dout = cast<T>(random_tensor<double>({B, H, z.n_q, z.dv}, seed + 3));
   const auto w = random_features<T>(24, z.d, FeatureKind::Orthogonal, seed + 4);
@@ -143,7 +150,7 @@ std::string kernelized_name(const ::testing::TestParamInfo<KernelizedVsReference
 // chunks); DifferentQueryAndKeyLengths below crosses the non-causal block.
 INSTANTIATE_TEST_SUITE_P(
     All, KernelizedVsReference,
-    ::testing::Combine(::testing::Values("elu", "relu", "focused", "positive", "hyperbolic", "trig"),
+    ::testing::Combine(::testing::Values("elu", "relu", "identity", "focused", "positive", "hyperbolic", "trig"),
                        ::testing::Values(Mask::None, Mask::Causal, Mask::KeyLengths,
                                          Mask::CausalKeyLengths),
                        ::testing::Values(Size{1, 1, 16, 16}, Size{7, 7, 16, 8},
@@ -169,7 +176,7 @@ TEST(KernelizedVsReference, DifferentQueryAndKeyLengths) {
 }
 
 TEST(KernelizedGradient, MatchesCentralDifferences) {
-  for (const char* map : {"elu", "relu", "focused", "positive", "hyperbolic", "trig"})
+  for (const char* map : {"elu", "relu", "identity", "focused", "positive", "hyperbolic", "trig"})
     for (Mask mask : {Mask::None, Mask::CausalKeyLengths}) {
       SCOPED_TRACE(::testing::Message() << map << " mask=" << int(mask));
       const int64_t B = 2, H = 2, n = 70, d = 4, dv = 3;  // 70 rows: two causal chunks
@@ -180,9 +187,11 @@ TEST(KernelizedGradient, MatchesCentralDifferences) {
            v = random_tensor<double>({B, H, n, dv}, 3);
       // relu and focused are not smooth at 0: keep inputs 0.05 (5000 h) away from the kink so
       // the truncation term (h²/6 times the third derivative) is that of a smooth function.
-      for (Tensor<double>* x : {&q, &k})
+      for (Tensor<double>* x : {&q, &k}) {
+        *x = given_features(map, std::move(*x));
         for (int64_t i = 0; i < x->size(); ++i)
           if (std::abs((*x)[i]) < 0.05) (*x)[i] = (*x)[i] < 0 ? -0.05 : 0.05;
+      }
       const auto G = random_tensor<double>({B, H, n, dv}, 4);
       // 64 features keep the trig estimate of the denominator well away from 0.
       const auto w = random_features<double>(64, d, FeatureKind::Orthogonal, 5);
@@ -488,7 +497,7 @@ TEST(KernelizedErrors, OptionsAndShapesAreChecked) {
   LinearAttentionOptions o;
   o.feature_map = "softplus";
   EXPECT_THAT(error_of([&] { linear_attention<float>(q, k, v, o); }),
-              HasSubstr("feature_map must be \"elu\", \"relu\" or \"focused\"; got \"softplus\""));
+              HasSubstr("feature_map must be \"elu\", \"relu\", \"identity\" or \"focused\"; got \"softplus\""));
   o = {};
   o.causal = true;
   EXPECT_THAT(error_of([&] { linear_attention<float>(q, k, v, o); }),
@@ -502,6 +511,22 @@ TEST(KernelizedErrors, OptionsAndShapesAreChecked) {
   EXPECT_THAT(error_of([&] { linear_attention<float>(q, k, v, o); }), HasSubstr("focus_power must be a number in [1, 1000], got 0.5"));
   o.focus_power = 1001;
   EXPECT_THAT(error_of([&] { linear_attention<float>(q, k, v, o); }), HasSubstr("focus_power must be a number in [1, 1000], got 1001"));
+  // Given features must be >= 0; the message names the argument and the position.
+  o = {};
+  o.feature_map = "identity";
+  const auto fq = given_features("identity", random_tensor<double>({1, 2, 6, 8}, 4));
+  auto fk = cast<double>(fq);  // a copy
+  fk[2 * 8 + 3] = -0.5;  // row 2, feature 3
+  EXPECT_THAT(error_of([&] { linear_attention<double>(fq, fk, cast<double>(v), o); }),
+              HasSubstr("with feature_map=\"identity\", k holds features, which must be >= 0; got -0.5 at row 2 "
+                        "(counting over batch·heads·seq), feature 3"));
+  EXPECT_THAT(error_of([&] { linear_attention<double>(fk, fq, cast<double>(v), o); }),
+              HasSubstr("q holds features, which must be >= 0"));
+  RecurrentOptions ro;
+  ro.feature_map = "identity";
+  RecurrentState<double> state(1, 2, 8, 4, ro);
+  EXPECT_THAT(error_of([&] { state.prefill(fq, fk, cast<double>(v)); }), HasSubstr("k holds features, which must be >= 0"));
+  EXPECT_EQ(state.tokens(), 0);
   const auto qq = random_tensor<float>({1, 2, 6, 8}, 1);
   o = {};
   EXPECT_THAT(error_of([&] { linear_attention<float>(qq, k, v, o, random_tensor<float>({2, 4}, 1).view()); }),

@@ -57,8 +57,11 @@ RecurrentOptions options_for(const std::string& map) {
 template <class T>
 void check_decoding(const std::string& map, double sigma) {
   const int64_t B = 2, H = 2, n = 100, d = 16, dv = 8;
-  const auto q = cast<T>(random_tensor<double>({B, H, n, d}, 1, sigma));
-  const auto k = cast<T>(random_tensor<double>({B, H, n, d}, 2, sigma));
+  auto qd = random_tensor<double>({B, H, n, d}, 1, sigma), kd = random_tensor<double>({B, H, n, d}, 2, sigma);
+  if (map == "identity")  // given features are >= 0
+    for (Tensor<double>* x : {&qd, &kd})
+      for (int64_t i = 0; i < x->size(); ++i) (*x)[i] = std::abs((*x)[i]);
+  const auto q = cast<T>(qd), k = cast<T>(kd);
   const auto v = cast<T>(random_tensor<double>({B, H, n, dv}, 3));
   const auto w = random_features<T>(32, d, FeatureKind::Orthogonal, 4);
   const RecurrentOptions o = options_for(map);
@@ -87,7 +90,7 @@ void check_decoding(const std::string& map, double sigma) {
 }
 
 TEST(Recurrent, DecodingMatchesCausalAttention) {
-  for (const char* map : {"elu", "relu", "focused", "positive", "hyperbolic", "trig"}) {
+  for (const char* map : {"elu", "relu", "identity", "focused", "positive", "hyperbolic", "trig"}) {
     SCOPED_TRACE(map);
     const double sigma = std::string(map) == "trig" ? 0.5 : 1.0;
     check_decoding<double>(map, sigma);

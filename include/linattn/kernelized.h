@@ -16,7 +16,8 @@ namespace linattn {
 // causal: query i sees keys j <= i (needs n_q == n_k; for decoding use RecurrentState).
 // scale: not used by these maps (they take q and k as they are); setting it is an error.
 struct LinearAttentionOptions : AttentionOptions {
-  std::string feature_map = "elu";  // "elu" (elu(x)+1), "relu", "focused"
+  std::string feature_map = "elu";  // "elu" (elu(x)+1), "relu", "focused", or "identity" (q and k
+                                    // are features already, each >= 0: a map of the caller's)
   double eps = 1e-6;                // added to every denominator (>= 0, finite)
   double focus_power = 3;           // p of the "focused" map (>= 1, finite)
 };
@@ -100,10 +101,10 @@ AttentionGrads<T> favor_attention_backward(TensorView<const T> q, TensorView<con
 // ---- decoding ---------------------------------------------------------------------------------
 
 struct RecurrentOptions {
-  std::string feature_map = "elu";    // "elu", "relu", "focused" or "favor"
+  std::string feature_map = "elu";    // "elu", "relu", "focused", "identity" or "favor"
   std::optional<std::string> kernel;  // favor only: "positive" (default), "hyperbolic", "trig"
   std::optional<double> scale;        // favor only: default 1/sqrt(head_dim)
-  double eps = 1e-6;                  // elu/relu/focused: as linear_attention (favor: 0)
+  double eps = 1e-6;                  // elu/relu/focused/identity: as linear_attention (favor: 0)
   double focus_power = 3;             // focused only
 };
 

@@ -118,3 +118,36 @@ for _ops in _OPS.values():
     globals()[_fn.__name__] = _fn
     __all__.append(_fn.__name__)
 del _ops, _fn
+
+from . import feature_maps  # noqa: E402
+from .feature_maps import HedgehogFeatureMap, hedgehog_features  # noqa: E402
+
+
+def hedgehog_attention(q: "Tensor", k: "Tensor", v: "Tensor", query_weight: "Tensor", query_bias: "Tensor",
+                       key_weight: "Tensor", key_bias: "Tensor", *, causal: "bool" = False,
+                       key_lengths: "Optional[Union[Sequence[int], Tensor]]" = None, eps: "float" = 1e-6) -> "Tensor":
+    """Linear attention with Hedgehog's learned feature maps (feature_maps.hedgehog_features):
+    φ_q(q) = [softmax(q·W_q + b_q), softmax(−(q·W_q + b_q))] per head, φ_k(k) likewise with
+    W_k, b_k; out_i = Σ_j (φ_q(q_i)·φ_k(k_j)) v_j / (Σ_j φ_q(q_i)·φ_k(k_j) + eps).
+
+    q, k [B, H, n, d], v [B, H, n_k, d_v]; query_weight, key_weight [H, d, f]; query_bias,
+    key_bias [H, f]. The maps run as torch operations (autograd gives the gradients of W and b),
+    the attention on linattn's kernel (linear_attention with feature_map="identity"), causal
+    (chunked) or not, with key_lengths. Every argument that requires grad gets its gradient."""
+    fn = "hedgehog_attention"
+    q, k = _tensor(fn, "q", q), _tensor(fn, "k", k)
+    for name, w, b, x in (("query", query_weight, query_bias, q), ("key", key_weight, key_bias, k)):
+        try:
+            feature_maps._check_parameters(fn, x, w, b)
+        except (TypeError, ValueError) as e:
+            raise type(e)(str(e).replace(": weight", ": %s_weight" % name).replace(": bias", ": %s_bias" % name)) from None
+    if query_weight.shape[2] != key_weight.shape[2]:
+        raise ValueError("%s: query_weight has %d features and key_weight %d; they must match"
+                         % (fn, query_weight.shape[2], key_weight.shape[2]))
+    fq = hedgehog_features(q, query_weight, query_bias)
+    fk = hedgehog_features(k, key_weight, key_bias)
+    return linear_attention(fq, fk, v, feature_map="identity", causal=causal,  # noqa: F821 (made above)
+                            key_lengths=key_lengths, eps=eps)
+
+
+__all__ += ["HedgehogFeatureMap", "hedgehog_features", "hedgehog_attention"]

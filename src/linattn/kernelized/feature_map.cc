@@ -16,8 +16,9 @@ namespace linattn {
 FeatureMapKind parse_plain_feature_map(const char* fn, const std::string& name) {
   if (name == "elu") return FeatureMapKind::Elu;
   if (name == "relu") return FeatureMapKind::Relu;
+  if (name == "identity") return FeatureMapKind::Identity;
   if (name == "focused") return FeatureMapKind::Focused;
-  fail(fn, ": feature_map must be \"elu\", \"relu\" or \"focused\"; got \"", name, "\"");
+  fail(fn, ": feature_map must be \"elu\", \"relu\", \"identity\" or \"focused\"; got \"", name, "\"");
 }
 
 FeatureMapKind parse_favor_kernel(const char* fn, const std::string& name) {
@@ -91,6 +92,9 @@ void FeatureMap<T>::features(const T* x, int64_t n, T* phi) const {
     case FeatureMapKind::Relu:
       simd::select_positive(x, x, static_cast<const T*>(nullptr), phi, static_cast<size_t>(n * d));
       return;
+    case FeatureMapKind::Identity:
+      std::copy(x, x + n * d, phi);
+      return;
     case FeatureMapKind::Focused: {
       // φ = ‖r‖·rᵖ/‖rᵖ‖ is unchanged when r is divided by a power of two 2^e near its largest
       // entry μ (exactly: no rounding), and then r̂ = r/2^e < 2 and r̂ᵖ < 2ᵖ cannot overflow the
@@ -135,6 +139,9 @@ void FeatureMap<T>::features_backward(const T* x, int64_t n, const T* phi, const
       return;
     case FeatureMapKind::Relu:
       simd::select_positive(x, dphi, static_cast<const T*>(nullptr), dx, static_cast<size_t>(n * d));
+      return;
+    case FeatureMapKind::Identity:
+      std::copy(dphi, dphi + n * d, dx);
       return;
     case FeatureMapKind::Focused: {
       // φ = R·a/A with r̂ = relu(x)/2^e (as in features()), a = r̂ᵖ, R = ‖relu(x)‖ = 2^e‖r̂‖,
@@ -262,7 +269,27 @@ void FeatureMap<T>::logits_backward(const T* x, int64_t n, Side side, const T* d
   matmul<T>(mat(dx, n, d), mat(positive ? dL : static_cast<const T*>(dU), n, m), mat(omega_, m, d), sq, T(1));
 }
 
+template <class T>
+void check_given_features(const char* fn, const char* name, const FeatureMap<T>& fmap, TensorView<const T> x,
+                          const KeyMask* mask) {
+  if (fmap.kind() != FeatureMapKind::Identity) return;
+  const int64_t B = x.dim(0), H = x.dim(1), n = x.dim(2), m = x.dim(3);
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    const int64_t rows = mask ? std::min(n, mask->key_length(bh / H)) : n;
+    const T* first = x.data + bh * n * m;
+    const T* bad = std::find_if(first, first + rows * m, [](T value) { return !(value >= 0); });
+    if (bad == first + rows * m) continue;
+    const int64_t at = bad - x.data;
+    fail(fn, ": with feature_map=\"identity\", ", name, " holds features, which must be >= 0; got ", *bad,
+         " at row ", at / m, " (counting over batch·heads·seq), feature ", at % m);
+  }
+}
+
 template class FeatureMap<float>;
+template void check_given_features(const char*, const char*, const FeatureMap<float>&,
+                                   TensorView<const float>, const KeyMask*);
 template class FeatureMap<double>;
+template void check_given_features(const char*, const char*, const FeatureMap<double>&,
+                                   TensorView<const double>, const KeyMask*);
 
 }  // namespace linattn

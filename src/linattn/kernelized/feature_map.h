@@ -22,6 +22,8 @@ inline constexpr double kMaxFocusPower = 1000;
 enum class FeatureMapKind {
   Elu,              // elu(x) + 1
   Relu,             // max(x, 0)
+  Identity,         // x itself: q and k are already features (non-negative), from a map of the
+                    // caller's (a learned one, say), which differentiates dq, dk through it
   Focused,          // r = relu(x); ‖r‖·rᵖ/‖rᵖ‖ (focused linear attention)
   FavorPositive,    // exp(ω·x̃ − ‖x̃‖²/2)/√m, x̃ = √scale·x
   FavorHyperbolic,  // exp(−‖x̃‖²/2)/√(2m)·[exp(ω·x̃), exp(−ω·x̃)]
@@ -80,7 +82,17 @@ class FeatureMap {
   const T* omega_ = nullptr;   // [m, d]
 };
 
-// "elu", "relu", "focused" / "positive", "hyperbolic", "trig", with the function name in errors.
+class KeyMask;
+
+// With feature_map="identity", q and k are features: each value x [B,H,n,m'] must be >= 0, so
+// that every attention weight φ(q_i)·φ(k_j) and normaliser is >= 0 (throws Error naming fn and
+// `name`, with the first offending position, otherwise). With a mask (keys), only the rows
+// below each item's key length: padded keys may hold anything. Does nothing for other maps.
+template <class T>
+void check_given_features(const char* fn, const char* name, const FeatureMap<T>& fmap, TensorView<const T> x,
+                          const KeyMask* mask = nullptr);
+
+// "elu", "relu", "identity", "focused" / "positive", "hyperbolic", "trig", with the function name in errors.
 FeatureMapKind parse_plain_feature_map(const char* fn, const std::string& name);
 FeatureMapKind parse_favor_kernel(const char* fn, const std::string& name);
 

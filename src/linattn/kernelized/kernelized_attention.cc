@@ -24,12 +24,14 @@ AttentionDims check_common(const char* fn, TensorView<const T> q, TensorView<con
   return d;
 }
 
-// The plain maps' largest feature for inputs of largest |value| x: elu+1 <= x + 1, relu <= x,
+// The plain maps' largest feature for inputs of largest |value| x: elu+1 <= x + 1, relu and
+// identity <= x,
 // focused = ‖r‖·rᵖ/‖rᵖ‖ <= ‖r‖ <= √d·x.
 double plain_feature_bound(FeatureMapKind kind, double x, int64_t d) {
   switch (kind) {
     case FeatureMapKind::Elu: return x + 1;
-    case FeatureMapKind::Relu: return x;
+    case FeatureMapKind::Relu:
+    case FeatureMapKind::Identity: return x;
     default: return std::sqrt(static_cast<double>(d)) * x;
   }
 }
@@ -157,6 +159,8 @@ struct LinearSetup {
         mask(d, opts),
         problem{fn, q, k, vs.view(), d, &mask, &fmap, static_cast<T>(opts.eps)} {
     if (dwc_weight) check_depthwise_conv(fn, "dwc_weight", d, opts.causal, *dwc_weight);
+    check_given_features(fn, "q", fmap, q);
+    check_given_features(fn, "k", fmap, k, &mask);
   }
   AttentionDims d;
   ValueScale<T> vs;

@@ -47,6 +47,8 @@ struct RecurrentState<T>::Impl {
   // The engine's causal path from the carried state over q, k, v [B,H,n,·] (checked).
   void run(const char* fn, const AttentionDims& d, TensorView<const T> q, TensorView<const T> k,
            TensorView<const T> v, T* out) {
+    check_given_features(fn, "q", fmap, q);
+    check_given_features(fn, "k", fmap, k);
     AttentionOptions mo;
     mo.causal = true;
     const KeyMask mask(d, mo);

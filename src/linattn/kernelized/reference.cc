@@ -25,6 +25,13 @@ struct FeatureRow {
 using FeatureFn = std::function<FeatureRow(const double* x)>;
 
 FeatureFn plain_feature(const std::string& name, int64_t d, double p) {
+  if (name == "identity") {
+    return [=](const double* x) {
+      FeatureRow f{Row(x, x + d), Matrix(d, Row(d, 0.0))};
+      for (int64_t c = 0; c < d; ++c) f.jac[c][c] = 1;
+      return f;
+    };
+  }
   if (name == "elu" || name == "relu") {
     const bool elu = name == "elu";
     return [=](const double* x) {
