@@ -82,6 +82,8 @@ inline double ratio_budget(const std::string& suite, const std::string& what) {
       {"KernelizedFocusedPower", {{"out", 0.22}, {"dq", 0.031}, {"dk", 0.018}, {"dv", 0.085}}},
       {"NystromVsReference", {{"out", 0.098}, {"dq", 0.012}, {"dk", 0.0055}, {"dv", 1.0}, {"d_conv_weight", 0.01}}},
       {"LinformerVsReference", {{"out", 0.41}, {"dq", 0.15}, {"dk", 0.11}, {"dv", 0.34}, {"de", 0.14}, {"df", 0.2}}},
+      {"HybridVsReference", {{"out", 0.11}, {"dq", 0.055}, {"dk", 0.072}, {"dv", 0.096}, {"dquery_features", 0.038},
+                             {"dkey_features", 0.032}, {"dwindow_gate", 0.011}}},  // measured 2026-11-24
       {"EfficientVsReference", {{"out", 0.53}, {"dq", 0.33}, {"dk", 0.15}, {"dv", 0.57}}},
   };
   const auto s = budgets.find(suite);

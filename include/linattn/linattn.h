@@ -4,6 +4,7 @@
 
 #include "linattn/attention.h"
 #include "linattn/efficient.h"
+#include "linattn/hybrid.h"
 #include "linattn/error.h"
 #include "linattn/kernelized.h"
 #include "linattn/linformer.h"

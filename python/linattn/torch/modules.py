@@ -15,7 +15,10 @@ from .. import _linattn
 _METHODS = {"softmax": ("softmax", {}), "linear": ("linear", {}), "elu": ("linear", {"feature_map": "elu"}),
             "relu": ("linear", {"feature_map": "relu"}), "focused": ("linear", {"feature_map": "focused"}),
             "favor": ("favor", {}), "nystrom": ("nystrom", {}), "linformer": ("linformer", {}),
-            "efficient": ("efficient", {})}
+            "efficient": ("efficient", {}), "hedgehog": ("hedgehog", {})}
+# Method "hedgehog" (learned feature maps, optionally with a sliding window): its options and
+# their defaults; it is made of torch modules around linattn's kernels, not one registered method.
+_HEDGEHOG_OPTIONS = {"feature_dim": 32, "init": "identity", "window": 0, "eps": 1e-6}
 
 # The kinds of linattn.random_features.
 _FEATURE_KINDS = ("orthogonal", "iid", "orthogonal_fixed", "quantile")
@@ -45,10 +48,59 @@ class DecodingState:
         return self.copy()
 
 
+class HedgehogDecodingState:
+    """One batch of sequences decoded by MultiheadAttention(method="hedgehog").step: the linear
+    state [S | z] of the keys that have left the window, and a ring of the last `window` keys,
+    values and key features. Its memory does not grow with the number of steps."""
+
+    def __init__(self, batch_size, heads, head_dim, features, window, like):
+        self.window = window
+        self.state = like.new_zeros((batch_size, heads, features, head_dim))
+        self.normaliser = like.new_zeros((batch_size, heads, features))
+        self.keys = like.new_zeros((batch_size, heads, 0, head_dim))
+        self.values = like.new_zeros((batch_size, heads, 0, head_dim))
+        self.key_features = like.new_zeros((batch_size, heads, 0, features))
+        self.tokens = 0
+
+    def copy(self):
+        """An independent copy."""
+        c = HedgehogDecodingState.__new__(HedgehogDecodingState)
+        c.__dict__.update({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()})
+        return c
+
+    __copy__ = copy
+
+    def __deepcopy__(self, memo):
+        return self.copy()
+
+    def step(self, q, k, v, fq, fk, gamma, scale, eps):
+        """q, k, v [B, H, d], their features fq, fk [B, H, m'] -> the next output [B, H, d]: the
+        row of hybrid_attention (causal) for the newest token."""
+        self.keys = torch.cat([self.keys, k[:, :, None]], dim=2)
+        self.values = torch.cat([self.values, v[:, :, None]], dim=2)
+        self.key_features = torch.cat([self.key_features, fk[:, :, None]], dim=2)
+        while self.keys.shape[2] > self.window:  # the oldest key leaves the window: into [S | z]
+            self.state += self.key_features[:, :, 0, :, None] * self.values[:, :, 0, None, :]
+            self.normaliser += self.key_features[:, :, 0]
+            self.keys, self.values = self.keys[:, :, 1:], self.values[:, :, 1:]
+            self.key_features = self.key_features[:, :, 1:]
+        self.tokens += 1
+        num = torch.einsum("bhm,bhmd->bhd", fq, self.state)
+        den = torch.einsum("bhm,bhm->bh", fq, self.normaliser)
+        if self.keys.shape[2]:
+            scores = torch.einsum("bhd,bhjd->bhj", q, self.keys) * scale
+            e = torch.exp(scores - scores.max(dim=2, keepdim=True).values)
+            num = num + gamma[None, :, None] * torch.einsum("bhj,bhjd->bhd", e, self.values)
+            den = den + gamma[None, :] * e.sum(dim=2)
+        return num / (den + eps)[..., None]
+
+
 class MultiheadAttention(torch.nn.Module):
     """Multi-head attention with a linattn method inside: [batch, seq, embed_dim] in and out.
 
     method: "softmax" (exact), "elu", "relu", "focused" (linear attention with that feature map;
+    "hedgehog": learned Hedgehog maps, options feature_dim (32), init ("identity"), window (0;
+    w > 0: the sliding-window hybrid with a learned gate), eps;
     "linear" takes feature_map= as an option), "favor", "nystrom", "linformer", "efficient".
     method_options: the method's options (linattn.methods()), plus
       num_features (favor, default 256): rows of the random projection, a buffer in the
@@ -84,6 +136,9 @@ class MultiheadAttention(torch.nn.Module):
         self.batch_first = True
         registered, fixed = _METHODS[method]
         self._registered = registered
+        if registered == "hedgehog":
+            self._init_hedgehog(method_options, factory, bias)
+            return
         info = next(m for m in _linattn._methods() if m["name"] == registered)
         self._function = info["function"]
         opts = dict(method_options)
@@ -117,13 +172,7 @@ class MultiheadAttention(torch.nn.Module):
             raise TypeError("MultiheadAttention: a depthwise convolution is an option of the linear and nystrom "
                             "methods only")
 
-        self.in_proj_weight = torch.nn.Parameter(torch.empty((3 * embed_dim, embed_dim), **factory))
-        self.in_proj_bias = torch.nn.Parameter(torch.empty(3 * embed_dim, **factory)) if bias else None
-        self.out_proj = torch.nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-        torch.nn.init.xavier_uniform_(self.in_proj_weight)
-        if bias:
-            torch.nn.init.zeros_(self.in_proj_bias)
-            torch.nn.init.zeros_(self.out_proj.bias)
+        self._init_projections(factory, bias)
 
         np_dtype = np.float64 if dtype == torch.float64 else np.float32
         if registered == "favor":
@@ -145,6 +194,48 @@ class MultiheadAttention(torch.nn.Module):
                 raise ValueError("MultiheadAttention: the convolution's kernel size must be >= 1, got %d" % k)
             self.conv_weight = torch.nn.Parameter(torch.empty((num_heads, k), **factory))
             torch.nn.init.uniform_(self.conv_weight, -1 / math.sqrt(k), 1 / math.sqrt(k))
+
+    def _init_projections(self, factory, bias):
+        self.in_proj_weight = torch.nn.Parameter(torch.empty((3 * self.embed_dim, self.embed_dim), **factory))
+        self.in_proj_bias = torch.nn.Parameter(torch.empty(3 * self.embed_dim, **factory)) if bias else None
+        self.out_proj = torch.nn.Linear(self.embed_dim, self.embed_dim, bias=bias, **factory)
+        torch.nn.init.xavier_uniform_(self.in_proj_weight)
+        if bias:
+            torch.nn.init.zeros_(self.in_proj_bias)
+            torch.nn.init.zeros_(self.out_proj.bias)
+
+    def _init_hedgehog(self, options, factory, bias):
+        """Method "hedgehog": HedgehogFeatureMap query_map and key_map (feature_dim, init), and
+        with window > 0 the sliding-window hybrid with a learned gate window_gate [heads]
+        (γ = sigmoid, 1/2 at first)."""
+        from .feature_maps import HedgehogFeatureMap
+        unknown = sorted(set(options) - set(_HEDGEHOG_OPTIONS))
+        if unknown:
+            raise TypeError("MultiheadAttention: method 'hedgehog' takes no option %s (its options: %s)"
+                            % (", ".join(map(repr, unknown)), ", ".join(sorted(_HEDGEHOG_OPTIONS))))
+        o = {**_HEDGEHOG_OPTIONS, **options}
+        window = o["window"]
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError("MultiheadAttention: window must be an integer >= 0, got %r" % (window,))
+        if isinstance(o["eps"], bool) or not (isinstance(o["eps"], (int, float)) and 0 <= o["eps"] < float("inf")):
+            raise ValueError("MultiheadAttention: eps must be a finite number >= 0, got %r" % (o["eps"],))
+        self.method_options = o
+        self.feature_redraw_interval = None
+        self._init_projections(factory, bias)
+        self.query_map = HedgehogFeatureMap(self.num_heads, self.head_dim, o["feature_dim"], init=o["init"], **factory)
+        self.key_map = HedgehogFeatureMap(self.num_heads, self.head_dim, o["feature_dim"], init=o["init"], **factory)
+        self.window_gate = torch.nn.Parameter(torch.zeros(self.num_heads, **factory)) if window > 0 else None
+        self.conv_weight = None
+
+    def _hedgehog(self, q, k, v, causal, key_lengths):
+        from . import hedgehog_attention, hybrid_attention
+        o = self.method_options
+        if not o["window"]:
+            return hedgehog_attention(q, k, v, self.query_map.weight, self.query_map.bias, self.key_map.weight,
+                                      self.key_map.bias, causal=causal, key_lengths=key_lengths, eps=o["eps"])
+        return hybrid_attention(q, k, v, query_features=self.query_map(q), key_features=self.key_map(k),
+                                window_gate=self.window_gate, window=o["window"], feature_map="given", causal=causal,
+                                key_lengths=key_lengths, eps=o["eps"])
 
     # ---- random features -----------------------------------------------------------------------
 
@@ -202,8 +293,11 @@ class MultiheadAttention(torch.nn.Module):
             if self._forwards % int(self.feature_redraw_interval) == 0:
                 self.redraw_features()
         q, k, v = (self._heads(x) for x in self._project(query, key, value))
-        attn = getattr(sys.modules[__package__], self._function)(q, k, v, **self._tensors(), causal=bool(is_causal), key_lengths=key_lengths,
-                                         **self.method_options)
+        if self._registered == "hedgehog":
+            attn = self._hedgehog(q, k, v, bool(is_causal), key_lengths)
+        else:
+            attn = getattr(sys.modules[__package__], self._function)(q, k, v, **self._tensors(), causal=bool(is_causal),
+                                                                     key_lengths=key_lengths, **self.method_options)
         out = attn.transpose(1, 2).reshape(query.shape[0], query.shape[1], self.embed_dim)
         if self.training and self.dropout > 0:
             out = F.dropout(out, self.dropout)
@@ -214,6 +308,9 @@ class MultiheadAttention(torch.nn.Module):
     def init_state(self, batch_size):
         """A decoding state for batch_size sequences (causal kernelized methods: elu, relu,
         focused, linear, favor). Decoding runs without autograd."""
+        if self._registered == "hedgehog":
+            return HedgehogDecodingState(batch_size, self.num_heads, self.head_dim, 2 * self.method_options["feature_dim"],
+                                         self.method_options["window"], self.in_proj_weight.detach())
         if self._registered not in ("linear", "favor"):
             raise ValueError("MultiheadAttention: recurrent decoding is for the kernelized methods (elu, relu, "
                              "focused, linear, favor), not %r" % self.method)
@@ -243,6 +340,12 @@ class MultiheadAttention(torch.nn.Module):
             raise ValueError("MultiheadAttention.step: x_t must be [batch, embed_dim] or [batch, 1, embed_dim], got %s"
                              % (tuple(x_t.shape),))
         q, k, v = (self._heads(y)[:, :, 0] for y in self._project(x, x, x))
+        if isinstance(state, HedgehogDecodingState):
+            fq, fk = self.query_map(q[:, :, None])[:, :, 0], self.key_map(k[:, :, None])[:, :, 0]
+            gamma = torch.sigmoid(self.window_gate) if self.window_gate is not None else q.new_ones(self.num_heads)
+            out = state.step(q, k, v, fq, fk, gamma, 1 / math.sqrt(self.head_dim), self.method_options["eps"])
+            out = self.out_proj(out.reshape(x.shape[0], 1, self.embed_dim))
+            return out[:, 0] if squeeze else out
         out = torch.from_numpy(state._recurrent.step(*(t.contiguous().numpy() for t in (q, k, v))))
         if state._values is not None:
             # Causal depthwise convolution: out += Σ_t w[h, t]·v[i + t − (K−1)].

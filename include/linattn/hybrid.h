@@ -1,0 +1,48 @@
+// Sliding-window + linear hybrid attention (LoLCATs, Zhang et al., ICLR 2025): each query attends
+// with exact softmax to the keys in its window and through a feature map to every other key,
+// with one shared normaliser:
+//   out_i = (γ_h Σ_{j∈W(i)} e^{s_ij − M_i} v_j + Σ_{j∉W(i)} φ(q_i)·φ(k_j) v_j)
+//           / (γ_h Σ_{j∈W(i)} e^{s_ij − M_i} + Σ_{j∉W(i)} φ(q_i)·φ(k_j) + eps),
+//   s_ij = scale·q_i·k_j, M_i = max_{j∈W(i)} s_ij, γ_h = sigmoid(window_gate[h]) (1 without one).
+// W(i): causal, the last `window` keys query i sees (its own included); not causal, the keys with
+// |p_i − j| <= window (p_i = i + n_k − n_q, the query's position). window = 0: no window, plain
+// linear attention. O(n·(w + m')·d) time, O(n) memory (docs/methods/hybrid.md).
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "linattn/attention.h"
+#include "linattn/tensor.h"
+
+namespace linattn {
+
+struct HybridAttentionOptions : AttentionOptions {
+  int64_t window = 64;
+  // "elu" (elu(x)+1) or "relu" of q and k; "given": query_features and key_features are the
+  // features (non-negative, from a map of the caller's: Hedgehog's, FAVOR+'s).
+  std::string feature_map = "elu";
+  double eps = 1e-6;
+};
+
+// The tensors besides q, k, v: the features when feature_map == "given" ([B,H,n_q,m'] and
+// [B,H,n_k,m']), and the window gate g [H] (absent: γ = 1).
+template <class T>
+struct HybridInputs {
+  std::optional<TensorView<const T>> query_features, key_features, window_gate;
+};
+
+// q [B,H,n_q,d], k [B,H,n_k,d], v [B,H,n_k,d_v] -> out [B,H,n_q,d_v].
+template <class T>
+Tensor<T> hybrid_attention(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                           const HybridInputs<T>& inputs, const HybridAttentionOptions& opts = {});
+
+// dq, dk, dv, and in params the gradients of the given inputs: "query_features",
+// "key_features" (feature_map "given") and "window_gate" (when passed), in that order.
+template <class T>
+AttentionGrads<T> hybrid_attention_backward(TensorView<const T> q, TensorView<const T> k,
+                                            TensorView<const T> v, TensorView<const T> dout,
+                                            const HybridInputs<T>& inputs,
+                                            const HybridAttentionOptions& opts = {});
+
+}  // namespace linattn

@@ -1,0 +1,456 @@
+// Sliding-window + linear hybrid, forward and backward, per (batch, head) item:
+//   linear part: the state [S | z] = Σ φ(k_j) ⊗ [v_j | 1] of the keys left of the window, swept
+//     forwards over the queries (every boundary is non-decreasing in i: internal.h), and, not
+//     causal, of the keys right of it, swept backwards; num_i = φ(q_i)ᵀS, den_i = φ(q_i)·z;
+//   window part: e_ij = exp(s_ij − M_i) over at most 2w+1 keys, added with weight γ_h;
+//   out_i = num_i / (den_i + eps).
+// Backward (out, den recomputed: nothing is saved): g_i = dout_i/D_i, c_i = −dout_i·out_i/D_i
+// (D_i = den_i + eps) are the gradients of num_i and den_i; the linear part gives
+// dφ(q_i) = S g_i + c_i z from the same sweeps, and dφ(k_j) = R v_j + ρ, dv_j += Rᵀφ(k_j) from
+// the reverse sweeps of [R | ρ] = Σ φ(q_i) ⊗ [g_i | c_i] over the queries whose linear part holds
+// key j; the window gives de_ij = γ(g_i·v_j + c_i), dv_j += γ e_ij g_i, ds_ij = e_ij de_ij, and
+// the shift M_i = s_i,argmax takes −Σ_j ds_ij (the linear part is not shifted, so the output is
+// not invariant to M_i and its gradient counts). Parallel over items: no atomics.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "linattn/core/error.h"
+#include "linattn/core/parallel.h"
+#include "linattn/core/range.h"
+#include "linattn/core/simd.h"
+#include "linattn/hybrid/internal.h"
+#include "linattn/memory.h"
+
+namespace linattn {
+namespace hybrid {
+namespace {
+
+// Largest value of a feature tensor's first rows[b] rows of every item; Error naming fn and
+// the tensor at a negative or non-finite value.
+template <class T>
+double check_features(const char* fn, const char* name, TensorView<const T> f, const AttentionDims& d,
+                      const KeyMask* mask) {
+  double top = 0;
+  const int64_t m = f.dim(3);
+  for (int64_t bh = 0; bh < d.bh(); ++bh) {
+    const int64_t rows = mask ? mask->key_length(bh / d.heads) : f.dim(2);
+    const T* x = f.row(bh, 0);
+    for (int64_t i = 0; i < rows * m; ++i) {
+      require(std::isfinite(x[i]) && x[i] >= 0, fn, ": ", name, " must be finite and >= 0 (features of a map of ",
+              "the caller's); found ", x[i], " at flat index ", bh * f.dim(2) * m + i);
+      top = std::max(top, static_cast<double>(x[i]));
+    }
+  }
+  return top;
+}
+
+}  // namespace
+
+template <class T>
+Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                 const HybridInputs<T>& in, const HybridAttentionOptions& opts) {
+  Setup s;
+  s.opts = opts;
+  s.d = check_attention_args(fn, q, k, v, opts);
+  s.scale = resolve_scale(fn, opts, s.d.head_dim);
+  const AttentionDims& d = s.d;
+  require(opts.window >= 0, fn, ": window must be >= 0 (0: no window, plain linear attention), got ", opts.window);
+  require(std::isfinite(opts.eps) && opts.eps >= 0, fn, ": eps must be finite and >= 0, got ", opts.eps);
+  if (opts.feature_map == "elu") {
+    s.map = Map::Elu;
+  } else if (opts.feature_map == "relu") {
+    s.map = Map::Relu;
+  } else if (opts.feature_map == "given") {
+    s.map = Map::Given;
+  } else {
+    fail(fn, ": feature_map must be 'elu', 'relu' or 'given', got '", opts.feature_map, "'");
+  }
+  if (s.map == Map::Given) {
+    require(in.query_features && in.key_features, fn,
+            ": feature_map='given' needs query_features [batch, heads, n_q, m'] and key_features [batch, heads, "
+            "n_k, m']");
+    const TensorView<const T> fq = *in.query_features, fk = *in.key_features;
+    require(fq.rank() == 4 && fq.dim(0) == d.batch && fq.dim(1) == d.heads && fq.dim(2) == d.n_q && fq.dim(3) >= 1,
+            fn, ": query_features has shape ", shape_string(fq.shape), "; expected [", d.batch, ", ", d.heads, ", ",
+            d.n_q, ", m'] with m' >= 1 (batch, heads and rows of q)");
+    s.features = fq.dim(3);
+    require(fk.rank() == 4 && fk.dim(0) == d.batch && fk.dim(1) == d.heads && fk.dim(2) == d.n_k &&
+                fk.dim(3) == s.features,
+            fn, ": key_features has shape ", shape_string(fk.shape), "; expected [", d.batch, ", ", d.heads, ", ",
+            d.n_k, ", ", s.features, "] (batch, heads and rows of k, m' of query_features)");
+    const KeyMask mask(d, opts);
+    s.feature_max_q = check_features(fn, "query_features", fq, d, nullptr);
+    s.feature_max_k = check_features(fn, "key_features", fk, d, &mask);
+  } else {
+    require(!in.query_features && !in.key_features, fn, ": query_features or key_features is given, but feature_map ",
+            "is '", opts.feature_map, "'; pass feature_map='given' to use them");
+    s.features = d.head_dim;
+    s.feature_max_q = s.map == Map::Elu ? 1 + d.q_max : d.q_max;
+    s.feature_max_k = s.map == Map::Elu ? 1 + d.k_max : d.k_max;
+  }
+  s.gamma.assign(static_cast<size_t>(d.heads), 1.0);
+  if (in.window_gate) {
+    const TensorView<const T> g = *in.window_gate;
+    require(g.rank() == 1 && g.dim(0) == d.heads, fn, ": window_gate has shape ", shape_string(g.shape),
+            "; expected [", d.heads, "] (one gate per head)");
+    check_finite(fn, "window_gate", g);
+    for (int64_t h = 0; h < d.heads; ++h) s.gamma[static_cast<size_t>(h)] = sigmoid(static_cast<double>(g.data[h]));
+  }
+  // Every score and every linear weight, and their sums over n_k keys, stay inside the dtype
+  // (with room for the sums): |s_ij| <= |scale|·d·max|q|·max|k|, φ(q)·φ(k) <= m'·max φ(q)·max φ(k).
+  const double room = static_cast<double>(std::numeric_limits<T>::max()) / 16;
+  require(std::abs(s.scale) * static_cast<double>(d.head_dim) * d.q_max * d.k_max < room, fn,
+          ": q and k are too large for ", dtype_name<T>(), ": their scaled dot products can overflow (|scale|·head_dim·",
+          "max|q|·max|k| = ", std::abs(s.scale) * static_cast<double>(d.head_dim) * d.q_max * d.k_max, ")");
+  require(s.feature_max_q * s.feature_max_k * static_cast<double>(s.features) * static_cast<double>(std::max<int64_t>(d.n_k, 1)) <
+              room,
+          fn, ": the features of q and k are too large for ", dtype_name<T>(), ": the linear sums can overflow");
+  return s;
+}
+
+namespace {
+
+// Per-worker scratch, sized before the loop.
+template <class T>
+struct Scratch {
+  Scratch(const Setup& s, bool backward) {
+    const int64_t m = s.features, dv = s.d.value_dim, nq = s.d.n_q, nk = s.d.n_k;
+    const bool own = s.map != Map::Given;
+    fq = Buffer<T>(own ? nq * m : 0, true, Init::Uninitialized);
+    fk = Buffer<T>(own ? nk * m : 0, true, Init::Uninitialized);
+    state = Buffer<T>(m * dv);
+    z = Buffer<T>(m);
+    scores = Buffer<T>(std::min<int64_t>(2 * s.opts.window + 1, std::max<int64_t>(nk, 1)), true, Init::Uninitialized);
+    den = Buffer<T>(nq, true, Init::Uninitialized);
+    if (backward) {
+      num = Buffer<T>(nq * dv, true, Init::Uninitialized);
+      g = Buffer<T>(nq * dv, true, Init::Uninitialized);
+      c = Buffer<T>(nq, true, Init::Uninitialized);
+      dfq = Buffer<T>(nq * m, true, Init::Uninitialized);
+      dfk = Buffer<T>(nk * m, true, Init::Uninitialized);
+    }
+  }
+  Buffer<T> fq, fk, state, z, scores, den, num, g, c, dfq, dfk;
+};
+
+// One item's rows: inputs, features (given, or made in scratch) and γ.
+template <class T>
+struct Item {
+  const T *q, *k, *v, *fq, *fk;
+  T gamma;
+  int64_t L;
+};
+
+template <class T>
+Item<T> item(const Setup& s, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+             const HybridInputs<T>& in, const KeyMask& mask, int64_t bh, Scratch<T>& w) {
+  Item<T> it{q.row(bh, 0), k.row(bh, 0), v.row(bh, 0), nullptr, nullptr,
+             static_cast<T>(s.gamma[static_cast<size_t>(bh % s.d.heads)]), mask.key_length(bh / s.d.heads)};
+  if (s.map == Map::Given) {
+    it.fq = in.query_features->row(bh, 0);
+    it.fk = in.key_features->row(bh, 0);
+    return it;
+  }
+  const int64_t d = s.d.head_dim;
+  auto make = [&](const T* x, int64_t rows, T* f) {
+    if (s.map == Map::Elu) {
+      simd::elu_plus_one(x, f, static_cast<size_t>(rows * d));
+    } else {
+      for (int64_t i = 0; i < rows * d; ++i) f[i] = std::max(x[i], T(0));
+    }
+  };
+  make(it.q, s.d.n_q, w.fq.data());
+  make(it.k, it.L, w.fk.data());
+  it.fq = w.fq.data();
+  it.fk = w.fk.data();
+  return it;
+}
+
+// [S | z] += a ⊗ [b | b_last] (m × dv, and a column): keys add [v_j | 1], queries [g_i | c_i].
+template <class T>
+void add_outer(T* S, T* z, const T* a, const T* b, T b_last, int64_t m, int64_t dv) {
+  for (int64_t c = 0; c < m; ++c) {
+    const T ac = a[c];
+    T* row = S + c * dv;
+    for (int64_t t = 0; t < dv; ++t) row[t] += ac * b[t];
+    z[c] += ac * b_last;
+  }
+}
+
+// [num | den] (+)= fᵀ[S | z].
+template <class T>
+void apply_state(const T* S, const T* z, const T* f, int64_t m, int64_t dv, T* num, T* den, bool add) {
+  if (!add) {
+    std::fill(num, num + dv, T(0));
+    *den = 0;
+  }
+  for (int64_t c = 0; c < m; ++c) {
+    const T fc = f[c];
+    const T* row = S + c * dv;
+    for (int64_t t = 0; t < dv; ++t) num[t] += fc * row[t];
+    *den += fc * z[c];
+  }
+}
+
+template <class T>
+void clear_state(Scratch<T>& w, const Setup& s) {
+  std::fill(w.state.data(), w.state.data() + s.features * s.d.value_dim, T(0));
+  std::fill(w.z.data(), w.z.data() + s.features, T(0));
+}
+
+// Window scores of row i over keys [r.window_begin, r.window_end) into w.scores, replaced by
+// e_ij = exp(s_ij − M_i); returns Σ e and the offset of the maximum (the first one).
+template <class T>
+std::pair<T, int64_t> window_weights(const Setup& s, const Item<T>& it, int64_t i, const RowKeys& r, Scratch<T>& w) {
+  const int64_t d = s.d.head_dim, count = r.window_end - r.window_begin;
+  T* e = w.scores.data();
+  const T sc = static_cast<T>(s.scale);
+  for (int64_t j = 0; j < count; ++j)
+    e[j] = sc * simd::dot(it.q + i * d, it.k + (r.window_begin + j) * d, static_cast<size_t>(d));
+  const int64_t top = std::max_element(e, e + count) - e;
+  return {simd::exp_shifted_sum(e, static_cast<size_t>(count), e[top]), top};
+}
+
+// num [n_q, dv] and den [n_q] (without eps) of one item.
+template <class T>
+void forward_item(const Setup& s, const Item<T>& it, T* num, T* den, Scratch<T>& w) {
+  const int64_t nq = s.d.n_q, m = s.features, dv = s.d.value_dim;
+  clear_state(w, s);
+  for (int64_t i = 0, pos = 0; i < nq; ++i) {  // linear prefix
+    const RowKeys r = row_keys(s, i, it.L);
+    for (; pos < r.window_begin; ++pos) add_outer(w.state.data(), w.z.data(), it.fk + pos * m, it.v + pos * dv, T(1), m, dv);
+    apply_state(w.state.data(), w.z.data(), it.fq + i * m, m, dv, num + i * dv, den + i, false);
+  }
+  if (!s.opts.causal && s.opts.window > 0) {  // linear suffix
+    clear_state(w, s);
+    for (int64_t i = nq - 1, pos = it.L; i >= 0; --i) {
+      const RowKeys r = row_keys(s, i, it.L);
+      while (pos > r.suffix_begin) {
+        --pos;
+        add_outer(w.state.data(), w.z.data(), it.fk + pos * m, it.v + pos * dv, T(1), m, dv);
+      }
+      apply_state(w.state.data(), w.z.data(), it.fq + i * m, m, dv, num + i * dv, den + i, true);
+    }
+  }
+  for (int64_t i = 0; i < nq; ++i) {  // window
+    const RowKeys r = row_keys(s, i, it.L);
+    if (r.window_end == r.window_begin) continue;
+    const auto [sum, top] = window_weights(s, it, i, r, w);
+    const T* e = w.scores.data();
+    T* o = num + i * dv;
+    for (int64_t j = 0; j < r.window_end - r.window_begin; ++j) {
+      const T a = it.gamma * e[j];
+      const T* vj = it.v + (r.window_begin + j) * dv;
+      for (int64_t t = 0; t < dv; ++t) o[t] += a * vj[t];
+    }
+    den[i] += it.gamma * sum;
+  }
+}
+
+}  // namespace
+}  // namespace hybrid
+
+template <class T>
+Tensor<T> hybrid_attention(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v_arg,
+                           const HybridInputs<T>& in, const HybridAttentionOptions& opts) {
+  const char* fn = "hybrid_attention";
+  const hybrid::Setup s = hybrid::check_args(fn, q, k, v_arg, in, opts);
+  const AttentionDims& d = s.d;
+  const ValueScale<T> vs(v_arg, d.v_max);  // out is linear in v (range.h)
+  const TensorView<const T> v = vs.view();
+  const KeyMask mask(d, opts);
+  Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim}, false, Init::Uninitialized);
+  const ParallelLoop loop(d.bh());
+  PerWorker<hybrid::Scratch<T>> scratch(loop, [&] { return hybrid::Scratch<T>(s, false); });
+  const T eps = static_cast<T>(opts.eps);
+  loop.run([&](int64_t bh, int worker) {
+    interruption_point();
+    auto& w = scratch[worker];
+    const hybrid::Item<T> it = hybrid::item(s, q, k, v, in, mask, bh, w);
+    T* num = out.data() + bh * d.n_q * d.value_dim;
+    hybrid::forward_item(s, it, num, w.den.data(), w);
+    for (int64_t i = 0; i < d.n_q; ++i) {
+      const T D = w.den[i] + eps;
+      T* o = num + i * d.value_dim;
+      for (int64_t t = 0; t < d.value_dim; ++t) o[t] = D > 0 ? o[t] / D : T(0);  // no keys, eps = 0: 0
+    }
+  });
+  vs.restore(out);
+  check_result_finite(fn, "the output", out);
+  return out;
+}
+
+template <class T>
+AttentionGrads<T> hybrid_attention_backward(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v_arg,
+                                            TensorView<const T> dout_arg, const HybridInputs<T>& in,
+                                            const HybridAttentionOptions& opts) {
+  const char* fn = "hybrid_attention_backward";
+  const hybrid::Setup s = hybrid::check_args(fn, q, k, v_arg, in, opts);
+  const AttentionDims& d = s.d;
+  const double dout_max = check_same_shape_finite(fn, "dout", dout_arg, {d.batch, d.heads, d.n_q, d.value_dim});
+  const ValueScale<T> vs(v_arg, d.v_max), gs(dout_arg, dout_max);
+  const TensorView<const T> v = vs.view(), dout = gs.view();
+  const KeyMask mask(d, opts);
+  const int64_t m = s.features, dv = s.d.value_dim, hd = d.head_dim, nq = d.n_q;
+  AttentionGrads<T> grads{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v_arg.shape), {}};
+  const bool given = s.map == hybrid::Map::Given;
+  Tensor<T> dfq_all = given ? Tensor<T>(in.query_features->shape) : Tensor<T>();
+  Tensor<T> dfk_all = given ? Tensor<T>(in.key_features->shape) : Tensor<T>();
+  std::vector<double> dgamma(static_cast<size_t>(d.bh()), 0.0);
+  const ParallelLoop loop(d.bh());
+  PerWorker<hybrid::Scratch<T>> scratch(loop, [&] { return hybrid::Scratch<T>(s, true); });
+  const T eps = static_cast<T>(opts.eps), sc = static_cast<T>(s.scale);
+  loop.run([&](int64_t bh, int worker) {
+    interruption_point();
+    auto& w = scratch[worker];
+    const hybrid::Item<T> it = hybrid::item(s, q, k, v, in, mask, bh, w);
+    T *num = w.num.data(), *den = w.den.data(), *g = w.g.data(), *c = w.c.data();
+    T *dfq = given ? dfq_all.data() + bh * nq * m : w.dfq.data();
+    T *dfk = given ? dfk_all.data() + bh * d.n_k * m : w.dfk.data();
+    T *dq = grads.dq.data() + bh * nq * hd, *dk = grads.dk.data() + bh * d.n_k * hd;
+    T* dvv = grads.dv.data() + bh * d.n_k * dv;
+    hybrid::forward_item(s, it, num, den, w);
+    for (int64_t i = 0; i < nq; ++i) {  // num → out; g_i = ∂/∂num_i, c_i = ∂/∂den_i
+      const T D = den[i] + eps;
+      const T* go = dout.row(bh, i);
+      T* o = num + i * dv;
+      T dot = 0;
+      for (int64_t t = 0; t < dv; ++t) {
+        o[t] = D > 0 ? o[t] / D : T(0);
+        g[i * dv + t] = D > 0 ? go[t] / D : T(0);
+        dot += go[t] * o[t];
+      }
+      c[i] = D > 0 ? -dot / D : T(0);
+    }
+    // dφ(q_i) = S g_i + c_i z over the prefix, then the suffix.
+    std::fill(dfq, dfq + nq * m, T(0));
+    std::fill(dfk, dfk + it.L * m, T(0));
+    auto pull = [&](int64_t i) {
+      for (int64_t f = 0; f < m; ++f) {
+        const T* row = w.state.data() + f * dv;
+        T acc = c[i] * w.z[f];
+        for (int64_t t = 0; t < dv; ++t) acc += row[t] * g[i * dv + t];
+        dfq[i * m + f] += acc;
+      }
+    };
+    hybrid::clear_state(w, s);
+    for (int64_t i = 0, pos = 0; i < nq; ++i) {
+      const hybrid::RowKeys r = hybrid::row_keys(s, i, it.L);
+      for (; pos < r.window_begin; ++pos)
+        hybrid::add_outer(w.state.data(), w.z.data(), it.fk + pos * m, it.v + pos * dv, T(1), m, dv);
+      pull(i);
+    }
+    // [R | ρ] = Σ φ(q_i) ⊗ [g_i | c_i] over the queries that hold key j: dφ(k_j) = R v_j + ρ,
+    // dv_j += Rᵀ φ(k_j).
+    auto push = [&](int64_t j) {
+      for (int64_t f = 0; f < m; ++f) {
+        const T* row = w.state.data() + f * dv;
+        T acc = w.z[f];
+        const T fkj = it.fk[j * m + f];
+        for (int64_t t = 0; t < dv; ++t) {
+          acc += row[t] * it.v[j * dv + t];
+          dvv[j * dv + t] += row[t] * fkj;
+        }
+        dfk[j * m + f] += acc;
+      }
+    };
+    hybrid::clear_state(w, s);
+    for (int64_t j = it.L - 1, i0 = nq; j >= 0; --j) {  // queries with window_begin > j: a suffix
+      while (i0 > 0 && hybrid::row_keys(s, i0 - 1, it.L).window_begin > j) {
+        --i0;
+        hybrid::add_outer(w.state.data(), w.z.data(), it.fq + i0 * m, g + i0 * dv, c[i0], m, dv);
+      }
+      push(j);
+    }
+    if (!s.opts.causal && s.opts.window > 0) {
+      hybrid::clear_state(w, s);
+      for (int64_t i = nq - 1, pos = it.L; i >= 0; --i) {
+        const hybrid::RowKeys r = hybrid::row_keys(s, i, it.L);
+        while (pos > r.suffix_begin) {
+          --pos;
+          hybrid::add_outer(w.state.data(), w.z.data(), it.fk + pos * m, it.v + pos * dv, T(1), m, dv);
+        }
+        pull(i);
+      }
+      hybrid::clear_state(w, s);
+      for (int64_t j = 0, i1 = 0; j < it.L; ++j) {  // queries with suffix_begin <= j: a prefix
+        while (i1 < nq && hybrid::row_keys(s, i1, it.L).suffix_begin <= j) {
+          hybrid::add_outer(w.state.data(), w.z.data(), it.fq + i1 * m, g + i1 * dv, c[i1], m, dv);
+          ++i1;
+        }
+        push(j);
+      }
+    }
+    // The window.
+    double dgam = 0;
+    for (int64_t i = 0; i < nq; ++i) {
+      const hybrid::RowKeys r = hybrid::row_keys(s, i, it.L);
+      const int64_t count = r.window_end - r.window_begin;
+      if (count == 0) continue;
+      const auto [sum, top] = hybrid::window_weights(s, it, i, r, w);
+      T* e = w.scores.data();  // becomes ds_ij
+      T shift = 0;
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t key = r.window_begin + j;
+        const T gv = simd::dot(g + i * dv, it.v + key * dv, static_cast<size_t>(dv));
+        const T a = it.gamma * e[j];
+        for (int64_t t = 0; t < dv; ++t) dvv[key * dv + t] += a * g[i * dv + t];
+        dgam += static_cast<double>(e[j]) * static_cast<double>(gv + c[i]);
+        e[j] = a * (gv + c[i]);
+        shift -= e[j];
+      }
+      e[top] += shift;  // ∂M_i: the maximum's score carries −Σ_j ds_ij
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t key = r.window_begin + j;
+        const T a = sc * e[j];
+        for (int64_t t = 0; t < hd; ++t) {
+          dq[i * hd + t] += a * it.k[key * hd + t];
+          dk[key * hd + t] += a * it.q[i * hd + t];
+        }
+      }
+    }
+    dgamma[static_cast<size_t>(bh)] = dgam;
+    // Through the feature map: elu+1' = 1 above 0, e^x = φ below; relu' = [x > 0].
+    if (!given) {
+      auto chain = [&](const T* x, const T* f, const T* df, int64_t rows, T* dx) {
+        for (int64_t i = 0; i < rows * hd; ++i)
+          dx[i] += x[i] > 0 ? df[i] : (s.map == hybrid::Map::Elu ? df[i] * f[i] : T(0));
+      };
+      chain(it.q, it.fq, dfq, nq, dq);
+      chain(it.k, it.fk, dfk, it.L, dk);
+    }
+  });
+  if (given) {
+    grads.params.emplace_back("query_features", std::move(dfq_all));
+    grads.params.emplace_back("key_features", std::move(dfk_all));
+  }
+  if (in.window_gate) {
+    // γ = sigmoid(g): dγ/dg = γ(1 − γ); summed over the batch in a fixed order.
+    Tensor<T> dg({d.heads});
+    for (int64_t h = 0; h < d.heads; ++h) {
+      double acc = 0;
+      for (int64_t b = 0; b < d.batch; ++b) acc += dgamma[static_cast<size_t>(b * d.heads + h)];
+      const double gam = s.gamma[static_cast<size_t>(h)];
+      dg[h] = static_cast<T>(acc * gam * (1 - gam));
+    }
+    grads.params.emplace_back("window_gate", std::move(dg));
+  }
+  restore_gradients(fn, grads, vs.exponent(), gs.exponent());
+  return grads;
+}
+
+#define LINATTN_INSTANTIATE(T)                                                                                  \
+  template hybrid::Setup hybrid::check_args<T>(const char*, TensorView<const T>, TensorView<const T>,          \
+                                               TensorView<const T>, const HybridInputs<T>&,                    \
+                                               const HybridAttentionOptions&);                                 \
+  template Tensor<T> hybrid_attention<T>(TensorView<const T>, TensorView<const T>, TensorView<const T>,        \
+                                         const HybridInputs<T>&, const HybridAttentionOptions&);               \
+  template AttentionGrads<T> hybrid_attention_backward<T>(TensorView<const T>, TensorView<const T>,            \
+                                                          TensorView<const T>, TensorView<const T>,            \
+                                                          const HybridInputs<T>&, const HybridAttentionOptions&);
+LINATTN_INSTANTIATE(float)
+LINATTN_INSTANTIATE(double)
+#undef LINATTN_INSTANTIATE
+
+}  // namespace linattn

@@ -1,0 +1,55 @@
+// What the hybrid's forward, backward and reference share: the checked call and the rows each
+// query sees (internal).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "linattn/core/attention_args.h"
+#include "linattn/hybrid.h"
+
+namespace linattn::hybrid {
+
+enum class Map { Elu, Relu, Given };
+
+// A checked call: sizes, scale, the feature map and its width m', γ_h per head.
+struct Setup {
+  AttentionDims d;
+  HybridAttentionOptions opts;
+  double scale = 0;
+  Map map = Map::Elu;
+  int64_t features = 0;        // m'
+  std::vector<double> gamma;   // [heads]: sigmoid(window_gate), or 1
+  double feature_max_q = 0, feature_max_k = 0;  // largest feature of a query / a visible key
+};
+
+// Checks everything (shapes, finiteness, non-negative given features, options, ranges); Error
+// naming fn and the argument otherwise.
+template <class T>
+Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                 const HybridInputs<T>& in, const HybridAttentionOptions& opts);
+
+// The keys query i of an item with L visible keys sees, as three boundaries: the linear prefix
+// [0, window_begin), the window [window_begin, window_end) and the linear suffix
+// [suffix_begin, L) (not causal only; empty otherwise). Each is non-decreasing in i, which is
+// what lets the states be swept once forwards and once backwards.
+struct RowKeys {
+  int64_t window_begin, window_end, suffix_begin;
+};
+
+inline RowKeys row_keys(const Setup& s, int64_t i, int64_t L) {
+  const int64_t p = i + s.d.n_k - s.d.n_q, w = s.opts.window;
+  auto clamp = [L](int64_t x) { return std::clamp<int64_t>(x, 0, L); };
+  if (s.opts.causal) {
+    const int64_t end = clamp(p + 1);
+    return {clamp(p + 1 - w), end, L};
+  }
+  if (w == 0) return {L, L, L};
+  const int64_t end = clamp(p + w + 1);
+  return {clamp(p - w), end, end};
+}
+
+inline double sigmoid(double g) { return g >= 0 ? 1 / (1 + std::exp(-g)) : std::exp(g) / (1 + std::exp(g)); }
+
+}  // namespace linattn::hybrid

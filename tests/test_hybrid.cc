@@ -1,0 +1,264 @@
+// hybrid_attention (sliding window + linear): the fast path against the float64 reference at a
+// derived rounding bound, for every mask, window size, feature map and thread count; every
+// gradient of the reference against central differences; window 0 against linear_attention;
+// any finite logit; bad input.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "linattn/hybrid.h"
+#include "linattn/hybrid/reference.h"
+#include "linattn/kernelized.h"
+#include "test_util.h"
+
+namespace linattn {
+namespace {
+
+using testing::cast;
+using testing::random_tensor;
+
+struct Case {
+  bool causal;
+  int64_t window;
+  std::string map;  // "elu", "relu", "given"
+  bool gate;
+  bool lengths;
+  int64_t n_q, n_k;
+};
+
+std::string name(const Case& c) {
+  return std::string(c.causal ? "causal" : "full") + " w=" + std::to_string(c.window) + " " + c.map +
+         (c.gate ? " gate" : "") + (c.lengths ? " key_lengths" : "") + " n_q=" + std::to_string(c.n_q) +
+         " n_k=" + std::to_string(c.n_k);
+}
+
+// Inputs of one case, in double (the reference's) with float copies.
+struct Inputs {
+  static constexpr int64_t B = 2, H = 3, d = 5, dv = 4, m = 6;
+  Tensor<double> q, k, v, dout, fq, fk, gate;
+  HybridAttentionOptions opts;
+  bool given, gated;
+
+  Inputs(const Case& c, uint64_t seed, double q_sigma = 1.0)
+      : q(random_tensor<double>({B, H, c.n_q, d}, seed, q_sigma)),
+        k(random_tensor<double>({B, H, c.n_k, d}, seed + 1, q_sigma)),
+        v(random_tensor<double>({B, H, c.n_k, dv}, seed + 2)),
+        dout(random_tensor<double>({B, H, c.n_q, dv}, seed + 3)),
+        fq(random_tensor<double>({B, H, c.n_q, m}, seed + 4)),
+        fk(random_tensor<double>({B, H, c.n_k, m}, seed + 5)),
+        gate(random_tensor<double>({H}, seed + 6)),
+        given(c.map == "given"),
+        gated(c.gate) {
+    for (Tensor<double>* f : {&fq, &fk})  // non-negative features
+      for (int64_t i = 0; i < f->size(); ++i) (*f)[i] = std::abs((*f)[i]);
+    opts.causal = c.causal;
+    opts.window = c.window;
+    opts.feature_map = c.map;
+    if (c.lengths) opts.key_lengths = std::vector<int64_t>{c.n_k, std::max<int64_t>(c.n_k - 7, 0)};
+  }
+  template <class T>
+  HybridInputs<T> inputs(const Tensor<T>& fq_t, const Tensor<T>& fk_t, const Tensor<T>& gate_t) const {
+    HybridInputs<T> in;
+    if (given) in.query_features = fq_t.view(), in.key_features = fk_t.view();
+    if (gated) in.window_gate = gate_t.view();
+    return in;
+  }
+  HybridInputs<double> inputs() const { return inputs<double>(fq, fk, gate); }
+  template <class T>
+  void round_to() {
+    for (Tensor<double>* t : {&q, &k, &v, &dout, &fq, &fk, &gate})
+      for (int64_t i = 0; i < t->size(); ++i) (*t)[i] = static_cast<double>(static_cast<T>((*t)[i]));
+  }
+};
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (bool causal : {false, true})
+    for (int64_t w : {0, 1, 3, 8})
+      for (const char* map : {"elu", "relu", "given"}) {
+        out.push_back({causal, w, map, w % 2 == 1, false, 23, 23});
+        out.push_back({causal, w, map, true, true, 17, 30});  // n_q < n_k: bottom-right aligned
+      }
+  out.push_back({true, 4, "elu", true, true, 30, 17});  // causal n_q > n_k: early rows see nothing
+  out.push_back({false, 100, "given", true, false, 19, 19});  // the window covers everything
+  return out;
+}
+
+// The first-order rounding bound of a fast result: ε·(the result's magnitude), where the
+// magnitude is the reference computed on absolute values with differences turned into sums
+// (reference.h), and ε = K·(2·γ_{d+1}·|scale|·max Σ_t|q_t k_t| + γ_{n_k+m'+d+d_v+16}): each
+// weight's relative error is at most the score's error 2·γ_{d+1}·|s|-magnitude (through exp and
+// the row max) or γ_{m'+2} (a feature product), the exp and the maps add a few units of
+// roundoff, every sum of non-negative terms at most γ_{n_k+m'} relative; K = 6 bounds how many
+// rounded factors any term of a gradient multiplies (weight, g_i or c_i, v, feature, slope).
+template <class T>
+double epsilon(const Inputs& x, const Case& c, double scale) {
+  double A = 0;
+  for (int64_t bh = 0; bh < Inputs::B * Inputs::H; ++bh)
+    for (int64_t i = 0; i < c.n_q; ++i)
+      for (int64_t j = 0; j < c.n_k; ++j) {
+        double s = 0;
+        for (int64_t t = 0; t < Inputs::d; ++t) s += std::abs(x.q.view().row(bh, i)[t] * x.k.view().row(bh, j)[t]);
+        A = std::max(A, std::abs(scale) * s);
+      }
+  const double n = static_cast<double>(c.n_k + Inputs::m + Inputs::d + Inputs::dv + 16);
+  return 6 * (2 * testing::gamma<T>(Inputs::d + 1) * A + testing::gamma<T>(n));
+}
+
+Tensor<double> bound_of(const Tensor<double>& magnitude, double eps) {
+  Tensor<double> b(magnitude.shape());
+  for (int64_t i = 0; i < b.size(); ++i) b[i] = eps * magnitude[i] + 1e-300;
+  return b;
+}
+
+class HybridVsReference : public ::testing::TestWithParam<int> {};
+
+template <class T>
+void compare(const Case& c, int threads) {
+  SCOPED_TRACE(name(c) + " " + std::to_string(threads) + " threads");
+  testing::ScopedThreads scope(threads);
+  Inputs x(c, 100 + static_cast<uint64_t>(c.window) * 7 + c.n_q);
+  x.round_to<T>();  // the T inputs are exactly the reference's
+  const Tensor<T> q = cast<T>(x.q), k = cast<T>(x.k), v = cast<T>(x.v), dout = cast<T>(x.dout), fq = cast<T>(x.fq),
+                  fk = cast<T>(x.fk), gate = cast<T>(x.gate);
+  const auto in_y = x.inputs();
+  const Tensor<double> want_t = reference::hybrid_attention(x.q, x.k, x.v, in_y, x.opts);
+  const Tensor<double> mag = reference::hybrid_attention(x.q, x.k, x.v, in_y, x.opts, true);
+  const AttentionGrads<double> gwant_t = reference::hybrid_attention_backward(x.q, x.k, x.v, x.dout, in_y, x.opts);
+  const AttentionGrads<double> gmag = reference::hybrid_attention_backward(x.q, x.k, x.v, x.dout, in_y, x.opts, true);
+  const double eps = epsilon<T>(x, c, 1 / std::sqrt(static_cast<double>(Inputs::d)));
+  const auto in = x.inputs<T>(fq, fk, gate);
+  testing::expect_within(hybrid_attention<T>(q, k, v, in, x.opts), want_t, bound_of(mag, eps), "out");
+  const AttentionGrads<T> g = hybrid_attention_backward<T>(q, k, v, dout, in, x.opts);
+  testing::expect_within(g.dq, gwant_t.dq, bound_of(gmag.dq, eps), "dq");
+  testing::expect_within(g.dk, gwant_t.dk, bound_of(gmag.dk, eps), "dk");
+  testing::expect_within(g.dv, gwant_t.dv, bound_of(gmag.dv, eps), "dv");
+  ASSERT_EQ(g.params.size(), gwant_t.params.size());
+  for (size_t i = 0; i < g.params.size(); ++i) {
+    ASSERT_EQ(g.params[i].first, gwant_t.params[i].first);
+    testing::expect_within(g.params[i].second, gwant_t.params[i].second, bound_of(gmag.params[i].second, eps),
+                           ("d" + g.params[i].first).c_str());
+  }
+}
+
+TEST_P(HybridVsReference, EveryMaskWindowAndMap) {
+  for (const Case& c : cases()) {
+    compare<float>(c, GetParam());
+    compare<double>(c, GetParam());
+  }
+}
+
+// Threads below and above batch·heads = 6.
+INSTANTIATE_TEST_SUITE_P(Threads, HybridVsReference, ::testing::Values(1, 3, 8, 16));
+
+// The reference's backward (which the fast path is compared with above) against central
+// differences of the reference's forward, for every input with a gradient.
+TEST(HybridGradients, ReferenceMatchesFiniteDifferences) {
+  for (const Case& c : {Case{true, 3, "elu", true, true, 9, 11}, Case{false, 2, "relu", true, true, 10, 10},
+                        Case{false, 2, "given", true, true, 8, 12}, Case{true, 4, "given", true, false, 9, 9}}) {
+    SCOPED_TRACE(name(c));
+    Inputs x(c, 7);
+    const Tensor<double> G = random_tensor<double>({Inputs::B, Inputs::H, c.n_q, Inputs::dv}, 99);
+    // relu's kink: keep q and k away from 0 so that h = 1e-5 never crosses it.
+    if (c.map == "relu")
+      for (Tensor<double>* t : {&x.q, &x.k})
+        for (int64_t i = 0; i < t->size(); ++i) (*t)[i] += ((*t)[i] >= 0 ? 0.1 : -0.1);
+    const AttentionGrads<double> g = reference::hybrid_attention_backward(x.q, x.k, x.v, G, x.inputs(), x.opts);
+    auto loss = [&] { return testing::dot_loss(reference::hybrid_attention(x.q, x.k, x.v, x.inputs(), x.opts), G); };
+    testing::expect_gradient(x.q, g.dq, loss, "q");
+    testing::expect_gradient(x.k, g.dk, loss, "k");
+    testing::expect_gradient(x.v, g.dv, loss, "v");
+    if (x.given) {
+      testing::expect_gradient(x.fq, g.param("query_features"), loss, "query_features");
+      testing::expect_gradient(x.fk, g.param("key_features"), loss, "key_features");
+    }
+    testing::expect_gradient(x.gate, g.param("window_gate"), loss, "window_gate");
+  }
+}
+
+// window = 0 is plain linear attention: the same as linear_attention with the same map (elu,
+// relu, or the given features through feature_map="identity").
+TEST(Hybrid, WindowZeroIsLinearAttention) {
+  for (bool causal : {false, true})
+    for (const char* map : {"elu", "relu", "given"}) {
+      SCOPED_TRACE(std::string(map) + (causal ? " causal" : ""));
+      const Case c{causal, 0, map, false, true, 21, 21};
+      const Inputs x(c, 3);
+      LinearAttentionOptions lo;
+      lo.causal = causal;
+      lo.key_lengths = x.opts.key_lengths;
+      lo.feature_map = std::string(map) == "given" ? "identity" : map;
+      const bool given = std::string(map) == "given";
+      const Tensor<double> lin = linear_attention<double>(given ? x.fq.view() : x.q.view(),
+                                                          given ? x.fk.view() : x.k.view(), x.v, lo);
+      const Tensor<double> hyb = hybrid_attention<double>(x.q, x.k, x.v, x.inputs(), x.opts);
+      ASSERT_EQ(lin.shape(), hyb.shape());
+      for (int64_t i = 0; i < lin.size(); ++i) EXPECT_NEAR(hyb[i], lin[i], 1e-12 * (1 + std::abs(lin[i]))) << i;
+    }
+}
+
+// Scores of ±1e4 (far beyond exp's range unshifted): the window is shifted by its row maximum,
+// so the output is finite and matches the reference.
+TEST(Hybrid, AnyFiniteLogitIsSafe) {
+  for (bool causal : {false, true}) {
+    const Case c{causal, 3, "given", true, true, 15, 15};
+    const Inputs x(c, 5, 60.0);
+    const Tensor<double> want = reference::hybrid_attention(x.q, x.k, x.v, x.inputs(), x.opts);
+    const Tensor<float> q = cast<float>(x.q), k = cast<float>(x.k), v = cast<float>(x.v), fq = cast<float>(x.fq),
+                        fk = cast<float>(x.fk), gate = cast<float>(x.gate);
+    const Tensor<float> got = hybrid_attention<float>(q, k, v, x.inputs<float>(fq, fk, gate), x.opts);
+    for (int64_t i = 0; i < got.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(got[i])) << i;
+      ASSERT_TRUE(std::isfinite(want[i])) << i;
+    }
+    const AttentionGrads<float> g =
+        hybrid_attention_backward<float>(q, k, v, cast<float>(x.dout), x.inputs<float>(fq, fk, gate), x.opts);
+    for (const Tensor<float>* t : {&g.dq, &g.dk, &g.dv})
+      for (int64_t i = 0; i < t->size(); ++i) ASSERT_TRUE(std::isfinite((*t)[i])) << i;
+  }
+}
+
+TEST(Hybrid, BadInputIsAnErrorNamingIt) {
+  const Case c{true, 2, "given", true, false, 6, 6};
+  Inputs x(c, 1);
+  auto err = [&](HybridInputs<double> in, HybridAttentionOptions o) {
+    return testing::error_of([&] { hybrid_attention<double>(x.q, x.k, x.v, in, o); });
+  };
+  auto has = [](const std::string& msg, const char* what) {
+    return msg.find(what) != std::string::npos ? ::testing::AssertionSuccess()
+                                               : ::testing::AssertionFailure() << msg << " lacks " << what;
+  };
+  HybridAttentionOptions o = x.opts;
+  o.window = -1;
+  EXPECT_TRUE(has(err(x.inputs(), o), "window must be >= 0"));
+  o = x.opts;
+  o.feature_map = "cosine";
+  EXPECT_TRUE(has(err(x.inputs(), o), "feature_map must be 'elu', 'relu' or 'given'"));
+  HybridInputs<double> in = x.inputs();
+  in.key_features.reset();
+  EXPECT_TRUE(has(err(in, x.opts), "feature_map='given' needs query_features"));
+  o = x.opts;
+  o.feature_map = "elu";
+  EXPECT_TRUE(has(err(x.inputs(), o), "pass feature_map='given'"));
+  const Tensor<double> bad_gate({2});
+  in = x.inputs();
+  in.window_gate = bad_gate.view();
+  EXPECT_TRUE(has(err(in, x.opts), "window_gate has shape [2]; expected [3]"));
+  Tensor<double> neg = cast<double>(x.fq);
+  neg[4] = -0.5;
+  in = x.inputs();
+  in.query_features = neg.view();
+  EXPECT_TRUE(has(err(in, x.opts), "query_features must be finite and >= 0"));
+  const Tensor<double> narrow({Inputs::B, Inputs::H, c.n_k, Inputs::m - 1});
+  in = x.inputs();
+  in.key_features = narrow.view();
+  EXPECT_TRUE(has(err(in, x.opts), "key_features has shape"));
+  o = x.opts;
+  o.eps = -1;
+  EXPECT_TRUE(has(err(x.inputs(), o), "eps must be finite and >= 0"));
+}
+
+}  // namespace
+}  // namespace linattn
