@@ -13,7 +13,7 @@ CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$(PYTHON) -DLINATT
 PIP_INSTALL := $(PYTHON) -m pip install -q --disable-pip-version-check --no-build-isolation \
   --no-deps -Cbuild-dir=$(BUILD)/wheel -Cbuild.tool-args=-j$(JOBS)
 
-.PHONY: deps build build-cpp install-python stubs demo test test-cpp test-python test-sanitize stress-tests bench accuracy models distributed clean
+.PHONY: deps build build-cpp install-python stubs demo test test-cpp test-python test-sanitize stress-tests bench accuracy models distributed linearize clean
 
 deps:
 	@bash scripts/install-deps.sh
@@ -81,6 +81,11 @@ models: build
 # linattn.torch.distributed on 1, 2 and 4 gloo processes (a few minutes). Raw results in out/distributed.
 distributed: build
 	$(PYTHON) bench/distributed.py --out out/distributed --docs docs/distributed.md
+
+# docs/linearize.md: all-MiniLM-L6-v2 converted to linear attention with learned feature maps
+# (linattn.hf.linearize, attention_transfer); about 15 minutes on 2 cores. Raw results in out/linearize.
+linearize: build
+	$(PYTHON) bench/linearize.py --out out/linearize --docs docs/linearize.md
 
 clean:
 	rm -rf $(BUILD) build-sanitize
