@@ -65,9 +65,23 @@ def run(a):
     base_q, base_d = models.embed_all(original, tok, queries), models.embed_all(original, tok, docs)
     rows = [{"label": "original (transformers sdpa)", **evaluate(original, tok, texts, lengths, base, base_q, base_d),
              "convert_s": 0.0}]
+    def stage2(model, label, t_start):
+        """Stage 2 (finetune: distillation against the original, LoRA) on a converted model."""
+        t0 = time.perf_counter()
+        losses = lh.finetune(model, original, tok, train, steps=a.finetune_steps, lr=a.finetune_lr,
+                             batch_size=a.batch_size, max_length=a.train_tokens, progress=not a.quick)
+        seconds = time.perf_counter() - t0
+        rows.append({"label": label + ", stages 1 + 2 (%d distillation steps)" % a.finetune_steps,
+                     **evaluate(model, tok, texts, lengths, base, base_q, base_d),
+                     "convert_s": seconds + t_start, "distill_first": losses[0], "distill_last": losses[-1]})
+
     favor = models.load("linattn_favor", {"num_features": 256})
     rows.append({"label": "FAVOR+ m=256, zero-shot", **evaluate(favor, tok, texts, lengths, base, base_q, base_d),
                  "convert_s": 0.0})
+    if a.finetune_steps:
+        for p in favor.parameters():
+            p.requires_grad_(False)
+        stage2(favor, "FAVOR+ m=256 (no stage 1: nothing to transfer)", 0.0)
     configs = [("hedgehog", 0, f) for f in a.feature_dims] + [("none", a.window, 0)] + \
               [("hedgehog", a.window, f) for f in a.feature_dims]
     for feature_map, window, f in configs:
@@ -79,26 +93,33 @@ def run(a):
         model = lh.linearize(models.load("sdpa"), feature_map=feature_map, window=window, feature_dim=max(f, 1))
         rows.append({"label": label + ", zero-shot", **evaluate(model, tok, texts, lengths, base, base_q, base_d),
                      "convert_s": 0.0})
-        if not lh.learned_parameters(model):
-            continue  # the window alone learns nothing
-        t0 = time.perf_counter()
-        losses = lh.attention_transfer(model, tok, train, steps=a.steps, lr=a.lr, batch_size=a.batch_size,
-                                       max_length=a.max_tokens, progress=not a.quick)
-        seconds = time.perf_counter() - t0
-        rows.append({"label": label + ", stage 1 (%d steps)" % a.steps,
-                     **evaluate(model, tok, texts, lengths, base, base_q, base_d), "convert_s": seconds,
-                     "layer_loss_first": [l[0] for l in losses], "layer_loss_last": [l[-1] for l in losses]})
+        seconds = 0.0
+        if lh.learned_parameters(model):  # the window alone learns nothing in stage 1
+            t0 = time.perf_counter()
+            losses = lh.attention_transfer(model, tok, train, steps=a.steps, lr=a.lr, batch_size=a.batch_size,
+                                           max_length=a.train_tokens, progress=not a.quick)
+            seconds = time.perf_counter() - t0
+            rows.append({"label": label + ", stage 1 (%d steps)" % a.steps,
+                         **evaluate(model, tok, texts, lengths, base, base_q, base_d), "convert_s": seconds,
+                         "layer_loss_first": [l[0] for l in losses], "layer_loss_last": [l[-1] for l in losses]})
+        if a.finetune_steps:
+            stage2(model, label, seconds)
     return {"rows": rows, "train_passages": len(train), "eval_passages": len(texts), "steps": a.steps, "lr": a.lr,
-            "batch_size": a.batch_size, "max_tokens": a.max_tokens, "threads": a.threads,
+            "batch_size": a.batch_size, "max_tokens": a.max_tokens, "train_tokens": a.train_tokens,
+            "finetune_steps": a.finetune_steps, "finetune_lr": a.finetune_lr, "window": a.window, "threads": a.threads,
             "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def report(r, command):
     lines = [BEGIN, "",
-             "Measured with `%s` (torch %s, transformers %s, %d threads): stage 1 on %d passages, every figure on "
-             "%d held-out passages; %d Adam steps, lr %g, batches of %d truncated to %d tokens."
+             "Measured with `%s` (torch %s, transformers %s, %d threads): training on %d passages, every figure on "
+             "%d held-out passages (up to %d tokens). Stage 1 (attention_transfer): %d Adam steps, lr %g; stage 2 "
+             "(finetune: distillation of the last hidden states against the original, LoRA rank 8 on the query, "
+             "key and value projections, the maps and gates trained too): %d steps, lr %g; batches of %d passages "
+             "truncated to %d tokens. Conversion: the wall time of stages 1 and 2."
              % (command, r["torch"], r["transformers"], r["threads"], r["train_passages"], r["eval_passages"],
-                r["steps"], r["lr"], r["batch_size"], r["max_tokens"]), ""]
+                r["max_tokens"], r["steps"], r["lr"], r["finetune_steps"], r["finetune_lr"], r["batch_size"],
+                r["train_tokens"]), ""]
     buckets = ["%d-%d" % b for b in BUCKETS]
     lines.append("| model | cosine mean | worst | " + " | ".join("mean %s tokens" % b for b in buckets) +
                  " | recall@1 | recall@10 | conversion |")
@@ -141,9 +162,13 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--feature-dims", type=int, nargs="+", default=[32])
     ap.add_argument("--window", type=int, default=16, help="the hybrid's and the window-only baseline's window")
+    ap.add_argument("--train-tokens", type=int, default=256, help="training batches truncated to this many tokens")
+    ap.add_argument("--finetune-steps", type=int, default=100, help="stage 2 steps (0: no stage 2)")
+    ap.add_argument("--finetune-lr", type=float, default=1e-4)
     a = ap.parse_args()
     if a.quick:
         a.passages, a.steps, a.batch_size, a.max_tokens, a.feature_dims, a.window = 12, 3, 2, 64, [4], 4
+        a.train_tokens, a.finetune_steps = 64, 2
     os.makedirs(a.out, exist_ok=True)
     r = run(a)
     (Path(a.out) / "linearize.json").write_text(json.dumps(r, indent=1))

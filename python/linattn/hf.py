@@ -599,6 +599,137 @@ def attention_transfer(model, tokenizer, texts, steps=300, lr=1e-2, batch_size=8
     return losses
 
 
+def finetune(model, teacher, tokenizer, texts, steps=100, lr=1e-4, batch_size=8, max_length=128, lora=None,
+             lora_rank=8, lora_alpha=16, target_modules=None, train=(), seed=0, progress=True):
+    """Stage 2 of a conversion (optional, after attention_transfer): distillation of the
+    linearized model against the original, end to end. Each step tokenizes batch_size texts
+    (right padding, truncated to max_length), runs the teacher (no gradient) and the model, and
+    takes one Adam step (lr) on the distillation loss over the valid tokens:
+      causal LMs (outputs with logits): KL(teacher ‖ model) of the next-token distributions;
+      encoders: the squared error of the last hidden states, relative to the teacher's mean
+        square (so the sentence embeddings pooled from them follow the teacher's).
+    What is trained: what linearize() added, always; LoRA adapters (peft) of rank lora_rank
+    (alpha lora_alpha) on target_modules (default: every Linear inside the attention modules)
+    when lora is True, or None and peft is installed; and the parameters whose names contain
+    one of `train`. LoRA adapters are merged into the weights at the end, so the model saves
+    and loads as any other (save_pretrained, from_pretrained). teacher: the original model (a
+    second copy), left untouched. The model runs in eval mode (no dropout) with gradients on
+    and is left in its mode; on failure it is restored as it was. Returns the losses, one per
+    step."""
+    fn = "linattn.hf.finetune"
+    name = getattr(model.config, "_attn_implementation", None)
+    if name not in BACKENDS or name == "linattn_softmax":
+        raise ValueError("%s: the model was never linearized (its attention is %r); call linattn.hf.linearize(model, "
+                         "...) and attention_transfer first" % (fn, name))
+    if teacher is model or not isinstance(teacher, _torch.nn.Module):
+        raise ValueError("%s: teacher must be the original model, a separate torch module" % fn)
+    for arg, value in (("steps", steps), ("batch_size", batch_size), ("max_length", max_length),
+                       ("lora_rank", lora_rank)):
+        if isinstance(value, bool) or not isinstance(value, (int, _np.integer)) or value < 1:
+            raise ValueError("%s: %s must be an integer >= 1, got %r" % (fn, arg, value))
+    if not (isinstance(lr, (int, float)) and 0 < lr < float("inf")):
+        raise ValueError("%s: lr must be a finite number > 0, got %r" % (fn, lr))
+    if isinstance(texts, str) or not len(texts) or not all(isinstance(t, str) for t in texts):
+        raise ValueError("%s: texts must be a non-empty list of strings" % fn)
+    if isinstance(train, str) or not all(isinstance(t, str) for t in train):
+        raise ValueError("%s: train must be a list of parameter-name parts, got %r" % (fn, train))
+    try:
+        import peft
+    except ImportError:
+        peft = None
+    if lora is None:
+        lora = peft is not None
+    if lora and peft is None:
+        raise ValueError("%s: lora=True needs peft (pip install peft, or linattn[lora]); or pass lora=False and name "
+                         "the parameters to train with train=[...]" % fn)
+    modules = attention_modules(model)
+    if target_modules is None:
+        inside = {id(m) for a in modules for m in a.modules() if isinstance(m, _torch.nn.Linear)}
+        target_modules = [n for n, m in model.named_modules() if id(m) in inside]
+    flags = [p.requires_grad for p in model.parameters()]
+    named = dict(model.named_parameters())
+    chosen = [n for n in named if any(t in n for t in train)]
+    missing = [t for t in train if not any(t in n for n in named)]
+    if missing:
+        raise ValueError("%s: no parameter name contains %s" % (fn, ", ".join(map(repr, missing))))
+    snapshot = {n: p.detach().clone() for n, p in named.items() if n in chosen or p.requires_grad}
+    injected = False
+    was_training, side = model.training, getattr(tokenizer, "padding_side", "right")
+    try:
+        if lora:
+            if not target_modules:
+                raise ValueError("%s: target_modules is empty: no Linear module to adapt" % fn)
+            peft.inject_adapter_in_model(peft.LoraConfig(r=int(lora_rank), lora_alpha=lora_alpha, lora_dropout=0.0,
+                                                         target_modules=list(target_modules), bias="none"), model)
+            injected = True
+        for n, p in model.named_parameters():
+            p.requires_grad_("lora_" in n or n in chosen)
+        for p in learned_parameters(model):
+            p.requires_grad_(True)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = _torch.optim.Adam(params, lr=lr)
+        order = _np.random.default_rng(seed).permutation(len(texts))
+        device = next(model.parameters()).device
+        losses = []
+        from tqdm.auto import tqdm
+        bar = tqdm(total=steps, desc="distillation", disable=not progress)
+        model.eval()
+        teacher.eval()
+        tokenizer.padding_side = "right"
+        with _torch.enable_grad():
+            for step in range(steps):
+                pick = [texts[order[(step * batch_size + i) % len(texts)]] for i in range(batch_size)]
+                batch = tokenizer(pick, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+                batch = {k: v.to(device) for k, v in batch.items()}
+                with _torch.no_grad():
+                    target = teacher(**batch)
+                out = model(**batch)
+                valid = batch["attention_mask"].bool()
+                if getattr(out, "logits", None) is not None:
+                    loss = _torch.nn.functional.kl_div(_torch.log_softmax(out.logits[valid].float(), -1),
+                                                       _torch.log_softmax(target.logits[valid].float(), -1),
+                                                       log_target=True, reduction="batchmean")
+                else:
+                    h, t = out.last_hidden_state[valid], target.last_hidden_state[valid]
+                    loss = (h - t).pow(2).mean() / t.pow(2).mean()
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                losses.append(float(loss.detach()))
+                bar.update(1)
+                bar.set_postfix(loss="%.3g" % losses[-1])
+        bar.close()
+        if injected:
+            _merge_lora(model, merge=True)
+    except BaseException:
+        if injected:
+            _merge_lora(model, merge=False)
+        with _torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in snapshot:
+                    p.copy_(snapshot[n])
+        raise
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
+        for p, flag in zip(model.parameters(), flags):
+            p.requires_grad_(flag)
+    return losses
+
+
+def _merge_lora(model, merge):
+    """Replaces every peft LoRA layer of the model by its base layer: with the adapter merged
+    into the weights (merge=True), or dropped (a failed fine-tune)."""
+    from peft.tuners.lora import LoraLayer
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoraLayer):
+            if merge:
+                module.merge()
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, module.get_base_layer())
+
+
 # ---- masks -------------------------------------------------------------------------------------
 
 def _key_lengths(name, mask, batch, n_q, n_k, causal):

@@ -269,3 +269,65 @@ def test_linearize_benchmark_quick(tmp_path):
     assert any("+ window" in l and "stage 1" in l for l in labels)
     text = docs.read_text()
     assert text.startswith("head\n") and text.endswith("tail\n") and "| model |" in text
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_finetune_distils_trains_what_it_says_and_merges_lora(minilm, lora):
+    path, tok = minilm
+    teacher = load(path).eval()
+    model = lh.linearize(load(path), feature_map="hedgehog", window=2, feature_dim=4)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if "value" in n}  # weights and biases
+    names_before = [n for n, _ in model.named_parameters()]
+    torch.manual_seed(0)
+    losses = lh.finetune(model, teacher, tok, TEXTS, steps=12, lr=1e-3, batch_size=4, max_length=64, lora=lora,
+                         train=() if lora else ["encoder.layer.5.output.dense"], progress=False)
+    assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
+    assert [n for n, _ in model.named_parameters()] == names_before  # LoRA merged away: a plain model
+    changed = {n for n, p in model.named_parameters() if n in frozen and not torch.equal(p, frozen[n])}
+    # LoRA adapts every Linear inside the attention modules (query, key, value); without it only
+    # the named parameters (and the maps) move.
+    assert (changed == {n for n in frozen if n.endswith("weight")}) if lora else not changed  # LoRA: weights only
+    assert not any(p.requires_grad for n, p in model.named_parameters() if "linattn_" not in n)
+    teacher_state = load(path).state_dict()
+    assert all(torch.equal(p, teacher_state[n]) for n, p in teacher.state_dict().items())
+
+
+def test_finetune_bad_input_and_failure_restore(minilm):
+    path, tok = minilm
+    teacher = load(path).eval()
+    with pytest.raises(ValueError, match="never linearized"):
+        lh.finetune(load(path), teacher, tok, TEXTS, steps=1)
+    model = lh.linearize(load(path), feature_dim=4)
+    with pytest.raises(ValueError, match="teacher must be the original model"):
+        lh.finetune(model, model, tok, TEXTS, steps=1)
+    with pytest.raises(ValueError, match="no parameter name contains 'no_such'"):
+        lh.finetune(model, teacher, tok, TEXTS, steps=1, lora=False, train=["no_such"])
+    with pytest.raises(ValueError, match="steps must be an integer >= 1"):
+        lh.finetune(model, teacher, tok, TEXTS, steps=0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    class Broken(torch.nn.Module):  # a teacher that fails on its second call
+        calls = 0
+
+        def forward(self, **batch):
+            Broken.calls += 1
+            if Broken.calls > 1:
+                raise RuntimeError("simulated")
+            return teacher(**batch)
+    with pytest.raises(RuntimeError, match="simulated"):
+        lh.finetune(model, Broken(), tok, TEXTS, steps=3, lr=1e-2, batch_size=2, progress=False)
+    assert [n for n, _ in model.named_parameters()] == list(before)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_example_linearize_minilm_runs():
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "linearize_minilm", Path(__file__).resolve().parents[2] / "examples" / "linearize_minilm.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = example.main(["--feature-dim", "4", "--window", "2", "--steps", "3", "--finetune", "2", "--texts", "12",
+                          "--max-length", "64"])
+    assert model.config._attn_implementation == "linattn_hedgehog"
+    assert len(example.texts()) > 100
