@@ -82,8 +82,9 @@ models: build
 distributed: build
 	$(PYTHON) bench/distributed.py --out out/distributed --docs docs/distributed.md
 
-# docs/linearize.md: all-MiniLM-L6-v2 converted to linear attention with learned feature maps
-# (linattn.hf.linearize, attention_transfer); about 15 minutes on 2 cores. Raw results in out/linearize.
+# docs/linearize.md: all-MiniLM-L6-v2 converted to linear attention (linattn.hf.linearize: Hedgehog's
+# maps, the window alone, the hybrid; attention_transfer, then finetune), against FAVOR+ distilled;
+# about 80 minutes on 2 cores. Raw results in out/linearize.
 linearize: build
 	$(PYTHON) bench/linearize.py --out out/linearize --docs docs/linearize.md
 

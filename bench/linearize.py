@@ -172,7 +172,9 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     r = run(a)
     (Path(a.out) / "linearize.json").write_text(json.dumps(r, indent=1))
-    section = report(r, "make linearize" if not a.quick else "bench/linearize.py --quick")
+    args = " ".join(sys.argv[1:])
+    section = report(r, "make linearize" if args == "--out out/linearize --docs docs/linearize.md"
+                     else "bench/linearize.py " + args)
     print(section)
     write_docs(a.docs, section)
     if any(not math.isfinite(row["cos_mean"]) for row in r["rows"]):

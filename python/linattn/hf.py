@@ -550,16 +550,9 @@ def attention_transfer(model, tokenizer, texts, steps=300, lr=1e-2, batch_size=8
     if name not in BACKENDS or not params:
         raise ValueError("%s: the model was never linearized (its attention is %r with no learned feature maps); call "
                          "linattn.hf.linearize(model, ...) first" % (fn, name))
-    for arg, value in (("steps", steps), ("batch_size", batch_size), ("max_length", max_length)):
-        if isinstance(value, bool) or not isinstance(value, (int, _np.integer)) or value < 1:
-            raise ValueError("%s: %s must be an integer >= 1, got %r" % (fn, arg, value))
-    if not (isinstance(lr, (int, float)) and 0 < lr < float("inf")):
-        raise ValueError("%s: lr must be a finite number > 0, got %r" % (fn, lr))
-    if isinstance(texts, str) or not len(texts) or not all(isinstance(t, str) for t in texts):
-        raise ValueError("%s: texts must be a non-empty list of strings" % fn)
+    _check_training(fn, texts, steps=steps, batch_size=batch_size, max_length=max_length, lr=lr)
     modules = attention_modules(model)
     optimizer = _torch.optim.Adam(params, lr=lr)
-    order = _np.random.default_rng(seed).permutation(len(texts))
     losses = [[] for _ in modules]
     was_training, side = model.training, getattr(tokenizer, "padding_side", "right")
     device = next(model.parameters()).device
@@ -574,10 +567,7 @@ def attention_transfer(model, tokenizer, texts, steps=300, lr=1e-2, batch_size=8
         m.linattn_transfer = True
     try:
         with _torch.enable_grad():
-            for step in range(steps):
-                pick = [texts[order[(step * batch_size + i) % len(texts)]] for i in range(batch_size)]
-                batch = tokenizer(pick, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-                batch = {k: v.to(device) for k, v in batch.items()}
+            for batch in _batches(tokenizer, texts, steps, batch_size, max_length, seed, device):
                 model(**batch)
                 layer = [m.linattn_transfer_loss for m in modules]
                 optimizer.zero_grad(set_to_none=True)
@@ -597,6 +587,28 @@ def attention_transfer(model, tokenizer, texts, steps=300, lr=1e-2, batch_size=8
         if bar:
             bar.close()
     return losses
+
+
+def _check_training(fn, texts, lr, **counts):
+    """ValueError naming fn and the argument: counts (steps, batch_size, ...) must be integers
+    >= 1, lr a finite number > 0, texts a non-empty list of strings."""
+    for arg, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, (int, _np.integer)) or value < 1:
+            raise ValueError("%s: %s must be an integer >= 1, got %r" % (fn, arg, value))
+    if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and 0 < lr < float("inf")):
+        raise ValueError("%s: lr must be a finite number > 0, got %r" % (fn, lr))
+    if isinstance(texts, str) or not len(texts) or not all(isinstance(t, str) for t in texts):
+        raise ValueError("%s: texts must be a non-empty list of strings" % fn)
+
+
+def _batches(tokenizer, texts, steps, batch_size, max_length, seed, device):
+    """`steps` batches of batch_size texts, a shuffled cycle through `texts` (seed), tokenized
+    with padding (the caller sets its side) and truncation to max_length, on `device`."""
+    order = _np.random.default_rng(seed).permutation(len(texts))
+    for step in range(steps):
+        pick = [texts[order[(step * batch_size + i) % len(texts)]] for i in range(batch_size)]
+        batch = tokenizer(pick, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+        yield {k: v.to(device) for k, v in batch.items()}
 
 
 def finetune(model, teacher, tokenizer, texts, steps=100, lr=1e-4, batch_size=8, max_length=128, lora=None,
@@ -623,14 +635,7 @@ def finetune(model, teacher, tokenizer, texts, steps=100, lr=1e-4, batch_size=8,
                          "...) and attention_transfer first" % (fn, name))
     if teacher is model or not isinstance(teacher, _torch.nn.Module):
         raise ValueError("%s: teacher must be the original model, a separate torch module" % fn)
-    for arg, value in (("steps", steps), ("batch_size", batch_size), ("max_length", max_length),
-                       ("lora_rank", lora_rank)):
-        if isinstance(value, bool) or not isinstance(value, (int, _np.integer)) or value < 1:
-            raise ValueError("%s: %s must be an integer >= 1, got %r" % (fn, arg, value))
-    if not (isinstance(lr, (int, float)) and 0 < lr < float("inf")):
-        raise ValueError("%s: lr must be a finite number > 0, got %r" % (fn, lr))
-    if isinstance(texts, str) or not len(texts) or not all(isinstance(t, str) for t in texts):
-        raise ValueError("%s: texts must be a non-empty list of strings" % fn)
+    _check_training(fn, texts, steps=steps, batch_size=batch_size, max_length=max_length, lora_rank=lora_rank, lr=lr)
     if isinstance(train, str) or not all(isinstance(t, str) for t in train):
         raise ValueError("%s: train must be a list of parameter-name parts, got %r" % (fn, train))
     try:
@@ -668,7 +673,6 @@ def finetune(model, teacher, tokenizer, texts, steps=100, lr=1e-4, batch_size=8,
             p.requires_grad_(True)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = _torch.optim.Adam(params, lr=lr)
-        order = _np.random.default_rng(seed).permutation(len(texts))
         device = next(model.parameters()).device
         losses = []
         from tqdm.auto import tqdm
@@ -677,10 +681,7 @@ def finetune(model, teacher, tokenizer, texts, steps=100, lr=1e-4, batch_size=8,
         teacher.eval()
         tokenizer.padding_side = "right"
         with _torch.enable_grad():
-            for step in range(steps):
-                pick = [texts[order[(step * batch_size + i) % len(texts)]] for i in range(batch_size)]
-                batch = tokenizer(pick, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-                batch = {k: v.to(device) for k, v in batch.items()}
+            for batch in _batches(tokenizer, texts, steps, batch_size, max_length, seed, device):
                 with _torch.no_grad():
                     target = teacher(**batch)
                 out = model(**batch)
