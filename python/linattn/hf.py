@@ -124,13 +124,11 @@ def attention_function(name):
                       else getattr(module, "is_causal", False))
         mask_causal = causal and n_q > 1  # a single new query sees the whole cache
         key_lengths = _key_lengths(name, attention_mask, query.shape[0], n_q, n_k, mask_causal)
-        if mask_causal and n_q != n_k and function != "softmax_attention" and not options_of(
-                getattr(module, "config", None), name).get("window"):
+        user = options_of(getattr(module, "config", None), name)
+        if mask_causal and n_q != n_k and function != "softmax_attention" and not user.get("window"):
             raise ValueError("%s: %d queries against %d cached keys; causal %s needs as many queries as keys "
                              "(decode one token at a time, or use linattn_softmax)" % (name, n_q, n_k, function))
         options = dict(fixed)
-        config = getattr(module, "config", None)
-        user = options_of(config, name)
         if mask_causal:
             options["causal"] = True
         if function != "linear_attention":
