@@ -15,7 +15,8 @@ struct ReferenceInfo {
   std::function<Tensor<double>(const MethodArgs<double>&)> forward;
   std::function<AttentionGrads<double>(const MethodArgs<double>&, TensorView<const double> dout)> backward;
   // Whether row i of the output depends on row i of q alone (all but Nyström, whose landmarks
-  // pool every query): then a caller may evaluate sampled rows as one-row problems.
+  // pool every query, and the hybrid, whose window depends on the row's position): then a
+  // caller may evaluate sampled rows as one-row problems.
   bool rows_independent = true;
 };
 

@@ -42,8 +42,16 @@ std::vector<double> features(const Setup& s, TensorView<const double> x, const s
   return f;
 }
 
+// φ(k_j) of every visible key of item bh.
+std::vector<std::vector<double>> key_features(const Setup& s, TensorView<const double> k,
+                                              const HybridInputs<double>& in, int64_t bh, int64_t L, bool magnitude) {
+  std::vector<std::vector<double>> out;
+  for (int64_t j = 0; j < L; ++j) out.push_back(features(s, k, in.key_features, bh, j, magnitude));
+  return out;
+}
+
 Row row(const Setup& s, TensorView<const double> q, TensorView<const double> k, const HybridInputs<double>& in,
-        int64_t bh, int64_t i, int64_t L, bool magnitude) {
+        const std::vector<std::vector<double>>& fks, int64_t bh, int64_t i, int64_t L, bool magnitude) {
   const int64_t p = i + s.d.n_k - s.d.n_q, w = s.opts.window;
   const int64_t visible = s.opts.causal ? std::clamp<int64_t>(p + 1, 0, L) : L;
   const double gamma = s.gamma[static_cast<size_t>(bh % s.d.heads)];
@@ -67,7 +75,7 @@ Row row(const Setup& s, TensorView<const double> q, TensorView<const double> k, 
       wt = gamma * r.expo.back();
     } else {
       r.expo.push_back(0);
-      const std::vector<double> fk = features(s, k, in.key_features, bh, j, magnitude);
+      const std::vector<double>& fk = fks[static_cast<size_t>(j)];
       for (int64_t c = 0; c < s.features; ++c) wt += r.fq[static_cast<size_t>(c)] * fk[static_cast<size_t>(c)];
     }
     r.weight.push_back(wt);
@@ -84,15 +92,18 @@ Tensor<double> hybrid_attention(TensorView<const double> q, TensorView<const dou
   const KeyMask mask(s.d, opts);
   Tensor<double> out({s.d.batch, s.d.heads, s.d.n_q, s.d.value_dim});
   auto mag = [magnitude](double x) { return magnitude ? std::abs(x) : x; };
-  for (int64_t bh = 0; bh < s.d.bh(); ++bh)
+  for (int64_t bh = 0; bh < s.d.bh(); ++bh) {
+    const int64_t L = mask.key_length(bh / s.d.heads);
+    const auto fks = key_features(s, k, in, bh, L, magnitude);
     for (int64_t i = 0; i < s.d.n_q; ++i) {
-      const Row r = row(s, q, k, in, bh, i, mask.key_length(bh / s.d.heads), magnitude);
+      const Row r = row(s, q, k, in, fks, bh, i, L, magnitude);
       if (r.den == 0) continue;
       double* o = out.data() + (bh * s.d.n_q + i) * s.d.value_dim;
       for (size_t j = 0; j < r.weight.size(); ++j)
         for (int64_t t = 0; t < s.d.value_dim; ++t) o[t] += r.weight[j] * mag(v.row(bh, static_cast<int64_t>(j))[t]);
       for (int64_t t = 0; t < s.d.value_dim; ++t) o[t] /= r.den;
     }
+  }
   return out;
 }
 
@@ -108,9 +119,11 @@ AttentionGrads<double> hybrid_attention_backward(TensorView<const double> q, Ten
   AttentionGrads<double> g{Tensor<double>(q.shape), Tensor<double>(k.shape), Tensor<double>(v.shape), {}};
   Tensor<double> dfq_all({d.batch, d.heads, d.n_q, s.features}), dfk_all({d.batch, d.heads, d.n_k, s.features});
   std::vector<double> dgamma(static_cast<size_t>(d.heads), 0.0);
-  for (int64_t bh = 0; bh < d.bh(); ++bh)
+  for (int64_t bh = 0; bh < d.bh(); ++bh) {
+    const int64_t L = mask.key_length(bh / d.heads);
+    const auto fks = key_features(s, k, in, bh, L, magnitude);
     for (int64_t i = 0; i < d.n_q; ++i) {
-      const Row r = row(s, q, k, in, bh, i, mask.key_length(bh / d.heads), magnitude);
+      const Row r = row(s, q, k, in, fks, bh, i, L, magnitude);
       if (r.den == 0) continue;
       const double* go = dout.row(bh, i);
       const double* o = out.data() + (bh * d.n_q + i) * d.value_dim;
@@ -136,7 +149,7 @@ AttentionGrads<double> hybrid_attention_backward(TensorView<const double> q, Ten
           shift += ds[j];
           dgamma[static_cast<size_t>(bh % d.heads)] += r.expo[j] * dw;
         } else {  // weight = φ(q_i)·φ(k_j)
-          const std::vector<double> fk = features(s, k, in.key_features, bh, key, magnitude);
+          const std::vector<double>& fk = fks[static_cast<size_t>(key)];
           for (int64_t c = 0; c < s.features; ++c) {
             dfq_all.data()[(bh * d.n_q + i) * s.features + c] += dw * fk[static_cast<size_t>(c)];
             dfk_all.data()[(bh * d.n_k + key) * s.features + c] += dw * r.fq[static_cast<size_t>(c)];
@@ -153,6 +166,7 @@ AttentionGrads<double> hybrid_attention_backward(TensorView<const double> q, Ten
         }
       }
     }
+  }
   if (s.map == Map::Given) {
     g.params.emplace_back("query_features", std::move(dfq_all));
     g.params.emplace_back("key_features", std::move(dfk_all));
@@ -177,6 +191,7 @@ AttentionGrads<double> hybrid_attention_backward(TensorView<const double> q, Ten
 
 ReferenceInfo reference_hybrid() {
   ReferenceInfo r;
+  r.rows_independent = false;  // the window of row i depends on its position, not on q_i alone
   r.forward = [](const MethodArgs<double>& a) {
     const auto c = hybrid::call_from(a);
     return hybrid_attention(a.q, a.k, a.v, c.in, c.opts);
