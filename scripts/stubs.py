@@ -44,6 +44,9 @@ def numpy_stub():
         bwd = getattr(linattn, info["function"] + "_backward")
         out.append(signature_line(fwd, "Union[ndarray, tuple[ndarray, ...]]" if info["saved"] else "ndarray"))
         out.append(signature_line(bwd, "tuple[ndarray, ...]"))
+    for fn, returns in ((linattn.hedgehog_features, "ndarray"), (linattn.hedgehog_attention, "ndarray"),
+                        (linattn.hedgehog_attention_backward, "tuple[ndarray, ...]")):
+        out.append(signature_line(fn, returns))
     return "".join(out)
 
 

@@ -129,6 +129,9 @@ __all__ = [
     "methods", "random_features", "recurrent_state", "reset_workspace_peak", "set_num_threads",
     "workspace_stats",
 ]
+from ._hedgehog import hedgehog_attention, hedgehog_attention_backward, hedgehog_features  # noqa: E402
+
+__all__ += ["hedgehog_attention", "hedgehog_attention_backward", "hedgehog_features"]
 for _info in methods():
     for _backward in (False, True):
         _fn = _make(_info, _backward)

@@ -29,6 +29,8 @@ B, H, N, D, DV = 2, 2, 37, 8, 6
 SIZES = {1: [37], 2: [25, 12], 4: [5, 1, 20, 11]}
 THREADS = {1: 4, 2: 3, 4: 1}  # linattn threads per process: above and below B·H = 4
 TOL64, TOL32 = 2.0 ** -33, 2.0 ** -12
+POSITIONAL = ("projection", "e", "f", "query_weight", "query_bias", "key_weight", "key_bias")
+ROWS = ("query_features", "key_features")  # per-position arguments: each rank passes its rows
 # A run of every case takes seconds; these limits only turn a hang into a failure that says so.
 COLLECTIVE_TIMEOUT_S = 300
 SPAWN_LIMIT_S = 900
@@ -53,6 +55,21 @@ CASES = {
                                                                key_lengths=[37, 4]), "zigzag"),
     "favor_trig": ("favor_attention", dict(kernel="trig", key_lengths=[37, 23]), "contiguous"),
     "favor_f32": ("favor_attention", dict(key_lengths=[37, 23], dtype=torch.float32), "contiguous"),
+    "identity_causal": ("linear_attention", dict(feature_map="identity", causal=True, key_lengths=[37, 23],
+                                                 positive=True), "contiguous"),
+    "hedgehog": ("hedgehog_attention", dict(key_lengths=[37, 23], hedgehog=5), "contiguous"),
+    "hedgehog_causal_zigzag": ("hedgehog_attention", dict(causal=True, key_lengths=[37, 4], hedgehog=3), "zigzag"),
+    # Windows of 3 and 8 rows reach over rank 1's single row in 4 ranks, and over whole ranks.
+    "hybrid_elu": ("hybrid_attention", dict(window=3, key_lengths=[37, 23], gate=True), "contiguous"),
+    "hybrid_given_causal": ("hybrid_attention", dict(window=4, causal=True, key_lengths=[37, 4], given=6,
+                                                     gate=True), "contiguous"),
+    "hybrid_relu_causal_zigzag": ("hybrid_attention", dict(window=8, feature_map="relu", causal=True,
+                                                           scale=0.5), "zigzag"),
+    "hybrid_given_wide_zigzag": ("hybrid_attention", dict(window=8, key_lengths=[30, 9], given=4, gate=True),
+                                 "zigzag"),
+    "hybrid_no_window": ("hybrid_attention", dict(window=0, causal=True, key_lengths=[37, 23]), "contiguous"),
+    "hybrid_f32": ("hybrid_attention", dict(window=3, causal=True, key_lengths=[37, 23], gate=True,
+                                            dtype=torch.float32), "contiguous"),
     "efficient": ("efficient_attention", dict(key_lengths=[37, 4]), "contiguous"),
     "efficient_zigzag": ("efficient_attention", dict(scale=0.5), "zigzag"),
     "linformer": ("linformer_attention", dict(key_lengths=[37, 23], e_shape=(5, 40)), "contiguous"),
@@ -70,10 +87,27 @@ def inputs(name):
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
     q, k, v = 0.7 * r(B, H, N, D), 0.7 * r(B, H, N, D), r(B, H, N, DV)
     dout = r(B, H, N, DV)
+    if function == "hybrid_attention":  # large scores, so that the window's row maximum matters
+        q, k = 2 * q, 2 * k
     params = []
     if "dwc" in opts:
         opts["dwc_weight"] = 0.5 * r(H, opts.pop("dwc"))
         params.append("dwc_weight")
+    if opts.pop("positive", False):  # features given as q and k
+        q, k = q.exp(), k.exp()
+    if "hedgehog" in opts:
+        f = opts.pop("hedgehog")
+        for side in ("query", "key"):
+            opts[side + "_weight"], opts[side + "_bias"] = 0.5 * r(H, D, f), 0.5 * r(H, f)
+            params += [side + "_weight", side + "_bias"]
+    if "given" in opts:
+        m = opts.pop("given")
+        opts.update(feature_map="given", query_features=(0.5 * r(B, H, N, m)).exp(),
+                    key_features=(0.5 * r(B, H, N, m)).exp())
+        params += ["query_features", "key_features"]
+    if opts.pop("gate", False):
+        opts["window_gate"] = r(H)
+        params.append("window_gate")
     if function == "favor_attention":
         opts["projection"] = torch.from_numpy(linattn.random_features(16, D, seed=3))
     if "e_shape" in opts:
@@ -91,7 +125,7 @@ def run_case(name, fn, q, k, v, dout, opts, params):
     opts = dict(opts)
     trained = {p: opts[p].detach().requires_grad_() for p in params}
     opts.update(trained)
-    positional = [opts.pop(p) for p in ("projection", "e", "f") if p in opts]
+    positional = [opts.pop(p) for p in POSITIONAL if p in opts]
     out = fn(q, k, v, *positional, **opts)
     (out * dout).sum().backward()
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
@@ -114,6 +148,14 @@ def _errors(dist_mod, rank):
         "zigzag_sizes": lambda: dist_mod.softmax_attention(*[torch.randn(B, H, 3 + 2 * rank, D)] * 3,
                                                            layout="zigzag"),
         "layout": lambda: dist_mod.softmax_attention(q, q, q, layout="striped"),
+        "window_differs": lambda: dist_mod.hybrid_attention(q, q, q, window=1 + rank),
+        "gate_differs": lambda: dist_mod.hybrid_attention(q, q, q, window=2, window_gate=torch.full(
+            (H,), float(rank), dtype=torch.float64)),
+        "negative_features": lambda: dist_mod.hybrid_attention(q, q, q, feature_map="given", query_features=q,
+                                                               key_features=q.abs()),
+        "hedgehog_weight_shape": lambda: dist_mod.hedgehog_attention(
+            q, q, q, torch.zeros(H, D + 1, 3, dtype=torch.float64), torch.zeros(H, 3, dtype=torch.float64),
+            torch.zeros(H, D, 3, dtype=torch.float64), torch.zeros(H, 3, dtype=torch.float64)),
     }
     for key, call in cases.items():
         try:
@@ -183,7 +225,8 @@ def worker(rank, world, store, outdir):
                 bounds = [sum(SIZES[world][:r]) for r in range(world + 1)]
                 part = lambda x: x[:, :, bounds[rank]:bounds[rank + 1]]  # noqa: E731,B023
             fn = getattr(ld, function)
-            opts = dict(opts, layout=layout)
+            opts = {key: part(x) if key in ROWS else x for key, x in opts.items()}
+            opts["layout"] = layout
             result["cases"][name] = run_case(name, fn, part(q), part(k), part(v), part(dout), opts, params)
             result["cases"][name]["gathered"] = ld.gather(result["cases"][name]["out"], layout=layout)
         result["errors"] = _errors(ld, rank)
@@ -236,7 +279,8 @@ def test_matches_single_process(world, name):
     tol = TOL32 if q.dtype == torch.float32 else TOL64
     for key, expected in ref.items():
         parts = [res["cases"][name][key] for res in results]
-        got = sum(parts) if key.startswith("d_") else _assemble(w, layout, parts)
+        shared = key.startswith("d_") and key[2:] not in ROWS  # a parameter: each rank has its share
+        got = sum(parts) if shared else _assemble(w, layout, parts)
         scale = float(expected.abs().max())
         err = float((got - expected).abs().max())
         assert err <= tol * max(scale, 1e-300), "%s %s: max error %.3g, allowed %.3g" % (name, key, err, tol * scale)
@@ -247,9 +291,11 @@ def test_matches_single_process(world, name):
 
 def test_errors_raised_on_every_rank(world):
     w, results = world
-    everywhere = {"key_lengths_too_long", "efficient_causal", "nystrom", "layout"}
+    everywhere = {"key_lengths_too_long", "efficient_causal", "nystrom", "layout", "negative_features",
+                  "hedgehog_weight_shape"}
     if w > 1:
-        everywhere |= {"dtype_on_rank_1", "causal_differs", "projection_differs", "zigzag_sizes"}
+        everywhere |= {"dtype_on_rank_1", "causal_differs", "projection_differs", "zigzag_sizes", "window_differs",
+                       "gate_differs"}
     if w == 4:
         everywhere.add("nan_on_last")
     assert set(results[0]["errors"]) >= everywhere
@@ -262,13 +308,15 @@ def test_errors_raised_on_every_rank(world):
         elif key == "nan_on_last":
             assert got[3][0] == "ValueError" and "non-finite" in got[3][1]
             assert "rank 3" in got[0][1]
-        elif key in ("causal_differs", "projection_differs"):
+        elif key in ("causal_differs", "projection_differs", "window_differs", "gate_differs"):
             assert all(g[0] == "ValueError" and "other shapes or options than rank 0" in g[1] for g in got[1:])
         elif key == "zigzag_sizes":
             assert all(g[0] == "ValueError" and "zigzag" in g[1] for g in got)
         else:
             words = {"key_lengths_too_long": "key_lengths must lie in [0, n]", "efficient_causal": "causal=True",
-                     "nystrom": "not available", "layout": "layout must be one of"}[key]
+                     "nystrom": "not available", "layout": "layout must be one of",
+                     "negative_features": "query_features must be >= 0",
+                     "hedgehog_weight_shape": "query_weight has shape"}[key]
             assert all(g[0] == "ValueError" and words in g[1] for g in got), got
     for key in set(results[0]["errors"]) - everywhere:  # valid on this world size: no error anywhere
         assert all(res["errors"][key] is None for res in results), key

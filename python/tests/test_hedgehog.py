@@ -196,3 +196,75 @@ def test_bad_input_is_refused_naming_the_argument():
     negative[0, 0, 2, 1] = -0.25
     with pytest.raises(ValueError, match=r"k holds features, which must be >= 0; got -0.25 at row 2 .*feature 1"):
         lt.linear_attention(negative.abs(), negative, negative.abs(), feature_map="identity")
+
+
+# ---- the NumPy functions: linattn.hedgehog_features, hedgehog_attention, and its backward ----
+
+@pytest.mark.parametrize("causal,key_lengths", [(False, None), (True, [37, 0]), (False, [37, 20])])
+def test_numpy_matches_the_reference(causal, key_lengths):
+    """The same reference and bound as linattn.torch's (the same kernel on the same features)."""
+    q, k, v, wq, bq, wk, bk = (t.numpy() for t in _inputs(11))
+    out = linattn.hedgehog_attention(q, k, v, wq, bq, wk, bk, causal=causal, key_lengths=key_lengths)
+    fq, fk = _reference_features(q, wq, bq), _reference_features(k, wk, bk)
+    np.testing.assert_allclose(linattn.hedgehog_features(q, wq, bq), fq, rtol=0, atol=8 * 2.0 ** -53 * 10)
+    want = _reference_attention(fq, fk, v, causal, key_lengths, 1e-6)
+    gamma = (q.shape[2] + fq.shape[3] + 4) * 2.0 ** -53
+    assert float(np.abs(out - want).max()) <= 2 * gamma / (1 - gamma) * float(np.abs(v).max()) * 1.01
+
+
+@pytest.mark.parametrize("causal,key_lengths", [(False, None), (True, [9, 5])])
+def test_numpy_backward_matches_central_differences(causal, key_lengths):
+    """Every gradient (dq, dk, dv, d_query_weight, d_query_bias, d_key_weight, d_key_bias)
+    against central differences of the NumPy forward in float64, step h = 1e-6: the truncation
+    error is h²/6·|f'''| (about 1e-12 here: every third derivative is O(1)) and the rounding
+    u·|f|/h (about 1e-10), so 1e-8 absolute holds with margin."""
+    args = [t.numpy() for t in _inputs(12, n=9, d=3, f=2, dv=2)]
+    dout = np.random.default_rng(5).standard_normal((2, 2, 9, 2))
+    grads = linattn.hedgehog_attention_backward(*args, dout, causal=causal, key_lengths=key_lengths)
+    assert len(grads) == 7
+    h = 1e-6
+    for which, grad in enumerate(grads):
+        x = args[which]
+        numeric = np.zeros_like(x)
+        for index in np.ndindex(x.shape):
+            saved = x[index]
+            values = []
+            for step in (h, -h):
+                x[index] = saved + step
+                values.append(float((linattn.hedgehog_attention(*args, causal=causal, key_lengths=key_lengths)
+                                     * dout).sum()))
+            x[index] = saved
+            numeric[index] = (values[0] - values[1]) / (2 * h)
+        assert float(np.abs(grad - numeric).max()) <= 1e-8, which
+
+
+def test_numpy_float32_equals_torch_and_keeps_its_dtype():
+    """float32: the NumPy and torch paths run the same kernel on features computed in another
+    order (NumPy's einsum and softmax against torch's), so they agree to the float32 bound."""
+    args = _inputs(13, n=40, d=8, f=4, dv=4, dtype=torch.float32)
+    out = linattn.hedgehog_attention(*(t.numpy() for t in args), causal=True)
+    assert out.dtype == np.float32
+    ref = lt.hedgehog_attention(*(t.double() for t in args), causal=True).numpy()
+    bound = max(_float32_bound(args[0], args[3], args[4], args[2], 40, 8),
+                _float32_bound(args[1], args[5], args[6], args[2], 40, 8))
+    assert float(np.abs(out - ref).max()) <= bound
+    grads = linattn.hedgehog_attention_backward(*(t.numpy() for t in args), np.ones_like(out), causal=True)
+    assert all(g.dtype == np.float32 for g in grads)
+
+
+def test_numpy_bad_input_is_refused_naming_the_argument():
+    q, k, v, wq, bq, wk, bk = (t.numpy() for t in _inputs(14, n=5))
+    with pytest.raises(ValueError, match="query_weight has shape"):
+        linattn.hedgehog_attention(q, k, v, wq[:, :-1], bq, wk, bk)
+    with pytest.raises(ValueError, match="key_bias has shape"):
+        linattn.hedgehog_attention(q, k, v, wq, bq, wk, bk[:, :-1])
+    with pytest.raises(TypeError, match="key_weight has dtype float32"):
+        linattn.hedgehog_attention(q, k, v, wq, bq, wk.astype(np.float32), bk)
+    with pytest.raises(ValueError, match="q has a non-finite value"):
+        linattn.hedgehog_attention(q * np.nan, k, v, wq, bq, wk, bk)
+    with pytest.raises(TypeError, match="query_bias must be a numpy.ndarray"):
+        linattn.hedgehog_attention(q, k, v, wq, list(bq), wk, bk)
+    with pytest.raises(ValueError, match="they must match"):
+        linattn.hedgehog_attention(q, k, v, wq, bq, wk[..., :2], bk[:, :2])
+    with pytest.raises(ValueError, match="key_lengths"):
+        linattn.hedgehog_attention(q, k, v, wq, bq, wk, bk, key_lengths=[5])

@@ -16,7 +16,6 @@ import linattn.torch.distributed as ltd  # noqa: E402
 # Where a method is deliberately absent, and why.
 ABSENT = {
     ("MultiheadAttention", "hybrid"): "reached through method='hedgehog' with window > 0 (learned maps)",
-    ("distributed", "hybrid"): "not yet: the sliding-window hybrid over torch.distributed (issue 23, open)",
 }
 
 
@@ -44,6 +43,12 @@ def test_every_method_is_in_distributed():
     for name, function in registered().items():
         assert function in ltd.__all__ or ("distributed", name) in ABSENT, \
             "method %r is missing from linattn.torch.distributed" % name
+    # and the learned maps: Hedgehog's, with linattn.torch's signature, and in NumPy
+    import inspect
+    assert {"hedgehog_attention", "hedgehog_attention_backward", "hedgehog_features"} <= set(linattn.__all__)
+    assert "hedgehog_attention" in ltd.__all__
+    single = list(inspect.signature(lt.hedgehog_attention).parameters)
+    assert list(inspect.signature(ltd.hedgehog_attention).parameters)[:len(single)] == single
 
 
 def test_the_absent_list_names_only_real_gaps():

@@ -16,15 +16,19 @@ What travels, per (batch, head) and rank:
     softmax_attention    ring attention: P−1 steps each passing a k, v block (O(n/P·d) each),
                          and in backward the block's dk, dv once more round the ring
     linear_attention,    one all-reduce of [S | z] (O(m'·d_v), independent of n); causal: an
-    favor_attention      all-gather of every segment's [S | z]; FAVOR adds an all-reduce of its
-                         m' key-shift maxima; dwc_weight adds an all-gather of K−1 edge rows
+    favor_attention,     all-gather of every segment's [S | z]; FAVOR adds an all-reduce of its
+    hedgehog_attention   m' key-shift maxima; dwc_weight adds an all-gather of K−1 edge rows
+    hybrid_attention     linear attention's [S | z], and an all-gather of every segment's first
+                         and last `window` rows of [k | v | φ(k)] for the windows that straddle
+                         ranks
     efficient_attention  one all-reduce of [d, d_v+1] and one of d maxima
     linformer_attention  one all-reduce of [s, d+d_v]
     nystrom_attention    refused (ValueError); see docs/distributed.md
 and every call starts with an all-gather of a few numbers that checks the ranks agree, so that
 bad input raises the same error on every rank instead of hanging the others.
 
-Gradients: dq, dk, dv are this rank's rows. A parameter shared by the ranks (dwc_weight, e, f)
+Gradients: dq, dk, dv (and a hybrid's query_features, key_features) are this rank's rows. A
+parameter shared by the ranks (dwc_weight, e, f, Hedgehog's weights and biases, window_gate)
 gets this rank's share of its gradient on each rank: sum them over ranks for the whole
 sequence's gradient (DistributedDataParallel averages instead: scale the loss by the world
 size, or all-reduce with SUM yourself). Every rank must run backward, with the same
@@ -44,12 +48,14 @@ import torch._dynamo  # noqa: F401
 
 from .. import _lengths, _tensor
 from ... import methods as _methods, _default
-from . import _context, _kernelized, _ring
+from .. import feature_maps as _feature_maps
+from . import _context, _hybrid, _kernelized, _ring
 from ._comm import Group, reset_traffic, traffic
 from ._layout import LAYOUTS, check_sizes, segments, shard_of, unshard
 
-__all__ = ["softmax_attention", "linear_attention", "favor_attention", "efficient_attention", "linformer_attention",
-           "nystrom_attention", "shard", "gather", "traffic", "reset_traffic"]
+__all__ = ["softmax_attention", "linear_attention", "favor_attention", "hedgehog_attention", "hybrid_attention",
+           "efficient_attention", "linformer_attention", "nystrom_attention", "shard", "gather", "traffic",
+           "reset_traffic"]
 
 _INFO = {m["function"]: m for m in _methods()}
 _DTYPES = {torch.float32: 1, torch.float64: 2}
@@ -150,6 +156,32 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, key_lengths=None, gr
     return _ring.RingSoftmax.apply(c.q, c.k, c.v, c.lengths, causal, holder["scale"], c.g, c.segs)
 
 
+_LINEAR_MAPS = ("elu", "relu", "focused", "identity")
+
+
+def _nonnegative(fn, name, x, why):
+    bad = x.detach() < 0
+    if bool(bad.any()):
+        raise ValueError("%s: %s must be >= 0 (%s); found %g" % (fn, name, why, float(x.detach()[bad][0])))
+
+
+def _eps_check(fn, eps):
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError("%s: eps must be a finite float >= 0, got %r" % (fn, eps))
+
+
+def _shared(fn, name, t, shape, q):
+    """A tensor every rank shares (a parameter): its shape, dtype and finiteness."""
+    t = _tensor(fn, name, t)
+    if list(t.shape) != list(shape):
+        raise ValueError("%s: %s has shape %s; expected %s" % (fn, name, list(t.shape), list(shape)))
+    if t.dtype != q.dtype:
+        raise TypeError("%s: %s must have q's dtype %s, got %s" % (fn, name, q.dtype, t.dtype))
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError("%s: %s has a non-finite value" % (fn, name))
+    return t
+
+
 def _dwc_check(fn, w, q, v, causal):
     w = _tensor(fn, "dwc_weight", w)
     if w.dim() != 2 or w.shape[0] != q.shape[1] or w.shape[1] < 1:
@@ -172,14 +204,16 @@ def linear_attention(q, k, v, *, feature_map=_option_default("linear_attention",
     holder = {}
 
     def check(fn, q, k, v):
-        if feature_map not in ("elu", "relu", "focused"):
-            raise ValueError("%s: feature_map must be elu, relu or focused, got %r" % (fn, feature_map))
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
-            raise ValueError("%s: eps must be a finite float >= 0, got %r" % (fn, eps))
+        if feature_map not in _LINEAR_MAPS:
+            raise ValueError("%s: feature_map must be one of %s, got %r" % (fn, ", ".join(_LINEAR_MAPS), feature_map))
+        if feature_map == "identity":
+            for name, x in (("q", q), ("k", k)):
+                _nonnegative(fn, name, x, "with feature_map='identity', %s holds features" % name)
+        _eps_check(fn, eps)
         if isinstance(focus_power, bool) or not isinstance(focus_power, (int, float)) or not 1 <= focus_power <= 1000:
             raise ValueError("%s: focus_power must lie in [1, 1000], got %r" % (fn, focus_power))
         holder["w"] = None if dwc_weight is None else _dwc_check(fn, dwc_weight, q, v, causal)
-        return [("elu", "relu", "focused").index(feature_map), eps, focus_power,
+        return [_LINEAR_MAPS.index(feature_map), eps, focus_power,
                 dwc_weight is not None and dwc_weight.requires_grad] + _checksum(holder["w"])
     c = _Call("linear_attention", group, layout, q, k, v, key_lengths, causal, check)
     phi = _kernelized.Features(feature_map, power=float(focus_power))
@@ -221,6 +255,95 @@ def favor_attention(q, k, v, projection, *, kernel=_option_default("favor_attent
     c = _Call("favor_attention", group, layout, q, k, v, key_lengths, causal, check)
     phi = _kernelized.Features("favor", projection=holder["w"], kernel=kernel, sqrt_scale=math.sqrt(holder["scale"]))
     return _kernelized.attention(c.g, c.segs, c.q, c.k, c.v, c.lengths, causal, 0.0, phi)
+
+
+def hedgehog_attention(q, k, v, query_weight, query_bias, key_weight, key_bias, *, causal=False, key_lengths=None,
+                       eps=1e-6, group=None, layout="contiguous"):
+    """Linear attention with Hedgehog's learned maps (linattn.torch.hedgehog_attention) by an
+    all-reduce of the key state: each rank maps its own rows (the maps are per row), then as
+    linear_attention with feature_map="identity". The weights [H, d, f] and biases [H, f] are
+    shared: each rank gets its share of their gradients. See the module's documentation."""
+    holder = {}
+
+    def check(fn, q, k, v):
+        _eps_check(fn, eps)
+        H, d = q.shape[1], q.shape[3]
+        w = _tensor(fn, "query_weight", query_weight)
+        f = w.shape[2] if w.dim() == 3 and w.shape[2] >= 1 else 0
+        if f == 0:
+            raise ValueError("%s: query_weight has shape %s; expected [heads = %d, head_dim = %d, feature_dim >= 1]"
+                             % (fn, list(w.shape), H, d))
+        tensors = {"query_weight": _shared(fn, "query_weight", query_weight, [H, d, f], q),
+                   "query_bias": _shared(fn, "query_bias", query_bias, [H, f], q),
+                   "key_weight": _shared(fn, "key_weight", key_weight, [H, d, f], q),
+                   "key_bias": _shared(fn, "key_bias", key_bias, [H, f], q)}
+        holder.update(tensors)
+        fields = [eps, f]
+        for t in tensors.values():
+            fields += [t.requires_grad] + _checksum(t)
+        return fields
+    c = _Call("hedgehog_attention", group, layout, q, k, v, key_lengths, causal, check)
+    fq = _feature_maps.hedgehog_features(c.q, holder["query_weight"], holder["query_bias"])
+    fk = _feature_maps.hedgehog_features(c.k, holder["key_weight"], holder["key_bias"])
+    return _kernelized.attention(c.g, c.segs, fq, fk, c.v, c.lengths, causal, float(eps),
+                                 _kernelized.Features("identity"))
+
+
+_HYBRID_MAPS = ("elu", "relu", "given")
+
+
+def hybrid_attention(q, k, v, *, query_features=None, key_features=None, window_gate=None,
+                     window=_option_default("hybrid_attention", "window"),
+                     feature_map=_option_default("hybrid_attention", "feature_map"), causal=False, key_lengths=None,
+                     scale=None, eps=_option_default("hybrid_attention", "eps"), group=None, layout="contiguous"):
+    """The sliding-window + linear hybrid (linattn.torch.hybrid_attention): linear attention's
+    collectives for the linear part, and a halo of the neighbouring ranks' rows for the windows
+    that straddle ranks. query_features and key_features (feature_map="given") are this rank's
+    rows [B, H, n_local, m']; window_gate [H] is shared. See the module's documentation."""
+    holder = {}
+
+    def check(fn, q, k, v):
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError("%s: window must be an integer >= 0 (0: no window, plain linear attention), got %r"
+                             % (fn, window))
+        if feature_map not in _HYBRID_MAPS:
+            raise ValueError("%s: feature_map must be one of %s, got %r" % (fn, ", ".join(_HYBRID_MAPS), feature_map))
+        given = (query_features is not None, key_features is not None)
+        if feature_map == "given" and not all(given):
+            raise ValueError("%s: feature_map='given' needs query_features [batch, heads, n_local, m'] and "
+                             "key_features [batch, heads, n_local, m']" % fn)
+        if feature_map != "given" and any(given):
+            raise ValueError("%s: query_features or key_features is given, but feature_map is %r; pass "
+                             "feature_map='given' to use them" % (fn, feature_map))
+        _eps_check(fn, eps)
+        holder["scale"] = _scale_of(fn, scale, q.shape[3])
+        fields = [window, _HYBRID_MAPS.index(feature_map), eps, holder["scale"]]
+        if feature_map == "given":
+            fq, fk = _tensor(fn, "query_features", query_features), _tensor(fn, "key_features", key_features)
+            for name, x in (("query_features", fq), ("key_features", fk)):
+                if x.dim() != 4 or list(x.shape[:3]) != list(q.shape[:3]) or x.shape[3] < 1:
+                    raise ValueError("%s: %s has shape %s; expected [batch, heads, n_local, m'] = [%d, %d, %d, m']"
+                                     % (fn, name, list(x.shape), *q.shape[:3]))
+                if x.dtype != q.dtype:
+                    raise TypeError("%s: %s must have q's dtype %s, got %s" % (fn, name, q.dtype, x.dtype))
+                if not bool(torch.isfinite(x).all()):
+                    raise ValueError("%s: %s has a non-finite value" % (fn, name))
+                _nonnegative(fn, name, x, "features of a map of the caller's")
+            if fq.shape[3] != fk.shape[3]:
+                raise ValueError("%s: query_features has m' = %d features and key_features %d; they must match"
+                                 % (fn, fq.shape[3], fk.shape[3]))
+            holder.update(fq=fq, fk=fk)
+            fields += [fq.shape[3], fq.requires_grad, fk.requires_grad]
+        holder["gate"] = None if window_gate is None else _shared(fn, "window_gate", window_gate, [q.shape[1]], q)
+        fields += [window_gate is not None and holder["gate"].requires_grad] + _checksum(holder["gate"])
+        return fields
+    c = _Call("hybrid_attention", group, layout, q, k, v, key_lengths, causal, check)
+    if feature_map == "given":
+        fq, fk = holder["fq"], holder["fk"]
+    else:
+        fq, fk = (_kernelized.plain_features(x, feature_map, None) for x in (c.q, c.k))
+    return _hybrid.attention(c.g, c.segs, c.q, c.k, c.v, fq, fk, c.lengths, causal, window, holder["scale"],
+                             holder["gate"], float(eps))
 
 
 def efficient_attention(q, k, v, *, key_lengths=None, scale=None, causal=False, group=None, layout="contiguous"):

@@ -32,6 +32,8 @@ def key_mask(lengths, seg):
 
 
 def plain_features(x, feature_map, power):
+    if feature_map == "identity":  # x holds features already (a map of the caller's)
+        return x
     if feature_map == "elu":
         return F.elu(x) + 1
     r = F.relu(x)
@@ -132,8 +134,9 @@ def causal_sums(fq, fk, v1, prefix):
     return (intra + inter).reshape(B, H, nc * CHUNK, -1)[:, :, :n]
 
 
-def attention(g, segs, q, k, v, lengths, causal, eps, phi):
-    """This rank's out [B,H,n,d_v]; segs: every rank's segments (this rank's are segs[g.rank])."""
+def sums(g, segs, q, k, v, lengths, causal, phi):
+    """Per segment of this rank, [Σ_j φ(q_i)·φ(k_j) v_j | Σ_j φ(q_i)·φ(k_j)] [B,H,len,d_v+1]
+    over the keys query i sees (every key; causal: j <= i), before the ratio."""
     mine = segs[g.rank]
     masks = [key_mask(lengths, s) for s in mine]
     phi.fit_keys(g, [s.rows(k) for s in mine], masks)
@@ -144,7 +147,7 @@ def attention(g, segs, q, k, v, lengths, causal, eps, phi):
     states = [f.transpose(-1, -2) @ s.rows(v1) for f, s in zip(fk, mine)]  # [B,H,m',d_v+1] per segment
     if not causal:
         total = g.all_reduce_sum(sum(states))
-        return torch.cat([ratio(f @ total, eps) for f in fq], 2)
+        return [f @ total for f in fq]
     every = g.all_gather(torch.stack(states))  # [P, segments, B, H, m', d_v+1]
     starts = torch.tensor([[s.start for s in rank_segs] for rank_segs in segs], dtype=every.dtype)
     outs = []
@@ -154,8 +157,56 @@ def attention(g, segs, q, k, v, lengths, causal, eps, phi):
         # segment comes before.
         before = (starts < s.start).to(every.dtype).view(*starts.shape, 1, 1, 1, 1)
         prefix = (every * before).sum((0, 1))
-        outs.append(ratio(causal_sums(fq[i], fk[i], s.rows(v1), prefix), eps))
-    return torch.cat(outs, 2)
+        outs.append(causal_sums(fq[i], fk[i], s.rows(v1), prefix))
+    return outs
+
+
+def attention(g, segs, q, k, v, lengths, causal, eps, phi):
+    """This rank's out [B,H,n,d_v]; segs: every rank's segments (this rank's are segs[g.rank])."""
+    return torch.cat([ratio(x, eps) for x in sums(g, segs, q, k, v, lengths, causal, phi)], 2)
+
+
+def halos(g, segs, xs, left, right):
+    """The rows of the whole sequence just before and after each of this rank's segments:
+    xs [B,H,len,c] per segment (this rank's rows) -> [(before [B,H,left,c], after [B,H,right,c])]
+    per segment, zeros outside the sequence. One all-gather of every segment's first and last
+    max(left, right) rows: a row within that distance of a segment lies in those of the segment
+    holding it. Every rank must call it (with the same left and right)."""
+    mine = segs[g.rank]
+    edge = max(left, right)
+    if edge == 0:
+        empty = xs[0].new_zeros(*xs[0].shape[:2], 0, xs[0].shape[-1])
+        return [(empty, empty) for _ in mine]
+
+    def edges(x):  # first and last `edge` rows, zero-padded on the inside when x is shorter
+        short = edge - x.shape[2]
+        front = F.pad(x[:, :, :edge], (0, 0, 0, max(short, 0)))
+        back = F.pad(x[:, :, -edge:], (0, 0, max(short, 0), 0))
+        return torch.cat([front, back], 2)
+    rows = g.all_gather(torch.cat([edges(x) for x in xs], 2))  # [P, B, H, S·2·edge, c]
+    per_rank = rows.shape[3]
+    B, H, c = xs[0].shape[0], xs[0].shape[1], xs[0].shape[-1]
+    flat = torch.cat([rows.permute(1, 2, 0, 3, 4).reshape(B, H, -1, c),
+                      xs[0].new_zeros(B, H, 1, c)], 2)  # last row: zeros
+    zero_row = flat.shape[2] - 1
+    n_total = sum(s.length for r in segs for s in r)
+
+    def index(p):  # row of flat holding global position p
+        if p < 0 or p >= n_total:
+            return zero_row
+        for r, rank_segs in enumerate(segs):
+            for j, s in enumerate(rank_segs):
+                if s.start <= p < s.stop:
+                    base = r * per_rank + j * 2 * edge
+                    return base + (p - s.start if p - s.start < edge else edge + p - (s.stop - edge))
+        raise AssertionError(p)
+
+    out = []
+    for s in mine:
+        positions = list(range(s.start - left, s.start)) + list(range(s.stop, s.stop + right))
+        h = flat.index_select(2, torch.tensor([index(p) for p in positions], dtype=torch.long))
+        out.append((h[:, :, :left], h[:, :, left:]))
+    return out
 
 
 def depthwise_conv(g, segs, v, weight, lengths, causal):
@@ -166,43 +217,8 @@ def depthwise_conv(g, segs, v, weight, lengths, causal):
     right = K - 1 - left
     mine = segs[g.rank]
     vm = [s.rows(v) if lengths is None else s.rows(v) * key_mask(lengths, s) for s in mine]
-    edge = max(left, right)
-    halos = None
-    if edge > 0:
-        def edges(x):  # first and last `edge` rows, zero-padded on the inside when x is shorter
-            short = edge - x.shape[2]
-            front = F.pad(x[:, :, :edge], (0, 0, 0, max(short, 0)))
-            back = F.pad(x[:, :, -edge:], (0, 0, max(short, 0), 0))
-            return torch.cat([front, back], 2)
-        rows = g.all_gather(torch.cat([edges(x) for x in vm], 2))  # [P, B, H, S·2·edge, d_v]
-        per_rank = rows.shape[3]
-        flat = torch.cat([rows.permute(1, 2, 0, 3, 4).reshape(*v.shape[:2], -1, v.shape[-1]),
-                          v.new_zeros(*v.shape[:2], 1, v.shape[-1])], 2)  # last row: zeros
-        zero_row = flat.shape[2] - 1
-        n_total = sum(s.length for r in segs for s in r)
-
-        def index(p):  # row of flat holding global position p
-            if p < 0 or p >= n_total:
-                return zero_row
-            for r, rank_segs in enumerate(segs):
-                for j, s in enumerate(rank_segs):
-                    if s.start <= p < s.stop:
-                        base = r * per_rank + j * 2 * edge
-                        return base + (p - s.start if p - s.start < edge else edge + p - (s.stop - edge))
-            raise AssertionError(p)
-
-        halos = []
-        for s in mine:
-            positions = list(range(s.start - left, s.start)) + list(range(s.stop, s.stop + right))
-            idx = torch.tensor([index(p) for p in positions], dtype=torch.long)
-            h = flat.index_select(2, idx)
-            if lengths is not None:
-                pos = torch.tensor(positions)
-                h = h * (pos.view(1, 1, -1, 1) < lengths.view(-1, 1, 1, 1))
-            halos.append((h[:, :, :left], h[:, :, left:]))
     outs = []
-    for i, x in enumerate(vm):
-        ext = x if halos is None else torch.cat([halos[i][0], x, halos[i][1]], 2)
-        windows = ext.unfold(2, K, 1)  # [B,H,len,d_v,K]
+    for x, (before, after) in zip(vm, halos(g, segs, vm, left, right)):  # halo rows are masked as vm's
+        windows = torch.cat([before, x, after], 2).unfold(2, K, 1)  # [B,H,len,d_v,K]
         outs.append(torch.einsum("bhldk,hk->bhld", windows, weight))
     return torch.cat(outs, 2)

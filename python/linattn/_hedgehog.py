@@ -1,0 +1,113 @@
+"""Hedgehog's learned feature maps on NumPy arrays (linattn.torch.feature_maps has the torch
+modules): φ(x) = [softmax(x·W_h + b_h), softmax(−(x·W_h + b_h))] per head, and linear attention
+on those features through linattn's kernel (linear_attention with feature_map="identity").
+The backward is the kernel's for the features, then the map's own, written out below (two
+softmaxes and a product: NumPy has no autograd)."""
+
+import numpy as np
+
+from . import _linattn
+
+__all__ = ["hedgehog_features", "hedgehog_attention", "hedgehog_attention_backward"]
+
+
+def _array(fn, name, x):
+    if not isinstance(x, np.ndarray):
+        raise TypeError("%s: %s must be a numpy.ndarray, got %s" % (fn, name, type(x).__name__))
+    if x.dtype not in (np.float32, np.float64):
+        raise TypeError("%s: %s must be float32 or float64, got %s" % (fn, name, x.dtype))
+    if not np.isfinite(x).all():
+        raise ValueError("%s: %s has a non-finite value" % (fn, name))
+    return x
+
+
+def _check_map(fn, side, x, weight, bias):
+    """side: '' (hedgehog_features) or 'query_' / 'key_'."""
+    x = _array(fn, {"": "x", "query_": "q", "key_": "k"}[side], x)
+    w, b = _array(fn, side + "weight", weight), _array(fn, side + "bias", bias)
+    if x.ndim != 4:
+        raise ValueError("%s: the input must be [batch, heads, seq, head_dim], got shape %s" % (fn, list(x.shape)))
+    for name, t in ((side + "weight", w), (side + "bias", b)):
+        if t.dtype != x.dtype:
+            raise TypeError("%s: %s has dtype %s, but the input has %s" % (fn, name, t.dtype, x.dtype))
+    H, d = x.shape[1], x.shape[3]
+    if w.ndim != 3 or w.shape[0] != H or w.shape[1] != d or w.shape[2] < 1:
+        raise ValueError("%s: %sweight has shape %s; expected [heads = %d, head_dim = %d, feature_dim >= 1]"
+                         % (fn, side, list(w.shape), H, d))
+    if b.shape != (H, w.shape[2]):
+        raise ValueError("%s: %sbias has shape %s; expected [heads = %d, feature_dim = %d]"
+                         % (fn, side, list(b.shape), H, w.shape[2]))
+    return x, w, b
+
+
+def _softmax(u):
+    e = np.exp(u - u.max(-1, keepdims=True))  # shifted by the row maximum: any finite logit is safe
+    return e / e.sum(-1, keepdims=True)
+
+
+def _features(x, w, b):
+    # [B,H,n,d] x [H,d,f] + [H,f] -> u [B,H,n,f]; φ = [softmax(u), softmax(−u)] [B,H,n,2f]
+    u = np.einsum("bhnd,hdf->bhnf", x, w) + b[None, :, None, :]
+    return np.concatenate([_softmax(u), _softmax(-u)], -1)
+
+
+def _features_backward(x, w, phi, dphi):
+    """dx, dW, db of sum(dphi·φ), φ = [p, r] = [softmax(u), softmax(−u)], u = x·W + b:
+    du = p⊙(dp − Σ p·dp) − r⊙(dr − Σ r·dr) (the softmax's Jacobian, the second through −u)."""
+    f = w.shape[2]
+    p, r, dp, dr = phi[..., :f], phi[..., f:], dphi[..., :f], dphi[..., f:]
+    du = p * (dp - (p * dp).sum(-1, keepdims=True)) - r * (dr - (r * dr).sum(-1, keepdims=True))
+    return (np.einsum("bhnf,hdf->bhnd", du, w), np.einsum("bhnd,bhnf->hdf", x, du), du.sum((0, 2)))
+
+
+def hedgehog_features(x: "ndarray", weight: "ndarray", bias: "ndarray") -> "ndarray":
+    """φ(x) = [softmax(x·W_h + b_h), softmax(−(x·W_h + b_h))] over the feature axis, per head h:
+    x [B, H, n, d], weight [H, d, f], bias [H, f] (x's dtype) -> [B, H, n, 2f], each half summing
+    to 1."""
+    x, w, b = _check_map("hedgehog_features", "", x, weight, bias)
+    return _features(x, w, b).astype(x.dtype, copy=False)
+
+
+def _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias):
+    q, wq, bq = _check_map(fn, "query_", q, query_weight, query_bias)
+    k, wk, bk = _check_map(fn, "key_", k, key_weight, key_bias)
+    if wq.shape[2] != wk.shape[2]:
+        raise ValueError("%s: query_weight has %d features and key_weight %d; they must match"
+                         % (fn, wq.shape[2], wk.shape[2]))
+    return q, k, (wq, bq), (wk, bk)
+
+
+def hedgehog_attention(q: "ndarray", k: "ndarray", v: "ndarray", query_weight: "ndarray", query_bias: "ndarray",
+                       key_weight: "ndarray", key_bias: "ndarray", *, causal: "bool" = False,
+                       key_lengths: "Optional[Sequence[int]]" = None, eps: "float" = 1e-6) -> "ndarray":
+    """Linear attention with Hedgehog's learned maps: φ_q = [softmax(q·W_q + b_q),
+    softmax(−(q·W_q + b_q))] per head, φ_k likewise with W_k, b_k;
+    out_i = Σ_j (φ_q(q_i)·φ_k(k_j)) v_j / (Σ_j φ_q(q_i)·φ_k(k_j) + eps).
+
+    q, k [B, H, n, d], v [B, H, n_k, d_v]; query_weight, key_weight [H, d, f]; query_bias,
+    key_bias [H, f]; float32 or float64, all one dtype. Causal (chunked) or not, with
+    key_lengths, on linattn's kernel (linear_attention with feature_map="identity"). The same
+    as linattn.torch.hedgehog_attention."""
+    fn = "hedgehog_attention"
+    q, k, (wq, bq), (wk, bk) = _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias)
+    fq, fk = _features(q, wq, bq).astype(q.dtype, copy=False), _features(k, wk, bk).astype(q.dtype, copy=False)
+    return _linattn._forward("linear", fq, fk, v, {"dwc_weight": None},
+                             {"feature_map": "identity", "causal": causal, "key_lengths": key_lengths, "eps": eps,
+                              "focus_power": 3.0}, [])
+
+
+def hedgehog_attention_backward(q: "ndarray", k: "ndarray", v: "ndarray", query_weight: "ndarray",
+                                query_bias: "ndarray", key_weight: "ndarray", key_bias: "ndarray", dout: "ndarray", *,
+                                causal: "bool" = False, key_lengths: "Optional[Sequence[int]]" = None,
+                                eps: "float" = 1e-6) -> "tuple[ndarray, ...]":
+    """Gradients (dq, dk, dv, d_query_weight, d_query_bias, d_key_weight, d_key_bias) of
+    sum(dout * hedgehog_attention(...)): the kernel's gradients of the features, then the maps'."""
+    fn = "hedgehog_attention_backward"
+    q, k, (wq, bq), (wk, bk) = _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias)
+    fq, fk = _features(q, wq, bq).astype(q.dtype, copy=False), _features(k, wk, bk).astype(q.dtype, copy=False)
+    dfq, dfk, dv = _linattn._backward("linear", fq, fk, v, dout, {"dwc_weight": None},
+                                      {"feature_map": "identity", "causal": causal, "key_lengths": key_lengths,
+                                       "eps": eps, "focus_power": 3.0}, {})[:3]
+    dq, dwq, dbq = _features_backward(q, wq, fq, dfq)
+    dk, dwk, dbk = _features_backward(k, wk, fk, dfk)
+    return tuple(x.astype(q.dtype, copy=False) for x in (dq, dk, dv, dwq, dbq, dwk, dbk))
