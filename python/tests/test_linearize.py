@@ -211,16 +211,16 @@ def test_conversion_bad_input_and_failure_leaves_the_model_as_it_was(minilm):
     with pytest.raises(ValueError, match="never linearized"):
         lh.attention_transfer(model, tok, TEXTS, steps=1)
     # A failure midway (here: set_options raising) restores everything.
-    original = lh.set_options
+    original = lh.convert.set_options  # what linearize calls
 
     def broken(*a, **k):
         raise MemoryError("simulated")
-    lh.set_options = broken
+    lh.convert.set_options = broken
     try:
         with pytest.raises(MemoryError):
             lh.linearize(model, window=2)
     finally:
-        lh.set_options = original
+        lh.convert.set_options = original
     assert model.config._attn_implementation == "sdpa"
     assert [p.requires_grad for p in model.parameters()] == flags
     assert not any(n.split(".")[-1].startswith("linattn_") for n, _ in model.named_parameters())

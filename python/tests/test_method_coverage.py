@@ -31,10 +31,10 @@ def test_every_method_is_in_multihead_attention():
 
 
 def test_every_method_has_a_hugging_face_backend():
-    functions = {function for function, _, _ in lh.BACKENDS.values()}
+    functions = {b.function for b in lh.BACKENDS.values()}
     for name, function in registered().items():
         assert function in functions or ("hf", name) in ABSENT, \
-            "method %r has no linattn.hf backend (linattn/hf.py BACKENDS)" % name
+            "method %r has no linattn.hf backend (linattn/hf/backends.py BACKENDS)" % name
     # and the learned maps: Hedgehog's
     assert "hedgehog_attention" in functions and hasattr(lt, "hedgehog_attention")
 

@@ -1,0 +1,71 @@
+"""linattn.hf: linattn's methods as Hugging Face transformers attention backends.
+
+    import linattn.hf
+    linattn.hf.register()
+    model = AutoModel.from_pretrained(path, attn_implementation="linattn_favor")
+    linattn.hf.set_options(model, num_features=128)      # optional; before building an optimizer
+
+Every model whose attention goes through transformers' AttentionInterface (BERT and MiniLM,
+Llama, Qwen, GPT-2, ...) then runs its attention on linattn's kernels, forward and backward
+(through linattn.torch). The names are BACKENDS' keys: linattn_softmax (exact), linattn_elu,
+linattn_relu, linattn_focused (kernelized), linattn_favor (Performer), linattn_nystrom,
+linattn_linformer, linattn_efficient, linattn_hedgehog (learned feature maps, below),
+linattn_window (exact softmax within a sliding window, nothing beyond: a baseline).
+
+Converting a pretrained model (docs/linearize.md):
+
+    linattn.hf.linearize(model, feature_map="hedgehog", feature_dim=32)   # maps added, the rest frozen
+    losses = linattn.hf.attention_transfer(model, tokenizer, texts, steps=300)  # stage 1
+    model.save_pretrained(path)
+    model = linattn.hf.from_pretrained(transformers.AutoModel, path)        # maps included
+
+Masks: the model's padding mask becomes linattn's key_lengths, so padding must be at the end of
+each sequence (right padding, what encoders use). A mask that is not "a prefix of the keys"
+(left padding, packed sequences, sliding windows, additive biases such as ALiBi) raises
+ValueError: linattn cannot apply it, and attending to the wrong keys silently is worse.
+Causal models (module.is_causal) use the causal forms: the kernelized methods and softmax;
+Nyström, Linformer and Efficient Attention have none and raise ValueError. With a KV cache,
+one new query attends to every cached key (no mask needed); a chunk of several new queries
+over a longer cache works for softmax (bottom-right aligned) and raises for the others.
+
+Options live in the model config as the dict `config.linattn_options` (saved with the model);
+set_options(model, **options) checks them against the model's backend, stores them and creates
+the learned tensors they need (Linformer's e and f, depthwise convolutions) as parameters of
+each attention module, so an optimizer built afterwards trains them. Per backend:
+  linattn_favor: num_features (256), features ("orthogonal"; linattn.random_features' kinds:
+    "iid", "orthogonal_fixed", "quantile"), kernel ("positive"; "hyperbolic", "trig"), seed (0).
+    Layer l uses projection seed + l: fixed, reproducible constants (buffers, not parameters).
+  linattn_elu / linattn_relu: eps. linattn_focused: focus_power (3.0), eps, dwc_kernel_size
+    (None; a learned depthwise convolution of v, initialised to zero so a pretrained model's
+    output is unchanged until it is trained).
+  linattn_nystrom: num_landmarks (64), pinv_iterations (6), pinv ("iterative"),
+    conv_kernel_size (None; as dwc_kernel_size).
+  linattn_linformer: s_proj (256), max_seq_len (config.max_position_embeddings), init ("pool":
+    e and f average s_proj equal segments of the max_seq_len positions, so an untrained model
+    sees segment means of its keys and values; "random": linattn.linformer_projections).
+  linattn_hedgehog: feature_dim (32; m' = 2·feature_dim features per head), init ("identity"
+    or "random"): HedgehogFeatureMap submodules for queries and keys in every attention module;
+    window (0).
+  linattn_elu, linattn_relu, linattn_hedgehog: window (0; w > 0: the sliding-window hybrid,
+    linattn.torch.hybrid_attention, with a learned gate linattn_window_gate [heads]).
+  linattn_window: window (64, >= 1).
+  linattn_softmax, linattn_efficient: none.
+The model's own scaling (1/sqrt(head_dim) for BERT) is passed as `scale` to every method that
+takes one; the linear maps (elu, relu, focused) have no scale.
+
+Attention dropout: the linear methods never form attention weights to drop, and softmax here
+has no dropout; a model in training mode with attention dropout > 0 raises ValueError (set
+config.attention_probs_dropout_prob / attention_dropout to 0) instead of training without it.
+Attention weights are not returned (output_attentions gives None).
+
+The package: backends.py (BACKENDS, one Backend object per name, the attention function,
+options), masks.py (attention masks -> key_lengths), convert.py (linearize, attention_transfer,
+finetune, from_pretrained)."""
+
+from .backends import (BACKENDS, Backend, attention_function, attention_modules, options_of, register,  # noqa: F401
+                       set_options)
+from .convert import attention_transfer, finetune, from_pretrained, learned_parameters, linearize  # noqa: F401
+from . import backends, convert, masks  # noqa: F401
+
+__all__ = ["BACKENDS", "Backend", "attention_function", "attention_modules", "attention_transfer", "finetune",
+           "from_pretrained", "learned_parameters", "linearize", "options_of", "register", "set_options"]

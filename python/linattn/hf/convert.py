@@ -1,0 +1,350 @@
+"""Converting a pretrained softmax model to linear attention (docs/linearize.md): linearize()
+switches every attention layer to a linattn backend with learned feature maps and freezes the
+rest; attention_transfer() (stage 1) fits each layer's maps to the softmax output of the same
+layer on the same q, k, v; finetune() (stage 2, optional) distils the whole model against the
+original, with LoRA through peft; from_pretrained() loads a converted model with its maps."""
+
+import numpy as _np
+import torch as _torch
+
+from .backends import BACKENDS, PREFIX, attention_modules, detach_all, register, set_options
+
+# linearize's feature_map -> the backend it switches to. "none": the window alone (exact softmax
+# over the window, nothing beyond), the baseline that shows what the linear part earns.
+_CONVERSIONS = {"hedgehog": "linattn_hedgehog", "elu": "linattn_elu", "relu": "linattn_relu", "none": "linattn_window"}
+
+
+def linearize(model, feature_map="hedgehog", window=0, feature_dim=32, init="identity"):
+    """Switches every attention layer of a transformers model to linear attention with learned
+    feature maps, adds their parameters, and freezes everything else: the first step of
+    converting a pretrained softmax model (then attention_transfer).
+
+    feature_map: "hedgehog" (HedgehogFeatureMap per layer, for queries and keys; backend
+    linattn_hedgehog), "elu" or "relu" (fixed maps; only the window gate is learned), or "none"
+    (window > 0 required: exact softmax inside the window and nothing beyond, the baseline).
+    window: 0, plain linear attention; w > 0, the sliding-window hybrid: exact softmax over the
+    last w keys (causal models; |i - j| <= w in encoders) with the map beyond it and one
+    normaliser, and a learned gate g per head (γ = sigmoid(g) scales the window; g = 0 at first).
+    feature_dim: f, m' = 2f features per head (hedgehog). init: "identity" (W = the identity's
+    first f columns, b = 0) or "random" (hedgehog). The model's other parameters get
+    requires_grad=False; the new ones get True. Raises ValueError before changing anything when
+    an argument is wrong or the model has no attention module that linattn can drive; a failure
+    midway restores the model. Returns the model."""
+    fn = "linattn.hf.linearize"
+    if feature_map not in _CONVERSIONS:
+        raise ValueError("%s: feature_map must be one of %s, got %r" % (fn, ", ".join(map(repr, _CONVERSIONS)),
+                                                                       feature_map))
+    if isinstance(window, bool) or not isinstance(window, (int, _np.integer)) or window < 0:
+        raise ValueError("%s: window must be an integer >= 0, got %r" % (fn, window))
+    if feature_map == "none" and window < 1:
+        raise ValueError("%s: feature_map='none' keeps only the window, so window must be >= 1, got %r"
+                         % (fn, window))
+    if isinstance(feature_dim, bool) or not isinstance(feature_dim, (int, _np.integer)) or feature_dim < 1:
+        raise ValueError("%s: feature_dim must be an integer >= 1, got %r" % (fn, feature_dim))
+    if init not in ("identity", "random"):
+        raise ValueError("%s: init must be 'identity' or 'random', got %r" % (fn, init))
+    modules = attention_modules(model)
+    if not modules:
+        raise ValueError("%s: found no attention module (a module with config, is_causal and layer_idx attributes) "
+                         "in %s" % (fn, type(model).__name__))
+    name = _CONVERSIONS[feature_map]
+    saved = {"implementation": model.config._attn_implementation,
+             "options": getattr(model.config, "linattn_options", None),
+             "requires_grad": [p.requires_grad for p in model.parameters()]}
+    try:
+        register()
+        model.set_attn_implementation(name)
+        if model.config._attn_implementation != name:
+            raise ValueError("%s: %s does not let its attention implementation be changed (it does not call "
+                             "transformers' AttentionInterface)" % (fn, type(model).__name__))
+        for p in model.parameters():
+            p.requires_grad_(False)
+        options = {"window": int(window)}
+        if feature_map == "hedgehog":
+            options.update(feature_dim=int(feature_dim), init=init)
+        set_options(model, **options)
+        model.config.linattn_backend = name  # saved with the model: from_pretrained() reads it
+        for p in learned_parameters(model):
+            p.requires_grad_(True)
+    except BaseException:
+        for m in modules:
+            detach_all(m)
+        if model.config._attn_implementation != saved["implementation"]:
+            model.set_attn_implementation(saved["implementation"])
+        model.config.linattn_options = saved["options"]
+        model.config.__dict__.pop("linattn_backend", None)
+        for p, flag in zip(model.parameters(), saved["requires_grad"]):
+            p.requires_grad_(flag)
+        raise
+    return model
+
+
+def from_pretrained(model_class, path, **kwargs):
+    """Loads a model that was linearized (or given a linattn backend with set_options) and saved
+    with save_pretrained(): model_class.from_pretrained(path, **kwargs) on the saved backend,
+    then the learned tensors linattn attached (feature maps, convolutions, Linformer's e and f)
+    from the checkpoint's weights. transformers alone would drop those, since the attention
+    modules it builds do not have them. A checkpoint that lacks any of them raises ValueError.
+    model_class: a transformers class such as AutoModel or LlamaForCausalLM."""
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+    fn = "linattn.hf.from_pretrained"
+    config = AutoConfig.from_pretrained(path)
+    name = getattr(config, "linattn_backend", None)
+    if name not in BACKENDS:
+        raise ValueError("%s: %s holds no linattn conversion (its config has no linattn_backend); load it with "
+                         "%s.from_pretrained" % (fn, path, getattr(model_class, "__name__", "the model class")))
+    register()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the learned tensors are "unused weights" to transformers; loaded below
+    try:
+        model = model_class.from_pretrained(path, attn_implementation=name, **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    set_options(model, **(config.linattn_options or {}))
+    model.config.linattn_backend = name
+    wanted = {k for k in model.state_dict() if (".%s" % PREFIX) in k}
+    loaded = {k: v for k, v in _checkpoint_tensors(path, wanted).items()}
+    missing = sorted(wanted - set(loaded))
+    if missing:
+        raise ValueError("%s: the checkpoint in %s lacks %d learned tensors of linattn (%s, ...)"
+                         % (fn, path, len(missing), missing[0]))
+    model.load_state_dict(loaded, strict=False)
+    return model
+
+
+def _checkpoint_tensors(path, names):
+    """The tensors of `names` from a save_pretrained directory (safetensors, one file or shards)."""
+    import json
+    import os
+    from safetensors import safe_open
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            where = json.load(f)["weight_map"]
+        files = sorted({where[n] for n in names if n in where})
+    else:
+        files = ["model.safetensors"]
+    out = {}
+    for file in files:
+        with safe_open(os.path.join(path, file), framework="pt") as f:
+            keys = set(f.keys())
+            for n in names:
+                # transformers may save a base model's weights with or without its prefix
+                for key in (n, n.split(".", 1)[-1]):
+                    if key in keys:
+                        out[n] = f.get_tensor(key)
+                        break
+    return out
+
+
+def learned_parameters(model):
+    """The parameters linattn.hf attached to the model's attention modules (feature maps,
+    projections, convolutions), in module order."""
+    out = []
+    for m in attention_modules(model):
+        for attr, sub in vars(m)["_modules"].items():
+            if attr.startswith(PREFIX):
+                out += list(sub.parameters())
+        out += [p for attr, p in vars(m)["_parameters"].items() if attr.startswith(PREFIX) and p is not None]
+    return out
+
+
+def attention_transfer(model, tokenizer, texts, steps=300, lr=1e-2, batch_size=8, max_length=128, seed=0,
+                       progress=True):
+    """Stage 1 of a conversion (LoLCATs' attention transfer): trains only the parameters that
+    linearize() added, so that each layer's linear-attention output matches the softmax output
+    the same layer computes on the same q, k, v in the same forward pass (teacher forcing: the
+    softmax output goes on to the next layer, so every layer learns from the original model's
+    activations, and no second copy of the model is needed).
+
+    texts: a list of strings, cycled through in a shuffled order (seed); each step tokenizes
+    batch_size of them (right padding, truncated to max_length) and takes one Adam step (lr)
+    on the sum over layers of the mean squared error over valid queries. The model runs in
+    eval mode (no dropout) with gradients on, and is left in the mode it was in. progress:
+    a tqdm bar. Returns the per-layer losses: losses[layer][step]."""
+    fn = "linattn.hf.attention_transfer"
+    name = getattr(model.config, "_attn_implementation", None)
+    params = learned_parameters(model)
+    if name not in BACKENDS or not params:
+        raise ValueError("%s: the model was never linearized (its attention is %r with no learned feature maps); call "
+                         "linattn.hf.linearize(model, ...) first" % (fn, name))
+    _check_training(fn, texts, steps=steps, batch_size=batch_size, max_length=max_length, lr=lr)
+    modules = attention_modules(model)
+    optimizer = _torch.optim.Adam(params, lr=lr)
+    losses = [[] for _ in modules]
+    was_training, side = model.training, getattr(tokenizer, "padding_side", "right")
+    device = next(model.parameters()).device
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover (tqdm comes with transformers)
+        tqdm = None
+    bar = tqdm(total=steps, desc="attention transfer", disable=not progress) if tqdm else None
+    model.eval()
+    tokenizer.padding_side = "right"  # key_lengths: the padding at the end
+    for m in modules:
+        m.linattn_transfer = True
+    try:
+        with _torch.enable_grad():
+            for batch in _batches(tokenizer, texts, steps, batch_size, max_length, seed, device):
+                model(**batch)
+                layer = [m.linattn_transfer_loss for m in modules]
+                optimizer.zero_grad(set_to_none=True)
+                _torch.stack(layer).sum().backward()
+                optimizer.step()
+                for l, x in zip(losses, layer):
+                    l.append(float(x.detach()))
+                if bar:
+                    bar.update(1)
+                    bar.set_postfix(loss="%.3g" % sum(l[-1] for l in losses))
+    finally:
+        for m in modules:
+            m.linattn_transfer = False
+            m.__dict__.pop("linattn_transfer_loss", None)
+        tokenizer.padding_side = side
+        model.train(was_training)
+        if bar:
+            bar.close()
+    return losses
+
+
+def _check_training(fn, texts, lr, **counts):
+    """ValueError naming fn and the argument: counts (steps, batch_size, ...) must be integers
+    >= 1, lr a finite number > 0, texts a non-empty list of strings."""
+    for arg, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, (int, _np.integer)) or value < 1:
+            raise ValueError("%s: %s must be an integer >= 1, got %r" % (fn, arg, value))
+    if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and 0 < lr < float("inf")):
+        raise ValueError("%s: lr must be a finite number > 0, got %r" % (fn, lr))
+    if isinstance(texts, str) or not len(texts) or not all(isinstance(t, str) for t in texts):
+        raise ValueError("%s: texts must be a non-empty list of strings" % fn)
+
+
+def _batches(tokenizer, texts, steps, batch_size, max_length, seed, device):
+    """`steps` batches of batch_size texts, a shuffled cycle through `texts` (seed), tokenized
+    with padding (the caller sets its side) and truncation to max_length, on `device`."""
+    order = _np.random.default_rng(seed).permutation(len(texts))
+    for step in range(steps):
+        pick = [texts[order[(step * batch_size + i) % len(texts)]] for i in range(batch_size)]
+        batch = tokenizer(pick, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+        yield {k: v.to(device) for k, v in batch.items()}
+
+
+def finetune(model, teacher, tokenizer, texts, steps=100, lr=1e-4, batch_size=8, max_length=128, lora=None,
+             lora_rank=8, lora_alpha=16, target_modules=None, train=(), seed=0, progress=True):
+    """Stage 2 of a conversion (optional, after attention_transfer): distillation of the
+    linearized model against the original, end to end. Each step tokenizes batch_size texts
+    (right padding, truncated to max_length), runs the teacher (no gradient) and the model, and
+    takes one Adam step (lr) on the distillation loss over the valid tokens:
+      causal LMs (outputs with logits): KL(teacher ‖ model) of the next-token distributions;
+      encoders: the squared error of the last hidden states, relative to the teacher's mean
+        square (so the sentence embeddings pooled from them follow the teacher's).
+    What is trained: what linearize() added, always; LoRA adapters (peft) of rank lora_rank
+    (alpha lora_alpha) on target_modules (default: every Linear inside the attention modules)
+    when lora is True, or None and peft is installed; and the parameters whose names contain
+    one of `train`. LoRA adapters are merged into the weights at the end, so the model saves
+    and loads as any other (save_pretrained, from_pretrained). teacher: the original model (a
+    second copy), left untouched. The model runs in eval mode (no dropout) with gradients on
+    and is left in its mode; on failure it is restored as it was. Returns the losses, one per
+    step."""
+    fn = "linattn.hf.finetune"
+    name = getattr(model.config, "_attn_implementation", None)
+    if name not in BACKENDS or name == "linattn_softmax":
+        raise ValueError("%s: the model was never linearized (its attention is %r); call linattn.hf.linearize(model, "
+                         "...) and attention_transfer first" % (fn, name))
+    if teacher is model or not isinstance(teacher, _torch.nn.Module):
+        raise ValueError("%s: teacher must be the original model, a separate torch module" % fn)
+    _check_training(fn, texts, steps=steps, batch_size=batch_size, max_length=max_length, lora_rank=lora_rank, lr=lr)
+    if isinstance(train, str) or not all(isinstance(t, str) for t in train):
+        raise ValueError("%s: train must be a list of parameter-name parts, got %r" % (fn, train))
+    try:
+        import peft
+    except ImportError:
+        peft = None
+    if lora is None:
+        lora = peft is not None
+    if lora and peft is None:
+        raise ValueError("%s: lora=True needs peft (pip install peft, or linattn[lora]); or pass lora=False and name "
+                         "the parameters to train with train=[...]" % fn)
+    modules = attention_modules(model)
+    if target_modules is None:
+        inside = {id(m) for a in modules for m in a.modules() if isinstance(m, _torch.nn.Linear)}
+        target_modules = [n for n, m in model.named_modules() if id(m) in inside]
+    flags = [p.requires_grad for p in model.parameters()]
+    named = dict(model.named_parameters())
+    chosen = [n for n in named if any(t in n for t in train)]
+    missing = [t for t in train if not any(t in n for n in named)]
+    if missing:
+        raise ValueError("%s: no parameter name contains %s" % (fn, ", ".join(map(repr, missing))))
+    snapshot = {n: p.detach().clone() for n, p in named.items() if n in chosen or p.requires_grad}
+    injected = False
+    was_training, side = model.training, getattr(tokenizer, "padding_side", "right")
+    try:
+        if lora:
+            if not target_modules:
+                raise ValueError("%s: target_modules is empty: no Linear module to adapt" % fn)
+            peft.inject_adapter_in_model(peft.LoraConfig(r=int(lora_rank), lora_alpha=lora_alpha, lora_dropout=0.0,
+                                                         target_modules=list(target_modules), bias="none"), model)
+            injected = True
+        for n, p in model.named_parameters():
+            p.requires_grad_("lora_" in n or n in chosen)
+        for p in learned_parameters(model):
+            p.requires_grad_(True)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = _torch.optim.Adam(params, lr=lr)
+        device = next(model.parameters()).device
+        losses = []
+        from tqdm.auto import tqdm
+        bar = tqdm(total=steps, desc="distillation", disable=not progress)
+        model.eval()
+        teacher.eval()
+        tokenizer.padding_side = "right"
+        with _torch.enable_grad():
+            for batch in _batches(tokenizer, texts, steps, batch_size, max_length, seed, device):
+                with _torch.no_grad():
+                    target = teacher(**batch)
+                out = model(**batch)
+                valid = batch["attention_mask"].bool()
+                if getattr(out, "logits", None) is not None:
+                    loss = _torch.nn.functional.kl_div(_torch.log_softmax(out.logits[valid].float(), -1),
+                                                       _torch.log_softmax(target.logits[valid].float(), -1),
+                                                       log_target=True, reduction="batchmean")
+                else:
+                    h, t = out.last_hidden_state[valid], target.last_hidden_state[valid]
+                    loss = (h - t).pow(2).mean() / t.pow(2).mean()
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                losses.append(float(loss.detach()))
+                bar.update(1)
+                bar.set_postfix(loss="%.3g" % losses[-1])
+        bar.close()
+        if injected:
+            _merge_lora(model, merge=True)
+    except BaseException:
+        if injected:
+            _merge_lora(model, merge=False)
+        with _torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in snapshot:
+                    p.copy_(snapshot[n])
+        raise
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
+        for p, flag in zip(model.parameters(), flags):
+            p.requires_grad_(flag)
+    return losses
+
+
+def _merge_lora(model, merge):
+    """Replaces every peft LoRA layer of the model by its base layer: with the adapter merged
+    into the weights (merge=True), or dropped (a failed fine-tune)."""
+    from peft.tuners.lora import LoraLayer
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoraLayer):
+            if merge:
+                module.merge()
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, module.get_base_layer())
