@@ -84,7 +84,7 @@ distributed: build
 
 # docs/linearize.md: all-MiniLM-L6-v2 converted to linear attention (linattn.hf.linearize: Hedgehog's
 # maps, the window alone, the hybrid; attention_transfer, then finetune), against FAVOR+ distilled;
-# about 80 minutes on 2 cores. Raw results in out/linearize.
+# about 45 minutes on 2 cores. Raw results in out/linearize.
 linearize: build
 	$(PYTHON) bench/linearize.py --out out/linearize --docs docs/linearize.md
 
