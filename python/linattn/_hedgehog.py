@@ -71,10 +71,30 @@ def hedgehog_features(x: "ndarray", weight: "ndarray", bias: "ndarray") -> "ndar
 def _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias):
     q, wq, bq = _check_map(fn, "query_", q, query_weight, query_bias)
     k, wk, bk = _check_map(fn, "key_", k, key_weight, key_bias)
+    if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError("%s: k has shape %s; expected [batch = %d, heads = %d, n_k, head_dim = %d] as q %s"
+                         % (fn, list(k.shape), q.shape[0], q.shape[1], q.shape[3], list(q.shape)))
     if wq.shape[2] != wk.shape[2]:
         raise ValueError("%s: query_weight has %d features and key_weight %d; they must match"
                          % (fn, wq.shape[2], wk.shape[2]))
     return q, k, (wq, bq), (wk, bk)
+
+
+def _options(causal, key_lengths, eps):
+    return {"feature_map": "identity", "causal": causal, "key_lengths": key_lengths, "eps": eps, "focus_power": 3.0}
+
+
+def _kernel(fn, call):
+    """The kernel's call; its errors (about v, dout, key_lengths, eps, causal) under fn's name."""
+    try:
+        return call()
+    except (TypeError, ValueError) as e:
+        message = str(e)
+        for name in ("linear_attention_backward", "linear_attention"):
+            if message.startswith(name + ":"):
+                message = fn + message[len(name):]
+                break
+        raise type(e)(message) from None
 
 
 def hedgehog_attention(q: "ndarray", k: "ndarray", v: "ndarray", query_weight: "ndarray", query_bias: "ndarray",
@@ -91,9 +111,8 @@ def hedgehog_attention(q: "ndarray", k: "ndarray", v: "ndarray", query_weight: "
     fn = "hedgehog_attention"
     q, k, (wq, bq), (wk, bk) = _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias)
     fq, fk = _features(q, wq, bq).astype(q.dtype, copy=False), _features(k, wk, bk).astype(q.dtype, copy=False)
-    return _linattn._forward("linear", fq, fk, v, {"dwc_weight": None},
-                             {"feature_map": "identity", "causal": causal, "key_lengths": key_lengths, "eps": eps,
-                              "focus_power": 3.0}, [])
+    return _kernel(fn, lambda: _linattn._forward("linear", fq, fk, v, {"dwc_weight": None},
+                                                 _options(causal, key_lengths, eps), []))
 
 
 def hedgehog_attention_backward(q: "ndarray", k: "ndarray", v: "ndarray", query_weight: "ndarray",
@@ -105,9 +124,8 @@ def hedgehog_attention_backward(q: "ndarray", k: "ndarray", v: "ndarray", query_
     fn = "hedgehog_attention_backward"
     q, k, (wq, bq), (wk, bk) = _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias)
     fq, fk = _features(q, wq, bq).astype(q.dtype, copy=False), _features(k, wk, bk).astype(q.dtype, copy=False)
-    dfq, dfk, dv = _linattn._backward("linear", fq, fk, v, dout, {"dwc_weight": None},
-                                      {"feature_map": "identity", "causal": causal, "key_lengths": key_lengths,
-                                       "eps": eps, "focus_power": 3.0}, {})[:3]
+    dfq, dfk, dv = _kernel(fn, lambda: _linattn._backward("linear", fq, fk, v, dout, {"dwc_weight": None},
+                                                          _options(causal, key_lengths, eps), {}))[:3]
     dq, dwq, dbq = _features_backward(q, wq, fq, dfq)
     dk, dwk, dbk = _features_backward(k, wk, fk, dfk)
     return tuple(x.astype(q.dtype, copy=False) for x in (dq, dk, dv, dwq, dbq, dwk, dbk))

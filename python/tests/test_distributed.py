@@ -70,6 +70,12 @@ CASES = {
     "hybrid_no_window": ("hybrid_attention", dict(window=0, causal=True, key_lengths=[37, 23]), "contiguous"),
     "hybrid_f32": ("hybrid_attention", dict(window=3, causal=True, key_lengths=[37, 23], gate=True,
                                             dtype=torch.float32), "contiguous"),
+    # A nearly closed gate (γ = sigmoid(−16) ≈ 1e-7) with items no longer than the window: the
+    # linear part must sum only the keys outside the window (a total minus the window's would
+    # leave its rounding over a denominator of γ).
+    "hybrid_closed_gate_f32": ("hybrid_attention", dict(window=8, causal=True, key_lengths=[37, 6], given=4,
+                                                        gate=-16.0, dtype=torch.float32), "contiguous"),
+    "hybrid_closed_gate_zigzag": ("hybrid_attention", dict(window=6, key_lengths=[37, 5], gate=-16.0), "zigzag"),
     "efficient": ("efficient_attention", dict(key_lengths=[37, 4]), "contiguous"),
     "efficient_zigzag": ("efficient_attention", dict(scale=0.5), "zigzag"),
     "linformer": ("linformer_attention", dict(key_lengths=[37, 23], e_shape=(5, 40)), "contiguous"),
@@ -105,8 +111,9 @@ def inputs(name):
         opts.update(feature_map="given", query_features=(0.5 * r(B, H, N, m)).exp(),
                     key_features=(0.5 * r(B, H, N, m)).exp())
         params += ["query_features", "key_features"]
-    if opts.pop("gate", False):
-        opts["window_gate"] = r(H)
+    gate = opts.pop("gate", False)
+    if gate is not False:
+        opts["window_gate"] = r(H) if gate is True else torch.full((H,), gate, dtype=torch.float64)
         params.append("window_gate")
     if function == "favor_attention":
         opts["projection"] = torch.from_numpy(linattn.random_features(16, D, seed=3))

@@ -266,5 +266,9 @@ def test_numpy_bad_input_is_refused_naming_the_argument():
         linattn.hedgehog_attention(q, k, v, wq, list(bq), wk, bk)
     with pytest.raises(ValueError, match="they must match"):
         linattn.hedgehog_attention(q, k, v, wq, bq, wk[..., :2], bk[:, :2])
-    with pytest.raises(ValueError, match="key_lengths"):
+    with pytest.raises(ValueError, match="^hedgehog_attention: key_lengths"):
         linattn.hedgehog_attention(q, k, v, wq, bq, wk, bk, key_lengths=[5])
+    with pytest.raises(ValueError, match="^hedgehog_attention: k has shape"):
+        linattn.hedgehog_attention(q, k[:1], v, wq, bq, wk, bk)
+    with pytest.raises(ValueError, match="^hedgehog_attention_backward: dout"):
+        linattn.hedgehog_attention_backward(q, k, v, wq, bq, wk, bk, v[..., :1])

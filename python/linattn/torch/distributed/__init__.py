@@ -18,9 +18,9 @@ What travels, per (batch, head) and rank:
     linear_attention,    one all-reduce of [S | z] (O(m'·d_v), independent of n); causal: an
     favor_attention,     all-gather of every segment's [S | z]; FAVOR adds an all-reduce of its
     hedgehog_attention   m' key-shift maxima; dwc_weight adds an all-gather of K−1 edge rows
-    hybrid_attention     linear attention's [S | z], and an all-gather of every segment's first
-                         and last `window` rows of [k | v | φ(k)] for the windows that straddle
-                         ranks
+    hybrid_attention     an all-gather of every segment's state of the keys delayed (and, not
+                         causal, advanced) past the window, and of every segment's first and
+                         last w (+1) rows of [k | v | 1 | φ(k)] for the windows near its edges
     efficient_attention  one all-reduce of [d, d_v+1] and one of d maxima
     linformer_attention  one all-reduce of [s, d+d_v]
     nystrom_attention    refused (ValueError); see docs/distributed.md
@@ -208,7 +208,8 @@ def linear_attention(q, k, v, *, feature_map=_option_default("linear_attention",
             raise ValueError("%s: feature_map must be one of %s, got %r" % (fn, ", ".join(_LINEAR_MAPS), feature_map))
         if feature_map == "identity":
             for name, x in (("q", q), ("k", k)):
-                _nonnegative(fn, name, x, "with feature_map='identity', %s holds features" % name)
+                _nonnegative(fn, name, x, "with feature_map='identity', %s holds features; over ranks, padded "
+                                          "positions too: give them zeros" % name)
         _eps_check(fn, eps)
         if isinstance(focus_power, bool) or not isinstance(focus_power, (int, float)) or not 1 <= focus_power <= 1000:
             raise ValueError("%s: focus_power must lie in [1, 1000], got %r" % (fn, focus_power))
@@ -296,9 +297,9 @@ def hybrid_attention(q, k, v, *, query_features=None, key_features=None, window_
                      window=_option_default("hybrid_attention", "window"),
                      feature_map=_option_default("hybrid_attention", "feature_map"), causal=False, key_lengths=None,
                      scale=None, eps=_option_default("hybrid_attention", "eps"), group=None, layout="contiguous"):
-    """The sliding-window + linear hybrid (linattn.torch.hybrid_attention): linear attention's
-    collectives for the linear part, and a halo of the neighbouring ranks' rows for the windows
-    that straddle ranks. query_features and key_features (feature_map="given") are this rank's
+    """The sliding-window + linear hybrid (linattn.torch.hybrid_attention): the linear part
+    over the keys outside each window through the states of the other segments, and a halo of
+    the neighbouring ranks' rows for the windows near a rank's edge. query_features and key_features (feature_map="given") are this rank's
     rows [B, H, n_local, m']; window_gate [H] is shared. See the module's documentation."""
     holder = {}
 
@@ -328,7 +329,8 @@ def hybrid_attention(q, k, v, *, query_features=None, key_features=None, window_
                     raise TypeError("%s: %s must have q's dtype %s, got %s" % (fn, name, q.dtype, x.dtype))
                 if not bool(torch.isfinite(x).all()):
                     raise ValueError("%s: %s has a non-finite value" % (fn, name))
-                _nonnegative(fn, name, x, "features of a map of the caller's")
+                _nonnegative(fn, name, x, "features of a map of the caller's; over ranks, padded positions too: "
+                                          "give them zeros")
             if fq.shape[3] != fk.shape[3]:
                 raise ValueError("%s: query_features has m' = %d features and key_features %d; they must match"
                                  % (fn, fq.shape[3], fk.shape[3]))

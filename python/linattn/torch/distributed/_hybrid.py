@@ -4,17 +4,15 @@ that autograd derives the backward:
     out_i = (γ_h Σ_{j∈W(i)} e^{s_ij − M_i} v_j + Σ_{j∉W(i)} φ(q_i)·φ(k_j) v_j)
             / (γ_h Σ_{j∈W(i)} e^{s_ij − M_i} + Σ_{j∉W(i)} φ(q_i)·φ(k_j) + eps)
 
-The linear sums over every key query i sees (all keys; causal: j <= i) come from linear
-attention's collectives (_kernelized.sums: one all-reduce of [S | z], or the all-gather of every
-segment's for the causal prefix). The window's keys are this rank's rows plus a halo of the
-neighbouring ranks' rows (one all-gather of every segment's edge rows of [k | v | φ(k)]); the
-window's linear weights are taken back out of the sums, and its softmax weights put in.
-
-Taking them out is a subtraction of non-negative terms where the single-process kernel sums only
-the keys outside the window: the difference is at most the unit roundoff times
-Σ_{all j} φ(q_i)·φ(k_j)(|v_j| + 1) / the denominator, the rounding of the sums linear attention
-itself makes, and the denominator holds γ_h (the window's largest weight is 1) whenever the
-window has a key."""
+The linear part sums only the keys outside the window, as the single-process kernel does (a
+sum over every key minus the window's would cancel: its error, u·Σ_{j∈W} φ(q_i)·φ(k_j)·|v_j|
+over a denominator as small as γ_h, grows without bound as the gate closes). Causal, those are
+the keys j <= i − w: the causal sums of the queries against the key stream delayed by w rows.
+Not causal, the keys j <= i − w − 1 and j >= i + w + 1: the same with a delay of w + 1, plus
+the sums from the end against the stream advanced by w + 1. The segments before (after) a
+segment come in through their states (one all-gather for both streams); the delayed and
+advanced rows and the window's keys come from a halo of the neighbouring ranks' rows of
+[k | v | 1 | φ(k)] (one all-gather of every segment's first and last w (+1) rows)."""
 
 import torch
 
@@ -26,12 +24,13 @@ def attention(g, segs, q, k, v, fq, fk, lengths, causal, window, scale, gate, ep
     """This rank's out [B,H,n,d_v]. fq, fk: this rank's features [B,H,n,m'] (≥ 0); gate:
     window_gate [H] or None (γ = 1)."""
     mine = segs[g.rank]
+    if window == 0:  # plain linear attention; the gate scales nothing
+        num_den = _kernelized.sums(g, segs, fq, fk, v, lengths, causal, _kernelized.Features("identity"))
+        out = torch.cat([_kernelized.ratio(x, eps) for x in num_den], 2)
+        return out if gate is None else out + 0 * gate.sum()  # a zero gradient for the gate, as in one process
     n_total = sum(s.length for r in segs for s in r)
-    # fq, fk are features already; the keys' are masked inside sums() by key_lengths.
-    num_den = _kernelized.sums(g, segs, fq, fk, v, lengths, causal, _kernelized.Features("identity"))
-    if window == 0:
-        return torch.cat([_kernelized.ratio(x, eps) for x in num_den], 2)
-    left, right = (window - 1, 0) if causal else (window, window)
+    shift = window if causal else window + 1  # the linear part's nearest keys: i − shift (and i + shift)
+    left, right = (window - 1, 0) if causal else (window, window)  # the window: keys i − left .. i + right
     size = left + 1 + right
     d, dv = k.shape[-1], v.shape[-1]
     ones = v.new_ones(*v.shape[:3], 1)
@@ -40,11 +39,25 @@ def attention(g, segs, q, k, v, fq, fk, lengths, causal, window, scale, gate, ep
         keys = torch.cat([s.rows(k), s.rows(v), s.rows(ones), s.rows(fk)], -1)
         mask = key_mask(lengths, s)
         rows.append(keys if mask is None else keys * mask)
+    # ext: the global rows a − shift .. b + shift − 1 (b + 0 causal) of a segment [a, b); local row i is ext row i + shift
+    ext = [torch.cat([before, x, after], 2)
+           for x, (before, after) in zip(rows, _kernelized.halos(g, segs, rows, shift, 0 if causal else shift))]
+    split = lambda x: (x[..., d + dv + 1:], x[..., d:d + dv + 1])  # noqa: E731 (φ(k), [v | 1])
+    delayed = [split(x[:, :, :s.length]) for x, s in zip(ext, mine)]  # rows i − shift
+    fqs, fks, v1s, reverses = [[s.rows(fq) for s in mine]], [[f for f, _ in delayed]], [[x for _, x in delayed]], [False]
+    if not causal:
+        advanced = [split(x[:, :, 2 * shift:2 * shift + s.length]) for x, s in zip(ext, mine)]  # rows i + shift
+        fqs.append(fqs[0])
+        fks.append([f for f, _ in advanced])
+        v1s.append([x for _, x in advanced])
+        reverses.append(True)
+    linear = _kernelized.ordered_sums(g, segs, fqs, fks, v1s, reverses)
     gamma = None if gate is None else torch.sigmoid(gate).view(1, -1, 1, 1)
     outs = []
-    for s, x, (before, after), nd in zip(mine, rows, _kernelized.halos(g, segs, rows, left, right), num_den):
-        win = torch.cat([before, x, after], 2).unfold(2, size, 1)  # [B,H,len,d+d_v+1+m',size]
-        kw, v1w, fkw = win[..., :d, :], win[..., d:d + dv + 1, :], win[..., d + dv + 1:, :]
+    for i, (s, x) in enumerate(zip(mine, ext)):
+        nd = linear[0][i] if causal else linear[0][i] + linear[1][i]
+        win = x[:, :, shift - left:shift - left + s.length + size - 1].unfold(2, size, 1)  # [B,H,len,d+d_v+1+m',size]
+        kw, v1w = win[..., :d, :], win[..., d:d + dv + 1, :]
         # Key position of window slot t for the query at p: p − left + t; a key counts when it
         # lies in the sequence and below the item's key length.
         pos = torch.arange(s.start, s.stop).view(-1, 1) - left + torch.arange(size).view(1, -1)  # [len,size]
@@ -58,7 +71,5 @@ def attention(g, segs, q, k, v, fq, fk, lengths, causal, window, scale, gate, ep
         weights = torch.exp(scores - top).masked_fill(~valid, 0)
         if gamma is not None:
             weights = weights * gamma
-        linear = torch.einsum("bhlm,bhlmt->bhlt", s.rows(fq), fkw).masked_fill(~valid, 0)
-        nd = nd + torch.einsum("bhlt,bhlct->bhlc", weights - linear, v1w)
-        outs.append(_kernelized.ratio(nd, eps))
+        outs.append(_kernelized.ratio(nd + torch.einsum("bhlt,bhlct->bhlc", weights, v1w), eps))
     return torch.cat(outs, 2)

@@ -144,21 +144,40 @@ def sums(g, segs, q, k, v, lengths, causal, phi):
     v1 = torch.cat([v, ones], -1)
     fk = [phi.keys(s.rows(k), mask) for s, mask in zip(mine, masks)]
     fq = [phi.queries(s.rows(q)) for s in mine]
-    states = [f.transpose(-1, -2) @ s.rows(v1) for f, s in zip(fk, mine)]  # [B,H,m',d_v+1] per segment
     if not causal:
+        states = [f.transpose(-1, -2) @ s.rows(v1) for f, s in zip(fk, mine)]  # [B,H,m',d_v+1] per segment
         total = g.all_reduce_sum(sum(states))
         return [f @ total for f in fq]
-    every = g.all_gather(torch.stack(states))  # [P, segments, B, H, m', d_v+1]
+    return ordered_sums(g, segs, [fq], [fk], [[s.rows(v1) for s in mine]], [False])[0]
+
+
+def ordered_sums(g, segs, fqs, fks, v1s, reverses):
+    """For each stream t: per segment of this rank, the sums over every key at or before the
+    query (reverses[t]: at or after it) of the whole sequence, [B,H,len,c]: the keys of the
+    segments before (after) it through their states, the segment's own in chunks. fqs[t], fks[t],
+    v1s[t]: per segment [B,H,len,m'], [B,H,len,m'], [B,H,len,c]. One all-gather for every stream."""
+    mine = segs[g.rank]
+    states = torch.stack([torch.stack([f.transpose(-1, -2) @ x for f, x in zip(fk, v1)])
+                          for fk, v1 in zip(fks, v1s)])  # [streams, segments, B, H, m', c]
+    every = g.all_gather(states)  # [P, streams, segments, B, H, m', c]
     starts = torch.tensor([[s.start for s in rank_segs] for rank_segs in segs], dtype=every.dtype)
-    outs = []
-    for i, s in enumerate(mine):
-        # The segments before this one, as a 0/1 weight rather than a selection, so that every
-        # rank's backward reaches the all-gather (whose adjoint is a collective) even where no
-        # segment comes before.
-        before = (starts < s.start).to(every.dtype).view(*starts.shape, 1, 1, 1, 1)
-        prefix = (every * before).sum((0, 1))
-        outs.append(causal_sums(fq[i], fk[i], s.rows(v1), prefix))
-    return outs
+    out = []
+    for t, reverse in enumerate(reverses):
+        sums = []
+        for i, s in enumerate(mine):
+            # The segments before (after) this one, as a 0/1 weight rather than a selection, so
+            # that every rank's backward reaches the all-gather (whose adjoint is a collective)
+            # even where no segment comes before.
+            pick = (starts > s.start) if reverse else (starts < s.start)
+            prefix = (every[:, t] * pick.to(every.dtype).view(*starts.shape, 1, 1, 1, 1)).sum((0, 1))
+            fq, fk, v1 = fqs[t][i], fks[t][i], v1s[t][i]
+            if reverse:  # the sums from the end: the causal form on the rows in reverse order
+                flip = lambda x: x.flip(2)  # noqa: E731
+                sums.append(flip(causal_sums(flip(fq), flip(fk), flip(v1), prefix)))
+            else:
+                sums.append(causal_sums(fq, fk, v1, prefix))
+        out.append(sums)
+    return out
 
 
 def attention(g, segs, q, k, v, lengths, causal, eps, phi):
