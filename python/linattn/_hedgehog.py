@@ -69,6 +69,7 @@ def hedgehog_features(x: "ndarray", weight: "ndarray", bias: "ndarray") -> "ndar
 
 
 def _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias):
+    """The checked inputs and both sides' features: q, k, (W_q, φ_q(q)), (W_k, φ_k(k))."""
     q, wq, bq = _check_map(fn, "query_", q, query_weight, query_bias)
     k, wk, bk = _check_map(fn, "key_", k, key_weight, key_bias)
     if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
@@ -77,7 +78,8 @@ def _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias):
     if wq.shape[2] != wk.shape[2]:
         raise ValueError("%s: query_weight has %d features and key_weight %d; they must match"
                          % (fn, wq.shape[2], wk.shape[2]))
-    return q, k, (wq, bq), (wk, bk)
+    fq, fk = _features(q, wq, bq).astype(q.dtype, copy=False), _features(k, wk, bk).astype(q.dtype, copy=False)
+    return q, k, (wq, fq), (wk, fk)
 
 
 def _options(causal, key_lengths, eps):
@@ -109,8 +111,7 @@ def hedgehog_attention(q: "ndarray", k: "ndarray", v: "ndarray", query_weight: "
     key_lengths, on linattn's kernel (linear_attention with feature_map="identity"). The same
     as linattn.torch.hedgehog_attention."""
     fn = "hedgehog_attention"
-    q, k, (wq, bq), (wk, bk) = _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias)
-    fq, fk = _features(q, wq, bq).astype(q.dtype, copy=False), _features(k, wk, bk).astype(q.dtype, copy=False)
+    q, k, (wq, fq), (wk, fk) = _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias)
     return _kernel(fn, lambda: _linattn._forward("linear", fq, fk, v, {"dwc_weight": None},
                                                  _options(causal, key_lengths, eps), []))
 
@@ -122,8 +123,7 @@ def hedgehog_attention_backward(q: "ndarray", k: "ndarray", v: "ndarray", query_
     """Gradients (dq, dk, dv, d_query_weight, d_query_bias, d_key_weight, d_key_bias) of
     sum(dout * hedgehog_attention(...)): the kernel's gradients of the features, then the maps'."""
     fn = "hedgehog_attention_backward"
-    q, k, (wq, bq), (wk, bk) = _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias)
-    fq, fk = _features(q, wq, bq).astype(q.dtype, copy=False), _features(k, wk, bk).astype(q.dtype, copy=False)
+    q, k, (wq, fq), (wk, fk) = _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias)
     dfq, dfk, dv = _kernel(fn, lambda: _linattn._backward("linear", fq, fk, v, dout, {"dwc_weight": None},
                                                           _options(causal, key_lengths, eps), {}))[:3]
     dq, dwq, dbq = _features_backward(q, wq, fq, dfq)

@@ -170,16 +170,21 @@ def _eps_check(fn, eps):
         raise ValueError("%s: eps must be a finite float >= 0, got %r" % (fn, eps))
 
 
-def _shared(fn, name, t, shape, q):
-    """A tensor every rank shares (a parameter): its shape, dtype and finiteness."""
-    t = _tensor(fn, name, t)
-    if list(t.shape) != list(shape):
-        raise ValueError("%s: %s has shape %s; expected %s" % (fn, name, list(t.shape), list(shape)))
+def _like_q(fn, name, t, q):
+    """A tensor argument beside q, after its shape check: q's dtype, and finite."""
     if t.dtype != q.dtype:
         raise TypeError("%s: %s must have q's dtype %s, got %s" % (fn, name, q.dtype, t.dtype))
     if not bool(torch.isfinite(t).all()):
         raise ValueError("%s: %s has a non-finite value" % (fn, name))
     return t
+
+
+def _shared(fn, name, t, shape, q):
+    """A tensor every rank shares (a parameter): its shape, dtype and finiteness."""
+    t = _tensor(fn, name, t)
+    if list(t.shape) != list(shape):
+        raise ValueError("%s: %s has shape %s; expected %s" % (fn, name, list(t.shape), list(shape)))
+    return _like_q(fn, name, t, q)
 
 
 def _dwc_check(fn, w, q, v, causal):
@@ -188,11 +193,7 @@ def _dwc_check(fn, w, q, v, causal):
         raise ValueError("%s: dwc_weight must be [heads = %d, K], got shape %s" % (fn, q.shape[1], list(w.shape)))
     if not causal and w.shape[1] % 2 == 0:
         raise ValueError("%s: dwc_weight's K must be odd unless causal, got K = %d" % (fn, w.shape[1]))
-    if w.dtype != q.dtype:
-        raise TypeError("%s: dwc_weight must have q's dtype %s, got %s" % (fn, q.dtype, w.dtype))
-    if not bool(torch.isfinite(w).all()):
-        raise ValueError("%s: dwc_weight has a non-finite value" % fn)
-    return w
+    return _like_q(fn, "dwc_weight", w, q)
 
 
 def linear_attention(q, k, v, *, feature_map=_option_default("linear_attention", "feature_map"), causal=False,
@@ -238,10 +239,7 @@ def favor_attention(q, k, v, projection, *, kernel=_option_default("favor_attent
         if w.requires_grad:
             raise ValueError("%s: projection has requires_grad=True, but it is a constant of the method (no "
                              "gradient flows to it); register it as a buffer or pass projection.detach()" % fn)
-        if w.dtype != q.dtype:
-            raise TypeError("%s: projection must have q's dtype %s, got %s" % (fn, q.dtype, w.dtype))
-        if not bool(torch.isfinite(w).all()):
-            raise ValueError("%s: projection has a non-finite value" % fn)
+        _like_q(fn, "projection", w, q)
         if kernel not in ("positive", "hyperbolic", "trig"):
             raise ValueError("%s: kernel must be positive, hyperbolic or trig, got %r" % (fn, kernel))
         s = holder["scale"] = _scale_of(fn, scale, q.shape[3])
@@ -325,10 +323,7 @@ def hybrid_attention(q, k, v, *, query_features=None, key_features=None, window_
                 if x.dim() != 4 or list(x.shape[:3]) != list(q.shape[:3]) or x.shape[3] < 1:
                     raise ValueError("%s: %s has shape %s; expected [batch, heads, n_local, m'] = [%d, %d, %d, m']"
                                      % (fn, name, list(x.shape), *q.shape[:3]))
-                if x.dtype != q.dtype:
-                    raise TypeError("%s: %s must have q's dtype %s, got %s" % (fn, name, q.dtype, x.dtype))
-                if not bool(torch.isfinite(x).all()):
-                    raise ValueError("%s: %s has a non-finite value" % (fn, name))
+                _like_q(fn, name, x, q)
                 _nonnegative(fn, name, x, "features of a map of the caller's; over ranks, padded positions too: "
                                           "give them zeros")
             if fq.shape[3] != fk.shape[3]:
@@ -374,10 +369,7 @@ def linformer_attention(q, k, v, e, f, *, key_lengths=None, scale=None, causal=F
             if x.dim() not in (2, 3) or (x.dim() == 3 and x.shape[0] != q.shape[1]):
                 raise ValueError("%s: %s must be [s_proj, n_max] or [heads = %d, s_proj, n_max], got shape %s"
                                  % (fn, name, q.shape[1], list(x.shape)))
-            if x.dtype != q.dtype:
-                raise TypeError("%s: %s must have q's dtype %s, got %s" % (fn, name, q.dtype, x.dtype))
-            if not bool(torch.isfinite(x).all()):
-                raise ValueError("%s: %s has a non-finite value" % (fn, name))
+            _like_q(fn, name, x, q)
         if E.shape != Fm.shape:
             raise ValueError("%s: f must have e's shape %s, got %s" % (fn, list(E.shape), list(Fm.shape)))
         holder.update(scale=_scale_of(fn, scale, q.shape[3]), e=E, f=Fm)
