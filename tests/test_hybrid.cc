@@ -1,6 +1,7 @@
 // hybrid_attention (sliding window + linear): the fast path against the float64 reference at a
 // derived rounding bound, for every mask, window size, feature map and thread count; every
 // gradient of the reference against central differences; window 0 against linear_attention;
+// FAVOR's features: window 0 against favor_attention, a whole window against softmax_attention;
 // any finite logit; bad input.
 #include <gtest/gtest.h>
 
@@ -11,6 +12,7 @@
 #include "linattn/hybrid.h"
 #include "linattn/hybrid/reference.h"
 #include "linattn/kernelized.h"
+#include "linattn/softmax.h"
 #include "test_util.h"
 
 namespace linattn {
@@ -22,7 +24,7 @@ using testing::random_tensor;
 struct Case {
   bool causal;
   int64_t window;
-  std::string map;  // "elu", "relu", "given"
+  std::string map;  // "elu", "relu", "given", "favor" (positive), "favor-hyperbolic"
   bool gate;
   bool lengths;
   int64_t n_q, n_k;
@@ -36,10 +38,10 @@ std::string name(const Case& c) {
 
 // Inputs of one case, in double (the reference's) with float copies.
 struct Inputs {
-  static constexpr int64_t B = 2, H = 3, d = 5, dv = 4, m = 6;
-  Tensor<double> q, k, v, dout, fq, fk, gate;
+  static constexpr int64_t B = 2, H = 3, d = 5, dv = 4, m = 6, num_features = 4;
+  Tensor<double> q, k, v, dout, fq, fk, gate, projection;
   HybridAttentionOptions opts;
-  bool given, gated;
+  bool given, gated, favor;
 
   Inputs(const Case& c, uint64_t seed, double q_sigma = 1.0)
       : q(random_tensor<double>({B, H, c.n_q, d}, seed, q_sigma)),
@@ -49,26 +51,31 @@ struct Inputs {
         fq(random_tensor<double>({B, H, c.n_q, m}, seed + 4)),
         fk(random_tensor<double>({B, H, c.n_k, m}, seed + 5)),
         gate(random_tensor<double>({H}, seed + 6)),
+        projection(random_tensor<double>({num_features, d}, seed + 7)),
         given(c.map == "given"),
-        gated(c.gate) {
+        gated(c.gate),
+        favor(c.map.rfind("favor", 0) == 0) {
     for (Tensor<double>* f : {&fq, &fk})  // non-negative features
       for (int64_t i = 0; i < f->size(); ++i) (*f)[i] = std::abs((*f)[i]);
     opts.causal = c.causal;
     opts.window = c.window;
-    opts.feature_map = c.map;
+    opts.feature_map = favor ? "favor" : c.map;
+    if (c.map == "favor-hyperbolic") opts.kernel = "hyperbolic";
     if (c.lengths) opts.key_lengths = std::vector<int64_t>{c.n_k, std::max<int64_t>(c.n_k - 7, 0)};
   }
   template <class T>
-  HybridInputs<T> inputs(const Tensor<T>& fq_t, const Tensor<T>& fk_t, const Tensor<T>& gate_t) const {
+  HybridInputs<T> inputs(const Tensor<T>& fq_t, const Tensor<T>& fk_t, const Tensor<T>& gate_t,
+                         const Tensor<T>& projection_t) const {
     HybridInputs<T> in;
     if (given) in.query_features = fq_t.view(), in.key_features = fk_t.view();
     if (gated) in.window_gate = gate_t.view();
+    if (favor) in.projection = projection_t.view();
     return in;
   }
-  HybridInputs<double> inputs() const { return inputs<double>(fq, fk, gate); }
+  HybridInputs<double> inputs() const { return inputs<double>(fq, fk, gate, projection); }
   template <class T>
   void round_to() {
-    for (Tensor<double>* t : {&q, &k, &v, &dout, &fq, &fk, &gate})
+    for (Tensor<double>* t : {&q, &k, &v, &dout, &fq, &fk, &gate, &projection})
       for (int64_t i = 0; i < t->size(); ++i) (*t)[i] = static_cast<double>(static_cast<T>((*t)[i]));
   }
 };
@@ -81,6 +88,13 @@ std::vector<Case> cases() {
         out.push_back({causal, w, map, w % 2 == 1, false, 23, 23});
         out.push_back({causal, w, map, true, true, 17, 30});  // n_q < n_k: bottom-right aligned
       }
+  for (bool causal : {false, true})  // FAVOR's two kernels, every window, with and without masks
+    for (int64_t w : {0, 1, 3, 8})
+      for (const char* map : {"favor", "favor-hyperbolic"}) {
+        out.push_back({causal, w, map, w % 2 == 1, false, 23, 23});
+        out.push_back({causal, w, map, true, true, 17, 30});
+      }
+  out.push_back({true, 4, "favor", true, true, 30, 17});
   out.push_back({true, 4, "elu", true, true, 30, 17});  // causal n_q > n_k: early rows see nothing
   out.push_back({false, 100, "given", true, false, 19, 19});  // the window covers everything
   return out;
@@ -93,6 +107,10 @@ std::vector<Case> cases() {
 // the row max) or γ_{m'+2} (a feature product), the exp and the maps add a few units of
 // roundoff, every sum of non-negative terms at most γ_{n_k+m'} relative; K = 6 bounds how many
 // rounded factors any term of a gradient multiplies (weight, g_i or c_i, v, feature, slope).
+// FAVOR adds 2·γ_{d+4}·(A + A_q + A_k): each logit L = √scale·ω·x − scale·‖x‖²/2 is off by at
+// most γ_{d+3}·A_x (A_x = max over rows and features of √scale·Σ|ω_t x_t| + scale·Σx_t²/2), and
+// every shift (L + peak − R, s − R) rounds once more, relative to |s| + |L_q| + |L_k|; an error δ
+// in an exponent is a relative error δ in the weight.
 template <class T>
 double epsilon(const Inputs& x, const Case& c, double scale) {
   double A = 0;
@@ -104,7 +122,25 @@ double epsilon(const Inputs& x, const Case& c, double scale) {
         A = std::max(A, std::abs(scale) * s);
       }
   const double n = static_cast<double>(c.n_k + Inputs::m + Inputs::d + Inputs::dv + 16);
-  return 6 * (2 * testing::gamma<T>(Inputs::d + 1) * A + testing::gamma<T>(n));
+  double eps = 6 * (2 * testing::gamma<T>(Inputs::d + 1) * A + testing::gamma<T>(n));
+  if (x.favor) {
+    auto logit_size = [&](const Tensor<double>& rows) {
+      double top = 0;
+      for (int64_t r = 0; r < rows.size() / Inputs::d; ++r) {
+        const double* xr = rows.data() + r * Inputs::d;
+        double h = 0;
+        for (int64_t t = 0; t < Inputs::d; ++t) h += scale * xr[t] * xr[t] / 2;
+        for (int64_t f = 0; f < Inputs::num_features; ++f) {
+          double u = 0;
+          for (int64_t t = 0; t < Inputs::d; ++t) u += std::sqrt(scale) * std::abs(x.projection[f * Inputs::d + t] * xr[t]);
+          top = std::max(top, u + h);
+        }
+      }
+      return top;
+    };
+    eps += 6 * 2 * testing::gamma<T>(Inputs::d + 4) * (A + logit_size(x.q) + logit_size(x.k));
+  }
+  return eps;
 }
 
 Tensor<double> bound_of(const Tensor<double>& magnitude, double eps) {
@@ -122,14 +158,14 @@ void compare(const Case& c, int threads) {
   Inputs x(c, 100 + static_cast<uint64_t>(c.window) * 7 + c.n_q);
   x.round_to<T>();  // the T inputs are exactly the reference's
   const Tensor<T> q = cast<T>(x.q), k = cast<T>(x.k), v = cast<T>(x.v), dout = cast<T>(x.dout), fq = cast<T>(x.fq),
-                  fk = cast<T>(x.fk), gate = cast<T>(x.gate);
+                  fk = cast<T>(x.fk), gate = cast<T>(x.gate), projection = cast<T>(x.projection);
   const auto in_y = x.inputs();
   const Tensor<double> want_t = reference::hybrid_attention(x.q, x.k, x.v, in_y, x.opts);
   const Tensor<double> mag = reference::hybrid_attention(x.q, x.k, x.v, in_y, x.opts, true);
   const AttentionGrads<double> gwant_t = reference::hybrid_attention_backward(x.q, x.k, x.v, x.dout, in_y, x.opts);
   const AttentionGrads<double> gmag = reference::hybrid_attention_backward(x.q, x.k, x.v, x.dout, in_y, x.opts, true);
   const double eps = epsilon<T>(x, c, 1 / std::sqrt(static_cast<double>(Inputs::d)));
-  const auto in = x.inputs<T>(fq, fk, gate);
+  const auto in = x.inputs<T>(fq, fk, gate, projection);
   testing::expect_within(hybrid_attention<T>(q, k, v, in, x.opts), want_t, bound_of(mag, eps), "out");
   const AttentionGrads<T> g = hybrid_attention_backward<T>(q, k, v, dout, in, x.opts);
   testing::expect_within(g.dq, gwant_t.dq, bound_of(gmag.dq, eps), "dq");
@@ -157,7 +193,9 @@ INSTANTIATE_TEST_SUITE_P(Threads, HybridVsReference, ::testing::Values(1, 3, 8, 
 // differences of the reference's forward, for every input with a gradient.
 TEST(HybridGradients, ReferenceMatchesFiniteDifferences) {
   for (const Case& c : {Case{true, 3, "elu", true, true, 9, 11}, Case{false, 2, "relu", true, true, 10, 10},
-                        Case{false, 2, "given", true, true, 8, 12}, Case{true, 4, "given", true, false, 9, 9}}) {
+                        Case{false, 2, "given", true, true, 8, 12}, Case{true, 4, "given", true, false, 9, 9},
+                        Case{true, 3, "favor", true, true, 9, 11}, Case{false, 2, "favor-hyperbolic", true, true, 10, 10},
+                        Case{false, 1, "favor", false, false, 8, 12}}) {
     SCOPED_TRACE(name(c));
     Inputs x(c, 7);
     const Tensor<double> G = random_tensor<double>({Inputs::B, Inputs::H, c.n_q, Inputs::dv}, 99);
@@ -174,7 +212,7 @@ TEST(HybridGradients, ReferenceMatchesFiniteDifferences) {
       testing::expect_gradient(x.fq, g.param("query_features"), loss, "query_features");
       testing::expect_gradient(x.fk, g.param("key_features"), loss, "key_features");
     }
-    testing::expect_gradient(x.gate, g.param("window_gate"), loss, "window_gate");
+    if (x.gated) testing::expect_gradient(x.gate, g.param("window_gate"), loss, "window_gate");
   }
 }
 
@@ -199,25 +237,57 @@ TEST(Hybrid, WindowZeroIsLinearAttention) {
     }
 }
 
-// Scores of ±1e4 (far beyond exp's range unshifted): the window is shifted by its row maximum,
-// so the output is finite and matches the reference.
+// Scores of ±1e4 (far beyond exp's range unshifted): the window is shifted by its row maximum
+// (FAVOR: every term by the row's largest), so the output is finite and, in float64, matches the
+// reference at the derived bound.
 TEST(Hybrid, AnyFiniteLogitIsSafe) {
-  for (bool causal : {false, true}) {
-    const Case c{causal, 3, "given", true, true, 15, 15};
-    const Inputs x(c, 5, 60.0);
-    const Tensor<double> want = reference::hybrid_attention(x.q, x.k, x.v, x.inputs(), x.opts);
-    const Tensor<float> q = cast<float>(x.q), k = cast<float>(x.k), v = cast<float>(x.v), fq = cast<float>(x.fq),
-                        fk = cast<float>(x.fk), gate = cast<float>(x.gate);
-    const Tensor<float> got = hybrid_attention<float>(q, k, v, x.inputs<float>(fq, fk, gate), x.opts);
-    for (int64_t i = 0; i < got.size(); ++i) {
-      ASSERT_TRUE(std::isfinite(got[i])) << i;
-      ASSERT_TRUE(std::isfinite(want[i])) << i;
+  for (const char* map : {"given", "favor", "favor-hyperbolic"})
+    for (bool causal : {false, true}) {
+      SCOPED_TRACE(std::string(map) + (causal ? " causal" : ""));
+      const Case c{causal, 3, map, true, true, 15, 15};
+      Inputs x(c, 5, 60.0);
+      x.round_to<float>();
+      const auto in_y = x.inputs();
+      const Tensor<double> want = reference::hybrid_attention(x.q, x.k, x.v, in_y, x.opts);
+      const Tensor<float> q = cast<float>(x.q), k = cast<float>(x.k), v = cast<float>(x.v), fq = cast<float>(x.fq),
+                          fk = cast<float>(x.fk), gate = cast<float>(x.gate), projection = cast<float>(x.projection);
+      const auto in = x.inputs<float>(fq, fk, gate, projection);
+      const Tensor<float> got = hybrid_attention<float>(q, k, v, in, x.opts);
+      for (int64_t i = 0; i < got.size(); ++i) {
+        ASSERT_TRUE(std::isfinite(got[i])) << i;
+        ASSERT_TRUE(std::isfinite(want[i])) << i;
+      }
+      const AttentionGrads<float> g = hybrid_attention_backward<float>(q, k, v, cast<float>(x.dout), in, x.opts);
+      for (const Tensor<float>* t : {&g.dq, &g.dk, &g.dv})
+        for (int64_t i = 0; i < t->size(); ++i) ASSERT_TRUE(std::isfinite((*t)[i])) << i;
+      const double eps = epsilon<double>(x, c, 1 / std::sqrt(static_cast<double>(Inputs::d)));
+      testing::expect_within(hybrid_attention<double>(x.q, x.k, x.v, in_y, x.opts), want,
+                             bound_of(reference::hybrid_attention(x.q, x.k, x.v, in_y, x.opts, true), eps), "out");
     }
-    const AttentionGrads<float> g =
-        hybrid_attention_backward<float>(q, k, v, cast<float>(x.dout), x.inputs<float>(fq, fk, gate), x.opts);
-    for (const Tensor<float>* t : {&g.dq, &g.dk, &g.dv})
-      for (int64_t i = 0; i < t->size(); ++i) ASSERT_TRUE(std::isfinite((*t)[i])) << i;
-  }
+}
+
+// With FAVOR's features the hybrid is the estimator of softmax with exact weights inside the
+// window: window 0 is favor_attention (eps = 0: FAVOR has none), and a window over every key
+// is softmax_attention exactly, whatever the projection.
+TEST(Hybrid, FavorEndsAreFavorAndSoftmax) {
+  for (const char* map : {"favor", "favor-hyperbolic"})
+    for (bool causal : {false, true}) {
+      SCOPED_TRACE(std::string(map) + (causal ? " causal" : ""));
+      Inputs x(Case{causal, 0, map, false, true, 21, 21}, 3);
+      x.opts.eps = 0;
+      FavorOptions fo;
+      fo.causal = causal;
+      fo.key_lengths = x.opts.key_lengths;
+      fo.kernel = x.opts.kernel;
+      const Tensor<double> favor = favor_attention<double>(x.q, x.k, x.v, x.projection, fo);
+      const Tensor<double> zero = hybrid_attention<double>(x.q, x.k, x.v, x.inputs(), x.opts);
+      ASSERT_EQ(favor.shape(), zero.shape());
+      for (int64_t i = 0; i < favor.size(); ++i) EXPECT_NEAR(zero[i], favor[i], 1e-12 * (1 + std::abs(favor[i]))) << i;
+      x.opts.window = 100;
+      const Tensor<double> soft = softmax_attention<double>(x.q, x.k, x.v, fo).out;
+      const Tensor<double> whole = hybrid_attention<double>(x.q, x.k, x.v, x.inputs(), x.opts);
+      for (int64_t i = 0; i < soft.size(); ++i) EXPECT_NEAR(whole[i], soft[i], 1e-12 * (1 + std::abs(soft[i]))) << i;
+    }
 }
 
 TEST(Hybrid, BadInputIsAnErrorNamingIt) {
@@ -235,7 +305,7 @@ TEST(Hybrid, BadInputIsAnErrorNamingIt) {
   EXPECT_TRUE(has(err(x.inputs(), o), "window must be >= 0"));
   o = x.opts;
   o.feature_map = "cosine";
-  EXPECT_TRUE(has(err(x.inputs(), o), "feature_map must be 'elu', 'relu' or 'given'"));
+  EXPECT_TRUE(has(err(x.inputs(), o), "feature_map must be 'elu', 'relu', 'given' or 'favor'"));
   HybridInputs<double> in = x.inputs();
   in.key_features.reset();
   EXPECT_TRUE(has(err(in, x.opts), "feature_map='given' needs query_features"));
@@ -258,6 +328,30 @@ TEST(Hybrid, BadInputIsAnErrorNamingIt) {
   o = x.opts;
   o.eps = -1;
   EXPECT_TRUE(has(err(x.inputs(), o), "eps must be finite and >= 0"));
+  // FAVOR's options.
+  Inputs xf(Case{true, 2, "favor", true, false, 6, 6}, 1);
+  auto err_f = [&](HybridInputs<double> in_f, HybridAttentionOptions of) {
+    return testing::error_of([&] { hybrid_attention<double>(xf.q, xf.k, xf.v, in_f, of); });
+  };
+  o = xf.opts;
+  o.kernel = "trig";
+  EXPECT_TRUE(has(err_f(xf.inputs(), o), "kernel must be 'positive' or 'hyperbolic' with feature_map='favor'"));
+  in = xf.inputs();
+  in.projection.reset();
+  EXPECT_TRUE(has(err_f(in, xf.opts), "feature_map='favor' needs projection"));
+  const Tensor<double> wide({Inputs::num_features, Inputs::d + 1});
+  in = xf.inputs();
+  in.projection = wide.view();
+  EXPECT_TRUE(has(err_f(in, xf.opts), "projection has shape [4, 6]; expected [num_features >= 1, 5]"));
+  o = xf.opts;
+  o.scale = -0.5;
+  EXPECT_TRUE(has(err_f(xf.inputs(), o), "scale must be > 0 for random features"));
+  o = xf.opts;
+  o.feature_map = "elu";
+  EXPECT_TRUE(has(err_f(xf.inputs(), o), "projection is given, but feature_map is 'elu'"));
+  o = x.opts;
+  o.kernel = "hyperbolic";
+  EXPECT_TRUE(has(err(x.inputs(), o), "kernel='hyperbolic' applies to feature_map='favor' only"));
 }
 
 }  // namespace

@@ -13,6 +13,7 @@ the inputs' weights summing to at most κ = 2^4 times the result's largest magni
 difference is below N·u·κ = 2^-33 times the largest magnitude of the reference tensor. float32
 (two cases): the same with u = 2^-24 and N = 2^8 per value along the kernel's own blocks,
 2^-12."""
+import inspect
 import os
 import traceback
 
@@ -76,6 +77,13 @@ CASES = {
     "hybrid_closed_gate_f32": ("hybrid_attention", dict(window=8, causal=True, key_lengths=[37, 6], given=4,
                                                         gate=-16.0, dtype=torch.float32), "contiguous"),
     "hybrid_closed_gate_zigzag": ("hybrid_attention", dict(window=6, key_lengths=[37, 5], gate=-16.0), "zigzag"),
+    # FAVOR's features: an unshifted window, each row shifted by R_i over ranks.
+    "hybrid_favor": ("hybrid_attention", dict(window=3, key_lengths=[37, 23], gate=True, favor="positive"),
+                     "contiguous"),
+    "hybrid_favor_hyperbolic_causal_zigzag": ("hybrid_attention", dict(window=4, causal=True, key_lengths=[37, 4],
+                                                                       favor="hyperbolic"), "zigzag"),
+    "hybrid_favor_no_window_f32": ("hybrid_attention", dict(window=0, key_lengths=[37, 23], favor="positive",
+                                                            dtype=torch.float32), "contiguous"),
     "efficient": ("efficient_attention", dict(key_lengths=[37, 4]), "contiguous"),
     "efficient_zigzag": ("efficient_attention", dict(scale=0.5), "zigzag"),
     "linformer": ("linformer_attention", dict(key_lengths=[37, 23], e_shape=(5, 40)), "contiguous"),
@@ -117,6 +125,10 @@ def inputs(name):
         params.append("window_gate")
     if function == "favor_attention":
         opts["projection"] = torch.from_numpy(linattn.random_features(16, D, seed=3))
+    if "favor" in opts:
+        opts.update(feature_map="favor", kernel=opts.pop("favor"),
+                    projection=torch.from_numpy(linattn.random_features(16, D, seed=3)))
+        q, k = q / 2, k / 2  # FAVOR's estimate at the hybrid's larger scores would be noise
     if "e_shape" in opts:
         shape = opts.pop("e_shape")
         opts["e"], opts["f"] = 0.3 * r(*shape), 0.3 * r(*shape)
@@ -132,7 +144,9 @@ def run_case(name, fn, q, k, v, dout, opts, params):
     opts = dict(opts)
     trained = {p: opts[p].detach().requires_grad_() for p in params}
     opts.update(trained)
-    positional = [opts.pop(p) for p in POSITIONAL if p in opts]
+    takes = inspect.signature(fn).parameters
+    positional = [opts.pop(p) for p in POSITIONAL
+                  if p in opts and takes[p].kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
     out = fn(q, k, v, *positional, **opts)
     (out * dout).sum().backward()
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
@@ -160,6 +174,9 @@ def _errors(dist_mod, rank):
             (H,), float(rank), dtype=torch.float64)),
         "negative_features": lambda: dist_mod.hybrid_attention(q, q, q, feature_map="given", query_features=q,
                                                                key_features=q.abs()),
+        "hybrid_favor_trig": lambda: dist_mod.hybrid_attention(
+            q, q, q, window=2, feature_map="favor", kernel="trig",
+            projection=torch.from_numpy(linattn.random_features(8, D, seed=1)).double()),
         "hedgehog_weight_shape": lambda: dist_mod.hedgehog_attention(
             q, q, q, torch.zeros(H, D + 1, 3, dtype=torch.float64), torch.zeros(H, 3, dtype=torch.float64),
             torch.zeros(H, D, 3, dtype=torch.float64), torch.zeros(H, 3, dtype=torch.float64)),
@@ -299,7 +316,7 @@ def test_matches_single_process(world, name):
 def test_errors_raised_on_every_rank(world):
     w, results = world
     everywhere = {"key_lengths_too_long", "efficient_causal", "nystrom", "layout", "negative_features",
-                  "hedgehog_weight_shape"}
+                  "hedgehog_weight_shape", "hybrid_favor_trig"}
     if w > 1:
         everywhere |= {"dtype_on_rank_1", "causal_differs", "projection_differs", "zigzag_sizes", "window_differs",
                        "gate_differs"}
@@ -323,7 +340,8 @@ def test_errors_raised_on_every_rank(world):
             words = {"key_lengths_too_long": "key_lengths must lie in [0, n]", "efficient_causal": "causal=True",
                      "nystrom": "not available", "layout": "layout must be one of",
                      "negative_features": "query_features must be >= 0",
-                     "hedgehog_weight_shape": "query_weight has shape"}[key]
+                     "hedgehog_weight_shape": "query_weight has shape",
+                     "hybrid_favor_trig": "kernel must be positive or hyperbolic"}[key]
             assert all(g[0] == "ValueError" and words in g[1] for g in got), got
     for key in set(results[0]["errors"]) - everywhere:  # valid on this world size: no error anywhere
         assert all(res["errors"][key] is None for res in results), key

@@ -68,6 +68,39 @@ def test_hybrid_matches_its_definition_and_gradcheck(causal, window):
     assert torch.autograd.gradcheck(f, (q, k, v, fq, fk, gate))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kernel", ["positive", "hyperbolic"])
+def test_favor_hybrid_matches_its_definition_and_gradcheck(causal, kernel):
+    # FAVOR's features estimate e^{s} itself, so the window is unshifted: w_ij = γ e^{s_ij} inside,
+    # mean_r e^{L_q,ir + L_k,jr} outside, L = √scale·ω·x − scale·‖x‖²/2 (±ω: hyperbolic).
+    g = torch.Generator().manual_seed(3)
+    B, H, n, d, m, window, eps = 2, 3, 13, 4, 5, 3, 1e-6
+    q, k, v = (torch.randn(B, H, n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    gate = torch.randn(H, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(m, d, generator=g, dtype=torch.float64)
+    lengths = [13, 9]
+
+    def f(q, k, v, gate):
+        return lt.hybrid_attention(q, k, v, window_gate=gate, window=window, feature_map="favor", projection=w,
+                                   kernel=kernel, causal=causal, key_lengths=lengths, eps=eps)
+
+    def logits(x):
+        u = x @ w.T * d ** -0.25
+        h = (x * x).sum(-1, keepdim=True) / d ** 0.5 / 2
+        return torch.cat([u - h, -u - h], -1) if kernel == "hyperbolic" else u - h
+
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None]
+    visible = j <= i if causal else torch.ones(n, n, dtype=torch.bool)
+    win = visible & ((j > i - window) if causal else ((i - j).abs() <= window))
+    keep = (j[None] < torch.as_tensor(lengths)[:, None, None])[:, None]  # [B, 1, 1, n_k]
+    s = q @ k.transpose(-1, -2) / d ** 0.5
+    lin = torch.exp(logits(q)[..., :, None, :] + logits(k)[..., None, :, :]).mean(-1)
+    weights = torch.where(win, torch.sigmoid(gate)[None, :, None, None] * torch.exp(s), lin) * (visible & keep)
+    want = (weights @ v) / (weights.sum(-1, keepdim=True) + eps)
+    assert torch.allclose(f(q, k, v, gate), want, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(f, (q, k, v, gate))
+
+
 def test_hybrid_bad_input_is_a_clear_error():
     q = torch.randn(1, 2, 5, 4)
     f = torch.rand(1, 2, 5, 3)
@@ -79,6 +112,13 @@ def test_hybrid_bad_input_is_a_clear_error():
         lt.hybrid_attention(q, q, q, window_gate=torch.zeros(3))
     with pytest.raises(ValueError, match="pass feature_map='given'"):
         lt.hybrid_attention(q, q, q, query_features=f, key_features=f)
+    w = torch.randn(8, 4)
+    with pytest.raises(ValueError, match="kernel must be 'positive' or 'hyperbolic' with feature_map='favor'"):
+        lt.hybrid_attention(q, q, q, feature_map="favor", projection=w, kernel="trig")
+    with pytest.raises(ValueError, match="feature_map='favor' needs projection"):
+        lt.hybrid_attention(q, q, q, feature_map="favor")
+    with pytest.raises(ValueError, match="pass feature_map='favor'"):
+        lt.hybrid_attention(q, q, q, projection=w)
 
 
 @pytest.mark.parametrize("window", [0, 3])
@@ -151,7 +191,8 @@ def test_linearize_adds_maps_freezes_the_rest_and_matches_hedgehog_attention(min
     assert (got - want).transpose(1, 2)[valid].abs().max() <= 2.0 ** -14 * want.abs().max()
 
 
-@pytest.mark.parametrize("feature_map,window", [("hedgehog", 0), ("hedgehog", 4), ("none", 4), ("elu", 4)])
+@pytest.mark.parametrize("feature_map,window", [("hedgehog", 0), ("hedgehog", 4), ("none", 4), ("elu", 4),
+                                                ("favor", 4)])
 def test_attention_transfer_lowers_every_layer_loss(minilm, feature_map, window):
     path, tok = minilm
     original = load(path).eval()
@@ -229,7 +270,7 @@ def test_conversion_bad_input_and_failure_leaves_the_model_as_it_was(minilm):
         lh.attention_transfer(lh.linearize(load(path), feature_dim=4), tok, TEXTS, steps=0)
 
 
-@pytest.mark.parametrize("feature_map,window", [("hedgehog", 0), ("hedgehog", 5), ("none", 5)])
+@pytest.mark.parametrize("feature_map,window", [("hedgehog", 0), ("hedgehog", 5), ("none", 5), ("favor", 5)])
 def test_causal_llama_conversion_is_causal_and_generates_like_its_forward(feature_map, window):
     lh.register()
     cfg = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

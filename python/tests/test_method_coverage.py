@@ -47,8 +47,9 @@ def test_every_method_is_in_distributed():
     import inspect
     assert {"hedgehog_attention", "hedgehog_attention_backward", "hedgehog_features"} <= set(linattn.__all__)
     assert "hedgehog_attention" in ltd.__all__
-    single = list(inspect.signature(lt.hedgehog_attention).parameters)
-    assert list(inspect.signature(ltd.hedgehog_attention).parameters)[:len(single)] == single
+    for function in ("hedgehog_attention", "hybrid_attention"):  # linattn.torch's signature, then group, layout
+        single = list(inspect.signature(getattr(lt, function)).parameters)
+        assert list(inspect.signature(getattr(ltd, function)).parameters) == single + ["group", "layout"], function
 
 
 def test_the_absent_list_names_only_real_gaps():

@@ -74,13 +74,17 @@ class Kernelized(Backend):
 
 
 class Favor(Backend):
-    """Performer / FAVOR+: a fixed projection per layer (a buffer, seed + layer index)."""
+    """Performer / FAVOR+: a fixed projection per layer (a buffer, seed + layer index), and the
+    sliding-window hybrid (window): exact e^{s} inside the window, FAVOR's estimate beyond it."""
 
     def attach(self, module, anchor, user):
         projection(module, anchor, user)
 
     def options(self, module, query, user):
         return dict(self.fixed, kernel=user["kernel"], projection=projection(module, query, user))
+
+    def hybrid_features(self, module, query, key, user):
+        return {"feature_map": "favor", "kernel": user["kernel"], "projection": projection(module, query, user)}
 
 
 class Nystrom(Backend):
@@ -157,7 +161,7 @@ BACKENDS = {b.name: b for b in (
     Kernelized("linattn_focused", "linear_attention", {"feature_map": "focused"},
                {"eps": 1e-6, "focus_power": 3.0, "dwc_kernel_size": None}),
     Favor("linattn_favor", "favor_attention", {}, {"num_features": 256, "features": "orthogonal",
-                                                   "kernel": "positive", "seed": 0}),
+                                                   "kernel": "positive", "seed": 0, "window": 0}),
     Nystrom("linattn_nystrom", "nystrom_attention", {}, {"num_landmarks": 64, "pinv_iterations": 6,
                                                          "pinv": "iterative", "conv_kernel_size": None}),
     Linformer("linattn_linformer", "linformer_attention", {}, {"s_proj": 256, "max_seq_len": None, "init": "pool"}),

@@ -11,7 +11,8 @@ from .backends import BACKENDS, PREFIX, attention_modules, detach_all, register,
 
 # linearize's feature_map -> the backend it switches to. "none": the window alone (exact softmax
 # over the window, nothing beyond), the baseline that shows what the linear part earns.
-_CONVERSIONS = {"hedgehog": "linattn_hedgehog", "elu": "linattn_elu", "relu": "linattn_relu", "none": "linattn_window"}
+_CONVERSIONS = {"hedgehog": "linattn_hedgehog", "elu": "linattn_elu", "relu": "linattn_relu", "favor": "linattn_favor",
+                "none": "linattn_window"}
 
 
 def linearize(model, feature_map="hedgehog", window=0, feature_dim=32, init="identity"):
@@ -20,12 +21,15 @@ def linearize(model, feature_map="hedgehog", window=0, feature_dim=32, init="ide
     converting a pretrained softmax model (then attention_transfer).
 
     feature_map: "hedgehog" (HedgehogFeatureMap per layer, for queries and keys; backend
-    linattn_hedgehog), "elu" or "relu" (fixed maps; only the window gate is learned), or "none"
-    (window > 0 required: exact softmax inside the window and nothing beyond, the baseline).
+    linattn_hedgehog), "elu", "relu" or "favor" (fixed maps; only the window gate is learned;
+    favor: FAVOR+ positive random features, feature_dim of them, which estimate e^{q·k} beyond an
+    unshifted exact window), or "none" (window > 0 required: exact softmax inside the window and
+    nothing beyond, the baseline).
     window: 0, plain linear attention; w > 0, the sliding-window hybrid: exact softmax over the
     last w keys (causal models; |i - j| <= w in encoders) with the map beyond it and one
     normaliser, and a learned gate g per head (γ = sigmoid(g) scales the window; g = 0 at first).
-    feature_dim: f, m' = 2f features per head (hedgehog). init: "identity" (W = the identity's
+    feature_dim: f, m' = 2f features per head (hedgehog); m = f random features (favor); unused by
+    elu, relu and none (their feature count is head_dim, or none). init: "identity" (W = the identity's
     first f columns, b = 0) or "random" (hedgehog). The model's other parameters get
     requires_grad=False; the new ones get True. Raises ValueError before changing anything when
     an argument is wrong or the model has no attention module that linattn can drive; a failure
@@ -62,6 +66,8 @@ def linearize(model, feature_map="hedgehog", window=0, feature_dim=32, init="ide
         options = {"window": int(window)}
         if feature_map == "hedgehog":
             options.update(feature_dim=int(feature_dim), init=init)
+        elif feature_map == "favor":
+            options.update(num_features=int(feature_dim))
         set_options(model, **options)
         model.config.linattn_backend = name  # saved with the model: from_pretrained() reads it
         for p in learned_parameters(model):

@@ -20,10 +20,12 @@ Call<T> call_from(const MethodArgs<T>& a) {
   r.read_common(c.opts);
   r.read("window", c.opts.window);
   r.read("feature_map", c.opts.feature_map);
+  r.read("kernel", c.opts.kernel);
   r.read("eps", c.opts.eps);
   c.in.query_features = r.tensor("query_features");
   c.in.key_features = r.tensor("key_features");
   c.in.window_gate = r.tensor("window_gate");
+  c.in.projection = r.tensor("projection");
   return c;
 }
 

@@ -11,6 +11,12 @@
 // key j; the window gives de_ij = γ(g_i·v_j + c_i), dv_j += γ e_ij g_i, ds_ij = e_ij de_ij, and
 // the shift M_i = s_i,argmax takes −Σ_j ds_ij (the linear part is not shifted, so the output is
 // not invariant to M_i and its gradient counts). Parallel over items: no atomics.
+// FAVOR's features (φ_r = exp(L_r)/√m', estimating e^{s_ij}): the window is unshifted, so every
+// term of row i is put on one scale R_i = max(M_i, max_r(L_q,ir + peak_r)) over the states it
+// meets, raised as the terms arrive (num_i, den_i rescaled); each state keeps per-feature
+// running maxima (peak) of what entered it, so every stored term is <= 1 and eps enters as
+// eps·e^{−R_i}. R_i and the peaks only shift whole rows and columns: they take no gradient, and
+// the backward uses the same sums, weighted by the features themselves (∂exp(L)/∂L = exp(L)).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -63,8 +69,25 @@ Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, T
     s.map = Map::Relu;
   } else if (opts.feature_map == "given") {
     s.map = Map::Given;
+  } else if (opts.feature_map == "favor") {
+    s.map = Map::Favor;
   } else {
-    fail(fn, ": feature_map must be 'elu', 'relu' or 'given', got '", opts.feature_map, "'");
+    fail(fn, ": feature_map must be 'elu', 'relu', 'given' or 'favor', got '", opts.feature_map, "'");
+  }
+  const HybridAttentionOptions defaults;
+  if (s.map == Map::Favor) {
+    require(opts.kernel == "positive" || opts.kernel == "hyperbolic", fn,
+            ": kernel must be 'positive' or 'hyperbolic' with feature_map='favor' (the hybrid's weights must be >= 0; "
+            "trig's are not), got '", opts.kernel, "'");
+    s.favor_kind = opts.kernel == "positive" ? FeatureMapKind::FavorPositive : FeatureMapKind::FavorHyperbolic;
+    require(in.projection.has_value(), fn,
+            ": feature_map='favor' needs projection ω [num_features, head_dim] (from random_features)");
+    s.features = favor_map(fn, s, in).dim();  // checks the projection's shape and values and scale > 0
+  } else {
+    require(!in.projection, fn, ": projection is given, but feature_map is '", opts.feature_map,
+            "'; pass feature_map='favor' to use it");
+    require(opts.kernel == defaults.kernel, fn, ": kernel='", opts.kernel, "' applies to feature_map='favor' only, but ",
+            "feature_map is '", opts.feature_map, "'");
   }
   if (s.map == Map::Given) {
     require(in.query_features && in.key_features, fn,
@@ -85,6 +108,11 @@ Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, T
   } else {
     require(!in.query_features && !in.key_features, fn, ": query_features or key_features is given, but feature_map ",
             "is '", opts.feature_map, "'; pass feature_map='given' to use them");
+  }
+  if (s.map == Map::Favor) {
+    // Every term is shifted to at most 1 (R_i, the states' running maxima): nothing to bound.
+    s.feature_max_q = s.feature_max_k = 1;
+  } else if (s.map != Map::Given) {
     s.features = d.head_dim;
     s.feature_max_q = s.map == Map::Elu ? 1 + d.q_max : d.q_max;
     s.feature_max_k = s.map == Map::Elu ? 1 + d.k_max : d.k_max;
@@ -116,25 +144,34 @@ template <class T>
 struct Scratch {
   Scratch(const Setup& s, bool backward) {
     const int64_t m = s.features, dv = s.d.value_dim, nq = s.d.n_q, nk = s.d.n_k;
-    const bool own = s.map != Map::Given;
-    fq = Buffer<T>(own ? nq * m : 0, true, Init::Uninitialized);
-    fk = Buffer<T>(own ? nk * m : 0, true, Init::Uninitialized);
+    const bool own = s.map == Map::Elu || s.map == Map::Relu, favor = s.map == Map::Favor;
+    fq = Buffer<T>(own || favor ? nq * m : 0, true, Init::Uninitialized);  // favor: the logits L
+    fk = Buffer<T>(own || favor ? nk * m : 0, true, Init::Uninitialized);
     state = Buffer<T>(m * dv);
     z = Buffer<T>(m);
     scores = Buffer<T>(std::min<int64_t>(2 * s.opts.window + 1, std::max<int64_t>(nk, 1)), true, Init::Uninitialized);
     den = Buffer<T>(nq, true, Init::Uninitialized);
+    shift = Buffer<T>(nq, true, Init::Uninitialized);
+    row = Buffer<T>(favor ? m : 0, true, Init::Uninitialized);
+    peak = Buffer<T>(favor ? m : 0, true, Init::Uninitialized);
     if (backward) {
       num = Buffer<T>(nq * dv, true, Init::Uninitialized);
       g = Buffer<T>(nq * dv, true, Init::Uninitialized);
       c = Buffer<T>(nq, true, Init::Uninitialized);
       dfq = Buffer<T>(nq * m, true, Init::Uninitialized);
       dfk = Buffer<T>(nk * m, true, Init::Uninitialized);
+      if (favor) {  // FeatureMap::logits_backward's scratch
+        const int64_t hd = s.d.head_dim;
+        map_scratch = Buffer<T>(std::max(nq, nk) * std::max(m, hd), true, Init::Uninitialized);
+      }
     }
   }
-  Buffer<T> fq, fk, state, z, scores, den, num, g, c, dfq, dfk;
+  // shift: per query, M_i (the window's maximum score) or, with FAVOR, R_i. row and peak: FAVOR's
+  // features of one row in the state's scale, and the state's per-feature shifts.
+  Buffer<T> fq, fk, state, z, scores, den, shift, row, peak, num, g, c, dfq, dfk, map_scratch;
 };
 
-// One item's rows: inputs, features (given, or made in scratch) and γ.
+// One item's rows: inputs, features (given, made in scratch, or FAVOR's logits) and γ.
 template <class T>
 struct Item {
   const T *q, *k, *v, *fq, *fk;
@@ -143,8 +180,8 @@ struct Item {
 };
 
 template <class T>
-Item<T> item(const Setup& s, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
-             const HybridInputs<T>& in, const KeyMask& mask, int64_t bh, Scratch<T>& w) {
+Item<T> item(const char* fn, const Setup& s, const FeatureMap<T>* favor, TensorView<const T> q, TensorView<const T> k,
+             TensorView<const T> v, const HybridInputs<T>& in, const KeyMask& mask, int64_t bh, Scratch<T>& w) {
   Item<T> it{q.row(bh, 0), k.row(bh, 0), v.row(bh, 0), nullptr, nullptr,
              static_cast<T>(s.gamma[static_cast<size_t>(bh % s.d.heads)]), mask.key_length(bh / s.d.heads)};
   if (s.map == Map::Given) {
@@ -152,16 +189,21 @@ Item<T> item(const Setup& s, TensorView<const T> q, TensorView<const T> k, Tenso
     it.fk = in.key_features->row(bh, 0);
     return it;
   }
-  const int64_t d = s.d.head_dim;
-  auto make = [&](const T* x, int64_t rows, T* f) {
-    if (s.map == Map::Elu) {
-      simd::elu_plus_one(x, f, static_cast<size_t>(rows * d));
-    } else {
-      for (int64_t i = 0; i < rows * d; ++i) f[i] = std::max(x[i], T(0));
-    }
-  };
-  make(it.q, s.d.n_q, w.fq.data());
-  make(it.k, it.L, w.fk.data());
+  if (s.map == Map::Favor) {  // L = ω·x̃ − ‖x̃‖²/2 for queries too: their norm no longer cancels
+    favor->logits(fn, it.q, s.d.n_q, Side::QueryWithNorm, w.fq.data(), nullptr);
+    favor->logits(fn, it.k, it.L, Side::Key, w.fk.data(), nullptr);
+  } else {
+    const int64_t d = s.d.head_dim;
+    auto make = [&](const T* x, int64_t rows, T* f) {
+      if (s.map == Map::Elu) {
+        simd::elu_plus_one(x, f, static_cast<size_t>(rows * d));
+      } else {
+        for (int64_t i = 0; i < rows * d; ++i) f[i] = std::max(x[i], T(0));
+      }
+    };
+    make(it.q, s.d.n_q, w.fq.data());
+    make(it.k, it.L, w.fk.data());
+  }
   it.fq = w.fq.data();
   it.fk = w.fk.data();
   return it;
@@ -178,13 +220,9 @@ void add_outer(T* S, T* z, const T* a, const T* b, T b_last, int64_t m, int64_t 
   }
 }
 
-// [num | den] (+)= fᵀ[S | z].
+// [num | den] += fᵀ[S | z].
 template <class T>
-void apply_state(const T* S, const T* z, const T* f, int64_t m, int64_t dv, T* num, T* den, bool add) {
-  if (!add) {
-    std::fill(num, num + dv, T(0));
-    *den = 0;
-  }
+void apply_state(const T* S, const T* z, const T* f, int64_t m, int64_t dv, T* num, T* den) {
   for (int64_t c = 0; c < m; ++c) {
     const T fc = f[c];
     const T* row = S + c * dv;
@@ -197,46 +235,101 @@ template <class T>
 void clear_state(Scratch<T>& w, const Setup& s) {
   std::fill(w.state.data(), w.state.data() + s.features * s.d.value_dim, T(0));
   std::fill(w.z.data(), w.z.data() + s.features, T(0));
+  if (s.map == Map::Favor) std::fill(w.peak.data(), w.peak.data() + s.features, -std::numeric_limits<T>::infinity());
+}
+
+// FAVOR, a row x of logits entering a state whose rows r are in the scale exp(−peak_r): raises
+// peak to max(peak, x) (rescaling the rows whose shift rises, so every entry stays <= its count
+// of terms) and leaves exp(x − peak) in w.row, each <= 1 (x may be w.row itself).
+template <class T>
+const T* enter_state(const Setup& s, const T* x, Scratch<T>& w) {
+  const int64_t m = s.features, dv = s.d.value_dim;
+  T* peak = w.peak.data();
+  for (int64_t r = 0; r < m; ++r) {
+    if (!(x[r] > peak[r])) continue;
+    if (peak[r] > -std::numeric_limits<T>::infinity()) {
+      const T factor = std::exp(peak[r] - x[r]);
+      T* row = w.state.data() + r * dv;
+      for (int64_t t = 0; t < dv; ++t) row[t] *= factor;
+      w.z[r] *= factor;
+    }
+    peak[r] = x[r];
+  }
+  if (x != w.row.data()) std::copy(x, x + m, w.row.data());
+  simd::exp_minus_columns(w.row.data(), 1, static_cast<size_t>(m), static_cast<size_t>(m), peak);
+  return w.row.data();
+}
+
+// The key features entering the forward state [S | z]: φ(k_j) itself, or FAVOR's in the state's
+// scale.
+template <class T>
+const T* key_entering(const Setup& s, const Item<T>& it, int64_t j, Scratch<T>& w) {
+  const T* f = it.fk + j * s.features;
+  return s.map == Map::Favor ? enter_state(s, f, w) : f;
+}
+
+// FAVOR, query i meeting a state of keys in scale exp(−peak): its features in the scale of row
+// i's shift R_i, exp(L_q,ir + peak_r − R_i)/m', in w.row. forward: R_i is raised first to cover
+// them (rescaling num_i and den_i), so every weight stays <= 1.
+template <class T>
+const T* query_meeting_state(const Setup& s, const Item<T>& it, int64_t i, Scratch<T>& w, T* num, T* den, bool forward) {
+  const int64_t m = s.features, dv = s.d.value_dim;
+  T* f = w.row.data();
+  std::copy(it.fq + i * m, it.fq + (i + 1) * m, f);
+  const T top = simd::exp_row_offset(f, static_cast<size_t>(m), w.peak.data());  // f = exp(L + peak − top)
+  T& R = w.shift[i];
+  if (forward && top > R) {
+    if (R > -std::numeric_limits<T>::infinity()) {
+      const T factor = std::exp(R - top);
+      for (int64_t t = 0; t < dv; ++t) num[i * dv + t] *= factor;
+      den[i] *= factor;
+    }
+    R = top;
+  }
+  simd::scale(f, static_cast<size_t>(m), std::exp(top - R) / static_cast<T>(m));
+  return f;
+}
+
+template <class T>
+const T* query_features(const Setup& s, const Item<T>& it, int64_t i, Scratch<T>& w, T* num, T* den, bool forward) {
+  return s.map == Map::Favor ? query_meeting_state(s, it, i, w, num, den, forward) : it.fq + i * s.features;
 }
 
 // Window scores of row i over keys [r.window_begin, r.window_end) into w.scores, replaced by
-// e_ij = exp(s_ij − M_i); returns Σ e and the offset of the maximum (the first one).
+// e_ij = exp(s_ij − M_i); returns Σ e, the offset of the maximum (the first one) and M_i.
 template <class T>
-std::pair<T, int64_t> window_weights(const Setup& s, const Item<T>& it, int64_t i, const RowKeys& r, Scratch<T>& w) {
+struct WindowWeights {
+  T sum;
+  int64_t top;
+  T max_score;
+};
+
+template <class T>
+WindowWeights<T> window_weights(const Setup& s, const Item<T>& it, int64_t i, const RowKeys& r, Scratch<T>& w) {
   const int64_t d = s.d.head_dim, count = r.window_end - r.window_begin;
   T* e = w.scores.data();
   const T sc = static_cast<T>(s.scale);
   for (int64_t j = 0; j < count; ++j)
     e[j] = sc * simd::dot(it.q + i * d, it.k + (r.window_begin + j) * d, static_cast<size_t>(d));
   const int64_t top = std::max_element(e, e + count) - e;
-  return {simd::exp_shifted_sum(e, static_cast<size_t>(count), e[top]), top};
+  const T M = e[top];
+  return {simd::exp_shifted_sum(e, static_cast<size_t>(count), M), top, M};
 }
 
-// num [n_q, dv] and den [n_q] (without eps) of one item.
+// num [n_q, dv], den [n_q] (without eps) and w.shift [n_q] of one item: the window (weights
+// e^{s − M_i}, shift M_i, −inf without one), then the linear prefix and, not causal, suffix.
+// FAVOR: the linear terms raise each row's shift to R_i as they arrive (query_meeting_state);
+// the other maps leave it at M_i, which is part of their model (hybrid.h).
 template <class T>
 void forward_item(const Setup& s, const Item<T>& it, T* num, T* den, Scratch<T>& w) {
-  const int64_t nq = s.d.n_q, m = s.features, dv = s.d.value_dim;
-  clear_state(w, s);
-  for (int64_t i = 0, pos = 0; i < nq; ++i) {  // linear prefix
-    const RowKeys r = row_keys(s, i, it.L);
-    for (; pos < r.window_begin; ++pos) add_outer(w.state.data(), w.z.data(), it.fk + pos * m, it.v + pos * dv, T(1), m, dv);
-    apply_state(w.state.data(), w.z.data(), it.fq + i * m, m, dv, num + i * dv, den + i, false);
-  }
-  if (!s.opts.causal && s.opts.window > 0) {  // linear suffix
-    clear_state(w, s);
-    for (int64_t i = nq - 1, pos = it.L; i >= 0; --i) {
-      const RowKeys r = row_keys(s, i, it.L);
-      while (pos > r.suffix_begin) {
-        --pos;
-        add_outer(w.state.data(), w.z.data(), it.fk + pos * m, it.v + pos * dv, T(1), m, dv);
-      }
-      apply_state(w.state.data(), w.z.data(), it.fq + i * m, m, dv, num + i * dv, den + i, true);
-    }
-  }
+  const int64_t nq = s.d.n_q, dv = s.d.value_dim;
+  std::fill(num, num + nq * dv, T(0));
+  std::fill(den, den + nq, T(0));
+  std::fill(w.shift.data(), w.shift.data() + nq, -std::numeric_limits<T>::infinity());
   for (int64_t i = 0; i < nq; ++i) {  // window
     const RowKeys r = row_keys(s, i, it.L);
     if (r.window_end == r.window_begin) continue;
-    const auto [sum, top] = window_weights(s, it, i, r, w);
+    const WindowWeights<T> ww = window_weights(s, it, i, r, w);
     const T* e = w.scores.data();
     T* o = num + i * dv;
     for (int64_t j = 0; j < r.window_end - r.window_begin; ++j) {
@@ -244,8 +337,63 @@ void forward_item(const Setup& s, const Item<T>& it, T* num, T* den, Scratch<T>&
       const T* vj = it.v + (r.window_begin + j) * dv;
       for (int64_t t = 0; t < dv; ++t) o[t] += a * vj[t];
     }
-    den[i] += it.gamma * sum;
+    den[i] = it.gamma * ww.sum;
+    w.shift[i] = ww.max_score;
   }
+  const int64_t m = s.features;
+  clear_state(w, s);
+  for (int64_t i = 0, pos = 0; i < nq; ++i) {  // linear prefix
+    const RowKeys r = row_keys(s, i, it.L);
+    for (; pos < r.window_begin; ++pos)
+      add_outer(w.state.data(), w.z.data(), key_entering(s, it, pos, w), it.v + pos * dv, T(1), m, dv);
+    if (pos > 0) apply_state(w.state.data(), w.z.data(), query_features(s, it, i, w, num, den, true), m, dv,
+                             num + i * dv, den + i);
+  }
+  if (!s.opts.causal && s.opts.window > 0) {  // linear suffix
+    clear_state(w, s);
+    for (int64_t i = nq - 1, pos = it.L; i >= 0; --i) {
+      const RowKeys r = row_keys(s, i, it.L);
+      while (pos > r.suffix_begin) {
+        --pos;
+        add_outer(w.state.data(), w.z.data(), key_entering(s, it, pos, w), it.v + pos * dv, T(1), m, dv);
+      }
+      if (pos < it.L) apply_state(w.state.data(), w.z.data(), query_features(s, it, i, w, num, den, true), m, dv,
+                                  num + i * dv, den + i);
+    }
+  }
+}
+
+// eps in row i's scale: FAVOR's rows are shifted by R_i, so eps·e^{−R_i} (inf when that
+// overflows: the row's weights are then all below eps's rounding, and out_i = 0 as the model
+// says to within it); 0 for a row with no keys (den = 0: out 0). The other maps: eps itself.
+template <class T>
+T row_eps(const Setup& s, const Scratch<T>& w, int64_t i) {
+  if (s.map != Map::Favor) return static_cast<T>(s.opts.eps);
+  const T R = w.shift[i];
+  return R > -std::numeric_limits<T>::infinity() ? static_cast<T>(s.opts.eps * std::exp(-static_cast<double>(R))) : T(0);
+}
+
+// FAVOR, backward: query i's features entering the reverse state [R | ρ] of queries, whose rows
+// are in the scale exp(−peak): x_r = L_q,ir − R_i, at most −L_k,jr for every key j that the
+// query's linear part holds (R_i covers that term), so exp(L_k,jr + peak_r) <= 1 below.
+template <class T>
+const T* query_entering(const Setup& s, const Item<T>& it, int64_t i, Scratch<T>& w) {
+  if (s.map != Map::Favor) return it.fq + i * s.features;
+  const int64_t m = s.features;
+  T* x = w.row.data();
+  for (int64_t r = 0; r < m; ++r) x[r] = it.fq[i * m + r] - w.shift[i];
+  return enter_state(s, x, w);
+}
+
+// FAVOR, backward: key j's features meeting the reverse state, exp(L_k,jr + peak_r)/m', in w.row.
+template <class T>
+const T* key_meeting_state(const Setup& s, const Item<T>& it, int64_t j, Scratch<T>& w) {
+  if (s.map != Map::Favor) return it.fk + j * s.features;
+  const int64_t m = s.features;
+  T* f = w.row.data();
+  const T inv = T(1) / static_cast<T>(m);
+  for (int64_t r = 0; r < m; ++r) f[r] = std::exp(it.fk[j * m + r] + w.peak[r]) * inv;
+  return f;
 }
 
 }  // namespace
@@ -260,18 +408,19 @@ Tensor<T> hybrid_attention(TensorView<const T> q, TensorView<const T> k, TensorV
   const ValueScale<T> vs(v_arg, d.v_max);  // out is linear in v (range.h)
   const TensorView<const T> v = vs.view();
   const KeyMask mask(d, opts);
+  const std::optional<FeatureMap<T>> favor =
+      s.map == hybrid::Map::Favor ? std::optional(hybrid::favor_map(fn, s, in)) : std::nullopt;
   Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim}, false, Init::Uninitialized);
   const ParallelLoop loop(d.bh());
   PerWorker<hybrid::Scratch<T>> scratch(loop, [&] { return hybrid::Scratch<T>(s, false); });
-  const T eps = static_cast<T>(opts.eps);
   loop.run([&](int64_t bh, int worker) {
     interruption_point();
     auto& w = scratch[worker];
-    const hybrid::Item<T> it = hybrid::item(s, q, k, v, in, mask, bh, w);
+    const hybrid::Item<T> it = hybrid::item(fn, s, favor ? &*favor : nullptr, q, k, v, in, mask, bh, w);
     T* num = out.data() + bh * d.n_q * d.value_dim;
     hybrid::forward_item(s, it, num, w.den.data(), w);
     for (int64_t i = 0; i < d.n_q; ++i) {
-      const T D = w.den[i] + eps;
+      const T D = w.den[i] + hybrid::row_eps(s, w, i);
       T* o = num + i * d.value_dim;
       for (int64_t t = 0; t < d.value_dim; ++t) o[t] = D > 0 ? o[t] / D : T(0);  // no keys, eps = 0: 0
     }
@@ -292,6 +441,8 @@ AttentionGrads<T> hybrid_attention_backward(TensorView<const T> q, TensorView<co
   const ValueScale<T> vs(v_arg, d.v_max), gs(dout_arg, dout_max);
   const TensorView<const T> v = vs.view(), dout = gs.view();
   const KeyMask mask(d, opts);
+  const std::optional<FeatureMap<T>> favor =
+      s.map == hybrid::Map::Favor ? std::optional(hybrid::favor_map(fn, s, in)) : std::nullopt;
   const int64_t m = s.features, dv = s.d.value_dim, hd = d.head_dim, nq = d.n_q;
   AttentionGrads<T> grads{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v_arg.shape), {}};
   const bool given = s.map == hybrid::Map::Given;
@@ -300,11 +451,11 @@ AttentionGrads<T> hybrid_attention_backward(TensorView<const T> q, TensorView<co
   std::vector<double> dgamma(static_cast<size_t>(d.bh()), 0.0);
   const ParallelLoop loop(d.bh());
   PerWorker<hybrid::Scratch<T>> scratch(loop, [&] { return hybrid::Scratch<T>(s, true); });
-  const T eps = static_cast<T>(opts.eps), sc = static_cast<T>(s.scale);
+  const T sc = static_cast<T>(s.scale);
   loop.run([&](int64_t bh, int worker) {
     interruption_point();
     auto& w = scratch[worker];
-    const hybrid::Item<T> it = hybrid::item(s, q, k, v, in, mask, bh, w);
+    const hybrid::Item<T> it = hybrid::item(fn, s, favor ? &*favor : nullptr, q, k, v, in, mask, bh, w);
     T *num = w.num.data(), *den = w.den.data(), *g = w.g.data(), *c = w.c.data();
     T *dfq = given ? dfq_all.data() + bh * nq * m : w.dfq.data();
     T *dfk = given ? dfk_all.data() + bh * d.n_k * m : w.dfk.data();
@@ -312,7 +463,7 @@ AttentionGrads<T> hybrid_attention_backward(TensorView<const T> q, TensorView<co
     T* dvv = grads.dv.data() + bh * d.n_k * dv;
     hybrid::forward_item(s, it, num, den, w);
     for (int64_t i = 0; i < nq; ++i) {  // num → out; g_i = ∂/∂num_i, c_i = ∂/∂den_i
-      const T D = den[i] + eps;
+      const T D = den[i] + hybrid::row_eps(s, w, i);
       const T* go = dout.row(bh, i);
       T* o = num + i * dv;
       T dot = 0;
@@ -323,45 +474,50 @@ AttentionGrads<T> hybrid_attention_backward(TensorView<const T> q, TensorView<co
       }
       c[i] = D > 0 ? -dot / D : T(0);
     }
-    // dφ(q_i) = S g_i + c_i z over the prefix, then the suffix.
+    // The linear part, as ∂/∂φ (FAVOR: ∂/∂L, the same sums with each term times its weight,
+    // exp(L) being its own derivative). dφ(q_i) = S g_i + c_i z over the prefix, then the suffix.
     std::fill(dfq, dfq + nq * m, T(0));
     std::fill(dfk, dfk + it.L * m, T(0));
     auto pull = [&](int64_t i) {
+      const T* fq = hybrid::query_features(s, it, i, w, num, den, false);  // FAVOR: R_i is final
       for (int64_t f = 0; f < m; ++f) {
         const T* row = w.state.data() + f * dv;
         T acc = c[i] * w.z[f];
         for (int64_t t = 0; t < dv; ++t) acc += row[t] * g[i * dv + t];
-        dfq[i * m + f] += acc;
+        dfq[i * m + f] += favor ? fq[f] * acc : acc;
       }
     };
     hybrid::clear_state(w, s);
     for (int64_t i = 0, pos = 0; i < nq; ++i) {
       const hybrid::RowKeys r = hybrid::row_keys(s, i, it.L);
       for (; pos < r.window_begin; ++pos)
-        hybrid::add_outer(w.state.data(), w.z.data(), it.fk + pos * m, it.v + pos * dv, T(1), m, dv);
-      pull(i);
+        hybrid::add_outer(w.state.data(), w.z.data(), hybrid::key_entering(s, it, pos, w), it.v + pos * dv, T(1), m,
+                          dv);
+      if (pos > 0) pull(i);
     }
     // [R | ρ] = Σ φ(q_i) ⊗ [g_i | c_i] over the queries that hold key j: dφ(k_j) = R v_j + ρ,
     // dv_j += Rᵀ φ(k_j).
     auto push = [&](int64_t j) {
+      const T* fk = hybrid::key_meeting_state(s, it, j, w);
       for (int64_t f = 0; f < m; ++f) {
         const T* row = w.state.data() + f * dv;
         T acc = w.z[f];
-        const T fkj = it.fk[j * m + f];
+        const T fkj = fk[f];
         for (int64_t t = 0; t < dv; ++t) {
           acc += row[t] * it.v[j * dv + t];
           dvv[j * dv + t] += row[t] * fkj;
         }
-        dfk[j * m + f] += acc;
+        dfk[j * m + f] += favor ? fkj * acc : acc;
       }
     };
     hybrid::clear_state(w, s);
     for (int64_t j = it.L - 1, i0 = nq; j >= 0; --j) {  // queries with window_begin > j: a suffix
       while (i0 > 0 && hybrid::row_keys(s, i0 - 1, it.L).window_begin > j) {
         --i0;
-        hybrid::add_outer(w.state.data(), w.z.data(), it.fq + i0 * m, g + i0 * dv, c[i0], m, dv);
+        hybrid::add_outer(w.state.data(), w.z.data(), hybrid::query_entering(s, it, i0, w), g + i0 * dv, c[i0], m,
+                          dv);
       }
-      push(j);
+      if (i0 < nq) push(j);
     }
     if (!s.opts.causal && s.opts.window > 0) {
       hybrid::clear_state(w, s);
@@ -369,38 +525,57 @@ AttentionGrads<T> hybrid_attention_backward(TensorView<const T> q, TensorView<co
         const hybrid::RowKeys r = hybrid::row_keys(s, i, it.L);
         while (pos > r.suffix_begin) {
           --pos;
-          hybrid::add_outer(w.state.data(), w.z.data(), it.fk + pos * m, it.v + pos * dv, T(1), m, dv);
+          hybrid::add_outer(w.state.data(), w.z.data(), hybrid::key_entering(s, it, pos, w), it.v + pos * dv, T(1),
+                            m, dv);
         }
-        pull(i);
+        if (pos < it.L) pull(i);
       }
       hybrid::clear_state(w, s);
       for (int64_t j = 0, i1 = 0; j < it.L; ++j) {  // queries with suffix_begin <= j: a prefix
         while (i1 < nq && hybrid::row_keys(s, i1, it.L).suffix_begin <= j) {
-          hybrid::add_outer(w.state.data(), w.z.data(), it.fq + i1 * m, g + i1 * dv, c[i1], m, dv);
+          hybrid::add_outer(w.state.data(), w.z.data(), hybrid::query_entering(s, it, i1, w), g + i1 * dv, c[i1], m,
+                            dv);
           ++i1;
         }
-        push(j);
+        if (i1 > 0) push(j);
       }
     }
-    // The window.
+    // Through the feature map, into dq and dk (before the window adds to them: FAVOR's
+    // logits_backward writes its result): elu+1' = 1 above 0, e^x = φ below; relu' = [x > 0];
+    // FAVOR L = ω·x̃ − ‖x̃‖²/2 (FeatureMap::logits_backward).
+    if (favor) {
+      favor->logits_backward(it.q, nq, Side::QueryWithNorm, dfq, nullptr, nullptr, dq, w.map_scratch.data());
+      if (it.L > 0) favor->logits_backward(it.k, it.L, Side::Key, dfk, nullptr, nullptr, dk, w.map_scratch.data());
+    } else if (!given) {
+      auto chain = [&](const T* x, const T* f, const T* df, int64_t rows, T* dx) {
+        for (int64_t i = 0; i < rows * hd; ++i)
+          dx[i] += x[i] > 0 ? df[i] : (s.map == hybrid::Map::Elu ? df[i] * f[i] : T(0));
+      };
+      chain(it.q, it.fq, dfq, nq, dq);
+      chain(it.k, it.fk, dfk, it.L, dk);
+    }
+    // The window: weights γ e^{s_ij − M_i}, or with FAVOR γ e^{s_ij − R_i} (R_i only a shift of
+    // the whole row: no gradient).
     double dgam = 0;
     for (int64_t i = 0; i < nq; ++i) {
       const hybrid::RowKeys r = hybrid::row_keys(s, i, it.L);
       const int64_t count = r.window_end - r.window_begin;
       if (count == 0) continue;
-      const auto [sum, top] = hybrid::window_weights(s, it, i, r, w);
+      const hybrid::WindowWeights<T> ww = hybrid::window_weights(s, it, i, r, w);
+      const T unshift = favor ? std::exp(ww.max_score - w.shift[i]) : T(1);  // e^{M_i − R_i} <= 1
       T* e = w.scores.data();  // becomes ds_ij
       T shift = 0;
       for (int64_t j = 0; j < count; ++j) {
         const int64_t key = r.window_begin + j;
         const T gv = simd::dot(g + i * dv, it.v + key * dv, static_cast<size_t>(dv));
-        const T a = it.gamma * e[j];
+        const T ej = e[j] * unshift;
+        const T a = it.gamma * ej;
         for (int64_t t = 0; t < dv; ++t) dvv[key * dv + t] += a * g[i * dv + t];
-        dgam += static_cast<double>(e[j]) * static_cast<double>(gv + c[i]);
+        dgam += static_cast<double>(ej) * static_cast<double>(gv + c[i]);
         e[j] = a * (gv + c[i]);
         shift -= e[j];
       }
-      e[top] += shift;  // ∂M_i: the maximum's score carries −Σ_j ds_ij
+      if (!favor) e[ww.top] += shift;  // ∂M_i: the maximum's score carries −Σ_j ds_ij
       for (int64_t j = 0; j < count; ++j) {
         const int64_t key = r.window_begin + j;
         const T a = sc * e[j];
@@ -411,15 +586,6 @@ AttentionGrads<T> hybrid_attention_backward(TensorView<const T> q, TensorView<co
       }
     }
     dgamma[static_cast<size_t>(bh)] = dgam;
-    // Through the feature map: elu+1' = 1 above 0, e^x = φ below; relu' = [x > 0].
-    if (!given) {
-      auto chain = [&](const T* x, const T* f, const T* df, int64_t rows, T* dx) {
-        for (int64_t i = 0; i < rows * hd; ++i)
-          dx[i] += x[i] > 0 ? df[i] : (s.map == hybrid::Map::Elu ? df[i] * f[i] : T(0));
-      };
-      chain(it.q, it.fq, dfq, nq, dq);
-      chain(it.k, it.fk, dfk, it.L, dk);
-    }
   });
   if (given) {
     grads.params.emplace_back("query_features", std::move(dfq_all));

@@ -8,10 +8,13 @@
 
 #include "linattn/core/attention_args.h"
 #include "linattn/hybrid.h"
+#include "linattn/kernelized/feature_map.h"
 
 namespace linattn::hybrid {
 
-enum class Map { Elu, Relu, Given };
+// Favor: FAVOR's random features in log form, φ_r(x) = exp(L_r(x))/√m', which estimate
+// e^{s_ij}; the window is then unshifted and every term of row i is shifted by R_i instead.
+enum class Map { Elu, Relu, Given, Favor };
 
 // A checked call: sizes, scale, the feature map and its width m', γ_h per head.
 struct Setup {
@@ -20,6 +23,7 @@ struct Setup {
   double scale = 0;
   Map map = Map::Elu;
   int64_t features = 0;        // m'
+  FeatureMapKind favor_kind = FeatureMapKind::FavorPositive;  // Map::Favor: positive or hyperbolic
   std::vector<double> gamma;   // [heads]: sigmoid(window_gate), or 1
   double feature_max_q = 0, feature_max_k = 0;  // largest feature of a query / a visible key
 };
@@ -48,6 +52,12 @@ inline RowKeys row_keys(const Setup& s, int64_t i, int64_t L) {
   if (w == 0) return {L, L, L};
   const int64_t end = clamp(p + w + 1);
   return {clamp(p - w), end, end};
+}
+
+// Map::Favor's feature map (the projection checked against head_dim, scale > 0); Error naming fn.
+template <class T>
+FeatureMap<T> favor_map(const char* fn, const Setup& s, const HybridInputs<T>& in) {
+  return FeatureMap<T>::favor(fn, s.favor_kind, *in.projection, s.d.head_dim, s.opts.scale);
 }
 
 inline double sigmoid(double g) { return g >= 0 ? 1 / (1 + std::exp(-g)) : std::exp(g) / (1 + std::exp(g)); }

@@ -20,11 +20,39 @@ using hybrid::Setup;
 struct Row {
   std::vector<double> weight;  // per visible key j < visible
   std::vector<char> in_window;
-  std::vector<double> expo;    // e^{s−M} inside the window, 0 outside
-  std::vector<double> fq;     // φ(q_i)
-  int64_t top = -1;           // the window's maximum
-  double den = 0;             // Σ weight + eps
+  std::vector<double> expo;    // e^{s−M} inside the window, 0 outside (FAVOR: e^{s−R})
+  std::vector<double> fq;     // φ(q_i); FAVOR: its logits L_q
+  std::vector<std::vector<double>> share;  // FAVOR, outside the window: e^{L_q,r + L_k,jr − R}/m'
+  int64_t top = -1;           // the window's maximum (none with FAVOR: its shift is no gradient)
+  double den = 0;             // Σ weight + eps (FAVOR: every weight times e^{−R}, eps too)
 };
+
+// FAVOR's logits of a row x, from their definition: x̃ = √scale·x, U_r = ω_r·x̃, h = ‖x̃‖²/2;
+// positive L_r = U_r − h, hyperbolic [U_r − h, −U_r − h] (queries and keys alike: the window's
+// exact weights keep the query's −h from cancelling). φ_r = exp(L_r)/√m'.
+std::vector<double> favor_logits(const Setup& s, TensorView<const double> w, const double* x) {
+  const int64_t m = w.dim(0), d = s.d.head_dim;
+  const double root = std::sqrt(s.scale);
+  double h = 0;
+  for (int64_t t = 0; t < d; ++t) h += s.scale * x[t] * x[t] / 2;
+  std::vector<double> L(static_cast<size_t>(s.features));
+  for (int64_t r = 0; r < m; ++r) {
+    double u = 0;
+    for (int64_t t = 0; t < d; ++t) u += root * w.data[r * d + t] * x[t];
+    L[static_cast<size_t>(r)] = u - h;
+    if (s.features == 2 * m) L[static_cast<size_t>(m + r)] = -u - h;
+  }
+  return L;
+}
+
+// ∂L_r/∂x_t = ±√scale·ω_rt − scale·x_t (magnitude: the sum of the absolute values).
+double favor_logit_slope(const Setup& s, TensorView<const double> w, const double* x, int64_t r, int64_t t,
+                         bool magnitude) {
+  const int64_t m = w.dim(0);
+  const double sign = r < m ? 1 : -1, a = sign * std::sqrt(s.scale) * w.data[(r % m) * s.d.head_dim + t],
+               b = s.scale * x[t];
+  return magnitude ? std::abs(a) + std::abs(b) : a - b;
+}
 
 double feature(const Setup& s, double x) { return s.map == Map::Elu ? (x > 0 ? x + 1 : std::exp(x)) : std::max(x, 0.0); }
 double feature_slope(const Setup& s, double x) {
@@ -32,8 +60,10 @@ double feature_slope(const Setup& s, double x) {
 }
 
 // φ of row r of x (or of the given features).
-std::vector<double> features(const Setup& s, TensorView<const double> x, const std::optional<TensorView<const double>>& given,
-                             int64_t bh, int64_t r, bool magnitude) {
+std::vector<double> features(const Setup& s, TensorView<const double> x, const HybridInputs<double>& in,
+                             const std::optional<TensorView<const double>>& given, int64_t bh, int64_t r,
+                             bool magnitude) {
+  if (s.map == Map::Favor) return favor_logits(s, *in.projection, x.row(bh, r));
   std::vector<double> f(static_cast<size_t>(s.features));
   for (int64_t c = 0; c < s.features; ++c)
     f[static_cast<size_t>(c)] = s.map == Map::Given ? given->row(bh, r)[c] : feature(s, x.row(bh, r)[c]);
@@ -46,8 +76,47 @@ std::vector<double> features(const Setup& s, TensorView<const double> x, const s
 std::vector<std::vector<double>> key_features(const Setup& s, TensorView<const double> k,
                                               const HybridInputs<double>& in, int64_t bh, int64_t L, bool magnitude) {
   std::vector<std::vector<double>> out;
-  for (int64_t j = 0; j < L; ++j) out.push_back(features(s, k, in.key_features, bh, j, magnitude));
+  for (int64_t j = 0; j < L; ++j) out.push_back(features(s, k, in, in.key_features, bh, j, magnitude));
   return out;
+}
+
+// FAVOR: the weight of key j is γ·e^{s_ij} inside the window and Σ_r e^{L_q,r + L_k,jr}/m'
+// outside, all written as e^{log w − R} with R the row's largest log-weight (an exact rewrite
+// in float64, whose exponent range the test inputs stay far inside).
+Row favor_row(const Setup& s, Row r, const std::vector<double>& score, const std::vector<std::vector<double>>& fks,
+              double gamma, int64_t visible) {
+  std::vector<double> logw(static_cast<size_t>(visible));
+  double R = -INFINITY;
+  for (int64_t j = 0; j < visible; ++j) {
+    double lw;
+    if (r.in_window[static_cast<size_t>(j)]) {
+      lw = std::log(gamma) + score[static_cast<size_t>(j)];
+    } else {
+      double top = -INFINITY, sum = 0;
+      for (int64_t c = 0; c < s.features; ++c) top = std::max(top, r.fq[static_cast<size_t>(c)] + fks[static_cast<size_t>(j)][static_cast<size_t>(c)]);
+      for (int64_t c = 0; c < s.features; ++c)
+        sum += std::exp(r.fq[static_cast<size_t>(c)] + fks[static_cast<size_t>(j)][static_cast<size_t>(c)] - top);
+      lw = top + std::log(sum / static_cast<double>(s.features));
+    }
+    logw[static_cast<size_t>(j)] = lw;
+    R = std::max(R, lw);
+  }
+  r.top = -1;
+  r.den = visible > 0 ? s.opts.eps * std::exp(-R) : s.opts.eps;
+  for (int64_t j = 0; j < visible; ++j) {
+    const double wt = std::exp(logw[static_cast<size_t>(j)] - R);
+    r.weight.push_back(wt);
+    r.den += wt;
+    const bool win = r.in_window[static_cast<size_t>(j)];
+    r.expo.push_back(win ? std::exp(score[static_cast<size_t>(j)] - R) : 0);
+    std::vector<double> sh;
+    if (!win)
+      for (int64_t c = 0; c < s.features; ++c)
+        sh.push_back(std::exp(r.fq[static_cast<size_t>(c)] + fks[static_cast<size_t>(j)][static_cast<size_t>(c)] - R) /
+                     static_cast<double>(s.features));
+    r.share.push_back(std::move(sh));
+  }
+  return r;
 }
 
 Row row(const Setup& s, TensorView<const double> q, TensorView<const double> k, const HybridInputs<double>& in,
@@ -56,7 +125,7 @@ Row row(const Setup& s, TensorView<const double> q, TensorView<const double> k, 
   const int64_t visible = s.opts.causal ? std::clamp<int64_t>(p + 1, 0, L) : L;
   const double gamma = s.gamma[static_cast<size_t>(bh % s.d.heads)];
   Row r;
-  r.fq = features(s, q, in.query_features, bh, i, magnitude);
+  r.fq = features(s, q, in, in.query_features, bh, i, magnitude);
   std::vector<double> score(static_cast<size_t>(visible));
   double M = -INFINITY;
   for (int64_t j = 0; j < visible; ++j) {
@@ -67,6 +136,7 @@ Row row(const Setup& s, TensorView<const double> q, TensorView<const double> k, 
     score[static_cast<size_t>(j)] = s.scale * dot;
     if (win && score[static_cast<size_t>(j)] > M) M = score[static_cast<size_t>(j)], r.top = j;
   }
+  if (s.map == Map::Favor) return favor_row(s, r, score, fks, gamma, visible);
   r.den = s.opts.eps;
   for (int64_t j = 0; j < visible; ++j) {
     double wt = 0;
@@ -148,6 +218,12 @@ AttentionGrads<double> hybrid_attention_backward(TensorView<const double> q, Ten
           ds[j] = r.weight[j] * dw;
           shift += ds[j];
           dgamma[static_cast<size_t>(bh % d.heads)] += r.expo[j] * dw;
+        } else if (s.map == Map::Favor) {  // weight = Σ_c e^{L_q,c + L_k,jc}/m': ∂/∂L = the shares
+          for (int64_t c = 0; c < s.features; ++c) {
+            const double a = dw * r.share[j][static_cast<size_t>(c)];
+            dfq_all.data()[(bh * d.n_q + i) * s.features + c] += a;
+            dfk_all.data()[(bh * d.n_k + key) * s.features + c] += a;
+          }
         } else {  // weight = φ(q_i)·φ(k_j)
           const std::vector<double>& fk = fks[static_cast<size_t>(key)];
           for (int64_t c = 0; c < s.features; ++c) {
@@ -170,6 +246,19 @@ AttentionGrads<double> hybrid_attention_backward(TensorView<const double> q, Ten
   if (s.map == Map::Given) {
     g.params.emplace_back("query_features", std::move(dfq_all));
     g.params.emplace_back("key_features", std::move(dfk_all));
+  } else if (s.map == Map::Favor) {  // dx_t = Σ_r dL_r·∂L_r/∂x_t
+    auto chain = [&](TensorView<const double> x, const Tensor<double>& dL, int64_t rows_of_item, Tensor<double>& dx,
+                     int64_t n) {
+      for (int64_t bh = 0; bh < d.bh(); ++bh)
+        for (int64_t row = 0; row < rows_of_item; ++row)
+          for (int64_t t = 0; t < d.head_dim; ++t)
+            for (int64_t c = 0; c < s.features; ++c)
+              dx.data()[(bh * n + row) * d.head_dim + t] +=
+                  dL.data()[(bh * n + row) * s.features + c] *
+                  favor_logit_slope(s, *in.projection, x.row(bh, row), c, t, magnitude);
+    };
+    chain(q, dfq_all, d.n_q, g.dq, d.n_q);
+    chain(k, dfk_all, d.n_k, g.dk, d.n_k);  // dL of padded keys is 0
   } else {
     for (int64_t x = 0; x < q.size(); ++x) g.dq.data()[x] += dfq_all.data()[x] * feature_slope(s, q.data[x]);
     for (int64_t bh = 0; bh < d.bh(); ++bh)

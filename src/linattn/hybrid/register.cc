@@ -39,11 +39,17 @@ MethodInfo describe_hybrid() {
       tensor_input("window_gate", false, true, "[heads]: the window term is scaled by sigmoid(window_gate); None: 1"),
       int_option("window", defaults.window,
                  "causal: the last `window` keys (the query's own included); not causal: |i - j| <= window; 0: none"),
-      string_option("feature_map", defaults.feature_map, {"elu", "relu", "given"},
-                    "the linear part's map: elu (elu(x)+1) or relu of q and k, or given (query_features, key_features)"),
+      tensor_input("projection", false, false,
+                   "ω [num_features, head_dim] from random_features (feature_map='favor'; not differentiated)"),
+      string_option("feature_map", defaults.feature_map, {"elu", "relu", "given", "favor"},
+                    "the linear part's map: elu (elu(x)+1) or relu of q and k, given (query_features, key_features), "
+                    "or favor (FAVOR+'s random features with projection: the window's weights are then e^{s}, "
+                    "unshifted)"),
+      string_option("kernel", defaults.kernel, {"positive", "hyperbolic"},
+                    "feature_map='favor': positive (exp(ω·x − ‖x‖²/2)) or hyperbolic (±ω, 2·num_features features)"),
       causal_option(""),
       key_lengths_option(),
-      scale_option("of the window's softmax logits; None: 1/sqrt(head_dim)"),
+      scale_option("of the window's softmax logits (and FAVOR's: x̃ = √scale·x); None: 1/sqrt(head_dim)"),
       float_option("eps", defaults.eps, "added to every denominator (finite, >= 0)"),
   };
   // The tests run sequences longer than a whole non-causal window of the default size, so every
@@ -56,10 +62,15 @@ MethodInfo describe_hybrid() {
     const auto c = hybrid::call_from(a);
     const double W = static_cast<double>(c.opts.causal ? c.opts.window : 2 * c.opts.window + 1);
     const auto f = a.tensors.find("query_features");
-    const double mf = f != a.tensors.end() ? static_cast<double>(f->second.dim(3)) : static_cast<double>(s.head_dim);
+    const auto w = a.tensors.find("projection");
+    const double mf = f != a.tensors.end()   ? static_cast<double>(f->second.dim(3))
+                      : w != a.tensors.end() ? static_cast<double>(w->second.dim(0)) * (c.opts.kernel == "positive" ? 1 : 2)
+                                             : static_cast<double>(s.head_dim);
     const double sweeps = c.opts.causal ? 1 : 2;
+    // FAVOR: the logits of q and k, 2·(n_q + n_k)·m·d.
+    const double logits = w != a.tensors.end() ? 2.0 * (s.n_q + s.n_k) * static_cast<double>(w->second.dim(0)) * s.head_dim : 0;
     const double fwd = (2.0 * s.n_q * std::min<double>(W, s.n_k) * (s.head_dim + s.value_dim) +
-                        sweeps * 2.0 * (s.n_q + s.n_k) * mf * (s.value_dim + 1)) * s.bh();
+                        sweeps * 2.0 * (s.n_q + s.n_k) * mf * (s.value_dim + 1) + logits) * s.bh();
     return backward ? 2.5 * fwd : fwd;
   };
   m.f32 = LINATTN_METHOD_FUNCTIONS(float, forward, backward, no_example_tensors);

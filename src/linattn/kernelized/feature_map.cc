@@ -197,6 +197,7 @@ void FeatureMap<T>::logits(const char* fn, const T* x, int64_t n, Side side, T* 
   const int64_t d = d_, m = m_;
   const T sq = static_cast<T>(sqrt_scale_);
   const char* who = side == Side::Key ? "k" : "q";
+  const bool with_norm = side != Side::Query;
   // U = x̃·ωᵀ, straight into the first m columns of L (positive, hyperbolic) or s (trig).
   T* U = kind_ == FeatureMapKind::FavorTrig ? s : L;
   matmul<T>(mat(U, n, m, dim_), mat(x, n, d), mat(omega_, m, d).t(), sq);
@@ -210,26 +211,27 @@ void FeatureMap<T>::logits(const char* fn, const T* x, int64_t n, Side side, T* 
     require(std::sqrt(xx) * omega_norm_max_ < limit && 0.5 * xx < limit, fn, ": a row of ", who,
             " is too large for ", dtype_name<T>(), " random features (‖x̃‖²/2 = ", 0.5 * xx,
             "); scale the inputs down or use float64");
-    // ‖x̃‖²/2, for keys only: on a query row it is one factor of every feature, which cancels.
-    const T h = side == Side::Key ? static_cast<T>(0.5 * xx) : T(0);
+    // ‖x̃‖²/2, for keys (and QueryWithNorm) only: on a plain query row it is one factor of every
+    // feature, which cancels.
+    const T h = with_norm ? static_cast<T>(0.5 * xx) : T(0);
     T* l = L + i * dim_;
     switch (kind_) {
       case FeatureMapKind::FavorPositive:
-        if (side == Side::Key)
+        if (with_norm)
           for (int64_t r = 0; r < m; ++r) l[r] = u[r] - h;
         break;
       case FeatureMapKind::FavorHyperbolic:
         for (int64_t r = 0; r < m; ++r) {
           const T ur = u[r];
-          l[r] = side == Side::Key ? ur - h : ur;
-          l[m + r] = side == Side::Key ? -ur - h : -ur;
+          l[r] = ur - h;  // h = 0 on a plain query row
+          l[m + r] = -ur - h;
         }
         break;
       default:  // trig
         require(simd::max_abs(u, static_cast<size_t>(m)) <= T(39000), fn,
                 ": |ω·x̃| exceeds 39000, where trig features lose all accuracy; scale down the inputs");
         simd::sin_cos(u, static_cast<size_t>(m), u, u + m);  // in place: each lane read, then written
-        std::fill(l, l + dim_, side == Side::Key ? h : T(0));
+        std::fill(l, l + dim_, h);
         break;
     }
   }
@@ -260,7 +262,7 @@ void FeatureMap<T>::logits_backward(const T* x, int64_t n, Side side, const T* d
     }
     // Σ_r over all dim_ logits: positive m, hyperbolic and trig 2m.
     const T coef =
-        side == Side::Key ? (positive || kind_ == FeatureMapKind::FavorHyperbolic ? T(-1) : T(1)) *
+        side != Side::Query ? (positive || kind_ == FeatureMapKind::FavorHyperbolic ? T(-1) : T(1)) *
                                 simd::sum(g, static_cast<size_t>(dim_))
                           : T(0);
     const T* xr = x + i * d;

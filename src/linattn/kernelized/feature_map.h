@@ -31,8 +31,10 @@ enum class FeatureMapKind {
 };
 
 // Which side of the attention a row is on. Terms constant over a query row's features cancel
-// in out_i = φ(q_i)·Σφ(k)v / φ(q_i)·Σφ(k), so query logits leave them out.
-enum class Side { Query, Key };
+// in out_i = φ(q_i)·Σφ(k)v / φ(q_i)·Σφ(k), so query logits leave them out. QueryWithNorm: a
+// query whose −‖x̃‖²/2 does not cancel, because its weights share a normaliser with exact ones
+// (the sliding-window hybrid's e^{s_ij}); its logits are the key form.
+enum class Side { Query, Key, QueryWithNorm };
 
 template <class T>
 class FeatureMap {
@@ -64,7 +66,8 @@ class FeatureMap {
   // ---- FAVOR maps ----
   // L [n × m'] = the log-magnitudes and, for trig, s [n × m'] the factors (s may be null
   // otherwise), up to a constant shared by all rows and features (log √m' is left out):
-  //   keys:    positive L = U − h; hyperbolic [U − h, −U − h]; trig L = h, s = [sin U, cos U]
+  //   keys (and QueryWithNorm): positive L = U − h; hyperbolic [U − h, −U − h]; trig L = h,
+  //            s = [sin U, cos U]
   //   queries: positive L = U;     hyperbolic [U, −U];         trig L = 0, s = [sin U, cos U]
   // with U = x̃·ωᵀ, x̃ = √scale·x, h = ‖x̃‖²/2. Throws Error if a logit is not finite.
   void logits(const char* fn, const T* x, int64_t n, Side side, T* L, T* s) const;

@@ -225,6 +225,29 @@ def linear_attention(q, k, v, *, feature_map=_option_default("linear_attention",
     return out
 
 
+def _projection(fn, projection, kernel, kernels, scale, q, k):
+    """FAVOR's projection ω [num_features, head_dim], checked with its kernel and the rows' size."""
+    w = _tensor(fn, "projection", projection)
+    if w.dim() != 2 or w.shape[1] != q.shape[3] or w.shape[0] < 1:
+        raise ValueError("%s: projection must be [num_features, head_dim = %d], got shape %s"
+                         % (fn, q.shape[3], list(w.shape)))
+    if w.requires_grad:
+        raise ValueError("%s: projection has requires_grad=True, but it is a constant of the method (no "
+                         "gradient flows to it); register it as a buffer or pass projection.detach()" % fn)
+    _like_q(fn, "projection", w, q)
+    if kernel not in kernels:
+        raise ValueError("%s: kernel must be %s, got %r" % (fn, " or ".join(kernels), kernel))
+    if not scale > 0:
+        raise ValueError("%s: scale must be > 0 for random features, got %r" % (fn, scale))
+    limit = torch.finfo(q.dtype).max
+    for name, x in (("q", q), ("k", k)):
+        top = float((x.detach().double() ** 2).sum(-1).max()) * scale
+        if not (0.5 * top < limit and math.sqrt(top) * float(w.double().norm(dim=1).max()) < limit):
+            raise ValueError("%s: a row of %s is too large for %s random features; scale the inputs down or use "
+                             "float64" % (fn, name, q.dtype))
+    return w
+
+
 def favor_attention(q, k, v, projection, *, kernel=_option_default("favor_attention", "kernel"), causal=False,
                     key_lengths=None, scale=None, group=None, layout="contiguous"):
     """Performer / FAVOR+ by an all-reduce of the key state (the whole sequence's key shift
@@ -232,25 +255,9 @@ def favor_attention(q, k, v, projection, *, kernel=_option_default("favor_attent
     holder = {}
 
     def check(fn, q, k, v):
-        w = _tensor(fn, "projection", projection)
-        if w.dim() != 2 or w.shape[1] != q.shape[3] or w.shape[0] < 1:
-            raise ValueError("%s: projection must be [num_features, head_dim = %d], got shape %s"
-                             % (fn, q.shape[3], list(w.shape)))
-        if w.requires_grad:
-            raise ValueError("%s: projection has requires_grad=True, but it is a constant of the method (no "
-                             "gradient flows to it); register it as a buffer or pass projection.detach()" % fn)
-        _like_q(fn, "projection", w, q)
-        if kernel not in ("positive", "hyperbolic", "trig"):
-            raise ValueError("%s: kernel must be positive, hyperbolic or trig, got %r" % (fn, kernel))
-        s = holder["scale"] = _scale_of(fn, scale, q.shape[3])
-        limit = torch.finfo(q.dtype).max
-        for name, x in (("q", q), ("k", k)):
-            top = float((x.detach().double() ** 2).sum(-1).max()) * s
-            if not (0.5 * top < limit and math.sqrt(top) * float(w.double().norm(dim=1).max()) < limit):
-                raise ValueError("%s: a row of %s is too large for %s random features; scale the inputs down or use "
-                                 "float64" % (fn, name, q.dtype))
-        holder["w"] = w
-        return [("positive", "hyperbolic", "trig").index(kernel), s] + _checksum(w)
+        holder["scale"] = _scale_of(fn, scale, q.shape[3])
+        holder["w"] = _projection(fn, projection, kernel, ("positive", "hyperbolic", "trig"), holder["scale"], q, k)
+        return [("positive", "hyperbolic", "trig").index(kernel), holder["scale"]] + _checksum(holder["w"])
     c = _Call("favor_attention", group, layout, q, k, v, key_lengths, causal, check)
     phi = _kernelized.Features("favor", projection=holder["w"], kernel=kernel, sqrt_scale=math.sqrt(holder["scale"]))
     return _kernelized.attention(c.g, c.segs, c.q, c.k, c.v, c.lengths, causal, 0.0, phi)
@@ -288,12 +295,13 @@ def hedgehog_attention(q, k, v, query_weight, query_bias, key_weight, key_bias, 
                                  _kernelized.Features("identity"))
 
 
-_HYBRID_MAPS = ("elu", "relu", "given")
+_HYBRID_MAPS = ("elu", "relu", "given", "favor")
 
 
 def hybrid_attention(q, k, v, *, query_features=None, key_features=None, window_gate=None,
-                     window=_option_default("hybrid_attention", "window"),
-                     feature_map=_option_default("hybrid_attention", "feature_map"), causal=False, key_lengths=None,
+                     window=_option_default("hybrid_attention", "window"), projection=None,
+                     feature_map=_option_default("hybrid_attention", "feature_map"),
+                     kernel=_option_default("hybrid_attention", "kernel"), causal=False, key_lengths=None,
                      scale=None, eps=_option_default("hybrid_attention", "eps"), group=None, layout="contiguous"):
     """The sliding-window + linear hybrid (linattn.torch.hybrid_attention): the linear part
     over the keys outside each window through the states of the other segments, and a halo of
@@ -317,6 +325,19 @@ def hybrid_attention(q, k, v, *, query_features=None, key_features=None, window_
         _eps_check(fn, eps)
         holder["scale"] = _scale_of(fn, scale, q.shape[3])
         fields = [window, _HYBRID_MAPS.index(feature_map), eps, holder["scale"]]
+        default_kernel = _option_default("hybrid_attention", "kernel")
+        if feature_map == "favor":
+            if projection is None:
+                raise ValueError("%s: feature_map='favor' needs projection [num_features, head_dim] (from "
+                                 "random_features)" % fn)
+            holder["w"] = _projection(fn, projection, kernel, ("positive", "hyperbolic"), holder["scale"], q, k)
+            fields += [kernel == "positive"] + _checksum(holder["w"])
+        elif projection is not None:
+            raise ValueError("%s: projection is given, but feature_map is %r; pass feature_map='favor' to use it"
+                             % (fn, feature_map))
+        elif kernel != default_kernel:
+            raise ValueError("%s: kernel=%r applies to feature_map='favor' only, but feature_map is %r"
+                             % (fn, kernel, feature_map))
         if feature_map == "given":
             fq, fk = _tensor(fn, "query_features", query_features), _tensor(fn, "key_features", key_features)
             for name, x in (("query_features", fq), ("key_features", fk)):
@@ -335,12 +356,27 @@ def hybrid_attention(q, k, v, *, query_features=None, key_features=None, window_
         fields += [window_gate is not None and holder["gate"].requires_grad] + _checksum(holder["gate"])
         return fields
     c = _Call("hybrid_attention", group, layout, q, k, v, key_lengths, causal, check)
+    favor = None
     if feature_map == "given":
         fq, fk = holder["fq"], holder["fk"]
+    elif feature_map == "favor":
+        # Both sides in the key form: the query's −‖x̃‖²/2 no longer cancels against exact weights.
+        sq = math.sqrt(holder["scale"])
+        Lq, Lk = (_kernelized.favor_logits(x, holder["w"], sq, kernel, True)[0] for x in (c.q, c.k))
+        with torch.no_grad():  # the whole sequence's largest key logit per feature (a shift: no gradient)
+            tops = []
+            for s in c.segs[c.g.rank]:
+                mask = _kernelized.key_mask(c.lengths, s)
+                L = s.rows(Lk)
+                tops.append((L if mask is None else L.masked_fill(~mask, float("-inf"))).amax(2, keepdim=True))
+            top = c.g.all_reduce_max(torch.stack(tops).amax(0))
+            top = torch.where(torch.isfinite(top), top, 0)  # no key at all: every state is 0
+        # Padded keys may lie above the shift: their features are 0 (and zeroed by the key mask too).
+        fq, fk, favor = None, torch.exp(torch.where(Lk - top <= 0, Lk - top, float("-inf"))), (Lq, top)
     else:
         fq, fk = (_kernelized.plain_features(x, feature_map, None) for x in (c.q, c.k))
     return _hybrid.attention(c.g, c.segs, c.q, c.k, c.v, fq, fk, c.lengths, causal, window, holder["scale"],
-                             holder["gate"], float(eps))
+                             holder["gate"], float(eps), favor)
 
 
 def efficient_attention(q, k, v, *, key_lengths=None, scale=None, causal=False, group=None, layout="contiguous"):
