@@ -13,7 +13,7 @@ CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$(PYTHON) -DLINATT
 PIP_INSTALL := $(PYTHON) -m pip install -q --disable-pip-version-check --no-build-isolation \
   --no-deps -Cbuild-dir=$(BUILD)/wheel -Cbuild.tool-args=-j$(JOBS)
 
-.PHONY: deps build build-cpp install-python stubs demo test test-cpp test-python test-sanitize stress-tests bench accuracy models distributed linearize clean
+.PHONY: deps build build-cpp install-python stubs demo test test-cpp test-python test-sanitize stress-tests bench bench-hybrid accuracy models distributed linearize clean
 
 deps:
 	@bash scripts/install-deps.sh
@@ -85,6 +85,11 @@ distributed: build
 # docs/linearize.md: all-MiniLM-L6-v2 converted to linear attention (linattn.hf.linearize: Hedgehog's
 # maps, the window alone, the hybrid; attention_transfer, then finetune), against FAVOR+ distilled;
 # about 45 minutes on 2 cores. Raw results in out/linearize.
+# The hybrid against LoLCATs' CPU forms (docs/methods/hybrid.md); OPENBLAS_CORETYPE unset for
+# this command alone, as users run.
+bench-hybrid: build
+	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(PYTHON) bench/hybrid_lolcats.py --docs docs/methods/hybrid.md
+
 linearize: build
 	$(PYTHON) bench/linearize.py --out out/linearize --docs docs/linearize.md
 

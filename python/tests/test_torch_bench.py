@@ -118,3 +118,28 @@ def test_every_method_has_a_peer_and_exact_attention_has_sdpa():
         assert tb.peers_of(name, False), name
     assert [p for p, _ in tb.peers_of("exact softmax (causal)", True)] == ["torch sdpa", "torch plain"]
     assert tb.peers_of("nystrom m=64", True) == []  # no causal form, as in linattn
+
+
+def test_lolcats_peers_compute_the_hybrid():
+    # bench/hybrid_lolcats.py: LoLCATs' linear (cumsum) and quadratic forms are the same function
+    # as linattn's causal hybrid on given features, in float64 to 1e-12 (the script itself
+    # checks float32 at 1e-4 before timing); --quick runs the whole script.
+    import subprocess
+    import sys
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "hybrid_lolcats.py")
+    spec_h = importlib.util.spec_from_file_location("hybrid_lolcats", path)
+    hl = importlib.util.module_from_spec(spec_h)
+    spec_h.loader.exec_module(hl)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 29, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    fq, fk = (torch.rand(2, 3, 29, 6, generator=g, dtype=torch.float64) for _ in range(2))
+    gate = torch.randn(3, generator=g, dtype=torch.float64)
+    for window in (1, 4, 40):
+        want = hl.ours(q, k, fq, fk, v, gate, window, 1e-6)
+        for name, fn in hl.PEERS.items():
+            got = fn(q, k, fq, fk, v, gate, window, 1e-6)
+            assert float((got - want).abs().max()) <= 1e-12 * float(want.abs().max()), (name, window)
+    out = subprocess.run([sys.executable, path, "--quick", "--threads", "1"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "| 40 |" in out.stdout
