@@ -266,6 +266,32 @@ TEST(Hybrid, AnyFiniteLogitIsSafe) {
     }
 }
 
+// FAVOR with every logit far below exp's range (q > 0 > k elementwise, scores near −5000, and
+// FAVOR's L_q + L_k <= s + ‖ω‖²/2 as low): the row shifts keep
+// the output finite and equal to the reference, with eps = 0 (e^{−R_i} overflows, but eps·e^{−R_i}
+// is taken as 0, never 0·inf) and with the default eps (the row is then 0, as its formula says).
+TEST(Hybrid, FavorFarBelowExpRange) {
+  for (double eps : {0.0, 1e-6}) {
+    SCOPED_TRACE(eps);
+    Inputs x(Case{false, 2, "favor", true, false, 12, 12}, 9, 60.0);
+    for (int64_t i = 0; i < x.k.size(); ++i) x.q[i] = std::abs(x.q[i]), x.k[i] = -std::abs(x.k[i]);
+    x.opts.eps = eps;
+    const auto in = x.inputs();
+    const Tensor<double> want = reference::hybrid_attention(x.q, x.k, x.v, in, x.opts);
+    const Tensor<double> got = hybrid_attention<double>(x.q, x.k, x.v, in, x.opts);
+    double top = 0;
+    for (int64_t i = 0; i < got.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(got[i]) && std::isfinite(want[i])) << i;
+      top = std::max(top, std::abs(want[i]));
+    }
+    EXPECT_EQ(top > 0, eps == 0);  // eps = 0: the estimator's ratio; eps > 0: swamped, 0
+    const double bound_eps = epsilon<double>(x, Case{false, 2, "favor", true, false, 12, 12},
+                                             1 / std::sqrt(static_cast<double>(Inputs::d)));
+    testing::expect_within(got, want, bound_of(reference::hybrid_attention(x.q, x.k, x.v, in, x.opts, true), bound_eps),
+                           "out");
+  }
+}
+
 // With FAVOR's features the hybrid is the estimator of softmax with exact weights inside the
 // window: window 0 is favor_attention (eps = 0: FAVOR has none), and a window over every key
 // is softmax_attention exactly, whatever the projection.

@@ -131,6 +131,8 @@ def test_set_options_checks_and_attaches(minilm):
         lh.set_options(favor, features="gaussian")
     with pytest.raises(ValueError, match="num_features must be a positive integer"):
         lh.set_options(favor, num_features=0)
+    with pytest.raises(ValueError, match="window > 0 needs kernel 'positive' or 'hyperbolic'"):
+        lh.set_options(favor, window=4, kernel="trig")
     with pytest.raises(ValueError, match="not a linattn backend"):
         lh.set_options(load(path, "eager"), num_features=8)
     with pytest.raises(ValueError, match="unknown backend"):

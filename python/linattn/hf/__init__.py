@@ -46,8 +46,9 @@ each attention module, so an optimizer built afterwards trains them. Per backend
   linattn_hedgehog: feature_dim (32; m' = 2·feature_dim features per head), init ("identity"
     or "random"): HedgehogFeatureMap submodules for queries and keys in every attention module;
     window (0).
-  linattn_elu, linattn_relu, linattn_hedgehog: window (0; w > 0: the sliding-window hybrid,
-    linattn.torch.hybrid_attention, with a learned gate linattn_window_gate [heads]).
+  linattn_elu, linattn_relu, linattn_hedgehog, linattn_favor: window (0; w > 0: the
+    sliding-window hybrid, linattn.torch.hybrid_attention, with a learned gate
+    linattn_window_gate [heads]; favor: kernel positive or hyperbolic, eps 0).
   linattn_window: window (64, >= 1).
   linattn_softmax, linattn_efficient: none.
 The model's own scaling (1/sqrt(head_dim) for BERT) is passed as `scale` to every method that

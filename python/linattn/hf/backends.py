@@ -77,6 +77,11 @@ class Favor(Backend):
     """Performer / FAVOR+: a fixed projection per layer (a buffer, seed + layer index), and the
     sliding-window hybrid (window): exact e^{s} inside the window, FAVOR's estimate beyond it."""
 
+    def check(self, o, config):
+        if o.get("window") and o["kernel"] == "trig":
+            raise ValueError("linattn.hf: linattn_favor with window > 0 needs kernel 'positive' or 'hyperbolic' "
+                             "(the hybrid's weights must be >= 0; trig's are not), got 'trig'")
+
     def attach(self, module, anchor, user):
         projection(module, anchor, user)
 
@@ -84,7 +89,10 @@ class Favor(Backend):
         return dict(self.fixed, kernel=user["kernel"], projection=projection(module, query, user))
 
     def hybrid_features(self, module, query, key, user):
-        return {"feature_map": "favor", "kernel": user["kernel"], "projection": projection(module, query, user)}
+        # eps = 0, as favor_attention: every row with a key has a positive denominator anyway, and
+        # an absolute eps (in units of e^{q·k}) would pull rows whose logits are all low to 0.
+        return {"feature_map": "favor", "kernel": user["kernel"], "projection": projection(module, query, user),
+                "eps": 0.0}
 
 
 class Nystrom(Backend):

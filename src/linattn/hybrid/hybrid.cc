@@ -363,14 +363,16 @@ void forward_item(const Setup& s, const Item<T>& it, T* num, T* den, Scratch<T>&
   }
 }
 
-// eps in row i's scale: FAVOR's rows are shifted by R_i, so eps·e^{−R_i} (inf when that
-// overflows: the row's weights are then all below eps's rounding, and out_i = 0 as the model
-// says to within it); 0 for a row with no keys (den = 0: out 0). The other maps: eps itself.
+// eps in row i's scale: FAVOR's rows are shifted by R_i, so eps·e^{−R_i} = e^{log eps − R_i}
+// (inf when that overflows: the row's weights are then all below eps's rounding, and out_i = 0
+// as the model says to within it; eps = 0 stays 0 at any R_i, never 0·inf); 0 for a row with no
+// keys (den = 0: out 0). The other maps: eps itself.
 template <class T>
 T row_eps(const Setup& s, const Scratch<T>& w, int64_t i) {
   if (s.map != Map::Favor) return static_cast<T>(s.opts.eps);
   const T R = w.shift[i];
-  return R > -std::numeric_limits<T>::infinity() ? static_cast<T>(s.opts.eps * std::exp(-static_cast<double>(R))) : T(0);
+  if (!(R > -std::numeric_limits<T>::infinity()) || s.opts.eps == 0) return T(0);
+  return static_cast<T>(std::exp(std::log(s.opts.eps) - static_cast<double>(R)));
 }
 
 // FAVOR, backward: query i's features entering the reverse state [R | ρ] of queries, whose rows

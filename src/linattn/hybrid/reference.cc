@@ -102,7 +102,7 @@ Row favor_row(const Setup& s, Row r, const std::vector<double>& score, const std
     R = std::max(R, lw);
   }
   r.top = -1;
-  r.den = visible > 0 ? s.opts.eps * std::exp(-R) : s.opts.eps;
+  r.den = visible == 0 || s.opts.eps == 0 ? s.opts.eps : std::exp(std::log(s.opts.eps) - R);
   for (int64_t j = 0; j < visible; ++j) {
     const double wt = std::exp(logw[static_cast<size_t>(j)] - R);
     r.weight.push_back(wt);

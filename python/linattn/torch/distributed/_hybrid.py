@@ -18,6 +18,8 @@ FAVOR's features estimate e^{q·k} itself, so there the window is unshifted and 
 on one scale R_i instead (attention's favor argument), with key features shifted by the whole
 sequence's largest key logit per feature, as the kernelized path over ranks does."""
 
+import math
+
 import torch
 
 from . import _kernelized
@@ -37,7 +39,9 @@ def attention(g, segs, q, k, v, fq, fk, lengths, causal, window, scale, gate, ep
         """FAVOR's query features exp(L_q + c − R) and eps·e^{−R} for rows Lq, window maxima top."""
         lin = (Lq + favor[1]).detach().amax(-1, keepdim=True)
         R = lin if top is None else torch.maximum(lin, top.detach())
-        return torch.exp(Lq + favor[1] - R) / Lq.shape[-1], eps * torch.exp(-R), R  # φ = exp(L)/√m' each side
+        # φ = exp(L)/√m' on each side; eps·e^{−R} as e^{log eps − R} (eps = 0: 0 at any R, never 0·inf)
+        eps_rows = torch.exp(math.log(eps) - R) if eps > 0 else torch.zeros_like(R)
+        return torch.exp(Lq + favor[1] - R) / Lq.shape[-1], eps_rows, R
 
     if window == 0:  # plain linear attention; the gate scales nothing
         if favor is not None:
