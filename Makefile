@@ -82,14 +82,14 @@ models: build
 distributed: build
 	$(PYTHON) bench/distributed.py --out out/distributed --docs docs/distributed.md
 
-# docs/linearize.md: all-MiniLM-L6-v2 converted to linear attention (linattn.hf.linearize: Hedgehog's
-# maps, the window alone, the hybrid; attention_transfer, then finetune), against FAVOR+ distilled;
-# about 45 minutes on 2 cores. Raw results in out/linearize.
 # The hybrid against LoLCATs' CPU forms (docs/methods/hybrid.md); OPENBLAS_CORETYPE unset for
 # this command alone, as users run.
 bench-hybrid: build
 	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(PYTHON) bench/hybrid_lolcats.py --docs docs/methods/hybrid.md
 
+# docs/linearize.md: all-MiniLM-L6-v2 converted to linear attention (linattn.hf.linearize: Hedgehog's
+# maps, the window alone, the hybrid; attention_transfer, then finetune), against FAVOR+ distilled;
+# about 35 minutes (measured on one core; less on two). Raw results in out/linearize.
 linearize: build
 	$(PYTHON) bench/linearize.py --out out/linearize --docs docs/linearize.md
 
