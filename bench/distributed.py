@@ -22,6 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import measured_section  # noqa: E402
+
 import linattn
 import linattn.torch as lt
 
@@ -221,12 +224,7 @@ def main():
     text = report(rows, a.ranks, a.ns, command, a.reps)
     print(text)
     if a.docs:
-        doc = Path(a.docs).read_text()
-        begin, end = "<!-- MEASURED: written by bench/distributed.py -->", "<!-- END MEASURED -->"
-        if begin not in doc or end not in doc:
-            raise SystemExit("%s lacks the markers %s ... %s" % (a.docs, begin, end))
-        head, rest = doc.split(begin, 1)
-        Path(a.docs).write_text(head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1])
+        measured_section.write(a.docs, "distributed.py", text)
 
 
 if __name__ == "__main__":

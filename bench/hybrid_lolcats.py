@@ -8,8 +8,8 @@ given features) against what a LoLCATs user runs on a CPU, on the same inputs an
 - "lolcats quadratic": hybrid_attention_quadratic, the n×n form its training uses.
 
 Forward, and forward + backward (gradients of q, k, v, both feature tensors and the gate). Each
-timing: one warm-up, then the median of at least 5 runs and 1 s. The three agree before any
-timing (float32, relative error below 1e-4 of the output's largest value). FLOPs are linattn's
+timing: one warm-up, then the median of at least 5 runs and 1 s (bench/torch_bench.py's
+time_runs). The three agree before any timing (float32, relative error below 1e-4 of the output's largest value). FLOPs are linattn's
 count (the window's scores and weighted values, 4·n·w·d; the linear state's update and
 application, 4·n·m'·(d + 1)), the backward taken as 2.5 times the forward, as the registry counts.
 
@@ -20,9 +20,7 @@ Writes the measured section of docs/methods/hybrid.md (between its MEASURED mark
 import argparse
 import os
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
@@ -33,7 +31,10 @@ import torch.nn.functional as F  # noqa: E402
 import linattn  # noqa: E402
 import linattn.torch as lt  # noqa: E402
 
-BEGIN, END = "<!-- MEASURED: written by bench/hybrid_lolcats.py -->", "<!-- END MEASURED -->"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import measured_section  # noqa: E402
+import torch_bench  # noqa: E402
+
 
 
 def lolcats_linear(q, k, fq, fk, v, gate, window, eps):
@@ -78,14 +79,10 @@ def ours(q, k, fq, fk, v, gate, window, eps):
 PEERS = {"linattn": ours, "lolcats linear (cumsum)": lolcats_linear, "lolcats quadratic": lolcats_quadratic}
 
 
-def median_seconds(fn, min_runs=5, min_time=1.0):
-    fn()  # warm-up
-    times = []
-    while len(times) < min_runs or sum(times) < min_time:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def median_seconds(fn, n):
+    """One warm-up, then torch_bench's timing (the one `linattn bench` gives the peers)."""
+    fn()
+    return torch_bench.time_runs(fn, n)[0]
 
 
 def cpu_features():
@@ -139,7 +136,7 @@ def run(a):
                 out = fn(*leaves[:5], leaves[5], w, 1e-6)
                 out.backward(torch.ones_like(out))
 
-            rows.append({"n": n, "peer": name, "fwd": median_seconds(fwd), "bwd": median_seconds(fwd_bwd)})
+            rows.append({"n": n, "peer": name, "fwd": median_seconds(fwd, n), "bwd": median_seconds(fwd_bwd, n)})
         print(rows[-3:], flush=True)
     flops = {n: 4.0 * a.batch * a.heads * n * (a.window * a.head_dim + a.features * (a.head_dim + 1))
              for n in a.lengths}
@@ -150,7 +147,7 @@ def run(a):
 
 def report(r, command):
     a = r["args"]
-    lines = [BEGIN, "",
+    lines = ["",
              "Measured with `%s` on %d thread(s): batch %d, %d heads, head_dim %d, m' = %d given features "
              "(Hedgehog-shaped), window %d, causal, float32; torch %s; CPU features: %s; linattn: %s; "
              "OPENBLAS_CORETYPE %s. Medians after a warm-up (at least 5 runs and 1 s). GFLOP/s is linattn's "
@@ -176,17 +173,8 @@ def report(r, command):
             n, cell(n, "linattn", "fwd"), gf, cell(n, "lolcats linear (cumsum)", "fwd"),
             cell(n, "lolcats quadratic", "fwd"), cell(n, "linattn", "bwd"), cell(n, "lolcats linear (cumsum)", "bwd"),
             cell(n, "lolcats quadratic", "bwd")))
-    lines += ["", "(×: the peer's time over linattn's.)", "", END]
+    lines += ["", "(×: the peer's time over linattn's.)", ""]
     return "\n".join(lines)
-
-
-def write_docs(path, section):
-    path = Path(path)
-    text = path.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit("%s has no %s ... %s section to write" % (path, BEGIN, END))
-    head, rest = text.split(BEGIN, 1)
-    path.write_text(head + section + rest.split(END, 1)[1])
 
 
 def main():
@@ -210,7 +198,7 @@ def main():
                      "bench/hybrid_lolcats.py " + args)
     print(section)
     if not a.quick:
-        write_docs(a.docs, section)
+        measured_section.write(a.docs, "hybrid_lolcats.py", section)
 
 
 if __name__ == "__main__":

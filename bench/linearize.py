@@ -28,10 +28,10 @@ import linattn  # noqa: E402
 import linattn.hf as lh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import measured_section  # noqa: E402
 import models  # noqa: E402  (passages, load, embed_all, recall, split_halves)
 
 BUCKETS = [(1, 128), (129, 256), (257, 384), (385, 512)]
-BEGIN, END = "<!-- MEASURED: written by bench/linearize.py -->", "<!-- END MEASURED -->"
 
 
 def evaluate(model, tok, texts, lengths, base, base_q, base_d):
@@ -111,7 +111,7 @@ def run(a):
 
 
 def report(r, command):
-    lines = [BEGIN, "",
+    lines = ["",
              "Measured with `%s` (torch %s, transformers %s, %d threads): training on %d passages, every figure on "
              "%d held-out passages (up to %d tokens). Stage 1 (attention_transfer): %d Adam steps, lr %g; stage 2 "
              "(finetune: distillation of the last hidden states against the original, LoRA rank 8 on the query, "
@@ -136,17 +136,8 @@ def report(r, command):
             lines.append("%s: per-layer transfer loss (MSE against softmax) %s at the first step, %s at the last."
                          % (row["label"], ", ".join("%.3g" % x for x in row["layer_loss_first"]),
                             ", ".join("%.3g" % x for x in row["layer_loss_last"])))
-    lines += ["", END]
+    lines.append("")
     return "\n".join(lines)
-
-
-def write_docs(path, section):
-    path = Path(path)
-    text = path.read_text() if path.exists() else "%s\n%s\n" % (BEGIN, END)
-    if BEGIN not in text or END not in text:
-        raise SystemExit("%s has no %s ... %s section to write" % (path, BEGIN, END))
-    head, rest = text.split(BEGIN, 1)
-    path.write_text(head + section + rest.split(END, 1)[1])
 
 
 def main():
@@ -178,7 +169,7 @@ def main():
     section = report(r, "make linearize" if args == "--out out/linearize --docs docs/linearize.md"
                      else "bench/linearize.py " + args)
     print(section)
-    write_docs(a.docs, section)
+    measured_section.write(a.docs, "linearize.py", section, create=True)
     if any(not math.isfinite(row["cos_mean"]) for row in r["rows"]):
         raise SystemExit("a cosine is not finite")
 

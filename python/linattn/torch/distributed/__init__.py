@@ -363,14 +363,11 @@ def hybrid_attention(q, k, v, *, query_features=None, key_features=None, window_
         # Both sides in the key form: the query's −‖x̃‖²/2 no longer cancels against exact weights.
         sq = math.sqrt(holder["scale"])
         Lq, Lk = (_kernelized.favor_logits(x, holder["w"], sq, kernel, True)[0] for x in (c.q, c.k))
-        with torch.no_grad():  # the whole sequence's largest key logit per feature (a shift: no gradient)
-            tops = []
-            for s in c.segs[c.g.rank]:
-                mask = _kernelized.key_mask(c.lengths, s)
-                L = s.rows(Lk)
-                tops.append((L if mask is None else L.masked_fill(~mask, float("-inf"))).amax(2, keepdim=True))
-            top = c.g.all_reduce_max(torch.stack(tops).amax(0))
-            top = torch.where(torch.isfinite(top), top, 0)  # no key at all: every state is 0
+        # The whole sequence's largest key logit per feature, as favor_attention over ranks shifts.
+        phi = _kernelized.Features("favor", projection=holder["w"], kernel=kernel, sqrt_scale=sq)
+        mine = c.segs[c.g.rank]
+        phi.fit_keys(c.g, [s.rows(c.k) for s in mine], [_kernelized.key_mask(c.lengths, s) for s in mine])
+        top = phi.shift
         # Padded keys may lie above the shift: their features are 0 (and zeroed by the key mask too).
         fq, fk, favor = None, torch.exp(torch.where(Lk - top <= 0, Lk - top, float("-inf"))), (Lq, top)
     else:
