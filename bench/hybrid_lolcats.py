@@ -10,8 +10,9 @@ given features) against what a LoLCATs user runs on a CPU, on the same inputs an
 Forward, and forward + backward (gradients of q, k, v, both feature tensors and the gate). Each
 timing: one warm-up, then the median of at least 5 runs and 1 s (bench/torch_bench.py's
 time_runs). The three agree before any timing (float32, relative error below 1e-4 of the
-output's largest value). FLOPs are linattn's count (the window's scores and weighted values, 4·n·w·d; the linear state's update and
-application, 4·n·m'·(d + 1)), the backward taken as 2.5 times the forward, as the registry counts.
+output's largest value). FLOPs are linattn's count (the window's scores and weighted values,
+4·n·w·d; the linear state's update and application, 4·n·m'·(d + 1)), the backward taken as 2.5
+times the forward, as the registry counts.
 
     make bench-hybrid    # or: .venv/bin/python bench/hybrid_lolcats.py --docs docs/methods/hybrid.md
 
