@@ -189,6 +189,38 @@ TEST_P(HybridVsReference, EveryMaskWindowAndMap) {
 // Threads below and above batch·heads = 6.
 INSTANTIATE_TEST_SUITE_P(Threads, HybridVsReference, ::testing::Values(1, 3, 8, 16));
 
+// FAVOR's features with batch·heads of 1 and 2, below every thread count tried: the results are
+// bitwise those of one thread (items are independent; nothing depends on the split).
+TEST(Hybrid, FavorFewItemsAnyThreads) {
+  for (int64_t heads : {1, 2})
+    for (bool causal : {false, true}) {
+      SCOPED_TRACE(std::to_string(heads) + (causal ? " causal" : ""));
+      const Tensor<float> q = random_tensor<float>({1, heads, 37, 5}, 11), k = random_tensor<float>({1, heads, 37, 5}, 12),
+                          v = random_tensor<float>({1, heads, 37, 4}, 13), dout = random_tensor<float>({1, heads, 37, 4}, 14),
+                          gate = random_tensor<float>({heads}, 15), projection = random_tensor<float>({8, 5}, 16);
+      HybridAttentionOptions o;
+      o.causal = causal;
+      o.window = 3;
+      o.feature_map = "favor";
+      o.kernel = "hyperbolic";
+      HybridInputs<float> in;
+      in.window_gate = gate.view();
+      in.projection = projection.view();
+      auto run = [&](int threads) {
+        testing::ScopedThreads scope(threads);
+        return std::make_pair(hybrid_attention<float>(q, k, v, in, o), hybrid_attention_backward<float>(q, k, v, dout, in, o));
+      };
+      const auto one = run(1);
+      for (int threads : {3, 8, 16}) {
+        const auto many = run(threads);
+        for (const auto& [got, want] : {std::pair{&many.first, &one.first}, std::pair{&many.second.dq, &one.second.dq},
+                                        std::pair{&many.second.dk, &one.second.dk}, std::pair{&many.second.dv, &one.second.dv},
+                                        std::pair{&many.second.param("window_gate"), &one.second.param("window_gate")}})
+          for (int64_t i = 0; i < want->size(); ++i) ASSERT_EQ((*got)[i], (*want)[i]) << threads << " threads, " << i;
+      }
+    }
+}
+
 // The reference's backward (which the fast path is compared with above) against central
 // differences of the reference's forward, for every input with a gradient.
 TEST(HybridGradients, ReferenceMatchesFiniteDifferences) {
