@@ -89,9 +89,13 @@ bench-hybrid: build
 
 # docs/linearize.md: all-MiniLM-L6-v2 converted to linear attention (linattn.hf.linearize: Hedgehog's
 # maps, the window alone, the hybrid; attention_transfer, then finetune), against FAVOR+ distilled;
-# about 35 minutes (measured on one core; less on two). Raw results in out/linearize.
+# about 35 minutes (measured on one core; less on two). Then bench/causal_lm.py: a character-level
+# Llama trained from scratch (12 minutes, once: cached in out/linearize/causal_teacher), converted,
+# and generation after 1k-64k tokens with DynamicCache against LinattnCache; about 35 minutes more.
+# Raw results in out/linearize.
 linearize: build
 	$(PYTHON) bench/linearize.py --out out/linearize --docs docs/linearize.md
+	$(PYTHON) bench/causal_lm.py --out out/linearize --docs docs/linearize.md
 
 clean:
 	rm -rf $(BUILD) build-sanitize

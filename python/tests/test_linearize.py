@@ -312,6 +312,35 @@ def test_linearize_benchmark_quick(tmp_path):
     assert text.startswith("head\n") and text.endswith("tail\n") and "| model |" in text
 
 
+def test_causal_lm_benchmark_quick(tmp_path):
+    # bench/causal_lm.py --quick: the causal LM of `make linearize` on a tiny scale: a Llama
+    # trained from scratch, converted three ways, and generation with both caches; the page
+    # section, the plots and the raw results are written, every bpc finite and above zero.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    docs = tmp_path / "linearize.md"
+    docs.write_text("head\n<!-- MEASURED: written by bench/causal_lm.py -->\n<!-- END MEASURED -->\ntail\n")
+    r = subprocess.run([sys.executable, str(root / "bench" / "causal_lm.py"), "--quick", "--out", str(tmp_path),
+                        "--docs", str(docs)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((tmp_path / "causal_lm.json").read_text())
+    labels = [row["label"] for row in result["rows"]]
+    assert labels[0].startswith("teacher") and any(l.startswith("hybrid") and "stages 1 + 2" in l for l in labels)
+    assert all(0 < v < 10 for row in result["rows"] for v in row["bpc"].values())
+    assert 0 < result["bigram_bits"] < result["unigram_bits"]
+    gen = result["generation"]
+    assert any("DynamicCache" in k for k in gen) and sum("LinattnCache" in k for k in gen) == 3
+    for label, rows in gen.items():
+        sizes = [row["cache_bytes"] for row in rows]
+        assert (sizes[0] == sizes[-1]) if "LinattnCache" in label else (sizes[-1] > sizes[0])
+    assert (tmp_path / "img" / "linearize_generation_time.png").exists()
+    text = docs.read_text()
+    assert text.startswith("head\n") and text.endswith("tail\n") and "| model |" in text
+
+
 @pytest.mark.parametrize("lora", [True, False])
 def test_finetune_distils_trains_what_it_says_and_merges_lora(minilm, lora):
     path, tok = minilm

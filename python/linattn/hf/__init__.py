@@ -24,9 +24,15 @@ each sequence (right padding, what encoders use). A mask that is not "a prefix o
 (left padding, packed sequences, sliding windows, additive biases such as ALiBi) raises
 ValueError: linattn cannot apply it, and attending to the wrong keys silently is worse.
 Causal models (module.is_causal) use the causal forms: the kernelized methods and softmax;
-Nyström, Linformer and Efficient Attention have none and raise ValueError. With a KV cache,
-one new query attends to every cached key (no mask needed); a chunk of several new queries
-over a longer cache works for softmax (bottom-right aligned) and raises for the others.
+Nyström, Linformer and Efficient Attention have none and raise ValueError.
+
+Generation: on the kernelized and hybrid backends (cache.CACHED_BACKENDS), generate() uses
+LinattnCache (linattn.hf.cache): per layer a constant-size recurrent state plus the window's
+last keys, the prompt through the chunked causal kernel, O(1) per new token; register()
+installs that default, and LinattnCache(model) can be passed as past_key_values. With
+transformers' DynamicCache (linattn_softmax, or one the caller passes), one new query attends
+to every cached key (no mask needed); a chunk of several new queries over a longer cache works
+for softmax (bottom-right aligned) and raises for the others.
 
 Options live in the model config as the dict `config.linattn_options` (saved with the model);
 set_options(model, **options) checks them against the model's backend, stores them and creates
@@ -61,12 +67,23 @@ Attention weights are not returned (output_attentions gives None).
 
 The package: backends.py (BACKENDS, one Backend object per name, the attention function,
 options), masks.py (attention masks -> key_lengths), convert.py (linearize, attention_transfer,
-finetune, from_pretrained)."""
+finetune, from_pretrained), cache.py (LinattnCache, generation in constant memory)."""
 
 from .backends import (BACKENDS, Backend, attention_function, attention_modules, options_of, register,  # noqa: F401
                        set_options)
 from .convert import attention_transfer, finetune, from_pretrained, learned_parameters, linearize  # noqa: F401
 from . import backends, convert, masks  # noqa: F401
 
-__all__ = ["BACKENDS", "Backend", "attention_function", "attention_modules", "attention_transfer", "finetune",
+
+
+def __getattr__(attr):
+    # linattn.hf.LinattnCache / linattn.hf.cache import transformers, which linattn.hf itself
+    # does not need until register(): loaded on first use.
+    if attr in ("LinattnCache", "cache"):
+        from . import cache
+        return cache if attr == "cache" else cache.LinattnCache
+    raise AttributeError("module 'linattn.hf' has no attribute %r" % attr)
+
+
+__all__ = ["BACKENDS", "LinattnCache", "Backend", "attention_function", "attention_modules", "attention_transfer", "finetune",
            "from_pretrained", "learned_parameters", "linearize", "options_of", "register", "set_options"]

@@ -4,6 +4,8 @@ takes (with defaults), the tensors it attaches to attention modules and how it p
 attention_function(name) is the function transformers calls; set_options() checks a model's
 options and attaches what they need. See linattn.hf's documentation."""
 
+import threading as _threading
+
 import numpy as _np
 import torch as _torch
 
@@ -13,6 +15,9 @@ from . import masks as _masks
 
 PREFIX = "linattn_"  # attribute names of what linattn.hf attaches to attention modules
 FEATURE_KINDS = ("orthogonal", "iid", "orthogonal_fixed", "quantile")
+# LinattnCache.update's note to the attention function that runs next on this thread:
+# .note = (cache layer, the key tensor update returned). See linattn.hf.cache.
+PENDING_CACHE = _threading.local()
 
 
 def _positive_int(value):
@@ -191,9 +196,24 @@ def register():
     masked). Idempotent."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from .cache import install_generation_hook
     for name in BACKENDS:
         AttentionInterface.register(name, attention_function(name))
         AttentionMaskInterface.register(name, sdpa_mask)
+    install_generation_hook()
+
+
+def take_pending(key):
+    """The LinattnCache layer whose update() returned `key` (the note then cleared), or None
+    when no LinattnCache is in use. ValueError when the note is for another tensor."""
+    note = getattr(PENDING_CACHE, "note", None)
+    if note is None:
+        return None
+    PENDING_CACHE.note = None
+    if note[1] is not key:
+        raise ValueError("LinattnCache: the attention function got other keys than LinattnCache.update returned "
+                         "(the model changes them in between); this model cannot use the linattn cache")
+    return note[0]
 
 
 def attention_function(name):
@@ -204,6 +224,7 @@ def attention_function(name):
     op = getattr(_lt, b.function)
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        cached = take_pending(key)  # a LinattnCache layer, when generate() runs with one
         if dropout and module.training:
             raise ValueError("%s: attention dropout %g in training; linattn forms no attention weights to drop. "
                              "Set the model's attention dropout (attention_probs_dropout_prob, attention_dropout) to 0"
@@ -221,24 +242,33 @@ def attention_function(name):
         n_q, n_k = query.shape[2], key.shape[2]
         causal = bool(kwargs.get("is_causal") if kwargs.get("is_causal") is not None
                       else getattr(module, "is_causal", False))
+        user = options_of(getattr(module, "config", None), name)
+        if cached is not None:
+            from .cache import attend
+            if not causal:
+                raise ValueError("%s: LinattnCache serves causal attention; this attention layer is not causal" % name)
+            out = attend(name, cached, module, b, user, query, key, value, attention_mask, scaling,
+                         lambda: forward(module, query, key, value, None, n_q > 1, causal, scaling, user))
+            return out.transpose(1, 2).contiguous(), None
         mask_causal = causal and n_q > 1  # a single new query sees the whole cache
         key_lengths = _masks.key_lengths(name, attention_mask, query.shape[0], n_q, n_k, mask_causal)
-        user = options_of(getattr(module, "config", None), name)
         if mask_causal and n_q != n_k and b.function != "softmax_attention" and not user.get("window"):
             raise ValueError("%s: %d queries against %d cached keys; causal %s needs as many queries as keys "
                              "(decode one token at a time, or use linattn_softmax)" % (name, n_q, n_k, b.function))
-        if user.get("window"):
-            out = hybrid(module, b, query, key, value, key_lengths, causal, scaling, user)
-        else:
-            options = b.options(module, query, user)
-            if mask_causal:
-                options["causal"] = True
-            if b.takes_scale:
-                options["scale"] = scaling
-            out = op(query, key, value, key_lengths=key_lengths, **options)
+        out = forward(module, query, key, value, key_lengths, mask_causal, causal, scaling, user)
         if getattr(module, "linattn_transfer", False):
             out = transfer_step(module, query, key, value, out, key_lengths, mask_causal, scaling)
         return out.transpose(1, 2).contiguous(), None
+
+    def forward(module, query, key, value, key_lengths, mask_causal, causal, scaling, user):
+        if user.get("window"):
+            return hybrid(module, b, query, key, value, key_lengths, causal, scaling, user)
+        options = b.options(module, query, user)
+        if mask_causal:
+            options["causal"] = True
+        if b.takes_scale:
+            options["scale"] = scaling
+        return op(query, key, value, key_lengths=key_lengths, **options)
 
     attention.__name__ = attention.__qualname__ = name
     attention.__doc__ = "linattn's %s as a transformers attention function (see linattn.hf)." % b.function

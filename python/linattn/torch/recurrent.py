@@ -1,0 +1,80 @@
+"""Causal linear attention's recurrent form on torch tensors, state in and state out: what
+linattn.hf's generation cache decodes with, at a cost per token that does not depend on how
+many tokens came before.
+
+A LinearState holds, per batch row and head, the sums over the keys that entered it
+
+    sums = Σ_j φ(k_j) v_jᵀ  [m', d_v],   normaliser = Σ_j φ(k_j)  [m'],
+
+so a query reads num = φ(q)·sums, den = φ(q)·normaliser. Plain features (elu, relu, focused,
+Hedgehog's, any non-negative map) are stored as they are (shift None). FAVOR's features are
+exponentials, φ_r(x) = s_r·e^{L_r(x)}, and are stored on a per-feature scale c_r, the running
+maximum of the key logits that entered (sums = Σ_j s_jr e^{L_jr − c_r} v_j), as the C++ kernels
+keep them: every stored weight is <= 1 at any finite logit, so nothing overflows. A read
+returns num and den on the scale e^{R}, R = max_r(L_q,r + c_r), which the caller combines with
+its other terms (the sliding window's) before dividing. Every function returns new tensors and
+leaves its inputs unchanged, so a state can be kept, copied or reordered (beam search) freely."""
+
+from typing import NamedTuple, Optional
+
+import torch
+
+__all__ = ["LinearState", "empty_state", "enter", "read"]
+
+
+class LinearState(NamedTuple):
+    sums: torch.Tensor                   # [B, H, m', d_v]
+    normaliser: torch.Tensor             # [B, H, m']
+    shift: Optional[torch.Tensor] = None  # [B, H, m'] (log form: FAVOR), None (plain features)
+
+    @property
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in self if t is not None)
+
+    def map(self, fn):
+        """The state with fn applied to each tensor (index_select for beam search, say)."""
+        return LinearState(*(None if t is None else fn(t) for t in self))
+
+
+def empty_state(batch, heads, features, value_dim, *, log_form, like):
+    """The state of no keys: zeros, and for log form shifts of −inf (no key has set a scale)."""
+    shift = like.new_full((batch, heads, features), float("-inf")) if log_form else None
+    return LinearState(like.new_zeros((batch, heads, features, value_dim)), like.new_zeros((batch, heads, features)),
+                       shift)
+
+
+def enter(state, values, features=None, logits=None, factors=None):
+    """The state after keys j = 1..n enter it: values [B, H, n, d_v] with their plain features
+    [B, H, n, m'] or (log form) their logits L [B, H, n, m'] and, for FAVOR's trig map, factors
+    s [B, H, n, m'] (φ = s·e^{L}; None means 1)."""
+    if values.shape[2] == 0:
+        return state
+    if state.shift is None:
+        # sums += Σ_j φ(k_j) v_jᵀ, normaliser += Σ_j φ(k_j)
+        return LinearState(state.sums + torch.einsum("bhnm,bhnd->bhmd", features, values),
+                           state.normaliser + features.sum(dim=2))
+    # c' = max(c, max_j L_j); the old sums move to the new scale by e^{c − c'} (0 while c = −inf).
+    shift = torch.maximum(state.shift, logits.amax(dim=2))
+    decay = torch.exp(state.shift - shift)
+    weights = torch.exp(logits - shift[:, :, None, :])
+    if factors is not None:
+        weights = weights * factors
+    return LinearState(state.sums * decay[..., None] + torch.einsum("bhnm,bhnd->bhmd", weights, values),
+                       state.normaliser * decay + weights.sum(dim=2), shift)
+
+
+def read(state, features=None, logits=None, factors=None):
+    """One query per batch row and head against the state -> (num [B, H, d_v], den [B, H],
+    R [B, H] or None). Plain: num = φ(q)·sums, den = φ(q)·normaliser (R None). Log form: the
+    query's logits L_q [B, H, m'] (and factors): the true num and den are e^{R} times those
+    returned, R = max_r(L_q,r + c_r), −inf (and num = den = 0) while no key has entered."""
+    if state.shift is None:
+        return (torch.einsum("bhm,bhmd->bhd", features, state.sums),
+                torch.einsum("bhm,bhm->bh", features, state.normaliser), None)
+    total = logits + state.shift
+    top = total.amax(dim=-1)
+    weights = torch.exp(total - torch.where(torch.isfinite(top), top, torch.zeros_like(top))[..., None])
+    if factors is not None:
+        weights = weights * factors
+    return (torch.einsum("bhm,bhmd->bhd", weights, state.sums), torch.einsum("bhm,bhm->bh", weights, state.normaliser),
+            top)

@@ -1,0 +1,208 @@
+"""linattn.hf.LinattnCache: constant-memory generation on the kernelized and hybrid backends.
+Each decoded token's logits equal those of a full causal forward over the whole sequence to
+float32 rounding, greedy generate() equals a full forward re-run at every step, the size does
+not grow, beam search reorders it, and what the cache cannot serve raises ValueError."""
+
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+import linattn.hf as lh  # noqa: E402
+from linattn.torch import recurrent  # noqa: E402
+
+CONFIG = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None, pad_token_id=0)
+CASES = [("linattn_elu", {}), ("linattn_elu", {"window": 5}), ("linattn_relu", {"window": 3}),
+         ("linattn_focused", {"dwc_kernel_size": 3}), ("linattn_favor", {}), ("linattn_favor", {"kernel": "hyperbolic"}),
+         ("linattn_favor", {"kernel": "trig"}), ("linattn_favor", {"window": 5}),
+         ("linattn_favor", {"window": 4, "kernel": "hyperbolic"}), ("linattn_hedgehog", {"feature_dim": 4}),
+         ("linattn_hedgehog", {"feature_dim": 4, "window": 5}), ("linattn_window", {"window": 4})]
+# float32 logits of a 2-layer model: each path rounds differently (C++ kernels against torch
+# ops), a few ulps of every term; 2^-14 of the largest logit is ~100× that and far below a
+# wrong state's error (a token missing from the state moves logits by ~1e-2 relative).
+TOL = 2.0 ** -14
+
+
+def model_on(name, options, seed=0):
+    lh.register()
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG, attn_implementation="sdpa")).eval()
+    model.set_attn_implementation(name)
+    lh.set_options(model, **options)
+    with torch.no_grad():  # learned tensors away from their neutral start (gate 0, convolution 0)
+        for n, p in model.named_parameters():
+            if n.split(".")[-1].startswith("linattn_") or ".linattn_" in n:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(hash(n) % 2**31))
+    return model
+
+
+def ids_of(batch, n, seed=1):
+    return torch.randint(1, 97, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name,options", CASES)
+def test_decoded_logits_equal_the_full_forward(name, options):
+    model = model_on(name, options)
+    ids = ids_of(2, 24)
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = lh.LinattnCache(model)
+        pieces = [model(ids[:, :9], past_key_values=cache, use_cache=True).logits]
+        pieces.append(model(ids[:, 9:12], past_key_values=cache, use_cache=True).logits)  # a chunk after the prompt
+        for t in range(12, 24):
+            pieces.append(model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+    got = torch.cat(pieces, dim=1)
+    assert (got - full).abs().max() <= TOL * full.abs().max()
+    assert cache.get_seq_length() == 24
+
+
+@pytest.mark.parametrize("name,options", CASES)
+def test_greedy_generate_uses_the_cache_and_equals_a_full_rerun(name, options):
+    model = model_on(name, options)
+    prompt = ids_of(2, 10)
+    out = model.generate(prompt, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    assert isinstance(out.past_key_values, lh.LinattnCache)  # no argument needed
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(8):
+            seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out.sequences, seq)
+    explicit = model.generate(prompt, max_new_tokens=8, do_sample=False, past_key_values=lh.LinattnCache(model))
+    assert torch.equal(explicit, seq)
+
+
+@pytest.mark.parametrize("name,options", [("linattn_elu", {"window": 5}), ("linattn_favor", {"window": 4}),
+                                          ("linattn_hedgehog", {"feature_dim": 4})])
+def test_size_does_not_grow_with_the_context(name, options):
+    model = model_on(name, options)
+    sizes = []
+    for n in (16, 64, 256):
+        out = model.generate(ids_of(1, n), max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+        sizes.append(out.past_key_values.nbytes)
+        layer = out.past_key_values.layers[0]
+        assert layer.tokens == n + 3  # the last new token is sampled, not fed back
+    assert sizes[0] == sizes[1] == sizes[2] > 0
+
+
+@pytest.mark.parametrize("name,options", [("linattn_elu", {"window": 3}), ("linattn_favor", {"window": 4}),
+                                          ("linattn_hedgehog", {"feature_dim": 4})])
+def test_beam_search_equals_the_full_recompute(name, options):
+    # The same beams with transformers' DynamicCache, on which linattn recomputes attention
+    # over every cached key at each step: reorder_cache moves the states with their beams.
+    model = model_on(name, options)
+    prompt = ids_of(2, 7)
+    kw = dict(max_new_tokens=6, num_beams=3, num_return_sequences=2, do_sample=False)
+    ours = model.generate(prompt, **kw, return_dict_in_generate=True)
+    assert isinstance(ours.past_key_values, lh.LinattnCache)
+    theirs = model.generate(prompt, **kw, past_key_values=transformers.DynamicCache(config=model.config))
+    assert torch.equal(ours.sequences, theirs)
+
+
+def test_reorder_and_select_move_every_state_with_its_row():
+    model = model_on("linattn_favor", {"window": 3})
+    ids = ids_of(3, 12)
+    with torch.no_grad():
+        cache = lh.LinattnCache(model)
+        model(ids[:, :11], past_key_values=cache, use_cache=True)
+        order = torch.tensor([2, 0, 2])
+        cache.reorder_cache(order)
+        got = model(ids[order, 11:], past_key_values=cache, use_cache=True).logits
+        want = model(ids[order]).logits[:, -1:]
+        assert (got - want).abs().max() <= TOL * want.abs().max()
+        cache.batch_select_indices(torch.tensor([1]))
+        cache.batch_repeat_interleave(2)
+        got = model(ids[[0, 0], 11:], past_key_values=cache, use_cache=True).logits
+    assert cache.layers[1].linear.sums.shape[0] == 2
+    assert torch.isfinite(got).all()
+
+
+def test_what_the_cache_cannot_serve_raises():
+    model = model_on("linattn_elu", {"window": 3})
+    prompt = ids_of(2, 8)
+    mask = torch.ones_like(prompt)
+    mask[0, :3] = 0  # left padding
+    with pytest.raises(ValueError, match="LinattnCache.*unpadded prompts"):
+        model.generate(prompt, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    mask = torch.ones_like(prompt)
+    mask[1, -2:] = 0  # right padding
+    with pytest.raises(ValueError, match="LinattnCache.*unpadded prompts"):
+        model.generate(prompt, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    cache = lh.LinattnCache(model)
+    with pytest.raises(ValueError, match="recurrent state cannot forget"):
+        cache.crop(1)
+    with torch.no_grad():
+        model(prompt, past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="holds 2 sequences, the model gave 1"):
+            model(prompt[:1, :1], past_key_values=cache, use_cache=True)
+    sdpa = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG, attn_implementation="sdpa")).eval()
+    with pytest.raises(ValueError, match="LinattnCache: the model runs attention implementation 'sdpa'"):
+        lh.LinattnCache(sdpa)
+    for other in ("linattn_softmax", "linattn_nystrom"):
+        sdpa.set_attn_implementation(other)
+        with pytest.raises(ValueError, match="implementation '%s'" % other):
+            lh.LinattnCache(sdpa)
+    cache = lh.LinattnCache(model)
+    model.set_attn_implementation("sdpa")  # switched after the cache was made
+    with pytest.raises(ValueError, match="now runs attention implementation 'sdpa'"):
+        with torch.no_grad():
+            model(prompt, past_key_values=cache, use_cache=True)
+
+
+def test_a_forward_that_failed_midway_leaves_nothing_behind():
+    # A note left by a forward interrupted between update and attention (here: set by hand)
+    # does not affect the next generate(); a layer whose attention never ran raises.
+    model = model_on("linattn_elu", {"window": 3})
+    prompt = ids_of(1, 6)
+    want = model.generate(prompt, max_new_tokens=3, do_sample=False)
+    other = lh.LinattnCache(model)
+    lh.backends.PENDING_CACHE.note = (other.layers[1], torch.zeros(1))
+    assert torch.equal(model.generate(prompt, max_new_tokens=3, do_sample=False), want)
+    cache = lh.LinattnCache(model)
+    cache.update(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16), 0)
+    with pytest.raises(ValueError, match="layer 0's keys never reached linattn's attention function"):
+        cache.update(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16), 1)
+    assert lh.backends.PENDING_CACHE.note is None
+
+
+def test_other_backends_keep_transformers_cache():
+    model = model_on("linattn_softmax", {})
+    out = model.generate(ids_of(1, 6), max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    assert isinstance(out.past_key_values, transformers.DynamicCache)
+    model = model_on("linattn_elu", {})
+    out = model.generate(ids_of(1, 6), max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
+                         past_key_values=transformers.DynamicCache(config=model.config))
+    assert isinstance(out.past_key_values, transformers.DynamicCache)  # a cache the caller gives is used
+
+
+def test_recurrent_state_matches_direct_sums_in_float64():
+    g = torch.Generator().manual_seed(3)
+    B, H, n, m, d = 2, 3, 7, 5, 4
+    values = torch.randn(B, H, n, d, generator=g, dtype=torch.float64)
+    feats = torch.rand(B, H, n, m, generator=g, dtype=torch.float64)
+    q = torch.rand(B, H, m, generator=g, dtype=torch.float64)
+    state = recurrent.empty_state(B, H, m, d, log_form=False, like=values)
+    state = recurrent.enter(recurrent.enter(state, values[:, :, :3], features=feats[:, :, :3]), values[:, :, 3:],
+                            features=feats[:, :, 3:])
+    num, den, shift = recurrent.read(state, features=q)
+    assert shift is None
+    assert torch.allclose(num, torch.einsum("bhm,bhnm,bhnd->bhd", q, feats, values), rtol=1e-14, atol=0)
+    assert torch.allclose(den, torch.einsum("bhm,bhnm->bh", q, feats), rtol=1e-14, atol=0)
+    # Log form at logits far beyond exp's range (±1e4): num, den on the scale e^{R} match the
+    # direct sums computed in log space, and nothing overflows.
+    logits = torch.randn(B, H, n, m, generator=g, dtype=torch.float64) * 1e4
+    ql = torch.randn(B, H, m, generator=g, dtype=torch.float64) * 1e4
+    state = recurrent.empty_state(B, H, m, d, log_form=True, like=values)
+    for j in range(n):  # one key at a time, as decoding enters them
+        state = recurrent.enter(state, values[:, :, j:j + 1], logits=logits[:, :, j:j + 1])
+    num, den, top = recurrent.read(state, logits=ql)
+    total = ql[:, :, None, :] + logits  # [B, H, n, m]
+    top_want = total.amax(dim=(2, 3))
+    w = torch.exp(total - top_want[..., None, None])
+    assert torch.equal(top, top_want)
+    assert torch.allclose(num, torch.einsum("bhnm,bhnd->bhd", w, values), rtol=1e-12, atol=1e-300)
+    assert torch.allclose(den, w.sum(dim=(2, 3)), rtol=1e-12, atol=0)
+    empty = recurrent.empty_state(B, H, m, d, log_form=True, like=values)
+    num, den, top = recurrent.read(empty, logits=ql)
+    assert torch.all(num == 0) and torch.all(den == 0) and torch.all(top == -math.inf)
