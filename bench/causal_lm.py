@@ -90,7 +90,7 @@ def llama_config(a, vocab):
         vocab_size=vocab, hidden_size=a.hidden, intermediate_size=a.hidden * 11 // 4, num_hidden_layers=a.layers,
         num_attention_heads=a.heads, num_key_value_heads=a.heads, max_position_embeddings=2 * max(a.gen_contexts),
         rope_theta=10000.0, attention_dropout=0.0, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
-        pad_token_id=0, attn_implementation="sdpa")
+        pad_token_id=None, attn_implementation="sdpa")
 
 
 @torch.no_grad()

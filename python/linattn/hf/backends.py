@@ -248,7 +248,7 @@ def attention_function(name):
             if not causal:
                 raise ValueError("%s: LinattnCache serves causal attention; this attention layer is not causal" % name)
             out = attend(name, cached, module, b, user, query, key, value, attention_mask, scaling,
-                         lambda: forward(module, query, key, value, None, n_q > 1, causal, scaling, user))
+                         lambda: forward(module, query, key, value, None, True, causal, scaling, user))
             return out.transpose(1, 2).contiguous(), None
         mask_causal = causal and n_q > 1  # a single new query sees the whole cache
         key_lengths = _masks.key_lengths(name, attention_mask, query.shape[0], n_q, n_k, mask_causal)

@@ -104,7 +104,7 @@ class LinattnCacheLayer(CacheLayerMixin):
         self._map(lambda t: t[indices])
 
     def crop(self, tokens_to_remove):
-        if tokens_to_remove > 0:
+        if tokens_to_remove != 0:  # transformers passes a negative count: "keep all but these"
             raise ValueError("LinattnCache.crop: a recurrent state cannot forget tokens (it keeps sums, not the "
                              "tokens); assisted generation and other rollbacks need transformers' DynamicCache")
 
@@ -142,11 +142,23 @@ class LinattnCache(Cache):
         stale = getattr(pending, "note", None)
         pending.note = None
         # A note of this cache from an earlier layer of the same forward: that layer's attention
-        # never took it. (A note of a later layer, or of another cache, is what a forward that
-        # failed midway left; it is dropped.)
+        # never took it. (Another cache's note is what a forward that failed midway left; the
+        # token counts below catch this cache's own.)
         if stale is not None and self.layers[stale[0].index] is stale[0] and stale[0].index < layer_idx:
             raise ValueError("LinattnCache: layer %d's keys never reached linattn's attention function (its attention "
                              "does not go through transformers' AttentionInterface)" % stale[0].index)
+        # Every layer holds the same tokens between forwards; within one, the layers before this
+        # one have taken the new tokens already. Otherwise a forward failed midway or a layer's
+        # attention bypassed linattn: the states no longer describe one sequence.
+        first, n = self.layers[0].tokens, key_states.shape[2]
+        if layer_idx == 0:
+            consistent = all(layer.tokens == first for layer in self.layers)
+        else:
+            consistent = self.layers[layer_idx].tokens == first - n
+        if not consistent:
+            raise ValueError("LinattnCache: its layers hold different numbers of tokens (%s): a forward with this cache "
+                             "failed midway, or an attention layer bypassed linattn; start a new cache"
+                             % [layer.tokens for layer in self.layers])
         layer = self.layers[layer_idx]
         layer.is_initialized = True
         pending.note = (layer, key_states)
@@ -161,11 +173,13 @@ class LinattnCache(Cache):
 # ---- the recurrent form of each backend ----------------------------------------------------------
 
 def _focused(x, power):
+    """‖r‖·rᵖ/‖rᵖ‖, r = relu(x): the focused map, computed as ‖r‖·uᵖ/‖uᵖ‖ with u = r/max(r)
+    (the same value), so that uᵖ <= 1 cannot overflow and its largest entry, 1, keeps ‖uᵖ‖ >= 1
+    at any focus_power (the C++ map scales by a power of two for the same reason)."""
     r = torch.relu(x)
-    rp = r ** power
-    norm_rp = rp.norm(dim=-1, keepdim=True)
-    ratio = torch.where(norm_rp > 0, r.norm(dim=-1, keepdim=True) / torch.where(norm_rp > 0, norm_rp, 1), 0)
-    return rp * ratio  # ‖r‖·rᵖ/‖rᵖ‖, the focused map
+    top = r.amax(dim=-1, keepdim=True)
+    up = (r / torch.where(top > 0, top, 1)) ** power
+    return up * (r.norm(dim=-1, keepdim=True) / up.norm(dim=-1, keepdim=True).clamp(min=1))
 
 
 class _Map:
@@ -258,16 +272,20 @@ def attend(name, layer, module, b, user, query, key, value, attention_mask, scal
     backend's causal forward over the new tokens alone: the prompt's outputs."""
     batch, n = query.shape[0], query.shape[2]
     check_mask(name, attention_mask, batch, n, layer.tokens + n)
+    if layer.linear is not None and torch.is_grad_enabled() and query.requires_grad:
+        raise ValueError("LinattnCache: decoding runs without autograd (the state holds no graph of the tokens before); "
+                         "run it under torch.no_grad(), as generate() does")
     if layer.linear is not None and layer.linear.sums.shape[0] != batch:
         raise ValueError("LinattnCache: layer %d holds %d sequences, the model gave %d"
                          % (layer.index, layer.linear.sums.shape[0], batch))
     fmap = _Map(module, b, user, query, scaling)
     window = int(user.get("window") or 0)
-    with torch.no_grad():
-        if layer.linear is None:
-            out = full_forward()
+    if layer.linear is None:  # the prompt: the backend's own forward (with autograd when enabled)
+        out = full_forward()
+        with torch.no_grad():
             _fill(layer, fmap, module, user, key.detach(), value.detach(), window)
-            return out
+        return out
+    with torch.no_grad():
         outs = [_step(layer, fmap, module, b, user, query[:, :, t:t + 1], key[:, :, t:t + 1], value[:, :, t:t + 1],
                       window, scaling) for t in range(n)]
     return torch.cat(outs, dim=2)
@@ -299,7 +317,9 @@ def _step(layer, fmap, module, b, user, q, k, v, window, scaling):
     if window == 0:
         layer.linear = fmap.enter(layer.linear, k, v)  # causal: the query sees its own key
         num, den, _ = fmap.read(layer.linear, q, with_norm=False)
-        out = num / (den + eps)[..., None]
+        den = den + eps
+        # A zero denominator (trig features can cancel) gives 0, as favor_attention does.
+        out = torch.where(den[..., None] != 0, num / torch.where(den != 0, den, 1)[..., None], 0)
     else:
         keys, values = torch.cat([layer.window_keys, k], dim=2), torch.cat([layer.window_values, v], dim=2)
         leaving = keys.shape[2] - window
@@ -337,23 +357,33 @@ def _step(layer, fmap, module, b, user, q, k, v, window, scaling):
     return out[:, :, None]
 
 
+_RECURRENT_MODES = ()  # set by install_generation_hook
+
+
 def install_generation_hook():
     """Makes generate() start a LinattnCache for a causal model on a cached backend when the
-    caller gave no cache (and did not ask for use_cache=False or a cache_implementation):
+    caller gave no cache (and did not ask for use_cache=False or a cache_implementation) and the
+    search is greedy, sampling or beam search (assisted, contrastive and DoLa decoding roll
+    tokens back, which a recurrent state cannot: they keep transformers' DynamicCache):
     transformers' GenerationMixin._prepare_cache_for_generation, wrapped once. Every other
     model and call goes to transformers' own. Idempotent; linattn.hf.register() calls it."""
+    from transformers.generation.configuration_utils import GenerationMode
+    global _RECURRENT_MODES
+    _RECURRENT_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
+                        GenerationMode.BEAM_SAMPLE)
     original = GenerationMixin._prepare_cache_for_generation
     if getattr(original, "linattn_hook", False):
         return
 
-    def prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+    def prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
         config = _model_config(self)
-        if (supports(getattr(config, "_attn_implementation", None)) and not getattr(self.config, "is_encoder_decoder", False)
+        if (supports(getattr(config, "_attn_implementation", None)) and generation_mode in _RECURRENT_MODES
+                and not getattr(self.config, "is_encoder_decoder", False)
                 and model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False
                 and generation_config.cache_implementation is None):
             model_kwargs["past_key_values"] = LinattnCache(self)
             return None
-        return original(self, generation_config, model_kwargs, *args, **kwargs)
+        return original(self, generation_config, model_kwargs, generation_mode, *args, **kwargs)
 
     prepare_cache_for_generation.linattn_hook = True
     prepare_cache_for_generation.__wrapped__ = original
