@@ -34,24 +34,13 @@ import linattn  # noqa: E402
 import linattn.hf as lh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import charlm  # noqa: E402  (text: Python's documentation topics, characters, 90% / 10% split)
 import measured_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---- text --------------------------------------------------------------------------------------
-
-def corpus():
-    """Python's documentation topics (pydoc_data, shipped with the interpreter) in key order:
-    the characters, and the split (90% train, 10% validation) as id tensors."""
-    import pydoc_data.topics
-    text = "\n\n".join(v for _, v in sorted(pydoc_data.topics.topics.items()))
-    chars = sorted(set(text))
-    code = {c: i for i, c in enumerate(chars)}
-    ids = torch.tensor([code[c] for c in text])
-    cut = int(0.9 * len(ids))
-    return chars, ids[:cut], ids[cut:]
-
 
 class CharTokenizer:
     """What linattn.hf's attention_transfer and finetune call of a tokenizer, for characters:
@@ -106,7 +95,7 @@ def bits_per_char(model, val, context, count):
     return total / len(starts) / math.log(2)
 
 
-def teacher(a, chars, train, val):
+def teacher(a, chars, train):
     """The softmax teacher: loaded from --out when trained before with these settings, else
     trained for --teacher-seconds of wall time (AdamW, cosine decay) and saved."""
     path = Path(a.out) / ("causal_teacher_quick" if a.quick else "causal_teacher")
@@ -221,9 +210,9 @@ def run(a):
     torch.set_num_threads(a.threads)
     linattn.set_num_threads(a.threads)
     lh.register()
-    chars, train, val = corpus()
+    chars, train, val = charlm.text()
     uni, bi = ngram_bits(train, val, len(chars))
-    original, info = teacher(a, chars, train, val)
+    original, info = teacher(a, chars, train)
     tok = CharTokenizer(chars)
     text = "".join(chars[i] for i in train.tolist())
     n = a.train_context
@@ -285,6 +274,7 @@ def run(a):
 
 def report(r, command):
     s, t = r["settings"], r["teacher"]
+    ref = 1024 if 1024 in r["contexts"] else r["contexts"][-1]  # the context of the gap column
     lines = ["",
              "Measured with `%s` (torch %s, transformers %s, %d threads; %s)." % (
                  command, r["torch"], r["transformers"], r["threads"], r["cpu"]), "",
@@ -294,12 +284,10 @@ def report(r, command):
              "held-out text (mean over every position of %d windows):" % (
                  s["layers"], s["hidden"], s["heads"], t["parameters"], r["vocab"], r["train_chars"], r["val_chars"],
                  t["seconds"], t["steps"], s["batch"], s["train_context"], s["teacher_lr"], s["eval_windows"]), "",
-             "| model | " + " | ".join("bpc at %d" % c for c in r["contexts"]) + " | gap at %d | stage 1 | stage 2 |"
-             % (1024 if 1024 in r["contexts"] else r["contexts"][-1]),
+             "| model | " + " | ".join("bpc at %d" % c for c in r["contexts"]) + " | gap at %d | stage 1 | stage 2 |" % ref,
              "|---" * (len(r["contexts"]) + 4) + "|",
              "| unigram baseline | " + " | ".join("%.3f" % r["unigram_bits"] for _ in r["contexts"]) + " | | | |",
              "| bigram baseline | " + " | ".join("%.3f" % r["bigram_bits"] for _ in r["contexts"]) + " | | | |"]
-    ref = 1024 if 1024 in r["contexts"] else r["contexts"][-1]
     base = r["rows"][0]["bpc"]
     for row in r["rows"]:
         gap = row["bpc"][ref] / base[ref] - 1

@@ -291,42 +291,38 @@ def test_causal_llama_conversion_is_causal_and_generates_like_its_forward(featur
     assert torch.equal(out, seq)
 
 
-def test_linearize_benchmark_quick(tmp_path):
-    # bench/linearize.py --quick: the whole pipeline of `make linearize` on a tiny scale; the
-    # page section and the raw results are written, every figure finite.
+def run_quick(script, tmp_path):
+    """bench/<script> --quick with its output and a page holding its MEASURED markers in
+    tmp_path: (the raw results of <script stem>.json, the page's text afterwards)."""
     import json
     import subprocess
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
     docs = tmp_path / "linearize.md"
-    docs.write_text("head\n<!-- MEASURED: written by bench/linearize.py -->\n<!-- END MEASURED -->\ntail\n")
-    r = subprocess.run([sys.executable, str(root / "bench" / "linearize.py"), "--quick", "--out", str(tmp_path),
+    docs.write_text("head\n<!-- MEASURED: written by bench/%s -->\n<!-- END MEASURED -->\ntail\n" % script)
+    r = subprocess.run([sys.executable, str(root / "bench" / script), "--quick", "--out", str(tmp_path),
                         "--docs", str(docs)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    result = json.loads((tmp_path / "linearize.json").read_text())
+    text = docs.read_text()
+    assert text.startswith("head\n") and text.endswith("tail\n") and "| model |" in text
+    return json.loads((tmp_path / (Path(script).stem + ".json")).read_text()), text
+
+
+def test_linearize_benchmark_quick(tmp_path):
+    # bench/linearize.py --quick: the whole pipeline of `make linearize` on a tiny scale; the
+    # page section and the raw results are written, every figure finite.
+    result, _ = run_quick("linearize.py", tmp_path)
     labels = [row["label"] for row in result["rows"]]
     assert any(l.startswith("window only") for l in labels)
     assert any("+ window" in l and "stage 1" in l for l in labels)
-    text = docs.read_text()
-    assert text.startswith("head\n") and text.endswith("tail\n") and "| model |" in text
 
 
 def test_causal_lm_benchmark_quick(tmp_path):
     # bench/causal_lm.py --quick: the causal LM of `make linearize` on a tiny scale: a Llama
     # trained from scratch, converted three ways, and generation with both caches; the page
     # section, the plots and the raw results are written, every bpc finite and above zero.
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[2]
-    docs = tmp_path / "linearize.md"
-    docs.write_text("head\n<!-- MEASURED: written by bench/causal_lm.py -->\n<!-- END MEASURED -->\ntail\n")
-    r = subprocess.run([sys.executable, str(root / "bench" / "causal_lm.py"), "--quick", "--out", str(tmp_path),
-                        "--docs", str(docs)], capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    result = json.loads((tmp_path / "causal_lm.json").read_text())
+    result, _ = run_quick("causal_lm.py", tmp_path)
     labels = [row["label"] for row in result["rows"]]
     assert labels[0].startswith("teacher") and any(l.startswith("hybrid") and "stages 1 + 2" in l for l in labels)
     assert all(0 < v < 10 for row in result["rows"] for v in row["bpc"].values())
@@ -337,8 +333,6 @@ def test_causal_lm_benchmark_quick(tmp_path):
         sizes = [row["cache_bytes"] for row in rows]
         assert (sizes[0] == sizes[-1]) if "LinattnCache" in label else (sizes[-1] > sizes[0])
     assert (tmp_path / "img" / "linearize_generation_time.png").exists()
-    text = docs.read_text()
-    assert text.startswith("head\n") and text.endswith("tail\n") and "| model |" in text
 
 
 @pytest.mark.parametrize("lora", [True, False])

@@ -21,6 +21,7 @@ import math
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
 
 from ..torch import recurrent as _recurrent
@@ -186,12 +187,12 @@ class _Map:
     """A backend's feature map on torch tensors: plain features, or FAVOR's logits (log form)."""
 
     def __init__(self, module, b, user, like, scaling):
-        self.b, self.user, self.module = b, user, module
+        self.b, self.user = b, user
+        # The model's scaling: the window's scores and FAVOR's x̃ = √scale·x.
+        self.scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(like.shape[-1])
         self.log_form = isinstance(b, _backends.Favor)
         if self.log_form:
             self.omega = _backends.projection(module, like, user)
-            head_dim = like.shape[-1]
-            self.scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(head_dim)
             self.kernel = user["kernel"]
         elif isinstance(b, _backends.Hedgehog):
             self.maps = _backends.hedgehog_maps(module, like, user)
@@ -251,6 +252,10 @@ def _eps(b, user):
     return float(user.get("eps", 1e-6))
 
 
+_UNPADDED = ("the cache keeps one state per sequence and cannot drop padded tokens: generate unpadded prompts (one "
+             "prompt, or prompts of one length)")
+
+
 def check_mask(name, attention_mask, batch, n_q, n_k):
     """The cache serves unpadded prompts: a mask must be the causal pattern alone."""
     if attention_mask is None:
@@ -258,12 +263,10 @@ def check_mask(name, attention_mask, batch, n_q, n_k):
     try:
         lengths = _masks.key_lengths(name, attention_mask, batch, n_q, n_k, True)
     except ValueError as e:
-        raise ValueError("LinattnCache: %s. The cache keeps one state per sequence and cannot drop padded tokens: "
-                         "generate unpadded prompts (one prompt, or prompts of one length)" % e) from None
+        raise ValueError("LinattnCache: %s. The %s" % (e, _UNPADDED)) from None
     if lengths is not None:
-        raise ValueError("%s: LinattnCache: the prompts are padded (lengths %s of %d); the cache keeps one state per "
-                         "sequence and cannot drop padded tokens: generate unpadded prompts (one prompt, or prompts of "
-                         "one length)" % (name, lengths.tolist(), n_k))
+        raise ValueError("%s: LinattnCache: the prompts are padded (lengths %s of %d); %s"
+                         % (name, lengths.tolist(), n_k, _UNPADDED))
 
 
 def attend(name, layer, module, b, user, query, key, value, attention_mask, scaling, full_forward):
@@ -287,7 +290,7 @@ def attend(name, layer, module, b, user, query, key, value, attention_mask, scal
         return out
     with torch.no_grad():
         outs = [_step(layer, fmap, module, b, user, query[:, :, t:t + 1], key[:, :, t:t + 1], value[:, :, t:t + 1],
-                      window, scaling) for t in range(n)]
+                      window) for t in range(n)]
     return torch.cat(outs, dim=2)
 
 
@@ -309,7 +312,7 @@ def _fill(layer, fmap, module, user, key, value, window):
     layer.tokens = n
 
 
-def _step(layer, fmap, module, b, user, q, k, v, window, scaling):
+def _step(layer, fmap, module, b, user, q, k, v, window):
     """One token q, k, v [B, H, 1, d] -> its output [B, H, 1, d_v], the row of the backend's
     causal forward for the newest token; the layer advances by it."""
     layer.tokens += 1
@@ -327,8 +330,7 @@ def _step(layer, fmap, module, b, user, q, k, v, window, scaling):
             layer.linear = fmap.enter(layer.linear, keys[:, :, :leaving], values[:, :, :leaving])
             keys, values = keys[:, :, leaving:], values[:, :, leaving:]
         layer.window_keys, layer.window_values = keys, values
-        scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(q.shape[-1])
-        scores = torch.einsum("bhd,bhjd->bhj", q[:, :, 0], keys) * scale
+        scores = torch.einsum("bhd,bhjd->bhj", q[:, :, 0], keys) * fmap.scale
         top = scores.amax(dim=-1)
         if isinstance(b, _backends.Window):
             gamma = q.new_ones(())  # no gate: hybrid_attention's γ = 1
@@ -357,7 +359,9 @@ def _step(layer, fmap, module, b, user, q, k, v, window, scaling):
     return out[:, :, None]
 
 
-_RECURRENT_MODES = ()  # set by install_generation_hook
+# The searches that only go forward; the others (assisted, contrastive, DoLa) roll tokens back.
+_RECURRENT_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
+                    GenerationMode.BEAM_SAMPLE)
 
 
 def install_generation_hook():
@@ -367,10 +371,6 @@ def install_generation_hook():
     tokens back, which a recurrent state cannot: they keep transformers' DynamicCache):
     transformers' GenerationMixin._prepare_cache_for_generation, wrapped once. Every other
     model and call goes to transformers' own. Idempotent; linattn.hf.register() calls it."""
-    from transformers.generation.configuration_utils import GenerationMode
-    global _RECURRENT_MODES
-    _RECURRENT_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
-                        GenerationMode.BEAM_SAMPLE)
     original = GenerationMixin._prepare_cache_for_generation
     if getattr(original, "linattn_hook", False):
         return
