@@ -13,7 +13,7 @@ CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$(PYTHON) -DLINATT
 PIP_INSTALL := $(PYTHON) -m pip install -q --disable-pip-version-check --no-build-isolation \
   --no-deps -Cbuild-dir=$(BUILD)/wheel -Cbuild.tool-args=-j$(JOBS)
 
-.PHONY: deps build build-cpp install-python stubs demo test test-cpp test-python test-sanitize stress-tests bench bench-hybrid accuracy models distributed linearize clean
+.PHONY: deps build build-cpp install-python stubs demo test test-cpp test-python test-sanitize stress-tests bench bench-hybrid precision accuracy models distributed linearize clean
 
 deps:
 	@bash scripts/install-deps.sh
@@ -64,8 +64,17 @@ test-sanitize: deps
 
 # The full sweep against PyTorch 2.x and the peer packages (all in .venv), with CSV and plots
 # in out/bench; the program runs its Python helpers with the venv's Python.
+# As users run it: OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE (which some machines here set, forcing
+# OpenBLAS's Haswell kernels) are unset for the benchmark commands alone, never for tests or CI.
+# The header names the CPU's features, the BLAS core in use and the measured FMA peak.
 bench: build
-	LINATTN_PYTHON=$(PYTHON) $(BUILD)/bin/linattn bench --plots out/bench
+	@echo "make bench: OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset for the benchmark commands (were: '$${OPENBLAS_CORETYPE}' '$${OPENBLAS_L2_SIZE}')"
+	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE LINATTN_PYTHON=$(PYTHON) $(BUILD)/bin/linattn bench --plots out/bench
+	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(PYTHON) bench/bf16.py --docs docs/benchmarks.md
+
+# docs/precision.md: what bfloat16 and float16 cost each method, against float64 (seconds).
+precision: build
+	$(PYTHON) bench/precision.py --docs docs/precision.md
 
 # The accuracy studies of docs/accuracy.md: CSV and plots in out/accuracy.
 accuracy: build

@@ -1,5 +1,7 @@
 #include "harness.h"
 
+#include <cpuid.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -16,6 +18,7 @@
 #include "linattn/core/blas.h"
 #include "linattn/core/error.h"
 #include "linattn/core/parallel.h"
+#include "linattn/core/simd.h"
 #include "linattn/linattn.h"
 
 namespace linattn::bench {
@@ -94,6 +97,56 @@ double sgemm_gflops(int threads, int n) {
   return 2.0 * n * n * static_cast<double>(n) / t.min_s * 1e-9;
 }
 
+double fma_peak_gflops(int threads) {
+  // Calibrate one thread's iteration count to ~0.2 s, then run it on every worker at once.
+  size_t iterations = 1 << 20;
+  for (;;) {
+    const auto t0 = std::chrono::steady_clock::now();
+    volatile float sink = simd::fma_loop(iterations, 1.0f);
+    (void)sink;
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (s > 0.05 || iterations > (size_t{1} << 34)) {
+      iterations = static_cast<size_t>(static_cast<double>(iterations) * 0.2 / std::max(s, 1e-6));
+      break;
+    }
+    iterations *= 4;
+  }
+  const int saved = num_threads();
+  set_num_threads(threads);
+  double best = 0;
+  for (int run = 0; run < 3; ++run) {
+    const auto t0 = std::chrono::steady_clock::now();
+    parallel_for(threads, [&](int64_t task) {
+      volatile float sink = simd::fma_loop(iterations, 1.0f + static_cast<float>(task));
+      (void)sink;
+    });
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, static_cast<double>(threads) * static_cast<double>(iterations) *
+                              static_cast<double>(simd::fma_loop_flops_per_iteration()) / s * 1e-9);
+  }
+  set_num_threads(saved);
+  return best;
+}
+
+std::string cpu_features() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  std::string out;
+  auto add = [&](bool has, const char* name) {
+    if (has) out += (out.empty() ? "" : " ") + std::string(name);
+  };
+  if (__get_cpuid(1, &a, &b, &c, &d)) add(c & (1u << 12), "fma");
+  if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
+    add(b & (1u << 5), "avx2");
+    add(b & (1u << 16), "avx512f");
+    add(c & (1u << 11), "avx512_vnni");
+    add(d & (1u << 23), "avx512_fp16");
+    add(d & (1u << 22), "amx_bf16");
+    add(d & (1u << 24), "amx_tile");
+  }
+  if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) add(a & (1u << 5), "avx512_bf16");
+  return out.empty() ? "none of avx2/avx512" : out;
+}
+
 PeakMemory measure_peak_memory(const std::function<void()>& fn) {
   // Allocations of 1 MiB and more get pages of their own, returned on free; otherwise glibc
   // raises its mmap threshold after the first free and serves big buffers from pages that
@@ -121,8 +174,10 @@ std::string machine_summary() {
       break;
     }
   std::ostringstream os;
-  os << std::thread::hardware_concurrency() << " cores (" << cpu << "), " << num_threads()
-     << " linattn threads, " << build_info();
+  const char* coretype = std::getenv("OPENBLAS_CORETYPE");
+  os << std::thread::hardware_concurrency() << " cores (" << cpu << "; " << cpu_features() << "), " << num_threads()
+     << " linattn threads, " << build_info() << ", OPENBLAS_CORETYPE "
+     << (coretype ? std::string("set to ") + coretype : std::string("unset"));
   return os.str();
 }
 

@@ -63,7 +63,36 @@ struct type_caster<DTypeArg> : pass_through_caster<DTypeArg> {
 
 namespace {
 
-enum class DType { F32, F64 };
+enum class DType { F32, F64, BF16, F16 };
+
+const char* dtype_name(DType dt) {
+  switch (dt) {
+    case DType::F32: return "float32";
+    case DType::F64: return "float64";
+    case DType::BF16: return "bfloat16";
+    case DType::F16: return "float16";
+  }
+  return "?";
+}
+
+template <class T>
+constexpr DType dtype_of() {
+  if constexpr (std::is_same_v<T, float>) return DType::F32;
+  else if constexpr (std::is_same_v<T, double>) return DType::F64;
+  else if constexpr (std::is_same_v<T, linattn::bfloat16>) return DType::BF16;
+  else return DType::F16;
+}
+
+// The NumPy dtype of T: bfloat16 is ml_dtypes' (NumPy has none of its own).
+template <class T>
+py::dtype numpy_dtype() {
+  if constexpr (std::is_same_v<T, linattn::bfloat16>)
+    return py::dtype::from_args(py::module_::import("ml_dtypes").attr("bfloat16"));
+  else if constexpr (std::is_same_v<T, linattn::float16>)
+    return py::dtype("float16");
+  else
+    return py::dtype::of<T>();
+}
 
 // A C-contiguous float array taken from a Python argument (copied only if not contiguous).
 struct Array {
@@ -79,7 +108,9 @@ struct Array {
 // The dtype as linattn sees it, compared by value: an unpickled float32 dtype (or one from
 // np.load, a memmap, another process) is equal to np.dtype(np.float32) but not the same object.
 std::optional<DType> float_dtype(const py::dtype& dt) {
+  if (dt.itemsize() == 2 && py::str(dt.attr("name")).cast<std::string>() == "bfloat16") return DType::BF16;
   if (dt.kind() != 'f') return std::nullopt;
+  if (dt.itemsize() == 2) return DType::F16;
   if (dt.itemsize() == 4) return DType::F32;
   if (dt.itemsize() == 8) return DType::F64;
   return std::nullopt;
@@ -88,7 +119,7 @@ std::optional<DType> float_dtype(const py::dtype& dt) {
 // Float data in the other byte order is refused, not converted behind the caller's back.
 [[noreturn]] void foreign_byte_order(const char* fn, const char* name, const py::dtype& dt) {
   const std::string order = dt.byteorder() == '>' ? "big-endian" : "little-endian";
-  const std::string type = dt.itemsize() == 4 ? "float32" : "float64";
+  const std::string type = dtype_name(*float_dtype(dt));
   throw py::type_error(std::string(fn) + ": " + name + " has dtype " + order + " " + type + " ('" +
                        std::string(py::str(dt.attr("str"))) + "'); linattn takes the machine's byte order: convert with " +
                        name + ".astype(numpy." + type + ")");
@@ -121,8 +152,8 @@ Array as_array(const char* fn, const char* name, const py::handle& obj) {
   }
   const std::optional<DType> dt = float_dtype(a.dtype());
   if (!dt)
-    throw py::type_error(std::string(fn) + ": " + name + " must have dtype float32 or float64, got " +
-                         std::string(py::str(a.dtype())));
+    throw py::type_error(std::string(fn) + ": " + name + " must have dtype float32, float64, bfloat16 "
+                         "(ml_dtypes.bfloat16) or float16, got " + std::string(py::str(a.dtype())));
   if (!a.dtype().attr("isnative").cast<bool>()) foreign_byte_order(fn, name, a.dtype());
   if (!(a.flags() & py::array::c_style)) a = py::array::ensure(a, py::array::c_style);
   return {a, *dt};
@@ -157,10 +188,30 @@ std::optional<std::vector<int64_t>> as_lengths(const char* fn, const py::object&
   return std::vector<int64_t>(ints.data(), ints.data() + ints.size());
 }
 
-// Runs fn(float{}) or fn(double{}) by dtype.
+// Runs fn(float{}) or fn(double{}) by dtype; the helpers outside the registered methods
+// (random features, projections, decoding states) are float32/float64 only.
 template <class Fn>
 auto by_dtype(DType dt, Fn&& fn) {
+  if (dt != DType::F32 && dt != DType::F64) throw std::logic_error("by_dtype: a 16-bit dtype");
   return dt == DType::F32 ? fn(float{}) : fn(double{});
+}
+
+// The registered methods take every dtype: fn(float{}), fn(double{}), fn(bfloat16{}), fn(float16{}).
+template <class Fn>
+auto by_any_dtype(DType dt, Fn&& fn) {
+  switch (dt) {
+    case DType::F32: return fn(float{});
+    case DType::F64: return fn(double{});
+    case DType::BF16: return fn(linattn::bfloat16{});
+    case DType::F16: break;
+  }
+  return fn(linattn::float16{});
+}
+
+void full_precision_only(const char* fn, const char* name, DType dt) {
+  if (dt == DType::BF16 || dt == DType::F16)
+    throw py::type_error(std::string(fn) + ": " + name + " must have dtype float32 or float64, got " + dtype_name(dt) +
+                         " (the attention functions take " + dtype_name(dt) + "; this helper does not)");
 }
 
 std::optional<double> as_scale(const char* fn, const py::object& scale) {
@@ -176,13 +227,13 @@ template <class T>
 py::array to_numpy(Tensor<T>&& t) {
   auto* owned = new Tensor<T>(std::move(t));
   py::capsule free_when_done(owned, [](void* p) { delete static_cast<Tensor<T>*>(p); });
-  return py::array_t<T>(owned->shape(), owned->data(), free_when_done);
+  return py::array(numpy_dtype<T>(), owned->shape(), owned->data(), free_when_done);
 }
 
 DType dtype_arg(const char* fn, const DTypeArg& dtype) {
   const py::dtype dt = py::dtype::from_args(dtype.obj);
   const std::optional<DType> f = float_dtype(dt);
-  if (!f)
+  if (!f || *f == DType::BF16 || *f == DType::F16)
     throw py::type_error(std::string(fn) + ": dtype must be float32 or float64, got " +
                          std::string(py::str(py::object(dt))));
   if (!dt.attr("isnative").cast<bool>())
@@ -237,9 +288,8 @@ class PyRecurrentState {
 
  private:
   void check_dtype(const char* fn, DType dt) const {
-    if ((dt == DType::F32) != (s_.index() == 0))
-      throw py::type_error(std::string(fn) + ": inputs have dtype " +
-                           (dt == DType::F32 ? "float32" : "float64") + " but the state is " +
+    if ((dt == DType::F32) != (s_.index() == 0) || (dt != DType::F32 && dt != DType::F64))
+      throw py::type_error(std::string(fn) + ": inputs have dtype " + dtype_name(dt) + " but the state is " +
                            (s_.index() == 0 ? "float32" : "float64"));
   }
   template <class T>
@@ -268,13 +318,16 @@ PyRecurrentState recurrent_state(int64_t batch, int64_t heads, int64_t head_dim,
   // kernel's default "positive" is the FAVOR+ choice; any other value needs feature_map="favor".
   if (feature_map == "favor" || kernel != "positive") o.kernel = kernel;
   std::optional<Array> W;
-  if (projection) W = as_array(fn, "projection", *projection);
+  if (projection) {
+    W = as_array(fn, "projection", *projection);
+    full_precision_only(fn, "projection", W->dtype);
+  }
   DType dt = DType::F32;
   if (dtype) dt = dtype_arg(fn, *dtype);
   else if (W) dt = W->dtype;
   if (W && W->dtype != dt)
     throw py::type_error(std::string(fn) + ": projection has dtype " + std::string(py::str(W->arr.dtype())) +
-                         " but dtype is " + (dt == DType::F32 ? "float32" : "float64"));
+                         " but dtype is " + dtype_name(dt));
   return by_dtype(dt, [&](auto tag) {
     using T = decltype(tag);
     std::optional<TensorView<const T>> w;
@@ -433,7 +486,7 @@ py::object method_forward(const std::string& name, const ArrayArg& q, const Arra
                           const py::dict& tensors, const py::dict& options, const std::vector<std::string>& want_saved) {
   const linattn::MethodInfo& m = linattn::method(name);
   const PyCall call(m, m.function, q, k, v, tensors, options);
-  return by_dtype(call.arrays.dtype(), [&](auto tag) -> py::object {
+  return by_any_dtype(call.arrays.dtype(), [&](auto tag) -> py::object {
     using T = decltype(tag);
     const linattn::MethodArgs<T> a = call.args<T>();
     linattn::MethodOutput<T> r = run_without_gil([&] { return m.functions<T>().forward(a); });
@@ -454,17 +507,34 @@ py::tuple method_backward(const std::string& name, const ArrayArg& q, const Arra
   const std::string fn = m.function + "_backward";
   PyCall call(m, fn, q, k, v, tensors, options);
   call.arrays.add("dout", dout.obj);
-  std::deque<std::string> saved_names;
+  // What the forward saved is in the accumulation dtype (float32 for bfloat16/float16 calls);
+  // "out" may also come in the call's own dtype, and is then widened.
+  std::vector<std::pair<std::string, Array>> saved_arrays;
   for (const auto& [key, value] : saved) {
     if (value.is_none()) continue;
-    saved_names.push_back(py::str(key));
-    call.arrays.add(saved_names.back().c_str(), py::reinterpret_borrow<py::object>(value));
+    const std::string n = py::str(key);
+    saved_arrays.emplace_back(n, as_array(fn.c_str(), n.c_str(), value));
   }
-  return by_dtype(call.arrays.dtype(), [&](auto tag) -> py::tuple {
+  const DType dt = call.arrays.dtype();
+  return by_any_dtype(dt, [&](auto tag) -> py::tuple {
     using T = decltype(tag);
+    using A = linattn::accumulator_t<T>;
     const linattn::MethodArgs<T> a = call.args<T>();
-    std::map<std::string, TensorView<const T>, std::less<>> s;
-    for (const auto& n : saved_names) s[n] = call.arrays.tensor<T>(n.c_str());
+    linattn::SavedViews<T> s;
+    std::vector<Tensor<float>> widened;
+    for (const auto& [n, arr] : saved_arrays) {
+      if (arr.dtype == dtype_of<A>()) {
+        s[n] = arr.template view<A>();
+      } else if (dtype_of<A>() != dt && n == "out" && arr.dtype == dt) {
+        if constexpr (linattn::is_low_precision_v<T>) {
+          widened.push_back(linattn::widen(arr.template view<T>()));
+          s[n] = widened.back().view();
+        }
+      } else {
+        throw py::type_error(fn + ": " + n + " has dtype " + dtype_name(arr.dtype) + " but must be " +
+                             dtype_name(dtype_of<A>()) + " (what the forward saves for " + dtype_name(dt) + " inputs)");
+      }
+    }
     linattn::AttentionGrads<T> g =
         run_without_gil([&] { return m.functions<T>().backward(a, call.arrays.tensor<T>("dout"), s); });
     py::list out;

@@ -8,6 +8,7 @@
 #include "linattn/error.h"
 #include "linattn/kernelized.h"
 #include "linattn/linformer.h"
+#include "linattn/low_precision.h"
 #include "linattn/memory.h"
 #include "linattn/nystrom.h"
 #include "linattn/random_features.h"

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "linattn/attention.h"
+#include "linattn/low_precision.h"
 #include "linattn/tensor.h"
 
 namespace linattn {
@@ -45,19 +46,23 @@ struct MethodArgs {
 };
 
 // What a forward returns: the output and what its backward can reuse instead of recomputing
-// (softmax: "lse"), by name.
+// (softmax: "lse"), by name. Saved tensors are float32 for bfloat16/float16 calls.
 template <class T>
 struct MethodOutput {
   Tensor<T> out;
-  std::vector<std::pair<std::string, Tensor<T>>> saved;
+  std::vector<std::pair<std::string, Tensor<accumulator_t<T>>>> saved;
 };
+
+// The saved tensors a backward takes by name ("out" and MethodInfo::saved); float32 for
+// bfloat16/float16 calls, "out" included (widen() it).
+template <class T>
+using SavedViews = std::map<std::string, TensorView<const accumulator_t<T>>, std::less<>>;
 
 template <class T>
 struct MethodFunctions {
   std::function<MethodOutput<T>(const MethodArgs<T>&)> forward;
   // saved: the forward's "out" and saved tensors by name, or empty to recompute them.
-  std::function<AttentionGrads<T>(const MethodArgs<T>&, TensorView<const T> dout,
-                                  const std::map<std::string, TensorView<const T>, std::less<>>& saved)>
+  std::function<AttentionGrads<T>(const MethodArgs<T>&, TensorView<const T> dout, const SavedViews<T>& saved)>
       backward;
   // The extra tensors a call must have that a demo, benchmark or test does not bring (favor:
   // projection; linformer: e and f), for `heads` heads of head_dim and n_k keys, from a seed;
@@ -98,14 +103,17 @@ struct MethodInfo {
   std::function<double(const AttentionShape&, const MethodArgs<float>&, bool backward)> flops;
   MethodFunctions<float> f32;
   MethodFunctions<double> f64;
+  // Made from f32 by the registry (low_precision.h): inputs widened, float32 kernels, outputs
+  // and gradients rounded once.
+  MethodFunctions<bfloat16> bf16;
+  MethodFunctions<float16> f16;
 
   template <class T>
   const MethodFunctions<T>& functions() const {
-    if constexpr (sizeof(T) == 4) {
-      return f32;
-    } else {
-      return f64;
-    }
+    if constexpr (std::is_same_v<T, float>) return f32;
+    else if constexpr (std::is_same_v<T, double>) return f64;
+    else if constexpr (std::is_same_v<T, bfloat16>) return bf16;
+    else return f16;
   }
   const OptionInfo* option(std::string_view option_name) const;
 };

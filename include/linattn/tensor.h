@@ -14,9 +14,14 @@ namespace linattn {
 
 using Shape = std::vector<int64_t>;
 
+struct bfloat16;  // low_precision.h
+struct float16;
+
 template <class T>
 constexpr const char* dtype_name() {
-  return sizeof(T) == 4 ? "float32" : "float64";
+  if constexpr (std::is_same_v<std::remove_const_t<T>, bfloat16>) return "bfloat16";
+  else if constexpr (std::is_same_v<std::remove_const_t<T>, float16>) return "float16";
+  else return sizeof(T) == 4 ? "float32" : "float64";
 }
 
 // "[2, 8, 1024, 64]".

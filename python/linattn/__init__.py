@@ -1,5 +1,6 @@
 """linattn: attention whose cost grows linearly with sequence length, and exact softmax
-attention, on NumPy arrays shaped [batch, heads, seq, head_dim] (float32 or float64).
+attention, on NumPy arrays shaped [batch, heads, seq, head_dim] (float32, float64, or bfloat16
+(ml_dtypes) and float16, computed in float32 and rounded once).
 
 Every attention method comes as `<name>_attention(q, k, v, ...)` and its gradients as
 `<name>_attention_backward(q, k, v, ..., dout, ...)`, made here from the library's method
@@ -62,7 +63,8 @@ def _doc(info, backward):
     else:
         lines.append(info["summary"] + ".")
         lines.append("")
-        lines.append("q [B,H,n_q,d], k [B,H,n_k,d], v [B,H,n_k,d_v], float32 or float64 (all the same)"
+        lines.append("q [B,H,n_q,d], k [B,H,n_k,d], v [B,H,n_k,d_v], float32, float64, bfloat16 (ml_dtypes) "
+                     "or float16 (all the same; 16-bit inputs run in float32 and the result is rounded once)"
                      " -> out [B,H,n_q,d_v].")
     lines.append("")
     for o in info["options"]:

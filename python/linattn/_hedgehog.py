@@ -4,9 +4,14 @@ on those features through linattn's kernel (linear_attention with feature_map="i
 The backward is the kernel's for the features, then the map's own, written out below (two
 softmaxes and a product: NumPy has no autograd)."""
 
+import ml_dtypes
 import numpy as np
 
 from . import _linattn
+
+# bfloat16/float16 inputs run in float32 (the maps, the kernel and the maps' backward) and the
+# results are rounded once to the input dtype, as the registered methods do.
+_LOW = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 
 __all__ = ["hedgehog_features", "hedgehog_attention", "hedgehog_attention_backward"]
 
@@ -14,8 +19,8 @@ __all__ = ["hedgehog_features", "hedgehog_attention", "hedgehog_attention_backwa
 def _array(fn, name, x):
     if not isinstance(x, np.ndarray):
         raise TypeError("%s: %s must be a numpy.ndarray, got %s" % (fn, name, type(x).__name__))
-    if x.dtype not in (np.float32, np.float64):
-        raise TypeError("%s: %s must be float32 or float64, got %s" % (fn, name, x.dtype))
+    if x.dtype not in (np.float32, np.float64) + _LOW:
+        raise TypeError("%s: %s must be float32, float64, bfloat16 or float16, got %s" % (fn, name, x.dtype))
     if not np.isfinite(x).all():
         raise ValueError("%s: %s has a non-finite value" % (fn, name))
     return x
@@ -37,6 +42,8 @@ def _check_map(fn, side, x, weight, bias):
     if b.shape != (H, w.shape[2]):
         raise ValueError("%s: %sbias has shape %s; expected [heads = %d, feature_dim = %d]"
                          % (fn, side, list(b.shape), H, w.shape[2]))
+    if x.dtype in _LOW:
+        x, w, b = (t.astype(np.float32) for t in (x, w, b))
     return x, w, b
 
 
@@ -64,14 +71,18 @@ def hedgehog_features(x: "ndarray", weight: "ndarray", bias: "ndarray") -> "ndar
     """φ(x) = [softmax(x·W_h + b_h), softmax(−(x·W_h + b_h))] over the feature axis, per head h:
     x [B, H, n, d], weight [H, d, f], bias [H, f] (x's dtype) -> [B, H, n, 2f], each half summing
     to 1."""
+    dtype = np.asarray(x).dtype
     x, w, b = _check_map("hedgehog_features", "", x, weight, bias)
-    return _features(x, w, b).astype(x.dtype, copy=False)
+    return _features(x, w, b).astype(dtype, copy=False)
 
 
 def _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias):
     """The checked inputs and both sides' features: q, k, (W_q, φ_q(q)), (W_k, φ_k(k))."""
+    q_dtype, k_dtype = getattr(q, "dtype", None), getattr(k, "dtype", None)
     q, wq, bq = _check_map(fn, "query_", q, query_weight, query_bias)
     k, wk, bk = _check_map(fn, "key_", k, key_weight, key_bias)
+    if k_dtype != q_dtype:
+        raise TypeError("%s: k has dtype %s but q has %s; all inputs must share one dtype" % (fn, k_dtype, q_dtype))
     if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
         raise ValueError("%s: k has shape %s; expected [batch = %d, heads = %d, n_k, head_dim = %d] as q %s"
                          % (fn, list(k.shape), q.shape[0], q.shape[1], q.shape[3], list(q.shape)))
@@ -80,6 +91,15 @@ def _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias):
                          % (fn, wq.shape[2], wk.shape[2]))
     fq, fk = _features(q, wq, bq).astype(q.dtype, copy=False), _features(k, wk, bk).astype(q.dtype, copy=False)
     return q, k, (wq, fq), (wk, fk)
+
+
+def _values(fn, v, dtype, name="v"):
+    """v (or dout) in the dtype the kernel runs in: float32 for 16-bit inputs."""
+    if isinstance(v, np.ndarray) and dtype in _LOW:
+        if v.dtype != dtype:
+            raise TypeError("%s: %s has dtype %s but q has %s; all inputs must share one dtype" % (fn, name, v.dtype, dtype))
+        return v.astype(np.float32)
+    return v
 
 
 def _options(causal, key_lengths, eps):
@@ -107,13 +127,16 @@ def hedgehog_attention(q: "ndarray", k: "ndarray", v: "ndarray", query_weight: "
     out_i = Σ_j (φ_q(q_i)·φ_k(k_j)) v_j / (Σ_j φ_q(q_i)·φ_k(k_j) + eps).
 
     q, k [B, H, n, d], v [B, H, n_k, d_v]; query_weight, key_weight [H, d, f]; query_bias,
-    key_bias [H, f]; float32 or float64, all one dtype. Causal (chunked) or not, with
+    key_bias [H, f]; float32, float64, bfloat16 or float16, all one dtype. Causal (chunked) or not, with
     key_lengths, on linattn's kernel (linear_attention with feature_map="identity"). The same
     as linattn.torch.hedgehog_attention."""
     fn = "hedgehog_attention"
+    dtype = q.dtype if isinstance(q, np.ndarray) else None
     q, k, (wq, fq), (wk, fk) = _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias)
-    return _kernel(fn, lambda: _linattn._forward("linear", fq, fk, v, {"dwc_weight": None},
-                                                 _options(causal, key_lengths, eps), []))
+    v = _values(fn, v, dtype)
+    out = _kernel(fn, lambda: _linattn._forward("linear", fq, fk, v, {"dwc_weight": None},
+                                                _options(causal, key_lengths, eps), []))
+    return out.astype(dtype, copy=False)
 
 
 def hedgehog_attention_backward(q: "ndarray", k: "ndarray", v: "ndarray", query_weight: "ndarray",
@@ -123,9 +146,11 @@ def hedgehog_attention_backward(q: "ndarray", k: "ndarray", v: "ndarray", query_
     """Gradients (dq, dk, dv, d_query_weight, d_query_bias, d_key_weight, d_key_bias) of
     sum(dout * hedgehog_attention(...)): the kernel's gradients of the features, then the maps'."""
     fn = "hedgehog_attention_backward"
+    dtype = q.dtype if isinstance(q, np.ndarray) else None
     q, k, (wq, fq), (wk, fk) = _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias)
+    v, dout = _values(fn, v, dtype), _values(fn, dout, dtype, "dout")
     dfq, dfk, dv = _kernel(fn, lambda: _linattn._backward("linear", fq, fk, v, dout, {"dwc_weight": None},
                                                           _options(causal, key_lengths, eps), {}))[:3]
     dq, dwq, dbq = _features_backward(q, wq, fq, dfq)
     dk, dwk, dbk = _features_backward(k, wk, fk, dfk)
-    return tuple(x.astype(q.dtype, copy=False) for x in (dq, dk, dv, dwq, dbq, dwk, dbk))
+    return tuple(x.astype(dtype, copy=False) for x in (dq, dk, dv, dwq, dbq, dwk, dbk))

@@ -253,3 +253,25 @@ def test_recurrent_state_matches_direct_sums_in_float64():
     empty = recurrent.empty_state(B, H, m, d, log_form=True, like=values)
     num, den, top = recurrent.read(empty, logits=ql)
     assert torch.all(num == 0) and torch.all(den == 0) and torch.all(top == -math.inf)
+
+
+@pytest.mark.parametrize("name,options", [("linattn_elu", {"window": 5}), ("linattn_favor", {}),
+                                          ("linattn_hedgehog", {"feature_dim": 4})])
+def test_a_bfloat16_model_decodes_with_a_float32_state(name, options):
+    # A model in bfloat16 decodes in bfloat16; the state accumulates in float32. The decoded
+    # logits equal the full bfloat16 forward's to bfloat16 rounding: the two paths round the
+    # layers' activations at different points, a few units of 2^-8 of the largest logit.
+    model = model_on(name, options).to(torch.bfloat16)
+    ids = ids_of(2, 20)
+    with torch.no_grad():
+        full = model(ids).logits.float()
+        cache = lh.LinattnCache(model)
+        pieces = [model(ids[:, :8], past_key_values=cache, use_cache=True).logits]
+        for t in range(8, 20):
+            pieces.append(model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+    got = torch.cat(pieces, dim=1)
+    assert got.dtype == torch.bfloat16
+    assert all(layer.linear.sums.dtype == torch.float32 for layer in cache.layers)
+    assert (got.float() - full).abs().max() <= 2.0 ** -5 * full.abs().max()
+    out = model.generate(ids[:, :6], max_new_tokens=4, do_sample=False)
+    assert out.shape == (2, 10)

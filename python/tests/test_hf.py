@@ -83,6 +83,27 @@ def test_softmax_backend_reproduces_minilm_forward_and_backward(minilm):
     assert ours.encoder.layer[0].attention.self.query.weight.grad.abs().max() > 0
 
 
+def test_minilm_in_bfloat16_runs_as_loaded_within_bfloat16_rounding(minilm):
+    # A model loaded with torch_dtype=bfloat16 runs on linattn in bfloat16 (no cast back to
+    # float32 anywhere), with gradients; its embeddings are as close to the float32 model's as
+    # transformers' own sdpa in bfloat16 gets (the same weights and activations rounded to 2^-8).
+    path, tok = minilm
+    batch = tok(TEXTS, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        want = embed(load(path, "sdpa"), batch)
+        errors = {}
+        for name in ("sdpa", "linattn_softmax"):
+            cfg = transformers.AutoConfig.from_pretrained(path)
+            model = transformers.AutoModel.from_pretrained(path, config=cfg, attn_implementation=name,
+                                                           dtype=torch.bfloat16)
+            got = embed(model, batch)
+            assert got.dtype == torch.bfloat16
+            errors[name] = float((got.float() - want).abs().max())
+    assert errors["linattn_softmax"] <= 1.5 * errors["sdpa"] + 2.0 ** -9, errors
+    embed(model, batch).float().sum().backward()  # eval mode: no dropout, gradients all the same
+    assert model.encoder.layer[0].attention.self.query.weight.grad.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("name", sorted(lh.BACKENDS))
 def test_every_backend_runs_minilm_with_padding(minilm, name):
     # Each backend's embedding of a padded sequence equals its embedding of the sequence alone:

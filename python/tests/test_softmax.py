@@ -139,7 +139,7 @@ def test_rows_without_keys_are_zero(rng):
 
 def test_wrong_dtype_is_type_error(rng):
     q, k, v, _ = make(rng, 1, 1, 4, 4, 8, 8, np.float32)
-    with pytest.raises(TypeError, match="k must have dtype float32 or float64, got int64"):
+    with pytest.raises(TypeError, match="k must have dtype float32, float64, bfloat16 .* or float16, got int64"):
         linattn.softmax_attention(q, k.astype(np.int64), v)
     with pytest.raises(TypeError, match="v has dtype float64 but q has float32"):
         linattn.softmax_attention(q, k, v.astype(np.float64))

@@ -95,7 +95,10 @@ def test_gradients_equal_the_numpy_backward_in_float32():
 def test_errors():
     q, k, v = inputs(5, dtype=torch.float32)
     w = torch.from_numpy(linattn.random_features(8, D))
-    with pytest.raises(TypeError, match="favor_attention: q must have dtype torch.float32 or torch.float64"):
+    with pytest.raises(TypeError, match="favor_attention: q must have dtype torch.float32, torch.float64, "
+                                        "torch.bfloat16 or torch.float16, got torch.int32"):
+        lt.favor_attention(q.int(), k, v, w)
+    with pytest.raises(TypeError, match="favor_attention: k has dtype torch.float32 but q has torch.float16"):
         lt.favor_attention(q.half(), k, v, w)
     with pytest.raises(TypeError, match="softmax_attention: k must be a torch.Tensor, got ndarray"):
         lt.softmax_attention(q, k.numpy(), v)

@@ -147,12 +147,13 @@ int demo(const Args& a) {
   Problem p = a.problem;
   p.n = 4096;
   const double gemm = linattn::bench::sgemm_gflops(linattn::num_threads());
+  const double peak = linattn::bench::fma_peak_gflops(linattn::num_threads());
   std::printf("linattn demo: B=%lld H=%lld n=%lld d=%lld float32, random N(0,1) inputs\n",
               (long long)p.batch, (long long)p.heads, (long long)p.n, (long long)p.head_dim);
   std::printf("machine: %s\n", linattn::bench::machine_summary().c_str());
-  std::printf("measured sgemm rate: %.1f GFLOP/s\n\n", gemm);
-  std::printf("%-28s %10s %9s %8s %13s %13s %11s %11s\n", "method", "time (ms)", "GFLOP/s",
-              "% sgemm", "extra (wksp)", "extra (RSS)", "err vs own", "vs softmax");
+  std::printf("measured sgemm rate: %.1f GFLOP/s; FMA peak (register-only loop): %.1f GFLOP/s\n\n", gemm, peak);
+  std::printf("%-28s %10s %9s %8s %7s %13s %13s %11s %11s\n", "method", "time (ms)", "GFLOP/s",
+              "% sgemm", "% peak", "extra (wksp)", "extra (RSS)", "err vs own", "vs softmax");
   const auto in = linattn::bench::make_inputs(p);
   for (const auto& m : selected_methods(a.methods, a.sizes)) {
     linattn::Tensor<float> out;
@@ -161,8 +162,8 @@ int demo(const Args& a) {
     const double gflops = m.forward_flops(p) / t.median_s * 1e-9;
     const double own = m.own_error(in, out, 64);
     const double err = linattn::bench::error_vs_exact(m, in, out, 64);
-    std::printf("%-28s %10.2f %9.1f %7.0f%% %13s %13s %11.2e %11.2e\n", m.name.c_str(),
-                t.median_s * 1e3, gflops, 100 * gflops / gemm,
+    std::printf("%-28s %10.2f %9.1f %7.0f%% %6.0f%% %13s %13s %11.2e %11.2e\n", m.name.c_str(),
+                t.median_s * 1e3, gflops, 100 * gflops / gemm, 100 * gflops / peak,
                 linattn::bench::human_bytes(mem.workspace_bytes).c_str(),
                 linattn::bench::human_bytes(mem.rss_growth_bytes).c_str(), own, err);
   }
@@ -269,6 +270,7 @@ int bench(const Args& a) {
   }
   const auto methods = selected_methods(a.methods, a.sizes);
   const double gemm = linattn::bench::sgemm_gflops(linattn::num_threads());
+  const double peak = linattn::bench::fma_peak_gflops(linattn::num_threads());
   const std::string python = linattn::bench::python(), bench_dir = linattn::bench::scripts_dir();
   const linattn::bench::TorchCheck torch =
       a.torch ? linattn::bench::check_torch(python) : linattn::bench::TorchCheck{"", "--no-torch"};
@@ -276,7 +278,8 @@ int bench(const Args& a) {
   std::printf("linattn bench: B=%lld H=%lld d=%lld float32\nmachine: %s\n",
               (long long)a.problem.batch, (long long)a.problem.heads,
               (long long)a.problem.head_dim, linattn::bench::machine_summary().c_str());
-  std::printf("measured sgemm rate (2048^3, %d threads): %.1f GFLOP/s\n", linattn::num_threads(), gemm);
+  std::printf("measured sgemm rate (2048^3, %d threads): %.1f GFLOP/s; FMA peak (register-only loop): %.1f GFLOP/s\n",
+              linattn::num_threads(), gemm, peak);
   if (no_torch.empty())
     std::printf("peers: the same inputs through torch sdpa, performer-pytorch, nystrom-attention, linformer "
                 "and plain PyTorch (bench/torch_bench.py), torch %s, torch.set_num_threads(%d), "
@@ -284,8 +287,8 @@ int bench(const Args& a) {
                 torch.version.c_str(), linattn::num_threads());
   else
     std::printf("peers: not compared (%s)\n\n", no_torch.c_str());
-  std::printf("%-26s %7s %-8s %9s %11s %9s %8s %13s %13s\n", "method", "n", "pass", "GFLOP", "time (ms)",
-              "GFLOP/s", "% sgemm", "extra (wksp)", "extra (RSS)");
+  std::printf("%-26s %7s %-8s %9s %11s %9s %8s %7s %13s %13s\n", "method", "n", "pass", "GFLOP", "time (ms)",
+              "GFLOP/s", "% sgemm", "% peak", "extra (wksp)", "extra (RSS)");
   std::printf("%-26s %7s %-8s %9s %11s %9s %8s\n", "  vs peer", "", "", "", "time (ms)", "GFLOP/s",
               "ours/it");
   std::string csv_path = a.csv;
@@ -296,7 +299,7 @@ int bench(const Args& a) {
     if (!csv) throw std::runtime_error("cannot write " + csv_path);
     // One row per implementation: impl is "linattn" or the peer; workspace_bytes is linattn's.
     csv << "method,causal,n,batch,heads,head_dim,pass,impl,status,flops,median_s,min_s,runs,gflops,"
-           "fraction_of_sgemm,workspace_bytes,rss_growth_bytes,sgemm_gflops,threads,note\n";
+           "fraction_of_sgemm,workspace_bytes,rss_growth_bytes,sgemm_gflops,threads,note,fma_peak_gflops\n";
   }
   std::vector<Row> rows;
   for (const int64_t n : a.ns) {
@@ -341,8 +344,9 @@ int bench(const Args& a) {
     for (size_t i = first; i < rows.size(); ++i) {
       const Row& r = rows[i];
       const double gflops = r.flops / r.median_s * 1e-9;
-      std::printf("%-26s %7lld %-8s %9.1f %11.2f %9.1f %7.0f%% %13s %13s\n", r.method->name.c_str(),
+      std::printf("%-26s %7lld %-8s %9.1f %11.2f %9.1f %7.0f%% %6.0f%% %13s %13s\n", r.method->name.c_str(),
                   (long long)n, r.pass.c_str(), r.flops * 1e-9, r.median_s * 1e3, gflops, 100 * gflops / gemm,
+                  100 * gflops / peak,
                   linattn::bench::human_bytes(r.memory.workspace_bytes).c_str(),
                   linattn::bench::human_bytes(r.memory.rss_growth_bytes).c_str());
       for (const auto& t : r.peers) {
@@ -362,7 +366,7 @@ int bench(const Args& a) {
             << p.heads << ',' << p.head_dim << ',' << r.pass << ",\"" << impl << "\"," << status << ','
             << r.flops << ',' << median_s << ',' << min_s << ',' << runs << ',' << rate << ',' << rate / gemm
             << ',' << workspace << ',' << rss << ',' << gemm << ',' << linattn::num_threads() << ",\"" << note
-            << "\"\n";
+            << "\"," << peak << "\n";
       };
       line("linattn", "ok", r.median_s, r.timing.min_s, r.timing.runs, r.memory.workspace_bytes,
            r.memory.rss_growth_bytes, "");

@@ -8,9 +8,70 @@ namespace linattn {
 #include "linattn/methods.def"
 #undef LINATTN_METHOD
 
+namespace {
+
+// A bfloat16/float16 call's tensors widened to float32, and the float32 MethodArgs viewing them.
+template <class Low>
+struct WidenedArgs {
+  std::vector<Tensor<float>> storage;
+  MethodArgs<float> args;
+
+  explicit WidenedArgs(const MethodArgs<Low>& a) {
+    storage.reserve(3 + a.tensors.size());
+    args.q = keep(a.q), args.k = keep(a.k), args.v = keep(a.v);
+    args.options = a.options;
+    for (const auto& [name, t] : a.tensors) args.tensors[name] = keep(t);
+  }
+  TensorView<const float> keep(TensorView<const Low> t) {
+    storage.push_back(widen(t));
+    return storage.back().view();
+  }
+};
+
+template <class Low>
+std::vector<std::pair<std::string, Tensor<Low>>> narrow_all(std::vector<std::pair<std::string, Tensor<float>>>&& ts) {
+  std::vector<std::pair<std::string, Tensor<Low>>> out;
+  for (auto& [name, t] : ts) out.emplace_back(name, narrow<Low>(t, name.c_str()));
+  return out;
+}
+
+// The bfloat16/float16 functions of a method, from its float32 ones.
+template <class Low>
+MethodFunctions<Low> widening(const MethodFunctions<float>& f32) {
+  MethodFunctions<Low> f;
+  f.forward = [forward = f32.forward](const MethodArgs<Low>& a) {
+    const WidenedArgs<Low> w(a);
+    MethodOutput<float> r = forward(w.args);
+    return MethodOutput<Low>{narrow<Low>(r.out, "out"), std::move(r.saved)};
+  };
+  f.backward = [backward = f32.backward](const MethodArgs<Low>& a, TensorView<const Low> dout,
+                                         const SavedViews<Low>& saved) {
+    WidenedArgs<Low> w(a);
+    const TensorView<const float> dout32 = w.keep(dout);
+    AttentionGrads<float> g = backward(w.args, dout32, saved);
+    AttentionGrads<Low> out{narrow<Low>(g.dq, "dq"), narrow<Low>(g.dk, "dk"), narrow<Low>(g.dv, "dv"), {}};
+    for (auto& [name, t] : g.params) out.params.emplace_back(name, narrow<Low>(t, ("d" + name).c_str()));
+    return out;
+  };
+  if (f32.example_tensors)
+    f.example_tensors = [example = f32.example_tensors](int64_t heads, int64_t head_dim, int64_t n_k, int64_t size,
+                                                        uint64_t seed) {
+      return narrow_all<Low>(example(heads, head_dim, n_k, size, seed));
+    };
+  return f;
+}
+
+MethodInfo with_low_precision(MethodInfo m) {
+  m.bf16 = widening<bfloat16>(m.f32);
+  m.f16 = widening<float16>(m.f32);
+  return m;
+}
+
+}  // namespace
+
 const std::vector<MethodInfo>& methods() {
   static const std::vector<MethodInfo> all = {
-#define LINATTN_METHOD(id) describe_##id(),
+#define LINATTN_METHOD(id) with_low_precision(describe_##id()),
 #include "linattn/methods.def"
 #undef LINATTN_METHOD
   };

@@ -371,7 +371,7 @@ def projection(module, like, user):
         seed = (int(user["seed"]) + int(module.layer_idx or 0)) % 2**63
         np_dtype = _np.float64 if like.dtype == _torch.float64 else _np.float32
         w = _torch.from_numpy(_linattn.random_features(user["num_features"], d, user["features"], seed, np_dtype))
-        module.register_buffer(key, w.to(like.device), persistent=False)
+        module.register_buffer(key, w.to(device=like.device, dtype=like.dtype), persistent=False)
     return getattr(module, key)
 
 
@@ -398,7 +398,7 @@ def learned(module, b, like, user, create=False):
             f = e.clone()
         else:
             np_dtype = _np.float64 if like.dtype == _torch.float64 else _np.float32
-            e, f = (_torch.from_numpy(x).to(like.device) for x in _linattn.linformer_projections(s, n, seed=0, dtype=np_dtype))
+            e, f = (_torch.from_numpy(x).to(**factory) for x in _linattn.linformer_projections(s, n, seed=0, dtype=np_dtype))
         tensors = {"e": e, "f": f}
     else:
         h, _ = heads(module, module.config)

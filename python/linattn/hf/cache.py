@@ -291,7 +291,8 @@ def attend(name, layer, module, b, user, query, key, value, attention_mask, scal
     with torch.no_grad():
         outs = [_step(layer, fmap, module, b, user, query[:, :, t:t + 1], key[:, :, t:t + 1], value[:, :, t:t + 1],
                       window) for t in range(n)]
-    return torch.cat(outs, dim=2)
+    # A bfloat16/float16 model's state and sums are float32 (recurrent.py); the output is rounded once.
+    return torch.cat(outs, dim=2).to(query.dtype)
 
 
 def _fill(layer, fmap, module, user, key, value, window):

@@ -1,7 +1,8 @@
 """linattn.torch: linattn's attention methods on PyTorch tensors, differentiable.
 
 The functions have the names, options, defaults and shapes of the NumPy ones (linattn), take
-CPU tensors (float32 or float64, [batch, heads, seq, head_dim]) and return one; their gradients
+CPU tensors (float32, float64, bfloat16 or float16, [batch, heads, seq, head_dim]) and return
+one in the same dtype; their gradients
 reach every floating input that has one (q, k, v, linformer's e and f, dwc_weight). They are
 PyTorch custom operators (torch.ops.linattn.*) with fake implementations and registered
 autograd, so `torch.compile(model, fullgraph=True)` runs models that use them. The backward
@@ -9,7 +10,10 @@ reuses what the forward saved (softmax: each row's log-sum-exp; kernelized: each
 normaliser and the key sums), not a second forward.
 
 Inputs: contiguous tensors are used without a copy, others are made contiguous. CUDA (or any
-non-CPU) tensors and dtypes other than float32/float64 raise TypeError. The FAVOR projection is
+non-CPU) tensors, other dtypes and inputs of mixed dtypes raise TypeError. bfloat16/float16 inputs
+are widened to float32 inside the operator; softmax statistics, linear states and normalisers
+accumulate in float32, what the forward saves stays float32, and the output and gradients are
+rounded once to the input dtype (docs/precision.md). The FAVOR projection is
 a constant of the method, not a parameter: a projection with requires_grad=True raises
 ValueError (keep it a buffer, or pass projection.detach()). key_lengths may be a list, a NumPy
 array or an integer tensor [batch].
@@ -37,9 +41,26 @@ def _tensor(fn, name, x, optional=False):
         raise TypeError("%s: %s must be a torch.Tensor, got %s" % (fn, name, type(x).__name__))
     if x.device.type not in ("cpu", "meta"):
         raise TypeError("%s: %s is on %s; linattn runs on the CPU only (move it with .cpu())" % (fn, name, x.device))
-    if x.dtype not in (_torch.float32, _torch.float64):
-        raise TypeError("%s: %s must have dtype torch.float32 or torch.float64, got %s" % (fn, name, x.dtype))
+    if x.dtype not in _DTYPES:
+        raise TypeError("%s: %s must have dtype torch.float32, torch.float64, torch.bfloat16 or torch.float16, got %s"
+                        % (fn, name, x.dtype))
     return x.contiguous()
+
+
+_DTYPES = (_torch.float32, _torch.float64, _torch.bfloat16, _torch.float16)
+
+
+def _same_dtype(fn, named):
+    """A TypeError naming both when the tensors (name, tensor or None) differ in dtype."""
+    first = None
+    for name, t in named:
+        if t is None:
+            continue
+        if first is None:
+            first = (name, t.dtype)
+        elif t.dtype != first[1]:
+            raise TypeError("%s: %s has dtype %s but %s has %s; all inputs must share one dtype"
+                            % (fn, name, t.dtype, first[0], first[1]))
 
 
 def _lengths(fn, x):
@@ -98,6 +119,7 @@ def _make(ops):
                 raise ValueError("%s: %s has requires_grad=True, but it is a constant of the method (no gradient "
                                  "flows to it); register it as a buffer or pass %s.detach()" % (fn, o["name"], o["name"]))
             tensors.append(t)
+        _same_dtype(fn, zip(["q", "k", "v"] + [o["name"] for o in ops.tensor_options], tensors))
         if ops.has_lengths:
             tensors.append(_lengths(fn, a["key_lengths"]))
         scalars = [_scalar(fn, o, a[o["name"]]) for o in ops.scalar_options]

@@ -11,6 +11,7 @@ schemas (register_autograd takes no keyword-only tensors); key_lengths is an int
 or None, so varying lengths do not recompile a compiled model. A parameter gradient that has no
 parameter (dwc_weight not given) comes back as an empty tensor, turned into None here."""
 
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -21,8 +22,26 @@ _SCALARS = {"bool": "bool", "int": "int", "float": "float", "str": "str"}
 
 
 def _array(t):
-    """A NumPy view of a CPU tensor (a copy only when it is not contiguous)."""
-    return None if t is None else t.detach().contiguous().numpy()
+    """A NumPy view of a CPU tensor (a copy only when it is not contiguous); bfloat16 as
+    ml_dtypes.bfloat16, which torch's .numpy() does not know."""
+    if t is None:
+        return None
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _tensor(a):
+    """The tensor viewing a NumPy array the library returned (bfloat16 included)."""
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _accumulator(dtype):
+    """The dtype of what the forward saves: float32 for bfloat16/float16 inputs."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 class MethodOps:
@@ -81,7 +100,7 @@ class MethodOps:
         (q, k, v), named, lengths, scalars = self._split(args)
         r = _linattn._forward(self.name, _array(q), _array(k), _array(v),
                               {n: _array(t) for n, t in named.items()}, self._options(scalars, lengths), self.saved)
-        return tuple(torch.from_numpy(x) for x in r) if self.saved else torch.from_numpy(r)
+        return tuple(_tensor(x) for x in r) if self.saved else _tensor(r)
 
     def _backward_cpu(self, *args):
         (q, k, v), named, lengths, rest = self._split(args)
@@ -89,10 +108,10 @@ class MethodOps:
         saved = {n: _array(t) for n, t in zip(["out"] + self.saved, saved)} if self.saved else {}
         g = _linattn._backward(self.name, _array(q), _array(k), _array(v), _array(dout),
                                {n: _array(t) for n, t in named.items()}, self._options(scalars, lengths), saved)
-        grads = [torch.from_numpy(x) for x in g[:3]]
+        grads = [_tensor(x) for x in g[:3]]
         given = iter(g[3:])
         for name in self.gradient_options:
-            grads.append(torch.from_numpy(next(given)) if named[name] is not None else q.new_empty(0))
+            grads.append(_tensor(next(given)) if named[name] is not None else q.new_empty(0))
         return tuple(grads)
 
     # ---- fake (shapes only) -----------------------------------------------------------------
@@ -108,7 +127,7 @@ class MethodOps:
                 shapes = {n: [int(s) for s in t.shape] for n, t in named.items() if t is not None}
                 sizes["features"] = _linattn._feature_dim(self.name, int(head_dim), shapes,
                                                           self._options(scalars, None))
-            out.append(q.new_empty([sizes[d] for d in dims]))
+            out.append(q.new_empty([sizes[d] for d in dims], dtype=_accumulator(q.dtype)))
         return tuple(out) if self.saved else out[0]
 
     def _backward_fake(self, *args):

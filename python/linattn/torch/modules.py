@@ -178,15 +178,16 @@ class MultiheadAttention(torch.nn.Module):
         if registered == "favor":
             self.num_features = int(num_features if num_features is not None else info["default_size"])
             self.register_buffer("redraws", torch.zeros((), dtype=torch.int64, device=device))
-            self.register_buffer("projection", self._draw_projection(0, np_dtype).to(device))
+            # Drawn in float32 for a bfloat16/float16 module, then rounded to its dtype.
+            self.register_buffer("projection", self._draw_projection(0, np_dtype).to(**factory))
             self._forwards = 0
         if registered == "linformer":
             if max_seq_len is None:
                 raise ValueError("MultiheadAttention: method 'linformer' needs max_seq_len (the columns of e and f)")
             s = int(s_proj if s_proj is not None else info["default_size"])
             e, f = _linattn.linformer_projections(s, int(max_seq_len), seed=self.seed, dtype=np_dtype)
-            self.e = torch.nn.Parameter(torch.from_numpy(e).to(device))
-            self.f = torch.nn.Parameter(torch.from_numpy(f).to(device))
+            self.e = torch.nn.Parameter(torch.from_numpy(e).to(**factory))
+            self.f = torch.nn.Parameter(torch.from_numpy(f).to(**factory))
         self.conv_weight = None
         if kernel_size is not None:
             k = int(kernel_size)
@@ -318,7 +319,8 @@ class MultiheadAttention(torch.nn.Module):
         dtype = np.float64 if self.in_proj_weight.dtype == torch.float64 else np.float32
         if self._registered == "favor":
             rs = _linattn.recurrent_state(batch_size, self.num_heads, self.head_dim, self.head_dim, feature_map="favor",
-                                          projection=self.projection.detach().cpu().numpy(),
+                                          projection=self.projection.detach().cpu().to(
+                                              torch.float64 if dtype == np.float64 else torch.float32).numpy(),
                                           kernel=o.get("kernel", "positive"), scale=o.get("scale"), dtype=dtype)
         else:
             rs = _linattn.recurrent_state(batch_size, self.num_heads, self.head_dim, self.head_dim,
@@ -346,7 +348,10 @@ class MultiheadAttention(torch.nn.Module):
             out = state.step(q, k, v, fq, fk, gamma, 1 / math.sqrt(self.head_dim), self.method_options["eps"])
             out = self.out_proj(out.reshape(x.shape[0], 1, self.embed_dim))
             return out[:, 0] if squeeze else out
-        out = torch.from_numpy(state._recurrent.step(*(t.contiguous().numpy() for t in (q, k, v))))
+        # The state is float32 for a bfloat16/float16 module: its sums accumulate in float32.
+        state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out = torch.from_numpy(state._recurrent.step(*(t.to(state_dtype).contiguous().numpy() for t in (q, k, v))))
+        out = out.to(q.dtype)
         if state._values is not None:
             # Causal depthwise convolution: out += Σ_t w[h, t]·v[i + t − (K−1)].
             window = torch.cat([state._values, v.unsqueeze(2)], dim=2)  # [B, H, K, hd]

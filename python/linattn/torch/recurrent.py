@@ -13,7 +13,10 @@ maximum of the key logits that entered (sums = Σ_j s_jr e^{L_jr − c_r} v_j), 
 keep them: every stored weight is <= 1 at any finite logit, so nothing overflows. A read
 returns num and den on the scale e^{R}, R = max_r(L_q,r + c_r), which the caller combines with
 its other terms (the sliding window's) before dividing. Every function returns new tensors and
-leaves its inputs unchanged, so a state can be kept, copied or reordered (beam search) freely."""
+leaves its inputs unchanged, so a state can be kept, copied or reordered (beam search) freely.
+
+For bfloat16/float16 inputs the state is float32: features, logits and values are widened as
+they enter, and reads return float32 (the caller rounds its output once)."""
 
 from typing import NamedTuple, Optional
 
@@ -36,8 +39,13 @@ class LinearState(NamedTuple):
         return LinearState(*(None if t is None else fn(t) for t in self))
 
 
+def _accumulator(dtype):
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
 def empty_state(batch, heads, features, value_dim, *, log_form, like):
     """The state of no keys: zeros, and for log form shifts of −inf (no key has set a scale)."""
+    like = like.new_empty(0, dtype=_accumulator(like.dtype))
     shift = like.new_full((batch, heads, features), float("-inf")) if log_form else None
     return LinearState(like.new_zeros((batch, heads, features, value_dim)), like.new_zeros((batch, heads, features)),
                        shift)
@@ -49,6 +57,8 @@ def enter(state, values, features=None, logits=None, factors=None):
     s [B, H, n, m'] (φ = s·e^{L}; None means 1)."""
     if values.shape[2] == 0:
         return state
+    dtype = state.sums.dtype
+    values, features, logits, factors = (None if t is None else t.to(dtype) for t in (values, features, logits, factors))
     if state.shift is None:
         # sums += Σ_j φ(k_j) v_jᵀ, normaliser += Σ_j φ(k_j)
         return LinearState(state.sums + torch.einsum("bhnm,bhnd->bhmd", features, values),
@@ -68,6 +78,8 @@ def read(state, features=None, logits=None, factors=None):
     R [B, H] or None). Plain: num = φ(q)·sums, den = φ(q)·normaliser (R None). Log form: the
     query's logits L_q [B, H, m'] (and factors): the true num and den are e^{R} times those
     returned, R = max_r(L_q,r + c_r), −inf (and num = den = 0) while no key has entered."""
+    dtype = state.sums.dtype
+    features, logits, factors = (None if t is None else t.to(dtype) for t in (features, logits, factors))
     if state.shift is None:
         return (torch.einsum("bhm,bhmd->bhd", features, state.sums),
                 torch.einsum("bhm,bhm->bh", features, state.normaliser), None)

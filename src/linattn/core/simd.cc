@@ -10,6 +10,7 @@
 
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
+#include "linattn/low_precision.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace linattn {
@@ -507,6 +508,81 @@ float SumF32(const float* x, size_t n) { return Sum(x, n); }
 double SumF64(const double* x, size_t n) { return Sum(x, n); }
 float DotF32(const float* a, const float* b, size_t n) { return Dot(a, b, n); }
 double DotF64(const double* a, const double* b, size_t n) { return Dot(a, b, n); }
+// bfloat16: the upper half of a float32. Widening shifts the bits up; narrowing rounds to
+// nearest even by integer addition (Highway 1.0.3's DemoteTo to bfloat16 truncates) and keeps
+// NaN quiet. The tails go through the one-value forms of low_precision.h.
+void WidenBF16(const uint16_t* src, float* dst, size_t n) {
+  const hn::ScalableTag<float> df;
+  const hn::RebindToUnsigned<decltype(df)> du32;
+  const hn::Rebind<uint16_t, decltype(df)> du16;
+  const size_t N = hn::Lanes(df);
+  size_t i = 0;
+  for (; i + N <= n; i += N)
+    hn::StoreU(hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(du16, src + i)))), df, dst + i);
+  for (; i < n; ++i) dst[i] = to_float(bfloat16{src[i]});
+}
+
+void NarrowBF16(const float* src, uint16_t* dst, size_t n) {
+  const hn::ScalableTag<float> df;
+  const hn::RebindToUnsigned<decltype(df)> du32;
+  const hn::RebindToSigned<decltype(df)> di32;
+  const hn::Rebind<uint16_t, decltype(df)> du16;
+  const size_t N = hn::Lanes(df);
+  const auto bias = hn::Set(du32, 0x7FFFu), one = hn::Set(du32, 1u), quiet = hn::Set(du32, 0x400000u);
+  size_t i = 0;
+  for (; i + N <= n; i += N) {
+    const auto v = hn::LoadU(df, src + i);
+    const auto u = hn::BitCast(du32, v);
+    const auto rounded = hn::Add(hn::Add(u, bias), hn::And(hn::ShiftRight<16>(u), one));
+    const auto bits = hn::IfThenElse(hn::RebindMask(du32, hn::IsNaN(v)), hn::Or(u, quiet), rounded);
+    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, hn::ShiftRight<16>(bits))), du16, dst + i);
+  }
+  for (; i < n; ++i) dst[i] = to_bfloat16(src[i]).bits;
+}
+
+// float16 through Highway's PromoteTo / DemoteTo (F16C's vcvtph2ps / vcvtps2ph, round to
+// nearest even, on AVX2 and AVX-512).
+void WidenF16(const uint16_t* src, float* dst, size_t n) {
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<hwy::float16_t, decltype(df)> df16;
+  const size_t N = hn::Lanes(df);
+  size_t i = 0;
+  for (; i + N <= n; i += N)
+    hn::StoreU(hn::PromoteTo(df, hn::LoadU(df16, reinterpret_cast<const hwy::float16_t*>(src + i))), df, dst + i);
+  for (; i < n; ++i) dst[i] = to_float(float16{src[i]});
+}
+
+void NarrowF16(const float* src, uint16_t* dst, size_t n) {
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<hwy::float16_t, decltype(df)> df16;
+  const size_t N = hn::Lanes(df);
+  size_t i = 0;
+  for (; i + N <= n; i += N)
+    hn::StoreU(hn::DemoteTo(df16, hn::LoadU(df, src + i)), df16, reinterpret_cast<hwy::float16_t*>(dst + i));
+  for (; i < n; ++i) dst[i] = to_float16(src[i]).bits;
+}
+
+// The benchmarks' FMA peak: 12 independent accumulators (two FMA ports × a latency of 4–6
+// cycles need at least 8–12 in flight), registers only.
+float FmaLoop(size_t iterations, float seed) {
+  const hn::ScalableTag<float> d;
+  const auto m = hn::Set(d, 0.999999f), a = hn::Set(d, 1e-7f);
+  // Distinct starting values: identical chains would be merged into one by the compiler.
+  auto x0 = hn::Set(d, seed), x1 = hn::Set(d, seed + 1), x2 = hn::Set(d, seed + 2), x3 = hn::Set(d, seed + 3),
+       x4 = hn::Set(d, seed + 4), x5 = hn::Set(d, seed + 5), x6 = hn::Set(d, seed + 6), x7 = hn::Set(d, seed + 7),
+       x8 = hn::Set(d, seed + 8), x9 = hn::Set(d, seed + 9), x10 = hn::Set(d, seed + 10), x11 = hn::Set(d, seed + 11);
+  for (size_t i = 0; i < iterations; ++i) {
+    x0 = hn::MulAdd(x0, m, a), x1 = hn::MulAdd(x1, m, a), x2 = hn::MulAdd(x2, m, a), x3 = hn::MulAdd(x3, m, a);
+    x4 = hn::MulAdd(x4, m, a), x5 = hn::MulAdd(x5, m, a), x6 = hn::MulAdd(x6, m, a), x7 = hn::MulAdd(x7, m, a);
+    x8 = hn::MulAdd(x8, m, a), x9 = hn::MulAdd(x9, m, a), x10 = hn::MulAdd(x10, m, a), x11 = hn::MulAdd(x11, m, a);
+  }
+  const auto sum = hn::Add(hn::Add(hn::Add(x0, x1), hn::Add(x2, x3)),
+                           hn::Add(hn::Add(hn::Add(x4, x5), hn::Add(x6, x7)), hn::Add(hn::Add(x8, x9), hn::Add(x10, x11))));
+  return hn::GetLane(hn::SumOfLanes(d, sum));
+}
+
+size_t FloatLanes() { return hn::Lanes(hn::ScalableTag<float>()); }
+
 int64_t CurrentTarget() { return HWY_TARGET; }
 
 }  // namespace HWY_NAMESPACE
@@ -546,6 +622,12 @@ HWY_EXPORT(SumF64);
 HWY_EXPORT(DotF32);
 HWY_EXPORT(DotF64);
 HWY_EXPORT(CurrentTarget);
+HWY_EXPORT(FmaLoop);
+HWY_EXPORT(FloatLanes);
+HWY_EXPORT(WidenBF16);
+HWY_EXPORT(NarrowBF16);
+HWY_EXPORT(WidenF16);
+HWY_EXPORT(NarrowF16);
 HWY_EXPORT(MaxAbsF32);
 HWY_EXPORT(MaxAbsF64);
 HWY_EXPORT(SinCosF32);
@@ -651,6 +733,20 @@ float dot(const float* a, const float* b, size_t n) { return HWY_DYNAMIC_DISPATC
 double dot(const double* a, const double* b, size_t n) {
   return HWY_DYNAMIC_DISPATCH(DotF64)(a, b, n);
 }
+void widen(const bfloat16* src, float* dst, size_t n) {
+  HWY_DYNAMIC_DISPATCH(WidenBF16)(reinterpret_cast<const uint16_t*>(src), dst, n);
+}
+void narrow(const float* src, bfloat16* dst, size_t n) {
+  HWY_DYNAMIC_DISPATCH(NarrowBF16)(src, reinterpret_cast<uint16_t*>(dst), n);
+}
+void widen(const float16* src, float* dst, size_t n) {
+  HWY_DYNAMIC_DISPATCH(WidenF16)(reinterpret_cast<const uint16_t*>(src), dst, n);
+}
+void narrow(const float* src, float16* dst, size_t n) {
+  HWY_DYNAMIC_DISPATCH(NarrowF16)(src, reinterpret_cast<uint16_t*>(dst), n);
+}
+float fma_loop(size_t iterations, float seed) { return HWY_DYNAMIC_DISPATCH(FmaLoop)(iterations, seed); }
+size_t fma_loop_flops_per_iteration() { return 12 * 2 * HWY_DYNAMIC_DISPATCH(FloatLanes)(); }
 const char* target_name() { return hwy::TargetName(HWY_DYNAMIC_DISPATCH(CurrentTarget)()); }
 
 }  // namespace simd

@@ -6,6 +6,11 @@
 
 #include <cstddef>
 
+namespace linattn {
+struct bfloat16;
+struct float16;
+}  // namespace linattn
+
 namespace linattn::simd {
 
 // max_i x[i]; -inf for n == 0.
@@ -102,6 +107,18 @@ double finite_max_abs(const double* x, size_t n);
 // True when every x[i] is finite (no NaN, no ±inf).
 bool all_finite(const float* x, size_t n);
 bool all_finite(const double* x, size_t n);
+
+// The 16-bit storage types to and from float32: widening is exact; narrowing rounds to nearest
+// even (the one-value to_bfloat16 / to_float16 of low_precision.h, which the tests compare).
+void widen(const bfloat16* src, float* dst, size_t n);
+void narrow(const float* src, bfloat16* dst, size_t n);
+void widen(const float16* src, float* dst, size_t n);
+void narrow(const float* src, float16* dst, size_t n);
+
+// A register-only loop of fused multiply-adds on float vectors, what the benchmarks measure
+// the FMA peak with: `iterations` rounds of fma_loop_flops_per_iteration() FLOPs.
+float fma_loop(size_t iterations, float seed);
+size_t fma_loop_flops_per_iteration();
 
 // Name of the instruction set chosen at run time, e.g. "AVX3" (AVX-512).
 const char* target_name();

@@ -1,0 +1,249 @@
+// bfloat16 and float16 (low_precision.h): the conversions, and every registered method on 16-bit
+// inputs. A 16-bit call widens its inputs exactly, runs the float32 kernels and rounds once, so
+// its output and gradients must be bitwise the float32 ones (on the widened inputs) rounded to
+// nearest even, and what it saves bitwise the float32 saved tensors. Their distance to float64
+// then follows: |rn(x32) − x64| ≤ u16·|x32| + |x32 − x64|, u16 = 2^-8 (bfloat16) or 2^-11
+// (float16) and |x32 − x64| within the float32 bounds the other suites check. What rounding the
+// inputs themselves costs is measured in docs/precision.md.
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "linattn/linattn.h"
+#include "linattn/core/simd.h"
+#include "test_util.h"
+
+namespace linattn {
+namespace {
+
+using testing::random_tensor;
+using testing::ScopedThreads;
+
+uint32_t bits_of(float f) { return std::bit_cast<uint32_t>(f); }
+
+// Every bit pattern widens to the same value in bulk (Highway) as one at a time.
+template <class Low>
+void expect_widen_all_patterns() {
+  std::vector<Low> all(65536);
+  for (uint32_t i = 0; i < 65536; ++i) all[i].bits = static_cast<uint16_t>(i);
+  std::vector<float> bulk(all.size());
+  simd::widen(all.data(), bulk.data(), all.size());
+  for (uint32_t i = 0; i < 65536; ++i) {
+    const float one = to_float(all[i]);
+    if (std::isnan(one)) {
+      EXPECT_TRUE(std::isnan(bulk[i])) << dtype_name<Low>() << " bits " << i;
+    } else {
+      ASSERT_EQ(bits_of(bulk[i]), bits_of(one)) << dtype_name<Low>() << " bits " << i;
+    }
+  }
+}
+
+TEST(LowPrecision, WideningEveryPatternMatchesTheOneValueForm) {
+  expect_widen_all_patterns<bfloat16>();
+  expect_widen_all_patterns<float16>();
+}
+
+// Known values: the largest finite, the smallest subnormal, ties to even, overflow to inf.
+TEST(LowPrecision, KnownRoundings) {
+  EXPECT_EQ(to_bfloat16(1.0f).bits, 0x3F80);
+  EXPECT_EQ(to_bfloat16(std::bit_cast<float>(0x3F808000u)).bits, 0x3F80);  // tie: stays even
+  EXPECT_EQ(to_bfloat16(std::bit_cast<float>(0x3F818000u)).bits, 0x3F82);  // tie: up to even
+  EXPECT_EQ(to_bfloat16(std::bit_cast<float>(0x3F808001u)).bits, 0x3F81);
+  EXPECT_EQ(to_bfloat16(std::bit_cast<float>(0x7F7F8000u)).bits, 0x7F80);  // past the largest: inf
+  EXPECT_TRUE(std::isnan(to_float(to_bfloat16(std::nanf("")))));
+  EXPECT_EQ(to_float16(65504.0f).bits, 0x7BFF);
+  EXPECT_EQ(to_float16(65519.0f).bits, 0x7BFF);
+  EXPECT_EQ(to_float16(65520.0f).bits, 0x7C00);
+  EXPECT_EQ(to_float16(-1.0f).bits, 0xBC00);
+  EXPECT_EQ(to_float(float16{0x0001}), std::ldexp(1.0f, -24));
+  EXPECT_EQ(to_float16(std::ldexp(1.0f, -25)).bits, 0x0000);                 // tie: to even (0)
+  EXPECT_EQ(to_float16(std::ldexp(3.0f, -25)).bits, 0x0002);                 // tie: to even (2)
+  EXPECT_EQ(to_float16(std::ldexp(1.0f, -14) * (1 - 1.0f / 4096)).bits, 0x0400);  // up to the normals
+  EXPECT_TRUE(std::isnan(to_float(to_float16(std::nanf("")))));
+}
+
+// The one-value narrowing returns the nearest value of the type (ties to even), judged in
+// double against both neighbours, on random float bit patterns over the whole range.
+template <class Low>
+void expect_nearest(float x) {
+  const Low r = from_float<Low>(x);
+  const double got = to_float(r), xd = x;
+  if (std::isinf(got)) return;  // overflow is checked in KnownRoundings
+  for (int step : {-1, 1}) {
+    Low n{static_cast<uint16_t>(r.bits + step)};
+    const double other = to_float(n);
+    if (std::isnan(other) || std::isinf(other) || ((r.bits & 0x7FFF) == 0 && step == -1)) continue;
+    const double dg = std::abs(got - xd), doth = std::abs(other - xd);
+    ASSERT_LE(dg, doth) << dtype_name<Low>() << " x=" << x << " bits " << bits_of(x);
+    if (dg == doth) ASSERT_EQ(r.bits & 1, 0) << "tie not to even: x=" << x;
+  }
+}
+
+TEST(LowPrecision, OneValueNarrowingIsNearestEven) {
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<uint32_t> any;
+  for (int i = 0; i < 200000; ++i) {
+    const float x = std::bit_cast<float>(any(rng));
+    if (!std::isfinite(x)) continue;
+    expect_nearest<bfloat16>(x);
+    if (std::abs(x) < 65504.0f) expect_nearest<float16>(x);
+  }
+}
+
+// Bulk narrowing (Highway; F16C for float16) equals the one-value form, including the values
+// one float ulp either side of every 16-bit value and its midpoints, NaN and ±inf.
+template <class Low>
+void expect_narrow_matches() {
+  std::vector<float> x;
+  for (uint32_t i = 0; i < 65536; ++i) {
+    const float v = to_float(Low{static_cast<uint16_t>(i)});
+    if (!std::isfinite(v)) continue;
+    const float next = to_float(Low{static_cast<uint16_t>(i + 1)});
+    const float mid = std::isfinite(next) ? static_cast<float>((double(v) + double(next)) / 2) : v;
+    for (float y : {v, mid, std::nextafter(mid, -INFINITY), std::nextafter(mid, INFINITY)}) x.push_back(y);
+  }
+  x.push_back(std::numeric_limits<float>::infinity());
+  x.push_back(-std::numeric_limits<float>::infinity());
+  x.push_back(std::nanf(""));
+  std::vector<Low> bulk(x.size());
+  simd::narrow(x.data(), bulk.data(), x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    const Low one = from_float<Low>(x[i]);
+    if (std::isnan(x[i])) {
+      EXPECT_TRUE(std::isnan(to_float(bulk[i])));
+    } else {
+      ASSERT_EQ(bulk[i].bits, one.bits) << dtype_name<Low>() << " x=" << x[i] << " bits " << bits_of(x[i]);
+    }
+  }
+}
+
+TEST(LowPrecision, BulkNarrowingMatchesTheOneValueForm) {
+  expect_narrow_matches<bfloat16>();
+  expect_narrow_matches<float16>();
+}
+
+template <class Low>
+Tensor<Low> narrowed(const Tensor<double>& x) {
+  Tensor<Low> out(x.shape());
+  for (int64_t i = 0; i < x.size(); ++i) out[i] = from_float<Low>(static_cast<float>(x[i]));
+  return out;
+}
+
+template <class Low>
+void expect_rounded_from(const Tensor<Low>& got, const Tensor<float>& wide, const std::string& what) {
+  ASSERT_EQ(got.shape(), wide.shape()) << what;
+  for (int64_t i = 0; i < got.size(); ++i)
+    ASSERT_EQ(got[i].bits, from_float<Low>(wide[i]).bits) << what << " [" << i << "]: float32 " << wide[i];
+}
+
+// One method, causal or not, at a thread count: the 16-bit forward and backward against the
+// float32 ones on the widened inputs.
+template <class Low>
+void expect_method_is_rounded_float32(const MethodInfo& m, bool causal, int threads) {
+  SCOPED_TRACE(::testing::Message() << m.name << (causal ? " causal " : " ") << dtype_name<Low>() << " threads="
+                                    << threads);
+  ScopedThreads scope(threads);
+  const int64_t B = 2, H = 3, n = m.block_rows + 29, d = 16;
+  const Tensor<Low> q = narrowed<Low>(random_tensor<double>({B, H, n, d}, 11)),
+                    k = narrowed<Low>(random_tensor<double>({B, H, n, d}, 12)),
+                    v = narrowed<Low>(random_tensor<double>({B, H, n, d}, 13)),
+                    dout = narrowed<Low>(random_tensor<double>({B, H, n, d}, 14));
+  const auto extra = m.functions<Low>().example_tensors(H, d, n, 0, 15);
+  MethodArgs<Low> a;
+  a.q = q, a.k = k, a.v = v;
+  a.options["causal"] = causal;
+  for (const auto& [name, t] : extra) a.tensors[name] = t.view();
+  std::vector<Tensor<float>> wide;
+  wide.reserve(4 + extra.size());
+  MethodArgs<float> w;
+  auto keep = [&](const Tensor<Low>& t) {
+    wide.push_back(widen(t.view()));
+    return wide.back().view();
+  };
+  w.q = keep(q), w.k = keep(k), w.v = keep(v);
+  w.options = a.options;
+  for (const auto& [name, t] : extra) w.tensors[name] = keep(t);
+  const TensorView<const float> dout32 = keep(dout);
+
+  const MethodOutput<Low> low = m.functions<Low>().forward(a);
+  const MethodOutput<float> f32 = m.f32.forward(w);
+  expect_rounded_from(low.out, f32.out, "out");
+  ASSERT_EQ(low.saved.size(), f32.saved.size());
+  for (size_t i = 0; i < low.saved.size(); ++i)
+    testing::expect_identical(low.saved[i].second, f32.saved[i].second, low.saved[i].first);
+
+  const AttentionGrads<Low> g = m.functions<Low>().backward(a, dout, {});
+  const AttentionGrads<float> g32 = m.f32.backward(w, dout32, {});
+  expect_rounded_from(g.dq, g32.dq, "dq");
+  expect_rounded_from(g.dk, g32.dk, "dk");
+  expect_rounded_from(g.dv, g32.dv, "dv");
+  ASSERT_EQ(g.params.size(), g32.params.size());
+  for (size_t i = 0; i < g.params.size(); ++i) expect_rounded_from(g.params[i].second, g32.params[i].second, g.params[i].first);
+
+  // From what the forward saved (float32; "out" widened from the 16-bit output).
+  if (!m.saved.empty()) {
+    const Tensor<float> out_wide = widen(low.out.view());
+    SavedViews<Low> saved{{"out", out_wide.view()}};
+    for (const auto& [name, t] : low.saved) saved[name] = t.view();
+    const AttentionGrads<Low> gs = m.functions<Low>().backward(a, dout, saved);
+    SavedViews<float> saved32{{"out", out_wide.view()}};
+    for (const auto& [name, t] : f32.saved) saved32[name] = t.view();
+    const AttentionGrads<float> gs32 = m.f32.backward(w, dout32, saved32);
+    expect_rounded_from(gs.dq, gs32.dq, "dq from saved");
+    expect_rounded_from(gs.dv, gs32.dv, "dv from saved");
+  }
+}
+
+// Thread counts below and above batch·heads = 6.
+TEST(LowPrecision, EveryMethodIsItsFloat32ResultRoundedOnce) {
+  for (const MethodInfo& m : methods())
+    for (bool causal : {false, true}) {
+      if (causal && !m.no_causal.empty()) continue;
+      for (int threads : {1, 4, 9}) {
+        expect_method_is_rounded_float32<bfloat16>(m, causal, threads);
+        expect_method_is_rounded_float32<float16>(m, causal, threads);
+      }
+    }
+}
+
+// A gradient beyond float16's range is an error naming it, not inf: uniform attention over two
+// keys sends half of each of 8 queries' dout (60000 each) to every key, dv = 240000.
+TEST(LowPrecision, Float16OverflowIsAnError) {
+  const MethodInfo& m = method("softmax");
+  Tensor<float16> q({1, 1, 8, 4}), k({1, 1, 2, 4}), v({1, 1, 2, 4}), dout({1, 1, 8, 4});
+  for (int64_t i = 0; i < dout.size(); ++i) dout[i] = to_float16(60000.0f);
+  MethodArgs<float16> a;
+  a.q = q, a.k = k, a.v = v;
+  const std::string e = testing::error_of([&] { m.f16.backward(a, dout, {}); });
+  EXPECT_NE(e.find("dv"), std::string::npos) << e;
+  EXPECT_NE(e.find("float16"), std::string::npos) << e;
+  // bfloat16 has float32's range: the same call is fine.
+  Tensor<bfloat16> qb({1, 1, 8, 4}), kb({1, 1, 2, 4}), vb({1, 1, 2, 4}), doutb({1, 1, 8, 4});
+  for (int64_t i = 0; i < doutb.size(); ++i) doutb[i] = to_bfloat16(60000.0f);
+  MethodArgs<bfloat16> b;
+  b.q = qb, b.k = kb, b.v = vb;
+  const AttentionGrads<bfloat16> g = m.bf16.backward(b, doutb, {});
+  EXPECT_EQ(to_float(g.dv[0]), 4 * to_float(to_bfloat16(60000.0f)));  // 4 · 59904, exact
+}
+
+// Non-finite 16-bit inputs are refused as float32 ones are.
+TEST(LowPrecision, NonFiniteInputIsAnError) {
+  for (const MethodInfo& m : methods()) {
+    Tensor<bfloat16> q({1, 1, 4, 4}), k({1, 1, 4, 4}), v({1, 1, 4, 4});
+    q[5] = to_bfloat16(std::numeric_limits<float>::infinity());
+    MethodArgs<bfloat16> a;
+    a.q = q, a.k = k, a.v = v;
+    const auto extra = m.bf16.example_tensors(1, 4, 4, 0, 1);
+    for (const auto& [name, t] : extra) a.tensors[name] = t.view();
+    EXPECT_THROW(m.bf16.forward(a), Error) << m.name;
+  }
+}
+
+}  // namespace
+}  // namespace linattn
