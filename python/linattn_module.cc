@@ -119,10 +119,11 @@ std::optional<DType> float_dtype(const py::dtype& dt) {
 // Float data in the other byte order is refused, not converted behind the caller's back.
 [[noreturn]] void foreign_byte_order(const char* fn, const char* name, const py::dtype& dt) {
   const std::string order = dt.byteorder() == '>' ? "big-endian" : "little-endian";
-  const std::string type = dtype_name(*float_dtype(dt));
-  throw py::type_error(std::string(fn) + ": " + name + " has dtype " + order + " " + type + " ('" +
+  const DType d = *float_dtype(dt);
+  const std::string type = d == DType::BF16 ? "ml_dtypes.bfloat16" : "numpy." + std::string(dtype_name(d));
+  throw py::type_error(std::string(fn) + ": " + name + " has dtype " + order + " " + dtype_name(d) + " ('" +
                        std::string(py::str(dt.attr("str"))) + "'); linattn takes the machine's byte order: convert with " +
-                       name + ".astype(numpy." + type + ")");
+                       name + ".astype(" + type + ")");
 }
 
 // Any CPU array that speaks DLPack (a torch tensor, say) as a NumPy array viewing its memory.
@@ -137,7 +138,13 @@ py::array from_dlpack(const char* fn, const char* name, const py::handle& obj) {
   if (device[0].cast<int>() != 1)  // kDLCPU
     throw py::type_error(what + " is not in CPU memory (DLPack device " + std::string(py::repr(device)) +
                          "); linattn runs on the CPU only");
-  return py::module_::import("numpy").attr("from_dlpack")(obj);
+  try {
+    return py::module_::import("numpy").attr("from_dlpack")(obj);
+  } catch (const py::error_already_set& e) {
+    // NumPy has no bfloat16 (a torch.bfloat16 tensor): say what to do instead.
+    throw py::type_error(what + " cannot be read through DLPack (" + std::string(e.what()) +
+                         "); pass a NumPy array (ml_dtypes.bfloat16 for bfloat16) or use linattn.torch");
+  }
 }
 
 Array as_array(const char* fn, const char* name, const py::handle& obj) {

@@ -196,7 +196,11 @@ void expect_method_is_rounded_float32(const MethodInfo& m, bool causal, int thre
     for (const auto& [name, t] : f32.saved) saved32[name] = t.view();
     const AttentionGrads<float> gs32 = m.f32.backward(w, dout32, saved32);
     expect_rounded_from(gs.dq, gs32.dq, "dq from saved");
+    expect_rounded_from(gs.dk, gs32.dk, "dk from saved");
     expect_rounded_from(gs.dv, gs32.dv, "dv from saved");
+    ASSERT_EQ(gs.params.size(), gs32.params.size());
+    for (size_t i = 0; i < gs.params.size(); ++i)
+      expect_rounded_from(gs.params[i].second, gs32.params[i].second, gs.params[i].first + " from saved");
   }
 }
 
@@ -221,7 +225,7 @@ TEST(LowPrecision, Float16OverflowIsAnError) {
   MethodArgs<float16> a;
   a.q = q, a.k = k, a.v = v;
   const std::string e = testing::error_of([&] { m.f16.backward(a, dout, {}); });
-  EXPECT_NE(e.find("dv"), std::string::npos) << e;
+  EXPECT_NE(e.find("softmax_attention_backward: dv has a value"), std::string::npos) << e;
   EXPECT_NE(e.find("float16"), std::string::npos) << e;
   // bfloat16 has float32's range: the same call is fine.
   Tensor<bfloat16> qb({1, 1, 8, 4}), kb({1, 1, 2, 4}), vb({1, 1, 2, 4}), doutb({1, 1, 8, 4});
@@ -232,17 +236,26 @@ TEST(LowPrecision, Float16OverflowIsAnError) {
   EXPECT_EQ(to_float(g.dv[0]), 4 * to_float(to_bfloat16(60000.0f)));  // 4 · 59904, exact
 }
 
-// Non-finite 16-bit inputs are refused as float32 ones are.
+// Non-finite 16-bit inputs (inf and NaN, at a vector position and in the tail) are refused as
+// float32 ones are.
+template <class Low>
+void expect_non_finite_refused() {
+  for (const MethodInfo& m : methods())
+    for (float bad : {std::numeric_limits<float>::infinity(), std::nanf("")})
+      for (int64_t at : {int64_t{5}, int64_t{67}}) {
+        Tensor<Low> q({1, 1, 17, 4}), k({1, 1, 17, 4}), v({1, 1, 17, 4});
+        q[at] = from_float<Low>(bad);
+        MethodArgs<Low> a;
+        a.q = q, a.k = k, a.v = v;
+        const auto extra = m.functions<Low>().example_tensors(1, 4, 17, 0, 1);
+        for (const auto& [name, t] : extra) a.tensors[name] = t.view();
+        EXPECT_THROW(m.functions<Low>().forward(a), Error) << m.name << " " << dtype_name<Low>() << " " << bad;
+      }
+}
+
 TEST(LowPrecision, NonFiniteInputIsAnError) {
-  for (const MethodInfo& m : methods()) {
-    Tensor<bfloat16> q({1, 1, 4, 4}), k({1, 1, 4, 4}), v({1, 1, 4, 4});
-    q[5] = to_bfloat16(std::numeric_limits<float>::infinity());
-    MethodArgs<bfloat16> a;
-    a.q = q, a.k = k, a.v = v;
-    const auto extra = m.bf16.example_tensors(1, 4, 4, 0, 1);
-    for (const auto& [name, t] : extra) a.tensors[name] = t.view();
-    EXPECT_THROW(m.bf16.forward(a), Error) << m.name;
-  }
+  expect_non_finite_refused<bfloat16>();
+  expect_non_finite_refused<float16>();
 }
 
 }  // namespace

@@ -93,6 +93,22 @@ def _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias):
     return q, k, (wq, fq), (wk, fk)
 
 
+def _rounded(fn, names, arrays, dtype):
+    """The results rounded to dtype; ValueError naming the one whose finite value would round to
+    ±inf (float16's range ends at 65504), as the registered methods do."""
+    out = []
+    for name, x in zip(names, arrays):
+        if dtype in _LOW:
+            big = np.abs(x[np.isfinite(x)]).max(initial=0)
+            with np.errstate(over="ignore"):  # the overflow is what is being tested for
+                overflows = not np.isfinite(np.asarray(big).astype(dtype))
+            if overflows:
+                raise ValueError("%s: %s has a value of magnitude %g, which rounds to infinity in %s; compute in "
+                                 "float32 instead" % (fn, name, big, np.dtype(dtype).name))
+        out.append(x.astype(dtype, copy=False))
+    return out
+
+
 def _values(fn, v, dtype, name="v"):
     """v (or dout) in the dtype the kernel runs in: float32 for 16-bit inputs."""
     if isinstance(v, np.ndarray) and dtype in _LOW:
@@ -136,7 +152,7 @@ def hedgehog_attention(q: "ndarray", k: "ndarray", v: "ndarray", query_weight: "
     v = _values(fn, v, dtype)
     out = _kernel(fn, lambda: _linattn._forward("linear", fq, fk, v, {"dwc_weight": None},
                                                 _options(causal, key_lengths, eps), []))
-    return out.astype(dtype, copy=False)
+    return _rounded(fn, ["out"], [out], dtype)[0]
 
 
 def hedgehog_attention_backward(q: "ndarray", k: "ndarray", v: "ndarray", query_weight: "ndarray",
@@ -153,4 +169,5 @@ def hedgehog_attention_backward(q: "ndarray", k: "ndarray", v: "ndarray", query_
                                                           _options(causal, key_lengths, eps), {}))[:3]
     dq, dwq, dbq = _features_backward(q, wq, fq, dfq)
     dk, dwk, dbk = _features_backward(k, wk, fk, dfk)
-    return tuple(x.astype(dtype, copy=False) for x in (dq, dk, dv, dwq, dbq, dwk, dbk))
+    return tuple(_rounded(fn, ["dq", "dk", "dv", "d_query_weight", "d_query_bias", "d_key_weight", "d_key_bias"],
+                          (dq, dk, dv, dwq, dbq, dwk, dbk), dtype))

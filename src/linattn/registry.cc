@@ -29,41 +29,44 @@ struct WidenedArgs {
 };
 
 template <class Low>
-std::vector<std::pair<std::string, Tensor<Low>>> narrow_all(std::vector<std::pair<std::string, Tensor<float>>>&& ts) {
+std::vector<std::pair<std::string, Tensor<Low>>> narrow_all(std::vector<std::pair<std::string, Tensor<float>>>&& ts,
+                                                             const std::string& fn) {
   std::vector<std::pair<std::string, Tensor<Low>>> out;
-  for (auto& [name, t] : ts) out.emplace_back(name, narrow<Low>(t, name.c_str()));
+  for (auto& [name, t] : ts) out.emplace_back(name, narrow<Low>(t, (fn + ": " + name).c_str()));
   return out;
 }
 
 // The bfloat16/float16 functions of a method, from its float32 ones.
+// Errors name the function and the tensor: "softmax_attention_backward: dv has a value ...".
 template <class Low>
-MethodFunctions<Low> widening(const MethodFunctions<float>& f32) {
+MethodFunctions<Low> widening(const MethodFunctions<float>& f32, const std::string& function) {
   MethodFunctions<Low> f;
-  f.forward = [forward = f32.forward](const MethodArgs<Low>& a) {
+  f.forward = [forward = f32.forward, function](const MethodArgs<Low>& a) {
     const WidenedArgs<Low> w(a);
     MethodOutput<float> r = forward(w.args);
-    return MethodOutput<Low>{narrow<Low>(r.out, "out"), std::move(r.saved)};
+    return MethodOutput<Low>{narrow<Low>(r.out, (function + ": out").c_str()), std::move(r.saved)};
   };
-  f.backward = [backward = f32.backward](const MethodArgs<Low>& a, TensorView<const Low> dout,
-                                         const SavedViews<Low>& saved) {
+  f.backward = [backward = f32.backward, fn = function + "_backward"](const MethodArgs<Low>& a, TensorView<const Low> dout,
+                                                                   const SavedViews<Low>& saved) {
     WidenedArgs<Low> w(a);
     const TensorView<const float> dout32 = w.keep(dout);
     AttentionGrads<float> g = backward(w.args, dout32, saved);
-    AttentionGrads<Low> out{narrow<Low>(g.dq, "dq"), narrow<Low>(g.dk, "dk"), narrow<Low>(g.dv, "dv"), {}};
-    for (auto& [name, t] : g.params) out.params.emplace_back(name, narrow<Low>(t, ("d" + name).c_str()));
+    AttentionGrads<Low> out{narrow<Low>(g.dq, (fn + ": dq").c_str()), narrow<Low>(g.dk, (fn + ": dk").c_str()),
+                            narrow<Low>(g.dv, (fn + ": dv").c_str()), {}};
+    for (auto& [name, t] : g.params) out.params.emplace_back(name, narrow<Low>(t, (fn + ": d_" + name).c_str()));
     return out;
   };
   if (f32.example_tensors)
-    f.example_tensors = [example = f32.example_tensors](int64_t heads, int64_t head_dim, int64_t n_k, int64_t size,
-                                                        uint64_t seed) {
-      return narrow_all<Low>(example(heads, head_dim, n_k, size, seed));
+    f.example_tensors = [example = f32.example_tensors, function](int64_t heads, int64_t head_dim, int64_t n_k,
+                                                                  int64_t size, uint64_t seed) {
+      return narrow_all<Low>(example(heads, head_dim, n_k, size, seed), function);
     };
   return f;
 }
 
 MethodInfo with_low_precision(MethodInfo m) {
-  m.bf16 = widening<bfloat16>(m.f32);
-  m.f16 = widening<float16>(m.f32);
+  m.bf16 = widening<bfloat16>(m.f32, m.function);
+  m.f16 = widening<float16>(m.f32, m.function);
   return m;
 }
 

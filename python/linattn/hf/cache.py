@@ -183,6 +183,11 @@ def _focused(x, power):
     return up * (r.norm(dim=-1, keepdim=True) / up.norm(dim=-1, keepdim=True).clamp(min=1))
 
 
+def _wide(t):
+    """t in float32 if it is bfloat16/float16: what a 16-bit model's decoding accumulates in."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
 class _Map:
     """A backend's feature map on torch tensors: plain features, or FAVOR's logits (log form)."""
 
@@ -214,8 +219,9 @@ class _Map:
         """(L, s): side "key" and "query_with_norm" L = U − h (hyperbolic [U − h, −U − h], trig h),
         side "query" L = U ([U, −U], trig 0); U = x̃·ωᵀ, h = ‖x̃‖²/2, x̃ = √scale·x; s = [sin U,
         cos U] for trig, else None."""
-        xt = x * math.sqrt(self.scale)
-        u = torch.einsum("...d,md->...m", xt, self.omega)
+        # In float32 for a bfloat16/float16 model: h = ‖x̃‖²/2 scales a whole key's weight by e^{−h}.
+        xt = _wide(x) * math.sqrt(self.scale)
+        u = torch.einsum("...d,md->...m", xt, self.omega.to(xt.dtype))
         h = (xt * xt).sum(dim=-1, keepdim=True) / 2
         norm = side != "query"
         if self.kernel == "positive":
@@ -331,12 +337,14 @@ def _step(layer, fmap, module, b, user, q, k, v, window):
             layer.linear = fmap.enter(layer.linear, keys[:, :, :leaving], values[:, :, :leaving])
             keys, values = keys[:, :, leaving:], values[:, :, leaving:]
         layer.window_keys, layer.window_values = keys, values
-        scores = torch.einsum("bhd,bhjd->bhj", q[:, :, 0], keys) * fmap.scale
+        # The window's scores and sums in float32 for a 16-bit model (the state already is).
+        keys, values = _wide(keys), _wide(values)
+        scores = torch.einsum("bhd,bhjd->bhj", _wide(q[:, :, 0]), keys) * fmap.scale
         top = scores.amax(dim=-1)
         if isinstance(b, _backends.Window):
             gamma = q.new_ones(())  # no gate: hybrid_attention's γ = 1
         else:
-            gamma = torch.sigmoid(_backends.window_gate(module, q))[None, :]
+            gamma = _wide(torch.sigmoid(_backends.window_gate(module, q)))[None, :]
         num, den, shift = fmap.read(layer.linear, q, with_norm=True)
         if fmap.log_form:  # every term on the scale e^{R}, R = max(M, the linear part's)
             row = torch.maximum(top, shift)
@@ -355,7 +363,7 @@ def _step(layer, fmap, module, b, user, q, k, v, window):
     if layer.conv_values is not None:  # causal depthwise convolution: Σ_t w[h, t]·v[i + t − (K − 1)]
         conv = getattr(module, _backends.PREFIX + "conv_weight")
         past = torch.cat([layer.conv_values, v], dim=2)
-        out = out + torch.einsum("bhkd,hk->bhd", past, conv)
+        out = out + torch.einsum("bhkd,hk->bhd", _wide(past), _wide(conv))
         layer.conv_values = past[:, :, 1:]
     return out[:, :, None]
 

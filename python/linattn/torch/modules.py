@@ -55,6 +55,8 @@ class HedgehogDecodingState:
 
     def __init__(self, batch_size, heads, head_dim, features, window, like):
         self.window = window
+        # A bfloat16/float16 module's state, window and sums are float32; step() rounds its output once.
+        like = like.new_empty(0, dtype=torch.float32 if like.dtype in (torch.bfloat16, torch.float16) else like.dtype)
         self.state = like.new_zeros((batch_size, heads, features, head_dim))
         self.normaliser = like.new_zeros((batch_size, heads, features))
         self.keys = like.new_zeros((batch_size, heads, 0, head_dim))
@@ -76,6 +78,8 @@ class HedgehogDecodingState:
     def step(self, q, k, v, fq, fk, gamma, scale, eps):
         """q, k, v [B, H, d], their features fq, fk [B, H, m'] -> the next output [B, H, d]: the
         row of hybrid_attention (causal) for the newest token."""
+        dtype = q.dtype
+        q, k, v, fq, fk, gamma = (t.to(self.state.dtype) for t in (q, k, v, fq, fk, gamma))
         self.keys = torch.cat([self.keys, k[:, :, None]], dim=2)
         self.values = torch.cat([self.values, v[:, :, None]], dim=2)
         self.key_features = torch.cat([self.key_features, fk[:, :, None]], dim=2)
@@ -92,7 +96,7 @@ class HedgehogDecodingState:
             e = torch.exp(scores - scores.max(dim=2, keepdim=True).values)
             num = num + gamma[None, :, None] * torch.einsum("bhj,bhjd->bhd", e, self.values)
             den = den + gamma[None, :] * e.sum(dim=2)
-        return num / (den + eps)[..., None]
+        return (num / (den + eps)[..., None]).to(dtype)
 
 
 class MultiheadAttention(torch.nn.Module):
@@ -351,12 +355,12 @@ class MultiheadAttention(torch.nn.Module):
         # The state is float32 for a bfloat16/float16 module: its sums accumulate in float32.
         state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = torch.from_numpy(state._recurrent.step(*(t.to(state_dtype).contiguous().numpy() for t in (q, k, v))))
-        out = out.to(q.dtype)
         if state._values is not None:
-            # Causal depthwise convolution: out += Σ_t w[h, t]·v[i + t − (K−1)].
+            # Causal depthwise convolution: out += Σ_t w[h, t]·v[i + t − (K−1)], in the state's dtype.
             window = torch.cat([state._values, v.unsqueeze(2)], dim=2)  # [B, H, K, hd]
-            out = out + torch.einsum("bhkd,hk->bhd", window, self.conv_weight)
+            out = out + torch.einsum("bhkd,hk->bhd", window.to(state_dtype), self.conv_weight.to(state_dtype))
             state._values = window[:, :, 1:].clone()
+        out = out.to(q.dtype)
         out = self.out_proj(out.reshape(x.shape[0], 1, self.embed_dim))
         return out[:, 0] if squeeze else out
 

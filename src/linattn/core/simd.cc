@@ -540,15 +540,24 @@ void NarrowBF16(const float* src, uint16_t* dst, size_t n) {
   for (; i < n; ++i) dst[i] = to_bfloat16(src[i]).bits;
 }
 
-// float16 through Highway's PromoteTo / DemoteTo (F16C's vcvtph2ps / vcvtps2ph, round to
-// nearest even, on AVX2 and AVX-512).
+// float16 through Highway's PromoteTo / DemoteTo where they are F16C's vcvtph2ps / vcvtps2ph
+// (round to nearest even, inf and NaN kept): AVX2 and AVX-512. Below AVX2, Highway 1.0.3's
+// software forms truncate and widen inf/NaN to finite values, so those targets take the
+// one-value forms.
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+constexpr bool kHardwareF16 = true;
+#else
+constexpr bool kHardwareF16 = false;
+#endif
+
 void WidenF16(const uint16_t* src, float* dst, size_t n) {
   const hn::ScalableTag<float> df;
   const hn::Rebind<hwy::float16_t, decltype(df)> df16;
   const size_t N = hn::Lanes(df);
   size_t i = 0;
-  for (; i + N <= n; i += N)
-    hn::StoreU(hn::PromoteTo(df, hn::LoadU(df16, reinterpret_cast<const hwy::float16_t*>(src + i))), df, dst + i);
+  if (kHardwareF16)
+    for (; i + N <= n; i += N)
+      hn::StoreU(hn::PromoteTo(df, hn::LoadU(df16, reinterpret_cast<const hwy::float16_t*>(src + i))), df, dst + i);
   for (; i < n; ++i) dst[i] = to_float(float16{src[i]});
 }
 
@@ -557,8 +566,9 @@ void NarrowF16(const float* src, uint16_t* dst, size_t n) {
   const hn::Rebind<hwy::float16_t, decltype(df)> df16;
   const size_t N = hn::Lanes(df);
   size_t i = 0;
-  for (; i + N <= n; i += N)
-    hn::StoreU(hn::DemoteTo(df16, hn::LoadU(df, src + i)), df16, reinterpret_cast<hwy::float16_t*>(dst + i));
+  if (kHardwareF16)
+    for (; i + N <= n; i += N)
+      hn::StoreU(hn::DemoteTo(df16, hn::LoadU(df, src + i)), df16, reinterpret_cast<hwy::float16_t*>(dst + i));
   for (; i < n; ++i) dst[i] = to_float16(src[i]).bits;
 }
 
