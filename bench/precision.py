@@ -27,7 +27,7 @@ DTYPES = [("float32", np.float32), ("bfloat16", ml_dtypes.bfloat16), ("float16",
 
 
 def cases(n, d, causal, heads):
-    """(label, forward(q, k, v, *t), backward(q, k, v, g, *t), extra tensors as float64)."""
+    """(label, forward(q, k, v, *t), backward(q, k, v, dout, *t), extra tensors as float64)."""
     w = linattn.random_features(256, d, dtype=np.float64)
     e, f = linattn.linformer_projections(64, n, dtype=np.float64)
     conv = np.random.default_rng(9).standard_normal((heads, 3)) * 0.1
@@ -41,7 +41,7 @@ def cases(n, d, causal, heads):
          lambda q, k, v, g, wc: linattn.linear_attention_backward(q, k, v, g, feature_map="focused", dwc_weight=wc,
                                                                   **c), [conv]),
         ("favor+ m=256", lambda q, k, v, w: linattn.favor_attention(q, k, v, w, **c),
-         lambda q, k, v, w, g: linattn.favor_attention_backward(q, k, v, w, g, **c), [w]),
+         lambda q, k, v, g, w: linattn.favor_attention_backward(q, k, v, w, g, **c), [w]),
         ("hybrid elu w=64", lambda q, k, v: linattn.hybrid_attention(q, k, v, window=64, **c),
          lambda q, k, v, g: linattn.hybrid_attention_backward(q, k, v, g, window=64, **c), []),
     ]
@@ -51,7 +51,7 @@ def cases(n, d, causal, heads):
              lambda q, k, v, g, wc: linattn.nystrom_attention_backward(q, k, v, g, num_landmarks=64, conv_weight=wc),
              [conv]),
             ("linformer s=64", lambda q, k, v, e, f: linattn.linformer_attention(q, k, v, e, f),
-             lambda q, k, v, e, f, g: linattn.linformer_attention_backward(q, k, v, e, f, g), [e, f]),
+             lambda q, k, v, g, e, f: linattn.linformer_attention_backward(q, k, v, e, f, g), [e, f]),
             ("efficient", lambda q, k, v: linattn.efficient_attention(q, k, v),
              lambda q, k, v, g: linattn.efficient_attention_backward(q, k, v, g), []),
         ]
@@ -69,27 +69,18 @@ def measure(n=1024, d=64, batch=2, heads=4):
     for causal in (False, True):
         for label, fwd, bwd, extra in cases(n, d, causal, heads):
             args64 = [x.astype(np.float64) for x in (q, k, v)]
-            # Positional extra tensors come after q, k, v (and before dout in backward calls, whose
-            # lambdas order them as the functions take them).
             ref_out = fwd(*args64, *extra)
-            ref_grads = bwd(*args64, *_with_dout(extra, g.astype(np.float64), label))
+            ref_grads = bwd(*args64, g.astype(np.float64), *extra)
             row = {"method": label + (" (causal)" if causal else "")}
             for name, dt in DTYPES:
                 args = [x.astype(dt) for x in (q, k, v)]
                 ex = [t.astype(dt) for t in extra]
                 row[name + " out"] = relative(fwd(*args, *ex), ref_out)
-                grads = bwd(*args, *_with_dout(ex, g.astype(dt), label))
+                grads = bwd(*args, g.astype(dt), *ex)
                 row[name + " dq"] = relative(grads[0], ref_grads[0])
                 row[name + " dv"] = relative(grads[2], ref_grads[2])
             rows.append(row)
     return rows
-
-
-def _with_dout(extra, dout, label):
-    # favor and linformer take their projections before dout; the others take dout first.
-    if label.startswith(("favor", "linformer")):
-        return [*extra, dout]
-    return [dout, *extra]
 
 
 def table(rows):

@@ -6,7 +6,7 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
+#include <bit>
 #include <type_traits>
 
 #include "linattn/tensor.h"
@@ -29,17 +29,11 @@ template <class T>
 using accumulator_t = std::conditional_t<is_low_precision_v<T>, float, T>;
 
 // The one-value conversions: the reference the bulk ones (simd.h) are tested against.
-inline float to_float(bfloat16 x) {
-  const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+inline float to_float(bfloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.bits) << 16); }
 
 // Round to nearest, ties to even; NaN stays NaN (quiet), ±inf stays ±inf.
 inline bfloat16 to_bfloat16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
+  uint32_t u = std::bit_cast<uint32_t>(f);
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return {static_cast<uint16_t>((u >> 16) | 0x40u)};
   u += 0x7FFFu + ((u >> 16) & 1u);
   return {static_cast<uint16_t>(u >> 16)};
@@ -50,38 +44,24 @@ inline float to_float(float16 x) {
   const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000u) << 16;
   const uint32_t exponent = (x.bits >> 10) & 0x1Fu;
   const uint32_t mantissa = x.bits & 0x3FFu;
-  float magnitude;
-  if (exponent == 0) {
-    magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;  // subnormal: m · 2^-24
-  } else {
-    const uint32_t u = exponent == 31 ? (0xFFu << 23) | (mantissa << 13) : ((exponent + 112u) << 23) | (mantissa << 13);
-    std::memcpy(&magnitude, &u, 4);
-  }
-  uint32_t u;
-  std::memcpy(&u, &magnitude, 4);
-  u |= sign;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+  const uint32_t magnitude =
+      exponent == 0    ? std::bit_cast<uint32_t>(static_cast<float>(mantissa) * 5.9604644775390625e-8f)  // m · 2^-24
+      : exponent == 31 ? (0xFFu << 23) | (mantissa << 13)
+                       : ((exponent + 112u) << 23) | (mantissa << 13);
+  return std::bit_cast<float>(magnitude | sign);
 }
 
 inline float16 to_float16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
+  const uint32_t u = std::bit_cast<uint32_t>(f);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t a = u & 0x7FFFFFFFu;
   if (a > 0x7F800000u) return {static_cast<uint16_t>(sign | 0x7E00u)};  // NaN
   if (a >= 0x477FF000u) return {static_cast<uint16_t>(sign | 0x7C00u)}; // rounds past 65504: inf
   if (a < 0x38800000u) {  // below 2^-14: a subnormal or zero, m = round(|f| · 2^24)
-    float magnitude;
-    std::memcpy(&magnitude, &a, 4);
-    const float scaled = magnitude * 16777216.0f;  // exact (a power of two)
+    const float scaled = std::bit_cast<float>(a) * 16777216.0f;  // exact (a power of two)
     // Round to nearest even with the float unit's own rounding: adding 2^23 leaves the integer
     // part in the low mantissa bits.
-    float r = scaled + 8388608.0f;
-    uint32_t ru;
-    std::memcpy(&ru, &r, 4);
-    return {static_cast<uint16_t>(sign | (ru - 0x4B000000u))};
+    return {static_cast<uint16_t>(sign | (std::bit_cast<uint32_t>(scaled + 8388608.0f) - 0x4B000000u))};
   }
   const uint32_t rounded = a + 0xFFFu + ((a >> 13) & 1u) - (112u << 23);
   return {static_cast<uint16_t>(sign | (rounded >> 13))};

@@ -25,6 +25,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
 
 from ..torch import recurrent as _recurrent
+from ..torch._ops import accumulator_dtype
 from . import backends as _backends
 from . import masks as _masks
 
@@ -184,8 +185,8 @@ def _focused(x, power):
 
 
 def _wide(t):
-    """t in float32 if it is bfloat16/float16: what a 16-bit model's decoding accumulates in."""
-    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+    """t in what a 16-bit model's decoding accumulates in (float32); other dtypes unchanged."""
+    return t.to(accumulator_dtype(t.dtype))
 
 
 class _Map:

@@ -39,8 +39,10 @@ def _tensor(a):
     return torch.from_numpy(a)
 
 
-def _accumulator(dtype):
-    """The dtype of what the forward saves: float32 for bfloat16/float16 inputs."""
+def accumulator_dtype(dtype):
+    """What dtype's values accumulate in, and what a forward saves: float32 for bfloat16/float16
+    (as the C++ library's accumulator_t), dtype itself otherwise. linattn.torch.recurrent,
+    MultiheadAttention's decoding and linattn.hf's cache use it too."""
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
@@ -127,7 +129,7 @@ class MethodOps:
                 shapes = {n: [int(s) for s in t.shape] for n, t in named.items() if t is not None}
                 sizes["features"] = _linattn._feature_dim(self.name, int(head_dim), shapes,
                                                           self._options(scalars, None))
-            out.append(q.new_empty([sizes[d] for d in dims], dtype=_accumulator(q.dtype)))
+            out.append(q.new_empty([sizes[d] for d in dims], dtype=accumulator_dtype(q.dtype)))
         return tuple(out) if self.saved else out[0]
 
     def _backward_fake(self, *args):

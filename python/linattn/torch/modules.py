@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _linattn
+from ._ops import accumulator_dtype
 
 # The module's method names: registered methods, and the kernelized feature maps by name.
 _METHODS = {"softmax": ("softmax", {}), "linear": ("linear", {}), "elu": ("linear", {"feature_map": "elu"}),
@@ -56,7 +57,7 @@ class HedgehogDecodingState:
     def __init__(self, batch_size, heads, head_dim, features, window, like):
         self.window = window
         # A bfloat16/float16 module's state, window and sums are float32; step() rounds its output once.
-        like = like.new_empty(0, dtype=torch.float32 if like.dtype in (torch.bfloat16, torch.float16) else like.dtype)
+        like = like.new_empty(0, dtype=accumulator_dtype(like.dtype))
         self.state = like.new_zeros((batch_size, heads, features, head_dim))
         self.normaliser = like.new_zeros((batch_size, heads, features))
         self.keys = like.new_zeros((batch_size, heads, 0, head_dim))
@@ -353,7 +354,7 @@ class MultiheadAttention(torch.nn.Module):
             out = self.out_proj(out.reshape(x.shape[0], 1, self.embed_dim))
             return out[:, 0] if squeeze else out
         # The state is float32 for a bfloat16/float16 module: its sums accumulate in float32.
-        state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        state_dtype = accumulator_dtype(q.dtype)
         out = torch.from_numpy(state._recurrent.step(*(t.to(state_dtype).contiguous().numpy() for t in (q, k, v))))
         if state._values is not None:
             # Causal depthwise convolution: out += Σ_t w[h, t]·v[i + t − (K−1)], in the state's dtype.

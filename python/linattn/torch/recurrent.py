@@ -22,6 +22,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ._ops import accumulator_dtype
+
 __all__ = ["LinearState", "empty_state", "enter", "read"]
 
 
@@ -39,13 +41,9 @@ class LinearState(NamedTuple):
         return LinearState(*(None if t is None else fn(t) for t in self))
 
 
-def _accumulator(dtype):
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
-
 def empty_state(batch, heads, features, value_dim, *, log_form, like):
     """The state of no keys: zeros, and for log form shifts of −inf (no key has set a scale)."""
-    like = like.new_empty(0, dtype=_accumulator(like.dtype))
+    like = like.new_empty(0, dtype=accumulator_dtype(like.dtype))
     shift = like.new_full((batch, heads, features), float("-inf")) if log_form else None
     return LinearState(like.new_zeros((batch, heads, features, value_dim)), like.new_zeros((batch, heads, features)),
                        shift)
