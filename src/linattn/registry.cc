@@ -66,6 +66,11 @@ MethodFunctions<Low> widening(const MethodFunctions<float>& f32, const std::stri
 
 MethodInfo with_low_precision(MethodInfo m) {
   m.bf16 = widening<bfloat16>(m.f32, m.function);
+  if (m.bf16_kernel)
+    m.bf16.forward = [kernel = m.bf16_kernel, widened = m.bf16.forward](const MethodArgs<bfloat16>& a) {
+      if (std::optional<MethodOutput<bfloat16>> r = kernel(a)) return std::move(*r);
+      return widened(a);
+    };
   m.f16 = widening<float16>(m.f32, m.function);
   return m;
 }

@@ -5,9 +5,17 @@
 
 #include "linattn/core/simd.h"
 #include "linattn/core/parallel.h"
+#include "linattn/low_precision.h"
 
 namespace linattn {
 namespace {
+
+// A value as a number: bfloat16 widened (exactly), for finiteness tests and messages.
+template <class T>
+auto number(T x) {
+  if constexpr (is_low_precision_v<T>) return to_float(x);
+  else return x;
+}
 
 template <class T>
 void check_rank4(const char* fn, const char* name, const TensorView<const T>& x) {
@@ -41,8 +49,8 @@ double check_rows_finite(const char* fn, const char* name, const TensorView<cons
       for (int64_t i = 0; i < rows_per_batch[b]; ++i) {
         const T* r = x.row(b * H + h, i);
         for (int64_t c = 0; c < D; ++c)
-          if (!std::isfinite(r[c]))
-            fail(fn, ": ", name, " has a non-finite value (", r[c], ") at [", b, ", ", h, ", ", i,
+          if (!std::isfinite(number(r[c])))
+            fail(fn, ": ", name, " has a non-finite value (", number(r[c]), ") at [", b, ", ", h, ", ", i,
                  ", ", c, "]; inputs must be finite");
       }
     }
@@ -83,9 +91,11 @@ AttentionDims check_attention_args(const char* fn, TensorView<const T> q, Tensor
   d.k_max = check_rows_finite(fn, "k", k, key_rows);
   d.v_max = check_rows_finite(fn, "v", v, key_rows);
   const double scale = resolve_scale(fn, opts, d.head_dim);
-  const T as_t = static_cast<T>(scale);
+  // 16-bit calls apply the scale in float32.
+  using Scale = accumulator_t<T>;
+  const Scale as_t = static_cast<Scale>(scale);
   require(std::isfinite(as_t) && (scale == 0 || as_t != 0), fn, ": scale = ", scale,
-          " is outside the range of ", dtype_name<T>(),
+          " is outside the range of ", dtype_name<Scale>(),
           " (it would round to ", as_t, ")");
   return d;
 }
@@ -137,6 +147,10 @@ template AttentionDims check_attention_args<double>(const char*, TensorView<cons
                                                     TensorView<const double>,
                                                     TensorView<const double>,
                                                     const AttentionOptions&);
+template AttentionDims check_attention_args<bfloat16>(const char*, TensorView<const bfloat16>,
+                                                      TensorView<const bfloat16>,
+                                                      TensorView<const bfloat16>,
+                                                      const AttentionOptions&);
 template NonCausalArgs check_noncausal_args<float>(const char*, TensorView<const float>,
                                                    TensorView<const float>, TensorView<const float>,
                                                    const AttentionOptions&, const char*);

@@ -522,22 +522,111 @@ void WidenBF16(const uint16_t* src, float* dst, size_t n) {
   for (; i < n; ++i) dst[i] = to_float(bfloat16{src[i]});
 }
 
+// The bfloat16 bits of v (float32 lanes) rounded to nearest even, NaN kept quiet, as 16-bit lanes.
+template <class DF>
+HWY_INLINE auto RoundToBF16Bits(DF df, hn::Vec<DF> v) {
+  const hn::RebindToUnsigned<DF> du32;
+  const hn::RebindToSigned<DF> di32;
+  const hn::Rebind<uint16_t, DF> du16;
+  const auto u = hn::BitCast(du32, v);
+  const auto rounded = hn::Add(hn::Add(u, hn::Set(du32, 0x7FFFu)), hn::And(hn::ShiftRight<16>(u), hn::Set(du32, 1u)));
+  const auto bits = hn::IfThenElse(hn::RebindMask(du32, hn::IsNaN(v)), hn::Or(u, hn::Set(du32, 0x400000u)), rounded);
+  return hn::DemoteTo(du16, hn::BitCast(di32, hn::ShiftRight<16>(bits)));
+}
+
 void NarrowBF16(const float* src, uint16_t* dst, size_t n) {
   const hn::ScalableTag<float> df;
-  const hn::RebindToUnsigned<decltype(df)> du32;
-  const hn::RebindToSigned<decltype(df)> di32;
   const hn::Rebind<uint16_t, decltype(df)> du16;
   const size_t N = hn::Lanes(df);
-  const auto bias = hn::Set(du32, 0x7FFFu), one = hn::Set(du32, 1u), quiet = hn::Set(du32, 0x400000u);
+  size_t i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(RoundToBF16Bits(df, hn::LoadU(df, src + i)), du16, dst + i);
+  for (; i < n; ++i) dst[i] = to_bfloat16(src[i]).bits;
+}
+
+// p[i] = bfloat16(exp(scale·s[i] − shift)) for scale·s[i] ≤ shift; returns Σ exp(...) before
+// rounding. The product is rounded before the subtraction (no FMA), so that the argument is ≤ 0
+// whenever shift ≥ scale·max(s) was computed the same way. The tail goes through a masked
+// vector, so that every value is rounded by the same code.
+float ExpToBF16(const float* s, size_t n, float scale, float shift, uint16_t* p) {
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<uint16_t, decltype(df)> du16;
+  const size_t N = hn::Lanes(df);
+  const auto vscale = hn::Set(df, scale), vshift = hn::Set(df, shift);
+  auto sum = hn::Zero(df);
   size_t i = 0;
   for (; i + N <= n; i += N) {
-    const auto v = hn::LoadU(df, src + i);
-    const auto u = hn::BitCast(du32, v);
-    const auto rounded = hn::Add(hn::Add(u, bias), hn::And(hn::ShiftRight<16>(u), one));
-    const auto bits = hn::IfThenElse(hn::RebindMask(du32, hn::IsNaN(v)), hn::Or(u, quiet), rounded);
-    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, hn::ShiftRight<16>(bits))), du16, dst + i);
+    const auto e = ExpNonPositive(df, hn::Sub(hn::Mul(hn::LoadU(df, s + i), vscale), vshift));
+    hn::StoreU(RoundToBF16Bits(df, e), du16, p + i);
+    sum = hn::Add(sum, e);
   }
-  for (; i < n; ++i) dst[i] = to_bfloat16(src[i]).bits;
+  if (i < n) {
+    HWY_ALIGN float tail[hn::MaxLanes(df)] = {};
+    HWY_ALIGN uint16_t bits[hn::MaxLanes(df)];
+    for (size_t j = i; j < n; ++j) tail[j - i] = s[j];
+    const auto mask = hn::FirstN(df, n - i);
+    const auto e = hn::IfThenElseZero(mask, ExpNonPositive(df, hn::Sub(hn::Mul(hn::Load(df, tail), vscale), vshift)));
+    hn::Store(RoundToBF16Bits(df, e), du16, bits);
+    for (size_t j = i; j < n; ++j) p[j] = bits[j - i];
+    sum = hn::Add(sum, e);
+  }
+  return hn::GetLane(hn::SumOfLanes(df, sum));
+}
+
+// One online-softmax step of the bfloat16 attention tiles for a block of rows (see simd.h).
+int64_t OnlineSoftmaxBF16(const float* s, size_t ld_s, size_t rows, const int64_t* count, size_t width,
+                          float scale, float* m, float* l, float* o, size_t ld_o, size_t o_cols, uint16_t* p,
+                          size_t ld_p) {
+  for (size_t r = 0; r < rows; ++r) {
+    const float* srow = s + r * ld_s;
+    uint16_t* prow = p + r * ld_p;
+    const size_t c = static_cast<size_t>(count[r]);
+    std::fill(prow + c, prow + width, uint16_t{0});  // masked and padded keys: probability 0
+    if (c == 0) continue;
+    const float mx = MaxValue(srow, c) * scale;
+    if (!std::isfinite(mx)) return static_cast<int64_t>(r);
+    const float m_new = std::max(m[r], mx);
+    const float sum = ExpToBF16(srow, c, scale, m_new, prow);
+    if (m_new != m[r]) {
+      const float corr = std::exp(m[r] - m_new);  // 0 on the row's first visible block
+      l[r] *= corr;
+      Scale(o + r * ld_o, o_cols, corr);
+      m[r] = m_new;
+    }
+    l[r] += sum;
+  }
+  return -1;
+}
+
+// The bfloat16 attention tiles' last step for a block of rows (see simd.h).
+int64_t FinishRowsBF16(float* o, size_t ld_o, size_t rows, size_t cols, const float* l, uint16_t* out,
+                       size_t ld_out) {
+  for (size_t r = 0; r < rows; ++r) {
+    float* orow = o + r * ld_o;
+    uint16_t* dst = out + r * ld_out;
+    if (!(l[r] > 0)) {
+      std::fill(dst, dst + cols, uint16_t{0});
+      continue;
+    }
+    Scale(orow, cols, 1.0f / l[r]);
+    if (!AllFinite(orow, cols)) return static_cast<int64_t>(r);
+    NarrowBF16(orow, dst, cols);
+  }
+  return -1;
+}
+
+// finite_max_abs of bfloat16 values, widened a block at a time.
+float FiniteMaxAbsBF16(const uint16_t* x, size_t n) {
+  constexpr size_t kBlock = 1024;
+  HWY_ALIGN float wide[kBlock];
+  float m = 0;
+  for (size_t i = 0; i < n; i += kBlock) {
+    const size_t c = std::min(kBlock, n - i);
+    WidenBF16(x + i, wide, c);
+    const float b = FiniteMaxAbs(wide, c);
+    if (std::isnan(b)) return b;
+    m = std::max(m, b);
+  }
+  return m;
 }
 
 // float16 through Highway's PromoteTo / DemoteTo where they are F16C's vcvtph2ps / vcvtps2ph
@@ -636,6 +725,9 @@ HWY_EXPORT(FmaLoop);
 HWY_EXPORT(FloatLanes);
 HWY_EXPORT(WidenBF16);
 HWY_EXPORT(NarrowBF16);
+HWY_EXPORT(OnlineSoftmaxBF16);
+HWY_EXPORT(FinishRowsBF16);
+HWY_EXPORT(FiniteMaxAbsBF16);
 HWY_EXPORT(WidenF16);
 HWY_EXPORT(NarrowF16);
 HWY_EXPORT(MaxAbsF32);
@@ -748,6 +840,19 @@ void widen(const bfloat16* src, float* dst, size_t n) {
 }
 void narrow(const float* src, bfloat16* dst, size_t n) {
   HWY_DYNAMIC_DISPATCH(NarrowBF16)(src, reinterpret_cast<uint16_t*>(dst), n);
+}
+int64_t online_softmax_to_bfloat16(const float* s, size_t ld_s, size_t rows, const int64_t* count, size_t width,
+                                   float scale, float* m, float* l, float* o, size_t ld_o, size_t o_cols,
+                                   bfloat16* p, size_t ld_p) {
+  return HWY_DYNAMIC_DISPATCH(OnlineSoftmaxBF16)(s, ld_s, rows, count, width, scale, m, l, o, ld_o, o_cols,
+                                                 reinterpret_cast<uint16_t*>(p), ld_p);
+}
+int64_t finish_rows_to_bfloat16(float* o, size_t ld_o, size_t rows, size_t cols, const float* l, bfloat16* out,
+                                size_t ld_out) {
+  return HWY_DYNAMIC_DISPATCH(FinishRowsBF16)(o, ld_o, rows, cols, l, reinterpret_cast<uint16_t*>(out), ld_out);
+}
+float finite_max_abs(const bfloat16* x, size_t n) {
+  return HWY_DYNAMIC_DISPATCH(FiniteMaxAbsBF16)(reinterpret_cast<const uint16_t*>(x), n);
 }
 void widen(const float16* src, float* dst, size_t n) {
   HWY_DYNAMIC_DISPATCH(WidenF16)(reinterpret_cast<const uint16_t*>(src), dst, n);

@@ -103,6 +103,7 @@ double exp_row_offset(double* x, size_t cols, const double* offset);
 // max_i |x[i]| if every x[i] is finite, else NaN; 0 for n == 0.
 float finite_max_abs(const float* x, size_t n);
 double finite_max_abs(const double* x, size_t n);
+float finite_max_abs(const bfloat16* x, size_t n);
 
 // True when every x[i] is finite (no NaN, no ±inf).
 bool all_finite(const float* x, size_t n);
@@ -114,6 +115,20 @@ void widen(const bfloat16* src, float* dst, size_t n);
 void narrow(const float* src, bfloat16* dst, size_t n);
 void widen(const float16* src, float* dst, size_t n);
 void narrow(const float* src, float16* dst, size_t n);
+
+// One online-softmax step over a block of score rows (the bfloat16 attention tiles): for each
+// row r with count[r] > 0 visible scores s[r][0, count[r]), m' = max(m[r], scale·max s),
+// p[r][j] = bfloat16(exp(scale·s[r][j] − m')) (0 from count[r] to width), l[r] = l[r]·e + Σ exp,
+// o[r][0, o_cols) *= e with e = exp(m[r] − m'), m[r] = m'. Returns -1, or the first row whose
+// scaled maximum is not finite (the caller's error). One call per block, not per row: at short
+// sequences the per-row dispatch cost more than the arithmetic.
+int64_t online_softmax_to_bfloat16(const float* s, size_t ld_s, size_t rows, const int64_t* count, size_t width,
+                                   float scale, float* m, float* l, float* o, size_t ld_o, size_t o_cols,
+                                   bfloat16* p, size_t ld_p);
+// And the last step: out[r][0, cols) = bfloat16(o[r] / l[r]) (o scaled in place), zeros where
+// l[r] = 0 (the row saw no key). Returns -1, or the first row with a non-finite value.
+int64_t finish_rows_to_bfloat16(float* o, size_t ld_o, size_t rows, size_t cols, const float* l, bfloat16* out,
+                                size_t ld_out);
 
 // A register-only loop of fused multiply-adds on float vectors, what the benchmarks measure
 // the FMA peak with: `iterations` rounds of fma_loop_flops_per_iteration() FLOPs.

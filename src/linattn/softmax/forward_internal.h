@@ -2,6 +2,7 @@
 #pragma once
 
 #include "linattn/core/attention_args.h"
+#include "linattn/low_precision.h"
 #include "linattn/softmax.h"
 
 namespace linattn::softmax_detail {
@@ -17,5 +18,16 @@ template <class T>
 SoftmaxAttentionResult<T> forward(TensorView<const T> q, TensorView<const T> k,
                                   TensorView<const T> v, const AttentionDims& dims,
                                   const AttentionOptions& opts, double scale, bool as_workspace);
+
+// The bfloat16 forward on AMX tiles (forward_bf16.cc): whether it can take a checked call on this
+// machine (AMX-BF16 usable, scale > 0, |v| ≤ 2^64), and the forward itself (Error otherwise).
+bool bf16_tiles_usable(const AttentionDims& dims, double scale);
+struct Bf16TilesResult {
+  Tensor<bfloat16> out;  // [B, H, n_q, d_v]
+  Tensor<float> lse;     // [B, H, n_q], as the float32 forward saves it
+};
+Bf16TilesResult forward_bf16_tiles(TensorView<const bfloat16> q, TensorView<const bfloat16> k,
+                                   TensorView<const bfloat16> v, const AttentionDims& dims,
+                                   const AttentionOptions& opts, double scale);
 
 }  // namespace linattn::softmax_detail

@@ -1,0 +1,172 @@
+// Exact attention on AMX tiles for bfloat16 inputs (softmax/forward_bf16.cc) against the float64
+// reference on the same inputs, widened exactly. On a CPU without AMX-BF16 the tile tests skip
+// (saying why) and the registry test checks that bfloat16 calls take the widened float32 forward.
+//
+// The bound, per output element, with u = 2⁻⁸ (bfloat16), u₃₂ = 2⁻²⁴, n_k keys, |v|max over the
+// keys of that (batch, head):
+//   |out − ref| ≤ u·|ref|                    the output's rounding
+//              + (u + 2·e_p + 3·n_k·u₃₂)·|v|max  P rounded to bfloat16 (relative u per weight,
+//                                            at most u·|v|max in a weighted mean), the scores'
+//                                            and exp's float32 error e_p per weight, the
+//                                            float32 sums of l and of P·V
+// with e_p = scale·d·u₃₂·max Σ_f |q_f·k_f| + 4·u₃₂. lse: |lse − ref| ≤ e_p + n_k·u₃₂ + 2·u₃₂·|ref|.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "linattn/linattn.h"
+#include "linattn/core/amx.h"
+#include "linattn/core/attention_args.h"
+#include "linattn/softmax/forward_internal.h"
+#include "linattn/softmax/reference.h"
+#include "test_util.h"
+
+namespace linattn {
+namespace {
+
+using testing::random_tensor;
+using testing::ScopedThreads;
+
+constexpr double kU = 0x1p-8, kU32 = 0x1p-24;
+
+Tensor<bfloat16> to_bf16(const Tensor<double>& x) {
+  Tensor<bfloat16> out(x.shape());
+  for (int64_t i = 0; i < x.size(); ++i) out[i] = to_bfloat16(static_cast<float>(x[i]));
+  return out;
+}
+Tensor<double> to_f64(const Tensor<bfloat16>& x) {
+  Tensor<double> out(x.shape());
+  for (int64_t i = 0; i < x.size(); ++i) out[i] = to_float(x[i]);
+  return out;
+}
+
+struct Case {
+  int64_t batch, heads, n_q, n_k, d, dv;
+  bool causal;
+  std::vector<int64_t> key_lengths;  // empty: none
+  double sigma = 1.0;
+};
+
+void expect_within_bound(const Case& c, int threads) {
+  SCOPED_TRACE(::testing::Message() << "B=" << c.batch << " H=" << c.heads << " n_q=" << c.n_q << " n_k=" << c.n_k
+                                    << " d=" << c.d << " dv=" << c.dv << (c.causal ? " causal" : "")
+                                    << (c.key_lengths.empty() ? "" : " key_lengths") << " threads=" << threads);
+  ScopedThreads scope(threads);
+  const Tensor<bfloat16> q = to_bf16(random_tensor<double>({c.batch, c.heads, c.n_q, c.d}, 1, c.sigma)),
+                         k = to_bf16(random_tensor<double>({c.batch, c.heads, c.n_k, c.d}, 2, c.sigma)),
+                         v = to_bf16(random_tensor<double>({c.batch, c.heads, c.n_k, c.dv}, 3));
+  AttentionOptions o;
+  o.causal = c.causal;
+  if (!c.key_lengths.empty()) o.key_lengths = c.key_lengths;
+  const AttentionDims dims = check_attention_args("test", q.view(), k.view(), v.view(), o);
+  const double scale = resolve_scale("test", o, c.d);
+  ASSERT_TRUE(softmax_detail::bf16_tiles_usable(dims, scale));
+  const softmax_detail::Bf16TilesResult got = softmax_detail::forward_bf16_tiles(q, k, v, dims, o, scale);
+  const Tensor<double> q64 = to_f64(q), k64 = to_f64(k), v64 = to_f64(v);
+  const SoftmaxAttentionResult<double> ref = reference::softmax_attention(q64, k64, v64, o);
+
+  for (int64_t bh = 0; bh < c.batch * c.heads; ++bh) {
+    double vmax = 0, qk = 0;
+    for (int64_t j = 0; j < c.n_k; ++j)
+      for (int64_t f = 0; f < c.dv; ++f) vmax = std::max(vmax, std::abs(v64[(bh * c.n_k + j) * c.dv + f]));
+    for (int64_t i = 0; i < c.n_q; ++i)
+      for (int64_t j = 0; j < c.n_k; ++j) {
+        double s = 0;
+        for (int64_t f = 0; f < c.d; ++f) s += std::abs(q64[(bh * c.n_q + i) * c.d + f] * k64[(bh * c.n_k + j) * c.d + f]);
+        qk = std::max(qk, s);
+      }
+    const double e_p = scale * c.d * kU32 * qk + 4 * kU32;
+    const double spread = (kU + 2 * e_p + 3 * c.n_k * kU32) * vmax;
+    for (int64_t i = 0; i < c.n_q; ++i) {
+      const double lse_ref = ref.lse[bh * c.n_q + i], lse_got = got.lse[bh * c.n_q + i];
+      if (std::isinf(lse_ref)) {
+        ASSERT_EQ(lse_got, lse_ref) << "row " << i << " sees no key";
+      } else {
+        ASSERT_LE(std::abs(lse_got - lse_ref), e_p + c.n_k * kU32 + 2 * kU32 * std::abs(lse_ref)) << "lse row " << i;
+      }
+      for (int64_t f = 0; f < c.dv; ++f) {
+        const double r = ref.out[(bh * c.n_q + i) * c.dv + f], g = to_float(got.out[(bh * c.n_q + i) * c.dv + f]);
+        ASSERT_LE(std::abs(g - r), kU * std::abs(r) + spread) << "out [" << bh << ", " << i << ", " << f << "]";
+      }
+    }
+  }
+}
+
+#define SKIP_WITHOUT_AMX()                                                                         \
+  if (!amx::bf16_usable()) GTEST_SKIP() << "no AMX-BF16 tiles here: " << amx::unavailable_reason()
+
+// Odd sizes (tails of the 16-row tiles, 32-deep products, 256-key blocks and 16-column values),
+// every mask, rows that see no key, and thread counts below and above batch·heads.
+TEST(SoftmaxBf16Tiles, MatchTheFloat64ReferenceWithinTheBound) {
+  SKIP_WITHOUT_AMX();
+  const std::vector<Case> cases = {
+      {1, 1, 1, 1, 1, 1, false, {}},
+      {2, 3, 33, 47, 17, 5, false, {}},
+      {2, 3, 33, 47, 17, 5, true, {}},
+      {1, 2, 300, 300, 64, 64, true, {}},
+      {2, 1, 257, 513, 80, 130, false, {}},
+      {2, 2, 70, 40, 33, 16, true, {}},  // n_q > n_k: the first 30 rows see no key
+      {2, 3, 45, 600, 128, 48, false, {0, 555}},
+      {2, 3, 600, 600, 64, 31, true, {600, 301}},
+      {1, 2, 64, 700, 64, 64, false, {}, 3.0},  // sharp rows: scores up to ~100
+  };
+  for (const Case& c : cases)
+    for (int threads : {1, 4, 9}) expect_within_bound(c, threads);
+}
+
+// The registry's bfloat16 forward takes the tiles when they can (bitwise their result) and the
+// widened float32 forward otherwise: no AMX, scale ≤ 0, or values past 2^64.
+TEST(SoftmaxBf16Tiles, RegistryTakesTheTilesWhenTheyCan) {
+  const MethodInfo& m = method("softmax");
+  const int64_t B = 1, H = 2, n = 90, d = 24;
+  Tensor<bfloat16> q = to_bf16(random_tensor<double>({B, H, n, d}, 4)),
+                   k = to_bf16(random_tensor<double>({B, H, n, d}, 5)),
+                   v = to_bf16(random_tensor<double>({B, H, n, d}, 6));
+  auto check = [&](const MethodArgs<bfloat16>& a, bool tiles, const std::string& what) {
+    SCOPED_TRACE(what);
+    const MethodOutput<bfloat16> got = m.bf16.forward(a);
+    if (tiles) {
+      AttentionOptions o;
+      o.causal = std::get<bool>(a.options.at("causal"));
+      const AttentionDims dims = check_attention_args("test", a.q, a.k, a.v, o);
+      const auto want = softmax_detail::forward_bf16_tiles(a.q, a.k, a.v, dims, o, resolve_scale("test", o, d));
+      ASSERT_EQ(got.out.shape(), want.out.shape());
+      for (int64_t i = 0; i < want.out.size(); ++i) ASSERT_EQ(got.out[i].bits, want.out[i].bits) << i;
+      testing::expect_identical(got.saved.at(0).second, want.lse, "lse");
+    } else {
+      MethodArgs<float> w;
+      const Tensor<float> q32 = widen(a.q), k32 = widen(a.k), v32 = widen(a.v);
+      w.q = q32, w.k = k32, w.v = v32, w.options = a.options;
+      const MethodOutput<float> want = m.f32.forward(w);
+      for (int64_t i = 0; i < want.out.size(); ++i) ASSERT_EQ(got.out[i].bits, to_bfloat16(want.out[i]).bits) << i;
+      testing::expect_identical(got.saved.at(0).second, want.saved.at(0).second, "lse");
+    }
+  };
+  MethodArgs<bfloat16> a;
+  a.q = q, a.k = k, a.v = v;
+  for (bool causal : {false, true}) {
+    a.options = {{"causal", causal}};
+    check(a, amx::bf16_usable(), causal ? "causal" : "not causal");
+  }
+  a.options = {{"causal", false}, {"scale", -0.25}};
+  check(a, false, "scale < 0");
+  a.options = {{"causal", false}};
+  v[7] = to_bfloat16(0x1p70f);
+  check(a, false, "|v| > 2^64");
+}
+
+// Scores past float32's range are the same error as in the float32 forward.
+TEST(SoftmaxBf16Tiles, OverflowingScoresAreAnError) {
+  SKIP_WITHOUT_AMX();
+  Tensor<bfloat16> q({1, 1, 3, 2}), k({1, 1, 3, 2}), v({1, 1, 3, 2});
+  for (int64_t i = 0; i < 6; ++i) q[i] = to_bfloat16(1e30f), k[i] = to_bfloat16(1e30f), v[i] = to_bfloat16(1.0f);
+  MethodArgs<bfloat16> a;
+  a.q = q, a.k = k, a.v = v;
+  const std::string e = testing::error_of([&] { method("softmax").bf16.forward(a); });
+  EXPECT_NE(e.find("softmax_attention: q·kᵀ·scale overflows at row"), std::string::npos) << e;
+}
+
+}  // namespace
+}  // namespace linattn
