@@ -9,6 +9,7 @@
 //                                            at most u·|v|max in a weighted mean), the scores'
 //                                            and exp's float32 error e_p per weight, the
 //                                            float32 sums of l and of P·V
+// (|v|max over the keys the batch item has: keys past key_lengths may hold anything).
 // with e_p = scale·d·u₃₂·max Σ_f |q_f·k_f| + 4·u₃₂. lse: |lse − ref| ≤ e_p + n_k·u₃₂ + 2·u₃₂·|ref|.
 #include <gtest/gtest.h>
 
@@ -68,8 +69,9 @@ void expect_within_bound(const Case& c, int threads) {
   const SoftmaxAttentionResult<double> ref = reference::softmax_attention(q64, k64, v64, o);
 
   for (int64_t bh = 0; bh < c.batch * c.heads; ++bh) {
-    double vmax = 0, qk = 0;
-    for (int64_t j = 0; j < c.n_k; ++j)
+    double vmax = 0, qk = 0;  // over the keys this batch item has
+    const int64_t keys = c.key_lengths.empty() ? c.n_k : c.key_lengths[bh / c.heads];
+    for (int64_t j = 0; j < keys; ++j)
       for (int64_t f = 0; f < c.dv; ++f) vmax = std::max(vmax, std::abs(v64[(bh * c.n_k + j) * c.dv + f]));
     for (int64_t i = 0; i < c.n_q; ++i)
       for (int64_t j = 0; j < c.n_k; ++j) {
@@ -114,6 +116,35 @@ TEST(SoftmaxBf16Tiles, MatchTheFloat64ReferenceWithinTheBound) {
   };
   for (const Case& c : cases)
     for (int threads : {1, 4, 9}) expect_within_bound(c, threads);
+}
+
+// Keys past key_lengths are never read: NaN and inf there give bitwise the result of zeros
+// there (the float32 forward's contract, include/linattn/attention.h).
+TEST(SoftmaxBf16Tiles, PaddedKeysAreNeverRead) {
+  SKIP_WITHOUT_AMX();
+  const int64_t B = 2, H = 2, n = 50, d = 20;
+  const Tensor<bfloat16> q = to_bf16(random_tensor<double>({B, H, n, d}, 7));
+  Tensor<bfloat16> k = to_bf16(random_tensor<double>({B, H, n, d}, 8)), v = to_bf16(random_tensor<double>({B, H, n, d}, 9));
+  Tensor<bfloat16> k_bad = to_bf16(random_tensor<double>({B, H, n, d}, 8)),
+                   v_bad = to_bf16(random_tensor<double>({B, H, n, d}, 9));
+  AttentionOptions o;
+  o.key_lengths = std::vector<int64_t>{17, 30};
+  for (int64_t bh = 0; bh < B * H; ++bh)
+    for (int64_t j = (*o.key_lengths)[bh / H]; j < n; ++j)
+      for (int64_t f = 0; f < d; ++f) {
+        k_bad[(bh * n + j) * d + f] = to_bfloat16(std::numeric_limits<float>::quiet_NaN());
+        v_bad[(bh * n + j) * d + f] = to_bfloat16(std::numeric_limits<float>::infinity());
+        k[(bh * n + j) * d + f] = v[(bh * n + j) * d + f] = bfloat16{0};
+      }
+  for (bool causal : {false, true}) {
+    o.causal = causal;
+    const AttentionDims dims = check_attention_args<bfloat16>("test", q, k_bad, v_bad, o);
+    const double scale = resolve_scale("test", o, d);
+    const auto bad = softmax_detail::forward_bf16_tiles(q, k_bad, v_bad, dims, o, scale);
+    const auto zero = softmax_detail::forward_bf16_tiles(q, k, v, dims, o, scale);
+    for (int64_t i = 0; i < bad.out.size(); ++i) ASSERT_EQ(bad.out[i].bits, zero.out[i].bits) << i;
+    testing::expect_identical(bad.lse, zero.lse, "lse");
+  }
 }
 
 // The registry's bfloat16 forward takes the tiles when they can (bitwise their result) and the

@@ -34,8 +34,17 @@ inline TileConfig sixteen_by_sixty_four() {
 
 }  // namespace linattn::amx
 
+// The tile instructions exist on x86-64 only, and the probe asks Linux for them: elsewhere the
+// kernels that use them are not compiled and bf16_usable() is false.
+#if defined(__x86_64__) && defined(__linux__)
+#define LINATTN_AMX_ASM 1
+#else
+#define LINATTN_AMX_ASM 0
+#endif
+
 // `stride` is in bytes. Every tile macro clobbers "memory": the compiler must neither sink a
 // store below a tile load of the same bytes nor hoist a load above a tile store.
+#if LINATTN_AMX_ASM
 #define LINATTN_TILE_CONFIGURE(config) __asm__ volatile("ldtilecfg %0" ::"m"(config) : "memory")
 #define LINATTN_TILE_RELEASE() __asm__ volatile("tilerelease" ::: "memory")
 #define LINATTN_TILE_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::: "memory")
@@ -46,3 +55,4 @@ inline TileConfig sixteen_by_sixty_four() {
 // tile c += a·b: a is 16 rows × 32 bfloat16, b 16 rows × 16 pairs (VNNI: row r holds
 // b[2r][j], b[2r+1][j] for each column j), c 16×16 float32.
 #define LINATTN_TILE_DOT_BF16(c, a, b) __asm__ volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::: "memory")
+#endif  // LINATTN_AMX_ASM

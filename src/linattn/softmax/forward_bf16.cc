@@ -26,6 +26,7 @@
 #include "linattn/softmax/forward_internal.h"
 
 namespace linattn::softmax_detail {
+#if LINATTN_AMX_ASM
 namespace {
 
 constexpr int64_t kRows = 32;   // queries per task: two 16-row tiles
@@ -101,7 +102,7 @@ struct TileScope {
 };
 
 // S[0:32, jj:jj+32] = Q·K[key_tile·16 : +32]ᵀ: four accumulators, each operand tile used twice.
-void score_tiles(const Scratch& w, const bfloat16* keys, int64_t key_tile, int64_t jj, const TileDims& td) {
+void score_tiles(Scratch& w, const bfloat16* keys, int64_t key_tile, int64_t jj, const TileDims& td) {
   const int64_t q_stride = td.d_pad() * 2;
   LINATTN_TILE_ZERO(0);
   LINATTN_TILE_ZERO(1);
@@ -177,9 +178,9 @@ void forward_rows(TensorView<const bfloat16> q, const bfloat16* keys, const bflo
   }
   std::fill_n(w.o.data(), w.o.size(), 0.0f);
 
-  const TileScope tiles;
   for (int64_t j0 = 0; j0 < kmax; j0 += kKeys) {
-    interruption_point();
+    interruption_point();  // may run Python (signal handlers), which may use AMX itself
+    const TileScope tiles;  // no tile holds data across blocks: S and O live in memory
     const int64_t bk = std::min(kKeys, kmax - j0);
     const int64_t bk32 = round_up(bk, kTileDepth);
     for (int64_t jj = 0; jj < bk32; jj += kTileDepth) score_tiles(w, keys, (j0 + jj) / kTileRows, jj, td);
@@ -203,6 +204,7 @@ void forward_rows(TensorView<const bfloat16> q, const bfloat16* keys, const bflo
 }
 
 }  // namespace
+#endif  // LINATTN_AMX_ASM
 
 bool bf16_tiles_usable(const AttentionDims& d, double scale) {
   // Values past 2^64 could overflow the float32 sum of P·V (the float32 forward rescales v
@@ -216,19 +218,22 @@ Bf16TilesResult forward_bf16_tiles(TensorView<const bfloat16> q, TensorView<cons
                                                            const AttentionOptions& opts, double scale) {
   require(bf16_tiles_usable(d, scale), "softmax_attention: the AMX bfloat16 forward cannot take this call (",
           amx::bf16_usable() ? "scale ≤ 0 or |v| > 2^64" : amx::unavailable_reason(), ")");
+#if LINATTN_AMX_ASM
   const TileDims td(d);
   Buffer<bfloat16> keys(d.bh() * td.key_tiles() * td.d_chunks * kTileElems);
   Buffer<bfloat16> values(d.bh() * td.key_chunks() * td.v_chunks * kTileElems);
   const int64_t keys_per_bh = td.key_tiles() * td.d_chunks * kTileElems;
   const int64_t values_per_bh = td.key_chunks() * td.v_chunks * kTileElems;
+  // Keys past a batch item's key_lengths are never read (they may hold anything, NaN
+  // included); their packed rows stay zero and their probabilities are 0.
+  const KeyMask mask(d, opts);
   parallel_for(d.bh(), [&](int64_t bh) {
-    tile_keys(k.row(bh, 0), d.n_k, d.head_dim, td, keys.data() + bh * keys_per_bh);
-    tile_values(v.row(bh, 0), d.n_k, d.value_dim, td, values.data() + bh * values_per_bh);
+    const int64_t n_k = mask.key_length(bh / d.heads);
+    tile_keys(k.row(bh, 0), n_k, d.head_dim, td, keys.data() + bh * keys_per_bh);
+    tile_values(v.row(bh, 0), n_k, d.value_dim, td, values.data() + bh * values_per_bh);
   });
 
-  Bf16TilesResult r{Tensor<bfloat16>({d.batch, d.heads, d.n_q, d.value_dim}),
-                                            Tensor<float>({d.batch, d.heads, d.n_q})};
-  const KeyMask mask(d, opts);
+  Bf16TilesResult r{Tensor<bfloat16>({d.batch, d.heads, d.n_q, d.value_dim}), Tensor<float>({d.batch, d.heads, d.n_q})};
   const int64_t q_blocks = (d.n_q + kRows - 1) / kRows;
   const ParallelLoop loop(d.bh() * q_blocks);
   PerWorker<Scratch> scratch(loop, [&] { return Scratch(td); });
@@ -239,6 +244,9 @@ Bf16TilesResult forward_bf16_tiles(TensorView<const bfloat16> q, TensorView<cons
                  static_cast<float>(scale), bh, blk * kRows, scratch[worker], r.out.data(), r.lse.data());
   });
   return r;
+#else
+  fail("softmax_attention: the AMX bfloat16 forward is built on x86-64 Linux only");
+#endif
 }
 
 }  // namespace linattn::softmax_detail
