@@ -44,11 +44,12 @@ def inputs(n, dtype, grad, seed=0):
     return [torch.randn(1, 8, n, 64, generator=g).to(dtype).requires_grad_(grad) for _ in range(3)]
 
 
-def run(call, q, k, v, backward):
+def run(call, q, k, v, backward, dout=None):
+    """One timed call: call(q, k, v), then its backward from dout (ones when None, made per call)."""
     def fn():
         out = call(q, k, v)
         if backward:
-            out.backward(torch.ones_like(out))
+            out.backward(torch.ones_like(out) if dout is None else dout)
             for t in (q, k, v):
                 t.grad = None
     return fn
@@ -118,14 +119,9 @@ def wrapper_rows(n, runs=7):
                 return getattr(linattn, fn + "_backward")(*arrays, *extra, g, out=out, **dict(zip(saved[fn], kept)),
                                                           **opts)
 
-            dout = torch.from_numpy(g)
-
-            def torch_call():  # the same dout array as the NumPy side, made once
-                out = getattr(lt, fn)(q, k, v, *extra_t, **opts)
-                if backward:
-                    out.backward(dout)
-                    for t in (q, k, v):
-                        t.grad = None
+            # The same dout array as the NumPy side, made once.
+            torch_call = run(lambda a, b, c: getattr(lt, fn)(a, b, c, *extra_t, **opts), q, k, v, backward,
+                             torch.from_numpy(g))
             numpy_call(), torch_call()
             t_np, t_torch = [], []
             for _ in range(runs):

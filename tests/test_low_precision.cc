@@ -24,6 +24,7 @@
 namespace linattn {
 namespace {
 
+using testing::narrowed;
 using testing::random_tensor;
 using testing::ScopedThreads;
 
@@ -128,13 +129,6 @@ void expect_narrow_matches() {
 TEST(LowPrecision, BulkNarrowingMatchesTheOneValueForm) {
   expect_narrow_matches<bfloat16>();
   expect_narrow_matches<float16>();
-}
-
-template <class Low>
-Tensor<Low> narrowed(const Tensor<double>& x) {
-  Tensor<Low> out(x.shape());
-  for (int64_t i = 0; i < x.size(); ++i) out[i] = from_float<Low>(static_cast<float>(x[i]));
-  return out;
 }
 
 template <class Low>

@@ -27,21 +27,13 @@
 namespace linattn {
 namespace {
 
+using testing::narrowed;
 using testing::random_tensor;
 using testing::ScopedThreads;
 
 constexpr double kU = 0x1p-8, kU32 = 0x1p-24;
 
-Tensor<bfloat16> to_bf16(const Tensor<double>& x) {
-  Tensor<bfloat16> out(x.shape());
-  for (int64_t i = 0; i < x.size(); ++i) out[i] = to_bfloat16(static_cast<float>(x[i]));
-  return out;
-}
-Tensor<double> to_f64(const Tensor<bfloat16>& x) {
-  Tensor<double> out(x.shape());
-  for (int64_t i = 0; i < x.size(); ++i) out[i] = to_float(x[i]);
-  return out;
-}
+Tensor<double> to_f64(const Tensor<bfloat16>& x) { return testing::cast<double>(widen(x.view())); }
 
 struct Case {
   int64_t batch, heads, n_q, n_k, d, dv;
@@ -55,9 +47,9 @@ void expect_within_bound(const Case& c, int threads) {
                                     << " d=" << c.d << " dv=" << c.dv << (c.causal ? " causal" : "")
                                     << (c.key_lengths.empty() ? "" : " key_lengths") << " threads=" << threads);
   ScopedThreads scope(threads);
-  const Tensor<bfloat16> q = to_bf16(random_tensor<double>({c.batch, c.heads, c.n_q, c.d}, 1, c.sigma)),
-                         k = to_bf16(random_tensor<double>({c.batch, c.heads, c.n_k, c.d}, 2, c.sigma)),
-                         v = to_bf16(random_tensor<double>({c.batch, c.heads, c.n_k, c.dv}, 3));
+  const Tensor<bfloat16> q = narrowed<bfloat16>(random_tensor<double>({c.batch, c.heads, c.n_q, c.d}, 1, c.sigma)),
+                         k = narrowed<bfloat16>(random_tensor<double>({c.batch, c.heads, c.n_k, c.d}, 2, c.sigma)),
+                         v = narrowed<bfloat16>(random_tensor<double>({c.batch, c.heads, c.n_k, c.dv}, 3));
   AttentionOptions o;
   o.causal = c.causal;
   if (!c.key_lengths.empty()) o.key_lengths = c.key_lengths;
@@ -123,10 +115,10 @@ TEST(SoftmaxBf16Tiles, MatchTheFloat64ReferenceWithinTheBound) {
 TEST(SoftmaxBf16Tiles, PaddedKeysAreNeverRead) {
   SKIP_WITHOUT_AMX();
   const int64_t B = 2, H = 2, n = 50, d = 20;
-  const Tensor<bfloat16> q = to_bf16(random_tensor<double>({B, H, n, d}, 7));
-  Tensor<bfloat16> k = to_bf16(random_tensor<double>({B, H, n, d}, 8)), v = to_bf16(random_tensor<double>({B, H, n, d}, 9));
-  Tensor<bfloat16> k_bad = to_bf16(random_tensor<double>({B, H, n, d}, 8)),
-                   v_bad = to_bf16(random_tensor<double>({B, H, n, d}, 9));
+  const Tensor<bfloat16> q = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 7));
+  Tensor<bfloat16> k = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 8)), v = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 9));
+  Tensor<bfloat16> k_bad = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 8)),
+                   v_bad = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 9));
   AttentionOptions o;
   o.key_lengths = std::vector<int64_t>{17, 30};
   for (int64_t bh = 0; bh < B * H; ++bh)
@@ -152,9 +144,9 @@ TEST(SoftmaxBf16Tiles, PaddedKeysAreNeverRead) {
 TEST(SoftmaxBf16Tiles, RegistryTakesTheTilesWhenTheyCan) {
   const MethodInfo& m = method("softmax");
   const int64_t B = 1, H = 2, n = 90, d = 24;
-  Tensor<bfloat16> q = to_bf16(random_tensor<double>({B, H, n, d}, 4)),
-                   k = to_bf16(random_tensor<double>({B, H, n, d}, 5)),
-                   v = to_bf16(random_tensor<double>({B, H, n, d}, 6));
+  Tensor<bfloat16> q = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 4)),
+                   k = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 5)),
+                   v = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 6));
   auto check = [&](const MethodArgs<bfloat16>& a, bool tiles, const std::string& what) {
     SCOPED_TRACE(what);
     const MethodOutput<bfloat16> got = m.bf16.forward(a);

@@ -13,6 +13,7 @@
 
 #include "linattn/core/error.h"
 #include "linattn/core/random.h"
+#include "linattn/low_precision.h"
 #include "linattn/tensor.h"
 #include "linattn/core/parallel.h"
 
@@ -30,6 +31,14 @@ Tensor<To> cast(const Tensor<From>& x) {
   Tensor<To> y(x.shape());
   for (int64_t i = 0; i < x.size(); ++i) y[i] = static_cast<To>(x[i]);
   return y;
+}
+
+// x rounded to a 16-bit type, one value at a time (low_precision.h's reference conversions).
+template <class Low>
+Tensor<Low> narrowed(const Tensor<double>& x) {
+  Tensor<Low> out(x.shape());
+  for (int64_t i = 0; i < x.size(); ++i) out[i] = from_float<Low>(static_cast<float>(x[i]));
+  return out;
 }
 
 // The message of the linattn::Error that fn throws, or "<no error>".
