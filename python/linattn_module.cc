@@ -393,6 +393,140 @@ py::tuple linformer_projections(int64_t s_proj, int64_t n_max, const py::typing:
 }
 
 
+// ---- the state-level operations (linattn.torch.state) -----------------------------------------
+
+// The state operations' options, tensors and dtype (float32 or float64). Every tensor
+// argument may be None where optional.
+struct StateArgs {
+  StateArgs(const char* fn, const std::string& feature_map, const py::object& kernel, const py::object& scale,
+            double eps, double focus_power, const py::object& projection)
+      : fn(fn), inputs(fn) {
+    opts.feature_map = feature_map;
+    if (!kernel.is_none()) opts.kernel = kernel.cast<std::string>();
+    opts.scale = as_scale(fn, scale);
+    opts.eps = eps;
+    opts.focus_power = focus_power;
+    inputs.add("projection", projection);
+  }
+  StateArgs& add(const char* name, const py::object& obj) {
+    inputs.add(name, obj);
+    return *this;
+  }
+  DType dtype() const {
+    const DType dt = inputs.dtype();
+    full_precision_only(fn, "the inputs", dt);
+    return dt;
+  }
+  const char* fn;
+  linattn::StateOptions opts;
+  Inputs inputs;
+};
+
+#define LINATTN_STATE_ARGS(fn_name)                                                                      \
+  StateArgs a(fn_name, feature_map, kernel, scale, eps, focus_power, projection)
+#define LINATTN_STATE_PARAMS                                                                              \
+  const std::string &feature_map, const py::object &kernel, const py::object &scale, double eps,         \
+      double focus_power, const py::object &projection
+
+py::array key_state_py(const py::object& k, const py::object& v, const py::object& key_lengths,
+                       LINATTN_STATE_PARAMS) {
+  LINATTN_STATE_ARGS("key_state");
+  a.add("k", k).add("v", v);
+  const auto lengths = as_lengths(a.fn, key_lengths);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::array {
+    using T = decltype(tag);
+    const Inputs& in = a.inputs;
+    return to_numpy(run_without_gil([&] {
+      return linattn::key_state<T>(in.tensor<T>("k"), in.tensor<T>("v"), a.opts, in.optional<T>("projection"), lengths);
+    }));
+  });
+}
+
+py::tuple key_state_backward_py(const py::object& k, const py::object& v, const py::object& state,
+                                const py::object& dstate, const py::object& key_lengths, LINATTN_STATE_PARAMS) {
+  LINATTN_STATE_ARGS("key_state_backward");
+  a.add("k", k).add("v", v).add("state", state).add("dstate", dstate);
+  const auto lengths = as_lengths(a.fn, key_lengths);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::tuple {
+    using T = decltype(tag);
+    const Inputs& in = a.inputs;
+    auto g = run_without_gil([&] {
+      return linattn::key_state_backward<T>(in.tensor<T>("k"), in.tensor<T>("v"), in.tensor<T>("state"),
+                                            in.tensor<T>("dstate"), a.opts, in.optional<T>("projection"), lengths);
+    });
+    return numpy_tuple(std::move(g.dk), std::move(g.dv));
+  });
+}
+
+py::tuple apply_state_py(const py::object& q, const py::object& state, LINATTN_STATE_PARAMS) {
+  LINATTN_STATE_ARGS("apply_state");
+  a.add("q", q).add("state", state);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::tuple {
+    using T = decltype(tag);
+    const Inputs& in = a.inputs;
+    auto r = run_without_gil([&] {
+      return linattn::apply_state<T>(in.tensor<T>("q"), in.tensor<T>("state"), a.opts, in.optional<T>("projection"));
+    });
+    return numpy_tuple(std::move(r.out), std::move(r.den));
+  });
+}
+
+py::tuple apply_state_backward_py(const py::object& q, const py::object& state, const py::object& dout,
+                                  const py::object& out, const py::object& den, LINATTN_STATE_PARAMS) {
+  LINATTN_STATE_ARGS("apply_state_backward");
+  a.add("q", q).add("state", state).add("dout", dout).add("out", out).add("den", den);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::tuple {
+    using T = decltype(tag);
+    const Inputs& in = a.inputs;
+    auto g = run_without_gil([&] {
+      return linattn::apply_state_backward<T>(in.tensor<T>("q"), in.tensor<T>("state"), in.tensor<T>("dout"),
+                                              in.tensor<T>("out"), in.tensor<T>("den"), a.opts,
+                                              in.optional<T>("projection"));
+    });
+    return numpy_tuple(std::move(g.dq), std::move(g.dstate));
+  });
+}
+
+py::tuple causal_from_state_py(const py::object& q, const py::object& k, const py::object& v,
+                               const py::object& prefix, const py::object& key_lengths, LINATTN_STATE_PARAMS) {
+  LINATTN_STATE_ARGS("causal_from_state");
+  a.add("q", q).add("k", k).add("v", v).add("prefix", prefix);
+  const auto lengths = as_lengths(a.fn, key_lengths);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::tuple {
+    using T = decltype(tag);
+    const Inputs& in = a.inputs;
+    auto r = run_without_gil([&] {
+      return linattn::causal_from_state<T>(in.tensor<T>("q"), in.tensor<T>("k"), in.tensor<T>("v"),
+                                           in.tensor<T>("prefix"), a.opts, in.optional<T>("projection"), lengths);
+    });
+    return numpy_tuple(std::move(r.out), std::move(r.den), std::move(r.state));
+  });
+}
+
+py::tuple causal_from_state_backward_py(const py::object& q, const py::object& k, const py::object& v,
+                                        const py::object& prefix, const py::object& dout, const py::object& out,
+                                        const py::object& den, const py::object& dstate_after,
+                                        const py::object& key_lengths, LINATTN_STATE_PARAMS) {
+  LINATTN_STATE_ARGS("causal_from_state_backward");
+  a.add("q", q).add("k", k).add("v", v).add("prefix", prefix).add("dout", dout).add("out", out).add("den", den);
+  a.add("dstate_after", dstate_after);
+  const auto lengths = as_lengths(a.fn, key_lengths);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::tuple {
+    using T = decltype(tag);
+    const Inputs& in = a.inputs;
+    auto g = run_without_gil([&] {
+      return linattn::causal_from_state_backward<T>(
+          in.tensor<T>("q"), in.tensor<T>("k"), in.tensor<T>("v"), in.tensor<T>("prefix"), in.tensor<T>("dout"),
+          in.tensor<T>("out"), in.tensor<T>("den"), in.optional<T>("dstate_after"), a.opts,
+          in.optional<T>("projection"), lengths);
+    });
+    return numpy_tuple(std::move(g.dq), std::move(g.dk), std::move(g.dv), std::move(g.dstate));
+  });
+}
+
+#undef LINATTN_STATE_ARGS
+#undef LINATTN_STATE_PARAMS
+
 // ---- the registered methods -------------------------------------------------------------------
 
 // One option's Python value as the registry's OptionValue, by the kind the method declares.
@@ -639,6 +773,22 @@ PYBIND11_MODULE(_linattn, m) {
   m.def("_backward", &method_backward, py::arg("name"), py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("dout"), py::arg("tensors"), py::arg("options"), py::arg("saved"));
 
+  // The state-level operations; linattn.torch.state gives them signatures and autograd.
+#define LINATTN_STATE_OPTS                                                                            \
+  py::arg("feature_map"), py::arg("kernel"), py::arg("scale"), py::arg("eps"), py::arg("focus_power"), \
+      py::arg("projection")
+  m.def("_key_state", &key_state_py, py::arg("k"), py::arg("v"), py::arg("key_lengths"), LINATTN_STATE_OPTS);
+  m.def("_key_state_backward", &key_state_backward_py, py::arg("k"), py::arg("v"), py::arg("state"), py::arg("dstate"),
+        py::arg("key_lengths"), LINATTN_STATE_OPTS);
+  m.def("_apply_state", &apply_state_py, py::arg("q"), py::arg("state"), LINATTN_STATE_OPTS);
+  m.def("_apply_state_backward", &apply_state_backward_py, py::arg("q"), py::arg("state"), py::arg("dout"),
+        py::arg("out"), py::arg("den"), LINATTN_STATE_OPTS);
+  m.def("_causal_from_state", &causal_from_state_py, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("prefix"),
+        py::arg("key_lengths"), LINATTN_STATE_OPTS);
+  m.def("_causal_from_state_backward", &causal_from_state_backward_py, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("prefix"), py::arg("dout"), py::arg("out"), py::arg("den"), py::arg("dstate_after"),
+        py::arg("key_lengths"), LINATTN_STATE_OPTS);
+#undef LINATTN_STATE_OPTS
   m.def("random_features", &random_features, py::arg("num_features"), py::arg("head_dim"),
         py::arg("kind") = "orthogonal", py::arg("seed") = 0, py::arg("dtype") = py::dtype::of<float>(),
         R"doc(Random projection ω [num_features, head_dim] for FAVOR attention.

@@ -108,6 +108,79 @@ struct RecurrentOptions {
   double focus_power = 3;             // focused only
 };
 
+// ---- state-level operations -------------------------------------------------------------------
+// Kernelized attention in pieces, for a sequence split into blocks (context parallelism,
+// linattn.torch.distributed; pipelines): the state of a block's keys, a state applied to
+// queries, and a causal block that starts from the state of the keys before it. Each has its
+// backward. A state is [B,H,m',d_v+2]: per feature r, the row
+//   [S_r | z_r | c_r] = [Σ_j φ_r(k_j)·v_j | Σ_j φ_r(k_j)] / exp(c_r) | c_r
+// over the keys it holds. c_r is a per-feature log-shift that keeps FAVOR's exponentials in
+// range (the largest key logit of feature r; −inf where no key reached it, its S_r and z_r 0);
+// it is 0 for the plain maps. Two states of the same options add as
+//   c = max(c¹, c²),  [S | z] = [S¹ | z¹]·exp(c¹ − c) + [S² | z²]·exp(c² − c)
+// (a term at c^i = −inf is 0). The shifts take no gradient: every result is the same
+// function of q, k, v whatever they are (the query features take the same shifts back).
+// Options as RecurrentOptions: feature_map "elu", "relu", "focused", "identity", or "favor"
+// with a projection, kernel and scale. Every value of q, k and v must be finite (padded keys
+// too; give them zeros). Values are not rescaled: sums that overflow the dtype are an error.
+using StateOptions = RecurrentOptions;
+
+template <class T>
+struct StateAttentionResult {
+  Tensor<T> out;    // [B,H,n,d_v]
+  Tensor<T> den;    // [B,H,n]: each row's normaliser in the engine's scale (for the backward)
+  Tensor<T> state;  // causal_from_state: the state after the block's keys (prefix included)
+};
+
+// The gradients of a state operation; empty where it has no such input.
+template <class T>
+struct StateGrads {
+  Tensor<T> dq, dk, dv;
+  Tensor<T> dstate;  // apply_state: of state; causal_from_state: of prefix (shift column 0)
+};
+
+// k [B,H,n,d], v [B,H,n,d_v] -> the state of the keys j < key_lengths[b] (default all).
+template <class T>
+Tensor<T> key_state(TensorView<const T> k, TensorView<const T> v, const StateOptions& opts = {},
+                    std::optional<TensorView<const T>> projection = std::nullopt,
+                    std::optional<std::vector<int64_t>> key_lengths = std::nullopt);
+// dk, dv from dstate [B,H,m',d_v+2] (its shift column is not read); state: key_state's result.
+template <class T>
+StateGrads<T> key_state_backward(TensorView<const T> k, TensorView<const T> v, TensorView<const T> state,
+                                 TensorView<const T> dstate, const StateOptions& opts = {},
+                                 std::optional<TensorView<const T>> projection = std::nullopt,
+                                 std::optional<std::vector<int64_t>> key_lengths = std::nullopt);
+
+// q [B,H,n,d], state -> out_i = φ(q_i)·S / (φ(q_i)·z + eps) [B,H,n,d_v] (0 where the
+// denominator is 0), and den.
+template <class T>
+StateAttentionResult<T> apply_state(TensorView<const T> q, TensorView<const T> state, const StateOptions& opts = {},
+                                    std::optional<TensorView<const T>> projection = std::nullopt);
+// dq and dstate from dout and apply_state's out and den.
+template <class T>
+StateGrads<T> apply_state_backward(TensorView<const T> q, TensorView<const T> state, TensorView<const T> dout,
+                                   TensorView<const T> out, TensorView<const T> den, const StateOptions& opts = {},
+                                   std::optional<TensorView<const T>> projection = std::nullopt);
+
+// q, k [B,H,n,d], v [B,H,n,d_v], prefix: the state of the keys before this block ->
+// out_i = φ(q_i)·(S_P + Σ_{j<=i} φ(k_j)v_jᵀ) / (φ(q_i)·(z_P + Σ_{j<=i} φ(k_j)) + eps), den, and
+// the state after the block (prefix and the keys j < key_lengths[b]).
+template <class T>
+StateAttentionResult<T> causal_from_state(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                                          TensorView<const T> prefix, const StateOptions& opts = {},
+                                          std::optional<TensorView<const T>> projection = std::nullopt,
+                                          std::optional<std::vector<int64_t>> key_lengths = std::nullopt);
+// dq, dk, dv and dstate (of prefix) from dout, the forward's out and den, and the gradient of
+// the state after the block (nullopt: none reaches it).
+template <class T>
+StateGrads<T> causal_from_state_backward(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                                         TensorView<const T> prefix, TensorView<const T> dout,
+                                         TensorView<const T> out, TensorView<const T> den,
+                                         std::optional<TensorView<const T>> dstate_after = std::nullopt,
+                                         const StateOptions& opts = {},
+                                         std::optional<TensorView<const T>> projection = std::nullopt,
+                                         std::optional<std::vector<int64_t>> key_lengths = std::nullopt);
+
 // Constant-size state for autoregressive decoding with kernelized attention: after any number
 // of tokens it holds S = Σ_j φ(k_j) v_jᵀ [m'×d_v] and z = Σ_j φ(k_j) [m'] per (batch, head),
 // and for FAVOR per-feature log-shifts (row r of S and z is stored divided by exp(c_r),

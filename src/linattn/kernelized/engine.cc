@@ -323,19 +323,23 @@ void forward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* out, c
   if (save.state) store_state(p, s, save.state + bh * m * (dv + 2));
 }
 
-// From the saved state: queries give dq and [dKV | dz] = Σ_i Q_iᵀ[dnum_i, dden_i]; then keys,
-// which entered as K_jᵀ[v_j, 1]: dK_j = [v_j, 1]·[dKV | dz]ᵀ and dv_j = K_j·dKV.
+// s.kvz and s.c from a state's rows [S_r | z_r | c_r] (this batch·head's).
 template <class T>
-void backward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, const T* dout, const T* out,
-                        const T* den, const T* state, T* dq, T* dk, T* dv_out) {
-  const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, da = dv + 1;
-  const int64_t n_q = p.dims.n_q, key_len = p.mask->key_length(bh / p.dims.heads);
-  const T* st = state + bh * m * (dv + 2);
+void load_state(const Problem<T>& p, const T* st, Scratch<T>& s) {
+  const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, da = dv + 1;
   for (int64_t r = 0; r < m; ++r) {
     std::copy(st + r * (dv + 2), st + r * (dv + 2) + da, s.kvz.data() + r * da);
     s.c[r] = st[r * (dv + 2) + dv + 1];
   }
-  std::fill(s.dkvz.data(), s.dkvz.data() + m * da, T(0));
+}
+
+// Queries against the state in s.kvz, s.c: dq, and [dKV | dz] += Σ_i Q_iᵀ[dnum_i, dden_i] into
+// s.dkvz (which the caller zeroes).
+template <class T>
+void noncausal_query_grads(const Problem<T>& p, int64_t bh, Scratch<T>& s, const T* dout, const T* out,
+                           const T* den, T* dq) {
+  const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, da = dv + 1;
+  const int64_t n_q = p.dims.n_q;
   for (int64_t i0 = 0; i0 < n_q; i0 += kBlockRows) {
     interruption_point();
     const int64_t rows = std::min(kBlockRows, n_q - i0);
@@ -354,6 +358,14 @@ void backward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, const T*
     feature_backward(p, p.q.row(bh, i0), rows, Side::Query, s.qf, s, dq + (bh * n_q + i0) * d);
     s.written.check(dq + (bh * n_q + i0) * d, rows * d);
   }
+}
+
+// Keys, which entered the state as K_jᵀ[v_j, 1] (shifts s.c): from its gradient [dKV | dz] in
+// s.dkvz, dK_j = [v_j, 1]·[dKV | dz]ᵀ and dv_j = K_j·dKV.
+template <class T>
+void noncausal_key_grads(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* dk, T* dv_out) {
+  const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, da = dv + 1;
+  const int64_t key_len = p.mask->key_length(bh / p.dims.heads);
   for (int64_t j0 = 0; j0 < key_len; j0 += kBlockRows) {
     interruption_point();
     const int64_t rows = std::min(kBlockRows, key_len - j0);
@@ -368,6 +380,17 @@ void backward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, const T*
     s.written.check(dk + (bh * p.dims.n_k + j0) * d, rows * d);
     s.written.check(dv_out + (bh * p.dims.n_k + j0) * dv, rows * dv);
   }
+}
+
+// From the saved state: queries give dq and [dKV | dz], then keys give dk and dv.
+template <class T>
+void backward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, const T* dout, const T* out,
+                        const T* den, const T* state, T* dq, T* dk, T* dv_out) {
+  const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
+  load_state(p, state + bh * m * (dv + 2), s);
+  std::fill(s.dkvz.data(), s.dkvz.data() + m * (dv + 1), T(0));
+  noncausal_query_grads(p, bh, s, dout, out, den, dq);
+  noncausal_key_grads(p, bh, s, dk, dv_out);
 }
 
 // ---- causal --------------------------------------------------------------------------------
@@ -461,10 +484,15 @@ void add_chunk_to_state(const Problem<T>& p, int64_t kr, const Features<T>& kf, 
   matmul<T>(mat(s.kvz.data(), m, da), mat(kf.values(*p.fmap), kr, m).t(), mat(s.vaug.data(), kr, da), T(1), T(1));
 }
 
-// The state at the start: S, z and shifts from the caller (RecurrentState), or empty.
+// The state at the start: a prefix state's rows [S_r | z_r | c_r] (causal_from_state), S, z
+// and shifts from the caller (RecurrentState), or empty.
 template <class T>
-void start_state(const Problem<T>& p, Scratch<T>& s, const T* S0, const T* z0, const T* c0) {
+void start_state(const Problem<T>& p, Scratch<T>& s, const T* prefix, const T* S0, const T* z0, const T* c0) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, da = dv + 1;
+  if (prefix) {
+    load_state(p, prefix, s);
+    return;
+  }
   if (S0) {
     for (int64_t r = 0; r < m; ++r) {
       std::copy(S0 + r * dv, S0 + (r + 1) * dv, s.kvz.data() + r * da);
@@ -477,14 +505,15 @@ void start_state(const Problem<T>& p, Scratch<T>& s, const T* S0, const T* z0, c
   std::fill(s.c.data(), s.c.data() + m, p.fmap->log_form() ? neg_inf<T>() : T(0));
 }
 
-// carried: S, z, c of this batch·head to start from and to leave the final state in, or null
-// to start empty; save: den and the final state, or null.
+// carried: S, z, c of this batch·head to start from and to leave the final state in, or null;
+// prefix: the state rows to start from (this batch·head's), or null; neither: start empty.
+// save: den and the final state, or null.
 template <class T>
 void forward_causal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* out, const Saved<T>& save,
-                    T* S0 = nullptr, T* z0 = nullptr, T* c0 = nullptr) {
+                    T* S0 = nullptr, T* z0 = nullptr, T* c0 = nullptr, const T* prefix = nullptr) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, n = p.dims.n_q;
   const int64_t key_len = p.mask->key_length(bh / p.dims.heads);
-  start_state(p, s, S0, z0, c0);
+  start_state(p, s, prefix, S0, z0, c0);
   for (int64_t t0 = 0; t0 < n;) {
     interruption_point();
     int64_t rows = std::min(kChunk, n - t0), kr = std::clamp<int64_t>(key_len - t0, 0, rows);
@@ -561,10 +590,12 @@ void chunk_output_grads(const Problem<T>& p, int64_t rows, int64_t kr, const Scr
 // dQ_i = dnum_i·Sᵀ + dden_i·z + Σ_{j<=i} P_ij K_j.
 template <class T>
 void causal_forward_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, CausalSaved<T>& saved,
-                         FeatureCache<T>& cache, const T* dout, const T* out, const T* den, T* dq) {
+                         FeatureCache<T>& cache, const T* dout, const T* out, const T* den, T* dq,
+                         const T* prefix = nullptr) {
   const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, da = dv + 1, n = p.dims.n_q;
   const int64_t key_len = p.mask->key_length(bh / p.dims.heads);
-  start_state(p, s, static_cast<const T*>(nullptr), static_cast<const T*>(nullptr), static_cast<const T*>(nullptr));
+  const T* none = nullptr;
+  start_state(p, s, prefix, none, none, none);
   saved.dden.resize(static_cast<size_t>(n));
   saved.chunks.clear();
   saved.shifts.clear();
@@ -604,13 +635,20 @@ void causal_forward_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, CausalS
 }
 
 // Pass B, backward in time over the saved chunks, with the suffix state [R | ρ] (s.dkvz) in the
-// scale of the chunk at hand: dk and dv.
+// scale of the chunk at hand: dk and dv. The final state's gradient (dstate_after, this
+// batch·head's rows [dS | dz | ·], or null) is where R starts, as a query after every chunk
+// would: it is in the last chunk's scale. With a prefix, R at the start is the prefix's
+// gradient, in chunk 0's scale: the prefix entered as [S | z]·exp(c_P − c_0) (raise_shifts;
+// a row at c_P = −inf entered as it is), so dprefix = R·exp(c_P − c_0).
 template <class T>
 void causal_reverse_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, const CausalSaved<T>& saved,
-                         const T* dout, const T* den, T* dk, T* dv_out) {
+                         const T* dout, const T* den, T* dk, T* dv_out, const T* dstate_after = nullptr,
+                         const T* prefix = nullptr, T* dprefix = nullptr) {
   const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, da = dv + 1, n = p.dims.n_q;
   T* R = s.dkvz.data();  // [R | ρ], m' × (d_v + 1)
   std::fill(R, R + m * da, T(0));
+  if (dstate_after)
+    for (int64_t r = 0; r < m; ++r) std::copy(dstate_after + r * (dv + 2), dstate_after + r * (dv + 2) + da, R + r * da);
   const int64_t chunks = static_cast<int64_t>(saved.chunks.size());
   for (int64_t k = chunks - 1; k >= 0; --k) {
     interruption_point();
@@ -661,6 +699,14 @@ void causal_reverse_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, const C
     }
     // This chunk's queries join the suffix state: [R | ρ] += Qᵀ·[dnum | dden].
     matmul<T>(mat(R, m, da), mat(Q, rows, m).t(), mat(s.dnd.data(), rows, da), T(1), T(1));
+  }
+  if (!dprefix) return;
+  for (int64_t r = 0; r < m; ++r) {
+    const T c_p = prefix[r * (dv + 2) + dv + 1];
+    const T c_0 = chunks > 0 ? saved.shifts[static_cast<size_t>(r)] : c_p;
+    const T f = c_p == neg_inf<T>() || c_p == c_0 ? T(1) : std::exp(c_p - c_0);
+    for (int64_t c = 0; c < da; ++c) dprefix[r * (dv + 2) + c] = R[r * da + c] * f;
+    dprefix[r * (dv + 2) + dv + 1] = 0;  // the shifts take no gradient
   }
 }
 
@@ -729,6 +775,123 @@ bool backward(const Problem<T>& p, const T* dout, const T* out, const T* den, co
   for (int w = 0; w < scratch.size(); ++w) finite = finite && scratch[w].written.ok;
   return finite;
 }
+
+// ---- state-level operations (engine.h) ------------------------------------------------------
+
+namespace {
+
+// Runs body(bh, scratch, worker) over every batch·head of `loop` with per-worker scratch;
+// returns whether every gradient value the workers checked was finite.
+template <class T, class Body>
+bool each_head(const ParallelLoop& loop, const Problem<T>& p, bool causal, Body body) {
+  PerWorker<Scratch<T>> scratch(loop, [&] { return Scratch<T>(p, causal); });
+  loop.run([&](int64_t bh, int worker) { body(bh, scratch[worker], worker); });
+  bool finite = true;
+  for (int w = 0; w < scratch.size(); ++w) finite = finite && scratch[w].written.ok;
+  return finite;
+}
+
+template <class T>
+int64_t state_rows(const Problem<T>& p) {
+  return p.fmap->dim() * (p.dims.value_dim + 2);
+}
+
+}  // namespace
+
+template <class T>
+void key_state(const Problem<T>& p, T* state) {
+  each_head(ParallelLoop(p.dims.bh()), p, false, [&](int64_t bh, Scratch<T>& s, int) {
+    accumulate_kv(p, bh, p.mask->key_length(bh / p.dims.heads), s);
+    store_state(p, s, state + bh * state_rows(p));
+  });
+}
+
+template <class T>
+bool key_state_backward(const Problem<T>& p, const T* state, const T* dstate, T* dk, T* dv) {
+  const int64_t m = p.fmap->dim(), da = p.dims.value_dim + 1, d = p.dims.head_dim, dvd = p.dims.value_dim;
+  return each_head(ParallelLoop(p.dims.bh()), p, false, [&](int64_t bh, Scratch<T>& s, int) {
+    const int64_t key_len = p.mask->key_length(bh / p.dims.heads);
+    std::fill(dk + (bh * p.dims.n_k + key_len) * d, dk + (bh + 1) * p.dims.n_k * d, T(0));
+    std::fill(dv + (bh * p.dims.n_k + key_len) * dvd, dv + (bh + 1) * p.dims.n_k * dvd, T(0));
+    load_state(p, state + bh * state_rows(p), s);
+    const T* g = dstate + bh * state_rows(p);
+    for (int64_t r = 0; r < m; ++r) std::copy(g + r * (da + 1), g + r * (da + 1) + da, s.dkvz.data() + r * da);
+    noncausal_key_grads(p, bh, s, dk, dv);
+  });
+}
+
+template <class T>
+void apply_state(const Problem<T>& p, const T* state, T* out, T* den) {
+  const int64_t dv = p.dims.value_dim;
+  each_head(ParallelLoop(p.dims.bh()), p, false, [&](int64_t bh, Scratch<T>& s, int) {
+    load_state(p, state + bh * state_rows(p), s);
+    for (int64_t i0 = 0; i0 < p.dims.n_q; i0 += kBlockRows) {
+      interruption_point();
+      const int64_t rows = std::min(kBlockRows, p.dims.n_q - i0);
+      query_rows(p, bh, i0, rows, s, out + (bh * p.dims.n_q + i0) * dv, static_cast<const T*>(nullptr),
+                 den + bh * p.dims.n_q + i0);
+    }
+  });
+}
+
+template <class T>
+bool apply_state_backward(const Problem<T>& p, const T* state, const T* dout, const T* out, const T* den, T* dq,
+                          T* dstate) {
+  const int64_t m = p.fmap->dim(), da = p.dims.value_dim + 1;
+  return each_head(ParallelLoop(p.dims.bh()), p, false, [&](int64_t bh, Scratch<T>& s, int) {
+    load_state(p, state + bh * state_rows(p), s);
+    std::fill(s.dkvz.data(), s.dkvz.data() + m * da, T(0));
+    noncausal_query_grads(p, bh, s, dout, out, den, dq);
+    T* g = dstate + bh * state_rows(p);
+    for (int64_t r = 0; r < m; ++r) {
+      std::copy(s.dkvz.data() + r * da, s.dkvz.data() + (r + 1) * da, g + r * (da + 1));
+      g[r * (da + 1) + da] = 0;  // the shifts take no gradient
+    }
+    s.written.check(g, m * (da + 1));
+  });
+}
+
+template <class T>
+void causal_from_state(const Problem<T>& p, const T* prefix, T* out, T* den, T* state_after) {
+  require(p.mask->causal(), "kernelized::causal_from_state: the problem must be causal");
+  each_head(ParallelLoop(p.dims.bh()), p, true, [&](int64_t bh, Scratch<T>& s, int) {
+    forward_causal(p, bh, s, out, Saved<T>{den, state_after}, static_cast<T*>(nullptr), static_cast<T*>(nullptr),
+                   static_cast<T*>(nullptr), prefix + bh * state_rows(p));
+  });
+}
+
+template <class T>
+bool causal_from_state_backward(const Problem<T>& p, const T* prefix, const T* dout, const T* out, const T* den,
+                                const T* dstate_after, T* dq, T* dk, T* dv, T* dprefix) {
+  require(p.mask->causal(), "kernelized::causal_from_state_backward: the problem must be causal");
+  const ParallelLoop loop(p.dims.bh());
+  const int64_t cache_values =
+      std::min(p.dims.n_q * cached_values_per_row(*p.fmap), feature_cache_bytes() / static_cast<int64_t>(sizeof(T)));
+  PerWorker<FeatureCache<T>> cache(loop, [&] { return FeatureCache<T>{Buffer<T>(cache_values, true, Init::Uninitialized), 0}; });
+  PerWorker<CausalSaved<T>> saved(loop);
+  const int64_t d = p.dims.head_dim, dvd = p.dims.value_dim;
+  return each_head(loop, p, true, [&](int64_t bh, Scratch<T>& s, int worker) {
+    const int64_t key_len = p.mask->key_length(bh / p.dims.heads), rows = state_rows(p);
+    std::fill(dk + (bh * p.dims.n_k + key_len) * d, dk + (bh + 1) * p.dims.n_k * d, T(0));
+    std::fill(dv + (bh * p.dims.n_k + key_len) * dvd, dv + (bh + 1) * p.dims.n_k * dvd, T(0));
+    causal_forward_pass(p, bh, s, saved[worker], cache[worker], dout, out, den, dq, prefix + bh * rows);
+    causal_reverse_pass(p, bh, s, saved[worker], dout, den, dk, dv, dstate_after ? dstate_after + bh * rows : nullptr,
+                        prefix + bh * rows, dprefix + bh * rows);
+    s.written.check(dprefix + bh * rows, rows);
+  });
+}
+
+#define LINATTN_STATE_OPS(T)                                                                                  \
+  template void key_state<T>(const Problem<T>&, T*);                                                          \
+  template bool key_state_backward<T>(const Problem<T>&, const T*, const T*, T*, T*);                         \
+  template void apply_state<T>(const Problem<T>&, const T*, T*, T*);                                          \
+  template bool apply_state_backward<T>(const Problem<T>&, const T*, const T*, const T*, const T*, T*, T*);   \
+  template void causal_from_state<T>(const Problem<T>&, const T*, T*, T*, T*);                                \
+  template bool causal_from_state_backward<T>(const Problem<T>&, const T*, const T*, const T*, const T*,      \
+                                              const T*, T*, T*, T*, T*);
+LINATTN_STATE_OPS(float)
+LINATTN_STATE_OPS(double)
+#undef LINATTN_STATE_OPS
 
 template void forward<float>(const Problem<float>&, float*, Saved<float>);
 template void forward<double>(const Problem<double>&, double*, Saved<double>);

@@ -55,6 +55,34 @@ template <class T>
 bool backward(const Problem<T>& p, const T* dout, const T* out, const T* den, const T* state, T* dq,
               T* dk, T* dv);
 
+// ---- state-level operations (state_ops.cc; the distributed path's pieces) --------------------
+// A state holds per batch·head the rows [S_r | z_r | c_r] (m' × (d_v + 2)) of Saved::state.
+// The shifts c take no gradient: every result is the same function of the inputs whatever
+// they are, so the gradients below treat them as constants and write 0 in their column.
+
+// state = the sums over p's valid keys (p.q unused; the mask non-causal).
+template <class T>
+void key_state(const Problem<T>& p, T* state);
+// dk, dv (overwritten; padded keys 0) from dstate = ∂loss/∂state, with `state` the forward's.
+template <class T>
+bool key_state_backward(const Problem<T>& p, const T* state, const T* dstate, T* dk, T* dv);
+// out [B,H,n_q,d_v] and den [B,H,n_q] of p's queries against `state` (p.k, p.v unused).
+template <class T>
+void apply_state(const Problem<T>& p, const T* state, T* out, T* den);
+// dq and dstate (overwritten) from dout and the forward's out and den.
+template <class T>
+bool apply_state_backward(const Problem<T>& p, const T* state, const T* dout, const T* out, const T* den, T* dq,
+                          T* dstate);
+// Causal (p.mask causal), starting from `prefix` (the keys before p's): out, den, and the state
+// after p's keys (prefix included, on the final shifts).
+template <class T>
+void causal_from_state(const Problem<T>& p, const T* prefix, T* out, T* den, T* state_after);
+// dq, dk, dv and dprefix (overwritten) from dout and dstate_after (null: no gradient reaches
+// the final state).
+template <class T>
+bool causal_from_state_backward(const Problem<T>& p, const T* prefix, const T* dout, const T* out, const T* den,
+                                const T* dstate_after, T* dq, T* dk, T* dv, T* dprefix);
+
 // Rows per block (non-causal) and the longest chunk (causal). 32 rows: the causal intra-chunk
 // products grow with the chunk and the state products do not; 32 beat 16, 48 and 64 in both
 // passes here (docs/methods/kernelized.md).

@@ -86,6 +86,14 @@ class FeatureMap {
 };
 
 class KeyMask;
+struct RecurrentOptions;
+
+// The map RecurrentOptions names (RecurrentState, the state operations), its options checked
+// (fn in errors): "favor" needs the projection and sets opts.eps to 0; the plain maps refuse
+// projection, kernel and scale.
+template <class T>
+FeatureMap<T> feature_map_from_options(const char* fn, RecurrentOptions& opts, int64_t head_dim,
+                                       std::optional<TensorView<const T>> projection);
 
 // With feature_map="identity", q and k are features: each value x [B,H,n,m'] must be >= 0, so
 // that every attention weight φ(q_i)·φ(k_j) and normaliser is >= 0 (throws Error naming fn and

@@ -34,14 +34,9 @@ struct RecurrentState<T>::Impl {
   SingleUser user;       // prefill, step and copy from two threads at once are refused
 
   void rebuild_map() {
-    const char* fn = "recurrent_state";
-    if (opts.feature_map == "favor") {
-      fmap = FeatureMap<T>::favor(fn, parse_favor_kernel(fn, opts.kernel.value_or("positive")),
-                                  projection.view(), head_dim, opts.scale);
-    } else {
-      fmap = FeatureMap<T>::plain(fn, parse_plain_feature_map(fn, opts.feature_map), head_dim,
-                                  opts.focus_power);
-    }
+    std::optional<TensorView<const T>> w;
+    if (opts.feature_map == "favor") w = projection.view();
+    fmap = feature_map_from_options<T>("recurrent_state", opts, head_dim, w);
   }
 
   // The engine's causal path from the carried state over q, k, v [B,H,n,·] (checked).
@@ -69,18 +64,11 @@ RecurrentState<T>::RecurrentState(int64_t batch, int64_t heads, int64_t head_dim
   require(batch >= 0 && heads >= 0, fn, ": batch and heads must be >= 0, got ", batch, ", ", heads);
   require(head_dim >= 1 && value_dim >= 1, fn, ": head_dim and value_dim must be >= 1, got ",
           head_dim, ", ", value_dim);
+  feature_map_from_options<T>(fn, s.opts, head_dim, projection);  // checks the options
   const bool favor = opts.feature_map == "favor";
-  if (favor) {
-    require(projection.has_value(), fn, ": feature_map=\"favor\" needs a projection [m, ", head_dim, "]");
-    s.projection = Tensor<T>(projection->shape);  // checked by FeatureMap::favor in rebuild_map()
+  if (favor) {  // an owned copy, which the map points into
+    s.projection = Tensor<T>(projection->shape);
     std::copy(projection->data, projection->data + projection->size(), s.projection.data());
-    s.opts.eps = 0;
-  } else {
-    parse_plain_feature_map(fn, opts.feature_map);  // names the accepted values on error
-    require(!projection, fn, ": projection is only used with feature_map=\"favor\"");
-    require(!opts.kernel, fn, ": kernel is only used with feature_map=\"favor\"");
-    require(!opts.scale, fn, ": scale is only used with feature_map=\"favor\"");
-    require(std::isfinite(opts.eps) && opts.eps >= 0, fn, ": eps must be finite and >= 0, got ", opts.eps);
   }
   s.rebuild_map();
   const int64_t m = s.fmap.dim();

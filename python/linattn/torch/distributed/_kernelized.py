@@ -1,24 +1,31 @@
-"""Kernelized attention (elu, relu, focused, FAVOR+) over ranks, in torch operations, so that
-autograd derives the backward (the collectives in _comm carry their adjoints).
+"""Kernelized attention (elu, relu, focused, identity, FAVOR+) over ranks: linattn's state
+operations (linattn.torch.state, C++ kernels with their backward) do the math, this module
+only the collectives (whose adjoints _comm carries).
 
     out_i = φ(q_i)·S / (φ(q_i)·z + eps),  S = Σ_j φ(k_j) v_jᵀ [m', d_v],  z = Σ_j φ(k_j) [m']
 
-over the keys query i sees. Non-causal: every rank sums its keys into [S | z] and one
-all-reduce makes the whole sequence's; O(m'·d_v) per (batch, head), whatever n. Causal: each
-segment's [S | z] is all-gathered and a segment starts from the sum of the segments before it
-(an exclusive prefix over ranks), then runs the chunked causal form locally.
+over the keys query i sees. Non-causal: every rank sums its keys into a state [S | z | c] and
+one all-reduce makes the whole sequence's; O(m'·d_v) per (batch, head), whatever n. Causal:
+each segment's state is all-gathered and a segment runs causal_from_state from the sum of the
+segments before it (an exclusive prefix over ranks).
 
-FAVOR+ is kept finite as linattn's engine keeps it: key features are exp(L_kr − c_r) with c_r
-the largest key logit of feature r over the whole sequence (an all-reduce of maxima), query
-features exp(L_qr + c_r − t_i) with t_i their row maximum. Both shifts cancel in the ratio
-(eps is 0 for FAVOR), so they carry no gradient. The factor 1/√m' cancels too and is left out.
+FAVOR's per-feature shifts c (the largest key logit; linattn.torch.state) differ from rank to
+rank: states add as c = max_i c_i, [S | z] = Σ_i [S_i | z_i]·exp(c_i − c), so the non-causal
+path all-reduces the maxima first (m' numbers, no gradient) and the causal one gathers them
+beside the states. The shifts carry no gradient: the result does not depend on them.
 
 The depthwise convolution of the focused map needs up to K−1 neighbouring rows of v from other
 ranks: every segment's first and last K−1 rows are all-gathered (any row within K−1 of a
-segment lies in those of the segment holding it)."""
+segment lies in those of the segment holding it).
+
+The hybrid (_hybrid.py) still composes its linear part from the torch functions below
+(plain_features, favor_logits, Features, sums, ordered_sums): its sums skip each query's
+window, which the state operations do not express."""
 
 import torch
 import torch.nn.functional as F
+
+from .. import state as _state
 
 CHUNK = 64  # rows per chunk of the causal form: intra-chunk products C×C, one state per chunk
 
@@ -180,9 +187,72 @@ def ordered_sums(g, segs, fqs, fks, v1s, reverses):
     return out
 
 
-def attention(g, segs, q, k, v, lengths, causal, eps, phi):
-    """This rank's out [B,H,n,d_v]; segs: every rank's segments (this rank's are segs[g.rank])."""
-    return torch.cat([ratio(x, eps) for x in sums(g, segs, q, k, v, lengths, causal, phi)], 2)
+def local_lengths(lengths, seg):
+    """key_lengths [B] (of the whole sequence) as a segment's own: a list, or None."""
+    if lengths is None:
+        return None
+    return (lengths - seg.start).clamp(0, seg.length).tolist()
+
+
+def _all_reduce_state(g, st, favor):
+    """The sum over ranks of a state [B,H,m',d_v+2]: FAVOR's shifts first (an all-reduce of
+    maxima, no gradient), then [S | z] on the common shifts (an all-reduce of sums)."""
+    if favor:
+        with torch.no_grad():
+            c = g.all_reduce_max(st[..., -1:].clone())
+        st = _state.rescale_state(st, c)
+    return torch.cat([g.all_reduce_sum(st[..., :-1]), st[..., -1:]], -1)
+
+
+def _feature_dim(opts, head_dim):
+    """m' of the map opts names: head_dim for the plain maps, FAVOR's m (2m: hyperbolic, trig)."""
+    if opts["feature_map"] != "favor":
+        return head_dim
+    return opts["projection"].shape[0] * (1 if opts.get("kernel") in (None, "positive") else 2)
+
+
+def attention(g, segs, q, k, v, lengths, causal, opts):
+    """This rank's out [B,H,n,d_v] (segs: every rank's segments; this rank's are segs[g.rank]);
+    opts: linattn.torch.state's options (feature_map, projection, kernel, scale, eps,
+    focus_power)."""
+    mine = segs[g.rank]
+    favor = opts["feature_map"] == "favor"
+    if not causal:
+        states = torch.stack([_state.key_state(s.rows(k), s.rows(v), key_lengths=local_lengths(lengths, s), **opts)
+                              for s in mine])  # [segments, B, H, m', d_v+2]
+        total = _all_reduce_state(g, _state.add_states(states), favor)
+        return _state.apply_state(q, total, **opts)
+    # Causal: each segment's state, for the segments after it. The sequence's last segment has
+    # none after it: an empty state stands in (no pass over its keys, none back), requiring grad
+    # as the others do, so that every rank's backward reaches the all-gather.
+    n_total = max(s.stop for rank_segs in segs for s in rank_segs)
+    B, H, _, d = q.shape
+    states = []
+    for s in mine:
+        if s.stop == n_total:
+            empty = _state.empty_state(B, H, _feature_dim(opts, d), v.shape[3], favor=favor, dtype=q.dtype)
+            states.append(empty.requires_grad_(torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)))
+        else:
+            states.append(_state.key_state(s.rows(k), s.rows(v), key_lengths=local_lengths(lengths, s), **opts))
+    states = torch.stack(states)  # [segments, B, H, m', d_v+2]
+    every = g.all_gather(states[..., :-1])  # [P, segments, B, H, m', d_v+1]
+    if favor:
+        with torch.no_grad():
+            shifts = g.all_gather(states[..., -1:].contiguous())
+    else:
+        shifts = every.new_zeros(*every.shape[:-1], 1)
+    every = torch.cat([every, shifts], -1).flatten(0, 1)
+    starts = torch.tensor([s.start for rank_segs in segs for s in rank_segs])
+    outs = []
+    for s in mine:
+        # The segments before this one, as 0/1 weights rather than a selection, so that every
+        # rank's backward reaches the all-gather (whose adjoint is a collective) even where no
+        # segment comes before.
+        prefix = _state.add_states(every, weights=starts < s.start)
+        out, _ = _state.causal_from_state(s.rows(q), s.rows(k), s.rows(v), prefix,
+                                          key_lengths=local_lengths(lengths, s), **opts)
+        outs.append(out)
+    return torch.cat(outs, 2)
 
 
 def halos(g, segs, xs, left, right):

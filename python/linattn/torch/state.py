@@ -1,0 +1,194 @@
+"""linattn.torch.state: kernelized attention in pieces, differentiable (the C++ library's
+key_state, apply_state and causal_from_state; include/linattn/kernelized.h).
+
+For a sequence split into blocks (context parallelism: linattn.torch.distributed uses them;
+pipelines; prefill in parts): the state of a block's keys, a state applied to queries, and a
+causal block that starts from the state of the keys before it. A state is
+[batch, heads, m', value_dim + 2]: per feature r the row
+
+    [S_r | z_r | c_r] = [Σ_j φ_r(k_j)·v_j | Σ_j φ_r(k_j)] / exp(c_r) | c_r
+
+over the keys it holds, c_r a per-feature log-shift that keeps FAVOR's exponentials in range
+(−inf where no key reached the feature; 0 for the plain maps). `add_states` adds states as
+the shifts require. The shifts take no gradient (every result is the same function of q, k
+and v whatever they are); S and z do, and so every function here is differentiable in q, k, v
+and the states it takes.
+
+Options, as linattn.torch.RecurrentState / linattn.recurrent_state name them: feature_map
+"elu", "relu", "focused", "identity" (q and k are features, >= 0) or "favor" (with projection
+[m, head_dim], kernel "positive", "hyperbolic" or "trig", and scale); eps (not for favor);
+focus_power. eps: None means 1e-6 for the plain maps, and favor takes none. float32 and float64; every value of q, k and v must be finite (padded keys too:
+give them zeros); sums beyond the dtype's range raise ValueError."""
+
+import torch
+
+from .. import _linattn
+from . import _lengths, _same_dtype, _tensor
+from ._ops import _array, _tensor as _from_numpy
+
+__all__ = ["key_state", "apply_state", "causal_from_state", "add_states", "rescale_state", "empty_state"]
+
+_FULL = (torch.float32, torch.float64)
+
+
+def _opts(fn, feature_map, projection, kernel, scale, eps, focus_power):
+    """The binding's keyword options, projection checked: a constant (no gradient flows to it).
+    eps: None is 1e-6 for the plain maps; FAVOR takes none (its features estimate exp(q·k))."""
+    if feature_map == "favor" and eps is not None:
+        raise ValueError("%s: eps is not used with feature_map='favor' (its denominators are sums of exponentials); "
+                         "leave it None" % fn)
+    eps = 1e-6 if eps is None else eps
+    if projection is not None:
+        projection = _tensor(fn, "projection", projection)
+        if projection.requires_grad:
+            raise ValueError("%s: projection has requires_grad=True, but it is a constant of the method (no "
+                             "gradient flows to it); pass projection.detach()" % fn)
+    if not isinstance(feature_map, str):
+        raise TypeError("%s: feature_map must be a str, got %r" % (fn, feature_map))
+    return dict(feature_map=feature_map, kernel=kernel, scale=scale, eps=float(eps), focus_power=float(focus_power),
+                projection=_array(projection))
+
+
+def _inputs(fn, named):
+    """The tensors (name, tensor or None), contiguous, float32/float64, of one dtype."""
+    out = [None if t is None else _tensor(fn, n, t) for n, t in named]
+    _same_dtype(fn, [(n, t) for (n, _), t in zip(named, out)])
+    for (n, _), t in zip(named, out):
+        if t is not None and t.dtype not in _FULL:
+            raise TypeError("%s: %s has dtype %s; the state operations take torch.float32 or torch.float64"
+                            % (fn, n, t.dtype))
+    return out
+
+
+def _length_list(fn, key_lengths):
+    lengths = _lengths(fn, key_lengths)
+    return None if lengths is None else lengths.tolist()
+
+
+class _KeyState(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, k, v, lengths, opts):
+        state = _from_numpy(_linattn._key_state(_array(k), _array(v), lengths, **opts))
+        ctx.save_for_backward(k, v, state)
+        ctx.lengths, ctx.opts = lengths, opts
+        return state
+
+    @staticmethod
+    def backward(ctx, dstate):
+        k, v, state = ctx.saved_tensors
+        dk, dv = _linattn._key_state_backward(_array(k), _array(v), _array(state), _array(dstate), ctx.lengths,
+                                              **ctx.opts)
+        return _from_numpy(dk), _from_numpy(dv), None, None
+
+
+class _ApplyState(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, state, opts):
+        out, den = (_from_numpy(x) for x in _linattn._apply_state(_array(q), _array(state), **opts))
+        ctx.save_for_backward(q, state, out, den)
+        ctx.opts = opts
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, state, out, den = ctx.saved_tensors
+        dq, dstate = _linattn._apply_state_backward(_array(q), _array(state), _array(dout), _array(out), _array(den),
+                                                    **ctx.opts)
+        return _from_numpy(dq), _from_numpy(dstate), None
+
+
+class _CausalFromState(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, prefix, lengths, opts):
+        out, den, state = (_from_numpy(x) for x in _linattn._causal_from_state(
+            _array(q), _array(k), _array(v), _array(prefix), lengths, **opts))
+        ctx.save_for_backward(q, k, v, prefix, out, den)
+        ctx.lengths, ctx.opts = lengths, opts
+        ctx.set_materialize_grads(False)  # no zero tensor for an unused state_after
+        return out, state
+
+    @staticmethod
+    def backward(ctx, dout, dstate_after):
+        q, k, v, prefix, out, den = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv, dprefix = _linattn._causal_from_state_backward(
+            _array(q), _array(k), _array(v), _array(prefix), _array(dout), _array(out), _array(den),
+            _array(dstate_after), ctx.lengths, **ctx.opts)
+        return _from_numpy(dq), _from_numpy(dk), _from_numpy(dv), _from_numpy(dprefix), None, None
+
+
+def key_state(k, v, *, feature_map="elu", projection=None, kernel=None, scale=None, eps=None, focus_power=3.0,
+              key_lengths=None):
+    """k [B,H,n,d], v [B,H,n,d_v] -> the state [B,H,m',d_v+2] of the keys j < key_lengths[b]
+    (default all). Differentiable in k and v."""
+    fn = "linattn.torch.state.key_state"
+    opts = _opts(fn, feature_map, projection, kernel, scale, eps, focus_power)
+    k, v = _inputs(fn, [("k", k), ("v", v)])
+    return _KeyState.apply(k, v, _length_list(fn, key_lengths), opts)
+
+
+def apply_state(q, state, *, feature_map="elu", projection=None, kernel=None, scale=None, eps=None, focus_power=3.0):
+    """q [B,H,n,d] and a state -> out_i = φ(q_i)·S / (φ(q_i)·z + eps) [B,H,n,d_v] (0 where the
+    denominator is 0). Differentiable in q and state."""
+    fn = "linattn.torch.state.apply_state"
+    opts = _opts(fn, feature_map, projection, kernel, scale, eps, focus_power)
+    q, state = _inputs(fn, [("q", q), ("state", state)])
+    return _ApplyState.apply(q, state, opts)
+
+
+def causal_from_state(q, k, v, prefix, *, feature_map="elu", projection=None, kernel=None, scale=None, eps=None,
+                      focus_power=3.0, key_lengths=None):
+    """q, k [B,H,n,d], v [B,H,n,d_v] and prefix (the state of the keys before this block) ->
+    (out, state): out_i = φ(q_i)·(S_P + Σ_{j<=i} φ(k_j)v_jᵀ) / (φ(q_i)·(z_P + Σ_{j<=i} φ(k_j)) + eps)
+    [B,H,n,d_v], and the state after the block (prefix and its keys j < key_lengths[b]).
+    Differentiable in q, k, v and prefix, through out and state."""
+    fn = "linattn.torch.state.causal_from_state"
+    opts = _opts(fn, feature_map, projection, kernel, scale, eps, focus_power)
+    q, k, v, prefix = _inputs(fn, [("q", q), ("k", k), ("v", v), ("prefix", prefix)])
+    return _CausalFromState.apply(q, k, v, prefix, _length_list(fn, key_lengths), opts)
+
+
+def empty_state(batch, heads, feature_dim, value_dim, *, favor=False, dtype=torch.float32):
+    """The state of no keys [batch, heads, feature_dim, value_dim + 2]: zeros, and shifts −inf
+    for FAVOR (0 for the plain maps). feature_dim: head_dim for the plain maps; FAVOR's m, or
+    2m for the hyperbolic and trig kernels."""
+    s = torch.zeros(batch, heads, feature_dim, value_dim + 2, dtype=dtype)
+    if favor:
+        s[..., -1] = float("-inf")
+    return s
+
+
+def _factors(c_i, c):
+    """exp(c_i − c), 0 where either is −inf (a state of no keys, or none at all)."""
+    live = torch.isfinite(c_i) & torch.isfinite(c)
+    return torch.where(live, torch.exp(torch.where(live, c_i - c, 0)), 0)
+
+
+def rescale_state(state, shift):
+    """state [..., m', d_v+2] on the shifts `shift` [..., m', 1] (each >= the state's own):
+    [S | z]·exp(c − shift) | shift. Differentiable in S and z."""
+    return torch.cat([state[..., :-1] * _factors(state[..., -1:].detach(), shift), shift], -1)
+
+
+def add_states(states, weights=None):
+    """The sum of states stacked along dim 0 ([N, B, H, m', d_v+2]; or a list of them): shifts
+    c = max_i c_i, [S | z] = Σ_i [S_i | z_i]·exp(c_i − c), a term at c_i = −inf being 0.
+    weights [N] (0 or 1, optional) leaves states out by multiplying them by 0, so that every
+    state stays in the autograd graph (a collective's adjoint needs every rank's backward);
+    where every state is left out, the sum is the empty state (shifts −inf, or 0 for the plain
+    maps, whose states have every shift 0). Differentiable in S and z; the shifts carry no
+    gradient."""
+    if isinstance(states, (list, tuple)):
+        states = torch.stack(list(states))
+    c_i = states[..., -1:].detach()
+    if not bool((c_i == 0).all()):  # FAVOR (the plain maps' shifts are all 0: nothing to rescale)
+        if weights is not None:
+            keep = torch.as_tensor(weights).to(torch.bool).view(-1, *([1] * (states.dim() - 1)))
+            c_i = torch.where(keep, c_i, float("-inf"))
+        c = c_i.amax(0)
+        return torch.cat([(states[..., :-1] * _factors(c_i, c)).sum(0), c], -1)
+    sz = states[..., :-1]
+    if weights is not None:
+        sz = sz * torch.as_tensor(weights).to(sz.dtype).view(-1, *([1] * (states.dim() - 1)))
+    return torch.cat([sz.sum(0), c_i[0]], -1)

@@ -1,0 +1,125 @@
+"""linattn.torch.state: the state operations through torch, their autograd (gradcheck in
+float64 through every chain the distributed path uses) and their errors. The C++ tests
+(tests/test_state_ops.cc) hold the kernels to the float64 reference and to central differences."""
+
+import pytest
+import torch
+
+import linattn
+import linattn.torch as lt
+from linattn.torch import state as st
+
+MAPS = ["elu", "relu", "focused", "identity", "positive", "hyperbolic", "trig"]
+
+
+def _opts(name, d):
+    if name in ("positive", "hyperbolic", "trig"):
+        w = torch.from_numpy(linattn.random_features(8, d, seed=3, dtype="float64"))
+        return dict(feature_map="favor", kernel=name, projection=w)
+    return dict(feature_map=name)
+
+
+def _inputs(name, n, d=4, dv=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 2, n, x, generator=gen, dtype=torch.float64) for x in (d, d, dv))
+    if name == "identity":
+        q, k = q.abs(), k.abs()
+    return q, k, v
+
+
+def _whole(name, q, k, v, causal, lengths):
+    o = _opts(name, q.shape[3])
+    if o["feature_map"] == "favor":
+        return lt.favor_attention(q, k, v, o["projection"], kernel=o["kernel"], causal=causal, key_lengths=lengths)
+    return lt.linear_attention(q, k, v, feature_map=name, causal=causal, key_lengths=lengths)
+
+
+def _blockwise(name, q, k, v, causal, lengths, cuts):
+    """The whole sequence's output from blocks, as linattn.torch.distributed composes them."""
+    o = _opts(name, q.shape[3])
+    local = [None if lengths is None else [min(max(n - a, 0), b - a) for n in lengths] for a, b in zip(cuts, cuts[1:])]
+    blocks = [(slice(a, b), L) for (a, b), L in zip(zip(cuts, cuts[1:]), local)]
+    states = [st.key_state(k[:, :, s], v[:, :, s], key_lengths=L, **o) for s, L in blocks]
+    if not causal:
+        total = st.add_states(states)
+        return torch.cat([st.apply_state(q[:, :, s], total, **o) for s, _ in blocks], 2)
+    outs = []
+    for i, (s, L) in enumerate(blocks):
+        prefix = st.add_states(torch.stack(states), weights=torch.arange(len(states)) < i)
+        outs.append(st.causal_from_state(q[:, :, s], k[:, :, s], v[:, :, s], prefix, key_lengths=L, **o)[0])
+    return torch.cat(outs, 2)
+
+
+@pytest.mark.parametrize("name", MAPS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_blocks_equal_the_whole_sequence(name, causal):
+    """Blocks of 11, 1, 8 and 25 rows (padding ending inside one, and a block with no key),
+    against linattn.torch on the whole sequence, forward and gradients (float64: the same sums in
+    another order, to 1e-11 of their size)."""
+    q, k, v = _inputs(name, 45)
+    lengths = [45, 15]
+    cuts = [0, 11, 12, 20, 45]
+    xs = [x.clone().requires_grad_() for x in (q, k, v)]
+    ys = [x.clone().requires_grad_() for x in (q, k, v)]
+    got = _blockwise(name, *xs, causal, lengths, cuts)
+    want = _whole(name, *ys, causal, lengths)
+    torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11)
+    g = torch.randn_like(want)
+    (got * g).sum().backward()
+    (want * g).sum().backward()
+    for a, b, label in zip(xs, ys, "qkv"):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-10, msg=lambda m: "d%s: %s" % (label, m))
+
+
+@pytest.mark.parametrize("name", MAPS)
+def test_gradcheck(name):
+    """torch.autograd.gradcheck (central differences, float64) of key_state -> apply_state, and
+    of causal_from_state from a key_state prefix, through its output and its final state."""
+    o = _opts(name, 3)
+    q, k, v = _inputs(name, 6, d=3, dv=2, seed=1)
+    q0, k0, v0 = _inputs(name, 4, d=3, dv=2, seed=2)
+    args = [x.clone().requires_grad_() for x in (q, k, v, q0, k0, v0)]
+
+    def noncausal(q, k, v, q0, k0, v0):
+        return st.apply_state(q, st.key_state(k, v, key_lengths=[6, 4], **o), **o)
+
+    def causal(q, k, v, q0, k0, v0):
+        out, after = st.causal_from_state(q, k, v, st.key_state(k0, v0, **o), key_lengths=[6, 5], **o)
+        return out, st.apply_state(q0, after, **o)
+    assert torch.autograd.gradcheck(noncausal, args, eps=1e-6, atol=1e-7)
+    assert torch.autograd.gradcheck(causal, args, eps=1e-6, atol=1e-7)
+
+
+def test_empty_and_rescaled_states():
+    """The empty state adds as zero; a state rescaled onto larger shifts gives the same output."""
+    q, k, v = _inputs("positive", 5)
+    o = _opts("positive", 4)
+    s = st.key_state(k, v, **o)
+    empty = st.empty_state(2, 2, 8, 3, favor=True, dtype=torch.float64)
+    torch.testing.assert_close(st.add_states([empty, s]), s, rtol=0, atol=0)
+    higher = st.rescale_state(s, s[..., -1:] + 3.0)
+    torch.testing.assert_close(st.apply_state(q, higher, **o), st.apply_state(q, s, **o), rtol=1e-12, atol=1e-12)
+    plain = st.key_state(k, v)
+    assert bool((st.add_states([plain, plain], weights=torch.tensor([0, 0]))[..., -1] == 0).all())
+
+
+def test_bad_input():
+    q, k, v = _inputs("elu", 5)
+    o = _opts("positive", 4)
+    s = st.key_state(k, v)
+    with pytest.raises(ValueError, match="eps is not used with feature_map='favor'"):
+        st.key_state(k, v, eps=1e-3, **o)
+    with pytest.raises(TypeError, match="the state operations take torch.float32 or torch.float64"):
+        st.key_state(k.bfloat16(), v.bfloat16())
+    with pytest.raises(TypeError, match="v has dtype torch.float32 but k has torch.float64"):
+        st.key_state(k, v.float())
+    with pytest.raises(ValueError, match="projection has requires_grad=True"):
+        st.key_state(k, v, feature_map="favor", projection=o["projection"].clone().requires_grad_())
+    with pytest.raises(ValueError, match=r"apply_state: state has shape \[2, 2, 3, 5\]; expected \[2, 2, 4, 5\]"):
+        st.apply_state(q, s[:, :, :3])
+    with pytest.raises(ValueError, match="key_lengths must be in"):
+        st.key_state(k, v, key_lengths=[9, 1])
+    with pytest.raises(ValueError, match="feature_map"):
+        st.key_state(k, v, feature_map="gelu")
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        st.apply_state(q.numpy(), s)
