@@ -15,6 +15,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -213,9 +214,9 @@ def main():
     for P in ([] if rows else a.ranks):
         print("P = %d" % P, flush=True)
         path = os.path.join(a.out, "ranks%d.json" % P)
-        store = os.path.join(a.out, "store%d" % P)
-        if os.path.exists(store):
-            os.remove(store)  # a FileStore file must be new
+        # A FileStore file must be new, and on a local file system: its fcntl locks hung on this
+        # checkout's shared mount (2026-11-25), so it goes to a fresh temporary folder.
+        store = os.path.join(tempfile.mkdtemp(prefix="linattn-distributed-"), "store%d" % P)
         mp.spawn(worker, args=(P, store, a.ns, a.reps, path), nprocs=P, join=True)
         rows += json.load(open(path))
     if not a.rows:

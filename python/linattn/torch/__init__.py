@@ -173,3 +173,6 @@ def hedgehog_attention(q: "Tensor", k: "Tensor", v: "Tensor", query_weight: "Ten
 
 
 __all__ += ["HedgehogFeatureMap", "hedgehog_features", "hedgehog_attention"]
+
+# Kernelized attention in pieces (key_state, apply_state, causal_from_state): linattn.torch.state.
+from . import state  # noqa: E402
