@@ -355,6 +355,7 @@ class Inputs {
   DType dtype() const {
     std::vector<std::pair<const char*, const Array*>> all;
     for (const auto& [name, a] : arrays_) all.push_back({name, &a});
+    if (all.empty()) throw py::type_error(std::string(fn_) + ": every tensor argument is None");
     return common_dtype(fn_, all);
   }
   template <class T>
@@ -363,8 +364,13 @@ class Inputs {
       if (std::string(n) == name) return a.template view<T>();
     return std::nullopt;
   }
+  // A required tensor: one that was None is a TypeError naming it.
   template <class T>
-  TensorView<const T> tensor(const char* name) const { return *optional<T>(name); }
+  TensorView<const T> tensor(const char* name) const {
+    const auto t = optional<T>(name);
+    if (!t) throw py::type_error(std::string(fn_) + ": " + name + " must be an array, got None");
+    return *t;
+  }
 
  private:
   const char* fn_;

@@ -141,7 +141,7 @@ template <class T>
 void check_blocks_match_reference(const std::string& map, bool causal) {
   const int64_t B = 2, H = 3, n = 77, d = 8, dv = 5;
   const Inputs x = inputs(map, B, H, n, d, dv, 10);
-  const std::optional<std::vector<int64_t>> lengths = std::vector<int64_t>{77, 40};
+  const std::optional<std::vector<int64_t>> lengths = std::vector<int64_t>{77, 35};
   testing::KernelizedSpec spec;
   spec.map = map;
   spec.causal = causal;
@@ -150,8 +150,8 @@ void check_blocks_match_reference(const std::string& map, bool causal) {
   const auto wd = cast<double>(w);
   const auto exact = testing::kernelized_exact_with_bounds<T>(cast<double>(q), cast<double>(k), cast<double>(v),
                                                               Tensor<double>(v.shape()), &wd, spec);
-  // Blocks of 30, 1, 9 (the padding starts inside it) and 37 rows; 37 > the engine's causal
-  // chunk, so the causal form crosses chunks from a prefix.
+  // Blocks of 30, 1, 9 (item 1's padding starts inside it, at 35) and 37 rows (item 1: no key);
+  // 37 > the engine's causal chunk, so the causal form crosses chunks from a prefix.
   const std::vector<int64_t> cuts = {0, 30, 31, 40, 77};
   std::optional<Tensor<T>> first;
   for (int threads : {1, 4, 9}) {
@@ -188,8 +188,10 @@ TEST(StateOps, CausalFinalStateIsTheKeyState) {
     double top = 0;
     for (int64_t i = 0; i < whole.size(); ++i)
       if (std::isfinite(whole[i])) top = std::max(top, std::abs(whole[i]));
-    for (int64_t i = 0; i < whole.size(); ++i)
-      if (state[i] != whole[i]) ASSERT_NEAR(state[i], whole[i], 1e-13 * top) << i;  // equal: −inf shifts
+    for (int64_t i = 0; i < whole.size(); ++i) {
+      if (state[i] == whole[i]) continue;  // −inf shifts compare equal, not near
+      ASSERT_NEAR(state[i], whole[i], 1e-13 * top) << i;
+    }
   }
 }
 
@@ -245,48 +247,58 @@ TEST(StateOps, NonCausalBackwardsMatchFiniteDifferences) {
 }
 
 // Causal: L = Σ G1∘out + Σ G2∘apply_state(q2, state_after) with out, state_after =
-// causal_from_state(q, k, v, key_state(k0, v0)): every input's gradient through the chain,
-// dprefix and dstate_after included. 40 rows: more than one of the engine's chunks.
+// causal_from_state(q, k, v, prefix), the prefix key_state(k0, v0) or the empty state (what
+// the first segment of a split sequence starts from): every input's gradient through the
+// chain, dprefix and dstate_after included. 40 rows: more than one of the engine's chunks.
 TEST(StateOps, CausalBackwardMatchesFiniteDifferences) {
-  for (const auto& map : kMaps) {
-    SCOPED_TRACE(map);
-    const int64_t n = 40, d = 3, dv = 2;
-    Inputs x = inputs(map, 1, 2, n, d, dv, 50);
-    Inputs x0 = inputs(map, 1, 2, 6, d, dv, 60);
-    Tensor<double> q2 = random_tensor<double>({1, 2, 3, d}, 61);
-    if (map == "identity")
-      for (int64_t i = 0; i < q2.size(); ++i) q2[i] = std::abs(q2[i]);
-    const StateOptions o = options_for(map);
-    const bool favor = o.feature_map == "favor";
-    const auto proj = favor ? std::optional<TensorView<const double>>(x.w.view()) : std::nullopt;
-    const std::optional<std::vector<int64_t>> lengths = std::vector<int64_t>{35};
-    const auto G1 = random_tensor<double>({1, 2, n, dv}, 62), G2 = random_tensor<double>({1, 2, 3, dv}, 63);
-    auto loss = [&] {
-      const auto prefix = key_state<double>(x0.k, x0.v, o, proj);
+  for (const auto& map : kMaps)
+    for (bool empty_prefix : {false, true}) {
+      SCOPED_TRACE(map + (empty_prefix ? " from the empty state" : ""));
+      const int64_t n = 40, d = 3, dv = 2;
+      Inputs x = inputs(map, 1, 2, n, d, dv, 50);
+      Inputs x0 = inputs(map, 1, 2, 6, d, dv, 60);
+      Tensor<double> q2 = random_tensor<double>({1, 2, 3, d}, 61);
+      if (map == "identity")
+        for (int64_t i = 0; i < q2.size(); ++i) q2[i] = std::abs(q2[i]);
+      const StateOptions o = options_for(map);
+      const bool favor = o.feature_map == "favor";
+      const auto proj = favor ? std::optional<TensorView<const double>>(x.w.view()) : std::nullopt;
+      const std::optional<std::vector<int64_t>> lengths = std::vector<int64_t>{35};
+      const auto G1 = random_tensor<double>({1, 2, n, dv}, 62), G2 = random_tensor<double>({1, 2, 3, dv}, 63);
+      const int64_t m = map == "hyperbolic" || map == "trig" ? 32 : favor ? 16 : d;
+      auto prefix_of = [&] {
+        return empty_prefix ? empty_state<double>({1, 2, m, dv + 2}, favor) : key_state<double>(x0.k, x0.v, o, proj);
+      };
+      auto loss = [&] {
+        const auto r = causal_from_state<double>(x.q, x.k, x.v, prefix_of(), o, proj, lengths);
+        return testing::dot_loss(r.out, G1) + testing::dot_loss(apply_state<double>(q2, r.state, o, proj).out, G2);
+      };
+      const auto prefix = prefix_of();
       const auto r = causal_from_state<double>(x.q, x.k, x.v, prefix, o, proj, lengths);
-      return testing::dot_loss(r.out, G1) + testing::dot_loss(apply_state<double>(q2, r.state, o, proj).out, G2);
-    };
-    const auto prefix = key_state<double>(x0.k, x0.v, o, proj);
-    const auto r = causal_from_state<double>(x.q, x.k, x.v, prefix, o, proj, lengths);
-    const auto a = apply_state<double>(q2, r.state, o, proj);
-    const auto ga = apply_state_backward<double>(q2, r.state, G2, a.out, a.den, o, proj);
-    const auto gc = causal_from_state_backward<double>(x.q, x.k, x.v, prefix, G1, r.out, r.den,
-                                                       ga.dstate.view(), o, proj, lengths);
-    const auto g0 = key_state_backward<double>(x0.k, x0.v, prefix, gc.dstate, o, proj);
-    testing::expect_gradient(x.q, gc.dq, loss, "dq");
-    testing::expect_gradient(x.k, gc.dk, loss, "dk");
-    testing::expect_gradient(x.v, gc.dv, loss, "dv");
-    testing::expect_gradient(x0.k, g0.dk, loss, "dk of the prefix's keys");
-    testing::expect_gradient(x0.v, g0.dv, loss, "dv of the prefix's keys");
-    testing::expect_gradient(q2, ga.dq, loss, "dq of the state's queries");
-    // Without dstate_after, the gradients are those of Σ G1∘out alone.
-    const auto g_out = causal_from_state_backward<double>(x.q, x.k, x.v, prefix, G1, r.out, r.den, std::nullopt, o,
-                                                          proj, lengths);
-    auto loss_out = [&] {
-      return testing::dot_loss(causal_from_state<double>(x.q, x.k, x.v, prefix, o, proj, lengths).out, G1);
-    };
-    testing::expect_gradient(x.v, g_out.dv, loss_out, "dv without dstate_after");
-  }
+      const auto a = apply_state<double>(q2, r.state, o, proj);
+      const auto ga = apply_state_backward<double>(q2, r.state, G2, a.out, a.den, o, proj);
+      const auto gc = causal_from_state_backward<double>(x.q, x.k, x.v, prefix, G1, r.out, r.den,
+                                                         ga.dstate.view(), o, proj, lengths);
+      for (int64_t row = 0; row < 2 * m; ++row) ASSERT_EQ(gc.dstate[row * (dv + 2) + dv + 1], 0) << "shift of dprefix";
+      testing::expect_gradient(x.q, gc.dq, loss, "dq");
+      testing::expect_gradient(x.k, gc.dk, loss, "dk");
+      testing::expect_gradient(x.v, gc.dv, loss, "dv");
+      testing::expect_gradient(q2, ga.dq, loss, "dq of the state's queries");
+      if (!empty_prefix) {
+        const auto g0 = key_state_backward<double>(x0.k, x0.v, prefix, gc.dstate, o, proj);
+        testing::expect_gradient(x0.k, g0.dk, loss, "dk of the prefix's keys");
+        testing::expect_gradient(x0.v, g0.dv, loss, "dv of the prefix's keys");
+      }
+      // Without dstate_after, the gradients are those of Σ G1∘out alone.
+      const auto g_out = causal_from_state_backward<double>(x.q, x.k, x.v, prefix, G1, r.out, r.den, std::nullopt,
+                                                            o, proj, lengths);
+      auto loss_out = [&] {
+        return testing::dot_loss(causal_from_state<double>(x.q, x.k, x.v, prefix_of(), o, proj, lengths).out, G1);
+      };
+      testing::expect_gradient(x.q, g_out.dq, loss_out, "dq without dstate_after");
+      testing::expect_gradient(x.k, g_out.dk, loss_out, "dk without dstate_after");
+      testing::expect_gradient(x.v, g_out.dv, loss_out, "dv without dstate_after");
+    }
 }
 
 // ---- bad input -------------------------------------------------------------------------------
@@ -327,6 +339,15 @@ TEST(StateOps, BadInputIsAnError) {
               HasSubstr("apply_state_backward: dout"));
   EXPECT_THAT(error_of([&] { key_state_backward<double>(x.k, x.v, state, rows(state, 0, 2), elu); }),
               HasSubstr("key_state_backward: dstate"));
+  const auto cr = causal_from_state<double>(x.q, x.k, x.v, state, elu);
+  EXPECT_THAT(error_of([&] {
+                causal_from_state_backward<double>(x.q, x.k, x.v, state, cr.out, cr.out, rows(cr.out, 0, 1), std::nullopt, elu);
+              }),
+              HasSubstr("causal_from_state_backward: den"));
+  EXPECT_THAT(error_of([&] {
+                causal_from_state_backward<double>(x.q, x.k, x.v, state, cr.out, cr.out, cr.den, rows(state, 0, 1).view(), elu);
+              }),
+              HasSubstr("causal_from_state_backward: dstate_after"));
   StateOptions neg_eps;
   neg_eps.eps = -1;
   EXPECT_THAT(error_of([&] { key_state<double>(x.k, x.v, neg_eps); }), HasSubstr("eps must be finite and >= 0"));

@@ -118,8 +118,10 @@ struct RecurrentOptions {
 // range (the largest key logit of feature r; −inf where no key reached it, its S_r and z_r 0);
 // it is 0 for the plain maps. Two states of the same options add as
 //   c = max(c¹, c²),  [S | z] = [S¹ | z¹]·exp(c¹ − c) + [S² | z²]·exp(c² − c)
-// (a term at c^i = −inf is 0). The shifts take no gradient: every result is the same
-// function of q, k, v whatever they are (the query features take the same shifts back).
+// (a term at c^i = −inf is 0). The shifts take no gradient: every attention output is the
+// same function of q, k, v whatever they are (the query features take the same shifts back),
+// so gradients of outputs through these operations are exact. A state's S and z on their own
+// depend on k through c as well; their "gradient" here holds c constant.
 // Options as RecurrentOptions: feature_map "elu", "relu", "focused", "identity", or "favor"
 // with a projection, kernel and scale. Every value of q, k and v must be finite (padded keys
 // too; give them zeros). Values are not rescaled: sums that overflow the dtype are an error.
@@ -144,7 +146,10 @@ template <class T>
 Tensor<T> key_state(TensorView<const T> k, TensorView<const T> v, const StateOptions& opts = {},
                     std::optional<TensorView<const T>> projection = std::nullopt,
                     std::optional<std::vector<int64_t>> key_lengths = std::nullopt);
-// dk, dv from dstate [B,H,m',d_v+2] (its shift column is not read); state: key_state's result.
+// dk, dv from dstate [B,H,m',d_v+2] (finite; its shift column is not read). state must be
+// key_state's own result for these k and v: its shifts are the ones the gradient is taken at
+// (S and z are divided by exp(c), and c is held constant), so another state's shifts would
+// scale the gradients by exp(c_forward − c_given).
 template <class T>
 StateGrads<T> key_state_backward(TensorView<const T> k, TensorView<const T> v, TensorView<const T> state,
                                  TensorView<const T> dstate, const StateOptions& opts = {},

@@ -163,6 +163,9 @@ def _errors(dist_mod, rank):
         "projection_differs": lambda: dist_mod.favor_attention(
             q, q, q, torch.from_numpy(linattn.random_features(8, D, seed=rank)).double()),
         "nan_on_last": lambda: dist_mod.efficient_attention(q, q, q * (float("nan") if rank == 3 else 1)),
+        "identity_nan_on_last": lambda: dist_mod.linear_attention(
+            q.abs() * (float("nan") if rank == 3 else 1), q.abs(), q, feature_map="identity"),
+        "state_overflow_on_last": lambda: dist_mod.linear_attention(q, q, q * (1e306 if rank == 3 else 1)),
         "key_lengths_too_long": lambda: dist_mod.softmax_attention(q, q, q, key_lengths=[3, 100]),
         "efficient_causal": lambda: dist_mod.efficient_attention(q, q, q, causal=True),
         "nystrom": lambda: dist_mod.nystrom_attention(q, q, q),
@@ -321,7 +324,7 @@ def test_errors_raised_on_every_rank(world):
         everywhere |= {"dtype_on_rank_1", "causal_differs", "projection_differs", "zigzag_sizes", "window_differs",
                        "gate_differs"}
     if w == 4:
-        everywhere.add("nan_on_last")
+        everywhere |= {"nan_on_last", "identity_nan_on_last", "state_overflow_on_last"}
     assert set(results[0]["errors"]) >= everywhere
     for key in everywhere:
         got = [res["errors"][key] for res in results]
@@ -329,8 +332,11 @@ def test_errors_raised_on_every_rank(world):
         if key == "dtype_on_rank_1":
             assert got[1][0] == "TypeError" and "float64" in got[1][1]
             assert got[0][0] == "ValueError" and "rank 1" in got[0][1]
-        elif key == "nan_on_last":
+        elif key in ("nan_on_last", "identity_nan_on_last"):
             assert got[3][0] == "ValueError" and "non-finite" in got[3][1]
+            assert "rank 3" in got[0][1]
+        elif key == "state_overflow_on_last":  # refused before any collective, so nothing hangs
+            assert got[3][0] == "ValueError" and "too large for torch.float64" in got[3][1]
             assert "rank 3" in got[0][1]
         elif key in ("causal_differs", "projection_differs", "window_differs", "gate_differs"):
             assert all(g[0] == "ValueError" and "other shapes or options than rank 0" in g[1] for g in got[1:])

@@ -91,7 +91,8 @@ def test_gradcheck(name):
 
 
 def test_empty_and_rescaled_states():
-    """The empty state adds as zero; a state rescaled onto larger shifts gives the same output."""
+    """The empty state adds as zero; a state rescaled onto larger shifts gives the same output;
+    a sum that leaves every state out is the empty state, for FAVOR and for the plain maps."""
     q, k, v = _inputs("positive", 5)
     o = _opts("positive", 4)
     s = st.key_state(k, v, **o)
@@ -99,8 +100,14 @@ def test_empty_and_rescaled_states():
     torch.testing.assert_close(st.add_states([empty, s]), s, rtol=0, atol=0)
     higher = st.rescale_state(s, s[..., -1:] + 3.0)
     torch.testing.assert_close(st.apply_state(q, higher, **o), st.apply_state(q, s, **o), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(st.add_states([s, s], weights=torch.tensor([0, 0])), empty, rtol=0, atol=0)
     plain = st.key_state(k, v)
-    assert bool((st.add_states([plain, plain], weights=torch.tensor([0, 0]))[..., -1] == 0).all())
+    none = st.add_states([plain, plain], weights=torch.tensor([False, False]))
+    torch.testing.assert_close(none, st.empty_state(2, 2, 4, 3, dtype=torch.float64), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="shift must be >= the state's own shifts"):
+        st.rescale_state(s, s[..., -1:] - 1.0)
+    with pytest.raises(ValueError, match="weights must hold one 0 or 1 per state"):
+        st.add_states([plain, plain], weights=torch.tensor([0.5, 1.0]))
 
 
 def test_bad_input():
@@ -123,3 +130,7 @@ def test_bad_input():
         st.key_state(k, v, feature_map="gelu")
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
         st.apply_state(q.numpy(), s)
+    from linattn import _linattn
+    with pytest.raises(TypeError, match="key_state: k must be an array, got None"):
+        _linattn._key_state(None, v.numpy(), None, feature_map="elu", kernel=None, scale=None, eps=1e-6,
+                            focus_power=3.0, projection=None)

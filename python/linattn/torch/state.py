@@ -21,6 +21,7 @@ focus_power. eps: None means 1e-6 for the plain maps, and favor takes none. floa
 give them zeros); sums beyond the dtype's range raise ValueError."""
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .. import _linattn
 from . import _lengths, _same_dtype, _tensor
@@ -74,6 +75,7 @@ class _KeyState(torch.autograd.Function):
         return state
 
     @staticmethod
+    @once_differentiable  # the backward is a kernel: no graph for second derivatives
     def backward(ctx, dstate):
         k, v, state = ctx.saved_tensors
         dk, dv = _linattn._key_state_backward(_array(k), _array(v), _array(state), _array(dstate), ctx.lengths,
@@ -90,6 +92,7 @@ class _ApplyState(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the backward is a kernel: no graph for second derivatives
     def backward(ctx, dout):
         q, state, out, den = ctx.saved_tensors
         dq, dstate = _linattn._apply_state_backward(_array(q), _array(state), _array(dout), _array(out), _array(den),
@@ -108,6 +111,7 @@ class _CausalFromState(torch.autograd.Function):
         return out, state
 
     @staticmethod
+    @once_differentiable  # the backward is a kernel: no graph for second derivatives
     def backward(ctx, dout, dstate_after):
         q, k, v, prefix, out, den = ctx.saved_tensors
         if dout is None:
@@ -166,9 +170,22 @@ def _factors(c_i, c):
 
 
 def rescale_state(state, shift):
-    """state [..., m', d_v+2] on the shifts `shift` [..., m', 1] (each >= the state's own):
-    [S | z]·exp(c − shift) | shift. Differentiable in S and z."""
-    return torch.cat([state[..., :-1] * _factors(state[..., -1:].detach(), shift), shift], -1)
+    """state [..., m', d_v+2] on the shifts `shift` [..., m', 1], each >= the state's own (a
+    ValueError otherwise): [S | z]·exp(c − shift) | shift. Differentiable in S and z."""
+    c = state[..., -1:].detach()
+    if bool((shift < c).any()):
+        raise ValueError("linattn.torch.state.rescale_state: shift must be >= the state's own shifts (its last "
+                         "column) everywhere: a lower shift would raise S and z, and may overflow")
+    return torch.cat([state[..., :-1] * _factors(c, shift), shift], -1)
+
+
+def _keep(weights, states):
+    """weights as a bool mask broadcasting over states [N, ...]; only 0 and 1 are accepted."""
+    w = torch.as_tensor(weights)
+    if w.shape != (states.shape[0],) or not bool(((w == 0) | (w == 1)).all()):
+        raise ValueError("linattn.torch.state.add_states: weights must hold one 0 or 1 per state (%d), got %s"
+                         % (states.shape[0], w.tolist()))
+    return w.to(torch.bool).view(-1, *([1] * (states.dim() - 1)))
 
 
 def add_states(states, weights=None):
@@ -181,14 +198,12 @@ def add_states(states, weights=None):
     gradient."""
     if isinstance(states, (list, tuple)):
         states = torch.stack(list(states))
+    keep = None if weights is None else _keep(weights, states)
     c_i = states[..., -1:].detach()
     if not bool((c_i == 0).all()):  # FAVOR (the plain maps' shifts are all 0: nothing to rescale)
-        if weights is not None:
-            keep = torch.as_tensor(weights).to(torch.bool).view(-1, *([1] * (states.dim() - 1)))
+        if keep is not None:
             c_i = torch.where(keep, c_i, float("-inf"))
         c = c_i.amax(0)
         return torch.cat([(states[..., :-1] * _factors(c_i, c)).sum(0), c], -1)
-    sz = states[..., :-1]
-    if weights is not None:
-        sz = sz * torch.as_tensor(weights).to(sz.dtype).view(-1, *([1] * (states.dim() - 1)))
+    sz = states[..., :-1] if keep is None else states[..., :-1] * keep.to(states.dtype)
     return torch.cat([sz.sum(0), c_i[0]], -1)

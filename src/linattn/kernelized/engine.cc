@@ -638,8 +638,8 @@ void causal_forward_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, CausalS
 // scale of the chunk at hand: dk and dv. The final state's gradient (dstate_after, this
 // batch·head's rows [dS | dz | ·], or null) is where R starts, as a query after every chunk
 // would: it is in the last chunk's scale. With a prefix, R at the start is the prefix's
-// gradient, in chunk 0's scale: the prefix entered as [S | z]·exp(c_P − c_0) (raise_shifts;
-// a row at c_P = −inf entered as it is), so dprefix = R·exp(c_P − c_0).
+// gradient, in chunk 0's scale: the prefix entered as [S | z]·exp(c_P − c_0) (raise_shifts),
+// so dprefix = R·exp(c_P − c_0), 0 for a row at c_P = −inf (no key: S and z are 0).
 template <class T>
 void causal_reverse_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, const CausalSaved<T>& saved,
                          const T* dout, const T* den, T* dk, T* dv_out, const T* dstate_after = nullptr,
@@ -704,7 +704,8 @@ void causal_reverse_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, const C
   for (int64_t r = 0; r < m; ++r) {
     const T c_p = prefix[r * (dv + 2) + dv + 1];
     const T c_0 = chunks > 0 ? saved.shifts[static_cast<size_t>(r)] : c_p;
-    const T f = c_p == neg_inf<T>() || c_p == c_0 ? T(1) : std::exp(c_p - c_0);
+    // A prefix row at −inf holds no key (its S and z are 0, checked): it takes no gradient.
+    const T f = c_p == neg_inf<T>() ? T(0) : c_p == c_0 ? T(1) : std::exp(c_p - c_0);
     for (int64_t c = 0; c < da; ++c) dprefix[r * (dv + 2) + c] = R[r * da + c] * f;
     dprefix[r * (dv + 2) + dv + 1] = 0;  // the shifts take no gradient
   }

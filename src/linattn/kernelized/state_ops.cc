@@ -195,6 +195,7 @@ StateAttentionResult<T> apply_state(TensorView<const T> q, TensorView<const T> s
   r.den = output<T>({c.d.batch, c.d.heads, c.d.n_q});
   kernelized::apply_state<T>(c.problem, state.data, r.out.data(), r.den.data());
   check_result_finite(c.fn, "the output", r.out);
+  check_result_finite(c.fn, "a normaliser", r.den);  // inf there would make out 0, not an error
   return r;
 }
 
@@ -232,6 +233,7 @@ StateAttentionResult<T> causal_from_state(TensorView<const T> q, TensorView<cons
   r.state = output<T>(c.state_shape());
   kernelized::causal_from_state<T>(c.problem, prefix.data, r.out.data(), r.den.data(), r.state.data());
   check_result_finite(c.fn, "the output", r.out);
+  check_result_finite(c.fn, "a normaliser", r.den);
   check_state_result(c.fn, r.state);
   return r;
 }

@@ -16,8 +16,9 @@ What travels, per (batch, head) and rank:
     softmax_attention    ring attention: P−1 steps each passing a k, v block (O(n/P·d) each),
                          and in backward the block's dk, dv once more round the ring
     linear_attention,    one all-reduce of [S | z] (O(m'·d_v), independent of n); causal: an
-    favor_attention,     all-gather of every segment's [S | z]; FAVOR adds an all-reduce of its
-    hedgehog_attention   m' key-shift maxima; dwc_weight adds an all-gather of K−1 edge rows
+    favor_attention,     all-gather of every segment's [S | z]; FAVOR adds its m' key-shift
+    hedgehog_attention   maxima (an all-reduce; causal: gathered beside each segment's state);
+                         dwc_weight adds an all-gather of K−1 edge rows
     hybrid_attention     an all-gather of every segment's state of the keys delayed (and, not
                          causal, advanced) past the window, and of every segment's first and
                          last w (+1) rows of [k | v | 1 | φ(k)] for the windows near its edges
@@ -170,9 +171,31 @@ _LINEAR_MAPS = ("elu", "relu", "focused", "identity")
 
 
 def _nonnegative(fn, name, x, why):
-    if x.numel() > 0 and not bool(x.detach().amin() >= 0):
+    if x.numel() > 0 and not bool(x.detach().amin() >= 0):  # NaN too: _finite names it
         bad = x.detach() < 0
-        raise ValueError("%s: %s must be >= 0 (%s); found %g" % (fn, name, why, float(x.detach()[bad][0])))
+        if bool(bad.any()):
+            raise ValueError("%s: %s must be >= 0 (%s); found %g" % (fn, name, why, float(x.detach()[bad][0])))
+
+
+def _state_in_range(fn, k, v, feature_bound):
+    """Refuses (on this rank, before any collective, so that every rank raises) k and v whose
+    block state Σ_j φ(k_j)·[v_j, 1] could overflow: this rank's keys times the largest feature
+    (feature_bound of max|k|) times max(1, max|v|) above the dtype's largest value / 2^8. A
+    state that overflowed in the kernel would raise on this rank alone, and leave the others
+    waiting in the all-reduce."""
+    if not (_all_finite(k) and _all_finite(v)) or k.numel() == 0 or v.numel() == 0:
+        return  # _finite names the non-finite value
+    k_max, v_max = float(k.detach().abs().amax()), float(v.detach().abs().amax())
+    bound = k.shape[2] * feature_bound(k_max) * max(1.0, v_max)
+    if not bound <= torch.finfo(k.dtype).max / 2 ** 8:
+        raise ValueError("%s: k and v are too large for %s: this rank's key state reaches %g (max |k| = %g, max |v| = "
+                         "%g over %d keys), beyond the dtype's range; scale them down or use float64"
+                         % (fn, k.dtype, bound, k_max, v_max, k.shape[2]))
+
+
+# The plain maps' largest feature for inputs of largest |value| x (as the C++ library bounds it).
+_PLAIN_FEATURE_BOUND = {"elu": lambda x, d: x + 1, "relu": lambda x, d: x, "identity": lambda x, d: x,
+                        "focused": lambda x, d: math.sqrt(d) * x}
 
 
 def _eps_check(fn, eps):
@@ -225,6 +248,7 @@ def linear_attention(q, k, v, *, feature_map=_option_default("linear_attention",
         if isinstance(focus_power, bool) or not isinstance(focus_power, (int, float)) or not 1 <= focus_power <= 1000:
             raise ValueError("%s: focus_power must lie in [1, 1000], got %r" % (fn, focus_power))
         holder["w"] = None if dwc_weight is None else _dwc_check(fn, dwc_weight, q, v, causal)
+        _state_in_range(fn, k, v, lambda x: _PLAIN_FEATURE_BOUND[feature_map](x, q.shape[3]))
         return [_LINEAR_MAPS.index(feature_map), eps, focus_power,
                 dwc_weight is not None and dwc_weight.requires_grad] + _checksum(holder["w"])
     c = _Call("linear_attention", group, layout, q, k, v, key_lengths, causal, check)
@@ -267,6 +291,7 @@ def favor_attention(q, k, v, projection, *, kernel=_option_default("favor_attent
     def check(fn, q, k, v):
         holder["scale"] = _scale_of(fn, scale, q.shape[3])
         holder["w"] = _projection(fn, projection, kernel, ("positive", "hyperbolic", "trig"), holder["scale"], q, k)
+        _state_in_range(fn, k, v, lambda x: 1.0)  # features on the key shifts are <= 1
         return [("positive", "hyperbolic", "trig").index(kernel), holder["scale"]] + _checksum(holder["w"])
     c = _Call("favor_attention", group, layout, q, k, v, key_lengths, causal, check)
     opts = dict(feature_map="favor", projection=holder["w"], kernel=kernel, scale=holder["scale"])
@@ -294,6 +319,7 @@ def hedgehog_attention(q, k, v, query_weight, query_bias, key_weight, key_bias, 
                    "key_weight": _shared(fn, "key_weight", key_weight, [H, d, f], q),
                    "key_bias": _shared(fn, "key_bias", key_bias, [H, f], q)}
         holder.update(tensors)
+        _state_in_range(fn, k, v, lambda x: 1.0)  # Hedgehog's features are softmax weights, <= 1
         fields = [eps, f]
         for t in tensors.values():
             fields += [t.requires_grad] + _checksum(t)
