@@ -285,4 +285,16 @@ KernelizedExact kernelized_exact_with_bounds(const Tensor<double>& q, const Tens
   return r;
 }
 
+// The RecurrentOptions (and StateOptions) of a map named as KernelizedSpec names it.
+inline RecurrentOptions recurrent_options(const std::string& map) {
+  RecurrentOptions o;
+  if (map == "positive" || map == "hyperbolic" || map == "trig") {
+    o.feature_map = "favor";
+    o.kernel = map;
+  } else {
+    o.feature_map = map;
+  }
+  return o;
+}
+
 }  // namespace linattn::testing

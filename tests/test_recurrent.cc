@@ -20,6 +20,8 @@ using ::testing::HasSubstr;
 using testing::cast;
 using testing::error_of;
 using testing::random_tensor;
+using testing::recurrent_options;
+using testing::rows;
 
 // Rows t of a [B,H,n,D] tensor as [B,H,D].
 template <class T>
@@ -29,26 +31,6 @@ Tensor<T> at(const Tensor<T>& x, int64_t t) {
   for (int64_t bh = 0; bh < B * H; ++bh)
     for (int64_t c = 0; c < D; ++c) y[bh * D + c] = x[(bh * n + t) * D + c];
   return y;
-}
-template <class T>
-Tensor<T> rows(const Tensor<T>& x, int64_t t0, int64_t t1) {
-  const int64_t B = x.dim(0), H = x.dim(1), n = x.dim(2), D = x.dim(3);
-  Tensor<T> y({B, H, t1 - t0, D});
-  for (int64_t bh = 0; bh < B * H; ++bh)
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t c = 0; c < D; ++c) y[(bh * (t1 - t0) + t - t0) * D + c] = x[(bh * n + t) * D + c];
-  return y;
-}
-
-RecurrentOptions options_for(const std::string& map) {
-  RecurrentOptions o;
-  if (map == "positive" || map == "hyperbolic" || map == "trig") {
-    o.feature_map = "favor";
-    o.kernel = map;
-  } else {
-    o.feature_map = map;
-  }
-  return o;
 }
 
 // Step-by-step for all n tokens, and prefill(first 70) + steps, against the exact causal
@@ -64,7 +46,7 @@ void check_decoding(const std::string& map, double sigma) {
   const auto q = cast<T>(qd), k = cast<T>(kd);
   const auto v = cast<T>(random_tensor<double>({B, H, n, dv}, 3));
   const auto w = random_features<T>(32, d, FeatureKind::Orthogonal, 4);
-  const RecurrentOptions o = options_for(map);
+  const RecurrentOptions o = recurrent_options(map);
   const bool favor = o.feature_map == "favor";
   testing::KernelizedSpec spec;
   spec.map = map;

@@ -24,30 +24,10 @@ using ::testing::HasSubstr;
 using testing::cast;
 using testing::error_of;
 using testing::random_tensor;
+using testing::recurrent_options;
+using testing::rows;
 
 const std::vector<std::string> kMaps = {"elu", "relu", "focused", "identity", "positive", "hyperbolic", "trig"};
-
-StateOptions options_for(const std::string& map) {
-  StateOptions o;
-  if (map == "positive" || map == "hyperbolic" || map == "trig") {
-    o.feature_map = "favor";
-    o.kernel = map;
-  } else {
-    o.feature_map = map;
-  }
-  return o;
-}
-
-// Rows [t0, t1) of a [B,H,n,D] tensor.
-template <class T>
-Tensor<T> rows(const Tensor<T>& x, int64_t t0, int64_t t1) {
-  const int64_t B = x.dim(0), H = x.dim(1), n = x.dim(2), D = x.dim(3);
-  Tensor<T> y({B, H, t1 - t0, D});
-  for (int64_t bh = 0; bh < B * H; ++bh)
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t c = 0; c < D; ++c) y[(bh * (t1 - t0) + t - t0) * D + c] = x[(bh * n + t) * D + c];
-  return y;
-}
 
 // y[:, :, t0:t0+n'] = x.
 template <class T>
@@ -112,7 +92,7 @@ template <class T>
 std::pair<Tensor<T>, Tensor<T>> blockwise(const std::string& map, const Tensor<T>& q, const Tensor<T>& k,
                                           const Tensor<T>& v, const Tensor<T>& w, const std::vector<int64_t>& cuts,
                                           bool causal, const std::optional<std::vector<int64_t>>& lengths) {
-  const StateOptions o = options_for(map);
+  const StateOptions o = recurrent_options(map);
   const bool favor = o.feature_map == "favor";
   const std::optional<TensorView<const T>> proj = favor ? std::optional<TensorView<const T>>(w.view()) : std::nullopt;
   Tensor<T> out({q.dim(0), q.dim(1), q.dim(2), v.dim(3)});
@@ -181,7 +161,7 @@ TEST(StateOps, CausalFinalStateIsTheKeyState) {
     const Inputs x = inputs(map, 2, 3, 50, 6, 4, 20);
     const std::optional<std::vector<int64_t>> lengths = std::vector<int64_t>{50, 33};
     const auto [out, state] = blockwise<double>(map, x.q, x.k, x.v, x.w, {0, 17, 50}, true, lengths);
-    const StateOptions o = options_for(map);
+    const StateOptions o = recurrent_options(map);
     const bool favor = o.feature_map == "favor";
     const auto whole = key_state<double>(x.k, x.v, o, favor ? std::optional<TensorView<const double>>(x.w.view())
                                                             : std::nullopt, lengths);
@@ -226,7 +206,7 @@ TEST(StateOps, NonCausalBackwardsMatchFiniteDifferences) {
     Tensor<double> q2 = random_tensor<double>({1, 2, 5, 3}, 41);
     if (map == "identity")
       for (int64_t i = 0; i < q2.size(); ++i) q2[i] = std::abs(q2[i]);
-    const StateOptions o = options_for(map);
+    const StateOptions o = recurrent_options(map);
     const bool favor = o.feature_map == "favor";
     const auto proj = favor ? std::optional<TensorView<const double>>(x.w.view()) : std::nullopt;
     const std::optional<std::vector<int64_t>> lengths = std::vector<int64_t>{5};
@@ -260,7 +240,7 @@ TEST(StateOps, CausalBackwardMatchesFiniteDifferences) {
       Tensor<double> q2 = random_tensor<double>({1, 2, 3, d}, 61);
       if (map == "identity")
         for (int64_t i = 0; i < q2.size(); ++i) q2[i] = std::abs(q2[i]);
-      const StateOptions o = options_for(map);
+      const StateOptions o = recurrent_options(map);
       const bool favor = o.feature_map == "favor";
       const auto proj = favor ? std::optional<TensorView<const double>>(x.w.view()) : std::nullopt;
       const std::optional<std::vector<int64_t>> lengths = std::vector<int64_t>{35};
@@ -312,7 +292,7 @@ TEST(StateOps, BadInputIsAnError) {
               HasSubstr("key_lengths must be in [0, 6], got 7"));
   EXPECT_THAT(error_of([&] { key_state<double>(x.k, x.v, elu, x.w.view()); }),
               HasSubstr("projection is only used with feature_map=\"favor\""));
-  StateOptions favor = options_for("positive");
+  StateOptions favor = recurrent_options("positive");
   EXPECT_THAT(error_of([&] { key_state<double>(x.k, x.v, favor); }), HasSubstr("needs a projection"));
   StateOptions bad_map;
   bad_map.feature_map = "gelu";

@@ -168,6 +168,17 @@ void expect_gradient(Tensor<double>& x, const Tensor<double>& analytic, Fwd loss
   }
 }
 
+// Rows [t0, t1) of a [B,H,n,D] tensor.
+template <class T>
+Tensor<T> rows(const Tensor<T>& x, int64_t t0, int64_t t1) {
+  const int64_t B = x.dim(0), H = x.dim(1), n = x.dim(2), D = x.dim(3);
+  Tensor<T> y({B, H, t1 - t0, D});
+  for (int64_t bh = 0; bh < B * H; ++bh)
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t c = 0; c < D; ++c) y[(bh * (t1 - t0) + t - t0) * D + c] = x[(bh * n + t) * D + c];
+  return y;
+}
+
 // Σ out∘G, the scalar loss the gradient checks differentiate.
 template <class T>
 double dot_loss(const Tensor<T>& out, const Tensor<double>& G) {

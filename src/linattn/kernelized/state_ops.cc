@@ -128,6 +128,14 @@ struct StateCall {
   kernelized::Problem<T> problem;
 };
 
+// The value_dim a state [B,H,m',d_v+2] holds (its full shape is checked against the call's).
+template <class T>
+int64_t value_dim_of(const char* fn, TensorView<const T> state) {
+  require(state.shape.size() == 4, fn, ": state must be [batch, heads, feature dim, value_dim + 2], got shape ",
+          shape_string(state.shape));
+  return state.dim(3) - 2;
+}
+
 template <class T>
 void check_saved_out(const StateCall<T>& c, TensorView<const T> dout, TensorView<const T> out,
                      TensorView<const T> den) {
@@ -185,10 +193,8 @@ StateGrads<T> key_state_backward(TensorView<const T> k, TensorView<const T> v, T
 template <class T>
 StateAttentionResult<T> apply_state(TensorView<const T> q, TensorView<const T> state, const StateOptions& opts,
                                     std::optional<TensorView<const T>> projection) {
-  require(state.shape.size() == 4, "apply_state: state must be [batch, heads, feature dim, value_dim + 2], got shape ",
-          shape_string(state.shape));
-  const StateCall<T> c("apply_state", q, std::nullopt, std::nullopt, state.dim(3) - 2, opts, projection, std::nullopt,
-                       false);
+  const StateCall<T> c("apply_state", q, std::nullopt, std::nullopt, value_dim_of("apply_state", state), opts,
+                       projection, std::nullopt, false);
   c.check_state("state", state);
   StateAttentionResult<T> r;
   r.out = output<T>({c.d.batch, c.d.heads, c.d.n_q, c.d.value_dim});
@@ -203,10 +209,8 @@ template <class T>
 StateGrads<T> apply_state_backward(TensorView<const T> q, TensorView<const T> state, TensorView<const T> dout,
                                    TensorView<const T> out, TensorView<const T> den, const StateOptions& opts,
                                    std::optional<TensorView<const T>> projection) {
-  require(state.shape.size() == 4, "apply_state_backward: state must be [batch, heads, feature dim, value_dim + 2], "
-          "got shape ", shape_string(state.shape));
-  const StateCall<T> c("apply_state_backward", q, std::nullopt, std::nullopt, state.dim(3) - 2, opts, projection,
-                       std::nullopt, false);
+  const StateCall<T> c("apply_state_backward", q, std::nullopt, std::nullopt,
+                       value_dim_of("apply_state_backward", state), opts, projection, std::nullopt, false);
   c.check_state("state", state);
   check_saved_out(c, dout, out, den);
   StateGrads<T> g;

@@ -204,13 +204,6 @@ def _all_reduce_state(g, st, favor):
     return torch.cat([g.all_reduce_sum(st[..., :-1]), st[..., -1:]], -1)
 
 
-def _feature_dim(opts, head_dim):
-    """m' of the map opts names: head_dim for the plain maps, FAVOR's m (2m: hyperbolic, trig)."""
-    if opts["feature_map"] != "favor":
-        return head_dim
-    return opts["projection"].shape[0] * (1 if opts.get("kernel") in (None, "positive") else 2)
-
-
 def attention(g, segs, q, k, v, lengths, causal, opts):
     """This rank's out [B,H,n,d_v] (segs: every rank's segments; this rank's are segs[g.rank]);
     opts: linattn.torch.state's options (feature_map, projection, kernel, scale, eps,
@@ -223,17 +216,17 @@ def attention(g, segs, q, k, v, lengths, causal, opts):
         total = _all_reduce_state(g, _state.add_states(states), favor)
         return _state.apply_state(q, total, **opts)
     # Causal: each segment's state, for the segments after it. The sequence's last segment has
-    # none after it: an empty state stands in (no pass over its keys, none back), requiring grad
-    # as the others do, so that every rank's backward reaches the all-gather.
+    # none after it: the state of none of its rows stands in (no pass over its keys, none back;
+    # the same operation, so its shape, shifts and place in the autograd graph are the others',
+    # and every rank's backward reaches the all-gather).
     n_total = max(s.stop for rank_segs in segs for s in rank_segs)
-    B, H, _, d = q.shape
     states = []
     for s in mine:
         if s.stop == n_total:
-            empty = _state.empty_state(B, H, _feature_dim(opts, d), v.shape[3], favor=favor, dtype=q.dtype)
-            states.append(empty.requires_grad_(torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)))
+            kb, vb, lb = s.rows(k)[:, :, :0], s.rows(v)[:, :, :0], None
         else:
-            states.append(_state.key_state(s.rows(k), s.rows(v), key_lengths=local_lengths(lengths, s), **opts))
+            kb, vb, lb = s.rows(k), s.rows(v), local_lengths(lengths, s)
+        states.append(_state.key_state(kb, vb, key_lengths=lb, **opts))
     states = torch.stack(states)  # [segments, B, H, m', d_v+2]
     every = g.all_gather(states[..., :-1])  # [P, segments, B, H, m', d_v+1]
     if favor:
