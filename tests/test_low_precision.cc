@@ -5,10 +5,11 @@
 // then follows: |rn(x32) − x64| ≤ u16·|x32| + |x32 − x64|, u16 = 2^-8 (bfloat16) or 2^-11
 // (float16) and |x32 − x64| within the float32 bounds the other suites check. What rounding the
 // inputs themselves costs is measured in docs/precision.md. The one exception is a method's own
-// bfloat16 forward (exact attention on AMX tiles, where the CPU has them), which
-// test_softmax_bf16.cc checks against float64.
+// bfloat16 forward (exact attention on AMX tiles or AVX512-BF16, where the CPU has them), which
+// test_softmax_bf16.cc checks against float64; its AVX512-BF16 product kernel is checked here.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "linattn/linattn.h"
+#include "linattn/core/avx512_bf16.h"
 #include "linattn/core/simd.h"
 #include "test_util.h"
 
@@ -84,7 +86,9 @@ void expect_nearest(float x) {
     if (std::isnan(other) || std::isinf(other) || ((r.bits & 0x7FFF) == 0 && step == -1)) continue;
     const double dg = std::abs(got - xd), doth = std::abs(other - xd);
     ASSERT_LE(dg, doth) << dtype_name<Low>() << " x=" << x << " bits " << bits_of(x);
-    if (dg == doth) ASSERT_EQ(r.bits & 1, 0) << "tie not to even: x=" << x;
+    if (dg == doth) {
+      ASSERT_EQ(r.bits & 1, 0) << "tie not to even: x=" << x;
+    }
   }
 }
 
@@ -259,6 +263,49 @@ void expect_non_finite_refused() {
 TEST(LowPrecision, NonFiniteInputIsAnError) {
   expect_non_finite_refused<bfloat16>();
   expect_non_finite_refused<float16>();
+}
+
+// avx512_bf16::dot against float64 sums of the same bfloat16 values, at odd sizes (row and
+// column-block tails, a partial last chunk of 16 pairs), overwriting and accumulating, with B
+// packed with gaps (strides larger than the data). Each pair's products are exact in float32
+// (8-bit significands), so the error is the float32 sums': |c − ref| ≤ (pairs + 1)·u₃₂·Σ|a·b|
+// (+ |c₀|·u₃₂ when accumulating onto c₀), u₃₂ = 2⁻²⁴.
+TEST(LowPrecision, Avx512Bf16DotMatchesFloat64) {
+  if (!avx512_bf16::usable()) GTEST_SKIP() << "no AVX512-BF16 here: " << avx512_bf16::unavailable_reason();
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  for (const auto [rows, pairs, blocks] : {std::array<int64_t, 3>{1, 1, 1}, {7, 17, 5}, {13, 40, 9}, {6, 16, 4}}) {
+    SCOPED_TRACE(::testing::Message() << rows << " rows, " << pairs << " pairs, " << blocks << " column blocks");
+    const int64_t lda = 2 * pairs + 4, ldc = 16 * blocks + 3;
+    const int64_t chunks = (pairs + 15) / 16, column_stride = 512 + 64, chunk_stride = blocks * column_stride + 32;
+    std::vector<bfloat16> a(rows * lda), b(chunks * chunk_stride + blocks * column_stride);
+    for (auto& x : a) x = to_bfloat16(normal(rng));
+    for (auto& x : b) x = to_bfloat16(normal(rng));
+    // b[i][col]: pair p = i / 2 of column block col / 16 at the packed position.
+    auto b_at = [&](int64_t i, int64_t col) {
+      const int64_t p = i / 2;
+      return to_float(b[(p / 16) * chunk_stride + (p % 16) * 32 + (col / 16) * column_stride + 2 * (col % 16) + i % 2]);
+    };
+    for (bool accumulate : {false, true}) {
+      std::vector<float> c(rows * ldc);
+      for (auto& x : c) x = normal(rng);
+      const std::vector<float> c0 = c;
+      avx512_bf16::dot(a.data(), lda, rows, {b.data(), column_stride, chunk_stride}, pairs, blocks, c.data(), ldc,
+                       accumulate);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t col = 0; col < 16 * blocks; ++col) {
+          double ref = accumulate ? c0[r * ldc + col] : 0.0, mag = std::abs(ref);
+          for (int64_t i = 0; i < 2 * pairs; ++i) {
+            const double t = static_cast<double>(to_float(a[r * lda + i])) * b_at(i, col);
+            ref += t, mag += std::abs(t);
+          }
+          ASSERT_LE(std::abs(c[r * ldc + col] - ref), (pairs + 1) * 0x1p-24 * mag) << "c[" << r << "][" << col << "]";
+        }
+      // Padding columns of c are left alone.
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t col = 16 * blocks; col < ldc; ++col) ASSERT_EQ(c[r * ldc + col], c0[r * ldc + col]);
+    }
+  }
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
-// Exact attention on AMX tiles for bfloat16 inputs (softmax/forward_bf16.cc) against the float64
-// reference on the same inputs, widened exactly. On a CPU without AMX-BF16 the tile tests skip
-// (saying why) and the registry test checks that bfloat16 calls take the widened float32 forward.
+// Exact attention's bfloat16-product forward (softmax/forward_bf16.cc) on each engine this CPU
+// has (AMX tiles, AVX512-BF16) against the float64 reference on the same inputs, widened
+// exactly. An engine the CPU lacks is skipped (saying why); on a CPU with neither, the registry
+// test checks that bfloat16 calls take the widened float32 forward.
 //
 // The bound, per output element, with u = 2⁻⁸ (bfloat16), u₃₂ = 2⁻²⁴, n_k keys, |v|max over the
 // keys of that (batch, head):
@@ -19,6 +20,7 @@
 
 #include "linattn/linattn.h"
 #include "linattn/core/amx.h"
+#include "linattn/core/avx512_bf16.h"
 #include "linattn/core/attention_args.h"
 #include "linattn/softmax/forward_internal.h"
 #include "linattn/softmax/reference.h"
@@ -42,8 +44,10 @@ struct Case {
   double sigma = 1.0;
 };
 
-void expect_within_bound(const Case& c, int threads) {
-  SCOPED_TRACE(::testing::Message() << "B=" << c.batch << " H=" << c.heads << " n_q=" << c.n_q << " n_k=" << c.n_k
+using softmax_detail::Bf16Engine;
+
+void expect_within_bound(Bf16Engine engine, const Case& c, int threads) {
+  SCOPED_TRACE(::testing::Message() << softmax_detail::engine_name(engine) << " B=" << c.batch << " H=" << c.heads << " n_q=" << c.n_q << " n_k=" << c.n_k
                                     << " d=" << c.d << " dv=" << c.dv << (c.causal ? " causal" : "")
                                     << (c.key_lengths.empty() ? "" : " key_lengths") << " threads=" << threads);
   ScopedThreads scope(threads);
@@ -55,8 +59,8 @@ void expect_within_bound(const Case& c, int threads) {
   if (!c.key_lengths.empty()) o.key_lengths = c.key_lengths;
   const AttentionDims dims = check_attention_args("test", q.view(), k.view(), v.view(), o);
   const double scale = resolve_scale("test", o, c.d);
-  ASSERT_TRUE(softmax_detail::bf16_tiles_usable(dims, scale));
-  const softmax_detail::Bf16TilesResult got = softmax_detail::forward_bf16_tiles(q, k, v, dims, o, scale);
+  ASSERT_TRUE(softmax_detail::bf16_tiles_usable(dims, scale, engine));
+  const softmax_detail::Bf16TilesResult got = softmax_detail::forward_bf16_tiles(q, k, v, dims, o, scale, engine);
   const Tensor<double> q64 = to_f64(q), k64 = to_f64(k), v64 = to_f64(v);
   const SoftmaxAttentionResult<double> ref = reference::softmax_attention(q64, k64, v64, o);
 
@@ -88,13 +92,22 @@ void expect_within_bound(const Case& c, int threads) {
   }
 }
 
-#define SKIP_WITHOUT_AMX()                                                                         \
-  if (!amx::bf16_usable()) GTEST_SKIP() << "no AMX-BF16 tiles here: " << amx::unavailable_reason()
+// Each engine's tests run where the CPU has it (a parameterised suite: one test per engine).
+class SoftmaxBf16Products : public ::testing::TestWithParam<Bf16Engine> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == Bf16Engine::amx && !amx::bf16_usable())
+      GTEST_SKIP() << "no AMX-BF16 tiles here: " << amx::unavailable_reason();
+    if (GetParam() == Bf16Engine::avx512_bf16 && !avx512_bf16::usable())
+      GTEST_SKIP() << "no AVX512-BF16 here: " << avx512_bf16::unavailable_reason();
+  }
+};
+INSTANTIATE_TEST_SUITE_P(Engines, SoftmaxBf16Products, ::testing::Values(Bf16Engine::amx, Bf16Engine::avx512_bf16),
+                         [](const auto& info) { return info.param == Bf16Engine::amx ? "amx" : "avx512_bf16"; });
 
 // Odd sizes (tails of the 16-row tiles, 32-deep products, 256-key blocks and 16-column values),
 // every mask, rows that see no key, and thread counts below and above batch·heads.
-TEST(SoftmaxBf16Tiles, MatchTheFloat64ReferenceWithinTheBound) {
-  SKIP_WITHOUT_AMX();
+TEST_P(SoftmaxBf16Products, MatchTheFloat64ReferenceWithinTheBound) {
   const std::vector<Case> cases = {
       {1, 1, 1, 1, 1, 1, false, {}},
       {2, 3, 33, 47, 17, 5, false, {}},
@@ -107,13 +120,12 @@ TEST(SoftmaxBf16Tiles, MatchTheFloat64ReferenceWithinTheBound) {
       {1, 2, 64, 700, 64, 64, false, {}, 3.0},  // sharp rows: scores up to ~100
   };
   for (const Case& c : cases)
-    for (int threads : {1, 4, 9}) expect_within_bound(c, threads);
+    for (int threads : {1, 4, 9}) expect_within_bound(GetParam(), c, threads);
 }
 
 // Keys past key_lengths are never read: NaN and inf there give bitwise the result of zeros
 // there (the float32 forward's contract, include/linattn/attention.h).
-TEST(SoftmaxBf16Tiles, PaddedKeysAreNeverRead) {
-  SKIP_WITHOUT_AMX();
+TEST_P(SoftmaxBf16Products, PaddedKeysAreNeverRead) {
   const int64_t B = 2, H = 2, n = 50, d = 20;
   const Tensor<bfloat16> q = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 7));
   Tensor<bfloat16> k = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 8)), v = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 9));
@@ -132,16 +144,20 @@ TEST(SoftmaxBf16Tiles, PaddedKeysAreNeverRead) {
     o.causal = causal;
     const AttentionDims dims = check_attention_args<bfloat16>("test", q, k_bad, v_bad, o);
     const double scale = resolve_scale("test", o, d);
-    const auto bad = softmax_detail::forward_bf16_tiles(q, k_bad, v_bad, dims, o, scale);
-    const auto zero = softmax_detail::forward_bf16_tiles(q, k, v, dims, o, scale);
+    const auto bad = softmax_detail::forward_bf16_tiles(q, k_bad, v_bad, dims, o, scale, GetParam());
+    const auto zero = softmax_detail::forward_bf16_tiles(q, k, v, dims, o, scale, GetParam());
     for (int64_t i = 0; i < bad.out.size(); ++i) ASSERT_EQ(bad.out[i].bits, zero.out[i].bits) << i;
     testing::expect_identical(bad.lse, zero.lse, "lse");
   }
 }
 
-// The registry's bfloat16 forward takes the tiles when they can (bitwise their result) and the
-// widened float32 forward otherwise: no AMX, scale ≤ 0, or values past 2^64.
-TEST(SoftmaxBf16Tiles, RegistryTakesTheTilesWhenTheyCan) {
+// The registry's bfloat16 forward takes the best engine when it can (bitwise its result: AMX,
+// else AVX512-BF16) and the widened float32 forward otherwise: neither engine, scale ≤ 0, or
+// values past 2^64.
+TEST(SoftmaxBf16Registry, TakesTheBestEngineWhenItCan) {
+  const std::optional<Bf16Engine> best = softmax_detail::bf16_engine();
+  ASSERT_EQ(best.has_value(), amx::bf16_usable() || avx512_bf16::usable());
+  if (best) ASSERT_EQ(*best == Bf16Engine::amx, amx::bf16_usable());
   const MethodInfo& m = method("softmax");
   const int64_t B = 1, H = 2, n = 90, d = 24;
   Tensor<bfloat16> q = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 4)),
@@ -154,7 +170,7 @@ TEST(SoftmaxBf16Tiles, RegistryTakesTheTilesWhenTheyCan) {
       AttentionOptions o;
       o.causal = std::get<bool>(a.options.at("causal"));
       const AttentionDims dims = check_attention_args("test", a.q, a.k, a.v, o);
-      const auto want = softmax_detail::forward_bf16_tiles(a.q, a.k, a.v, dims, o, resolve_scale("test", o, d));
+      const auto want = softmax_detail::forward_bf16_tiles(a.q, a.k, a.v, dims, o, resolve_scale("test", o, d), *best);
       ASSERT_EQ(got.out.shape(), want.out.shape());
       for (int64_t i = 0; i < want.out.size(); ++i) ASSERT_EQ(got.out[i].bits, want.out[i].bits) << i;
       testing::expect_identical(got.saved.at(0).second, want.lse, "lse");
@@ -171,7 +187,7 @@ TEST(SoftmaxBf16Tiles, RegistryTakesTheTilesWhenTheyCan) {
   a.q = q, a.k = k, a.v = v;
   for (bool causal : {false, true}) {
     a.options = {{"causal", causal}};
-    check(a, amx::bf16_usable(), causal ? "causal" : "not causal");
+    check(a, best.has_value(), causal ? "causal" : "not causal");
   }
   a.options = {{"causal", false}, {"scale", -0.25}};
   check(a, false, "scale < 0");
@@ -181,13 +197,13 @@ TEST(SoftmaxBf16Tiles, RegistryTakesTheTilesWhenTheyCan) {
 }
 
 // Scores past float32's range are the same error as in the float32 forward.
-TEST(SoftmaxBf16Tiles, OverflowingScoresAreAnError) {
-  SKIP_WITHOUT_AMX();
+TEST_P(SoftmaxBf16Products, OverflowingScoresAreAnError) {
   Tensor<bfloat16> q({1, 1, 3, 2}), k({1, 1, 3, 2}), v({1, 1, 3, 2});
   for (int64_t i = 0; i < 6; ++i) q[i] = to_bfloat16(1e30f), k[i] = to_bfloat16(1e30f), v[i] = to_bfloat16(1.0f);
-  MethodArgs<bfloat16> a;
-  a.q = q, a.k = k, a.v = v;
-  const std::string e = testing::error_of([&] { method("softmax").bf16.forward(a); });
+  const AttentionOptions o;
+  const AttentionDims dims = check_attention_args<bfloat16>("test", q, k, v, o);
+  const std::string e = testing::error_of(
+      [&] { softmax_detail::forward_bf16_tiles(q, k, v, dims, o, resolve_scale("test", o, 2), GetParam()); });
   EXPECT_NE(e.find("softmax_attention: q·kᵀ·scale overflows at row"), std::string::npos) << e;
 }
 

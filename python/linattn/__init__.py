@@ -65,8 +65,9 @@ def _doc(info, backward):
         lines.append("")
         lines.append("q [B,H,n_q,d], k [B,H,n_k,d], v [B,H,n_k,d_v], float32, float64, bfloat16 (ml_dtypes) "
                      "or float16 (all the same; 16-bit inputs run in float32 and the result is rounded once%s)"
-                     " -> out [B,H,n_q,d_v]." % ("; bfloat16 runs on AMX tiles where the CPU has them, "
-                                                "docs/precision.md" if info["name"] == "softmax" else ""))
+                     " -> out [B,H,n_q,d_v]." % ("; bfloat16 multiplies in bfloat16 (AMX tiles or AVX512-BF16) "
+                                                "where the CPU can, docs/precision.md"
+                                                if info["name"] == "softmax" else ""))
     lines.append("")
     for o in info["options"]:
         choices = " (%s)" % ", ".join(o["choices"]) if o["choices"] else ""

@@ -6,8 +6,8 @@ output and gradients once (to nearest even), so the tests ask for bitwise equali
 float32 call on the widened inputs, rounded; what the forward saves stays float32. How far a
 16-bit result is from float64 on the original inputs is measured in docs/precision.md.
 
-The one exception: on a CPU with AMX-BF16 tiles, exact attention's bfloat16 forward runs on them
-(build_info() says so). It rounds its probabilities to bfloat16 before P·V, so its output is
+The one exception: on a CPU with AMX-BF16 tiles or AVX512-BF16, exact attention's bfloat16
+forward multiplies in bfloat16 (build_info() says so). It rounds its probabilities to bfloat16 before P·V, so its output is
 within u·|ref| + u·max|v| of the float32 one (u = 2^-8), not bitwise it; the C++ suite
 (test_softmax_bf16.cc) checks it against float64."""
 import ml_dtypes
@@ -23,11 +23,11 @@ LOW = [BF16, np.dtype(np.float16)]
 TORCH = {BF16: torch.bfloat16, np.dtype(np.float16): torch.float16}
 
 
-AMX_TILES = "AMX-BF16 tiles for exact attention" in linattn.build_info()
+BF16_PRODUCTS = "for exact attention's forward" in linattn.build_info()
 
 
 def _tiles_bound(ref, v):
-    """|out − ref| allowed for the AMX bfloat16 forward against the float32 one: the output's
+    """|out − ref| allowed for the bfloat16-product forward (AMX or AVX512-BF16) against the float32 one: the output's
     rounding, the probabilities' (u·max|v|) and the float32 sums (2^-16·max|v|, generous for
     these sizes)."""
     u = 2.0 ** -8
@@ -91,7 +91,7 @@ def test_every_numpy_function_is_its_float32_result_rounded_once(dtype):
         assert len(got) == len(want), name
         for i, (a, b) in enumerate(zip(got, want)):
             assert a.dtype == dtype, (name, i, a.dtype)
-            if name == "softmax" and dtype == BF16 and AMX_TILES:
+            if name == "softmax" and dtype == BF16 and BF16_PRODUCTS:
                 err = np.abs(a.astype(np.float64) - b)
                 assert (err <= _tiles_bound(b, v.astype(np.float32))).all(), err.max()
                 continue
@@ -220,7 +220,7 @@ def test_torch_autograd_in_16_bit_is_float32_rounded(method, dtype):
     out, grads = run(dtype)
     out32, grads32 = run(torch.float32)
     assert out.dtype == dtype
-    if method == "softmax" and dtype == torch.bfloat16 and AMX_TILES:
+    if method == "softmax" and dtype == torch.bfloat16 and BF16_PRODUCTS:
         bound = _tiles_bound(out32.detach().double().numpy(), base[2].float().numpy())
         assert ((out - out32).detach().double().abs().numpy() <= bound).all()
     else:

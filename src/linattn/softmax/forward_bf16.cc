@@ -1,8 +1,10 @@
-// Exact attention forward for bfloat16 inputs on AMX tiles (Intel AMX-BF16), FlashAttention-
-// style. Per (batch·head, block of kRows = 32 queries), over blocks of kKeys keys:
-//   S = Q·Kᵀ                          (tiles: bfloat16 products, float32 sums)
+// Exact attention forward for bfloat16 inputs with bfloat16 products summed in float32,
+// FlashAttention-style, on one of two engines: AMX tiles (Intel AMX-BF16) or AVX512-BF16's
+// vdpbf16ps (AMD Zen 4, Intel Cooper Lake). Per (batch·head, block of kRows = 32 queries), over
+// blocks of kKeys keys:
+//   S = Q·Kᵀ                          (bfloat16 products, float32 sums)
 //   m' = max(m, scale·rowmax S); P = bf16(exp(scale·S − m')); l = l·exp(m − m') + Σ exp(...)
-//   O = O·exp(m − m') + P·V           (tiles, into a float32 accumulator per worker)
+//   O = O·exp(m − m') + P·V           (bfloat16 products, into a float32 accumulator per worker)
 // then out = bf16(O / l) and lse = m + log l, in float32 as the float32 forward saves it.
 //
 // What it costs against the widened float32 forward (docs/precision.md): P is rounded to
@@ -10,23 +12,25 @@
 // the float32 sums and the final rounding; AMX reads bfloat16 subnormals (|x| < 2⁻¹²⁶) as 0.
 // The probabilities' sum l is taken before that rounding, as the float32 forward takes it.
 //
-// Keys and values are packed once per call into the tiles' operand layout (tile_keys,
-// tile_values below); queries a block at a time. Extra memory: the packed k and v (as large as
-// k and v, padded) and kRows·(2·d + 6·kKeys + 4·d_v) bytes per worker (d, d_v padded).
+// Keys and values are packed once per call into the pair layout both engines read (AMX's
+// B-tile rows are vdpbf16ps's B vectors; tile_keys, tile_values below); queries a block at a
+// time. Extra memory: the packed k and v (as large as k and v, padded) and
+// kRows·(2·d + 6·kKeys + 4·d_v) bytes per worker (d, d_v padded).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 
 #include "linattn/core/amx.h"
 #include "linattn/core/attention_args.h"
+#include "linattn/core/avx512_bf16.h"
 #include "linattn/core/error.h"
 #include "linattn/core/parallel.h"
 #include "linattn/core/simd.h"
 #include "linattn/softmax/forward_internal.h"
 
 namespace linattn::softmax_detail {
-#if LINATTN_AMX_ASM
 namespace {
 
 constexpr int64_t kRows = 32;   // queries per task: two 16-row tiles
@@ -90,6 +94,7 @@ struct Scratch {
       : q(kRows * td.d_pad()), s(kRows * kKeys), p(kRows * kKeys), o(kRows * td.v_pad()) {}
 };
 
+#if LINATTN_AMX_ASM
 // The tile registers configured for this thread while in scope (released on an exception too).
 struct TileScope {
   TileScope() {
@@ -160,7 +165,22 @@ void value_tiles(Scratch& w, const bfloat16* values, int64_t key_chunk0, int64_t
   }
 }
 
-void forward_rows(TensorView<const bfloat16> q, const bfloat16* keys, const bfloat16* values,
+#endif  // LINATTN_AMX_ASM
+
+// S[0:rows, 0:bk32] = Q·K[j0 : j0 + bk32]ᵀ and O[0:rows] += P[0:rows, 0:bk32]·V[j0 : j0 + bk32] with
+// vdpbf16ps, from the same packed operands as the tiles.
+void dot_scores(Scratch& w, const bfloat16* keys, int64_t j0, int64_t bk32, int64_t rows, const TileDims& td) {
+  const int64_t tile = td.d_chunks * kTileElems;  // one 16-key tile of K
+  avx512_bf16::dot(w.q.data(), td.d_pad(), rows, {keys + (j0 / kTileRows) * tile, tile, kTileElems}, td.d_pad() / 2,
+                   bk32 / kTileRows, w.s.data(), kKeys, false);
+}
+void dot_values(Scratch& w, const bfloat16* values, int64_t j0, int64_t bk32, int64_t rows, const TileDims& td) {
+  const int64_t chunk = td.v_chunks * kTileElems;  // one 32-key chunk of V
+  avx512_bf16::dot(w.p.data(), kKeys, rows, {values + (j0 / kTileDepth) * chunk, kTileElems, chunk}, bk32 / 2,
+                   td.v_chunks, w.o.data(), td.v_pad(), true);
+}
+
+void forward_rows(Bf16Engine engine, TensorView<const bfloat16> q, const bfloat16* keys, const bfloat16* values,
                   const AttentionDims& d, const TileDims& td, const KeyMask& mask, float scale,
                   int64_t bh, int64_t i0, Scratch& w, bfloat16* out, float* lse) {
   const int64_t b = bh / d.heads;
@@ -180,10 +200,16 @@ void forward_rows(TensorView<const bfloat16> q, const bfloat16* keys, const bflo
 
   for (int64_t j0 = 0; j0 < kmax; j0 += kKeys) {
     interruption_point();  // may run Python (signal handlers), which may use AMX itself
-    const TileScope tiles;  // no tile holds data across blocks: S and O live in memory
     const int64_t bk = std::min(kKeys, kmax - j0);
     const int64_t bk32 = round_up(bk, kTileDepth);
-    for (int64_t jj = 0; jj < bk32; jj += kTileDepth) score_tiles(w, keys, (j0 + jj) / kTileRows, jj, td);
+#if LINATTN_AMX_ASM
+    std::optional<TileScope> tiles;  // no tile holds data across blocks: S and O live in memory
+    if (engine == Bf16Engine::amx) {
+      tiles.emplace();
+      for (int64_t jj = 0; jj < bk32; jj += kTileDepth) score_tiles(w, keys, (j0 + jj) / kTileRows, jj, td);
+    }
+#endif
+    if (engine == Bf16Engine::avx512_bf16) dot_scores(w, keys, j0, bk32, rows, td);
     int64_t count[kRows];
     for (int64_t r = 0; r < kRows; ++r) count[r] = std::clamp<int64_t>(w.visible[r] - j0, 0, bk);
     const int64_t bad = simd::online_softmax_to_bfloat16(w.s.data(), kKeys, kRows, count, static_cast<size_t>(bk32),
@@ -191,8 +217,12 @@ void forward_rows(TensorView<const bfloat16> q, const bfloat16* keys, const bflo
                                                          static_cast<size_t>(d.value_dim), w.p.data(), kKeys);
     require(bad < 0, "softmax_attention: q·kᵀ·scale overflows at row ", i0 + bad, " of batch·head ", bh,
             "; scale down q or k");
-    for (int64_t cc = 0; cc < td.v_chunks; cc += 2)
-      value_tiles(w, values, j0 / kTileDepth, bk32, cc, cc + 1 < td.v_chunks, td);
+#if LINATTN_AMX_ASM
+    if (engine == Bf16Engine::amx)
+      for (int64_t cc = 0; cc < td.v_chunks; cc += 2)
+        value_tiles(w, values, j0 / kTileDepth, bk32, cc, cc + 1 < td.v_chunks, td);
+#endif
+    if (engine == Bf16Engine::avx512_bf16) dot_values(w, values, j0, bk32, rows, td);
   }
   const int64_t bad = simd::finish_rows_to_bfloat16(w.o.data(), static_cast<size_t>(td.v_pad()), static_cast<size_t>(rows),
                                                     static_cast<size_t>(d.value_dim), w.l,
@@ -204,21 +234,35 @@ void forward_rows(TensorView<const bfloat16> q, const bfloat16* keys, const bflo
 }
 
 }  // namespace
-#endif  // LINATTN_AMX_ASM
 
-bool bf16_tiles_usable(const AttentionDims& d, double scale) {
+std::optional<Bf16Engine> bf16_engine() {
+  if (amx::bf16_usable()) return Bf16Engine::amx;
+  if (avx512_bf16::usable()) return Bf16Engine::avx512_bf16;
+  return std::nullopt;
+}
+
+bool bf16_engine_usable(Bf16Engine engine) {
+  return engine == Bf16Engine::amx ? amx::bf16_usable() : avx512_bf16::usable();
+}
+
+const char* engine_name(Bf16Engine engine) { return engine == Bf16Engine::amx ? "AMX-BF16 tiles" : "AVX512-BF16"; }
+
+bool bf16_tiles_usable(const AttentionDims& d, double scale, Bf16Engine engine) {
   // Values past 2^64 could overflow the float32 sum of P·V (the float32 forward rescales v
   // first, range.h); a scale ≤ 0 turns the row maximum into a minimum. Both are left to the
   // widened forward, which handles them.
-  return amx::bf16_usable() && scale > 0 && d.v_max <= 0x1p64;
+  return bf16_engine_usable(engine) && scale > 0 && d.v_max <= 0x1p64;
 }
 
 Bf16TilesResult forward_bf16_tiles(TensorView<const bfloat16> q, TensorView<const bfloat16> k,
-                                                           TensorView<const bfloat16> v, const AttentionDims& d,
-                                                           const AttentionOptions& opts, double scale) {
-  require(bf16_tiles_usable(d, scale), "softmax_attention: the AMX bfloat16 forward cannot take this call (",
-          amx::bf16_usable() ? "scale ≤ 0 or |v| > 2^64" : amx::unavailable_reason(), ")");
-#if LINATTN_AMX_ASM
+                                   TensorView<const bfloat16> v, const AttentionDims& d, const AttentionOptions& opts,
+                                   double scale, Bf16Engine engine) {
+  require(bf16_tiles_usable(d, scale, engine), "softmax_attention: the ", engine_name(engine),
+          " bfloat16 forward cannot take this call (",
+          bf16_engine_usable(engine) ? "scale ≤ 0 or |v| > 2^64"
+          : engine == Bf16Engine::amx ? amx::unavailable_reason()
+                                      : avx512_bf16::unavailable_reason(),
+          ")");
   const TileDims td(d);
   Buffer<bfloat16> keys(d.bh() * td.key_tiles() * td.d_chunks * kTileElems);
   Buffer<bfloat16> values(d.bh() * td.key_chunks() * td.v_chunks * kTileElems);
@@ -240,13 +284,10 @@ Bf16TilesResult forward_bf16_tiles(TensorView<const bfloat16> q, TensorView<cons
   loop.run([&](int64_t task, int worker) {
     const int64_t bh = task / q_blocks;
     const int64_t blk = q_blocks - 1 - task % q_blocks;  // causal: the longest rows first
-    forward_rows(q, keys.data() + bh * keys_per_bh, values.data() + bh * values_per_bh, d, td, mask,
+    forward_rows(engine, q, keys.data() + bh * keys_per_bh, values.data() + bh * values_per_bh, d, td, mask,
                  static_cast<float>(scale), bh, blk * kRows, scratch[worker], r.out.data(), r.lse.data());
   });
   return r;
-#else
-  fail("softmax_attention: the AMX bfloat16 forward is built on x86-64 Linux only");
-#endif
 }
 
 }  // namespace linattn::softmax_detail

@@ -1,5 +1,4 @@
 // Exact softmax attention in the method registry.
-#include "linattn/core/amx.h"
 #include "linattn/core/method_support.h"
 #include "linattn/softmax.h"
 #include "linattn/softmax/args.h"
@@ -28,16 +27,18 @@ AttentionGrads<T> backward(const MethodArgs<T>& a, TensorView<const T> dout,
   return softmax_attention_backward<T>(a.q, a.k, a.v, dout, o);
 }
 
-// bfloat16 on AMX tiles where this CPU has them and the call is in their range
-// (forward_bf16.cc); nothing otherwise, and the registry runs the widened float32 forward.
+// bfloat16 products on AMX tiles or AVX512-BF16 where this CPU has them and the call is in
+// their range (forward_bf16.cc); nothing otherwise, and the registry runs the widened float32
+// forward.
 std::optional<MethodOutput<bfloat16>> forward_bf16(const MethodArgs<bfloat16>& a) {
-  if (!amx::bf16_usable()) return std::nullopt;
+  const std::optional<softmax_detail::Bf16Engine> engine = softmax_detail::bf16_engine();
+  if (!engine) return std::nullopt;
   const char* fn = "softmax_attention";
   const AttentionOptions o = softmax_detail::options_from(a);
   const AttentionDims d = check_attention_args(fn, a.q, a.k, a.v, o);
   const double scale = resolve_scale(fn, o, d.head_dim);
-  if (!softmax_detail::bf16_tiles_usable(d, scale)) return std::nullopt;
-  softmax_detail::Bf16TilesResult r = softmax_detail::forward_bf16_tiles(a.q, a.k, a.v, d, o, scale);
+  if (!softmax_detail::bf16_tiles_usable(d, scale, *engine)) return std::nullopt;
+  softmax_detail::Bf16TilesResult r = softmax_detail::forward_bf16_tiles(a.q, a.k, a.v, d, o, scale, *engine);
   MethodOutput<bfloat16> out{std::move(r.out), {}};
   out.saved.emplace_back("lse", std::move(r.lse));
   return out;

@@ -1,0 +1,117 @@
+#include "linattn/core/avx512_bf16.h"
+
+#include <algorithm>
+
+#include "linattn/core/error.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define LINATTN_AVX512_BF16 1
+#include <cpuid.h>
+#include <immintrin.h>
+#else
+#define LINATTN_AVX512_BF16 0
+#endif
+
+namespace linattn::avx512_bf16 {
+namespace {
+
+std::string probe() {
+#if LINATTN_AVX512_BF16
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1u)) return "the OS does not enable XSAVE";
+  uint32_t xcr0_lo = 0, xcr0_hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  if ((xcr0_lo & 0xE6u) != 0xE6u) return "the OS does not enable the AVX-512 state";
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return "CPUID leaf 7 is missing";
+  if (!((b >> 16) & 1u) || !((b >> 30) & 1u) || !((b >> 31) & 1u)) return "the CPU has no AVX-512 (F, BW, VL)";
+  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !((a >> 5) & 1u)) return "the CPU has no AVX512_BF16";
+  return "";
+#else
+  return "AVX512-BF16 is used on x86-64 only";
+#endif
+}
+
+const std::string& reason() {
+  static const std::string r = probe();
+  return r;
+}
+
+#if LINATTN_AVX512_BF16
+#define LINATTN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// R rows × C column blocks of accumulators (R·C ≤ 24 of the 32 zmm registers; the rest hold
+// B's C vectors and a broadcast pair of A).
+template <int R, int C>
+LINATTN_TARGET void block(const bfloat16* a, int64_t lda, PackedB b, int64_t pairs, float* c, int64_t ldc,
+                          bool accumulate) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j) acc[r][j] = accumulate ? _mm512_loadu_ps(c + r * ldc + 16 * j) : _mm512_setzero_ps();
+  const auto* a32 = reinterpret_cast<const int32_t*>(a);  // pair p of row r: a32[r·lda/2 + p]
+  const int64_t lda32 = lda / 2;
+  for (int64_t chunk = 0; chunk * 16 < pairs; ++chunk) {
+    const bfloat16* bc = b.data + chunk * b.chunk_stride;
+    const int64_t end = std::min<int64_t>(16, pairs - chunk * 16);
+    for (int64_t pp = 0; pp < end; ++pp) {
+      __m512bh bv[C];
+      for (int j = 0; j < C; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(bc + pp * 32 + j * b.column_stride);
+      const int64_t p = chunk * 16 + pp;
+      for (int r = 0; r < R; ++r) {
+        const __m512bh av = (__m512bh)_mm512_set1_epi32(a32[r * lda32 + p]);
+        for (int j = 0; j < C; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], av, bv[j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j) _mm512_storeu_ps(c + r * ldc + 16 * j, acc[r][j]);
+}
+
+using BlockFn = void (*)(const bfloat16*, int64_t, PackedB, int64_t, float*, int64_t, bool);
+
+template <int R>
+BlockFn block_for(int64_t columns) {
+  switch (columns) {
+    case 1: return block<R, 1>;
+    case 2: return block<R, 2>;
+    case 3: return block<R, 3>;
+    default: return block<R, 4>;
+  }
+}
+BlockFn block_for(int64_t rows, int64_t columns) {
+  switch (rows) {
+    case 1: return block_for<1>(columns);
+    case 2: return block_for<2>(columns);
+    case 3: return block_for<3>(columns);
+    case 4: return block_for<4>(columns);
+    case 5: return block_for<5>(columns);
+    default: return block_for<6>(columns);
+  }
+}
+#endif
+
+}  // namespace
+
+bool usable() { return reason().empty(); }
+const std::string& unavailable_reason() { return reason(); }
+
+void dot(const bfloat16* a, int64_t lda, int64_t rows, PackedB b, int64_t pairs, int64_t column_blocks, float* c,
+         int64_t ldc, bool accumulate) {
+  require(usable(), "avx512_bf16::dot: ", unavailable_reason());
+  require(lda % 2 == 0, "avx512_bf16::dot: lda must be even (rows read as pairs), got ", lda);
+#if LINATTN_AVX512_BF16
+  // Six rows by four column blocks: 24 accumulators, 4 loads of B and 6 broadcasts per 24
+  // products of 32 pairs each.
+  for (int64_t j = 0; j < column_blocks; j += 4) {
+    const int64_t cols = std::min<int64_t>(4, column_blocks - j);
+    const PackedB bj{b.data + j * b.column_stride, b.column_stride, b.chunk_stride};
+    for (int64_t r = 0; r < rows; r += 6) {
+      const int64_t rs = std::min<int64_t>(6, rows - r);
+      block_for(rs, cols)(a + r * lda, lda, bj, pairs, c + r * ldc + 16 * j, ldc, accumulate);
+    }
+  }
+#else
+  (void)a, (void)rows, (void)b, (void)pairs, (void)column_blocks, (void)c, (void)ldc, (void)accumulate;
+#endif
+}
+
+}  // namespace linattn::avx512_bf16

@@ -1,0 +1,38 @@
+// AVX512-BF16 (vdpbf16ps): bfloat16 pair products summed into float32 lanes, on CPUs that have
+// it without AMX (AMD Zen 4 and later, Intel Cooper Lake). Own code because Debian's Highway
+// 1.0.3 has no vdpbf16ps: its ReorderWidenMulAccumulate for bfloat16 widens and uses FMA.
+//
+// The kernel is compiled with a function-level target attribute, so no other code in the
+// library is compiled for AVX-512; it is only reached after usable() said yes.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "linattn/low_precision.h"
+
+namespace linattn::avx512_bf16 {
+
+// CPUID reports AVX512F, AVX512BW, AVX512VL and AVX512_BF16, and the OS saves the zmm state
+// (XCR0 bits 1, 2, 5, 6, 7). Asked once.
+bool usable();
+// Why not, in words ("" when usable): for build_info() and the benchmarks' header.
+const std::string& unavailable_reason();
+
+// One zmm of B: 16 columns × one pair of inner indices, as (b[2p][c], b[2p+1][c]) for c = 0..15
+// (the VNNI layout, also AMX's B-tile row). Pair p of column block j lies at
+//   b + (p / 16)·chunk_stride + (p % 16)·32 + j·column_stride     (bfloat16 elements),
+// that is, 16 pairs (one 16×32 AMX tile) per chunk.
+struct PackedB {
+  const bfloat16* data;
+  int64_t column_stride, chunk_stride;
+};
+
+// c[r][0 : 16·column_blocks) (+)= Σ_{i < 2·pairs} a[r][i]·b[i][·] for r < rows, float32 sums,
+// a row-major with lda elements per row (read as pairs: 2·pairs readable elements per row).
+// accumulate = false overwrites c. Each product pair is summed as vdpbf16ps sums it: both
+// products exact in float32, added to the lane (docs/precision.md).
+void dot(const bfloat16* a, int64_t lda, int64_t rows, PackedB b, int64_t pairs, int64_t column_blocks,
+         float* c, int64_t ldc, bool accumulate);
+
+}  // namespace linattn::avx512_bf16
