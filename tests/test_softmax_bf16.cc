@@ -157,7 +157,9 @@ TEST_P(SoftmaxBf16Products, PaddedKeysAreNeverRead) {
 TEST(SoftmaxBf16Registry, TakesTheBestEngineWhenItCan) {
   const std::optional<Bf16Engine> best = softmax_detail::bf16_engine();
   ASSERT_EQ(best.has_value(), amx::bf16_usable() || avx512_bf16::usable());
-  if (best) ASSERT_EQ(*best == Bf16Engine::amx, amx::bf16_usable());
+  if (best) {
+    ASSERT_EQ(*best == Bf16Engine::amx, amx::bf16_usable());
+  }
   const MethodInfo& m = method("softmax");
   const int64_t B = 1, H = 2, n = 90, d = 24;
   Tensor<bfloat16> q = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 4)),
@@ -205,6 +207,197 @@ TEST_P(SoftmaxBf16Products, OverflowingScoresAreAnError) {
   const std::string e = testing::error_of(
       [&] { softmax_detail::forward_bf16_tiles(q, k, v, dims, o, resolve_scale("test", o, 2), GetParam()); });
   EXPECT_NE(e.find("softmax_attention: q·kᵀ·scale overflows at row"), std::string::npos) << e;
+}
+
+// The backward with bfloat16 products (backward_bf16.cc) against the float64 reference. With
+// P, dP, δ and dS the float64 quantities, ρ the float32 relative error of P (the score's e_p
+// and the saved lse's, as above) and Δδ_i the error of δ_i from the bfloat16 forward's out
+// (u·|out| + spread per element, as above, and the float32 dot product):
+//   E_ij = (u + ρ + 3·u₃₂)·|dS_ij| + P_ij·(e_dP_ij + Δδ_i),  e_dP_ij = (d_v + 1)·u₃₂·Σ_c |dout_ic·v_jc|
+// bounds the error of one bfloat16 dS_ij (its rounding, P's, dP's and δ's), and then
+//   |dK_jf − ref| ≤ u·|ref| + (1 + 2u)·scale·Σ_i (E_ij + (n_q + 1)·u₃₂·|dS_ij|)·|q_if|
+//   |dQ_if − ref| ≤ u·|ref| + (1 + 2u)·scale·Σ_j (E_ij + (n_k + 17)·u₃₂·|dS_ij|)·|k_jf|   (≤ 16 key splits)
+//   |dV_jc − ref| ≤ u·|ref| + (1 + 2u)·Σ_i (u + ρ + (n_q + 1)·u₃₂)·P_ij·|dout_ic|
+// (1 + 2u covers the second-order terms), plus 2⁻¹²⁰ for subnormal products flushed to zero.
+void expect_backward_within_bound(const Case& c, int threads) {
+  SCOPED_TRACE(::testing::Message() << "backward B=" << c.batch << " H=" << c.heads << " n_q=" << c.n_q
+                                    << " n_k=" << c.n_k << " d=" << c.d << " dv=" << c.dv
+                                    << (c.causal ? " causal" : "") << (c.key_lengths.empty() ? "" : " key_lengths")
+                                    << " threads=" << threads);
+  ScopedThreads scope(threads);
+  const Tensor<bfloat16> q = narrowed<bfloat16>(random_tensor<double>({c.batch, c.heads, c.n_q, c.d}, 1, c.sigma)),
+                         k = narrowed<bfloat16>(random_tensor<double>({c.batch, c.heads, c.n_k, c.d}, 2, c.sigma)),
+                         v = narrowed<bfloat16>(random_tensor<double>({c.batch, c.heads, c.n_k, c.dv}, 3)),
+                         dout = narrowed<bfloat16>(random_tensor<double>({c.batch, c.heads, c.n_q, c.dv}, 4));
+  AttentionOptions o;
+  o.causal = c.causal;
+  if (!c.key_lengths.empty()) o.key_lengths = c.key_lengths;
+  const AttentionDims dims = check_attention_args("test", q.view(), k.view(), v.view(), o);
+  const double scale = resolve_scale("test", o, c.d);
+  ASSERT_TRUE(softmax_detail::bf16_backward_usable(dims, scale, 4.0));
+  const std::optional<Bf16Engine> engine = softmax_detail::bf16_engine();
+  ASSERT_TRUE(engine.has_value());
+  const softmax_detail::Bf16TilesResult fwd = softmax_detail::forward_bf16_tiles(q, k, v, dims, o, scale, *engine);
+  const Tensor<float> out32 = widen(fwd.out.view());
+  const AttentionGrads<float> got32 =
+      softmax_detail::backward_bf16_products(q, k, v, dout, out32, fwd.lse, dims, o, scale);
+
+  // Through the registry, with the saved tensors and without (the forward run again): the
+  // same gradients, rounded once.
+  MethodArgs<bfloat16> a;
+  a.q = q, a.k = k, a.v = v;
+  a.options = {{"causal", c.causal}};
+  if (!c.key_lengths.empty()) a.options["key_lengths"] = c.key_lengths;
+  const MethodInfo& m = method("softmax");
+  const AttentionGrads<bfloat16> recomputed = m.bf16.backward(a, dout, {});
+  const AttentionGrads<bfloat16> from_saved = m.bf16.backward(a, dout, {{"out", out32.view()}, {"lse", fwd.lse.view()}});
+  for (const auto* g : {&recomputed, &from_saved}) {
+    for (int64_t i = 0; i < got32.dq.size(); ++i) ASSERT_EQ(g->dq[i].bits, to_bfloat16(got32.dq[i]).bits) << "dq " << i;
+    for (int64_t i = 0; i < got32.dk.size(); ++i) ASSERT_EQ(g->dk[i].bits, to_bfloat16(got32.dk[i]).bits) << "dk " << i;
+    for (int64_t i = 0; i < got32.dv.size(); ++i) ASSERT_EQ(g->dv[i].bits, to_bfloat16(got32.dv[i]).bits) << "dv " << i;
+  }
+
+  const Tensor<double> q64 = to_f64(q), k64 = to_f64(k), v64 = to_f64(v), do64 = to_f64(dout);
+  const AttentionGrads<double> ref = reference::softmax_attention_backward(q64, k64, v64, do64, o);
+  const SoftmaxAttentionResult<double> ref_fwd = reference::softmax_attention(q64, k64, v64, o);
+  const int64_t n_q = c.n_q, n_k = c.n_k, d = c.d, dv = c.dv;
+  const double tiny = 0x1p-120;
+  const KeyMask mask(dims, o);
+  for (int64_t bh = 0; bh < c.batch * c.heads; ++bh) {
+    const int64_t b = bh / c.heads;
+    auto Q = [&](int64_t i, int64_t f) { return q64[(bh * n_q + i) * d + f]; };
+    auto K = [&](int64_t j, int64_t f) { return k64[(bh * n_k + j) * d + f]; };
+    auto V = [&](int64_t j, int64_t f) { return v64[(bh * n_k + j) * dv + f]; };
+    auto DO = [&](int64_t i, int64_t f) { return do64[(bh * n_q + i) * dv + f]; };
+    double vmax = 0, qk = 0, lse_max = 0;
+    for (int64_t j = 0; j < mask.key_length(b); ++j)
+      for (int64_t f = 0; f < dv; ++f) vmax = std::max(vmax, std::abs(V(j, f)));
+    for (int64_t i = 0; i < n_q; ++i) {
+      if (std::isfinite(ref_fwd.lse[bh * n_q + i])) lse_max = std::max(lse_max, std::abs(ref_fwd.lse[bh * n_q + i]));
+      for (int64_t j = 0; j < n_k; ++j) {
+        double sum = 0;
+        for (int64_t f = 0; f < d; ++f) sum += std::abs(Q(i, f) * K(j, f));
+        qk = std::max(qk, sum);
+      }
+    }
+    const double e_p = scale * d * kU32 * qk + 4 * kU32;
+    const double rho = 2 * e_p + n_k * kU32 + 2 * kU32 * lse_max + 4 * kU32;
+    const double spread = (kU + 2 * e_p + 3 * n_k * kU32) * vmax;
+    // P, |dS| and E (n_q × n_k), then the three bounds.
+    std::vector<double> P(n_q * n_k, 0.0), dS(n_q * n_k, 0.0), E(n_q * n_k, 0.0);
+    for (int64_t i = 0; i < n_q; ++i) {
+      const double lse = ref_fwd.lse[bh * n_q + i];
+      const int64_t visible = std::isfinite(lse) ? mask.visible(b, i) : 0;
+      double delta = 0, d_delta = 0;
+      for (int64_t f = 0; f < dv; ++f) {
+        const double out = ref_fwd.out[(bh * n_q + i) * dv + f];
+        delta += DO(i, f) * out;
+        d_delta += std::abs(DO(i, f)) * (kU * std::abs(out) + spread) + (dv + 1) * kU32 * std::abs(DO(i, f) * out);
+      }
+      for (int64_t j = 0; j < visible; ++j) {
+        double s = 0, dp = 0, dp_mag = 0;
+        for (int64_t f = 0; f < d; ++f) s += Q(i, f) * K(j, f);
+        for (int64_t f = 0; f < dv; ++f) dp += DO(i, f) * V(j, f), dp_mag += std::abs(DO(i, f) * V(j, f));
+        const double p = std::exp(scale * s - lse);
+        P[i * n_k + j] = p;
+        dS[i * n_k + j] = std::abs(p * (dp - delta));
+        E[i * n_k + j] = (kU + rho + 3 * kU32) * dS[i * n_k + j] + p * ((dv + 1) * kU32 * dp_mag + d_delta);
+      }
+    }
+    const double second = 1 + 2 * kU;
+    for (int64_t j = 0; j < n_k; ++j) {
+      for (int64_t f = 0; f < d; ++f) {
+        double bound = 0;
+        for (int64_t i = 0; i < n_q; ++i)
+          bound += (E[i * n_k + j] + (n_q + 1) * kU32 * dS[i * n_k + j]) * std::abs(Q(i, f));
+        const double r = ref.dk[(bh * n_k + j) * d + f];
+        const double g = to_float(from_saved.dk[(bh * n_k + j) * d + f]);
+        ASSERT_LE(std::abs(g - r), kU * std::abs(r) + second * scale * bound + tiny) << "dk [" << bh << ", " << j << ", " << f << "]";
+      }
+      for (int64_t f = 0; f < dv; ++f) {
+        double bound = 0;
+        for (int64_t i = 0; i < n_q; ++i) bound += (kU + rho + (n_q + 1) * kU32) * P[i * n_k + j] * std::abs(DO(i, f));
+        const double r = ref.dv[(bh * n_k + j) * dv + f];
+        const double g = to_float(from_saved.dv[(bh * n_k + j) * dv + f]);
+        ASSERT_LE(std::abs(g - r), kU * std::abs(r) + second * bound + tiny) << "dv [" << bh << ", " << j << ", " << f << "]";
+      }
+    }
+    for (int64_t i = 0; i < n_q; ++i)
+      for (int64_t f = 0; f < d; ++f) {
+        double bound = 0;
+        for (int64_t j = 0; j < n_k; ++j)
+          bound += (E[i * n_k + j] + (n_k + 17) * kU32 * dS[i * n_k + j]) * std::abs(K(j, f));
+        const double r = ref.dq[(bh * n_q + i) * d + f];
+        const double g = to_float(from_saved.dq[(bh * n_q + i) * d + f]);
+        ASSERT_LE(std::abs(g - r), kU * std::abs(r) + second * scale * bound + tiny) << "dq [" << bh << ", " << i << ", " << f << "]";
+      }
+  }
+}
+
+// Odd sizes (tails of the 128-key and 128-query blocks, 16-column blocks, odd d and d_v), every
+// mask, rows that see no key, and thread counts below and above batch·heads (key splits).
+TEST(SoftmaxBf16Backward, MatchesTheFloat64ReferenceWithinTheBound) {
+  if (!avx512_bf16::usable()) GTEST_SKIP() << "no AVX512-BF16 here: " << avx512_bf16::unavailable_reason();
+  const std::vector<Case> cases = {
+      {1, 1, 1, 1, 1, 1, false, {}},
+      {2, 3, 33, 47, 17, 5, false, {}},
+      {2, 3, 33, 47, 17, 5, true, {}},
+      {1, 2, 300, 300, 64, 64, true, {}},
+      {1, 1, 257, 300, 80, 130, false, {}},
+      {2, 2, 70, 40, 33, 16, true, {}},  // n_q > n_k: the first 30 rows see no key
+      {2, 1, 45, 300, 128, 48, false, {0, 255}},
+      {2, 1, 300, 300, 64, 31, true, {300, 141}},
+      {1, 1, 64, 300, 64, 64, false, {}, 3.0},  // sharp rows
+  };
+  for (const Case& c : cases)
+    for (int threads : {1, 4, 9}) expect_backward_within_bound(c, threads);
+}
+
+// The backward leaves to the widened float32 one what it does not take (bitwise that result):
+// scale ≤ 0, and |dout| past 2^48.
+TEST(SoftmaxBf16Backward, RegistryWidensOutsideItsRange) {
+  const MethodInfo& m = method("softmax");
+  const int64_t B = 1, H = 2, n = 40, d = 8;
+  const Tensor<bfloat16> q = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 4)),
+                         k = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 5)),
+                         v = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 6));
+  Tensor<bfloat16> dout = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 7));
+  auto expect_widened = [&](const MethodArgs<bfloat16>& a, const std::string& what) {
+    SCOPED_TRACE(what);
+    MethodArgs<float> w;
+    const Tensor<float> q32 = widen(q.view()), k32 = widen(k.view()), v32 = widen(v.view()), do32 = widen(TensorView<const bfloat16>(dout));
+    w.q = q32, w.k = k32, w.v = v32, w.options = a.options;
+    const AttentionGrads<float> want = m.f32.backward(w, do32, {});
+    const AttentionGrads<bfloat16> got = m.bf16.backward(a, dout, {});
+    for (int64_t i = 0; i < want.dq.size(); ++i) ASSERT_EQ(got.dq[i].bits, to_bfloat16(want.dq[i]).bits) << i;
+    for (int64_t i = 0; i < want.dk.size(); ++i) ASSERT_EQ(got.dk[i].bits, to_bfloat16(want.dk[i]).bits) << i;
+    for (int64_t i = 0; i < want.dv.size(); ++i) ASSERT_EQ(got.dv[i].bits, to_bfloat16(want.dv[i]).bits) << i;
+  };
+  MethodArgs<bfloat16> a;
+  a.q = q, a.k = k, a.v = v;
+  a.options = {{"causal", false}, {"scale", -0.25}};
+  expect_widened(a, "scale < 0");
+  a.options = {{"causal", true}};
+  dout[3] = to_bfloat16(0x1p60f);
+  expect_widened(a, "|dout| > 2^48");
+}
+
+// Bad input is the float32 backward's error: a non-finite dout, a saved lse of the wrong shape.
+TEST(SoftmaxBf16Backward, BadInputIsAnError) {
+  const int64_t B = 1, H = 1, n = 5, d = 4;
+  const Tensor<bfloat16> q = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 4));
+  Tensor<bfloat16> dout = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 7));
+  dout[6] = to_bfloat16(std::numeric_limits<float>::quiet_NaN());
+  MethodArgs<bfloat16> a;
+  a.q = q, a.k = q, a.v = q;
+  a.options = {{"causal", false}};
+  const MethodInfo& m = method("softmax");
+  std::string e = testing::error_of([&] { m.bf16.backward(a, dout, {}); });
+  EXPECT_NE(e.find("softmax_attention_backward: dout has a non-finite value"), std::string::npos) << e;
+  dout[6] = bfloat16{0};
+  const Tensor<float> out({B, H, n, d}), lse({B, H, n + 1});
+  e = testing::error_of([&] { m.bf16.backward(a, dout, {{"out", out.view()}, {"lse", lse.view()}}); });
+  EXPECT_NE(e.find("softmax_attention_backward: lse has shape [1, 1, 6]; expected [1, 1, 5]"), std::string::npos) << e;
 }
 
 }  // namespace

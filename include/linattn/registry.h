@@ -107,10 +107,15 @@ struct MethodInfo {
   // and gradients rounded once.
   MethodFunctions<bfloat16> bf16;
   MethodFunctions<float16> f16;
-  // A method's own bfloat16 forward, where it has one (exact attention on AMX tiles): bf16.forward
+  // A method's own bfloat16 forward, where it has one (exact attention on AMX tiles or
+  // AVX512-BF16): bf16.forward
   // calls it first and runs the widened float32 forward only when it returns nothing (this CPU,
   // or this call, is outside what it does). Set by describe_<method>(); null for most methods.
   std::function<std::optional<MethodOutput<bfloat16>>(const MethodArgs<bfloat16>&)> bf16_kernel;
+  // And its own bfloat16 backward, the same way (exact attention on AVX512-BF16).
+  std::function<std::optional<AttentionGrads<bfloat16>>(const MethodArgs<bfloat16>&, TensorView<const bfloat16> dout,
+                                                        const SavedViews<bfloat16>& saved)>
+      bf16_backward_kernel;
 
   template <class T>
   const MethodFunctions<T>& functions() const {

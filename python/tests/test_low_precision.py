@@ -7,9 +7,10 @@ float32 call on the widened inputs, rounded; what the forward saves stays float3
 16-bit result is from float64 on the original inputs is measured in docs/precision.md.
 
 The one exception: on a CPU with AMX-BF16 tiles or AVX512-BF16, exact attention's bfloat16
-forward multiplies in bfloat16 (build_info() says so). It rounds its probabilities to bfloat16 before P·V, so its output is
-within u·|ref| + u·max|v| of the float32 one (u = 2^-8), not bitwise it; the C++ suite
-(test_softmax_bf16.cc) checks it against float64."""
+forward multiplies in bfloat16 (build_info() says so), and so does its backward where the CPU
+has AVX512-BF16. The forward rounds its probabilities to bfloat16 before P·V, so its output is
+within u·|ref| + u·max|v| of the float32 one (u = 2^-8), not bitwise it; the backward rounds P
+and dS (_softmax_grad_bound). The C++ suite (test_softmax_bf16.cc) checks both against float64."""
 import ml_dtypes
 import numpy as np
 import pytest
@@ -23,7 +24,8 @@ LOW = [BF16, np.dtype(np.float16)]
 TORCH = {BF16: torch.bfloat16, np.dtype(np.float16): torch.float16}
 
 
-BF16_PRODUCTS = "for exact attention's forward" in linattn.build_info()
+BF16_PRODUCTS = "exact attention's forward" in linattn.build_info()
+BF16_BACKWARD = "backward on AVX512-BF16" in linattn.build_info()
 
 
 def _tiles_bound(ref, v):
@@ -32,6 +34,30 @@ def _tiles_bound(ref, v):
     these sizes)."""
     u = 2.0 ** -8
     return u * np.abs(ref) + (u + 2.0 ** -16) * np.abs(v).max()
+
+
+def _softmax_grad_bound(q, k, v, dout, causal, grads32):
+    """|g − g32| allowed for the bfloat16-product backward against the float32 one, per gradient
+    (dq, dk, dv), from float64 quantities: P, dS = P∘(dP − δ), and Δδ_i, the error of δ_i from
+    the bfloat16 forward's out (u·|out| + (u + 2^-16)·max|v| per element). Each dS is rounded
+    (u) after P's and δ's errors: E = 2u·|dS| + P·Δδ; dP = E·|k|·scale and so on, with 1.1 for
+    the float32 sums of both sides (n·2^-24 ≪ u here)."""
+    u = 2.0 ** -8
+    q, k, v, g = (np.asarray(x, np.float64) for x in (q, k, v, dout))
+    scale = 1 / np.sqrt(q.shape[-1])
+    s = scale * q @ np.swapaxes(k, -1, -2)
+    if causal:
+        s = np.where(np.tril(np.ones(s.shape[-2:], bool), s.shape[-1] - s.shape[-2]), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = p @ v
+    dp = g @ np.swapaxes(v, -1, -2)
+    ds = p * (dp - (g * out).sum(-1, keepdims=True))
+    d_delta = (np.abs(g) * (u * np.abs(out) + (u + 2.0 ** -16) * np.abs(v).max())).sum(-1, keepdims=True)
+    e = 2 * u * np.abs(ds) + p * d_delta
+    bounds = (scale * e @ np.abs(k), scale * np.swapaxes(e, -1, -2) @ np.abs(q),
+              2 * u * np.swapaxes(p, -1, -2) @ np.abs(g))
+    return [u * np.abs(np.asarray(g32, np.float64)) + 1.1 * b for g32, b in zip(grads32, bounds)]
 
 
 def _rounded(shape, dtype, seed, scale=1.0):
@@ -94,6 +120,11 @@ def test_every_numpy_function_is_its_float32_result_rounded_once(dtype):
             if name == "softmax" and dtype == BF16 and BF16_PRODUCTS:
                 err = np.abs(a.astype(np.float64) - b)
                 assert (err <= _tiles_bound(b, v.astype(np.float32))).all(), err.max()
+                continue
+            if name == "softmax_backward" and dtype == BF16 and BF16_BACKWARD:
+                bound = _softmax_grad_bound(q, k, v, g, False, want)[i]
+                err = np.abs(a.astype(np.float64) - b)
+                assert (err <= bound).all(), (i, err.max())
                 continue
             np.testing.assert_array_equal(a.view(np.uint16), b.astype(dtype).view(np.uint16), err_msg="%s[%d]" % (name, i))
 
@@ -230,9 +261,13 @@ def test_torch_autograd_in_16_bit_is_float32_rounded(method, dtype):
     # rowsum(dout·out), FAVOR's), that output's own rounding, which moves them by at most u of
     # their scale: |g16 − g32| ≤ 2u·|g32| + 2u·max|g32|.
     u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
-    for a, b in zip(grads, grads32):
+    own = method == "softmax" and dtype == torch.bfloat16 and BF16_BACKWARD
+    if own:
+        own = _softmax_grad_bound(*(t.float().numpy() for t in base), G.float().numpy(), True,
+                                  [t.numpy() for t in grads32])
+    for i, (a, b) in enumerate(zip(grads, grads32)):
         assert a.dtype == dtype
-        bound = 2 * u * b.abs() + 2 * u * b.abs().max()
+        bound = torch.from_numpy(own[i]).float() if own else 2 * u * b.abs() + 2 * u * b.abs().max()
         assert bool(((a.float() - b).abs() <= bound).all()), (a.float() - b).abs().max()
 
 

@@ -71,6 +71,12 @@ MethodInfo with_low_precision(MethodInfo m) {
       if (std::optional<MethodOutput<bfloat16>> r = kernel(a)) return std::move(*r);
       return widened(a);
     };
+  if (m.bf16_backward_kernel)
+    m.bf16.backward = [kernel = m.bf16_backward_kernel, widened = m.bf16.backward](
+                          const MethodArgs<bfloat16>& a, TensorView<const bfloat16> dout, const SavedViews<bfloat16>& saved) {
+      if (std::optional<AttentionGrads<bfloat16>> r = kernel(a, dout, saved)) return std::move(*r);
+      return widened(a, dout, saved);
+    };
   m.f16 = widening<float16>(m.f32, m.function);
   return m;
 }

@@ -11,13 +11,15 @@ namespace linattn {
 const char* version() { return LINATTN_VERSION; }
 
 std::string build_info() {
-  // The 16-bit path is named so that a benchmark says which one it measured.
-  const std::string exact_bf16 =
-      amx::bf16_usable()          ? std::string("AMX-BF16 tiles for exact attention's forward")
-      : avx512_bf16::usable() ? "AVX512-BF16 (vdpbf16ps) for exact attention's forward; no AMX-BF16 tiles (" +
-                                    amx::unavailable_reason() + ")"
-                              : "no bfloat16 products (" + amx::unavailable_reason() + "; " +
-                                    avx512_bf16::unavailable_reason() + ")";
+  // The 16-bit paths are named so that a benchmark says which one it measured.
+  const bool amx = amx::bf16_usable(), dp = avx512_bf16::usable();
+  std::string exact_bf16;
+  if (amx && dp) exact_bf16 = "exact attention's forward on AMX-BF16 tiles and backward on AVX512-BF16 (vdpbf16ps)";
+  else if (amx) exact_bf16 = "exact attention's forward on AMX-BF16 tiles; no AVX512-BF16 (" + avx512_bf16::unavailable_reason() + ")";
+  else if (dp)
+    exact_bf16 = "exact attention's forward and backward on AVX512-BF16 (vdpbf16ps); no AMX-BF16 tiles (" +
+                 amx::unavailable_reason() + ")";
+  else exact_bf16 = "no bfloat16 products (" + amx::unavailable_reason() + "; " + avx512_bf16::unavailable_reason() + ")";
   return std::string("BLAS ") + blas_name() + ", SIMD " + simd::target_name() +
          ", bfloat16/float16: widened to float32 (float32 kernels, one rounding of the results); " + exact_bf16;
 }

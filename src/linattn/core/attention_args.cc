@@ -123,8 +123,8 @@ double check_finite(const char* fn, const char* name, TensorView<const T> x) {
   const double m = simd::finite_max_abs(x.data, static_cast<size_t>(x.size()));
   if (!std::isnan(m)) return m;
   for (int64_t i = 0; i < x.size(); ++i)
-    require(std::isfinite(x.data[i]), fn, ": ", name, " has a non-finite value at flat index ", i,
-            " (", x.data[i], ")");
+    require(std::isfinite(number(x.data[i])), fn, ": ", name, " has a non-finite value at flat index ", i,
+            " (", number(x.data[i]), ")");
   return m;
 }
 
@@ -163,5 +163,7 @@ template double check_same_shape_finite<float>(const char*, const char*, TensorV
                                              const Shape&);
 template double check_same_shape_finite<double>(const char*, const char*, TensorView<const double>,
                                               const Shape&);
+template double check_same_shape_finite<bfloat16>(const char*, const char*, TensorView<const bfloat16>,
+                                                const Shape&);
 
 }  // namespace linattn

@@ -1,6 +1,7 @@
 #include "linattn/core/avx512_bf16.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "linattn/core/error.h"
 
@@ -47,8 +48,6 @@ LINATTN_TARGET void block(const bfloat16* a, int64_t lda, PackedB b, int64_t pai
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < C; ++j) acc[r][j] = accumulate ? _mm512_loadu_ps(c + r * ldc + 16 * j) : _mm512_setzero_ps();
-  const auto* a32 = reinterpret_cast<const int32_t*>(a);  // pair p of row r: a32[r·lda/2 + p]
-  const int64_t lda32 = lda / 2;
   for (int64_t chunk = 0; chunk * 16 < pairs; ++chunk) {
     const bfloat16* bc = b.data + chunk * b.chunk_stride;
     const int64_t end = std::min<int64_t>(16, pairs - chunk * 16);
@@ -57,7 +56,9 @@ LINATTN_TARGET void block(const bfloat16* a, int64_t lda, PackedB b, int64_t pai
       for (int j = 0; j < C; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(bc + pp * 32 + j * b.column_stride);
       const int64_t p = chunk * 16 + pp;
       for (int r = 0; r < R; ++r) {
-        const __m512bh av = (__m512bh)_mm512_set1_epi32(a32[r * lda32 + p]);
+        int32_t pair;  // a[r][2p], a[r][2p+1] (memcpy: no aliasing of bfloat16 as int32)
+        std::memcpy(&pair, a + r * lda + 2 * p, sizeof pair);
+        const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
         for (int j = 0; j < C; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], av, bv[j]);
       }
     }
@@ -111,6 +112,38 @@ void dot(const bfloat16* a, int64_t lda, int64_t rows, PackedB b, int64_t pairs,
   }
 #else
   (void)a, (void)rows, (void)b, (void)pairs, (void)column_blocks, (void)c, (void)ldc, (void)accumulate;
+#endif
+}
+
+#if LINATTN_AVX512_BF16
+namespace {
+LINATTN_TARGET void pack_pairs_avx512(const float* x, int64_t ld, int64_t rows, int64_t column_blocks, int64_t pairs,
+                                      bfloat16* out) {
+  // vcvtne2ps2bf16 gives [row 2p's 16 | row 2p+1's 16]; vpermw interleaves them into pairs.
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i idx = _mm512_load_si512(kInterleave);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const float* lo = 2 * p < rows ? x + 2 * p * ld : nullptr;
+    const float* hi = 2 * p + 1 < rows ? x + (2 * p + 1) * ld : nullptr;
+    bfloat16* dst = out + (p / 16) * column_blocks * 512 + (p % 16) * 32;
+    for (int64_t j = 0; j < column_blocks; ++j) {
+      const __m512 l = lo ? _mm512_loadu_ps(lo + 16 * j) : _mm512_setzero_ps();
+      const __m512 h = hi ? _mm512_loadu_ps(hi + 16 * j) : _mm512_setzero_ps();
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(h, l);
+      _mm512_storeu_si512(dst + j * 512, _mm512_permutexvar_epi16(idx, both));
+    }
+  }
+}
+}  // namespace
+#endif
+
+void pack_pairs(const float* x, int64_t ld, int64_t rows, int64_t column_blocks, int64_t pairs, bfloat16* out) {
+  require(usable(), "avx512_bf16::pack_pairs: ", unavailable_reason());
+#if LINATTN_AVX512_BF16
+  pack_pairs_avx512(x, ld, rows, column_blocks, pairs, out);
+#else
+  (void)x, (void)ld, (void)rows, (void)column_blocks, (void)pairs, (void)out;
 #endif
 }
 

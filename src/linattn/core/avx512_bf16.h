@@ -35,4 +35,11 @@ struct PackedB {
 void dot(const bfloat16* a, int64_t lda, int64_t rows, PackedB b, int64_t pairs, int64_t column_blocks,
          float* c, int64_t ldc, bool accumulate);
 
+// The rows of x [rows × 16·column_blocks] float32 (ld floats per row), rounded to bfloat16
+// (nearest even), as B of a product over rows: pair p = rows (2p, 2p+1), zero past `rows`, at
+//   out + (p / 16)·column_blocks·512 + (column block)·512 + (p % 16)·32,
+// that is PackedB{out, 512, column_blocks·512}, for p < pairs. vcvtne2ps2bf16 flushes subnormal
+// results to zero (|x| < 2⁻¹²⁶).
+void pack_pairs(const float* x, int64_t ld, int64_t rows, int64_t column_blocks, int64_t pairs, bfloat16* out);
+
 }  // namespace linattn::avx512_bf16

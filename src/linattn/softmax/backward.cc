@@ -135,6 +135,21 @@ AttentionGrads<T> backward(TensorView<const T> q, TensorView<const T> k, TensorV
 }  // namespace
 
 template <class T>
+void softmax_detail::check_saved(const char* fn, TensorView<const T> out, TensorView<const T> lse,
+                                 const AttentionDims& d) {
+  check_same_shape_finite(fn, "out", out, {d.batch, d.heads, d.n_q, d.value_dim});
+  require(lse.shape == Shape{d.batch, d.heads, d.n_q}, fn, ": lse has shape ",
+          shape_string(lse.shape), "; expected ", shape_string({d.batch, d.heads, d.n_q}));
+  for (int64_t i = 0; i < lse.size(); ++i)
+    require(!std::isnan(lse.data[i]) && lse.data[i] != std::numeric_limits<T>::infinity(), fn,
+            ": lse[", i, "] = ", lse.data[i], "; expected a finite value or -inf");
+}
+template void softmax_detail::check_saved(const char*, TensorView<const float>, TensorView<const float>,
+                                          const AttentionDims&);
+template void softmax_detail::check_saved(const char*, TensorView<const double>, TensorView<const double>,
+                                          const AttentionDims&);
+
+template <class T>
 AttentionGrads<T> softmax_attention_backward(TensorView<const T> q, TensorView<const T> k,
                                              TensorView<const T> v, TensorView<const T> dout,
                                              TensorView<const T> out, TensorView<const T> lse,
@@ -143,12 +158,7 @@ AttentionGrads<T> softmax_attention_backward(TensorView<const T> q, TensorView<c
   const AttentionDims d = check_attention_args(fn, q, k, v, opts);
   const double scale = resolve_scale(fn, opts, d.head_dim);
   const double dout_max = check_same_shape_finite(fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
-  check_same_shape_finite(fn, "out", out, {d.batch, d.heads, d.n_q, d.value_dim});
-  require(lse.shape == Shape{d.batch, d.heads, d.n_q}, fn, ": lse has shape ",
-          shape_string(lse.shape), "; expected ", shape_string({d.batch, d.heads, d.n_q}));
-  for (int64_t i = 0; i < lse.size(); ++i)
-    require(!std::isnan(lse.data[i]) && lse.data[i] != std::numeric_limits<T>::infinity(), fn,
-            ": lse[", i, "] = ", lse.data[i], "; expected a finite value or -inf");
+  softmax_detail::check_saved(fn, out, lse, d);
   // Gradients are linear in v and dout (range.h); out scales with v.
   const ValueScale<T> vs(v, d.v_max), gs(dout, dout_max), os(out, vs);
   AttentionGrads<T> g = backward(q, k, vs.view(), gs.view(), os.view(), lse, d, opts, scale);

@@ -35,11 +35,6 @@ namespace {
 
 constexpr int64_t kRows = 32;   // queries per task: two 16-row tiles
 constexpr int64_t kKeys = 256;  // keys per online-softmax step: S 32 KiB + P 16 KiB per worker
-constexpr int64_t kTileRows = 16;
-constexpr int64_t kTileDepth = 32;  // bfloat16 per tile row: the inner dimension of one product
-constexpr int64_t kTileElems = kTileRows * kTileDepth;
-
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // Padded sizes: d and n_k to the tile depth (zeros add nothing to a dot product; padded keys are
 // masked), d_v to 16 columns.
@@ -59,10 +54,12 @@ struct TileDims {
 // (k[j][2r], k[j][2r+1]) for j = 0..15, i.e. the 16×16 matrix of feature pairs transposed.
 // Tile (t, c) of one (batch, head) starts at ((t·d_chunks + c)·kTileElems); feature pair p of
 // key j lands at 32·p (row p % 16 of chunk p / 16) + 2·(j % 16) from its tile row's start.
-void tile_keys(const bfloat16* k, int64_t n_k, int64_t d, const TileDims& td, bfloat16* out) {
+}  // namespace
+
+void tile_keys(const bfloat16* k, int64_t n_k, int64_t d, int64_t d_chunks, bfloat16* out) {
   for (int64_t j = 0; j < n_k; ++j) {
     const bfloat16* row = k + j * d;
-    bfloat16* base = out + (j / kTileRows) * td.d_chunks * kTileElems + 2 * (j % kTileRows);
+    bfloat16* base = out + (j / kTileRows) * d_chunks * kTileElems + 2 * (j % kTileRows);
     for (int64_t p = 0; p < d / 2; ++p) std::memcpy(base + kTileDepth * p, row + 2 * p, 2 * sizeof(bfloat16));
     if (d % 2) base[kTileDepth * (d / 2)] = row[d - 1];
   }
@@ -71,10 +68,10 @@ void tile_keys(const bfloat16* k, int64_t n_k, int64_t d, const TileDims& td, bf
 // V as the B operand of O += P·V: per 32 keys and 16 value columns one tile whose row r holds
 // (v[2r][c], v[2r+1][c]) for c = 0..15. Tile (kc, cc) starts at ((kc·v_chunks + cc)·kTileElems);
 // column c of keys (2r, 2r+1) lands at cc·kTileElems + 2·(c % 16) from row r's start.
-void tile_values(const bfloat16* v, int64_t n_k, int64_t dv, const TileDims& td, bfloat16* out) {
+void tile_values(const bfloat16* v, int64_t n_k, int64_t dv, int64_t v_chunks, bfloat16* out) {
   for (int64_t j = 0; j < n_k; ++j) {
     const bfloat16* row = v + j * dv;
-    bfloat16* base = out + (j / kTileDepth) * td.v_chunks * kTileElems + ((j % kTileDepth) / 2) * kTileDepth + j % 2;
+    bfloat16* base = out + (j / kTileDepth) * v_chunks * kTileElems + ((j % kTileDepth) / 2) * kTileDepth + j % 2;
     for (int64_t cc = 0; cc * kTileRows < dv; ++cc) {
       bfloat16* dst = base + cc * kTileElems;
       const int64_t c0 = cc * kTileRows, cols = std::min(kTileRows, dv - c0);
@@ -82,6 +79,8 @@ void tile_values(const bfloat16* v, int64_t n_k, int64_t dv, const TileDims& td,
     }
   }
 }
+
+namespace {
 
 struct Scratch {
   Buffer<bfloat16> q;  // kRows × d_pad, zero past d and past the block's rows
@@ -273,8 +272,8 @@ Bf16TilesResult forward_bf16_tiles(TensorView<const bfloat16> q, TensorView<cons
   const KeyMask mask(d, opts);
   parallel_for(d.bh(), [&](int64_t bh) {
     const int64_t n_k = mask.key_length(bh / d.heads);
-    tile_keys(k.row(bh, 0), n_k, d.head_dim, td, keys.data() + bh * keys_per_bh);
-    tile_values(v.row(bh, 0), n_k, d.value_dim, td, values.data() + bh * values_per_bh);
+    tile_keys(k.row(bh, 0), n_k, d.head_dim, td.d_chunks, keys.data() + bh * keys_per_bh);
+    tile_values(v.row(bh, 0), n_k, d.value_dim, td.v_chunks, values.data() + bh * values_per_bh);
   });
 
   Bf16TilesResult r{Tensor<bfloat16>({d.batch, d.heads, d.n_q, d.value_dim}), Tensor<float>({d.batch, d.heads, d.n_q})};

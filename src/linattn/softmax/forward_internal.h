@@ -21,6 +21,24 @@ SoftmaxAttentionResult<T> forward(TensorView<const T> q, TensorView<const T> k,
                                   TensorView<const T> v, const AttentionDims& dims,
                                   const AttentionOptions& opts, double scale, bool as_workspace);
 
+// A backward's saved out [B, H, n_q, d_v] (finite) and lse [B, H, n_q] (finite or −inf), checked.
+template <class T>
+void check_saved(const char* fn, TensorView<const T> out, TensorView<const T> lse, const AttentionDims& dims);
+
+// The operand layout of the bfloat16 products (AMX B tiles, vdpbf16ps B vectors): 16 rows of
+// 32 bfloat16 (16 pairs) per tile.
+inline constexpr int64_t kTileRows = 16;
+inline constexpr int64_t kTileDepth = 32;  // bfloat16 per tile row: the inner dimension of one product
+inline constexpr int64_t kTileElems = kTileRows * kTileDepth;
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+// Rows of k [n_k × d] as the columns of a product (S = Q·Kᵀ): per 16 rows and 32 features one
+// tile whose row p holds the feature pair p of the 16 rows; tile (t, c) at (t·d_chunks + c)·512.
+// Rows of v [n_k × dv] as the inner dimension of a product (O = P·V): per 32 rows and 16
+// columns one tile whose row r holds (v[2r][c], v[2r+1][c]); tile (t, cc) at (t·v_chunks + cc)·512.
+// Both leave the padding as they find it (callers zero it).
+void tile_keys(const bfloat16* k, int64_t n_k, int64_t d, int64_t d_chunks, bfloat16* out);
+void tile_values(const bfloat16* v, int64_t n_k, int64_t dv, int64_t v_chunks, bfloat16* out);
+
 // The bfloat16 forward with bfloat16 products (forward_bf16.cc), on AMX tiles or AVX512-BF16.
 enum class Bf16Engine { amx, avx512_bf16 };
 // The best engine this machine has (AMX, then AVX512-BF16), or none.
@@ -37,5 +55,14 @@ struct Bf16TilesResult {
 Bf16TilesResult forward_bf16_tiles(TensorView<const bfloat16> q, TensorView<const bfloat16> k,
                                    TensorView<const bfloat16> v, const AttentionDims& dims,
                                    const AttentionOptions& opts, double scale, Bf16Engine engine);
+
+// The bfloat16 backward with bfloat16 products (backward_bf16.cc, AVX512-BF16): whether it can
+// take a checked call (AVX512-BF16 usable, scale > 0, |v| and |dout| ≤ 2^48), and the backward
+// from the forward's out (float32) and lse, giving float32 gradients for the caller to round.
+bool bf16_backward_usable(const AttentionDims& dims, double scale, double dout_max);
+AttentionGrads<float> backward_bf16_products(TensorView<const bfloat16> q, TensorView<const bfloat16> k,
+                                             TensorView<const bfloat16> v, TensorView<const bfloat16> dout,
+                                             TensorView<const float> out, TensorView<const float> lse,
+                                             const AttentionDims& dims, const AttentionOptions& opts, double scale);
 
 }  // namespace linattn::softmax_detail

@@ -1,4 +1,5 @@
 // Exact softmax attention in the method registry.
+#include "linattn/core/avx512_bf16.h"
 #include "linattn/core/method_support.h"
 #include "linattn/softmax.h"
 #include "linattn/softmax/args.h"
@@ -44,6 +45,34 @@ std::optional<MethodOutput<bfloat16>> forward_bf16(const MethodArgs<bfloat16>& a
   return out;
 }
 
+// The backward with bfloat16 products on AVX512-BF16 where the CPU has it and the call is in its
+// range (backward_bf16.cc), from the saved out and lse or from the bfloat16 forward run again;
+// nothing otherwise, and the registry runs the widened float32 backward.
+std::optional<AttentionGrads<bfloat16>> backward_bf16(const MethodArgs<bfloat16>& a, TensorView<const bfloat16> dout,
+                                                      const SavedViews<bfloat16>& saved) {
+  if (!avx512_bf16::usable()) return std::nullopt;
+  const char* fn = "softmax_attention_backward";
+  const AttentionOptions o = softmax_detail::options_from(a);
+  const AttentionDims d = check_attention_args(fn, a.q, a.k, a.v, o);
+  const double scale = resolve_scale(fn, o, d.head_dim);
+  const double dout_max = check_same_shape_finite(fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
+  if (!softmax_detail::bf16_backward_usable(d, scale, dout_max)) return std::nullopt;
+  AttentionGrads<float> g;
+  if (const auto s = saved_tensors<float, 2>(fn, saved, {"out", "lse"})) {
+    softmax_detail::check_saved(fn, (*s)[0], (*s)[1], d);
+    g = softmax_detail::backward_bf16_products(a.q, a.k, a.v, dout, (*s)[0], (*s)[1], d, o, scale);
+  } else {
+    // bf16_backward_usable implies that the best forward engine takes the call.
+    const softmax_detail::Bf16TilesResult f =
+        softmax_detail::forward_bf16_tiles(a.q, a.k, a.v, d, o, scale, *softmax_detail::bf16_engine());
+    const Tensor<float> out = widen(f.out.view());
+    g = softmax_detail::backward_bf16_products(a.q, a.k, a.v, dout, out, f.lse, d, o, scale);
+  }
+  return AttentionGrads<bfloat16>{narrow<bfloat16>(g.dq, "softmax_attention_backward: dq"),
+                                  narrow<bfloat16>(g.dk, "softmax_attention_backward: dk"),
+                                  narrow<bfloat16>(g.dv, "softmax_attention_backward: dv"), {}};
+}
+
 }  // namespace
 
 MethodInfo describe_softmax() {
@@ -70,6 +99,7 @@ MethodInfo describe_softmax() {
   m.f32 = LINATTN_METHOD_FUNCTIONS(float, forward, backward, no_example_tensors);
   m.f64 = LINATTN_METHOD_FUNCTIONS(double, forward, backward, no_example_tensors);
   m.bf16_kernel = forward_bf16;
+  m.bf16_backward_kernel = backward_bf16;
   return m;
 }
 
