@@ -143,6 +143,15 @@ std::vector<Method> selected_methods(const std::string& filter,
   return out;
 }
 
+// The bfloat16 dot-product peak (vdpbf16ps), which the bfloat16 exact attention runs on.
+std::string bf16_peak_text() {
+  const double p = linattn::bench::bf16_dot_peak_gflops(linattn::num_threads());
+  if (p == 0) return "no bfloat16 dot-product peak (no AVX512-BF16)";
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "bfloat16 dot-product peak (vdpbf16ps loop): %.1f GFLOP/s", p);
+  return buf;
+}
+
 int demo(const Args& a) {
   Problem p = a.problem;
   p.n = 4096;
@@ -151,7 +160,8 @@ int demo(const Args& a) {
   std::printf("linattn demo: B=%lld H=%lld n=%lld d=%lld float32, random N(0,1) inputs\n",
               (long long)p.batch, (long long)p.heads, (long long)p.n, (long long)p.head_dim);
   std::printf("machine: %s\n", linattn::bench::machine_summary().c_str());
-  std::printf("measured sgemm rate: %.1f GFLOP/s; FMA peak (register-only loop): %.1f GFLOP/s\n\n", gemm, peak);
+  std::printf("measured sgemm rate: %.1f GFLOP/s; FMA peak (register-only loop): %.1f GFLOP/s; %s\n\n", gemm, peak,
+              bf16_peak_text().c_str());
   std::printf("%-28s %10s %9s %8s %7s %13s %13s %11s %11s\n", "method", "time (ms)", "GFLOP/s",
               "% sgemm", "% peak", "extra (wksp)", "extra (RSS)", "err vs own", "vs softmax");
   const auto in = linattn::bench::make_inputs(p);
@@ -278,8 +288,8 @@ int bench(const Args& a) {
   std::printf("linattn bench: B=%lld H=%lld d=%lld float32\nmachine: %s\n",
               (long long)a.problem.batch, (long long)a.problem.heads,
               (long long)a.problem.head_dim, linattn::bench::machine_summary().c_str());
-  std::printf("measured sgemm rate (2048^3, %d threads): %.1f GFLOP/s; FMA peak (register-only loop): %.1f GFLOP/s\n",
-              linattn::num_threads(), gemm, peak);
+  std::printf("measured sgemm rate (2048^3, %d threads): %.1f GFLOP/s; FMA peak (register-only loop): %.1f GFLOP/s; %s\n",
+              linattn::num_threads(), gemm, peak, bf16_peak_text().c_str());
   if (no_torch.empty())
     std::printf("peers: the same inputs through torch sdpa, performer-pytorch, nystrom-attention, linformer "
                 "and plain PyTorch (bench/torch_bench.py), torch %s, torch.set_num_threads(%d), "

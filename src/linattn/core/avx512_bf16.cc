@@ -135,6 +135,39 @@ LINATTN_TARGET void pack_pairs_avx512(const float* x, int64_t ld, int64_t rows, 
 }  // namespace
 #endif
 
+#if LINATTN_AVX512_BF16
+namespace {
+LINATTN_TARGET float dot_loop_avx512(int64_t iterations, float seed) {
+  // Distinct starting values, so that the compiler keeps twelve chains.
+  __m512 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(seed + static_cast<float>(i));
+  const __m512bh a = (__m512bh)_mm512_set1_epi32(0x33d633d6);  // (1e-7, 1e-7) in bfloat16
+  const __m512bh b = (__m512bh)_mm512_set1_epi32(0x3f803f80);  // (1, 1)
+  for (int64_t it = 0; it < iterations; ++it) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+  }
+  __m512 sum = acc[0];
+  for (int i = 1; i < 12; ++i) sum = _mm512_add_ps(sum, acc[i]);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sum);
+  float total = 0;
+  for (float x : lanes) total += x;
+  return total;
+}
+}  // namespace
+#endif
+
+float dot_loop(int64_t iterations, float seed) {
+  require(usable(), "avx512_bf16::dot_loop: ", unavailable_reason());
+#if LINATTN_AVX512_BF16
+  return dot_loop_avx512(iterations, seed);
+#else
+  (void)iterations;
+  return seed;
+#endif
+}
+
 void pack_pairs(const float* x, int64_t ld, int64_t rows, int64_t column_blocks, int64_t pairs, bfloat16* out) {
   require(usable(), "avx512_bf16::pack_pairs: ", unavailable_reason());
 #if LINATTN_AVX512_BF16

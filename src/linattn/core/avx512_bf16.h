@@ -42,4 +42,9 @@ void dot(const bfloat16* a, int64_t lda, int64_t rows, PackedB b, int64_t pairs,
 // results to zero (|x| < 2⁻¹²⁶).
 void pack_pairs(const float* x, int64_t ld, int64_t rows, int64_t column_blocks, int64_t pairs, bfloat16* out);
 
+// A register-only loop of vdpbf16ps (12 independent accumulators) for the benchmarks' peak:
+// `iterations` rounds of dot_loop_flops_per_iteration() FLOPs (2 per multiply-add).
+float dot_loop(int64_t iterations, float seed);
+inline constexpr int64_t dot_loop_flops_per_iteration() { return 12 * 16 * 2 * 2; }
+
 }  // namespace linattn::avx512_bf16
