@@ -223,7 +223,7 @@ def markdown(exact, linear, wrapper, minilm, threads):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--docs", help="the page whose MEASURED section (bench/bf16.py) gets the tables")
-    ap.add_argument("--exact-n", default="1024,4096,8192")
+    ap.add_argument("--exact-n", default="1024,4096,8192,16384")
     ap.add_argument("--linear-n", default="4096,16384")
     ap.add_argument("--wrapper-n", type=int, default=4096)
     ap.add_argument("--minilm-n", default="128,512")
