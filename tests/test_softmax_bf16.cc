@@ -198,15 +198,24 @@ TEST(SoftmaxBf16Registry, TakesTheBestEngineWhenItCan) {
   check(a, false, "|v| > 2^64");
 }
 
-// Scores past float32's range are the same error as in the float32 forward.
+// Scores past float32's range are the same error as in the float32 forward: scaled past it
+// here (q·kᵀ = 2^111 within the kernel's range, ·2^20), and through the registry where q·kᵀ
+// itself is past it (the widened forward takes that call).
 TEST_P(SoftmaxBf16Products, OverflowingScoresAreAnError) {
   Tensor<bfloat16> q({1, 1, 3, 2}), k({1, 1, 3, 2}), v({1, 1, 3, 2});
-  for (int64_t i = 0; i < 6; ++i) q[i] = to_bfloat16(1e30f), k[i] = to_bfloat16(1e30f), v[i] = to_bfloat16(1.0f);
-  const AttentionOptions o;
+  for (int64_t i = 0; i < 6; ++i) q[i] = to_bfloat16(0x1p55f), k[i] = to_bfloat16(0x1p55f), v[i] = to_bfloat16(1.0f);
+  AttentionOptions o;
+  o.scale = 0x1p20;
   const AttentionDims dims = check_attention_args<bfloat16>("test", q, k, v, o);
-  const std::string e = testing::error_of(
-      [&] { softmax_detail::forward_bf16_tiles(q, k, v, dims, o, resolve_scale("test", o, 2), GetParam()); });
+  ASSERT_TRUE(softmax_detail::bf16_tiles_usable(dims, *o.scale, GetParam()));
+  std::string e = testing::error_of([&] { softmax_detail::forward_bf16_tiles(q, k, v, dims, o, *o.scale, GetParam()); });
   EXPECT_NE(e.find("softmax_attention: q·kᵀ·scale overflows at row"), std::string::npos) << e;
+  for (int64_t i = 0; i < 6; ++i) q[i] = to_bfloat16(1e30f), k[i] = to_bfloat16(1e30f);
+  MethodArgs<bfloat16> a;
+  a.q = q, a.k = k, a.v = v;
+  e = testing::error_of([&] { method("softmax").bf16.forward(a); });
+  EXPECT_NE(e.find("softmax_attention: "), std::string::npos) << e;
+  EXPECT_NE(e.find("overflow"), std::string::npos) << e;
 }
 
 // The backward with bfloat16 products (backward_bf16.cc) against the float64 reference. With
@@ -218,7 +227,10 @@ TEST_P(SoftmaxBf16Products, OverflowingScoresAreAnError) {
 //   |dK_jf − ref| ≤ u·|ref| + (1 + 2u)·scale·Σ_i (E_ij + (n_q + 1)·u₃₂·|dS_ij|)·|q_if|
 //   |dQ_if − ref| ≤ u·|ref| + (1 + 2u)·scale·Σ_j (E_ij + (n_k + 17)·u₃₂·|dS_ij|)·|k_jf|   (≤ 16 key splits)
 //   |dV_jc − ref| ≤ u·|ref| + (1 + 2u)·Σ_i (u + ρ + (n_q + 1)·u₃₂)·P_ij·|dout_ic|
-// (1 + 2u covers the second-order terms), plus 2⁻¹²⁰ for subnormal products flushed to zero.
+// (1 + 2u covers the second-order terms). Subnormals are flushed to zero (inputs read as 0,
+// results of each rounded step set to 0, P and dS rounded to 0 below 2⁻¹²⁶): E_ij gets
+// P_ij·2·(d_v + 1)·2⁻¹²⁶ for dP's and δ's sums, and each gradient n·2⁻¹²⁶·(max|other| + 2) for
+// its n terms (a flushed operand times the other, two flushed steps).
 void expect_backward_within_bound(const Case& c, int threads) {
   SCOPED_TRACE(::testing::Message() << "backward B=" << c.batch << " H=" << c.heads << " n_q=" << c.n_q
                                     << " n_k=" << c.n_k << " d=" << c.d << " dv=" << c.dv
@@ -234,7 +246,9 @@ void expect_backward_within_bound(const Case& c, int threads) {
   if (!c.key_lengths.empty()) o.key_lengths = c.key_lengths;
   const AttentionDims dims = check_attention_args("test", q.view(), k.view(), v.view(), o);
   const double scale = resolve_scale("test", o, c.d);
-  ASSERT_TRUE(softmax_detail::bf16_backward_usable(dims, scale, 4.0));
+  double dout_max = 0;
+  for (int64_t i = 0; i < dout.size(); ++i) dout_max = std::max<double>(dout_max, std::abs(to_float(dout[i])));
+  ASSERT_TRUE(softmax_detail::bf16_backward_usable(dims, scale, dout_max));
   const std::optional<Bf16Engine> engine = softmax_detail::bf16_engine();
   ASSERT_TRUE(engine.has_value());
   const softmax_detail::Bf16TilesResult fwd = softmax_detail::forward_bf16_tiles(q, k, v, dims, o, scale, *engine);
@@ -261,7 +275,7 @@ void expect_backward_within_bound(const Case& c, int threads) {
   const AttentionGrads<double> ref = reference::softmax_attention_backward(q64, k64, v64, do64, o);
   const SoftmaxAttentionResult<double> ref_fwd = reference::softmax_attention(q64, k64, v64, o);
   const int64_t n_q = c.n_q, n_k = c.n_k, d = c.d, dv = c.dv;
-  const double tiny = 0x1p-120;
+  const double sub = 0x1p-126;
   const KeyMask mask(dims, o);
   for (int64_t bh = 0; bh < c.batch * c.heads; ++bh) {
     const int64_t b = bh / c.heads;
@@ -269,9 +283,15 @@ void expect_backward_within_bound(const Case& c, int threads) {
     auto K = [&](int64_t j, int64_t f) { return k64[(bh * n_k + j) * d + f]; };
     auto V = [&](int64_t j, int64_t f) { return v64[(bh * n_k + j) * dv + f]; };
     auto DO = [&](int64_t i, int64_t f) { return do64[(bh * n_q + i) * dv + f]; };
-    double vmax = 0, qk = 0, lse_max = 0;
+    double vmax = 0, qk = 0, lse_max = 0, q_abs = 0, k_abs = 0, do_abs = 0;
     for (int64_t j = 0; j < mask.key_length(b); ++j)
       for (int64_t f = 0; f < dv; ++f) vmax = std::max(vmax, std::abs(V(j, f)));
+    for (int64_t j = 0; j < n_k; ++j)
+      for (int64_t f = 0; f < d; ++f) k_abs = std::max(k_abs, std::abs(K(j, f)));
+    for (int64_t i = 0; i < n_q; ++i) {
+      for (int64_t f = 0; f < d; ++f) q_abs = std::max(q_abs, std::abs(Q(i, f)));
+      for (int64_t f = 0; f < dv; ++f) do_abs = std::max(do_abs, std::abs(DO(i, f)));
+    }
     for (int64_t i = 0; i < n_q; ++i) {
       if (std::isfinite(ref_fwd.lse[bh * n_q + i])) lse_max = std::max(lse_max, std::abs(ref_fwd.lse[bh * n_q + i]));
       for (int64_t j = 0; j < n_k; ++j) {
@@ -301,7 +321,8 @@ void expect_backward_within_bound(const Case& c, int threads) {
         const double p = std::exp(scale * s - lse);
         P[i * n_k + j] = p;
         dS[i * n_k + j] = std::abs(p * (dp - delta));
-        E[i * n_k + j] = (kU + rho + 3 * kU32) * dS[i * n_k + j] + p * ((dv + 1) * kU32 * dp_mag + d_delta);
+        E[i * n_k + j] = (kU + rho + 3 * kU32) * dS[i * n_k + j] + p * ((dv + 1) * kU32 * dp_mag + d_delta) +
+                         p * 2 * (dv + 1) * sub;
       }
     }
     const double second = 1 + 2 * kU;
@@ -312,14 +333,14 @@ void expect_backward_within_bound(const Case& c, int threads) {
           bound += (E[i * n_k + j] + (n_q + 1) * kU32 * dS[i * n_k + j]) * std::abs(Q(i, f));
         const double r = ref.dk[(bh * n_k + j) * d + f];
         const double g = to_float(from_saved.dk[(bh * n_k + j) * d + f]);
-        ASSERT_LE(std::abs(g - r), kU * std::abs(r) + second * scale * bound + tiny) << "dk [" << bh << ", " << j << ", " << f << "]";
+        ASSERT_LE(std::abs(g - r), kU * std::abs(r) + second * scale * bound + scale * n_q * sub * (q_abs + 2)) << "dk [" << bh << ", " << j << ", " << f << "]";
       }
       for (int64_t f = 0; f < dv; ++f) {
         double bound = 0;
         for (int64_t i = 0; i < n_q; ++i) bound += (kU + rho + (n_q + 1) * kU32) * P[i * n_k + j] * std::abs(DO(i, f));
         const double r = ref.dv[(bh * n_k + j) * dv + f];
         const double g = to_float(from_saved.dv[(bh * n_k + j) * dv + f]);
-        ASSERT_LE(std::abs(g - r), kU * std::abs(r) + second * bound + tiny) << "dv [" << bh << ", " << j << ", " << f << "]";
+        ASSERT_LE(std::abs(g - r), kU * std::abs(r) + second * bound + n_q * sub * (do_abs + 2)) << "dv [" << bh << ", " << j << ", " << f << "]";
       }
     }
     for (int64_t i = 0; i < n_q; ++i)
@@ -329,7 +350,7 @@ void expect_backward_within_bound(const Case& c, int threads) {
           bound += (E[i * n_k + j] + (n_k + 17) * kU32 * dS[i * n_k + j]) * std::abs(K(j, f));
         const double r = ref.dq[(bh * n_q + i) * d + f];
         const double g = to_float(from_saved.dq[(bh * n_q + i) * d + f]);
-        ASSERT_LE(std::abs(g - r), kU * std::abs(r) + second * scale * bound + tiny) << "dq [" << bh << ", " << i << ", " << f << "]";
+        ASSERT_LE(std::abs(g - r), kU * std::abs(r) + second * scale * bound + scale * n_k * sub * (k_abs + 2)) << "dq [" << bh << ", " << i << ", " << f << "]";
       }
   }
 }
@@ -354,18 +375,19 @@ TEST(SoftmaxBf16Backward, MatchesTheFloat64ReferenceWithinTheBound) {
 }
 
 // The backward leaves to the widened float32 one what it does not take (bitwise that result):
-// scale ≤ 0, and |dout| past 2^48.
+// scale ≤ 0, |dout| or |v| past 2^48, and |q|·|k|·d past 2^120.
 TEST(SoftmaxBf16Backward, RegistryWidensOutsideItsRange) {
   const MethodInfo& m = method("softmax");
   const int64_t B = 1, H = 2, n = 40, d = 8;
-  const Tensor<bfloat16> q = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 4)),
-                         k = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 5)),
-                         v = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 6));
+  Tensor<bfloat16> q = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 4)),
+                   k = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 5)),
+                   v = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 6));
   Tensor<bfloat16> dout = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 7));
   auto expect_widened = [&](const MethodArgs<bfloat16>& a, const std::string& what) {
     SCOPED_TRACE(what);
     MethodArgs<float> w;
-    const Tensor<float> q32 = widen(q.view()), k32 = widen(k.view()), v32 = widen(v.view()), do32 = widen(TensorView<const bfloat16>(dout));
+    auto wide = [](const Tensor<bfloat16>& t) { return widen(TensorView<const bfloat16>(t)); };
+    const Tensor<float> q32 = wide(q), k32 = wide(k), v32 = wide(v), do32 = wide(dout);
     w.q = q32, w.k = k32, w.v = v32, w.options = a.options;
     const AttentionGrads<float> want = m.f32.backward(w, do32, {});
     const AttentionGrads<bfloat16> got = m.bf16.backward(a, dout, {});
@@ -380,6 +402,52 @@ TEST(SoftmaxBf16Backward, RegistryWidensOutsideItsRange) {
   a.options = {{"causal", true}};
   dout[3] = to_bfloat16(0x1p60f);
   expect_widened(a, "|dout| > 2^48");
+  dout[3] = bfloat16{0};
+  v[5] = to_bfloat16(0x1p50f);
+  expect_widened(a, "|v| > 2^48");
+  v[5] = bfloat16{0};
+  // q·kᵀ itself past float32 while q·kᵀ·scale is not: summed unscaled, it would overflow.
+  q[0] = to_bfloat16(0x1p70f), k[0] = to_bfloat16(0x1p55f);  // q·k ≤ 2^125: finite, but past the bound
+  a.options = {{"causal", false}, {"scale", 0x1p-100}};
+  expect_widened(a, "|q|·|k|·d > 2^120");
+}
+
+// Keys past key_lengths are never read by the backward either: NaN and inf there give bitwise
+// the gradients of zeros there, and zero dk, dv for those keys.
+TEST(SoftmaxBf16Backward, PaddedKeysAreNeverRead) {
+  if (!avx512_bf16::usable()) GTEST_SKIP() << "no AVX512-BF16 here: " << avx512_bf16::unavailable_reason();
+  const int64_t B = 2, H = 2, n = 150, d = 20;
+  const Tensor<bfloat16> q = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 7)),
+                         dout = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 10));
+  Tensor<bfloat16> k = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 8)),
+                   v = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 9)),
+                   k_bad = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 8)),
+                   v_bad = narrowed<bfloat16>(random_tensor<double>({B, H, n, d}, 9));
+  const std::vector<int64_t> lengths = {17, 130};
+  for (int64_t bh = 0; bh < B * H; ++bh)
+    for (int64_t j = lengths[bh / H]; j < n; ++j)
+      for (int64_t f = 0; f < d; ++f) {
+        k_bad[(bh * n + j) * d + f] = to_bfloat16(std::numeric_limits<float>::quiet_NaN());
+        v_bad[(bh * n + j) * d + f] = to_bfloat16(std::numeric_limits<float>::infinity());
+        k[(bh * n + j) * d + f] = v[(bh * n + j) * d + f] = bfloat16{0};
+      }
+  const MethodInfo& m = method("softmax");
+  for (bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "not causal");
+    MethodArgs<bfloat16> bad, zero;
+    bad.q = zero.q = q, bad.k = k_bad, bad.v = v_bad, zero.k = k, zero.v = v;
+    bad.options = zero.options = {{"causal", causal}, {"key_lengths", lengths}};
+    const AttentionGrads<bfloat16> gb = m.bf16.backward(bad, dout, {}), gz = m.bf16.backward(zero, dout, {});
+    for (int64_t i = 0; i < gz.dq.size(); ++i) ASSERT_EQ(gb.dq[i].bits, gz.dq[i].bits) << "dq " << i;
+    for (int64_t i = 0; i < gz.dk.size(); ++i) ASSERT_EQ(gb.dk[i].bits, gz.dk[i].bits) << "dk " << i;
+    for (int64_t i = 0; i < gz.dv.size(); ++i) ASSERT_EQ(gb.dv[i].bits, gz.dv[i].bits) << "dv " << i;
+    for (int64_t bh = 0; bh < B * H; ++bh)
+      for (int64_t j = lengths[bh / H]; j < n; ++j)
+        for (int64_t f = 0; f < d; ++f) {
+          ASSERT_EQ(gb.dk[(bh * n + j) * d + f].bits, 0) << "dk past key_lengths";
+          ASSERT_EQ(gb.dv[(bh * n + j) * d + f].bits, 0) << "dv past key_lengths";
+        }
+  }
 }
 
 // Bad input is the float32 backward's error: a non-finite dout, a saved lse of the wrong shape.

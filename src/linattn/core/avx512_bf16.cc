@@ -25,6 +25,7 @@ std::string probe() {
   if ((xcr0_lo & 0xE6u) != 0xE6u) return "the OS does not enable the AVX-512 state";
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return "CPUID leaf 7 is missing";
   if (!((b >> 16) & 1u) || !((b >> 30) & 1u) || !((b >> 31) & 1u)) return "the CPU has no AVX-512 (F, BW, VL)";
+  if (a < 1) return "the CPU has no AVX512_BF16 (no CPUID leaf 7 subleaf 1)";  // a: the last subleaf
   if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !((a >> 5) & 1u)) return "the CPU has no AVX512_BF16";
   return "";
 #else

@@ -30,8 +30,9 @@ struct PackedB {
 
 // c[r][0 : 16·column_blocks) (+)= Σ_{i < 2·pairs} a[r][i]·b[i][·] for r < rows, float32 sums,
 // a row-major with lda elements per row (read as pairs: 2·pairs readable elements per row).
-// accumulate = false overwrites c. Each product pair is summed as vdpbf16ps sums it: both
-// products exact in float32, added to the lane (docs/precision.md).
+// accumulate = false overwrites c. Each pair is summed as vdpbf16ps sums it: two fused
+// multiply-adds into the lane (odd element first), each rounded to nearest even, products of
+// bfloat16 exact in float32; subnormal inputs read as zero and subnormal results flushed.
 void dot(const bfloat16* a, int64_t lda, int64_t rows, PackedB b, int64_t pairs, int64_t column_blocks,
          float* c, int64_t ldc, bool accumulate);
 

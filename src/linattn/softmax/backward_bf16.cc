@@ -162,9 +162,16 @@ void backward_keys(const Args& a, int64_t bh, int64_t j_begin, int64_t j_end, Sc
 }  // namespace
 
 bool bf16_backward_usable(const AttentionDims& d, double scale, double dout_max) {
-  // Past these the float32 products could overflow (dP = dO·Vᵀ, dS·K); the widened backward
-  // rescales v and dout by powers of two first (range.h), so it takes those calls.
-  return avx512_bf16::usable() && scale > 0 && d.v_max <= 0x1p48 && dout_max <= 0x1p48;
+  // Every float32 sum below stays under 2^120 (the widened backward rescales v and dout by
+  // powers of two first, range.h, and applies the scale inside its products, so it takes the
+  // rest): S = Q·Kᵀ ≤ d·|q|·|k|; dP and δ ≤ d_v·|v|·|dout|, so |dS| ≤ 2·d_v·|v|·|dout|;
+  // dKᵀ ≤ n_q·|dS|·|q|, dQ ≤ n_k·|dS|·|k|, dVᵀ ≤ n_q·|dout| (P ≤ 1).
+  const double limit = 0x1p120, dv = static_cast<double>(d.value_dim);
+  const double ds = 2 * dv * d.v_max * dout_max;
+  return avx512_bf16::usable() && scale > 0 && d.v_max <= 0x1p48 && dout_max <= 0x1p48 &&
+         static_cast<double>(d.head_dim) * d.q_max * d.k_max <= limit &&
+         static_cast<double>(d.n_q) * ds * d.q_max <= limit && static_cast<double>(d.n_k) * ds * d.k_max <= limit &&
+         static_cast<double>(d.n_q) * dout_max <= limit;
 }
 
 AttentionGrads<float> backward_bf16_products(TensorView<const bfloat16> q, TensorView<const bfloat16> k,

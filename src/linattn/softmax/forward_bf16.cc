@@ -248,9 +248,11 @@ const char* engine_name(Bf16Engine engine) { return engine == Bf16Engine::amx ? 
 
 bool bf16_tiles_usable(const AttentionDims& d, double scale, Bf16Engine engine) {
   // Values past 2^64 could overflow the float32 sum of P·V (the float32 forward rescales v
-  // first, range.h); a scale ≤ 0 turns the row maximum into a minimum. Both are left to the
-  // widened forward, which handles them.
-  return bf16_engine_usable(engine) && scale > 0 && d.v_max <= 0x1p64;
+  // first, range.h); q·kᵀ is summed before the scale is applied, so |q|·|k|·d past 2^120 could
+  // overflow where q·kᵀ·scale does not; a scale ≤ 0 turns the row maximum into a minimum. All
+  // are left to the widened forward, which handles them.
+  return bf16_engine_usable(engine) && scale > 0 && d.v_max <= 0x1p64 &&
+         d.q_max * d.k_max * static_cast<double>(d.head_dim) <= 0x1p120;
 }
 
 Bf16TilesResult forward_bf16_tiles(TensorView<const bfloat16> q, TensorView<const bfloat16> k,
@@ -258,7 +260,7 @@ Bf16TilesResult forward_bf16_tiles(TensorView<const bfloat16> q, TensorView<cons
                                    double scale, Bf16Engine engine) {
   require(bf16_tiles_usable(d, scale, engine), "softmax_attention: the ", engine_name(engine),
           " bfloat16 forward cannot take this call (",
-          bf16_engine_usable(engine) ? "scale ≤ 0 or |v| > 2^64"
+          bf16_engine_usable(engine) ? "scale ≤ 0, |v| > 2^64 or |q|·|k|·d > 2^120"
           : engine == Bf16Engine::amx ? amx::unavailable_reason()
                                       : avx512_bf16::unavailable_reason(),
           ")");

@@ -46,7 +46,7 @@ std::optional<Bf16Engine> bf16_engine();
 bool bf16_engine_usable(Bf16Engine engine);
 const char* engine_name(Bf16Engine engine);
 // Whether `engine` can take a checked call on this machine (engine usable, scale > 0,
-// |v| ≤ 2^64), and the forward itself (Error otherwise).
+// |v| ≤ 2^64, |q|·|k|·d ≤ 2^120), and the forward itself (Error otherwise).
 bool bf16_tiles_usable(const AttentionDims& dims, double scale, Bf16Engine engine);
 struct Bf16TilesResult {
   Tensor<bfloat16> out;  // [B, H, n_q, d_v]
@@ -57,7 +57,8 @@ Bf16TilesResult forward_bf16_tiles(TensorView<const bfloat16> q, TensorView<cons
                                    const AttentionOptions& opts, double scale, Bf16Engine engine);
 
 // The bfloat16 backward with bfloat16 products (backward_bf16.cc, AVX512-BF16): whether it can
-// take a checked call (AVX512-BF16 usable, scale > 0, |v| and |dout| ≤ 2^48), and the backward
+// take a checked call (AVX512-BF16 usable, scale > 0, |v| and |dout| ≤ 2^48, every float32 sum
+// bounded below 2^120), and the backward
 // from the forward's out (float32) and lse, giving float32 gradients for the caller to round.
 bool bf16_backward_usable(const AttentionDims& dims, double scale, double dout_max);
 AttentionGrads<float> backward_bf16_products(TensorView<const bfloat16> q, TensorView<const bfloat16> k,
