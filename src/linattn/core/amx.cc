@@ -4,6 +4,8 @@
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "linattn/core/xcr0.h"
 #endif
 
 namespace linattn::amx {
@@ -15,10 +17,9 @@ std::string probe() {
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return "CPUID leaf 7 is missing";
   const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u;
   if (!tile || !bf16) return "the CPU has no AMX-BF16";
-  if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1u)) return "the OS does not enable XSAVE";
-  uint32_t xcr0_lo = 0, xcr0_hi = 0;
-  __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
-  if (((xcr0_lo >> 17) & 3u) != 3u) return "the OS does not enable the AMX tile state";
+  const uint64_t xcr0 = cpu::os_saved_state();
+  if (xcr0 == 0) return "the OS does not enable XSAVE";
+  if (((xcr0 >> 17) & 3u) != 3u) return "the OS does not enable the AMX tile state";
   // Linux 5.16+: tile data is off until the process asks for it (once, for all its threads).
   constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
   constexpr long kTileData = 18;               // XFEATURE_XTILEDATA

@@ -9,6 +9,8 @@
 #define LINATTN_AVX512_BF16 1
 #include <cpuid.h>
 #include <immintrin.h>
+
+#include "linattn/core/xcr0.h"
 #else
 #define LINATTN_AVX512_BF16 0
 #endif
@@ -18,11 +20,10 @@ namespace {
 
 std::string probe() {
 #if LINATTN_AVX512_BF16
+  const uint64_t xcr0 = cpu::os_saved_state();
+  if (xcr0 == 0) return "the OS does not enable XSAVE";
+  if ((xcr0 & 0xE6u) != 0xE6u) return "the OS does not enable the AVX-512 state";
   unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1u)) return "the OS does not enable XSAVE";
-  uint32_t xcr0_lo = 0, xcr0_hi = 0;
-  __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
-  if ((xcr0_lo & 0xE6u) != 0xE6u) return "the OS does not enable the AVX-512 state";
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return "CPUID leaf 7 is missing";
   if (!((b >> 16) & 1u) || !((b >> 30) & 1u) || !((b >> 31) & 1u)) return "the CPU has no AVX-512 (F, BW, VL)";
   if (a < 1) return "the CPU has no AVX512_BF16 (no CPUID leaf 7 subleaf 1)";  // a: the last subleaf

@@ -103,21 +103,17 @@ AttentionGrads<T> backward(TensorView<const T> q, TensorView<const T> k, TensorV
           simd::dot(dout.row(bh, i), out.row(bh, i), static_cast<size_t>(d.value_dim));
   });
 
-  const int64_t key_blocks = (d.n_k + kBlockK - 1) / kBlockK;
-  int64_t splits = 1;
-  if (d.bh() < workers) splits = std::min<int64_t>((workers + d.bh() - 1) / d.bh(), key_blocks);
-  splits = std::max<int64_t>(splits, 1);
+  const softmax_detail::KeySplits keys(d, kBlockK, workers);
+  const int64_t splits = keys.splits;
   Buffer<T> dq_partial(splits > 1 ? splits * d.bh() * d.n_q * d.head_dim : 0);
   const BackwardArgs<T> args{q, k, v, dout, lse.data, delta.data(), d, &mask, static_cast<T>(scale)};
   const ParallelLoop loop(d.bh() * splits);
   PerWorker<Tile<T>> tiles(loop);
   loop.run([&](int64_t task, int worker) {
     const int64_t bh = task / splits, s = task % splits;
-    const int64_t j_begin = key_blocks * s / splits * kBlockK;
-    const int64_t j_end = std::min(d.n_k, key_blocks * (s + 1) / splits * kBlockK);
     T* dq = splits > 1 ? dq_partial.data() + (s * d.bh() + bh) * d.n_q * d.head_dim
                        : g.dq.data() + bh * d.n_q * d.head_dim;
-    backward_keys(args, bh, j_begin, j_end, tiles[worker], dq, g.dk.data(), g.dv.data());
+    backward_keys(args, bh, keys.begin(s), keys.end(s), tiles[worker], dq, g.dk.data(), g.dv.data());
   });
   if (splits > 1) {
     const int64_t per_bh = d.n_q * d.head_dim;

@@ -204,11 +204,8 @@ AttentionGrads<float> backward_bf16_products(TensorView<const bfloat16> q, Tenso
     }
   });
 
-  const int workers = num_threads();
-  const int64_t key_blocks = (d.n_k + kBlockK - 1) / kBlockK;
-  int64_t splits = 1;
-  if (d.bh() < workers) splits = std::min<int64_t>((workers + d.bh() - 1) / d.bh(), key_blocks);
-  splits = std::max<int64_t>(splits, 1);
+  const KeySplits keys(d, kBlockK, num_threads());
+  const int64_t splits = keys.splits;
   const int64_t dq_ld = o.d_blocks * kTileRows, dq_per_bh = d.n_q * dq_ld;
   Buffer<float> dq_sums(splits * d.bh() * dq_per_bh);
   const Args args{&o, &d, &mask, lse.data, delta.data(), static_cast<float>(scale)};
@@ -216,9 +213,7 @@ AttentionGrads<float> backward_bf16_products(TensorView<const bfloat16> q, Tenso
   PerWorker<Scratch> scratch(loop, [&] { return Scratch(d); });
   loop.run([&](int64_t task, int worker) {
     const int64_t bh = task / splits, s = task % splits;
-    const int64_t j_begin = key_blocks * s / splits * kBlockK;
-    const int64_t j_end = std::min(d.n_k, key_blocks * (s + 1) / splits * kBlockK);
-    backward_keys(args, bh, j_begin, j_end, scratch[worker], dq_sums.data() + (s * d.bh() + bh) * dq_per_bh,
+    backward_keys(args, bh, keys.begin(s), keys.end(s), scratch[worker], dq_sums.data() + (s * d.bh() + bh) * dq_per_bh,
                   g.dk.data(), g.dv.data());
   });
   parallel_for(d.bh(), [&](int64_t bh) {

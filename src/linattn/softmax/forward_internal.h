@@ -1,6 +1,7 @@
 // Shared between the forward and the backward (which may recompute the forward).
 #pragma once
 
+#include <algorithm>
 #include <optional>
 
 #include "linattn/core/attention_args.h"
@@ -20,6 +21,19 @@ template <class T>
 SoftmaxAttentionResult<T> forward(TensorView<const T> q, TensorView<const T> k,
                                   TensorView<const T> v, const AttentionDims& dims,
                                   const AttentionOptions& opts, double scale, bool as_workspace);
+
+// How a backward spreads one batch·head's keys over workers: one task per batch·head when there
+// are at least as many of them as workers, otherwise up to ⌈workers / batch·heads⌉ ranges of
+// whole `block`-key blocks each, every range with its own dQ sums, added at the end (no atomics).
+struct KeySplits {
+  int64_t blocks, splits, block, n_k;
+  KeySplits(const AttentionDims& d, int64_t block_keys, int workers)
+      : blocks((d.n_k + block_keys - 1) / block_keys), splits(1), block(block_keys), n_k(d.n_k) {
+    if (d.bh() < workers) splits = std::max<int64_t>(1, std::min<int64_t>((workers + d.bh() - 1) / d.bh(), blocks));
+  }
+  int64_t begin(int64_t s) const { return blocks * s / splits * block; }
+  int64_t end(int64_t s) const { return std::min(n_k, blocks * (s + 1) / splits * block); }
+};
 
 // A backward's saved out [B, H, n_q, d_v] (finite) and lse [B, H, n_q] (finite or −inf), checked.
 template <class T>
