@@ -46,37 +46,65 @@ struct Case {
 
 using softmax_detail::Bf16Engine;
 
-void expect_within_bound(Bf16Engine engine, const Case& c, int threads) {
-  SCOPED_TRACE(::testing::Message() << softmax_detail::engine_name(engine) << " B=" << c.batch << " H=" << c.heads << " n_q=" << c.n_q << " n_k=" << c.n_k
-                                    << " d=" << c.d << " dv=" << c.dv << (c.causal ? " causal" : "")
-                                    << (c.key_lengths.empty() ? "" : " key_lengths") << " threads=" << threads);
-  ScopedThreads scope(threads);
-  const Tensor<bfloat16> q = narrowed<bfloat16>(random_tensor<double>({c.batch, c.heads, c.n_q, c.d}, 1, c.sigma)),
-                         k = narrowed<bfloat16>(random_tensor<double>({c.batch, c.heads, c.n_k, c.d}, 2, c.sigma)),
-                         v = narrowed<bfloat16>(random_tensor<double>({c.batch, c.heads, c.n_k, c.dv}, 3));
+// A case's inputs (dout too), options and checked dimensions.
+struct CaseInputs {
+  Tensor<bfloat16> q, k, v, dout;
   AttentionOptions o;
-  o.causal = c.causal;
-  if (!c.key_lengths.empty()) o.key_lengths = c.key_lengths;
-  const AttentionDims dims = check_attention_args("test", q.view(), k.view(), v.view(), o);
-  const double scale = resolve_scale("test", o, c.d);
-  ASSERT_TRUE(softmax_detail::bf16_tiles_usable(dims, scale, engine));
-  const softmax_detail::Bf16TilesResult got = softmax_detail::forward_bf16_tiles(q, k, v, dims, o, scale, engine);
-  const Tensor<double> q64 = to_f64(q), k64 = to_f64(k), v64 = to_f64(v);
-  const SoftmaxAttentionResult<double> ref = reference::softmax_attention(q64, k64, v64, o);
+  AttentionDims dims;
+  double scale;
+  explicit CaseInputs(const Case& c)
+      : q(narrowed<bfloat16>(random_tensor<double>({c.batch, c.heads, c.n_q, c.d}, 1, c.sigma))),
+        k(narrowed<bfloat16>(random_tensor<double>({c.batch, c.heads, c.n_k, c.d}, 2, c.sigma))),
+        v(narrowed<bfloat16>(random_tensor<double>({c.batch, c.heads, c.n_k, c.dv}, 3))),
+        dout(narrowed<bfloat16>(random_tensor<double>({c.batch, c.heads, c.n_q, c.dv}, 4))) {
+    o.causal = c.causal;
+    if (!c.key_lengths.empty()) o.key_lengths = c.key_lengths;
+    dims = check_attention_args<bfloat16>("test", q, k, v, o);
+    scale = resolve_scale("test", o, c.d);
+  }
+};
+
+std::string describe(const Case& c, int threads) {
+  return (::testing::Message() << "B=" << c.batch << " H=" << c.heads << " n_q=" << c.n_q << " n_k=" << c.n_k
+                               << " d=" << c.d << " dv=" << c.dv << (c.causal ? " causal" : "")
+                               << (c.key_lengths.empty() ? "" : " key_lengths") << " threads=" << threads)
+      .GetString();
+}
+
+// The forward's error terms for batch·head bh (the bound above): e_p, the float32 error of one
+// score, and spread = (u + 2·e_p + 3·n_k·u₃₂)·|v|max over the keys the batch item has.
+struct ForwardTerms {
+  double e_p, spread;
+};
+ForwardTerms forward_terms(const Case& c, const Tensor<double>& q64, const Tensor<double>& k64,
+                           const Tensor<double>& v64, int64_t bh, double scale) {
+  double vmax = 0, qk = 0;
+  const int64_t keys = c.key_lengths.empty() ? c.n_k : c.key_lengths[bh / c.heads];
+  for (int64_t j = 0; j < keys; ++j)
+    for (int64_t f = 0; f < c.dv; ++f) vmax = std::max(vmax, std::abs(v64[(bh * c.n_k + j) * c.dv + f]));
+  for (int64_t i = 0; i < c.n_q; ++i)
+    for (int64_t j = 0; j < c.n_k; ++j) {
+      double s = 0;
+      for (int64_t f = 0; f < c.d; ++f) s += std::abs(q64[(bh * c.n_q + i) * c.d + f] * k64[(bh * c.n_k + j) * c.d + f]);
+      qk = std::max(qk, s);
+    }
+  const double e_p = scale * c.d * kU32 * qk + 4 * kU32;
+  return {e_p, (kU + 2 * e_p + 3 * c.n_k * kU32) * vmax};
+}
+
+void expect_within_bound(Bf16Engine engine, const Case& c, int threads) {
+  SCOPED_TRACE(std::string(softmax_detail::engine_name(engine)) + " " + describe(c, threads));
+  ScopedThreads scope(threads);
+  const CaseInputs in(c);
+  const double scale = in.scale;
+  ASSERT_TRUE(softmax_detail::bf16_tiles_usable(in.dims, scale, engine));
+  const softmax_detail::Bf16TilesResult got =
+      softmax_detail::forward_bf16_tiles(in.q, in.k, in.v, in.dims, in.o, scale, engine);
+  const Tensor<double> q64 = to_f64(in.q), k64 = to_f64(in.k), v64 = to_f64(in.v);
+  const SoftmaxAttentionResult<double> ref = reference::softmax_attention(q64, k64, v64, in.o);
 
   for (int64_t bh = 0; bh < c.batch * c.heads; ++bh) {
-    double vmax = 0, qk = 0;  // over the keys this batch item has
-    const int64_t keys = c.key_lengths.empty() ? c.n_k : c.key_lengths[bh / c.heads];
-    for (int64_t j = 0; j < keys; ++j)
-      for (int64_t f = 0; f < c.dv; ++f) vmax = std::max(vmax, std::abs(v64[(bh * c.n_k + j) * c.dv + f]));
-    for (int64_t i = 0; i < c.n_q; ++i)
-      for (int64_t j = 0; j < c.n_k; ++j) {
-        double s = 0;
-        for (int64_t f = 0; f < c.d; ++f) s += std::abs(q64[(bh * c.n_q + i) * c.d + f] * k64[(bh * c.n_k + j) * c.d + f]);
-        qk = std::max(qk, s);
-      }
-    const double e_p = scale * c.d * kU32 * qk + 4 * kU32;
-    const double spread = (kU + 2 * e_p + 3 * c.n_k * kU32) * vmax;
+    const auto [e_p, spread] = forward_terms(c, q64, k64, v64, bh, scale);
     for (int64_t i = 0; i < c.n_q; ++i) {
       const double lse_ref = ref.lse[bh * c.n_q + i], lse_got = got.lse[bh * c.n_q + i];
       if (std::isinf(lse_ref)) {
@@ -232,20 +260,13 @@ TEST_P(SoftmaxBf16Products, OverflowingScoresAreAnError) {
 // P_ij·2·(d_v + 1)·2⁻¹²⁶ for dP's and δ's sums, and each gradient n·2⁻¹²⁶·(max|other| + 2) for
 // its n terms (a flushed operand times the other, two flushed steps).
 void expect_backward_within_bound(const Case& c, int threads) {
-  SCOPED_TRACE(::testing::Message() << "backward B=" << c.batch << " H=" << c.heads << " n_q=" << c.n_q
-                                    << " n_k=" << c.n_k << " d=" << c.d << " dv=" << c.dv
-                                    << (c.causal ? " causal" : "") << (c.key_lengths.empty() ? "" : " key_lengths")
-                                    << " threads=" << threads);
+  SCOPED_TRACE("backward " + describe(c, threads));
   ScopedThreads scope(threads);
-  const Tensor<bfloat16> q = narrowed<bfloat16>(random_tensor<double>({c.batch, c.heads, c.n_q, c.d}, 1, c.sigma)),
-                         k = narrowed<bfloat16>(random_tensor<double>({c.batch, c.heads, c.n_k, c.d}, 2, c.sigma)),
-                         v = narrowed<bfloat16>(random_tensor<double>({c.batch, c.heads, c.n_k, c.dv}, 3)),
-                         dout = narrowed<bfloat16>(random_tensor<double>({c.batch, c.heads, c.n_q, c.dv}, 4));
-  AttentionOptions o;
-  o.causal = c.causal;
-  if (!c.key_lengths.empty()) o.key_lengths = c.key_lengths;
-  const AttentionDims dims = check_attention_args("test", q.view(), k.view(), v.view(), o);
-  const double scale = resolve_scale("test", o, c.d);
+  const CaseInputs in(c);
+  const Tensor<bfloat16>&q = in.q, &k = in.k, &v = in.v, &dout = in.dout;
+  const AttentionOptions& o = in.o;
+  const AttentionDims& dims = in.dims;
+  const double scale = in.scale;
   double dout_max = 0;
   for (int64_t i = 0; i < dout.size(); ++i) dout_max = std::max<double>(dout_max, std::abs(to_float(dout[i])));
   ASSERT_TRUE(softmax_detail::bf16_backward_usable(dims, scale, dout_max));
@@ -283,26 +304,17 @@ void expect_backward_within_bound(const Case& c, int threads) {
     auto K = [&](int64_t j, int64_t f) { return k64[(bh * n_k + j) * d + f]; };
     auto V = [&](int64_t j, int64_t f) { return v64[(bh * n_k + j) * dv + f]; };
     auto DO = [&](int64_t i, int64_t f) { return do64[(bh * n_q + i) * dv + f]; };
-    double vmax = 0, qk = 0, lse_max = 0, q_abs = 0, k_abs = 0, do_abs = 0;
-    for (int64_t j = 0; j < mask.key_length(b); ++j)
-      for (int64_t f = 0; f < dv; ++f) vmax = std::max(vmax, std::abs(V(j, f)));
+    double lse_max = 0, q_abs = 0, k_abs = 0, do_abs = 0;
     for (int64_t j = 0; j < n_k; ++j)
       for (int64_t f = 0; f < d; ++f) k_abs = std::max(k_abs, std::abs(K(j, f)));
     for (int64_t i = 0; i < n_q; ++i) {
       for (int64_t f = 0; f < d; ++f) q_abs = std::max(q_abs, std::abs(Q(i, f)));
       for (int64_t f = 0; f < dv; ++f) do_abs = std::max(do_abs, std::abs(DO(i, f)));
     }
-    for (int64_t i = 0; i < n_q; ++i) {
+    for (int64_t i = 0; i < n_q; ++i)
       if (std::isfinite(ref_fwd.lse[bh * n_q + i])) lse_max = std::max(lse_max, std::abs(ref_fwd.lse[bh * n_q + i]));
-      for (int64_t j = 0; j < n_k; ++j) {
-        double sum = 0;
-        for (int64_t f = 0; f < d; ++f) sum += std::abs(Q(i, f) * K(j, f));
-        qk = std::max(qk, sum);
-      }
-    }
-    const double e_p = scale * d * kU32 * qk + 4 * kU32;
+    const auto [e_p, spread] = forward_terms(c, q64, k64, v64, bh, scale);
     const double rho = 2 * e_p + n_k * kU32 + 2 * kU32 * lse_max + 4 * kU32;
-    const double spread = (kU + 2 * e_p + 3 * n_k * kU32) * vmax;
     // P, |dS| and E (n_q × n_k), then the three bounds.
     std::vector<double> P(n_q * n_k, 0.0), dS(n_q * n_k, 0.0), E(n_q * n_k, 0.0);
     for (int64_t i = 0; i < n_q; ++i) {
