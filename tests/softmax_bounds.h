@@ -33,10 +33,13 @@ struct SoftmaxExact {
   Tensor<double> out_bound, lse_bound, dq_bound, dk_bound, dv_bound;  // for arithmetic in T
 };
 
+// roundings_per_product: 1 where the forward's products are fused multiply-adds (the BLAS,
+// tile_matmul on AVX2 and AVX-512), 2 where each step multiplies and adds separately
+// (tile_matmul on SSE4 and below): the forward's sums then count twice their length in γ.
 template <class T>
 SoftmaxExact softmax_exact_with_bounds(const Tensor<double>& q, const Tensor<double>& k,
                                        const Tensor<double>& v, const Tensor<double>& dout,
-                                       const AttentionOptions& opts) {
+                                       const AttentionOptions& opts, int roundings_per_product = 1) {
   const int64_t B = q.dim(0), H = q.dim(1), nq = q.dim(2), nk = k.dim(2), d = q.dim(3),
                 dv = v.dim(3);
   const double u = unit_roundoff<T>();
@@ -70,14 +73,14 @@ SoftmaxExact softmax_exact_with_bounds(const Tensor<double>& q, const Tensor<dou
           }
           s[j] = dot * scale;
           mx = std::max(mx, s[j]);
-          ds_max = std::max(ds_max, gamma<T>(d + 1) * std::abs(scale) * absdot);
+          ds_max = std::max(ds_max, gamma<T>(roundings_per_product * d + 1) * std::abs(scale) * absdot);
           for (int64_t c = 0; c < dv; ++c) vmax = std::max(vmax, std::abs(row(v, j)[c]));
         }
         double sum = 0;
         for (int64_t j = 0; j < n; ++j) sum += std::exp(s[j] - mx);
         lse = mx + std::log(sum);
         const double eta = 2 * ds_max + 4 * u;
-        const double g_n = gamma<T>(n + 16);
+        const double g_n = gamma<T>(roundings_per_product * n + 16);
         const double out_err = (2 * eta + g_n) * vmax;
         r.lse_bound[bh * nq + i] = eta + g_n + u * std::abs(lse);
         double* o = wrow(r.out, i);

@@ -14,6 +14,7 @@
 #include "linattn/memory.h"
 #include "linattn/core/random.h"
 #include "linattn/core/simd.h"
+#include "linattn/core/tile_matmul.h"
 #include "linattn/core/parallel.h"
 #include "test_util.h"
 
@@ -251,38 +252,92 @@ TEST(Simd, SoftmaxColumnsReportsOverflow) {
   EXPECT_FALSE(simd::softmax_columns(src.data(), 2, e.data(), 2, 2, 10.f, inv.data(), work.data()));
 }
 
+// tile_matmul::multiply against float64 sums on every SIMD target, at row counts around the
+// 6-row register block, inner sizes from 0, column counts that end in every partial strip
+// (16 to 144: AVX-512 strips of 64, AVX2 of 16, SSE4 of 8) and padded leading dimensions.
+// Each c element is one chain of `inner` steps from its start c0 (0 without accumulate), each step
+// a fused multiply-add (AVX2 and up) or a multiply and an add (SSE4 and below):
+// |δc| ≤ γ_{inner·roundings}·(|c0| + Σ_p |a_p·b_p|). Padding columns of c are never written.
+TEST(TileMatmul, MatchesFloat64OnEverySimdTarget) {
+  int targets = 0;
+  testing::for_each_simd_target([&](int64_t target) {
+    ++targets;
+    const double roundings = testing::simd_target_fuses(target) ? 1 : 2;
+    ASSERT_EQ(std::string(tile_matmul::target_name()), hwy::TargetName(target));  // the dispatch follows
+    uint64_t seed = 1;
+    for (int64_t rows : {1, 5, 6, 7, 13})
+      for (int64_t inner : {0, 1, 17, 64, 70})
+        for (int64_t cols : {16, 48, 64, 80, 144})
+          for (bool accumulate : {false, true}) {
+            SCOPED_TRACE(::testing::Message() << "rows=" << rows << " inner=" << inner << " cols=" << cols
+                                              << " accumulate=" << accumulate);
+            const int64_t lda = inner + 3, ldb = cols + 5, ldc = cols + 7;
+            std::vector<float> a(static_cast<size_t>(rows * lda)), b(static_cast<size_t>(std::max<int64_t>(inner, 1) * ldb)),
+                c(static_cast<size_t>(rows * ldc));
+            fill_normal(a.data(), a.size(), seed++);
+            fill_normal(b.data(), b.size(), seed++);
+            fill_normal(c.data(), c.size(), seed++);
+            const std::vector<float> c0 = c;
+            tile_matmul::multiply(a.data(), lda, rows, b.data(), ldb, inner, cols, c.data(), ldc, accumulate);
+            for (int64_t r = 0; r < rows; ++r) {
+              for (int64_t j = 0; j < cols; ++j) {
+                const double start = accumulate ? c0[r * ldc + j] : 0.0;
+                double want = start, abs_sum = std::abs(start);
+                for (int64_t p = 0; p < inner; ++p) {
+                  want += double(a[r * lda + p]) * b[p * ldb + j];
+                  abs_sum += std::abs(double(a[r * lda + p]) * b[p * ldb + j]);
+                }
+                ASSERT_LE(std::abs(c[r * ldc + j] - want), gamma<float>(roundings * double(inner)) * abs_sum)
+                    << "c[" << r << "][" << j << "]";
+              }
+              for (int64_t j = cols; j < ldc; ++j) ASSERT_EQ(c[r * ldc + j], c0[r * ldc + j]) << "padding " << j;
+            }
+          }
+  });
+  EXPECT_GE(targets, 1);
+}
+
+TEST(TileMatmul, BadArgumentsAreErrors) {
+  std::vector<float> a(64), b(64), c(64);
+  EXPECT_THROW(tile_matmul::multiply(a.data(), 4, 2, b.data(), 16, 4, 8, c.data(), 16, false), Error);   // cols % 16
+  EXPECT_THROW(tile_matmul::multiply(a.data(), 3, 2, b.data(), 16, 4, 16, c.data(), 16, false), Error);  // lda < inner
+  EXPECT_THROW(tile_matmul::multiply(a.data(), 4, -1, b.data(), 16, 4, 16, c.data(), 16, false), Error); // rows < 0
+}
+
 // The float exp of the shifted softmax (simd.cc, ExpNonPositive) against exp in double, over
-// every 29th float in [ln(2^−126), 0] (36 million, every binade): at most 1.3 ulp of the result (the bound simd.cc and
+// every 29th float in [ln(2^−126), 0] (36 million, every binade), on every SIMD target: at most 1.3 ulp of the result (the bound simd.cc and
 // the tolerance above rely on). Below that range the result is 0.
 TEST(Simd, SimdExpIsWithin1Point3Ulp) {
-  const float low = -87.33654f;
-  uint32_t first, last;
-  const float zero = -0.0f;
-  std::memcpy(&first, &zero, 4);
-  std::memcpy(&last, &low, 4);
-  std::vector<float> x(4096), e(4096);
-  double worst = 0;
-  float worst_at = 0;
-  for (uint64_t u = first; u <= last;) {
-    size_t n = 0;
-    for (; n < x.size() && u <= last; ++n, u += 29) {
-      const uint32_t bits = static_cast<uint32_t>(u);
-      std::memcpy(&x[n], &bits, 4);
+  testing::for_each_simd_target([](int64_t) {
+    const float low = -87.33654f;
+    uint32_t first, last;
+    const float zero = -0.0f;
+    std::memcpy(&first, &zero, 4);
+    std::memcpy(&last, &low, 4);
+    std::vector<float> x(4096), e(4096);
+    double worst = 0;
+    float worst_at = 0;
+    for (uint64_t u = first; u <= last;) {
+      size_t n = 0;
+      for (; n < x.size() && u <= last; ++n, u += 29) {
+        const uint32_t bits = static_cast<uint32_t>(u);
+        std::memcpy(&x[n], &bits, 4);
+      }
+      std::copy(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(n), e.begin());
+      simd::exp_shifted_sum(e.data(), n, 0.f);
+      for (size_t i = 0; i < n; ++i) {
+        const double want = std::exp(double(x[i]));
+        const double ulp = std::ldexp(1.0, std::ilogb(want) - 23);
+        const double err = std::abs(e[i] - want) / ulp;
+        if (err > worst) worst = err, worst_at = x[i];
+      }
     }
-    std::copy(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(n), e.begin());
-    simd::exp_shifted_sum(e.data(), n, 0.f);
-    for (size_t i = 0; i < n; ++i) {
-      const double want = std::exp(double(x[i]));
-      const double ulp = std::ldexp(1.0, std::ilogb(want) - 23);
-      const double err = std::abs(e[i] - want) / ulp;
-      if (err > worst) worst = err, worst_at = x[i];
-    }
-  }
-  EXPECT_LE(worst, 1.3) << "at x = " << worst_at;
-  RecordProperty("worst_ulp", std::to_string(worst));
-  std::vector<float> below{-87.34f, -100.f, -std::numeric_limits<float>::infinity()};
-  simd::exp_shifted_sum(below.data(), below.size(), 0.f);
-  for (float v : below) EXPECT_EQ(v, 0.f);
+    EXPECT_LE(worst, 1.3) << "at x = " << worst_at;
+    RecordProperty("worst_ulp", std::to_string(worst));
+    std::vector<float> below{-87.34f, -100.f, -std::numeric_limits<float>::infinity()};
+    simd::exp_shifted_sum(below.data(), below.size(), 0.f);
+    for (float v : below) EXPECT_EQ(v, 0.f);
+  });
 }
 
 // Large negative arguments underflow to 0 rather than producing garbage.

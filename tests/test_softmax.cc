@@ -58,7 +58,7 @@ void PrintTo(const Case& c, std::ostream* os) {
 }
 void PrintTo(Mask m, std::ostream* os) { *os << mask_name(m); }
 
-// Fast float32 and float64 paths, forward and backward, 1 and 2 threads, every mask, against
+// Fast float32 and float64 paths, forward and backward, 1, 2 and 7 threads, every mask, against
 // the exact values within the bounds of softmax_bounds.h.
 class SoftmaxVsExact : public ::testing::TestWithParam<std::tuple<Case, Mask>> {};
 
@@ -74,7 +74,8 @@ void check_case(const Case& c, Mask m, uint64_t seed) {
   const auto qt = cast<T>(q), kt = cast<T>(k), vt = cast<T>(v), dt = cast<T>(dout);
   const auto exact = testing::softmax_exact_with_bounds<T>(cast<double>(qt), cast<double>(kt),
                                                            cast<double>(vt), cast<double>(dt), opts);
-  for (int threads : {1, 2}) {
+  // Below and above batch·heads (6).
+  for (int threads : {1, 2, 7}) {
     SCOPED_TRACE(::testing::Message() << "threads=" << threads << " mask=" << mask_name(m)
                                       << " n_q=" << c.n_q << " n_k=" << c.n_k << " d=" << c.d
                                       << " dv=" << c.dv << " T=" << sizeof(T) * 8 << "-bit");
@@ -208,13 +209,70 @@ TEST(SoftmaxBackward, RecomputingOverloadMatchesSavedOverload) {
   for (int64_t i = 0; i < a.dv.size(); ++i) ASSERT_EQ(a.dv[i], b.dv[i]);
 }
 
+// The float32 forward (forward_f32.cc) on every SIMD target this CPU runs (AVX-512, AVX2,
+// SSE4, ...): the same bounds, at sizes that end inside a register block, a key panel, a key
+// block and a query block (kRows 48, kKeys 256, kPanel 64), d_v both a multiple of 16 (V read
+// in place) and not (V copied, padded), and every mask.
+TEST(SoftmaxForward, Float32MatchesTheBoundOnEverySimdTarget) {
+  const int64_t B = 3, H = 2;
+  uint64_t seed = 900;
+  testing::for_each_simd_target([&](int64_t target) {
+    for (const Case c : {Case{53, 301, 24, 24}, Case{97, 259, 64, 96}, Case{5, 70, 8, 16}})
+      for (Mask m : {Mask::None, Mask::Causal, Mask::KeyLengths, Mask::CausalKeyLengths}) {
+        SCOPED_TRACE(::testing::Message() << "mask=" << mask_name(m) << " n_q=" << c.n_q << " n_k=" << c.n_k
+                                          << " d=" << c.d << " dv=" << c.dv);
+        const auto q = cast<float>(random_tensor<double>({B, H, c.n_q, c.d}, seed++));
+        const auto k = cast<float>(random_tensor<double>({B, H, c.n_k, c.d}, seed++));
+        const auto v = cast<float>(random_tensor<double>({B, H, c.n_k, c.dv}, seed++));
+        const auto dout = random_tensor<double>({B, H, c.n_q, c.dv}, seed++);
+        const AttentionOptions opts = options_for(m, B, c.n_k, seed);
+        const auto exact = testing::softmax_exact_with_bounds<float>(
+            cast<double>(q), cast<double>(k), cast<double>(v), dout, opts, testing::simd_target_fuses(target) ? 1 : 2);
+        ScopedThreads scope(3);
+        const auto f = softmax_attention<float>(q, k, v, opts);
+        expect_within(f.out, exact.out, exact.out_bound, "out");
+        for (int64_t i = 0; i < f.lse.size(); ++i) {
+          if (std::isinf(exact.lse[i])) ASSERT_EQ(f.lse[i], -std::numeric_limits<float>::infinity()) << i;
+          else ASSERT_NEAR(f.lse[i], exact.lse[i], exact.lse_bound[i]) << "lse[" << i << "]";
+        }
+      }
+  });
+}
+
+// The scale is folded into q before the product; a negative scale must still pick each row's
+// largest score, and where scale·q could overflow (|q| near 1e36 with |scale| = 4: past 2^120)
+// the forward applies a power of two of the scale after the product instead. Both within the
+// bounds, float32.
+TEST(SoftmaxForward, NegativeAndLargeScalesMatchTheBound) {
+  struct ScaleCase {
+    double q_factor, k_factor, scale;
+  };
+  uint64_t seed = 950;
+  for (const ScaleCase sc : {ScaleCase{1, 1, -0.3}, ScaleCase{1e36, 1e-36, 4}, ScaleCase{1e36, 1e-36, -4}}) {
+    SCOPED_TRACE(::testing::Message() << "|q| ~ " << sc.q_factor << " scale=" << sc.scale);
+    auto qd = random_tensor<double>({2, 2, 70, 16}, seed++), kd = random_tensor<double>({2, 2, 90, 16}, seed++);
+    for (int64_t i = 0; i < qd.size(); ++i) qd[i] *= sc.q_factor;
+    for (int64_t i = 0; i < kd.size(); ++i) kd[i] *= sc.k_factor;
+    const auto q = cast<float>(qd), k = cast<float>(kd), v = cast<float>(random_tensor<double>({2, 2, 90, 16}, seed++));
+    for (Mask m : {Mask::None, Mask::Causal}) {
+      AttentionOptions opts = options_for(m, 2, 90, seed);
+      opts.scale = sc.scale;
+      const auto exact = testing::softmax_exact_with_bounds<float>(cast<double>(q), cast<double>(k), cast<double>(v),
+                                                                   random_tensor<double>({2, 2, 70, 16}, seed), opts);
+      const auto f = softmax_attention<float>(q, k, v, opts);
+      expect_within(f.out, exact.out, exact.out_bound, "out");
+      for (int64_t i = 0; i < f.lse.size(); ++i) ASSERT_NEAR(f.lse[i], exact.lse[i], exact.lse_bound[i]) << i;
+    }
+  }
+}
+
 // Each query row is computed by one task in a fixed order, so the forward is bitwise the same
 // for any thread count.
 TEST(SoftmaxForward, BitwiseIdenticalAcrossThreadCounts) {
   const auto q = random_tensor<float>({1, 3, 700, 64}, 1), k = random_tensor<float>({1, 3, 900, 64}, 2),
              v = random_tensor<float>({1, 3, 900, 64}, 3);
   Tensor<float> ref;
-  for (int threads : {1, 2, 3, 5}) {
+  for (int threads : {1, 2, 3, 5, 8}) {
     ScopedThreads scope(threads);
     const auto out = softmax_attention<float>(q, k, v).out;
     if (threads == 1) {
@@ -286,7 +344,8 @@ TEST(SoftmaxMask, RowsWithoutKeysGetZeros) {
   }
 }
 
-// Extra memory is O(n·d): the forward needs only fixed tiles; the backward adds O(n) rows.
+// Extra memory is O(n·d): the float32 forward packs a copy of k (forward_f32.cc) beside fixed
+// per-worker tiles; the backward adds O(n) rows.
 TEST(SoftmaxMemory, WorkspaceGrowsLinearly) {
   auto workspace = [](int64_t n, bool backward) {
     const auto q = random_tensor<float>({1, 2, n, 64}, 1), k = random_tensor<float>({1, 2, n, 64}, 2),
@@ -303,8 +362,9 @@ TEST(SoftmaxMemory, WorkspaceGrowsLinearly) {
   };
   for (int threads : {1, 2}) {
     ScopedThreads scope(threads);
-    // Forward: independent of n.
-    EXPECT_EQ(workspace(512, false), workspace(4096, false));
+    // Forward: the packed keys (n·d floats per batch·head, n a multiple of 64 here) and tiles
+    // independent of n.
+    EXPECT_EQ(workspace(4096, false) - workspace(512, false), int64_t{(4096 - 512) * 64 * 2 * 4});
     // Backward: affine in n, far below one n×n score matrix (4096² floats = 64 MiB).
     const int64_t a = workspace(1024, true), b = workspace(2048, true), c = workspace(4096, true);
     EXPECT_EQ(c - b, 2 * (b - a));

@@ -11,6 +11,7 @@
 #include <map>
 #include <string>
 
+#include "hwy/targets.h"
 #include "linattn/core/error.h"
 #include "linattn/core/random.h"
 #include "linattn/low_precision.h"
@@ -61,6 +62,26 @@ class ScopedThreads {
  private:
   int saved_;
 };
+
+// Runs fn(target) once per instruction set that Highway compiled and this CPU runs (AVX3 is
+// AVX-512, then AVX2, SSE4, ...), with the library's dispatched kernels (simd.h, tile_matmul.h)
+// held to it, so that a machine with AVX-512 also tests the paths an AVX2-only machine takes.
+// The best target is restored afterwards, also when fn fails an assertion.
+template <class Fn>
+void for_each_simd_target(Fn&& fn) {
+  struct Restore {
+    ~Restore() { hwy::SetSupportedTargetsForTest(0); }
+  } restore;
+  for (const int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(std::string("SIMD target ") + hwy::TargetName(target));
+    fn(target);
+  }
+}
+
+// Whether a SIMD target's MulAdd is a fused multiply-add (one rounding): AVX2 and up on x86;
+// SSE4 and below multiply and add separately.
+inline bool simd_target_fuses(int64_t target) { return !HWY_ARCH_X86 || target <= HWY_AVX2; }
 
 // Unit roundoff u = eps/2 and γ_n = n·u / (1 − n·u) (Higham, Accuracy and Stability, §3.1).
 template <class T>

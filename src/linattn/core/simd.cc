@@ -54,7 +54,12 @@ HWY_INLINE hn::Vec<D> ExpNonPositive(D d, hn::Vec<D> x) {
     const hn::RebindToSigned<D> di;
     const auto low = hn::Set(d, -87.33654f);  // ln(2^−126)
     const auto xc = hn::Max(x, low);
-    const auto n = hn::Round(hn::Mul(xc, hn::Set(d, 1.44269504088896341f)));
+    // n = round(x·log2 e) by adding 1.5·2^23 + 127, where a float's ulp is 1: t holds n + 127 in
+    // its low mantissa bits (2^n's biased exponent, shifted into place below) and t − magic = n
+    // exactly. Four instructions fewer than Round, ConvertTo and an add.
+    const auto magic = hn::Set(d, 12583039.0f);  // 1.5·2^23 + 127
+    const auto t = hn::MulAdd(xc, hn::Set(d, 1.44269504088896341f), magic);
+    const auto n = hn::Sub(t, magic);
     auto r = hn::NegMulAdd(n, hn::Set(d, 0.693359375f), xc);  // ln2 = 0.693359375 − 2.12194440e−4
     r = hn::NegMulAdd(n, hn::Set(d, -2.12194440e-4f), r);
     auto p = hn::Set(d, 1.9875691500e-4f);
@@ -64,7 +69,7 @@ HWY_INLINE hn::Vec<D> ExpNonPositive(D d, hn::Vec<D> x) {
     p = hn::MulAdd(p, r, hn::Set(d, 1.6666665459e-1f));
     p = hn::MulAdd(p, r, hn::Set(d, 5.0000001201e-1f));
     p = hn::MulAdd(p, hn::Mul(r, r), hn::Add(r, hn::Set(d, 1.0f)));  // 1 + r + r²·P(r)
-    const auto two_n = hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127))));
+    const auto two_n = hn::BitCast(d, hn::ShiftLeft<23>(hn::BitCast(di, t)));
     return hn::IfThenElseZero(hn::Gt(x, low), hn::Mul(p, two_n));
   }
 }
@@ -543,49 +548,73 @@ void NarrowBF16(const float* src, uint16_t* dst, size_t n) {
   for (; i < n; ++i) dst[i] = to_bfloat16(src[i]).bits;
 }
 
-// p[i] = bfloat16(exp(scale·s[i] − shift)) for scale·s[i] ≤ shift; returns Σ exp(...) before
-// rounding. The product is rounded before the subtraction (no FMA), so that the argument is ≤ 0
-// whenever shift ≥ scale·max(s) was computed the same way. The tail goes through a masked
-// vector, so that every value is rounded by the same code.
-float ExpToBF16(const float* s, size_t n, float scale, float shift, uint16_t* p) {
+// The store of probabilities: float32 as computed, or rounded to bfloat16.
+template <class DF>
+HWY_INLINE void StoreProbabilities(DF df, hn::Vec<DF> e, float* p) {
+  hn::StoreU(e, df, p);
+}
+template <class DF>
+HWY_INLINE void StoreProbabilities(DF df, hn::Vec<DF> e, uint16_t* p) {
+  hn::StoreU(RoundToBF16Bits(df, e), hn::Rebind<uint16_t, DF>(), p);
+}
+
+// p[i] = exp(scale·s[i] − shift) for scale·s[i] ≤ shift, stored as P (float, or bfloat16 bits
+// rounded to nearest even); returns Σ exp(...) before rounding. p may be s (float). The product
+// is rounded before the subtraction (no FMA), so that the argument is ≤ 0 whenever
+// shift ≥ scale·max(s) was computed the same way. The tail goes through a masked vector, so that
+// every value is computed and rounded by the same code.
+template <bool kScaled, class P>
+float ExpScaledShifted(const float* s, size_t n, float scale, float shift, P* p) {
   const hn::ScalableTag<float> df;
-  const hn::Rebind<uint16_t, decltype(df)> du16;
   const size_t N = hn::Lanes(df);
   const auto vscale = hn::Set(df, scale), vshift = hn::Set(df, shift);
-  auto sum = hn::Zero(df);
+  auto argument = [&](auto v) { return hn::Sub(kScaled ? hn::Mul(v, vscale) : v, vshift); };
+  auto sum = hn::Zero(df), sum1 = hn::Zero(df);
   size_t i = 0;
+  // Two vectors per iteration: two independent exp chains for the scheduler to interleave.
+  for (; i + 2 * N <= n; i += 2 * N) {
+    const auto e0 = ExpNonPositive(df, argument(hn::LoadU(df, s + i)));
+    const auto e1 = ExpNonPositive(df, argument(hn::LoadU(df, s + i + N)));
+    StoreProbabilities(df, e0, p + i);
+    StoreProbabilities(df, e1, p + i + N);
+    sum = hn::Add(sum, e0);
+    sum1 = hn::Add(sum1, e1);
+  }
+  sum = hn::Add(sum, sum1);
   for (; i + N <= n; i += N) {
-    const auto e = ExpNonPositive(df, hn::Sub(hn::Mul(hn::LoadU(df, s + i), vscale), vshift));
-    hn::StoreU(RoundToBF16Bits(df, e), du16, p + i);
+    const auto e = ExpNonPositive(df, argument(hn::LoadU(df, s + i)));
+    StoreProbabilities(df, e, p + i);
     sum = hn::Add(sum, e);
   }
   if (i < n) {
     HWY_ALIGN float tail[hn::MaxLanes(df)] = {};
-    HWY_ALIGN uint16_t bits[hn::MaxLanes(df)];
+    HWY_ALIGN P out[hn::MaxLanes(df)];
     for (size_t j = i; j < n; ++j) tail[j - i] = s[j];
     const auto mask = hn::FirstN(df, n - i);
-    const auto e = hn::IfThenElseZero(mask, ExpNonPositive(df, hn::Sub(hn::Mul(hn::Load(df, tail), vscale), vshift)));
-    hn::Store(RoundToBF16Bits(df, e), du16, bits);
-    for (size_t j = i; j < n; ++j) p[j] = bits[j - i];
+    const auto e = hn::IfThenElseZero(mask, ExpNonPositive(df, argument(hn::Load(df, tail))));
+    StoreProbabilities(df, e, out);
+    for (size_t j = i; j < n; ++j) p[j] = out[j - i];
     sum = hn::Add(sum, e);
   }
   return hn::GetLane(hn::SumOfLanes(df, sum));
 }
 
-// One online-softmax step of the bfloat16 attention tiles for a block of rows (see simd.h).
-int64_t OnlineSoftmaxBF16(const float* s, size_t ld_s, size_t rows, const int64_t* count, size_t width,
-                          float scale, float* m, float* l, float* o, size_t ld_o, size_t o_cols, uint16_t* p,
-                          size_t ld_p) {
+// One online-softmax step of the attention tiles for a block of rows (see simd.h).
+template <class P>
+int64_t OnlineSoftmaxStep(const float* s, size_t ld_s, size_t rows, const int64_t* count, size_t width, float scale,
+                          float* m, float* l, float* o, size_t ld_o, size_t o_cols, P* p, size_t ld_p) {
   for (size_t r = 0; r < rows; ++r) {
     const float* srow = s + r * ld_s;
-    uint16_t* prow = p + r * ld_p;
+    P* prow = p + r * ld_p;
     const size_t c = static_cast<size_t>(count[r]);
-    std::fill(prow + c, prow + width, uint16_t{0});  // masked and padded keys: probability 0
+    std::fill(prow + c, prow + width, P{0});  // masked and padded keys: probability 0
     if (c == 0) continue;
     const float mx = MaxValue(srow, c) * scale;
     if (!std::isfinite(mx)) return static_cast<int64_t>(r);
     const float m_new = std::max(m[r], mx);
-    const float sum = ExpToBF16(srow, c, scale, m_new, prow);
+    // scale = 1 (the float32 forward scales q instead) skips a multiply per score.
+    const float sum = scale == 1.0f ? ExpScaledShifted<false>(srow, c, scale, m_new, prow)
+                                    : ExpScaledShifted<true>(srow, c, scale, m_new, prow);
     if (m_new != m[r]) {
       const float corr = std::exp(m[r] - m_new);  // 0 on the row's first visible block
       l[r] *= corr;
@@ -597,21 +626,39 @@ int64_t OnlineSoftmaxBF16(const float* s, size_t ld_s, size_t rows, const int64_
   return -1;
 }
 
-// The bfloat16 attention tiles' last step for a block of rows (see simd.h).
-int64_t FinishRowsBF16(float* o, size_t ld_o, size_t rows, size_t cols, const float* l, uint16_t* out,
-                       size_t ld_out) {
+// The attention tiles' last step for a block of rows (see simd.h).
+HWY_INLINE void StoreRow(const float* src, float* dst, size_t cols) { std::copy(src, src + cols, dst); }
+HWY_INLINE void StoreRow(const float* src, uint16_t* dst, size_t cols) { NarrowBF16(src, dst, cols); }
+template <class Out>
+int64_t FinishRows(float* o, size_t ld_o, size_t rows, size_t cols, const float* l, Out* out, size_t ld_out) {
   for (size_t r = 0; r < rows; ++r) {
     float* orow = o + r * ld_o;
-    uint16_t* dst = out + r * ld_out;
+    Out* dst = out + r * ld_out;
     if (!(l[r] > 0)) {
-      std::fill(dst, dst + cols, uint16_t{0});
+      std::fill(dst, dst + cols, Out{0});
       continue;
     }
     Scale(orow, cols, 1.0f / l[r]);
     if (!AllFinite(orow, cols)) return static_cast<int64_t>(r);
-    NarrowBF16(orow, dst, cols);
+    StoreRow(orow, dst, cols);
   }
   return -1;
+}
+
+int64_t OnlineSoftmaxBF16(const float* s, size_t ld_s, size_t rows, const int64_t* count, size_t width, float scale,
+                          float* m, float* l, float* o, size_t ld_o, size_t o_cols, uint16_t* p, size_t ld_p) {
+  return OnlineSoftmaxStep(s, ld_s, rows, count, width, scale, m, l, o, ld_o, o_cols, p, ld_p);
+}
+int64_t OnlineSoftmaxF32(const float* s, size_t ld_s, size_t rows, const int64_t* count, size_t width, float scale,
+                         float* m, float* l, float* o, size_t ld_o, size_t o_cols, float* p, size_t ld_p) {
+  return OnlineSoftmaxStep(s, ld_s, rows, count, width, scale, m, l, o, ld_o, o_cols, p, ld_p);
+}
+int64_t FinishRowsBF16(float* o, size_t ld_o, size_t rows, size_t cols, const float* l, uint16_t* out,
+                       size_t ld_out) {
+  return FinishRows(o, ld_o, rows, cols, l, out, ld_out);
+}
+int64_t FinishRowsF32(float* o, size_t ld_o, size_t rows, size_t cols, const float* l, float* out, size_t ld_out) {
+  return FinishRows(o, ld_o, rows, cols, l, out, ld_out);
 }
 
 // finite_max_abs of bfloat16 values, widened a block at a time.
@@ -726,7 +773,9 @@ HWY_EXPORT(FloatLanes);
 HWY_EXPORT(WidenBF16);
 HWY_EXPORT(NarrowBF16);
 HWY_EXPORT(OnlineSoftmaxBF16);
+HWY_EXPORT(OnlineSoftmaxF32);
 HWY_EXPORT(FinishRowsBF16);
+HWY_EXPORT(FinishRowsF32);
 HWY_EXPORT(FiniteMaxAbsBF16);
 HWY_EXPORT(WidenF16);
 HWY_EXPORT(NarrowF16);
@@ -841,15 +890,22 @@ void widen(const bfloat16* src, float* dst, size_t n) {
 void narrow(const float* src, bfloat16* dst, size_t n) {
   HWY_DYNAMIC_DISPATCH(NarrowBF16)(src, reinterpret_cast<uint16_t*>(dst), n);
 }
-int64_t online_softmax_to_bfloat16(const float* s, size_t ld_s, size_t rows, const int64_t* count, size_t width,
-                                   float scale, float* m, float* l, float* o, size_t ld_o, size_t o_cols,
-                                   bfloat16* p, size_t ld_p) {
+int64_t online_softmax_step(const float* s, size_t ld_s, size_t rows, const int64_t* count, size_t width,
+                            float scale, float* m, float* l, float* o, size_t ld_o, size_t o_cols, bfloat16* p,
+                            size_t ld_p) {
   return HWY_DYNAMIC_DISPATCH(OnlineSoftmaxBF16)(s, ld_s, rows, count, width, scale, m, l, o, ld_o, o_cols,
                                                  reinterpret_cast<uint16_t*>(p), ld_p);
 }
-int64_t finish_rows_to_bfloat16(float* o, size_t ld_o, size_t rows, size_t cols, const float* l, bfloat16* out,
-                                size_t ld_out) {
+int64_t online_softmax_step(const float* s, size_t ld_s, size_t rows, const int64_t* count, size_t width,
+                            float scale, float* m, float* l, float* o, size_t ld_o, size_t o_cols, float* p,
+                            size_t ld_p) {
+  return HWY_DYNAMIC_DISPATCH(OnlineSoftmaxF32)(s, ld_s, rows, count, width, scale, m, l, o, ld_o, o_cols, p, ld_p);
+}
+int64_t finish_rows(float* o, size_t ld_o, size_t rows, size_t cols, const float* l, bfloat16* out, size_t ld_out) {
   return HWY_DYNAMIC_DISPATCH(FinishRowsBF16)(o, ld_o, rows, cols, l, reinterpret_cast<uint16_t*>(out), ld_out);
+}
+int64_t finish_rows(float* o, size_t ld_o, size_t rows, size_t cols, const float* l, float* out, size_t ld_out) {
+  return HWY_DYNAMIC_DISPATCH(FinishRowsF32)(o, ld_o, rows, cols, l, out, ld_out);
 }
 float finite_max_abs(const bfloat16* x, size_t n) {
   return HWY_DYNAMIC_DISPATCH(FiniteMaxAbsBF16)(reinterpret_cast<const uint16_t*>(x), n);

@@ -116,19 +116,24 @@ void narrow(const float* src, bfloat16* dst, size_t n);
 void widen(const float16* src, float* dst, size_t n);
 void narrow(const float* src, float16* dst, size_t n);
 
-// One online-softmax step over a block of score rows (the bfloat16 attention tiles): for each
-// row r with count[r] > 0 visible scores s[r][0, count[r]), m' = max(m[r], scale·max s),
-// p[r][j] = bfloat16(exp(scale·s[r][j] − m')) (0 from count[r] to width), l[r] = l[r]·e + Σ exp,
-// o[r][0, o_cols) *= e with e = exp(m[r] − m'), m[r] = m'. Returns -1, or the first row whose
+// One online-softmax step over a block of score rows (the attention tiles): for each row r with
+// count[r] > 0 visible scores s[r][0, count[r]), m' = max(m[r], scale·max s),
+// p[r][j] = exp(scale·s[r][j] − m') (float32, or rounded to bfloat16; 0 from count[r] to width),
+// l[r] = l[r]·e + Σ exp (taken before any rounding), o[r][0, o_cols) *= e with e = exp(m[r] − m'),
+// m[r] = m'. The float32 p may be s itself (ld_p = ld_s). Returns -1, or the first row whose
 // scaled maximum is not finite (the caller's error). One call per block, not per row: at short
 // sequences the per-row dispatch cost more than the arithmetic.
-int64_t online_softmax_to_bfloat16(const float* s, size_t ld_s, size_t rows, const int64_t* count, size_t width,
-                                   float scale, float* m, float* l, float* o, size_t ld_o, size_t o_cols,
-                                   bfloat16* p, size_t ld_p);
-// And the last step: out[r][0, cols) = bfloat16(o[r] / l[r]) (o scaled in place), zeros where
-// l[r] = 0 (the row saw no key). Returns -1, or the first row with a non-finite value.
-int64_t finish_rows_to_bfloat16(float* o, size_t ld_o, size_t rows, size_t cols, const float* l, bfloat16* out,
-                                size_t ld_out);
+int64_t online_softmax_step(const float* s, size_t ld_s, size_t rows, const int64_t* count, size_t width,
+                            float scale, float* m, float* l, float* o, size_t ld_o, size_t o_cols, bfloat16* p,
+                            size_t ld_p);
+int64_t online_softmax_step(const float* s, size_t ld_s, size_t rows, const int64_t* count, size_t width,
+                            float scale, float* m, float* l, float* o, size_t ld_o, size_t o_cols, float* p,
+                            size_t ld_p);
+// And the last step: out[r][0, cols) = o[r] / l[r] (o scaled in place; stored as float32 or
+// rounded to bfloat16), zeros where l[r] = 0 (the row saw no key). Returns -1, or the first row
+// with a non-finite value.
+int64_t finish_rows(float* o, size_t ld_o, size_t rows, size_t cols, const float* l, bfloat16* out, size_t ld_out);
+int64_t finish_rows(float* o, size_t ld_o, size_t rows, size_t cols, const float* l, float* out, size_t ld_out);
 
 // A register-only loop of fused multiply-adds on float vectors, what the benchmarks measure
 // the FMA peak with: `iterations` rounds of fma_loop_flops_per_iteration() FLOPs.

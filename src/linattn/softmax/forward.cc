@@ -4,8 +4,10 @@
 //   m' = max(m, rowmax S); P = exp(S − m'); l = l·exp(m − m') + rowsum P   (SIMD)
 //   O = O·exp(m − m') + P·V_blk        (BLAS, accumulating into the output rows)
 // then O /= l and lse = m + log l. Extra memory: one kBlockQ×kBlockK tile per worker.
+// This is the float64 path; float32 runs on linattn's own product kernels (forward_f32.cc).
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "linattn/core/attention_args.h"
 #include "linattn/core/error.h"
@@ -89,6 +91,7 @@ template <class T>
 SoftmaxAttentionResult<T> forward(TensorView<const T> q, TensorView<const T> k,
                                   TensorView<const T> v, const AttentionDims& d,
                                   const AttentionOptions& opts, double scale, bool as_workspace) {
+  if constexpr (std::is_same_v<T, float>) return forward_f32(q, k, v, d, opts, scale, as_workspace);
   SoftmaxAttentionResult<T> r{Tensor<T>({d.batch, d.heads, d.n_q, d.value_dim}, as_workspace),
                               Tensor<T>({d.batch, d.heads, d.n_q}, as_workspace)};
   const KeyMask mask(d, opts);

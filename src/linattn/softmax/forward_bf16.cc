@@ -211,7 +211,7 @@ void forward_rows(Bf16Engine engine, TensorView<const bfloat16> q, const bfloat1
     if (engine == Bf16Engine::avx512_bf16) dot_scores(w, keys, j0, bk32, rows, td);
     int64_t count[kRows];
     for (int64_t r = 0; r < kRows; ++r) count[r] = std::clamp<int64_t>(w.visible[r] - j0, 0, bk);
-    const int64_t bad = simd::online_softmax_to_bfloat16(w.s.data(), kKeys, kRows, count, static_cast<size_t>(bk32),
+    const int64_t bad = simd::online_softmax_step(w.s.data(), kKeys, kRows, count, static_cast<size_t>(bk32),
                                                          scale, w.m, w.l, w.o.data(), static_cast<size_t>(td.v_pad()),
                                                          static_cast<size_t>(d.value_dim), w.p.data(), kKeys);
     require(bad < 0, "softmax_attention: q·kᵀ·scale overflows at row ", i0 + bad, " of batch·head ", bh,
@@ -223,7 +223,7 @@ void forward_rows(Bf16Engine engine, TensorView<const bfloat16> q, const bfloat1
 #endif
     if (engine == Bf16Engine::avx512_bf16) dot_values(w, values, j0, bk32, rows, td);
   }
-  const int64_t bad = simd::finish_rows_to_bfloat16(w.o.data(), static_cast<size_t>(td.v_pad()), static_cast<size_t>(rows),
+  const int64_t bad = simd::finish_rows(w.o.data(), static_cast<size_t>(td.v_pad()), static_cast<size_t>(rows),
                                                     static_cast<size_t>(d.value_dim), w.l,
                                                     out + (bh * d.n_q + i0) * d.value_dim,
                                                     static_cast<size_t>(d.value_dim));

@@ -22,6 +22,12 @@ SoftmaxAttentionResult<T> forward(TensorView<const T> q, TensorView<const T> k,
                                   TensorView<const T> v, const AttentionDims& dims,
                                   const AttentionOptions& opts, double scale, bool as_workspace);
 
+// The float32 forward on linattn's own product kernels (forward_f32.cc), which forward<float>
+// runs; the BLAS-tiled forward (forward.cc) serves float64.
+SoftmaxAttentionResult<float> forward_f32(TensorView<const float> q, TensorView<const float> k,
+                                          TensorView<const float> v, const AttentionDims& dims,
+                                          const AttentionOptions& opts, double scale, bool as_workspace);
+
 // How a backward spreads one batch·head's keys over workers: one task per batch·head when there
 // are at least as many of them as workers, otherwise up to ⌈workers / batch·heads⌉ ranges of
 // whole `block`-key blocks each, every range with its own dQ sums, added at the end (no atomics).
