@@ -184,19 +184,28 @@ def cpu_line():
     return "%s, %d cores (%s)" % (model, os.cpu_count(), " ".join(shown))
 
 
-def markdown(exact, linear, wrapper, minilm, threads):
+def percent(gflop, seconds, peak):
+    return "%.0f%%" % (100 * gflop / seconds / peak) if peak > 0 else "-"
+
+
+def markdown(exact, linear, wrapper, minilm, threads, peaks):
     lines = ["Machine: %s; %d threads (linattn and torch); torch %s; %s; OPENBLAS_CORETYPE %s."
              % (cpu_line(), threads, torch.__version__, linattn.build_info(),
-                os.environ.get("OPENBLAS_CORETYPE", "unset")), "",
-             "**Exact attention** (ms; × is SDPA's time over linattn's, above 1 when linattn is faster):", "",
+                os.environ.get("OPENBLAS_CORETYPE", "unset")),
+             "Measured peaks (`linattn.measure_peak_rates`, %d threads): float32 FMA %.0f GFLOP/s, bfloat16 dot "
+             "product %.0f GFLOP/s." % (threads, peaks["float32_fma_gflops"], peaks["bfloat16_dot_gflops"]), "",
+             "**Exact attention** (ms; × is SDPA's time over linattn's, above 1 when linattn is faster; % peak: "
+             "linattn's GFLOP/s over the float32 FMA peak, and over the bfloat16 dot-product peak for bf16):", "",
              "| n | causal | pass | GFLOP | linattn fp32 | linattn bf16 | sdpa fp32 | sdpa bf16 | fp32: × sdpa | "
-             "bf16: × sdpa bf16 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "bf16: × sdpa bf16 | fp32 % peak | bf16 % peak |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in exact:
-        lines.append("| %d | %s | %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f |" % (
+        lines.append("| %d | %s | %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %s | %s |" % (
             r["n"], "yes" if r["causal"] else "no", r["pass"], r["gflop"], 1e3 * r["linattn float32"],
             1e3 * r["linattn bfloat16"], 1e3 * r["sdpa float32"], 1e3 * r["sdpa bfloat16"],
-            r["sdpa float32"] / r["linattn float32"], r["sdpa bfloat16"] / r["linattn bfloat16"]))
+            r["sdpa float32"] / r["linattn float32"], r["sdpa bfloat16"] / r["linattn bfloat16"],
+            percent(r["gflop"], r["linattn float32"], peaks["float32_fma_gflops"]),
+            percent(r["gflop"], r["linattn bfloat16"], peaks["bfloat16_dot_gflops"])))
     lines += ["", "**Linear methods in bfloat16** (ms; × is the float32 time over the bfloat16 time):", "",
               "| method | n | pass | float32 | bfloat16 | × |", "|---|---|---|---|---|---|"]
     for r in linear:
@@ -232,11 +241,13 @@ def main():
     torch.set_num_threads(a.threads)
     linattn.set_num_threads(a.threads)
     print(platform.node(), cpu_line(), linattn.build_info(), flush=True)
+    peaks = linattn.measure_peak_rates(a.threads)
+    print(peaks, flush=True)
     exact = exact_rows([int(x) for x in a.exact_n.split(",") if x])
     linear = linear_rows([int(x) for x in a.linear_n.split(",") if x])
     wrapper = wrapper_rows(a.wrapper_n) if a.wrapper_n else []
     minilm = minilm_rows([int(x) for x in a.minilm_n.split(",") if x])
-    text = markdown(exact, linear, wrapper, minilm, a.threads)
+    text = markdown(exact, linear, wrapper, minilm, a.threads, peaks)
     print(text)
     if a.docs:
         measured_section.write(a.docs, "bf16.py", text)

@@ -98,51 +98,6 @@ double sgemm_gflops(int threads, int n) {
   return 2.0 * n * n * static_cast<double>(n) / t.min_s * 1e-9;
 }
 
-namespace {
-// A register-only loop's rate on `threads` threads: one thread's iteration count calibrated to
-// ~0.2 s, then run on every worker at once; the best of 3 runs, in GFLOP/s.
-double loop_peak_gflops(int threads, float (*loop)(int64_t iterations, float seed), double flops_per_iteration) {
-  int64_t iterations = 1 << 20;
-  for (;;) {
-    const auto t0 = std::chrono::steady_clock::now();
-    volatile float sink = loop(iterations, 1.0f);
-    (void)sink;
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (s > 0.05 || iterations > (int64_t{1} << 34)) {
-      iterations = static_cast<int64_t>(static_cast<double>(iterations) * 0.2 / std::max(s, 1e-6));
-      break;
-    }
-    iterations *= 4;
-  }
-  const int saved = num_threads();
-  set_num_threads(threads);
-  double best = 0;
-  for (int run = 0; run < 3; ++run) {
-    const auto t0 = std::chrono::steady_clock::now();
-    parallel_for(threads, [&](int64_t task) {
-      volatile float sink = loop(iterations, 1.0f + static_cast<float>(task));
-      (void)sink;
-    });
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    best = std::max(best, static_cast<double>(threads) * static_cast<double>(iterations) * flops_per_iteration / s * 1e-9);
-  }
-  set_num_threads(saved);
-  return best;
-}
-}  // namespace
-
-double fma_peak_gflops(int threads) {
-  return loop_peak_gflops(
-      threads, [](int64_t iterations, float seed) { return simd::fma_loop(static_cast<size_t>(iterations), seed); },
-      static_cast<double>(simd::fma_loop_flops_per_iteration()));
-}
-
-double bf16_dot_peak_gflops(int threads) {
-  if (!avx512_bf16::usable()) return 0;
-  return loop_peak_gflops(threads, avx512_bf16::dot_loop,
-                          static_cast<double>(avx512_bf16::dot_loop_flops_per_iteration()));
-}
-
 std::string cpu_features() {
   unsigned a = 0, b = 0, c = 0, d = 0;
   std::string out;

@@ -22,12 +22,6 @@ Timing time_runs(const std::function<void()>& fn, int warmup = 1, int min_runs =
 // The float32 GEMM rate of the BLAS we link: the best of >= 10 runs of an n×n×n sgemm with
 // the BLAS using `threads` threads, in GFLOP/s (2·n³ FLOPs per product).
 double sgemm_gflops(int threads, int n = 2048);
-// The FMA peak of `threads` threads: each runs a register-only loop of vector FMAs
-// (simd::fma_loop) for about 0.2 s; the best of 3 runs, in GFLOP/s.
-double fma_peak_gflops(int threads);
-// The same for bfloat16 dot products (avx512_bf16::dot_loop, vdpbf16ps); 0 where the CPU has
-// no AVX512-BF16.
-double bf16_dot_peak_gflops(int threads);
 // The CPU's vector features that decide linattn's and the BLAS's paths: "avx2 fma avx512f
 // avx512_bf16 amx_bf16 ...", from cpuid.
 std::string cpu_features();

@@ -833,6 +833,20 @@ else [heads, s_proj, n_max]. Reproducible by seed.)doc");
         "Threads used by every kernel, 1..1024 (default: LINATTN_NUM_THREADS, else all cores).");
   m.def("get_num_threads", &linattn::num_threads);
   m.def("build_info", &linattn::build_info, "The BLAS (and its kernels) and SIMD target this build runs on.");
+  m.def("measure_peak_rates", [](std::optional<int> threads) {
+    const int t = threads.value_or(linattn::num_threads());
+    linattn::PeakRates r;
+    {
+      py::gil_scoped_release release;
+      r = linattn::measure_peak_rates(t);
+    }
+    return py::dict(py::arg("float32_fma_gflops") = r.float32_fma_gflops,
+                    py::arg("bfloat16_dot_gflops") = r.bfloat16_dot_gflops);
+  }, py::arg("threads") = py::none(),
+        R"doc(The measured arithmetic peak of `threads` threads (default: get_num_threads()), in GFLOP/s:
+{"float32_fma_gflops", "bfloat16_dot_gflops"} from register-only loops of float32 FMAs and of
+bfloat16 dot products (vdpbf16ps; 0.0 where the CPU has no AVX512-BF16), the best of 3 runs of
+about 0.2 s each. What the benchmarks' "% of peak" divides by. threads outside 1..1024: ValueError.)doc");
   m.def("workspace_stats", [] {
     const auto s = linattn::workspace_stats();
     return py::dict(py::arg("current_bytes") = s.current_bytes, py::arg("peak_bytes") = s.peak_bytes);

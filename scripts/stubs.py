@@ -34,8 +34,8 @@ def signature_line(fn, returns):
 def numpy_stub():
     out = [HEADER, "from typing import Any, Optional, Sequence, Union\n\nfrom numpy import ndarray\n\n",
            "from ._linattn import (\n"]
-    natives = ["RecurrentState", "build_info", "chi_quantile_radii", "get_num_threads", "linformer_projections",
-               "random_features", "recurrent_state", "reset_workspace_peak", "set_num_threads", "workspace_stats"]
+    # The package's own names that come straight from the extension module.
+    natives = sorted(n for n in linattn.__all__ if hasattr(linattn._linattn, n))
     out += ["    %s as %s,\n" % (n, n) for n in natives]
     out.append(")\n\n__version__: str\n__all__: list[str]\n\n")
     out.append("def methods() -> list[dict[str, Any]]: ...\n")

@@ -15,6 +15,7 @@
 #include "linattn/core/random.h"
 #include "linattn/core/simd.h"
 #include "linattn/core/tile_matmul.h"
+#include "linattn/linattn.h"
 #include "linattn/core/parallel.h"
 #include "test_util.h"
 
@@ -295,6 +296,25 @@ TEST(TileMatmul, MatchesFloat64OnEverySimdTarget) {
           }
   });
   EXPECT_GE(targets, 1);
+}
+
+// The benchmarks' denominators: positive rates, the bfloat16 one exactly where vdpbf16ps runs,
+// and a thread count outside [1, kMaxThreads] refused by name.
+TEST(PeakRates, ArePositiveAndCheckTheirThreadCount) {
+  const PeakRates r = measure_peak_rates(1);
+  EXPECT_GT(r.float32_fma_gflops, 0);
+  EXPECT_EQ(r.bfloat16_dot_gflops > 0, build_info().find("AVX512-BF16 (vdpbf16ps)") != std::string::npos);
+  for (int bad : {0, -3, kMaxThreads + 1})
+    EXPECT_THROW(
+        {
+          try {
+            (void)measure_peak_rates(bad);
+          } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find("measure_peak_rates: threads must be in [1, 1024]"), std::string::npos);
+            throw;
+          }
+        },
+        Error);
 }
 
 TEST(TileMatmul, BadArgumentsAreErrors) {

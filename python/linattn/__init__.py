@@ -16,6 +16,7 @@ from ._linattn import (
     chi_quantile_radii,
     get_num_threads,
     linformer_projections,
+    measure_peak_rates,
     random_features,
     recurrent_state,
     reset_workspace_peak,
@@ -130,7 +131,7 @@ def _make(info, backward):
 
 __all__ = [
     "RecurrentState", "build_info", "chi_quantile_radii", "get_num_threads", "linformer_projections",
-    "methods", "random_features", "recurrent_state", "reset_workspace_peak", "set_num_threads",
+    "measure_peak_rates", "methods", "random_features", "recurrent_state", "reset_workspace_peak", "set_num_threads",
     "workspace_stats",
 ]
 from ._hedgehog import hedgehog_attention, hedgehog_attention_backward, hedgehog_features  # noqa: E402

@@ -9,6 +9,7 @@ from ._linattn import (
     chi_quantile_radii as chi_quantile_radii,
     get_num_threads as get_num_threads,
     linformer_projections as linformer_projections,
+    measure_peak_rates as measure_peak_rates,
     random_features as random_features,
     recurrent_state as recurrent_state,
     reset_workspace_peak as reset_workspace_peak,

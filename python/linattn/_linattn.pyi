@@ -6,7 +6,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['RecurrentState', 'build_info', 'chi_quantile_radii', 'get_num_threads', 'linformer_projections', 'random_features', 'recurrent_state', 'reset_workspace_peak', 'set_num_threads', 'workspace_stats']
+__all__: list[str] = ['RecurrentState', 'build_info', 'chi_quantile_radii', 'get_num_threads', 'linformer_projections', 'measure_peak_rates', 'random_features', 'recurrent_state', 'reset_workspace_peak', 'set_num_threads', 'workspace_stats']
 class RecurrentState:
     """
     Constant-size decoding state; make one with recurrent_state().
@@ -64,6 +64,13 @@ def linformer_projections(s_proj: typing.SupportsInt | typing.SupportsIndex, n_m
     (e, f) initialised as fairseq's Linformer does: Xavier-uniform, gain 1/sqrt(2),
     i.e. uniform on (-a, a), a = sqrt(3 / (n_max + s_proj)). heads=None: shared [s_proj, n_max];
     else [heads, s_proj, n_max]. Reproducible by seed.
+    """
+def measure_peak_rates(threads: typing.SupportsInt | typing.SupportsIndex | None = None) -> dict:
+    """
+    The measured arithmetic peak of `threads` threads (default: get_num_threads()), in GFLOP/s:
+    {"float32_fma_gflops", "bfloat16_dot_gflops"} from register-only loops of float32 FMAs and of
+    bfloat16 dot products (vdpbf16ps; 0.0 where the CPU has no AVX512-BF16), the best of 3 runs of
+    about 0.2 s each. What the benchmarks' "% of peak" divides by. threads outside 1..1024: ValueError.
     """
 def random_features(num_features: typing.SupportsInt | typing.SupportsIndex, head_dim: typing.SupportsInt | typing.SupportsIndex, kind: str = 'orthogonal', seed: typing.SupportsInt | typing.SupportsIndex = 0, dtype: numpy.typing.DTypeLike = ...) -> numpy.ndarray:
     """

@@ -220,6 +220,17 @@ def test_set_num_threads_is_capped():
         linattn.set_num_threads(100000)
 
 
+def test_measure_peak_rates_reports_positive_rates_and_refuses_bad_thread_counts():
+    r = linattn.measure_peak_rates(1)
+    assert set(r) == {"float32_fma_gflops", "bfloat16_dot_gflops"}
+    assert r["float32_fma_gflops"] > 0
+    # The bfloat16 rate is measured exactly where the bfloat16 products run (build_info names them).
+    assert (r["bfloat16_dot_gflops"] > 0) == ("AVX512-BF16 (vdpbf16ps)" in linattn.build_info())
+    for bad in (0, -1, 1025):
+        with pytest.raises(ValueError, match="measure_peak_rates: threads must be in"):
+            linattn.measure_peak_rates(bad)
+
+
 def test_a_decoding_state_used_from_two_threads_is_refused_not_corrupted():
     d = 16
     state = linattn.recurrent_state(1, 4, d, d, feature_map="elu")

@@ -144,8 +144,7 @@ std::vector<Method> selected_methods(const std::string& filter,
 }
 
 // The bfloat16 dot-product peak (vdpbf16ps), which the bfloat16 exact attention runs on.
-std::string bf16_peak_text() {
-  const double p = linattn::bench::bf16_dot_peak_gflops(linattn::num_threads());
+std::string bf16_peak_text(double p) {
   if (p == 0) return "no bfloat16 dot-product peak (no AVX512-BF16)";
   char buf[96];
   std::snprintf(buf, sizeof buf, "bfloat16 dot-product peak (vdpbf16ps loop): %.1f GFLOP/s", p);
@@ -156,12 +155,13 @@ int demo(const Args& a) {
   Problem p = a.problem;
   p.n = 4096;
   const double gemm = linattn::bench::sgemm_gflops(linattn::num_threads());
-  const double peak = linattn::bench::fma_peak_gflops(linattn::num_threads());
+  const linattn::PeakRates peaks = linattn::measure_peak_rates(linattn::num_threads());
+  const double peak = peaks.float32_fma_gflops;
   std::printf("linattn demo: B=%lld H=%lld n=%lld d=%lld float32, random N(0,1) inputs\n",
               (long long)p.batch, (long long)p.heads, (long long)p.n, (long long)p.head_dim);
   std::printf("machine: %s\n", linattn::bench::machine_summary().c_str());
   std::printf("measured sgemm rate: %.1f GFLOP/s; FMA peak (register-only loop): %.1f GFLOP/s; %s\n\n", gemm, peak,
-              bf16_peak_text().c_str());
+              bf16_peak_text(peaks.bfloat16_dot_gflops).c_str());
   std::printf("%-28s %10s %9s %8s %7s %13s %13s %11s %11s\n", "method", "time (ms)", "GFLOP/s",
               "% sgemm", "% peak", "extra (wksp)", "extra (RSS)", "err vs own", "vs softmax");
   const auto in = linattn::bench::make_inputs(p);
@@ -280,7 +280,8 @@ int bench(const Args& a) {
   }
   const auto methods = selected_methods(a.methods, a.sizes);
   const double gemm = linattn::bench::sgemm_gflops(linattn::num_threads());
-  const double peak = linattn::bench::fma_peak_gflops(linattn::num_threads());
+  const linattn::PeakRates peaks = linattn::measure_peak_rates(linattn::num_threads());
+  const double peak = peaks.float32_fma_gflops;
   const std::string python = linattn::bench::python(), bench_dir = linattn::bench::scripts_dir();
   const linattn::bench::TorchCheck torch =
       a.torch ? linattn::bench::check_torch(python) : linattn::bench::TorchCheck{"", "--no-torch"};
@@ -289,7 +290,7 @@ int bench(const Args& a) {
               (long long)a.problem.batch, (long long)a.problem.heads,
               (long long)a.problem.head_dim, linattn::bench::machine_summary().c_str());
   std::printf("measured sgemm rate (2048^3, %d threads): %.1f GFLOP/s; FMA peak (register-only loop): %.1f GFLOP/s; %s\n",
-              linattn::num_threads(), gemm, peak, bf16_peak_text().c_str());
+              linattn::num_threads(), gemm, peak, bf16_peak_text(peaks.bfloat16_dot_gflops).c_str());
   if (no_torch.empty())
     std::printf("peers: the same inputs through torch sdpa, performer-pytorch, nystrom-attention, linformer "
                 "and plain PyTorch (bench/torch_bench.py), torch %s, torch.set_num_threads(%d), "
