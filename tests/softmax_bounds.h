@@ -33,9 +33,9 @@ struct SoftmaxExact {
   Tensor<double> out_bound, lse_bound, dq_bound, dk_bound, dv_bound;  // for arithmetic in T
 };
 
-// roundings_per_product: 1 where the forward's products are fused multiply-adds (the BLAS,
-// tile_matmul on AVX2 and AVX-512), 2 where each step multiplies and adds separately
-// (tile_matmul on SSE4 and below): the forward's sums then count twice their length in γ.
+// roundings_per_product: 1 where the products are fused multiply-adds (the BLAS, tile_matmul on
+// AVX2 and AVX-512), 2 where each step multiplies and adds separately (tile_matmul on SSE4 and
+// below): every sum of products then counts twice its length in γ.
 template <class T>
 SoftmaxExact softmax_exact_with_bounds(const Tensor<double>& q, const Tensor<double>& k,
                                        const Tensor<double>& v, const Tensor<double>& dout,
@@ -95,7 +95,7 @@ SoftmaxExact softmax_exact_with_bounds(const Tensor<double>& q, const Tensor<dou
         double delta = 0, delta_err = 0;
         for (int64_t c = 0; c < dv; ++c) {
           delta += go[c] * o[c];
-          delta_err += gamma<T>(dv) * std::abs(go[c] * o[c]) + std::abs(go[c]) * out_err;
+          delta_err += gamma<T>(roundings_per_product * dv) * std::abs(go[c] * o[c]) + std::abs(go[c]) * out_err;
         }
         for (int64_t j = 0; j < n; ++j) {
           double dpj = 0, dp_err = 0;
@@ -103,7 +103,7 @@ SoftmaxExact softmax_exact_with_bounds(const Tensor<double>& q, const Tensor<dou
             dpj += go[c] * row(v, j)[c];
             dp_err += std::abs(go[c] * row(v, j)[c]);
           }
-          dp_err *= gamma<T>(dv);
+          dp_err *= gamma<T>(roundings_per_product * dv);
           ds[j] = p[j] * (dpj - delta);
           eds[j] = eta_b * p[j] * std::abs(dpj - delta) + p[j] * (dp_err + delta_err) +
                    2 * u * std::abs(ds[j]);
@@ -112,14 +112,14 @@ SoftmaxExact softmax_exact_with_bounds(const Tensor<double>& q, const Tensor<dou
           for (int64_t c = 0; c < d; ++c) {
             wrow(r.dq, i)[c] += scale * ds[j] * row(k, j)[c];
             wrow(r.dq_bound, i)[c] +=
-                std::abs(scale) * (eds[j] + gamma<T>(nk + 1) * std::abs(ds[j])) * std::abs(row(k, j)[c]);
+                std::abs(scale) * (eds[j] + gamma<T>(roundings_per_product * nk + 1) * std::abs(ds[j])) * std::abs(row(k, j)[c]);
             wrow(r.dk, j)[c] += scale * ds[j] * row(q, i)[c];
             wrow(r.dk_bound, j)[c] +=
-                std::abs(scale) * (eds[j] + gamma<T>(nq + 1) * std::abs(ds[j])) * std::abs(row(q, i)[c]);
+                std::abs(scale) * (eds[j] + gamma<T>(roundings_per_product * nq + 1) * std::abs(ds[j])) * std::abs(row(q, i)[c]);
           }
           for (int64_t c = 0; c < dv; ++c) {
             wrow(r.dv, j)[c] += p[j] * go[c];
-            wrow(r.dv_bound, j)[c] += (eta_b + gamma<T>(nq + 1)) * p[j] * std::abs(go[c]);
+            wrow(r.dv_bound, j)[c] += (eta_b + gamma<T>(roundings_per_product * nq + 1)) * p[j] * std::abs(go[c]);
           }
         }
       }

@@ -209,31 +209,40 @@ TEST(SoftmaxBackward, RecomputingOverloadMatchesSavedOverload) {
   for (int64_t i = 0; i < a.dv.size(); ++i) ASSERT_EQ(a.dv[i], b.dv[i]);
 }
 
-// The float32 forward (forward_f32.cc) on every SIMD target this CPU runs (AVX-512, AVX2,
-// SSE4, ...): the same bounds, at sizes that end inside a register block, a key panel, a key
-// block and a query block (kRows 48, kKeys 256, kPanel 64), d_v both a multiple of 16 (V read
-// in place) and not (V copied, padded), and every mask.
-TEST(SoftmaxForward, Float32MatchesTheBoundOnEverySimdTarget) {
+// The float32 forward and backward (forward_f32.cc, backward_f32.cc) on every SIMD target this
+// CPU runs (AVX-512, AVX2, SSE4, ...): the same bounds, at sizes that end inside a register
+// block, a key panel, a key block and a query block (forward: kRows 48, kKeys 256, kPanel 64;
+// backward: 128 × 128 blocks), d and d_v both multiples of 16 (K, V read in place) and not
+// (copied, padded), and every mask; 3 threads against batch·heads 6, so keys are not split, and
+// 8 threads below, where they are.
+TEST(SoftmaxFloat32, MatchesTheBoundOnEverySimdTarget) {
   const int64_t B = 3, H = 2;
   uint64_t seed = 900;
   testing::for_each_simd_target([&](int64_t target) {
-    for (const Case c : {Case{53, 301, 24, 24}, Case{97, 259, 64, 96}, Case{5, 70, 8, 16}})
+    for (const Case c : {Case{53, 301, 24, 24}, Case{97, 259, 64, 96}, Case{5, 70, 8, 16}, Case{140, 270, 32, 40}})
       for (Mask m : {Mask::None, Mask::Causal, Mask::KeyLengths, Mask::CausalKeyLengths}) {
         SCOPED_TRACE(::testing::Message() << "mask=" << mask_name(m) << " n_q=" << c.n_q << " n_k=" << c.n_k
                                           << " d=" << c.d << " dv=" << c.dv);
         const auto q = cast<float>(random_tensor<double>({B, H, c.n_q, c.d}, seed++));
         const auto k = cast<float>(random_tensor<double>({B, H, c.n_k, c.d}, seed++));
         const auto v = cast<float>(random_tensor<double>({B, H, c.n_k, c.dv}, seed++));
-        const auto dout = random_tensor<double>({B, H, c.n_q, c.dv}, seed++);
+        const auto dout = cast<double>(cast<float>(random_tensor<double>({B, H, c.n_q, c.dv}, seed++)));
         const AttentionOptions opts = options_for(m, B, c.n_k, seed);
         const auto exact = testing::softmax_exact_with_bounds<float>(
             cast<double>(q), cast<double>(k), cast<double>(v), dout, opts, testing::simd_target_fuses(target) ? 1 : 2);
-        ScopedThreads scope(3);
-        const auto f = softmax_attention<float>(q, k, v, opts);
-        expect_within(f.out, exact.out, exact.out_bound, "out");
-        for (int64_t i = 0; i < f.lse.size(); ++i) {
-          if (std::isinf(exact.lse[i])) ASSERT_EQ(f.lse[i], -std::numeric_limits<float>::infinity()) << i;
-          else ASSERT_NEAR(f.lse[i], exact.lse[i], exact.lse_bound[i]) << "lse[" << i << "]";
+        for (int threads : {3, 8}) {
+          SCOPED_TRACE(::testing::Message() << "threads=" << threads);
+          ScopedThreads scope(threads);
+          const auto f = softmax_attention<float>(q, k, v, opts);
+          expect_within(f.out, exact.out, exact.out_bound, "out");
+          for (int64_t i = 0; i < f.lse.size(); ++i) {
+            if (std::isinf(exact.lse[i])) ASSERT_EQ(f.lse[i], -std::numeric_limits<float>::infinity()) << i;
+            else ASSERT_NEAR(f.lse[i], exact.lse[i], exact.lse_bound[i]) << "lse[" << i << "]";
+          }
+          const auto g = softmax_attention_backward<float>(q, k, v, cast<float>(dout), f.out, f.lse, opts);
+          expect_within(g.dq, exact.dq, exact.dq_bound, "dq");
+          expect_within(g.dk, exact.dk, exact.dk_bound, "dk");
+          expect_within(g.dv, exact.dv, exact.dv_bound, "dv");
         }
       }
   });
@@ -241,8 +250,8 @@ TEST(SoftmaxForward, Float32MatchesTheBoundOnEverySimdTarget) {
 
 // The scale is folded into q before the product; a negative scale must still pick each row's
 // largest score, and where scale·q could overflow (|q| near 1e36 with |scale| = 4: past 2^120)
-// the forward applies a power of two of the scale after the product instead. Both within the
-// bounds, float32.
+// the forward and backward apply a power of two of the scale after the product instead. Both
+// within the bounds, float32, forward and backward.
 TEST(SoftmaxForward, NegativeAndLargeScalesMatchTheBound) {
   struct ScaleCase {
     double q_factor, k_factor, scale;
@@ -257,11 +266,16 @@ TEST(SoftmaxForward, NegativeAndLargeScalesMatchTheBound) {
     for (Mask m : {Mask::None, Mask::Causal}) {
       AttentionOptions opts = options_for(m, 2, 90, seed);
       opts.scale = sc.scale;
+      const auto dout = cast<float>(random_tensor<double>({2, 2, 70, 16}, seed));
       const auto exact = testing::softmax_exact_with_bounds<float>(cast<double>(q), cast<double>(k), cast<double>(v),
-                                                                   random_tensor<double>({2, 2, 70, 16}, seed), opts);
+                                                                   cast<double>(dout), opts);
       const auto f = softmax_attention<float>(q, k, v, opts);
       expect_within(f.out, exact.out, exact.out_bound, "out");
       for (int64_t i = 0; i < f.lse.size(); ++i) ASSERT_NEAR(f.lse[i], exact.lse[i], exact.lse_bound[i]) << i;
+      const auto g = softmax_attention_backward<float>(q, k, v, dout, f.out, f.lse, opts);
+      expect_within(g.dq, exact.dq, exact.dq_bound, "dq");
+      expect_within(g.dk, exact.dk, exact.dk_bound, "dk");
+      expect_within(g.dv, exact.dv, exact.dv_bound, "dv");
     }
   }
 }
@@ -345,7 +359,7 @@ TEST(SoftmaxMask, RowsWithoutKeysGetZeros) {
 }
 
 // Extra memory is O(n·d): the float32 forward packs a copy of k (forward_f32.cc) beside fixed
-// per-worker tiles; the backward adds O(n) rows.
+// per-worker tiles; the backward copies its operands once (backward_f32.cc).
 TEST(SoftmaxMemory, WorkspaceGrowsLinearly) {
   auto workspace = [](int64_t n, bool backward) {
     const auto q = random_tensor<float>({1, 2, n, 64}, 1), k = random_tensor<float>({1, 2, n, 64}, 2),
@@ -365,10 +379,12 @@ TEST(SoftmaxMemory, WorkspaceGrowsLinearly) {
     // Forward: the packed keys (n·d floats per batch·head, n a multiple of 64 here) and tiles
     // independent of n.
     EXPECT_EQ(workspace(4096, false) - workspace(512, false), int64_t{(4096 - 512) * 64 * 2 * 4});
-    // Backward: affine in n, far below one n×n score matrix (4096² floats = 64 MiB).
+    // Backward: affine in n, per batch·head and position the copies of backward_f32.cc (q, qᵀ,
+    // doutᵀ: 2d + d_v; kᵀ, vᵀ: d + d_v), the dQ sums (d) and δ (1) floats, beside per-worker tiles
+    // under 1 MiB: 12.6 MiB at n = 4096, a fifth of one n×n score matrix (64 MiB).
     const int64_t a = workspace(1024, true), b = workspace(2048, true), c = workspace(4096, true);
     EXPECT_EQ(c - b, 2 * (b - a));
-    EXPECT_LT(c, 4096 * 4096 * 4 / 16);
+    EXPECT_LE(c, int64_t{2} * 4096 * (3 * 64 + 2 * 64 + 64 + 1) * 4 + (1 << 20));
   }
 }
 

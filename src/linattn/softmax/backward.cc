@@ -8,8 +8,10 @@
 // Each task owns its keys' dK, dV rows. dQ is owned per (batch·head) when there are at least
 // as many (batch·head) as workers; otherwise key ranges are split across workers, each with
 // its own dQ partial, summed at the end. No atomics either way.
+// This is the float64 path; float32 runs on linattn's own product kernels (backward_f32.cc).
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "linattn/core/attention_args.h"
 #include "linattn/core/error.h"
@@ -90,6 +92,7 @@ AttentionGrads<T> backward(TensorView<const T> q, TensorView<const T> k, TensorV
                            TensorView<const T> dout, TensorView<const T> out,
                            TensorView<const T> lse, const AttentionDims& d,
                            const AttentionOptions& opts, double scale) {
+  if constexpr (std::is_same_v<T, float>) return softmax_detail::backward_f32(q, k, v, dout, out, lse, d, opts, scale);
   AttentionGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape), {}};
   if (d.bh() == 0) return g;
   const KeyMask mask(d, opts);

@@ -101,16 +101,8 @@ SoftmaxAttentionResult<float> forward_f32(TensorView<const float> q, TensorView<
       Tensor<float>({d.batch, d.heads, d.n_q, d.value_dim}, as_workspace, Init::Uninitialized),
       Tensor<float>({d.batch, d.heads, d.n_q}, as_workspace, Init::Uninitialized)};
   const KeyMask mask(d, opts);
-  Layout lay{round_up(d.n_k, kPanel), round_up(d.value_dim, 16), v.data, d.value_dim, static_cast<float>(scale), 1};
-  // Scaling q first keeps q·kᵀ from overflowing before a small scale shrinks it. Where scale·q
-  // itself could overflow (|scale| > 1 with |q| near the float32 limit), a power of two 2^e > 0
-  // of the scale is applied to S in the softmax instead: exact, and the row maxima keep their
-  // rows (a negative factor after the product would turn them into minima).
-  if (d.q_max * std::abs(scale) > 0x1p120) {
-    const int e = static_cast<int>(std::ceil(std::log2(d.q_max * std::abs(scale)))) - 120;
-    lay.post = std::ldexp(1.0f, e);
-    lay.pre = static_cast<float>(std::ldexp(scale, -e));
-  }
+  const ScaleSplit split(d, scale);
+  Layout lay{round_up(d.n_k, kPanel), round_up(d.value_dim, 16), v.data, d.value_dim, split.pre, split.post};
 
   // Kᵀ in panels: panel t holds keys [t·kPanel, (t+1)·kPanel) as a d × kPanel row-major matrix.
   // Keys past a batch item's key_lengths are never read (they may hold anything, NaN included);

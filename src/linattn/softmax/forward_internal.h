@@ -2,6 +2,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 
 #include "linattn/core/attention_args.h"
@@ -27,6 +28,30 @@ SoftmaxAttentionResult<T> forward(TensorView<const T> q, TensorView<const T> k,
 SoftmaxAttentionResult<float> forward_f32(TensorView<const float> q, TensorView<const float> k,
                                           TensorView<const float> v, const AttentionDims& dims,
                                           const AttentionOptions& opts, double scale, bool as_workspace);
+
+// The float32 backward on linattn's own product kernels (backward_f32.cc), which the float32
+// backward runs from the forward's out and lse; the BLAS-tiled backward (backward.cc) serves
+// float64.
+AttentionGrads<float> backward_f32(TensorView<const float> q, TensorView<const float> k, TensorView<const float> v,
+                                   TensorView<const float> dout, TensorView<const float> out,
+                                   TensorView<const float> lse, const AttentionDims& dims, const AttentionOptions& opts,
+                                   double scale);
+
+// How the float32 kernels apply the scale: scale = pre·post, q multiplied by pre before the
+// products and the products by post after. pre = scale, post = 1 (scaling q first keeps q·kᵀ from
+// overflowing before a small scale shrinks it), unless pre·q could overflow (|q|·|scale| past
+// 2^120, |scale| > 1 with |q| near the float32 limit): then post is a power of two 2^e > 0 (exact,
+// and the row maxima keep their rows, which a negative factor after the product would not).
+struct ScaleSplit {
+  float pre = 1, post = 1;
+  ScaleSplit(const AttentionDims& d, double scale) : pre(static_cast<float>(scale)) {
+    if (d.q_max * std::abs(scale) > 0x1p120) {
+      const int e = static_cast<int>(std::ceil(std::log2(d.q_max * std::abs(scale)))) - 120;
+      post = std::ldexp(1.0f, e);
+      pre = static_cast<float>(std::ldexp(scale, -e));
+    }
+  }
+};
 
 // How a backward spreads one batch·head's keys over workers: one task per batch·head when there
 // are at least as many of them as workers, otherwise up to ⌈workers / batch·heads⌉ ranges of
