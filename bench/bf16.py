@@ -191,7 +191,7 @@ def percent(gflop, seconds, peak):
 def markdown(exact, linear, wrapper, minilm, threads, peaks):
     lines = ["Machine: %s; %d threads (linattn and torch); torch %s; %s; OPENBLAS_CORETYPE %s."
              % (cpu_line(), threads, torch.__version__, linattn.build_info(),
-                os.environ.get("OPENBLAS_CORETYPE", "unset")),
+                os.environ.get("OPENBLAS_CORETYPE", "unset")), "",
              "Measured peaks (`linattn.measure_peak_rates`, %d threads): float32 FMA %.0f GFLOP/s, bfloat16 dot "
              "product %.0f GFLOP/s." % (threads, peaks["float32_fma_gflops"], peaks["bfloat16_dot_gflops"]), "",
              "**Exact attention** (ms; × is SDPA's time over linattn's, above 1 when linattn is faster; % peak: "

@@ -3,7 +3,7 @@
 // OPENBLAS_CORETYPE, so the same binary ran exact attention at 61% of the FMA peak as users
 // run it and at 40% under the Haswell override these machines set; it also packs both
 // operands again on every call, and attention makes thousands of small calls with the same
-// keys. These kernels read B as it is laid out once per call (docs/design.md, "Own kernels").
+// keys. These kernels read B as it is laid out once per call (docs/design.md, "Own float32 kernels, by measurement").
 #pragma once
 
 #include <cstdint>
