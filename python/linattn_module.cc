@@ -852,4 +852,8 @@ about 0.2 s each. What the benchmarks' "% of peak" divides by. threads outside 1
     return py::dict(py::arg("current_bytes") = s.current_bytes, py::arg("peak_bytes") = s.peak_bytes);
   }, "Scratch memory the library holds now and at its peak since reset_workspace_peak().");
   m.def("reset_workspace_peak", &linattn::reset_workspace_peak);
+  m.def("release_cached_memory", [] { return linattn::release_cached_memory(); },
+        R"doc(Give back to the OS the freed blocks of 1 MiB and more that the library keeps for its next
+calls (at most 16 blocks, 256 MiB in all; reusing them skips the page faults and zeroing of fresh
+memory). Returns the bytes given back.)doc");
 }

@@ -507,6 +507,55 @@ TEST(Memory, LargeBuffersAreHugePageAligned) {
   EXPECT_EQ(reinterpret_cast<uintptr_t>(small.data()) % kAlignment, 0u);
 }
 
+// Freed blocks of 1 MiB and more are kept and handed out again (memory.cc): the same block
+// comes back, zeroed again when Init::Zero asks; smaller ones and blocks past 256 MiB are not
+// kept; at most 16 blocks; release_cached_memory() returns what it gave back, then 0; a cached
+// block is never handed to a request that needs a larger alignment. Alloc/free from several
+// threads at once leaves the cache consistent.
+TEST(Memory, LargeFreedBlocksAreReusedAndReleased) {
+#ifdef LINATTN_SANITIZED
+  GTEST_SKIP() << "no block cache under the sanitizers (memory.cc)";
+#endif
+  (void)release_cached_memory();
+  float* first = nullptr;
+  {
+    Buffer<float> a(int64_t{1} << 20, false, Init::Uninitialized);  // 4 MiB
+    for (int64_t i = 0; i < a.size(); ++i) a[i] = 7.f;
+    first = a.data();
+  }
+  {
+    Buffer<float> b(int64_t{1} << 20, false, Init::Zero);
+    EXPECT_EQ(b.data(), first);
+    for (int64_t i = 0; i < b.size(); i += 4097) ASSERT_EQ(b[i], 0.f) << i;
+  }
+  EXPECT_EQ(release_cached_memory(), size_t{4} << 20);
+  EXPECT_EQ(release_cached_memory(), 0u);
+  { Buffer<float> small(1000, false); }
+  EXPECT_EQ(release_cached_memory(), 0u);
+  { Buffer<char> huge(int64_t{300} << 20, false, Init::Uninitialized); }
+  EXPECT_EQ(release_cached_memory(), 0u);
+  {
+    std::vector<Buffer<float>> many;
+    for (int i = 0; i < 20; ++i) many.emplace_back(int64_t{1} << 19, false, Init::Uninitialized);  // 2 MiB each
+  }
+  EXPECT_EQ(release_cached_memory(), size_t{16} << 21);
+  {  // 8 MiB minus 1 KiB rounds to 8 MiB on 64 bytes; an 8 MiB request needs 2 MiB alignment
+    Buffer<char> a((int64_t{8} << 20) - 1024, false, Init::Uninitialized);
+  }
+  {
+    Buffer<char> b(int64_t{8} << 20, false, Init::Uninitialized);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(b.data()) % (uintptr_t{2} << 20), 0u);
+  }
+  (void)release_cached_memory();
+  parallel_for(64, [](int64_t t) {
+    Buffer<float> x((int64_t{1} << 18) + t * 1000, false, Init::Zero);
+    x[x.size() - 1] = 1.f;
+  });
+  const size_t kept = release_cached_memory();
+  EXPECT_LE(kept, size_t{16} * ((size_t{1} << 20) + 64 * 4000 + (size_t{64} << 10)));
+  EXPECT_EQ(release_cached_memory(), 0u);
+}
+
 TEST(Memory, WorkspaceIsCountedAndReleased) {
   const int64_t before = workspace_stats().current_bytes;
   reset_workspace_peak();

@@ -19,6 +19,7 @@ from ._linattn import (
     measure_peak_rates,
     random_features,
     recurrent_state,
+    release_cached_memory,
     reset_workspace_peak,
     set_num_threads,
     workspace_stats,
@@ -131,7 +132,7 @@ def _make(info, backward):
 
 __all__ = [
     "RecurrentState", "build_info", "chi_quantile_radii", "get_num_threads", "linformer_projections",
-    "measure_peak_rates", "methods", "random_features", "recurrent_state", "reset_workspace_peak", "set_num_threads",
+    "measure_peak_rates", "methods", "random_features", "recurrent_state", "release_cached_memory", "reset_workspace_peak", "set_num_threads",
     "workspace_stats",
 ]
 from ._hedgehog import hedgehog_attention, hedgehog_attention_backward, hedgehog_features  # noqa: E402

@@ -12,6 +12,7 @@ from ._linattn import (
     measure_peak_rates as measure_peak_rates,
     random_features as random_features,
     recurrent_state as recurrent_state,
+    release_cached_memory as release_cached_memory,
     reset_workspace_peak as reset_workspace_peak,
     set_num_threads as set_num_threads,
     workspace_stats as workspace_stats,

@@ -6,7 +6,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['RecurrentState', 'build_info', 'chi_quantile_radii', 'get_num_threads', 'linformer_projections', 'measure_peak_rates', 'random_features', 'recurrent_state', 'reset_workspace_peak', 'set_num_threads', 'workspace_stats']
+__all__: list[str] = ['RecurrentState', 'build_info', 'chi_quantile_radii', 'get_num_threads', 'linformer_projections', 'measure_peak_rates', 'random_features', 'recurrent_state', 'release_cached_memory', 'reset_workspace_peak', 'set_num_threads', 'workspace_stats']
 class RecurrentState:
     """
     Constant-size decoding state; make one with recurrent_state().
@@ -87,6 +87,12 @@ def recurrent_state(batch: typing.SupportsInt | typing.SupportsIndex, heads: typ
     dtype: float32 or float64 (default: the projection's, else float32). Step outputs equal the
     causal outputs of linear_attention / favor_attention over the same tokens. A state holds one
     batch of sequences: using it from two threads at once raises ValueError (copy() it instead).
+    """
+def release_cached_memory() -> int:
+    """
+    Give back to the OS the freed blocks of 1 MiB and more that the library keeps for its next
+    calls (at most 16 blocks, 256 MiB in all; reusing them skips the page faults and zeroing of fresh
+    memory). Returns the bytes given back.
     """
 def reset_workspace_peak() -> None:
     ...
