@@ -2,7 +2,9 @@
 // (float64) result, derived from the arithmetic, element by element.
 //
 // With u the unit roundoff of T and γ_n = n·u/(1−n·u):
-//  scores   |δs_ij| ≤ γ_{d+1}·scale·Σ_c|q_ic||k_jc|  (dot product, then the scale);
+//  scores   |δs_ij| ≤ γ_{d+2}·scale·Σ_c|q_ic||k_jc|  (the scale rounded to T, a dot product of d
+//           terms and one multiply by the scale, before or after it; a dot product is within γ_d
+//           with or without fused multiply-adds, Higham §3.1);
 //           δs_i = max over visible j.
 //  weights  p_ij = exp(s_ij − m_i) with s and m both perturbed, exp within 1 ulp, stored in
 //           T: relative error η_i ≤ 2·δs_i + 4u.
@@ -33,13 +35,10 @@ struct SoftmaxExact {
   Tensor<double> out_bound, lse_bound, dq_bound, dk_bound, dv_bound;  // for arithmetic in T
 };
 
-// roundings_per_product: 1 where the products are fused multiply-adds (the BLAS, tile_matmul on
-// AVX2 and AVX-512), 2 where each step multiplies and adds separately (tile_matmul on SSE4 and
-// below): every sum of products then counts twice its length in γ.
 template <class T>
 SoftmaxExact softmax_exact_with_bounds(const Tensor<double>& q, const Tensor<double>& k,
                                        const Tensor<double>& v, const Tensor<double>& dout,
-                                       const AttentionOptions& opts, int roundings_per_product = 1) {
+                                       const AttentionOptions& opts) {
   const int64_t B = q.dim(0), H = q.dim(1), nq = q.dim(2), nk = k.dim(2), d = q.dim(3),
                 dv = v.dim(3);
   const double u = unit_roundoff<T>();
@@ -73,14 +72,14 @@ SoftmaxExact softmax_exact_with_bounds(const Tensor<double>& q, const Tensor<dou
           }
           s[j] = dot * scale;
           mx = std::max(mx, s[j]);
-          ds_max = std::max(ds_max, gamma<T>(roundings_per_product * d + 1) * std::abs(scale) * absdot);
+          ds_max = std::max(ds_max, gamma<T>(d + 2) * std::abs(scale) * absdot);
           for (int64_t c = 0; c < dv; ++c) vmax = std::max(vmax, std::abs(row(v, j)[c]));
         }
         double sum = 0;
         for (int64_t j = 0; j < n; ++j) sum += std::exp(s[j] - mx);
         lse = mx + std::log(sum);
         const double eta = 2 * ds_max + 4 * u;
-        const double g_n = gamma<T>(roundings_per_product * n + 16);
+        const double g_n = gamma<T>(n + 16);
         const double out_err = (2 * eta + g_n) * vmax;
         r.lse_bound[bh * nq + i] = eta + g_n + u * std::abs(lse);
         double* o = wrow(r.out, i);
@@ -95,7 +94,7 @@ SoftmaxExact softmax_exact_with_bounds(const Tensor<double>& q, const Tensor<dou
         double delta = 0, delta_err = 0;
         for (int64_t c = 0; c < dv; ++c) {
           delta += go[c] * o[c];
-          delta_err += gamma<T>(roundings_per_product * dv) * std::abs(go[c] * o[c]) + std::abs(go[c]) * out_err;
+          delta_err += gamma<T>(dv) * std::abs(go[c] * o[c]) + std::abs(go[c]) * out_err;
         }
         for (int64_t j = 0; j < n; ++j) {
           double dpj = 0, dp_err = 0;
@@ -103,7 +102,7 @@ SoftmaxExact softmax_exact_with_bounds(const Tensor<double>& q, const Tensor<dou
             dpj += go[c] * row(v, j)[c];
             dp_err += std::abs(go[c] * row(v, j)[c]);
           }
-          dp_err *= gamma<T>(roundings_per_product * dv);
+          dp_err *= gamma<T>(dv);
           ds[j] = p[j] * (dpj - delta);
           eds[j] = eta_b * p[j] * std::abs(dpj - delta) + p[j] * (dp_err + delta_err) +
                    2 * u * std::abs(ds[j]);
@@ -112,14 +111,14 @@ SoftmaxExact softmax_exact_with_bounds(const Tensor<double>& q, const Tensor<dou
           for (int64_t c = 0; c < d; ++c) {
             wrow(r.dq, i)[c] += scale * ds[j] * row(k, j)[c];
             wrow(r.dq_bound, i)[c] +=
-                std::abs(scale) * (eds[j] + gamma<T>(roundings_per_product * nk + 1) * std::abs(ds[j])) * std::abs(row(k, j)[c]);
+                std::abs(scale) * (eds[j] + gamma<T>(nk + 1) * std::abs(ds[j])) * std::abs(row(k, j)[c]);
             wrow(r.dk, j)[c] += scale * ds[j] * row(q, i)[c];
             wrow(r.dk_bound, j)[c] +=
-                std::abs(scale) * (eds[j] + gamma<T>(roundings_per_product * nq + 1) * std::abs(ds[j])) * std::abs(row(q, i)[c]);
+                std::abs(scale) * (eds[j] + gamma<T>(nq + 1) * std::abs(ds[j])) * std::abs(row(q, i)[c]);
           }
           for (int64_t c = 0; c < dv; ++c) {
             wrow(r.dv, j)[c] += p[j] * go[c];
-            wrow(r.dv_bound, j)[c] += (eta_b + gamma<T>(roundings_per_product * nq + 1)) * p[j] * std::abs(go[c]);
+            wrow(r.dv_bound, j)[c] += (eta_b + gamma<T>(nq + 1)) * p[j] * std::abs(go[c]);
           }
         }
       }

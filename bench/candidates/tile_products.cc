@@ -1,11 +1,12 @@
 // The float32 products of exact attention's forward tiles on each candidate library, one
-// thread, side by side (docs/benchmarks.md, "Own float32 kernels"): what chose linattn's own
+// thread, side by side (docs/design.md, "Own float32 kernels, by measurement"): what chose linattn's own
 // kernels (src/linattn/core/tile_matmul.h) over OpenBLAS, BLIS, libxsmm and oneDNN.
 // Built and run by bench/candidates/run.sh, not by the project's build: the three extra
 // libraries are installed only for this comparison.
 //
 // Per task of 48 queries and 256 keys (forward_f32.cc's kRows and kKeys), head_dim 64:
-//   S = Q·Kᵀ   M = 48, N = 256, K = 64   (Kᵀ given packed, row-major 64 × 256, as linattn packs it)
+//   S = Q·Kᵀ   M = 48, N = 256, K = 64   (Kᵀ given as one row-major 64 × 256 block; the forward
+//                                         packs it in 64-key panels, four of which make this block)
 //   O += P·V   M = 48, N = 64,  K = 256  (V row-major 256 × 64, as the caller holds it)
 // Every library gets the same row-major operands; times are medians of 31 runs of 2000 calls.
 #include <blis.h>

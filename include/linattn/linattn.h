@@ -27,8 +27,9 @@ std::string build_info();
 
 // The measured arithmetic peak of `threads` threads (1 to kMaxThreads), in GFLOP/s: register-only
 // loops of float32 fused multiply-adds, and of bfloat16 dot products (vdpbf16ps; 0 where the CPU
-// has no AVX512-BF16), each calibrated to about 0.2 s, the best of 3 runs. What the benchmarks'
-// "% of peak" divides by (linattn bench, bench/bf16.py). Takes about 1.5 s.
+// has no AVX512-BF16), each calibrated to about 0.2 s, the best of 3 runs, on threads of its own
+// (the library's thread count is left alone). What the benchmarks' "% of peak" divides by
+// (linattn bench, bench/bf16.py). Takes about 1.5 s.
 struct PeakRates {
   double float32_fma_gflops = 0, bfloat16_dot_gflops = 0;
 };

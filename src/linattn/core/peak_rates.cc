@@ -2,10 +2,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <thread>
+#include <vector>
 
 #include "linattn/core/avx512_bf16.h"
 #include "linattn/core/error.h"
-#include "linattn/core/parallel.h"
 #include "linattn/core/simd.h"
 #include "linattn/linattn.h"
 
@@ -13,8 +14,9 @@ namespace linattn {
 namespace {
 
 // A register-only loop's rate on `threads` threads: one thread's iteration count calibrated to
-// ~0.2 s, then run on every worker at once; the best of 3 runs, in GFLOP/s (on a shared machine
-// the fastest run is the one least disturbed).
+// ~0.2 s, then run on `threads` threads of its own at once (not the library's pool, whose thread
+// count other callers may be using meanwhile); the best of 3 runs, in GFLOP/s (on a shared
+// machine the fastest run is the one least disturbed).
 double loop_peak_gflops(int threads, float (*loop)(int64_t iterations, float seed), double flops_per_iteration) {
   int64_t iterations = 1 << 20;
   for (;;) {
@@ -28,19 +30,20 @@ double loop_peak_gflops(int threads, float (*loop)(int64_t iterations, float see
     }
     iterations *= 4;
   }
-  const int saved = num_threads();
-  set_num_threads(threads);
   double best = 0;
   for (int run = 0; run < 3; ++run) {
+    std::vector<std::thread> pool;
+    pool.reserve(static_cast<size_t>(threads));
     const auto t0 = std::chrono::steady_clock::now();
-    parallel_for(threads, [&](int64_t task) {
-      volatile float sink = loop(iterations, 1.0f + static_cast<float>(task));
-      (void)sink;
-    });
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back([&, t] {
+        volatile float sink = loop(iterations, 1.0f + static_cast<float>(t));
+        (void)sink;
+      });
+    for (std::thread& th : pool) th.join();
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     best = std::max(best, static_cast<double>(threads) * static_cast<double>(iterations) * flops_per_iteration / s * 1e-9);
   }
-  set_num_threads(saved);
   return best;
 }
 

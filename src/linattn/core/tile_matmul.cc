@@ -16,6 +16,8 @@ namespace tile_matmul {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
+// Vectors of at most 16 floats (CappedTag), so that a strip of whole vectors always ends on the
+// 16-column boundaries multiply() requires, whatever the target's width.
 // The register block: kRows rows × kVectors vectors of c in accumulators, plus kVectors vectors
 // of B and one broadcast of A. AVX-512 has 32 vector registers: 6 × 4 = 24 accumulators (64
 // columns), 4 loads of B and 6 broadcasts per 24 FMAs. The other x86 targets have 16: 6 × 2.
@@ -29,7 +31,7 @@ constexpr int kRows = 6;
 template <int R, int V>
 HWY_INLINE void Block(const float* HWY_RESTRICT a, size_t lda, const float* HWY_RESTRICT b, size_t ldb,
                       size_t inner, float* HWY_RESTRICT c, size_t ldc, bool accumulate) {
-  const hn::ScalableTag<float> d;
+  const hn::CappedTag<float, 16> d;
   const size_t N = hn::Lanes(d);
   // The unroll pragmas keep acc and bv in registers at any optimisation level (at -O2 GCC left
   // the loops rolled and acc in memory: 27% of the FMA peak against 93–98% unrolled).
@@ -87,7 +89,7 @@ BlockFn BlockFor(size_t rows, size_t vectors) {
 // memory once and from L1 by the other row blocks (16 KiB at inner = 64 on AVX-512).
 void Multiply(const float* a, size_t lda, size_t rows, const float* b, size_t ldb, size_t inner, size_t cols,
               float* c, size_t ldc, bool accumulate) {
-  const size_t N = hn::Lanes(hn::ScalableTag<float>());
+  const size_t N = hn::Lanes(hn::CappedTag<float, 16>());
   const size_t strip = kVectors * N;
   for (size_t j = 0; j < cols; j += strip) {
     const size_t vectors = std::min(strip, cols - j) / N;  // cols is a multiple of 16, so of N
@@ -99,7 +101,7 @@ void Multiply(const float* a, size_t lda, size_t rows, const float* b, size_t ld
 }
 
 int64_t CurrentTarget() { return HWY_TARGET; }
-int64_t BlockColumns() { return static_cast<int64_t>(kVectors * hn::Lanes(hn::ScalableTag<float>())); }
+int64_t BlockColumns() { return static_cast<int64_t>(kVectors * hn::Lanes(hn::CappedTag<float, 16>())); }
 
 }  // namespace HWY_NAMESPACE
 }  // namespace tile_matmul

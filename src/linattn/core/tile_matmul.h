@@ -11,9 +11,10 @@
 namespace linattn::tile_matmul {
 
 // c[r][0 : cols) (+)= Σ_{p < inner} a[r·lda + p] · b[p·ldb + 0 : cols) for r < rows, float32:
-// each c element is one chain in p order, with accumulate starting from the old c, of fused
-// multiply-adds on AVX2 and AVX-512 (error ≤ γ_inner·(|c| + Σ|a||b|)), of a multiply and an add
-// on SSE4 and below (γ_{2·inner}). accumulate = false overwrites c.
+// each c element is one chain in p order, starting from the old c with accumulate (else from 0),
+// of fused multiply-adds on AVX2 and AVX-512, of a multiply and an add on SSE4 and below. Either
+// way the error is within γ_inner·(|c| + Σ|a||b|) (Higham §3.1), γ_{inner+1} without FMA when
+// accumulating. accumulate = false overwrites c.
 // cols must be a multiple of 16 (Error otherwise); B's rows are read whole (cols values each).
 void multiply(const float* a, int64_t lda, int64_t rows, const float* b, int64_t ldb, int64_t inner, int64_t cols,
               float* c, int64_t ldc, bool accumulate);

@@ -92,43 +92,46 @@ AttentionGrads<T> backward(TensorView<const T> q, TensorView<const T> k, TensorV
                            TensorView<const T> dout, TensorView<const T> out,
                            TensorView<const T> lse, const AttentionDims& d,
                            const AttentionOptions& opts, double scale) {
-  if constexpr (std::is_same_v<T, float>) return softmax_detail::backward_f32(q, k, v, dout, out, lse, d, opts, scale);
-  AttentionGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape), {}};
-  if (d.bh() == 0) return g;
-  const KeyMask mask(d, opts);
-  const int workers = num_threads();
+  if constexpr (std::is_same_v<T, float>) {
+    return softmax_detail::backward_f32(q, k, v, dout, out, lse, d, opts, scale);
+  } else {
+    AttentionGrads<T> g{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v.shape), {}};
+    if (d.bh() == 0) return g;
+    const KeyMask mask(d, opts);
+    const int workers = num_threads();
 
-  // δ_i = dout_i · out_i = Σ_j p_ij dp_ij
-  Buffer<T> delta(d.bh() * d.n_q);
-  parallel_for(d.bh(), [&](int64_t bh) {
-    for (int64_t i = 0; i < d.n_q; ++i)
-      delta[bh * d.n_q + i] =
-          simd::dot(dout.row(bh, i), out.row(bh, i), static_cast<size_t>(d.value_dim));
-  });
-
-  const softmax_detail::KeySplits keys(d, kBlockK, workers);
-  const int64_t splits = keys.splits;
-  Buffer<T> dq_partial(splits > 1 ? splits * d.bh() * d.n_q * d.head_dim : 0);
-  const BackwardArgs<T> args{q, k, v, dout, lse.data, delta.data(), d, &mask, static_cast<T>(scale)};
-  const ParallelLoop loop(d.bh() * splits);
-  PerWorker<Tile<T>> tiles(loop);
-  loop.run([&](int64_t task, int worker) {
-    const int64_t bh = task / splits, s = task % splits;
-    T* dq = splits > 1 ? dq_partial.data() + (s * d.bh() + bh) * d.n_q * d.head_dim
-                       : g.dq.data() + bh * d.n_q * d.head_dim;
-    backward_keys(args, bh, keys.begin(s), keys.end(s), tiles[worker], dq, g.dk.data(), g.dv.data());
-  });
-  if (splits > 1) {
-    const int64_t per_bh = d.n_q * d.head_dim;
+    // δ_i = dout_i · out_i = Σ_j p_ij dp_ij
+    Buffer<T> delta(d.bh() * d.n_q);
     parallel_for(d.bh(), [&](int64_t bh) {
-      T* dst = g.dq.data() + bh * per_bh;
-      for (int64_t s = 0; s < splits; ++s) {
-        const T* src = dq_partial.data() + (s * d.bh() + bh) * per_bh;
-        for (int64_t i = 0; i < per_bh; ++i) dst[i] += src[i];
-      }
+      for (int64_t i = 0; i < d.n_q; ++i)
+        delta[bh * d.n_q + i] =
+            simd::dot(dout.row(bh, i), out.row(bh, i), static_cast<size_t>(d.value_dim));
     });
+
+    const softmax_detail::KeySplits keys(d, kBlockK, workers);
+    const int64_t splits = keys.splits;
+    Buffer<T> dq_partial(splits > 1 ? splits * d.bh() * d.n_q * d.head_dim : 0);
+    const BackwardArgs<T> args{q, k, v, dout, lse.data, delta.data(), d, &mask, static_cast<T>(scale)};
+    const ParallelLoop loop(d.bh() * splits);
+    PerWorker<Tile<T>> tiles(loop);
+    loop.run([&](int64_t task, int worker) {
+      const int64_t bh = task / splits, s = task % splits;
+      T* dq = splits > 1 ? dq_partial.data() + (s * d.bh() + bh) * d.n_q * d.head_dim
+                         : g.dq.data() + bh * d.n_q * d.head_dim;
+      backward_keys(args, bh, keys.begin(s), keys.end(s), tiles[worker], dq, g.dk.data(), g.dv.data());
+    });
+    if (splits > 1) {
+      const int64_t per_bh = d.n_q * d.head_dim;
+      parallel_for(d.bh(), [&](int64_t bh) {
+        T* dst = g.dq.data() + bh * per_bh;
+        for (int64_t s = 0; s < splits; ++s) {
+          const T* src = dq_partial.data() + (s * d.bh() + bh) * per_bh;
+          for (int64_t i = 0; i < per_bh; ++i) dst[i] += src[i];
+        }
+      });
+    }
+    return g;
   }
-  return g;
 }
 
 }  // namespace

@@ -61,17 +61,9 @@ struct Operands {
         k_pairs(d.bh() * k_pairs_bh) {}
 };
 
-// x [n × w] into rows padded to ld (zeros stay) and into its transpose [w × ld_t].
+// x [n × w] into rows padded to ld (zeros stay); its transpose: transpose_rows.
 void pad_rows(const bfloat16* x, int64_t n, int64_t w, int64_t ld, bfloat16* out) {
   for (int64_t i = 0; i < n; ++i) std::copy_n(x + i * w, w, out + i * ld);
-}
-void transpose(const bfloat16* x, int64_t n, int64_t w, int64_t ld_t, bfloat16* out) {
-  // 32 rows at a time: each output row gets one 64-byte run, the 32 input rows stay in L1.
-  for (int64_t i0 = 0; i0 < n; i0 += 32) {
-    const int64_t rows = std::min<int64_t>(32, n - i0);
-    for (int64_t f = 0; f < w; ++f)
-      for (int64_t i = 0; i < rows; ++i) out[f * ld_t + i0 + i] = x[(i0 + i) * w + f];
-  }
 }
 
 struct Scratch {
@@ -190,9 +182,9 @@ AttentionGrads<float> backward_bf16_products(TensorView<const bfloat16> q, Tenso
   parallel_for(d.bh(), [&](int64_t bh) {
     const int64_t n_k = mask.key_length(bh / d.heads);  // keys past it are never read
     pad_rows(q.row(bh, 0), d.n_q, d.head_dim, o.d_pad, o.q_rows.data() + bh * o.q_rows_bh);
-    transpose(q.row(bh, 0), d.n_q, d.head_dim, o.nq_pad, o.q_t.data() + bh * o.q_t_bh);
+    transpose_rows(q.row(bh, 0), d.n_q, d.head_dim, o.nq_pad, o.q_t.data() + bh * o.q_t_bh);
     pad_rows(dout.row(bh, 0), d.n_q, d.value_dim, o.dv_pad, o.do_rows.data() + bh * o.do_rows_bh);
-    transpose(dout.row(bh, 0), d.n_q, d.value_dim, o.nq_pad, o.do_t.data() + bh * o.do_t_bh);
+    transpose_rows(dout.row(bh, 0), d.n_q, d.value_dim, o.nq_pad, o.do_t.data() + bh * o.do_t_bh);
     tile_keys(k.row(bh, 0), n_k, d.head_dim, o.d_chunks, o.k_cols.data() + bh * o.k_cols_bh);
     tile_keys(v.row(bh, 0), n_k, d.value_dim, o.dv_chunks, o.v_cols.data() + bh * o.v_cols_bh);
     tile_values(k.row(bh, 0), n_k, d.head_dim, o.d_blocks, o.k_pairs.data() + bh * o.k_pairs_bh);

@@ -10,8 +10,8 @@
 // Kᵀ, Vᵀ copied once per call): tile_matmul's B is row-major, and nothing is transposed inside
 // the loop. Why not the BLAS: as for the forward (forward_f32.cc), its speed followed
 // OPENBLAS_CORETYPE, and it packed every operand again on every one of these small products.
-// Same error bounds as the BLAS path (tests/softmax_bounds.h): each product element is one FMA
-// chain. Extra memory: the copies (n_q·(2d + d_v) + n_k·(d + d_v) floats per batch·head, and K
+// Same error bounds as the BLAS path (tests/softmax_bounds.h): each product element is one chain
+// of multiply-adds (tile_matmul.h). Extra memory: the copies (n_q·(2d + d_v) + n_k·(d + d_v) floats per batch·head, and K
 // padded to 16 columns when d is not a multiple of 16), δ, the dQ sums and per-worker tiles.
 #include <algorithm>
 #include <cmath>
@@ -58,15 +58,6 @@ struct Operands {
   }
 };
 
-// x [n × w] (row-major) into its transpose [w × ld_t], times a; 32 rows at a time, so that each
-// output row gets one 128-byte run while the 32 input rows stay in L1.
-void transpose(const float* x, int64_t n, int64_t w, int64_t ld_t, float a, float* out) {
-  for (int64_t i0 = 0; i0 < n; i0 += 32) {
-    const int64_t rows = std::min<int64_t>(32, n - i0);
-    for (int64_t f = 0; f < w; ++f)
-      for (int64_t i = 0; i < rows; ++i) out[f * ld_t + i0 + i] = a * x[(i0 + i) * w + f];
-  }
-}
 
 struct Scratch {
   Buffer<float> p{kBlockQ * kBlockK};
@@ -82,7 +73,6 @@ struct Args {
   TensorView<const float> k, dout;
   const float* lse;
   const float* delta;
-  float scale;
 };
 
 // dK, dV for keys [j_begin, j_end) of one batch·head; dQ sums (unscaled, d_pad columns per row)
@@ -162,10 +152,10 @@ AttentionGrads<float> backward_f32(TensorView<const float> q, TensorView<const f
     const float* qb = q.row(bh, 0);
     float* q_scaled = o.q.data() + bh * o.q_bh;
     for (int64_t x = 0; x < o.q_bh; ++x) q_scaled[x] = o.pre * qb[x];
-    transpose(qb, d.n_q, d.head_dim, o.nq_pad, o.pre, o.q_t.data() + bh * o.q_t_bh);
-    transpose(dout.row(bh, 0), d.n_q, d.value_dim, o.nq_pad, 1.0f, o.do_t.data() + bh * o.do_t_bh);
-    transpose(k.row(bh, 0), n_k, d.head_dim, o.nk_pad, 1.0f, o.k_t.data() + bh * o.k_t_bh);
-    transpose(v.row(bh, 0), n_k, d.value_dim, o.nk_pad, 1.0f, o.v_t.data() + bh * o.v_t_bh);
+    transpose_rows(q_scaled, d.n_q, d.head_dim, o.nq_pad, o.q_t.data() + bh * o.q_t_bh);
+    transpose_rows(dout.row(bh, 0), d.n_q, d.value_dim, o.nq_pad, o.do_t.data() + bh * o.do_t_bh);
+    transpose_rows(k.row(bh, 0), n_k, d.head_dim, o.nk_pad, o.k_t.data() + bh * o.k_t_bh);
+    transpose_rows(v.row(bh, 0), n_k, d.value_dim, o.nk_pad, o.v_t.data() + bh * o.v_t_bh);
     if (o.k_rows.size())
       for (int64_t j = 0; j < n_k; ++j)
         std::copy_n(k.row(bh, j), d.head_dim, o.k_rows.data() + bh * o.k_rows_bh + j * o.d_pad);
@@ -177,7 +167,7 @@ AttentionGrads<float> backward_f32(TensorView<const float> q, TensorView<const f
   const KeySplits keys(d, kBlockK, num_threads());
   const int64_t splits = keys.splits, dq_per_bh = d.n_q * o.d_pad;
   Buffer<float> dq_sums(splits * d.bh() * dq_per_bh);
-  const Args args{&o, &d, &mask, k, dout, lse.data, delta.data(), static_cast<float>(scale)};
+  const Args args{&o, &d, &mask, k, dout, lse.data, delta.data()};
   const ParallelLoop loop(d.bh() * splits);
   PerWorker<Scratch> scratch(loop, [&] { return Scratch(d); });
   loop.run([&](int64_t task, int worker) {

@@ -91,23 +91,26 @@ template <class T>
 SoftmaxAttentionResult<T> forward(TensorView<const T> q, TensorView<const T> k,
                                   TensorView<const T> v, const AttentionDims& d,
                                   const AttentionOptions& opts, double scale, bool as_workspace) {
-  if constexpr (std::is_same_v<T, float>) return forward_f32(q, k, v, d, opts, scale, as_workspace);
-  SoftmaxAttentionResult<T> r{Tensor<T>({d.batch, d.heads, d.n_q, d.value_dim}, as_workspace),
-                              Tensor<T>({d.batch, d.heads, d.n_q}, as_workspace)};
-  const KeyMask mask(d, opts);
-  const int64_t q_blocks = (d.n_q + kBlockQ - 1) / kBlockQ;
-  T* out = r.out.data();
-  T* lse = r.lse.data();
-  const ParallelLoop loop(d.bh() * q_blocks);
-  PerWorker<Tile<T>> tiles(loop);
-  // Last query blocks first: under a causal mask they see the most keys.
-  loop.run([&](int64_t task, int worker) {
-    const int64_t bh = task / q_blocks;
-    const int64_t blk = q_blocks - 1 - task % q_blocks;
-    forward_block<T>(q, k, v, d, mask, static_cast<T>(scale), bh, blk * kBlockQ, tiles[worker],
-                     out, lse);
-  });
-  return r;
+  if constexpr (std::is_same_v<T, float>) {
+    return forward_f32(q, k, v, d, opts, scale, as_workspace);
+  } else {
+    SoftmaxAttentionResult<T> r{Tensor<T>({d.batch, d.heads, d.n_q, d.value_dim}, as_workspace),
+                                Tensor<T>({d.batch, d.heads, d.n_q}, as_workspace)};
+    const KeyMask mask(d, opts);
+    const int64_t q_blocks = (d.n_q + kBlockQ - 1) / kBlockQ;
+    T* out = r.out.data();
+    T* lse = r.lse.data();
+    const ParallelLoop loop(d.bh() * q_blocks);
+    PerWorker<Tile<T>> tiles(loop);
+    // Last query blocks first: under a causal mask they see the most keys.
+    loop.run([&](int64_t task, int worker) {
+      const int64_t bh = task / q_blocks;
+      const int64_t blk = q_blocks - 1 - task % q_blocks;
+      forward_block<T>(q, k, v, d, mask, static_cast<T>(scale), bh, blk * kBlockQ, tiles[worker],
+                       out, lse);
+    });
+    return r;
+  }
 }
 
 template SoftmaxAttentionResult<float> forward(TensorView<const float>, TensorView<const float>,

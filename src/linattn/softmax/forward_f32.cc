@@ -9,8 +9,9 @@
 // one of these small products and picks its kernel from OPENBLAS_CORETYPE; here Kᵀ is packed once
 // per call into panels of kPanel keys ([d][kPanel] each, the row-major B of S's product), V is
 // read in place (copied only when d_v is not a multiple of 16), and the scaled queries once per
-// task. Same error bound as the BLAS path (tests/softmax_bounds.h): each score is one FMA chain
-// over d of the rounded scale·q (γ_{d+1}), each output column one chain over the keys.
+// task. Same error bound as the BLAS path (tests/softmax_bounds.h): each score is one chain of
+// multiply-adds over d of the rounded scale·q (within γ_{d+2} with the scale's own rounding),
+// each output column one chain over the keys.
 // Extra memory: the packed keys (n_k·d, n_k rounded up to kPanel) and per worker
 // kRows·(d + kKeys + d_v) floats.
 #include <algorithm>

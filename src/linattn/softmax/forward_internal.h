@@ -11,8 +11,8 @@
 
 namespace linattn::softmax_detail {
 
-// Query and key rows per tile: the forward's (one kBlockQ×kBlockK score tile per worker) and
-// the backward's.
+// Query and key rows per tile: the float64 forward's (one kBlockQ×kBlockK score tile per worker,
+// forward.cc) and both backwards' (backward.cc, backward_f32.cc).
 inline constexpr int64_t kForwardBlockQ = 128, kForwardBlockK = 512;
 inline constexpr int64_t kBackwardBlockQ = 128, kBackwardBlockK = 128;
 
@@ -46,7 +46,9 @@ struct ScaleSplit {
   float pre = 1, post = 1;
   ScaleSplit(const AttentionDims& d, double scale) : pre(static_cast<float>(scale)) {
     if (d.q_max * std::abs(scale) > 0x1p120) {
-      const int e = static_cast<int>(std::ceil(std::log2(d.q_max * std::abs(scale)))) - 120;
+      // e ≤ 127 keeps post finite; past |q|·|scale| = 2^247 pre·q may still overflow, and the
+      // forward reports the overflow as an error.
+      const int e = std::min(127, static_cast<int>(std::ceil(std::log2(d.q_max * std::abs(scale)))) - 120);
       post = std::ldexp(1.0f, e);
       pre = static_cast<float>(std::ldexp(scale, -e));
     }
@@ -69,6 +71,18 @@ struct KeySplits {
 // A backward's saved out [B, H, n_q, d_v] (finite) and lse [B, H, n_q] (finite or −inf), checked.
 template <class T>
 void check_saved(const char* fn, TensorView<const T> out, TensorView<const T> lse, const AttentionDims& dims);
+
+// x [n × w] (row-major) into its transpose [w × ld_t], 32 rows at a time: each output row gets
+// one run of 32 values while the 32 input rows stay in L1 (row by row, the transposes were 30% of
+// a bfloat16 backward at n = 1024). The backwards' operands for products that need rows of xᵀ.
+template <class T>
+void transpose_rows(const T* x, int64_t n, int64_t w, int64_t ld_t, T* out) {
+  for (int64_t i0 = 0; i0 < n; i0 += 32) {
+    const int64_t rows = std::min<int64_t>(32, n - i0);
+    for (int64_t f = 0; f < w; ++f)
+      for (int64_t i = 0; i < rows; ++i) out[f * ld_t + i0 + i] = x[(i0 + i) * w + f];
+  }
+}
 
 // The operand layout of the bfloat16 products (AMX B tiles, vdpbf16ps B vectors): 16 rows of
 // 32 bfloat16 (16 pairs) per tile.
