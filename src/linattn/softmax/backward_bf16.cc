@@ -208,16 +208,7 @@ AttentionGrads<float> backward_bf16_products(TensorView<const bfloat16> q, Tenso
     backward_keys(args, bh, keys.begin(s), keys.end(s), scratch[worker], dq_sums.data() + (s * d.bh() + bh) * dq_per_bh,
                   g.dk.data(), g.dv.data());
   });
-  parallel_for(d.bh(), [&](int64_t bh) {
-    for (int64_t i = 0; i < d.n_q; ++i) {
-      float* dst = g.dq.data() + (bh * d.n_q + i) * d.head_dim;
-      for (int64_t s = 0; s < splits; ++s) {
-        const float* src = dq_sums.data() + (s * d.bh() + bh) * dq_per_bh + i * dq_ld;
-        for (int64_t f = 0; f < d.head_dim; ++f) dst[f] += src[f];
-      }
-      simd::scale(dst, static_cast<size_t>(d.head_dim), static_cast<float>(scale));
-    }
-  });
+  add_dq_sums(dq_sums.data(), splits, dq_ld, d, static_cast<float>(scale), g.dq.data());
   return g;
 }
 

@@ -175,17 +175,22 @@ AttentionGrads<float> backward_f32(TensorView<const float> q, TensorView<const f
     backward_keys(args, bh, keys.begin(s), keys.end(s), scratch[worker], dq_sums.data() + (s * d.bh() + bh) * dq_per_bh,
                   g.dk.data(), g.dv.data());
   });
+  add_dq_sums(dq_sums.data(), splits, o.d_pad, d, static_cast<float>(scale), g.dq.data());
+  return g;
+}
+
+void add_dq_sums(const float* sums, int64_t splits, int64_t ld, const AttentionDims& d, float scale, float* dq) {
+  const int64_t per_bh = d.n_q * ld;
   parallel_for(d.bh(), [&](int64_t bh) {
     for (int64_t i = 0; i < d.n_q; ++i) {
-      float* dst = g.dq.data() + (bh * d.n_q + i) * d.head_dim;
+      float* dst = dq + (bh * d.n_q + i) * d.head_dim;
       for (int64_t s = 0; s < splits; ++s) {
-        const float* src = dq_sums.data() + (s * d.bh() + bh) * dq_per_bh + i * o.d_pad;
+        const float* src = sums + (s * d.bh() + bh) * per_bh + i * ld;
         for (int64_t f = 0; f < d.head_dim; ++f) dst[f] += src[f];
       }
-      simd::scale(dst, static_cast<size_t>(d.head_dim), static_cast<float>(scale));
+      simd::scale(dst, static_cast<size_t>(d.head_dim), scale);
     }
   });
-  return g;
 }
 
 }  // namespace linattn::softmax_detail

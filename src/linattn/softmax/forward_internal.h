@@ -37,6 +37,11 @@ AttentionGrads<float> backward_f32(TensorView<const float> q, TensorView<const f
                                    TensorView<const float> lse, const AttentionDims& dims, const AttentionOptions& opts,
                                    double scale);
 
+// The last step of the backwards on own kernels (backward_f32.cc, backward_bf16.cc): dq (zero,
+// [B, H, n_q, d]) = scale·Σ_s sums[s], where sums holds one unscaled dQ sum per key split
+// (KeySplits), [splits, B·H, n_q, ld] with ld ≥ d.
+void add_dq_sums(const float* sums, int64_t splits, int64_t ld, const AttentionDims& d, float scale, float* dq);
+
 // How the float32 kernels apply the scale: scale = pre·post, q multiplied by pre before the
 // products and the products by post after. pre = scale, post = 1 (scaling q first keeps q·kᵀ from
 // overflowing before a small scale shrinks it), unless pre·q could overflow (|q|·|scale| past
