@@ -146,12 +146,7 @@ void backward_keys(const Args& a, int64_t bh, int64_t j_begin, int64_t j_end, Sc
       avx512_bf16::dot(w.ds_rows.data(), kBlockK, bq, k_pairs, bk32 / 2, o.d_blocks, dq + i0 * o.d_blocks * kTileRows,
                        o.d_blocks * kTileRows, true);
     }
-    for (int64_t j = 0; j < bk; ++j) {
-      float* dk_row = dk + (bh * d.n_k + j0 + j) * d.head_dim;
-      float* dv_row = dv + (bh * d.n_k + j0 + j) * d.value_dim;
-      for (int64_t f = 0; f < d.head_dim; ++f) dk_row[f] = a.scale * w.dkt[f * kBlockK + j];
-      for (int64_t c = 0; c < d.value_dim; ++c) dv_row[c] = w.dvt[c * kBlockK + j];
-    }
+    store_key_gradients(w.dkt.data(), w.dvt.data(), kBlockK, a.scale, d, bh, j0, bk, dk, dv);
   }
 }
 

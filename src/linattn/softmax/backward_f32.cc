@@ -127,12 +127,7 @@ void backward_keys(const Args& a, int64_t bh, int64_t j_begin, int64_t j_end, Sc
       tile_matmul::multiply(w.ds.data(), kBlockK, bq, k_rows + j0 * o.d_pad, o.d_pad, bk, o.d_pad,
                             dq + i0 * o.d_pad, o.d_pad, true);
     }
-    for (int64_t j = 0; j < bk; ++j) {
-      float* dk_row = dk + (bh * d.n_k + j0 + j) * d.head_dim;
-      float* dv_row = dv + (bh * d.n_k + j0 + j) * d.value_dim;
-      for (int64_t f = 0; f < d.head_dim; ++f) dk_row[f] = o.post * w.dkt[f * kBlockK + j];
-      for (int64_t c = 0; c < d.value_dim; ++c) dv_row[c] = w.dvt[c * kBlockK + j];
-    }
+    store_key_gradients(w.dkt.data(), w.dvt.data(), kBlockK, o.post, d, bh, j0, bk, dk, dv);
   }
 }
 
@@ -177,6 +172,16 @@ AttentionGrads<float> backward_f32(TensorView<const float> q, TensorView<const f
   });
   add_dq_sums(dq_sums.data(), splits, o.d_pad, d, static_cast<float>(scale), g.dq.data());
   return g;
+}
+
+void store_key_gradients(const float* dkt, const float* dvt, int64_t ld, float dk_factor, const AttentionDims& d,
+                         int64_t bh, int64_t j0, int64_t keys, float* dk, float* dv) {
+  for (int64_t j = 0; j < keys; ++j) {
+    float* dk_row = dk + (bh * d.n_k + j0 + j) * d.head_dim;
+    float* dv_row = dv + (bh * d.n_k + j0 + j) * d.value_dim;
+    for (int64_t f = 0; f < d.head_dim; ++f) dk_row[f] = dk_factor * dkt[f * ld + j];
+    for (int64_t c = 0; c < d.value_dim; ++c) dv_row[c] = dvt[c * ld + j];
+  }
 }
 
 void add_dq_sums(const float* sums, int64_t splits, int64_t ld, const AttentionDims& d, float scale, float* dq) {

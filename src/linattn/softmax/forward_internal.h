@@ -37,6 +37,12 @@ AttentionGrads<float> backward_f32(TensorView<const float> q, TensorView<const f
                                    TensorView<const float> lse, const AttentionDims& dims, const AttentionOptions& opts,
                                    double scale);
 
+// The backwards on own kernels sum one block of keys' dK and dV transposed (dkt [d × ld],
+// dvt [d_v × ld]); this writes keys [j0, j0 + keys) of batch·head bh into dk (times dk_factor)
+// and dv, [B, H, n_k, d] and [B, H, n_k, d_v].
+void store_key_gradients(const float* dkt, const float* dvt, int64_t ld, float dk_factor, const AttentionDims& d,
+                         int64_t bh, int64_t j0, int64_t keys, float* dk, float* dv);
+
 // The last step of the backwards on own kernels (backward_f32.cc, backward_bf16.cc): dq (zero,
 // [B, H, n_q, d]) = scale·Σ_s sums[s], where sums holds one unscaled dQ sum per key split
 // (KeySplits), [splits, B·H, n_q, ld] with ld ≥ d.
