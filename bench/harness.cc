@@ -123,6 +123,9 @@ PeakMemory measure_peak_memory(const std::function<void()>& fn) {
   // are already resident, which the high-water mark cannot see.
   static const bool pinned = mallopt(M_MMAP_THRESHOLD, 1 << 20) == 1;
   (void)pinned;
+  // The blocks linattn keeps for reuse (memory.h) are resident already: give them back, so that
+  // the call's own allocations show in the high-water mark.
+  (void)release_cached_memory();
   PeakMemory m;
   reset_workspace_peak();
   const int64_t ws_before = workspace_stats().current_bytes;
