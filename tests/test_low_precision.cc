@@ -275,6 +275,30 @@ TEST(LowPrecision, NonFiniteInputIsAnError) {
 // rounded once (products of bfloat16 are exact in float32), so |c − ref| ≤ (2·pairs + 1)·u₃₂·
 // (Σ|a·b| + |c₀|), u₃₂ = 2⁻²⁴, c₀ the value accumulated onto (0 when overwriting); normal
 // N(0, 1) data has no subnormals.
+// avx512_bf16::narrow_rows (vcvtneps2bf16) is the one-value to_bfloat16 (nearest even) on zeros and
+// normal values of every binade of [2⁻¹²⁶, 2¹²⁸) and both signs, ties included; padding columns of
+// the output (ld_out > cols) and columns past cols are not written.
+TEST(LowPrecision, Avx512Bf16NarrowRowsRoundsToNearestEven) {
+  if (!avx512_bf16::usable()) GTEST_SKIP() << "no AVX512-BF16 here: " << avx512_bf16::unavailable_reason();
+  std::mt19937 rng(12);
+  const int64_t rows = 5, cols = 48, ld = cols + 7, ld_out = cols + 16;
+  std::vector<float> x(rows * ld);
+  for (int64_t i = 0; i < rows * ld; ++i) {
+    uint32_t bits = (static_cast<uint32_t>(1 + rng() % 254) << 23) | (rng() & 0x7FFFFFu) | (rng() % 2 ? 0x80000000u : 0);
+    if (i % 11 == 0) bits = (bits & 0xFFFF0000u) | 0x8000u;  // a tie: the low 16 bits exactly half
+    if (i % 13 == 0) bits = rng() % 2 ? 0u : 0x80000000u;    // ±0
+    std::memcpy(&x[i], &bits, 4);
+  }
+  std::vector<bfloat16> out(rows * ld_out, bfloat16{0x1234});
+  avx512_bf16::narrow_rows(x.data(), ld, rows, cols, out.data(), ld_out);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < ld_out; ++c) {
+      const uint16_t want = c < cols ? to_bfloat16(x[r * ld + c]).bits : uint16_t{0x1234};
+      ASSERT_EQ(out[r * ld_out + c].bits, want) << "row " << r << " column " << c << " x = " << x[r * ld + std::min(c, cols - 1)];
+    }
+  EXPECT_THROW(avx512_bf16::narrow_rows(x.data(), ld, rows, 40, out.data(), ld_out), Error);
+}
+
 TEST(LowPrecision, Avx512Bf16DotMatchesFloat64) {
   if (!avx512_bf16::usable()) GTEST_SKIP() << "no AVX512-BF16 here: " << avx512_bf16::unavailable_reason();
   std::mt19937 rng(11);

@@ -170,6 +170,28 @@ float dot_loop(int64_t iterations, float seed) {
 #endif
 }
 
+#if LINATTN_AVX512_BF16
+namespace {
+LINATTN_TARGET void narrow_rows_avx512(const float* x, int64_t ld, int64_t rows, int64_t cols, bfloat16* out,
+                                       int64_t ld_out) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; c += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ld_out + c),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + r * ld + c)));
+}
+}  // namespace
+#endif
+
+void narrow_rows(const float* x, int64_t ld, int64_t rows, int64_t cols, bfloat16* out, int64_t ld_out) {
+  require(usable(), "avx512_bf16::narrow_rows: ", unavailable_reason());
+  require(cols % 16 == 0, "avx512_bf16::narrow_rows: cols must be a multiple of 16, got ", cols);
+#if LINATTN_AVX512_BF16
+  narrow_rows_avx512(x, ld, rows, cols, out, ld_out);
+#else
+  (void)x, (void)ld, (void)rows, (void)out, (void)ld_out;
+#endif
+}
+
 void pack_pairs(const float* x, int64_t ld, int64_t rows, int64_t column_blocks, int64_t pairs, bfloat16* out) {
   require(usable(), "avx512_bf16::pack_pairs: ", unavailable_reason());
 #if LINATTN_AVX512_BF16

@@ -43,6 +43,11 @@ void dot(const bfloat16* a, int64_t lda, int64_t rows, PackedB b, int64_t pairs,
 // results to zero (|x| < 2⁻¹²⁶).
 void pack_pairs(const float* x, int64_t ld, int64_t rows, int64_t column_blocks, int64_t pairs, bfloat16* out);
 
+// out[r][0 : cols) = bfloat16(x[r][0 : cols)) for r < rows (vcvtneps2bf16: nearest even; subnormal
+// inputs and results flush to zero, so callers pass values that are 0 or normal, like the
+// attention probabilities, which simd's exp makes 0 below 2⁻¹²⁶). cols a multiple of 16.
+void narrow_rows(const float* x, int64_t ld, int64_t rows, int64_t cols, bfloat16* out, int64_t ld_out);
+
 // A register-only loop of vdpbf16ps (12 independent accumulators) for the benchmarks' peak:
 // `iterations` rounds of dot_loop_flops_per_iteration() FLOPs (2 per multiply-add).
 float dot_loop(int64_t iterations, float seed);

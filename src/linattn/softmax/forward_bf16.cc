@@ -89,6 +89,7 @@ struct Scratch {
   Buffer<float> o;     // kRows × v_pad accumulator
   float m[kRows], l[kRows];
   int64_t visible[kRows];
+  bool narrow_p = avx512_bf16::usable();  // round P with vcvtneps2bf16 (see forward_rows)
   Scratch(const TileDims& td)
       : q(kRows * td.d_pad()), s(kRows * kKeys), p(kRows * kKeys), o(kRows * td.v_pad()) {}
 };
@@ -211,9 +212,17 @@ void forward_rows(Bf16Engine engine, TensorView<const bfloat16> q, const bfloat1
     if (engine == Bf16Engine::avx512_bf16) dot_scores(w, keys, j0, bk32, rows, td);
     int64_t count[kRows];
     for (int64_t r = 0; r < kRows; ++r) count[r] = std::clamp<int64_t>(w.visible[r] - j0, 0, bk);
-    const int64_t bad = simd::online_softmax_step(w.s.data(), kKeys, kRows, count, static_cast<size_t>(bk32),
-                                                         scale, w.m, w.l, w.o.data(), static_cast<size_t>(td.v_pad()),
-                                                         static_cast<size_t>(d.value_dim), w.p.data(), kKeys);
+    // P in float32 in place of S, then rounded with vcvtneps2bf16 (one instruction per 16 values,
+    // against ten for the rounding in integer ops where the CPU lacks it; P is 0 or normal, so the
+    // conversion's flushing never applies).
+    const int64_t bad =
+        w.narrow_p ? simd::online_softmax_step(w.s.data(), kKeys, kRows, count, static_cast<size_t>(bk32), scale, w.m,
+                                               w.l, w.o.data(), static_cast<size_t>(td.v_pad()),
+                                               static_cast<size_t>(d.value_dim), w.s.data(), kKeys)
+                   : simd::online_softmax_step(w.s.data(), kKeys, kRows, count, static_cast<size_t>(bk32), scale, w.m,
+                                               w.l, w.o.data(), static_cast<size_t>(td.v_pad()),
+                                               static_cast<size_t>(d.value_dim), w.p.data(), kKeys);
+    if (w.narrow_p && bad < 0) avx512_bf16::narrow_rows(w.s.data(), kKeys, kRows, bk32, w.p.data(), kKeys);
     require(bad < 0, "softmax_attention: q·kᵀ·scale overflows at row ", i0 + bad, " of batch·head ", bh,
             "; scale down q or k");
 #if LINATTN_AMX_ASM
