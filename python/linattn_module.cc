@@ -854,6 +854,6 @@ about 0.2 s each. What the benchmarks' "% of peak" divides by. threads outside 1
   m.def("reset_workspace_peak", &linattn::reset_workspace_peak);
   m.def("release_cached_memory", [] { return linattn::release_cached_memory(); },
         R"doc(Give back to the OS the freed blocks of 1 MiB and more that the library keeps for its next
-calls (at most 16 blocks, 256 MiB in all; reusing them skips the page faults and zeroing of fresh
+calls (at most 64 blocks, 256 MiB in all; reusing them skips the page faults and zeroing of fresh
 memory). Returns the bytes given back.)doc");
 }

@@ -512,7 +512,7 @@ TEST(Memory, LargeBuffersAreHugePageAligned) {
 
 // Freed blocks of 1 MiB and more are kept and handed out again (memory.cc): the same block
 // comes back, zeroed again when Init::Zero asks; smaller ones and blocks past 256 MiB are not
-// kept; at most 16 blocks; release_cached_memory() returns what it gave back, then 0; a cached
+// kept; at most 64 blocks and 256 MiB; release_cached_memory() returns what it gave back, then 0; a cached
 // block is never handed to a request that needs a larger alignment. Alloc/free from several
 // threads at once leaves the cache consistent.
 TEST(Memory, LargeFreedBlocksAreReusedAndReleased) {
@@ -539,9 +539,14 @@ TEST(Memory, LargeFreedBlocksAreReusedAndReleased) {
   EXPECT_EQ(release_cached_memory(), 0u);
   {
     std::vector<Buffer<float>> many;
-    for (int i = 0; i < 20; ++i) many.emplace_back(int64_t{1} << 19, false, Init::Uninitialized);  // 2 MiB each
+    for (int i = 0; i < 70; ++i) many.emplace_back(int64_t{1} << 19, false, Init::Uninitialized);  // 2 MiB each
   }
-  EXPECT_EQ(release_cached_memory(), size_t{16} << 21);
+  EXPECT_EQ(release_cached_memory(), size_t{64} << 21);  // at most 64 blocks
+  {
+    std::vector<Buffer<float>> many;
+    for (int i = 0; i < 10; ++i) many.emplace_back(int64_t{10} << 20, false, Init::Uninitialized);  // 40 MiB each
+  }
+  EXPECT_EQ(release_cached_memory(), size_t{6} * (size_t{40} << 20));  // at most 256 MiB
   {  // 8 MiB minus 1 KiB rounds to 8 MiB on 64 bytes; an 8 MiB request needs 2 MiB alignment
     Buffer<char> a((int64_t{8} << 20) - 1024, false, Init::Uninitialized);
   }
@@ -555,7 +560,7 @@ TEST(Memory, LargeFreedBlocksAreReusedAndReleased) {
     x[x.size() - 1] = 1.f;
   });
   const size_t kept = release_cached_memory();
-  EXPECT_LE(kept, size_t{16} * ((size_t{1} << 20) + 64 * 4000 + (size_t{64} << 10)));
+  EXPECT_LE(kept, size_t{64} * ((size_t{1} << 20) + 64 * 4000 + (size_t{64} << 10)));
   EXPECT_EQ(release_cached_memory(), 0u);
 }
 

@@ -13,7 +13,7 @@ inline constexpr size_t kAlignment = 64;  // one cache line, and one AVX-512 vec
 
 void* aligned_alloc_bytes(size_t bytes);  // throws OutOfMemory; nullptr for 0 bytes
 void aligned_free(void* p) noexcept;
-// Freed blocks of 1 MiB and more stay with the library (at most 16 blocks, 256 MiB in all) for
+// Freed blocks of 1 MiB and more stay with the library (at most 64 blocks, 256 MiB in all) for
 // the next calls, which then skip the OS's page faults and zeroing of fresh pages; this gives
 // them back to the OS and returns their bytes. An allocation that fails releases them and tries
 // again. (Under the sanitizers nothing is kept.)

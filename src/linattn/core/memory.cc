@@ -27,7 +27,7 @@ std::atomic<int64_t> g_peak{0};
 // kCachedBytes in all are kept; release_cached_memory() gives them back. Not under the
 // sanitizers, whose use-after-free checks need every free to be real.
 constexpr size_t kCachedMin = size_t{1} << 20, kCachedBytes = size_t{256} << 20;
-constexpr size_t kCachedBlocks = 16;
+constexpr size_t kCachedBlocks = 64;
 #ifdef LINATTN_SANITIZED
 constexpr bool kCacheBlocks = false;
 #else
