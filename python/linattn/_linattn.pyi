@@ -91,7 +91,7 @@ def recurrent_state(batch: typing.SupportsInt | typing.SupportsIndex, heads: typ
 def release_cached_memory() -> int:
     """
     Give back to the OS the freed blocks of 1 MiB and more that the library keeps for its next
-    calls (at most 16 blocks, 256 MiB in all; reusing them skips the page faults and zeroing of fresh
+    calls (at most 64 blocks, 256 MiB in all; reusing them skips the page faults and zeroing of fresh
     memory). Returns the bytes given back.
     """
 def reset_workspace_peak() -> None:
