@@ -18,6 +18,24 @@ namespace simd {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
+// The first `count` (< lanes) values at p, the other lanes 0; and storing the first `count` lanes
+// of v. Why not hn::MaskedLoad / hn::BlendedStore for the tails of arrays: on SSE4 and below
+// Highway 1.0.3 does them as whole-vector loads and load-blend-store sequences, which read, and
+// write back, past the end of the array (a race with whoever owns the next bytes). Tests run
+// every target (tests/test_util.h, for_each_simd_target) under ASan.
+template <class D>
+HWY_INLINE hn::Vec<D> LoadTail(D d, const hn::TFromD<D>* p, size_t count) {
+  HWY_ALIGN hn::TFromD<D> buf[hn::MaxLanes(d)] = {};
+  std::copy(p, p + count, buf);
+  return hn::Load(d, buf);
+}
+template <class D>
+HWY_INLINE void StoreTail(D d, hn::Vec<D> v, hn::TFromD<D>* p, size_t count) {
+  HWY_ALIGN hn::TFromD<D> buf[hn::MaxLanes(d)];
+  hn::Store(v, d, buf);
+  std::copy(buf, buf + count, p);
+}
+
 template <class T>
 T MaxValue(const T* x, size_t n) {
   const hn::ScalableTag<T> d;
@@ -32,7 +50,7 @@ T MaxValue(const T* x, size_t n) {
   for (; i + N <= n; i += N) m0 = hn::Max(m0, hn::LoadU(d, x + i));
   if (i < n) {
     const auto mask = hn::FirstN(d, n - i);
-    m1 = hn::Max(m1, hn::IfThenElse(mask, hn::MaskedLoad(mask, d, x + i), lowest));
+    m1 = hn::Max(m1, hn::IfThenElse(mask, LoadTail(d, x + i, n - i), lowest));
   }
   return hn::GetLane(hn::MaxOfLanes(d, hn::Max(m0, m1)));
 }
@@ -97,9 +115,9 @@ T ExpShiftedSum(T* x, size_t n, T shift) {
   if (i < n) {
     const auto mask = hn::FirstN(d, n - i);
     // Lanes past the end compute exp(0) and are dropped: no inf/NaN enters the sum.
-    const auto v = hn::IfThenElse(mask, hn::MaskedLoad(mask, d, x + i), vshift);
+    const auto v = hn::IfThenElse(mask, LoadTail(d, x + i, n - i), vshift);
     const auto e = hn::IfThenElseZero(mask, ExpNonPositive(d, hn::Sub(v, vshift)));
-    hn::BlendedStore(e, mask, d, x + i);
+    StoreTail(d, e, x + i, n - i);
     s1 = hn::Add(s1, e);
   }
   return hn::GetLane(hn::SumOfLanes(d, hn::Add(s0, s1)));
@@ -238,8 +256,7 @@ T Dot(const T* a, const T* b, size_t n) {
   }
   for (; i + N <= n; i += N) s0 = hn::MulAdd(hn::LoadU(d, a + i), hn::LoadU(d, b + i), s0);
   if (i < n) {
-    const auto mask = hn::FirstN(d, n - i);
-    s1 = hn::MulAdd(hn::MaskedLoad(mask, d, a + i), hn::MaskedLoad(mask, d, b + i), s1);
+    s1 = hn::MulAdd(LoadTail(d, a + i, n - i), LoadTail(d, b + i, n - i), s1);
   }
   return hn::GetLane(hn::SumOfLanes(d, hn::Add(s0, s1)));
 }
@@ -255,7 +272,7 @@ T Sum(const T* x, size_t n) {
     s1 = hn::Add(s1, hn::LoadU(d, x + i + N));
   }
   for (; i + N <= n; i += N) s0 = hn::Add(s0, hn::LoadU(d, x + i));
-  if (i < n) s1 = hn::Add(s1, hn::MaskedLoad(hn::FirstN(d, n - i), d, x + i));
+  if (i < n) s1 = hn::Add(s1, LoadTail(d, x + i, n - i));
   return hn::GetLane(hn::SumOfLanes(d, hn::Add(s0, s1)));
 }
 
@@ -267,8 +284,7 @@ T MaxAbs(const T* x, size_t n) {
   size_t i = 0;
   for (; i + N <= n; i += N) m = hn::Max(m, hn::Abs(hn::LoadU(d, x + i)));
   if (i < n) {
-    const auto mask = hn::FirstN(d, n - i);
-    m = hn::Max(m, hn::Abs(hn::MaskedLoad(mask, d, x + i)));
+    m = hn::Max(m, hn::Abs(LoadTail(d, x + i, n - i)));
   }
   return hn::GetLane(hn::MaxOfLanes(d, m));
 }
@@ -284,10 +300,9 @@ void SinCos(const T* x, size_t n, T* s, T* c) {
     hn::StoreU(hn::Cos(d, v), d, c + i);
   }
   if (i < n) {
-    const auto mask = hn::FirstN(d, n - i);
-    const auto v = hn::MaskedLoad(mask, d, x + i);
-    hn::BlendedStore(hn::Sin(d, v), mask, d, s + i);
-    hn::BlendedStore(hn::Cos(d, v), mask, d, c + i);
+    const auto v = LoadTail(d, x + i, n - i);
+    StoreTail(d, hn::Sin(d, v), s + i, n - i);
+    StoreTail(d, hn::Cos(d, v), c + i, n - i);
   }
 }
 
@@ -349,8 +364,7 @@ bool AllFinite(const T* x, size_t n) {
   }
   for (; i + N <= n; i += N) acc0 = hn::MulAdd(hn::LoadU(d, x + i), zero, acc0);
   if (i < n) {
-    const auto mask = hn::FirstN(d, n - i);
-    acc1 = hn::MulAdd(hn::MaskedLoad(mask, d, x + i), zero, acc1);
+    acc1 = hn::MulAdd(LoadTail(d, x + i, n - i), zero, acc1);
   }
   return hn::AllTrue(d, hn::IsFinite(hn::Add(acc0, acc1)));
 }
@@ -385,9 +399,8 @@ void ExpMinusColumns(T* x, size_t rows, size_t cols, size_t ld, const T* shift) 
       hn::StoreU(hn::Exp(d, a), d, row + c);
     }
     if (c < cols) {
-      const auto mask = hn::FirstN(d, cols - c);
-      const auto a = hn::Max(hn::Sub(hn::MaskedLoad(mask, d, row + c), hn::MaskedLoad(mask, d, shift + c)), lowest);
-      hn::BlendedStore(hn::Exp(d, a), mask, d, row + c);
+      const auto a = hn::Max(hn::Sub(LoadTail(d, row + c, cols - c), LoadTail(d, shift + c, cols - c)), lowest);
+      StoreTail(d, hn::Exp(d, a), row + c, cols - c);
     }
   }
 }
@@ -435,8 +448,7 @@ T FiniteMaxAbs(const T* x, size_t n) {
     nan = hn::MulAdd(v, zero, nan);
   }
   if (i < n) {
-    const auto mask = hn::FirstN(d, n - i);
-    const auto v = hn::MaskedLoad(mask, d, x + i);
+    const auto v = LoadTail(d, x + i, n - i);
     m = hn::Max(m, hn::Abs(v));
     nan = hn::MulAdd(v, zero, nan);
   }
