@@ -555,10 +555,19 @@ TEST(Memory, LargeFreedBlocksAreReusedAndReleased) {
     EXPECT_EQ(reinterpret_cast<uintptr_t>(b.data()) % (uintptr_t{2} << 20), 0u);
   }
   (void)release_cached_memory();
-  parallel_for(64, [](int64_t t) {
+  // Blocks handed out from several threads at once come zeroed; live blocks are distinct.
+  parallel_for(64, [&](int64_t t) {
     Buffer<float> x((int64_t{1} << 18) + t * 1000, false, Init::Zero);
-    x[x.size() - 1] = 1.f;
+    ASSERT_EQ(x[0], 0.f);
+    ASSERT_EQ(x[x.size() - 1], 0.f);
+    x[0] = x[x.size() - 1] = 1.f;
   });
+  {
+    std::vector<Buffer<float>> live;
+    for (int i = 0; i < 8; ++i) live.emplace_back(int64_t{1} << 18, false, Init::Zero);
+    for (int i = 0; i < 8; ++i)
+      for (int j = i + 1; j < 8; ++j) ASSERT_NE(live[i].data(), live[j].data());
+  }
   const size_t kept = release_cached_memory();
   EXPECT_LE(kept, size_t{64} * ((size_t{1} << 20) + 64 * 4000 + (size_t{64} << 10)));
   EXPECT_EQ(release_cached_memory(), 0u);

@@ -269,12 +269,6 @@ TEST(LowPrecision, NonFiniteInputIsAnError) {
   expect_non_finite_refused<float16>();
 }
 
-// avx512_bf16::dot against float64 sums of the same bfloat16 values, at odd sizes (row and
-// column-block tails, a partial last chunk of 16 pairs), overwriting and accumulating, with B
-// packed with gaps (strides larger than the data). Each pair is two fused multiply-adds, each
-// rounded once (products of bfloat16 are exact in float32), so |c − ref| ≤ (2·pairs + 1)·u₃₂·
-// (Σ|a·b| + |c₀|), u₃₂ = 2⁻²⁴, c₀ the value accumulated onto (0 when overwriting); normal
-// N(0, 1) data has no subnormals.
 // avx512_bf16::narrow_rows (vcvtneps2bf16) is the one-value to_bfloat16 (nearest even) on zeros and
 // normal values of every binade of [2⁻¹²⁶, 2¹²⁸) and both signs, ties included; padding columns of
 // the output (ld_out > cols) and columns past cols are not written.
@@ -299,6 +293,12 @@ TEST(LowPrecision, Avx512Bf16NarrowRowsRoundsToNearestEven) {
   EXPECT_THROW(avx512_bf16::narrow_rows(x.data(), ld, rows, 40, out.data(), ld_out), Error);
 }
 
+// avx512_bf16::dot against float64 sums of the same bfloat16 values, at odd sizes (row and
+// column-block tails, a partial last chunk of 16 pairs), overwriting and accumulating, with B
+// packed with gaps (strides larger than the data). Each pair is two fused multiply-adds, each
+// rounded once (products of bfloat16 are exact in float32), so |c − ref| ≤ (2·pairs + 1)·u₃₂·
+// (Σ|a·b| + |c₀|), u₃₂ = 2⁻²⁴, c₀ the value accumulated onto (0 when overwriting); normal
+// N(0, 1) data has no subnormals.
 TEST(LowPrecision, Avx512Bf16DotMatchesFloat64) {
   if (!avx512_bf16::usable()) GTEST_SKIP() << "no AVX512-BF16 here: " << avx512_bf16::unavailable_reason();
   std::mt19937 rng(11);

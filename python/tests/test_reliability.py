@@ -233,8 +233,8 @@ def test_measure_peak_rates_reports_positive_rates_and_refuses_bad_thread_counts
 
 def test_release_cached_memory_gives_back_the_blocks_freed_calls_left():
     linattn.release_cached_memory()
-    q = np.random.default_rng(0).standard_normal((1, 4, 1024, 64), dtype=np.float32)
-    out = linattn.softmax_attention(q, q, q)  # its workspace (the packed keys, 1 MiB) is freed on return
+    q = np.random.default_rng(0).standard_normal((1, 4, 2048, 64), dtype=np.float32)
+    out = linattn.softmax_attention(q, q, q)  # its workspace (the packed keys, 2 MiB) is freed on return
     del out
     assert linattn.release_cached_memory() >= 1 << 20  # the Python module is never built with the sanitizers
     assert linattn.release_cached_memory() == 0

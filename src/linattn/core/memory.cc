@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <new>
@@ -80,7 +81,7 @@ void* allocate(size_t bytes) {
     BlockCache& c = cache();
     std::lock_guard<std::mutex> lock(c.mutex);
     try {
-      c.capacity.emplace(p, rounded);
+      c.capacity.insert_or_assign(p, rounded);
     } catch (...) {  // no room to record it: hand it back, the caller reports out of memory
       std::free(p);
       return nullptr;
@@ -105,6 +106,11 @@ void aligned_free(void* p) noexcept {
     std::lock_guard<std::mutex> lock(c.mutex);
     const auto it = c.capacity.find(p);
     if (it != c.capacity.end()) {
+      for (const auto& kept : c.free)
+        if (kept.first == p) {  // freed twice: a bug of the caller; handing it out twice would be worse
+          std::fputs("linattn: a buffer was freed twice\n", stderr);
+          std::abort();
+        }
       const size_t size = it->second;
       if (size <= kCachedBytes) {
         // The oldest blocks go back to the OS until this one fits the limits.
