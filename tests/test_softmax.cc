@@ -236,8 +236,11 @@ TEST(SoftmaxFloat32, MatchesTheBoundOnEverySimdTarget) {
           const auto f = softmax_attention<float>(q, k, v, opts);
           expect_within(f.out, exact.out, exact.out_bound, "out");
           for (int64_t i = 0; i < f.lse.size(); ++i) {
-            if (std::isinf(exact.lse[i])) ASSERT_EQ(f.lse[i], -std::numeric_limits<float>::infinity()) << i;
-            else ASSERT_NEAR(f.lse[i], exact.lse[i], exact.lse_bound[i]) << "lse[" << i << "]";
+            if (std::isinf(exact.lse[i])) {
+              ASSERT_EQ(f.lse[i], -std::numeric_limits<float>::infinity()) << i;
+            } else {
+              ASSERT_NEAR(f.lse[i], exact.lse[i], exact.lse_bound[i]) << "lse[" << i << "]";
+            }
           }
           const auto g = softmax_attention_backward<float>(q, k, v, cast<float>(dout), f.out, f.lse, opts);
           expect_within(g.dq, exact.dq, exact.dq_bound, "dq");

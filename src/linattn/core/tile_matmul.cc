@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "hwy/highway.h"
+#include "linattn/core/tile_matmul.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace linattn {
@@ -26,7 +27,7 @@ constexpr int kVectors = 4;
 #else
 constexpr int kVectors = 2;
 #endif
-constexpr int kRows = 6;
+constexpr int kRows = kBlockRows;
 
 template <int R, int V>
 HWY_INLINE void Block(const float* HWY_RESTRICT a, size_t lda, const float* HWY_RESTRICT b, size_t ldb,
@@ -110,7 +111,6 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 #include "linattn/core/error.h"
-#include "linattn/core/tile_matmul.h"
 
 namespace linattn {
 namespace tile_matmul {
@@ -131,7 +131,7 @@ void multiply(const float* a, int64_t lda, int64_t rows, const float* b, int64_t
 }
 
 const char* target_name() { return hwy::TargetName(HWY_DYNAMIC_DISPATCH(CurrentTarget)()); }
-int64_t block_rows() { return 6; }
+int64_t block_rows() { return kBlockRows; }
 int64_t block_columns() { return HWY_DYNAMIC_DISPATCH(BlockColumns)(); }
 
 }  // namespace tile_matmul

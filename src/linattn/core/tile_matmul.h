@@ -22,6 +22,7 @@ void multiply(const float* a, int64_t lda, int64_t rows, const float* b, int64_t
 // The instruction set the kernels run on ("AVX3" is AVX-512), and the block of c one kernel
 // call holds in registers (rows × columns), for build_info() and the benchmarks.
 const char* target_name();
+inline constexpr int kBlockRows = 6;  // rows of c per register block, on every target
 int64_t block_rows();
 int64_t block_columns();
 

@@ -61,10 +61,6 @@ struct Operands {
         k_pairs(d.bh() * k_pairs_bh) {}
 };
 
-// x [n × w] into rows padded to ld (zeros stay); its transpose: transpose_rows.
-void pad_rows(const bfloat16* x, int64_t n, int64_t w, int64_t ld, bfloat16* out) {
-  for (int64_t i = 0; i < n; ++i) std::copy_n(x + i * w, w, out + i * ld);
-}
 
 struct Scratch {
   Buffer<float> p{kBlockQ * kBlockK};

@@ -151,9 +151,7 @@ AttentionGrads<float> backward_f32(TensorView<const float> q, TensorView<const f
     transpose_rows(dout.row(bh, 0), d.n_q, d.value_dim, o.nq_pad, o.do_t.data() + bh * o.do_t_bh);
     transpose_rows(k.row(bh, 0), n_k, d.head_dim, o.nk_pad, o.k_t.data() + bh * o.k_t_bh);
     transpose_rows(v.row(bh, 0), n_k, d.value_dim, o.nk_pad, o.v_t.data() + bh * o.v_t_bh);
-    if (o.k_rows.size())
-      for (int64_t j = 0; j < n_k; ++j)
-        std::copy_n(k.row(bh, j), d.head_dim, o.k_rows.data() + bh * o.k_rows_bh + j * o.d_pad);
+    if (o.k_rows.size()) pad_rows(k.row(bh, 0), n_k, d.head_dim, o.d_pad, o.k_rows.data() + bh * o.k_rows_bh);
     // δ_i = dout_i · out_i = Σ_j p_ij dp_ij
     for (int64_t i = 0; i < d.n_q; ++i)
       delta[bh * d.n_q + i] = simd::dot(dout.row(bh, i), out.row(bh, i), static_cast<size_t>(d.value_dim));

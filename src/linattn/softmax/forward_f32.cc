@@ -119,9 +119,7 @@ SoftmaxAttentionResult<float> forward_f32(TensorView<const float> q, TensorView<
       float* col = dst + (j / kPanel) * kPanel * d.head_dim + j % kPanel;
       for (int64_t c = 0; c < d.head_dim; ++c) col[c * kPanel] = row[c];
     }
-    if (values.size() > 0)
-      for (int64_t j = 0; j < n_k; ++j)
-        std::copy_n(v.row(bh, j), d.value_dim, values.data() + (bh * d.n_k + j) * lay.v_pad);
+    if (values.size() > 0) pad_rows(v.row(bh, 0), n_k, d.value_dim, lay.v_pad, values.data() + bh * d.n_k * lay.v_pad);
   });
   if (values.size() > 0) {
     lay.values = values.data();

@@ -83,6 +83,13 @@ struct KeySplits {
 template <class T>
 void check_saved(const char* fn, TensorView<const T> out, TensorView<const T> lse, const AttentionDims& dims);
 
+// x [n × w] (row-major) into rows of ld ≥ w values (the padding left as it is found: callers
+// zero it), for products that read whole padded rows.
+template <class T>
+void pad_rows(const T* x, int64_t n, int64_t w, int64_t ld, T* out) {
+  for (int64_t i = 0; i < n; ++i) std::copy_n(x + i * w, w, out + i * ld);
+}
+
 // x [n × w] (row-major) into its transpose [w × ld_t], 32 rows at a time: each output row gets
 // one run of 32 values while the 32 input rows stay in L1 (row by row, the transposes were 30% of
 // a bfloat16 backward at n = 1024). The backwards' operands for products that need rows of xᵀ.
