@@ -274,7 +274,9 @@ TEST(SoftmaxForward, NegativeAndLargeScalesMatchTheBound) {
     const auto q = cast<float>(qd), k = cast<float>(kd), v = cast<float>(random_tensor<double>({2, 2, 90, 16}, seed++));
     double q_max = 0;
     for (int64_t i = 0; i < q.size(); ++i) q_max = std::max(q_max, std::abs(double(q[i])));
-    if (sc.split()) ASSERT_GT(q_max * std::abs(sc.scale), double(std::numeric_limits<float>::max()));
+    if (sc.split()) {
+      ASSERT_GT(q_max * std::abs(sc.scale), double(std::numeric_limits<float>::max()));
+    }
     for (Mask m : {Mask::None, Mask::Causal}) {
       AttentionOptions opts = options_for(m, 2, 90, seed);
       opts.scale = sc.scale;
