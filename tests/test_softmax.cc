@@ -299,18 +299,33 @@ TEST(SoftmaxForward, NegativeAndLargeScalesMatchTheBound) {
 // Each query row is computed by one task in a fixed order, so the forward is bitwise the same
 // for any thread count.
 TEST(SoftmaxForward, BitwiseIdenticalAcrossThreadCounts) {
-  const auto q = random_tensor<float>({1, 3, 700, 64}, 1), k = random_tensor<float>({1, 3, 900, 64}, 2),
-             v = random_tensor<float>({1, 3, 900, 64}, 3);
-  Tensor<float> ref;
-  for (int threads : {1, 2, 3, 5, 8}) {
-    ScopedThreads scope(threads);
-    const auto out = softmax_attention<float>(q, k, v).out;
-    if (threads == 1) {
-      ref = cast<float>(out);
-      continue;
+  // batch·heads 1–3 against 1–16 threads, so that the backward splits keys over workers in some
+  // runs and not in others: out and lse, and the backward's dK and dV (each key block summed by
+  // one task in query order), are the same bit for bit; dQ sums per-split partials and is held
+  // to the bounds elsewhere (SoftmaxFloat32.MatchesTheBoundOnEverySimdTarget at 8 threads).
+  for (const int64_t heads : {1, 2, 3})
+    for (const bool causal : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "heads=" << heads << " causal=" << causal);
+      const auto q = random_tensor<float>({1, heads, 700, 64}, 1), k = random_tensor<float>({1, heads, 900, 64}, 2),
+                 v = random_tensor<float>({1, heads, 900, 64}, 3), dout = random_tensor<float>({1, heads, 700, 64}, 4);
+      AttentionOptions opts;
+      opts.causal = causal;
+      Tensor<float> ref_out, ref_dk, ref_dv;
+      for (int threads : {1, 2, 3, 5, 8, 16}) {
+        ScopedThreads scope(threads);
+        const auto f = softmax_attention<float>(q, k, v, opts);
+        const auto g = softmax_attention_backward<float>(q, k, v, dout, f.out, f.lse, opts);
+        if (threads == 1) {
+          ref_out = cast<float>(f.out);
+          ref_dk = cast<float>(g.dk);
+          ref_dv = cast<float>(g.dv);
+          continue;
+        }
+        for (int64_t i = 0; i < f.out.size(); ++i) ASSERT_EQ(f.out[i], ref_out[i]) << "threads=" << threads;
+        for (int64_t i = 0; i < g.dk.size(); ++i) ASSERT_EQ(g.dk[i], ref_dk[i]) << "threads=" << threads;
+        for (int64_t i = 0; i < g.dv.size(); ++i) ASSERT_EQ(g.dv[i], ref_dv[i]) << "threads=" << threads;
+      }
     }
-    for (int64_t i = 0; i < out.size(); ++i) ASSERT_EQ(out[i], ref[i]) << "threads=" << threads;
-  }
 }
 
 // A kernel called from inside a parallel_for task (on any worker) runs serially there and
