@@ -18,6 +18,14 @@
 //            terms in the split form the fast path evaluates, e.g. |ω||g∘φ| + |x̃||g·φ|) and
 //            ε = γ_{n+m'+d+dv+16} + 6·max(E/φ̄) + 4·max(δden/(|D| − δden)): every path through the
 //            backward multiplies at most six perturbed features and one denominator.
+//  bfloat16 products (Products::Bfloat16, the registry's bfloat16 calls): every operand of a
+//            product is rounded to bfloat16 (u_b = 2⁻⁸) first. q, k, v, dout and ω are bfloat16
+//            values already (exact); the features are rounded where they enter a product, so E_r
+//            gains u_b·|φ_r|; a state, a chunk's W or a block's [num | den] sums enter rounded,
+//            so the sums gain u_b (g_sum + u_b); in the backward each path also rounds
+//            [dnum | dden] or P, a state or its gradient, dφ∘φ before the product with ω, and one
+//            gradient state: ε + 4·u_b. Subnormal operands flush to zero (an absolute 2⁻¹²⁶ per
+//            term), which these bounds leave out: the callers keep every feature above e⁻⁸⁰.
 #pragma once
 
 #include <algorithm>
@@ -68,9 +76,10 @@ template <class T>
 KernelizedExact kernelized_exact_with_bounds(const Tensor<double>& q, const Tensor<double>& k,
                                              const Tensor<double>& v, const Tensor<double>& dout,
                                              const Tensor<double>* projection,
-                                             const KernelizedSpec& spec) {
+                                             const KernelizedSpec& spec, bool bf16_products = false) {
   const int64_t B = q.dim(0), H = q.dim(1), nq = q.dim(2), nk = k.dim(2), d = q.dim(3), dv = v.dim(3);
   const double u = unit_roundoff<T>();
+  const double ub = bf16_products ? std::ldexp(1.0, -8) : 0.0;
   const double scale = spec.scale > 0 ? spec.scale : 1 / std::sqrt(double(d));
   const double s = std::sqrt(scale);
   AttentionOptions mo;
@@ -145,6 +154,7 @@ KernelizedExact kernelized_exact_with_bounds(const Tensor<double>& q, const Tens
         else if (spec.map == "focused") e = gamma<T>(d + 8) * phi;
         else if (spec.map == "trig") e = amp * (dU[rr % m_proj] + 4 * u) + eta * phi;
         else e = eta * phi;
+        e += ub * phi;
         out.err[i * m + rr] = e;
         const double bar = spec.map == "trig" ? amp : phi;
         if (bar > 0) out.rel[i] = std::max(out.rel[i], e / bar);
@@ -173,7 +183,7 @@ KernelizedExact kernelized_exact_with_bounds(const Tensor<double>& q, const Tens
       const int64_t bh = b * H + hh;
       const Rows fq = rows_of(q, bh, nq, lmax), fk = rows_of(k, bh, nk, lmax);
       const int64_t m = fq.phi.dim(1);
-      const double g_sum = gamma<T>(double(nk + m + 4));
+      const double g_sum = gamma<T>(double(nk + m + 4)) + ub;
       double rel_max = 0;
       for (double x : fq.rel) rel_max = std::max(rel_max, x);
       for (double x : fk.rel) rel_max = std::max(rel_max, x);
@@ -218,7 +228,7 @@ KernelizedExact kernelized_exact_with_bounds(const Tensor<double>& q, const Tens
       // Gradient magnitudes.
       double dden_max = 0;
       for (double x : dden_rel) dden_max = std::max(dden_max, x);
-      const double eps_g = gamma<T>(double(nk + nq + m + d + dv + 16)) + 6 * rel_max + 4 * dden_max;
+      const double eps_g = gamma<T>(double(nk + nq + m + d + dv + 16)) + 6 * rel_max + 4 * dden_max + 4 * ub;
       std::vector<double> Mphiq(nq * m, 0.0), Mphik(nk * m, 0.0);
       for (int64_t i = 0; i < nq; ++i) {
         if (Dv[i] == 0) continue;

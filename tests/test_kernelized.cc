@@ -15,6 +15,8 @@
 #include "linattn/kernelized.h"
 #include "linattn/kernelized/reference.h"
 #include "linattn/registry.h"
+#include "linattn/core/products.h"
+#include "linattn/low_precision.h"
 #include "test_util.h"
 
 namespace linattn {
@@ -157,6 +159,85 @@ INSTANTIATE_TEST_SUITE_P(
                                          Size{2 * kernelized::kChunk + 2, 2 * kernelized::kChunk + 2, 32, 24},
                                          Size{300, 300, 16, 16})),
     kernelized_name);
+
+// bfloat16 calls with bfloat16 products (AVX512-BF16): the registry's bfloat16 linear_attention
+// and favor_attention, against the float64 reference on the same bfloat16 values, within the
+// float32 bound plus the operand roundings (kernelized_bounds.h, bf16_products) plus the
+// result's own rounding to bfloat16 (u_b·(|ref| + bound)). Every non-negative map, every mask,
+// sizes inside one causal chunk, across chunks and across 300 rows, at 1 and 5 threads (batch·heads
+// 6); from the saved tensors the gradients are bitwise the same. Trig keeps float32 products.
+TEST(KernelizedBf16Products, MatchTheBoundAgainstFloat64) {
+  if (!bfloat16_products_usable()) GTEST_SKIP() << "no AVX512-BF16 here";
+  const double ub = std::ldexp(1.0, -8);
+  auto rounded = [](Tensor<double> x) {
+    for (int64_t i = 0; i < x.size(); ++i) x[i] = to_float(to_bfloat16(static_cast<float>(x[i])));
+    return x;
+  };
+  auto to_bf16 = [](const Tensor<double>& x) { return testing::narrowed<bfloat16>(x); };
+  auto check_within = [&](const Tensor<bfloat16>& got, const Tensor<double>& want, const Tensor<double>& bound32,
+                          const char* what) {
+    Tensor<double> bound(bound32.shape());
+    for (int64_t i = 0; i < bound.size(); ++i) bound[i] = bound32[i] + ub * (std::abs(want[i]) + bound32[i]);
+    expect_within(widen(TensorView<const bfloat16>(got.view())), want, bound, what);
+  };
+  for (const char* map : {"elu", "relu", "identity", "focused", "positive", "hyperbolic"})
+    for (Mask mask : {Mask::None, Mask::Causal, Mask::KeyLengths, Mask::CausalKeyLengths})
+      for (const Size z : {Size{7, 7, 16, 8}, Size{2 * kernelized::kChunk + 2, 2 * kernelized::kChunk + 2, 32, 24},
+                           Size{300, 300, 16, 16}}) {
+        const int64_t B = 3, H = 2;
+        const KernelizedSpec spec = spec_for(map, mask, B, z.n_k);
+        const uint64_t seed = 40 + z.n_q;
+        const auto q = rounded(given_features(map, random_tensor<double>({B, H, z.n_q, z.d}, seed)));
+        const auto k = rounded(given_features(map, random_tensor<double>({B, H, z.n_k, z.d}, seed + 1)));
+        const auto v = rounded(random_tensor<double>({B, H, z.n_k, z.dv}, seed + 2));
+        const auto dout = rounded(random_tensor<double>({B, H, z.n_q, z.dv}, seed + 3));
+        const auto w = rounded(random_features<double>(24, z.d, FeatureKind::Orthogonal, seed + 4));
+        const auto exact = testing::kernelized_exact_with_bounds<float>(q, k, v, dout, &w, spec, true);
+        MethodArgs<bfloat16> a;
+        const Tensor<bfloat16> qb = to_bf16(q), kb = to_bf16(k), vb = to_bf16(v), gb = to_bf16(dout), wb = to_bf16(w);
+        a.q = qb, a.k = kb, a.v = vb;
+        a.options["causal"] = spec.causal;
+        if (spec.key_lengths) a.options["key_lengths"] = *spec.key_lengths;
+        if (spec.favor()) {
+          a.options["kernel"] = spec.map;
+          a.tensors["projection"] = wb;
+        } else {
+          a.options["feature_map"] = spec.map;
+        }
+        const MethodInfo& m = method(spec.favor() ? "favor" : "linear");
+        for (int threads : {1, 5}) {
+          SCOPED_TRACE(::testing::Message() << map << " " << kMaskNames[int(mask)] << " n=" << z.n_q << " threads=" << threads);
+          ScopedThreads scope(threads);
+          ASSERT_TRUE(m.bf16_kernel(a).has_value());
+          const MethodOutput<bfloat16> f = m.bf16.forward(a);
+          check_within(f.out, exact.out, exact.out_bound, "out");
+          const AttentionGrads<bfloat16> g = m.bf16.backward(a, gb, {});
+          check_within(g.dq, exact.dq, exact.dq_bound, "dq");
+          check_within(g.dk, exact.dk, exact.dk_bound, "dk");
+          check_within(g.dv, exact.dv, exact.dv_bound, "dv");
+          const Tensor<float> out_wide = widen(TensorView<const bfloat16>(f.out.view()));
+          SavedViews<bfloat16> saved{{"out", out_wide.view()}};
+          for (const auto& [name, t] : f.saved) saved[name] = t.view();
+          const AttentionGrads<bfloat16> gs = m.bf16.backward(a, gb, saved);
+          check_within(gs.dq, exact.dq, exact.dq_bound, "dq from saved");
+          check_within(gs.dk, exact.dk, exact.dk_bound, "dk from saved");
+          check_within(gs.dv, exact.dv, exact.dv_bound, "dv from saved");
+        }
+      }
+}
+
+// The trig kernel's features are signed, so its bfloat16 calls keep float32 products: no own
+// kernel, and the registry widens.
+TEST(KernelizedBf16Products, TrigWidens) {
+  MethodArgs<bfloat16> a;
+  const Tensor<bfloat16> x = testing::narrowed<bfloat16>(random_tensor<double>({1, 1, 5, 8}, 1)),
+                         w = testing::narrowed<bfloat16>(random_features<double>(8, 8, FeatureKind::Orthogonal, 2));
+  a.q = x, a.k = x, a.v = x;
+  a.options["kernel"] = std::string("trig");
+  a.tensors["projection"] = w;
+  EXPECT_FALSE(method("favor").bf16_kernel(a).has_value());
+  EXPECT_FALSE(method("favor").bf16_backward_kernel(a, x, {}).has_value());
+}
 
 // Non-causal with n_q != n_k; the keys cross the block of the key passes.
 TEST(KernelizedVsReference, DifferentQueryAndKeyLengths) {

@@ -20,6 +20,7 @@
 
 #include "linattn/linattn.h"
 #include "linattn/core/avx512_bf16.h"
+#include "linattn/core/products.h"
 #include "linattn/core/simd.h"
 #include "test_util.h"
 
@@ -335,6 +336,63 @@ TEST(LowPrecision, Avx512Bf16DotMatchesFloat64) {
         for (int64_t col = 16 * blocks; col < ldc; ++col) ASSERT_EQ(c[r * ldc + col], c0[r * ldc + col]);
     }
   }
+}
+
+// matmul_bf16 against float64 sums of the operands rounded to bfloat16 (to_bfloat16, nearest
+// even): every product is exact in float32 and vdpbf16ps rounds twice per pair, so a sum of K
+// terms is within γ_{K+1}·Σ|terms| (Higham §3.1; K + 1 for the pair's two roundings), then alpha
+// and beta add one rounding each: (K + 3)·2⁻²⁴·(|alpha|·Σ|terms| + |beta·c|). Every transpose,
+// odd sizes across the 16-column and 32-row packing blocks, padded leading dimensions; C's
+// padding is never written.
+TEST(LowPrecision, Bfloat16ProductsMatchFloat64OnRoundedOperands) {
+  if (!bfloat16_products_usable()) GTEST_SKIP() << "no AVX512-BF16 here: " << avx512_bf16::unavailable_reason();
+  std::mt19937 rng(12);
+  std::normal_distribution<float> normal;
+  for (const auto [M, N, K] : {std::array<int64_t, 3>{1, 1, 1}, {7, 65, 33}, {13, 16, 64}, {33, 17, 1}, {6, 80, 70}, {40, 3, 129}})
+    for (bool ta : {false, true})
+      for (bool tb : {false, true})
+        for (const auto [alpha, beta] : {std::array<float, 2>{1, 0}, {1, 1}, {0.375f, 0}, {-2, 0.5f}}) {
+          SCOPED_TRACE(::testing::Message() << M << "x" << N << "x" << K << " ta=" << ta << " tb=" << tb << " alpha=" << alpha
+                                            << " beta=" << beta);
+          // Stored shapes: A is M×K (K×M transposed), B K×N (N×K), each with 3 padding columns.
+          const int64_t a_rows = ta ? K : M, a_cols = ta ? M : K, b_rows = tb ? N : K, b_cols = tb ? K : N;
+          const int64_t lda = a_cols + 3, ldb = b_cols + 3, ldc = N + 5;
+          std::vector<float> a(a_rows * lda), b(b_rows * ldb), c(M * ldc);
+          for (auto& x : a) x = normal(rng);
+          for (auto& x : b) x = normal(rng);
+          for (auto& x : c) x = normal(rng);
+          const std::vector<float> c0 = c;
+          Mat<const float> A{a.data(), a_rows, a_cols, lda, false}, B{b.data(), b_rows, b_cols, ldb, false};
+          if (ta) A = A.t();
+          if (tb) B = B.t();
+          matmul_bf16(Mat<float>{c.data(), M, N, ldc, false}, A, B, alpha, beta);
+          auto a_at = [&](int64_t i, int64_t l) { return to_float(to_bfloat16(ta ? a[l * lda + i] : a[i * lda + l])); };
+          auto b_at = [&](int64_t l, int64_t j) { return to_float(to_bfloat16(tb ? b[j * ldb + l] : b[l * ldb + j])); };
+          for (int64_t i = 0; i < M; ++i) {
+            for (int64_t j = 0; j < N; ++j) {
+              double sum = 0, mag = 0;
+              for (int64_t l = 0; l < K; ++l) {
+                const double t = double(a_at(i, l)) * b_at(l, j);
+                sum += t, mag += std::abs(t);
+              }
+              const double c_old = c0[i * ldc + j];
+              const double want = alpha * sum + (beta == 0 ? 0.0 : beta * c_old);
+              const double bound = double(K + 3) * 0x1p-24 * (std::abs(alpha) * mag + std::abs(beta * c_old)) + 1e-30;
+              ASSERT_LE(std::abs(c[i * ldc + j] - want), bound) << "c[" << i << "][" << j << "]";
+            }
+            for (int64_t j = N; j < ldc; ++j) ASSERT_EQ(c[i * ldc + j], c0[i * ldc + j]) << "padding c[" << i << "][" << j << "]";
+          }
+        }
+  // K = 0 leaves beta·C; beta = 0 does not read C (NaN there stays out of the result).
+  std::vector<float> c = {std::nanf(""), 2.0f}, none(1);
+  matmul_bf16(Mat<float>{c.data(), 1, 2, 2, false}, Mat<const float>{none.data(), 1, 0, 1, false},
+              Mat<const float>{none.data(), 0, 2, 2, false}, 1.0f, 0.0f);
+  EXPECT_EQ(c[0], 0.0f);
+  EXPECT_EQ(c[1], 0.0f);
+  // Shapes that do not agree are the caller's bug.
+  EXPECT_THROW(matmul_bf16(Mat<float>{c.data(), 1, 2, 2, false}, Mat<const float>{none.data(), 1, 1, 1, false},
+                           Mat<const float>{none.data(), 2, 2, 2, false}),
+               std::logic_error);
 }
 
 }  // namespace

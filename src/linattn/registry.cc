@@ -1,6 +1,7 @@
 #include "linattn/registry.h"
 
 #include "linattn/core/error.h"
+#include "linattn/core/method_support.h"
 
 namespace linattn {
 
@@ -10,23 +11,7 @@ namespace linattn {
 
 namespace {
 
-// A bfloat16/float16 call's tensors widened to float32, and the float32 MethodArgs viewing them.
-template <class Low>
-struct WidenedArgs {
-  std::vector<Tensor<float>> storage;
-  MethodArgs<float> args;
-
-  explicit WidenedArgs(const MethodArgs<Low>& a) {
-    storage.reserve(3 + a.tensors.size());
-    args.q = keep(a.q), args.k = keep(a.k), args.v = keep(a.v);
-    args.options = a.options;
-    for (const auto& [name, t] : a.tensors) args.tensors[name] = keep(t);
-  }
-  TensorView<const float> keep(TensorView<const Low> t) {
-    storage.push_back(widen(t));
-    return storage.back().view();
-  }
-};
+using registry_support::WidenedArgs;
 
 template <class Low>
 std::vector<std::pair<std::string, Tensor<Low>>> narrow_all(std::vector<std::pair<std::string, Tensor<float>>>&& ts,

@@ -30,11 +30,12 @@ struct PackedB {
 
 // c[r][0 : 16·column_blocks) (+)= Σ_{i < 2·pairs} a[r][i]·b[i][·] for r < rows, float32 sums,
 // a row-major with lda elements per row (read as pairs: 2·pairs readable elements per row).
-// accumulate = false overwrites c. Each pair is summed as vdpbf16ps sums it: two fused
+// accumulate = false overwrites c. The last column block reads and writes only its first
+// last_block_columns columns of c. Each pair is summed as vdpbf16ps sums it: two fused
 // multiply-adds into the lane (odd element first), each rounded to nearest even, products of
 // bfloat16 exact in float32; subnormal inputs read as zero and subnormal results flushed.
 void dot(const bfloat16* a, int64_t lda, int64_t rows, PackedB b, int64_t pairs, int64_t column_blocks,
-         float* c, int64_t ldc, bool accumulate);
+         float* c, int64_t ldc, bool accumulate, int64_t last_block_columns = 16);
 
 // The rows of x [rows × 16·column_blocks] float32 (ld floats per row), rounded to bfloat16
 // (nearest even), as B of a product over rows: pair p = rows (2p, 2p+1), zero past `rows`, at
@@ -47,6 +48,21 @@ void pack_pairs(const float* x, int64_t ld, int64_t rows, int64_t column_blocks,
 // inputs and results flush to zero, so callers pass values that are 0 or normal, like the
 // attention probabilities, which simd's exp makes 0 below 2⁻¹²⁶). cols a multiple of 16.
 void narrow_rows(const float* x, int64_t ld, int64_t rows, int64_t cols, bfloat16* out, int64_t ld_out);
+
+// Any float32 operand of a product, rounded to bfloat16 (nearest even; subnormal results flush
+// to zero): op(x) [rows × cols] is x itself (rows × cols, ld floats per row) or, transposed, the
+// transpose of x (cols × rows, ld per row).
+// narrow_matrix: op(x) row-major into out (ld_out per row, ld_out even and >= cols rounded up to
+//   even; the column past an odd cols is written 0), as dot()'s A.
+// pack_matrix: op(x) as dot()'s B: PackedB{out, 512, column_blocks·512} with column_blocks =
+//   ceil(cols / 16) and pairs = ceil(rows / 2), every row past `rows` and column past `cols`
+//   written 0; out holds packed_size(rows, cols) elements.
+void narrow_matrix(const float* x, int64_t ld, int64_t rows, int64_t cols, bool transposed, bfloat16* out,
+                   int64_t ld_out);
+void pack_matrix(const float* x, int64_t ld, int64_t rows, int64_t cols, bool transposed, bfloat16* out);
+inline int64_t packed_size(int64_t rows, int64_t cols) {
+  return (rows + 31) / 32 * ((cols + 15) / 16) * 512;
+}
 
 // A register-only loop of vdpbf16ps (12 independent accumulators) for the benchmarks' peak:
 // `iterations` rounds of dot_loop_flops_per_iteration() FLOPs (2 per multiply-add).

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "linattn/core/error.h"
+#include "linattn/low_precision.h"
 #include "linattn/registry.h"
 
 namespace linattn::registry_support {
@@ -191,5 +192,24 @@ std::vector<std::pair<std::string, Tensor<T>>> no_example_tensors(int64_t, int64
                                                                   uint64_t) {
   return {};
 }
+
+// A bfloat16/float16 call's tensors widened to float32 (exact), and the float32 MethodArgs viewing
+// them: the registry's widened functions, and methods' own 16-bit kernels that run float32 code.
+template <class Low>
+struct WidenedArgs {
+  std::vector<Tensor<float>> storage;
+  MethodArgs<float> args;
+
+  explicit WidenedArgs(const MethodArgs<Low>& a) {
+    storage.reserve(3 + a.tensors.size());
+    args.q = keep(a.q), args.k = keep(a.k), args.v = keep(a.v);
+    args.options = a.options;
+    for (const auto& [name, t] : a.tensors) args.tensors[name] = keep(t);
+  }
+  TensorView<const float> keep(TensorView<const Low> t) {
+    storage.push_back(widen(t));
+    return storage.back().view();
+  }
+};
 
 }  // namespace linattn::registry_support

@@ -157,7 +157,7 @@ struct Scratch {
 template <class T>
 void key_logits(const Problem<T>& p, int64_t bh, int64_t j0, int64_t rows, Features<T>& kf) {
   if (p.fmap->log_form()) {
-    p.fmap->logits(p.fn, p.k.row(bh, j0), rows, Side::Key, kf.e, kf.s);
+    p.fmap->logits(p.fn, p.k.row(bh, j0), rows, Side::Key, kf.e, kf.s, p.products);
   } else {
     p.fmap->features(p.k.row(bh, j0), rows, kf.f);
   }
@@ -184,7 +184,7 @@ void query_features(const Problem<T>& p, int64_t bh, int64_t i0, int64_t rows, c
     return;
   }
   const int64_t m = p.fmap->dim();
-  p.fmap->logits(p.fn, p.q.row(bh, i0), rows, Side::Query, qf.e, qf.s);
+  p.fmap->logits(p.fn, p.q.row(bh, i0), rows, Side::Query, qf.e, qf.s, p.products);
   for (int64_t i = 0; i < rows; ++i) qf.t[i] = simd::exp_row_offset(qf.e + i * m, static_cast<size_t>(m), c);
   if (p.fmap->has_factor())
     simd::product_difference(qf.s, qf.e, static_cast<const T*>(nullptr), static_cast<const T*>(nullptr), qf.f,
@@ -230,7 +230,7 @@ void feature_backward(const Problem<T>& p, const T* x, int64_t rows, Side side, 
     simd::product_difference(dphi, f.e, none, none, ds, n);
   }
   simd::product_difference(dphi, f.values(*p.fmap), none, none, dphi, n);
-  p.fmap->logits_backward(x, rows, side, dphi, f.s, ds, dx, s.fs.data());
+  p.fmap->logits_backward(x, rows, side, dphi, f.s, ds, dx, s.fs.data(), p.products);
 }
 
 // [dnum_i | dden_i] into dnd (rows × (d_v+1)): dnum_i = dout_i / D_i and dden_i =
@@ -276,7 +276,7 @@ void accumulate_kv(const Problem<T>& p, int64_t bh, int64_t key_len, Scratch<T>&
     }
     finish_key_features(p, rows, s.c.data(), kf);
     augmented_values(p, bh, j0, rows, s);
-    matmul<T>(mat(s.kvz.data(), m, da), mat(kf.values(*p.fmap), rows, m).t(),
+    matmul<T>(p.products, mat(s.kvz.data(), m, da), mat(kf.values(*p.fmap), rows, m).t(),
               mat(s.vaug.data(), rows, da), T(1), T(1));
   }
 }
@@ -289,7 +289,7 @@ void query_rows(const Problem<T>& p, int64_t bh, int64_t i0, int64_t rows, Scrat
                 const T* D_in, T* D_out) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, da = dv + 1;
   query_features(p, bh, i0, rows, s.c.data(), s.qf);
-  matmul<T>(mat(s.nd.data(), rows, da), mat(s.qf.values(*p.fmap), rows, m),
+  matmul<T>(p.products, mat(s.nd.data(), rows, da), mat(s.qf.values(*p.fmap), rows, m),
             mat(s.kvz.data(), m, da));
   for (int64_t i = 0; i < rows; ++i) {
     const T* nd = s.nd.data() + i * da;
@@ -352,8 +352,8 @@ void noncausal_query_grads(const Problem<T>& p, int64_t bh, Scratch<T>& s, const
       o = s.num.data();
     }
     output_grads(dout + (bh * n_q + i0) * dv, o, D, static_cast<const T*>(nullptr), rows, dv, s.dnd.data());
-    matmul<T>(mat(s.dphi.data(), rows, m), mat(s.dnd.data(), rows, da), mat(s.kvz.data(), m, da).t());
-    matmul<T>(mat(s.dkvz.data(), m, da), mat(s.qf.values(*p.fmap), rows, m).t(), mat(s.dnd.data(), rows, da),
+    matmul<T>(p.products, mat(s.dphi.data(), rows, m), mat(s.dnd.data(), rows, da), mat(s.kvz.data(), m, da).t());
+    matmul<T>(p.products, mat(s.dkvz.data(), m, da), mat(s.qf.values(*p.fmap), rows, m).t(), mat(s.dnd.data(), rows, da),
               T(1), T(1));
     feature_backward(p, p.q.row(bh, i0), rows, Side::Query, s.qf, s, dq + (bh * n_q + i0) * d);
     s.written.check(dq + (bh * n_q + i0) * d, rows * d);
@@ -373,8 +373,8 @@ void noncausal_key_grads(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* dk, 
     key_logits(p, bh, j0, rows, kf);
     finish_key_features(p, rows, s.c.data(), kf);  // against the final shifts
     augmented_values(p, bh, j0, rows, s);
-    matmul<T>(mat(s.dphi.data(), rows, m), mat(s.vaug.data(), rows, da), mat(s.dkvz.data(), m, da).t());
-    matmul<T>(mat(dv_out + (bh * p.dims.n_k + j0) * dv, rows, dv), mat(kf.values(*p.fmap), rows, m),
+    matmul<T>(p.products, mat(s.dphi.data(), rows, m), mat(s.vaug.data(), rows, da), mat(s.dkvz.data(), m, da).t());
+    matmul<T>(p.products, mat(dv_out + (bh * p.dims.n_k + j0) * dv, rows, dv), mat(kf.values(*p.fmap), rows, m),
               mat(s.dkvz.data(), m, dv, da));
     feature_backward(p, p.k.row(bh, j0), rows, Side::Key, kf, s, dk + (bh * p.dims.n_k + j0) * d);
     s.written.check(dk + (bh * p.dims.n_k + j0) * d, rows * d);
@@ -451,7 +451,7 @@ void chunk_weights(const Problem<T>& p, int64_t rows, int64_t kr, const Features
                    Scratch<T>& s) {
   if (kr == 0) return;
   const int64_t m = p.fmap->dim();
-  matmul<T>(mat(s.W.data(), rows, kr, kChunk), mat(qf.values(*p.fmap), rows, m),
+  matmul<T>(p.products, mat(s.W.data(), rows, kr, kChunk), mat(qf.values(*p.fmap), rows, m),
             mat(kf.values(*p.fmap), kr, m).t());
   zero_above_diagonal(s.W.data(), rows, kr);
 }
@@ -463,9 +463,9 @@ template <class T>
 void chunk_outputs(const Problem<T>& p, int64_t rows, int64_t kr, const Features<T>& qf, Scratch<T>& s, T* out,
                    const T* D_in, T* D_out) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, da = dv + 1;
-  matmul<T>(mat(s.nd.data(), rows, da), mat(qf.values(*p.fmap), rows, m), mat(s.kvz.data(), m, da));
+  matmul<T>(p.products, mat(s.nd.data(), rows, da), mat(qf.values(*p.fmap), rows, m), mat(s.kvz.data(), m, da));
   if (kr > 0)
-    matmul<T>(mat(s.nd.data(), rows, da), mat(s.W.data(), rows, kr, kChunk), mat(s.vaug.data(), kr, da), T(1),
+    matmul<T>(p.products, mat(s.nd.data(), rows, da), mat(s.W.data(), rows, kr, kChunk), mat(s.vaug.data(), kr, da), T(1),
               T(1));
   for (int64_t i = 0; i < rows; ++i) {
     const T* nd = s.nd.data() + i * da;
@@ -481,7 +481,7 @@ template <class T>
 void add_chunk_to_state(const Problem<T>& p, int64_t kr, const Features<T>& kf, Scratch<T>& s) {
   if (kr == 0) return;
   const int64_t m = p.fmap->dim(), da = p.dims.value_dim + 1;
-  matmul<T>(mat(s.kvz.data(), m, da), mat(kf.values(*p.fmap), kr, m).t(), mat(s.vaug.data(), kr, da), T(1), T(1));
+  matmul<T>(p.products, mat(s.kvz.data(), m, da), mat(kf.values(*p.fmap), kr, m).t(), mat(s.vaug.data(), kr, da), T(1), T(1));
 }
 
 // The state at the start: a prefix state's rows [S_r | z_r | c_r] (causal_from_state), S, z
@@ -581,7 +581,7 @@ template <class T>
 void chunk_output_grads(const Problem<T>& p, int64_t rows, int64_t kr, const Scratch<T>& s, T* P) {
   if (kr == 0) return;
   const int64_t da = p.dims.value_dim + 1;
-  matmul<T>(mat(P, rows, kr, kChunk), mat(s.dnd.data(), rows, da), mat(s.vaug.data(), kr, da).t());
+  matmul<T>(p.products, mat(P, rows, kr, kChunk), mat(s.dnd.data(), rows, da), mat(s.vaug.data(), kr, da).t());
   zero_above_diagonal(P, rows, kr);
 }
 
@@ -621,9 +621,9 @@ void causal_forward_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, CausalS
     for (int64_t i = 0; i < rows; ++i) dden[i] = s.dnd[i * da + dv];  // for the reverse pass
     chunk_output_grads(p, rows, kr, s, chunk.P);
     // dQ = [dnum | dden]·[S | z]ᵀ + P·K
-    matmul<T>(mat(s.dphi.data(), rows, m), mat(s.dnd.data(), rows, da), mat(s.kvz.data(), m, da).t());
+    matmul<T>(p.products, mat(s.dphi.data(), rows, m), mat(s.dnd.data(), rows, da), mat(s.kvz.data(), m, da).t());
     if (kr > 0)
-      matmul<T>(mat(s.dphi.data(), rows, m), mat(chunk.P, rows, kr, kChunk), mat(chunk.kf.values(*p.fmap), kr, m),
+      matmul<T>(p.products, mat(s.dphi.data(), rows, m), mat(chunk.P, rows, kr, kChunk), mat(chunk.kf.values(*p.fmap), kr, m),
                 T(1), T(1));
     feature_backward(p, p.q.row(bh, t0), rows, Side::Query, chunk.qf, s, dq + (bh * n + t0) * d);
     s.written.check(dq + (bh * n + t0) * d, rows * d);
@@ -686,19 +686,19 @@ void causal_reverse_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, const C
     if (kr > 0) {
       const T* K = kf.values(*p.fmap);
       // dK = [V | 1]·[R | ρ]ᵀ + Pᵀ·Q
-      matmul<T>(mat(s.dphi.data(), kr, m), mat(s.vaug.data(), kr, da), mat(static_cast<const T*>(R), m, da).t());
-      matmul<T>(mat(s.dphi.data(), kr, m), mat(P, rows, kr, kChunk).t(), mat(Q, rows, m), T(1), T(1));
+      matmul<T>(p.products, mat(s.dphi.data(), kr, m), mat(s.vaug.data(), kr, da), mat(static_cast<const T*>(R), m, da).t());
+      matmul<T>(p.products, mat(s.dphi.data(), kr, m), mat(P, rows, kr, kChunk).t(), mat(Q, rows, m), T(1), T(1));
       // dv = K·R + Wᵀ·dnum
       T* dvc = dv_out + (bh * n + t0) * dv;
-      matmul<T>(mat(dvc, kr, dv), mat(K, kr, m), mat(static_cast<const T*>(R), m, dv, da));
-      matmul<T>(mat(dvc, kr, dv), mat(s.W.data(), rows, kr, kChunk).t(), mat(s.dnd.data(), rows, dv, da), T(1),
+      matmul<T>(p.products, mat(dvc, kr, dv), mat(K, kr, m), mat(static_cast<const T*>(R), m, dv, da));
+      matmul<T>(p.products, mat(dvc, kr, dv), mat(s.W.data(), rows, kr, kChunk).t(), mat(s.dnd.data(), rows, dv, da), T(1),
                 T(1));
       feature_backward(p, p.k.row(bh, t0), kr, Side::Key, kf, s, dk + (bh * n + t0) * d);
       s.written.check(dk + (bh * n + t0) * d, kr * d);
       s.written.check(dvc, kr * dv);
     }
     // This chunk's queries join the suffix state: [R | ρ] += Qᵀ·[dnum | dden].
-    matmul<T>(mat(R, m, da), mat(Q, rows, m).t(), mat(s.dnd.data(), rows, da), T(1), T(1));
+    matmul<T>(p.products, mat(R, m, da), mat(Q, rows, m).t(), mat(s.dnd.data(), rows, da), T(1), T(1));
   }
   if (!dprefix) return;
   for (int64_t r = 0; r < m; ++r) {

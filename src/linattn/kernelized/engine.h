@@ -5,6 +5,7 @@
 #pragma once
 
 #include "linattn/core/attention_args.h"
+#include "linattn/core/products.h"
 #include "linattn/kernelized/feature_map.h"
 
 namespace linattn::kernelized {
@@ -17,6 +18,9 @@ struct Problem {
   const KeyMask* mask;          // key_lengths; causal when mask->causal() (then n_q == n_k)
   const FeatureMap<T>* fmap;
   T eps;                        // added to every denominator (0 for FAVOR)
+  // The matrix products' arithmetic, the feature maps' included (bfloat16 calls of the plain
+  // and positive/hyperbolic FAVOR maps on AVX512-BF16: Products::Bfloat16).
+  Products products = Products::Native;
 };
 
 // What the forward keeps for the backward, per batch·head (null: not wanted / not there):

@@ -192,7 +192,7 @@ void FeatureMap<T>::features_backward(const T* x, int64_t n, const T* phi, const
 // ---- FAVOR maps -----------------------------------------------------------------------------
 
 template <class T>
-void FeatureMap<T>::logits(const char* fn, const T* x, int64_t n, Side side, T* L, T* s) const {
+void FeatureMap<T>::logits(const char* fn, const T* x, int64_t n, Side side, T* L, T* s, Products products) const {
   require(log_form(), "FeatureMap::logits: not a FAVOR feature map");
   const int64_t d = d_, m = m_;
   const T sq = static_cast<T>(sqrt_scale_);
@@ -200,7 +200,7 @@ void FeatureMap<T>::logits(const char* fn, const T* x, int64_t n, Side side, T* 
   const bool with_norm = side != Side::Query;
   // U = x̃·ωᵀ, straight into the first m columns of L (positive, hyperbolic) or s (trig).
   T* U = kind_ == FeatureMapKind::FavorTrig ? s : L;
-  matmul<T>(mat(U, n, m, dim_), mat(x, n, d), mat(omega_, m, d).t(), sq);
+  matmul<T>(products, mat(U, n, m, dim_), mat(x, n, d), mat(omega_, m, d).t(), sq);
   // Every logit is finite when ‖x̃‖·max_r‖ω_r‖ and ‖x̃‖²/2 are (|ω_r·x̃| <= ‖x̃‖·‖ω_r‖):
   // checked per row from ‖x‖², which h needs anyway, rather than by a pass over the m logits.
   const double limit = static_cast<double>(std::numeric_limits<T>::max());
@@ -239,7 +239,7 @@ void FeatureMap<T>::logits(const char* fn, const T* x, int64_t n, Side side, T* 
 
 template <class T>
 void FeatureMap<T>::logits_backward(const T* x, int64_t n, Side side, const T* dL, const T* s,
-                                    const T* ds, T* dx, T* scratch) const {
+                                    const T* ds, T* dx, T* scratch, Products products) const {
   // With x̃ = √scale·x and U = x̃·ωᵀ: dx = √scale·(dU·ω + coef·x̃), coef = ∂loss/∂h (keys, and
   // trig, whose L = h): positive −Σ_r dL_r; hyperbolic −Σ_r (dL⁺_r + dL⁻_r); trig +Σ_r dL_r.
   //   positive   dU = dL
@@ -268,7 +268,7 @@ void FeatureMap<T>::logits_backward(const T* x, int64_t n, Side side, const T* d
     const T* xr = x + i * d;
     for (int64_t c = 0; c < d; ++c) dx[i * d + c] = coef * sq * sq * xr[c];
   }
-  matmul<T>(mat(dx, n, d), mat(positive ? dL : static_cast<const T*>(dU), n, m), mat(omega_, m, d), sq, T(1));
+  matmul<T>(products, mat(dx, n, d), mat(positive ? dL : static_cast<const T*>(dU), n, m), mat(omega_, m, d), sq, T(1));
 }
 
 template <class T>

@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 
+#include "linattn/core/products.h"
 #include "linattn/tensor.h"
 
 namespace linattn {
@@ -70,11 +71,14 @@ class FeatureMap {
   //            s = [sin U, cos U]
   //   queries: positive L = U;     hyperbolic [U, −U];         trig L = 0, s = [sin U, cos U]
   // with U = x̃·ωᵀ, x̃ = √scale·x, h = ‖x̃‖²/2. Throws Error if a logit is not finite.
-  void logits(const char* fn, const T* x, int64_t n, Side side, T* L, T* s) const;
+  // products: the arithmetic of U's product (Products::Bfloat16: x and ω are rounded to
+  // bfloat16, exactly when they are bfloat16 values, as in a bfloat16 call).
+  void logits(const char* fn, const T* x, int64_t n, Side side, T* L, T* s,
+              Products products = Products::Native) const;
   // dx [n × d] from dL = ∂loss/∂L and (trig) ds = ∂loss/∂s; s: logits()' factors (trig).
   // scratch: scratch_size(n) values.
   void logits_backward(const T* x, int64_t n, Side side, const T* dL, const T* s, const T* ds,
-                       T* dx, T* scratch) const;
+                       T* dx, T* scratch, Products products = Products::Native) const;
   int64_t scratch_size(int64_t n) const;
 
  private:

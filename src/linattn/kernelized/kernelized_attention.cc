@@ -10,6 +10,7 @@
 #include "linattn/core/range.h"
 #include "linattn/kernelized.h"
 #include "linattn/kernelized/engine.h"
+#include "linattn/kernelized/products_calls.h"
 #include "linattn/kernelized/feature_map.h"
 
 namespace linattn {
@@ -99,11 +100,8 @@ KernelizedAttentionResult<T> run_forward(const kernelized::Problem<T>& p, const 
   return r;
 }
 
-// What a backward was given of the forward's results.
 template <class T>
-struct SavedViews {
-  TensorView<const T> out, den, state;
-};
+using SavedViews = kernelized::SavedResults<T>;
 
 // The engine's backward, from `saved` (checked) or, without it, from a forward run here first
 // (into workspace memory: the attention output alone, den, and the state when non-causal).
@@ -152,12 +150,13 @@ AttentionGrads<T> run_backward(const kernelized::Problem<T>& p, const ValueScale
 template <class T>
 struct LinearSetup {
   LinearSetup(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
-              const LinearAttentionOptions& opts, const std::optional<TensorView<const T>>& dwc_weight)
+              const LinearAttentionOptions& opts, const std::optional<TensorView<const T>>& dwc_weight,
+              Products products = Products::Native)
       : d(check_common(fn, q, k, v, opts)),
         vs(v, d.v_max),
         fmap(plain_map<T>(fn, opts, d, vs.max_abs(d.v_max))),
         mask(d, opts),
-        problem{fn, q, k, vs.view(), d, &mask, &fmap, static_cast<T>(opts.eps)} {
+        problem{fn, q, k, vs.view(), d, &mask, &fmap, static_cast<T>(opts.eps), products} {
     if (dwc_weight) check_depthwise_conv(fn, "dwc_weight", d, opts.causal, *dwc_weight);
     check_given_features(fn, "q", fmap, q);
     check_given_features(fn, "k", fmap, k, &mask);
@@ -173,12 +172,15 @@ struct LinearSetup {
 template <class T>
 struct FavorSetup {
   FavorSetup(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
-             TensorView<const T> projection, const FavorOptions& opts)
+             TensorView<const T> projection, const FavorOptions& opts, Products products = Products::Native)
       : d(check_common(fn, q, k, v, opts)),
         fmap(favor_map(fn, opts, d, projection)),
         vs(v, d.v_max),
         mask(d, opts),
-        problem{fn, q, k, vs.view(), d, &mask, &fmap, T(0)} {}
+        problem{fn, q, k, vs.view(), d, &mask, &fmap, T(0), products} {
+    require(products == Products::Native || !fmap.has_factor(), fn,
+            ": bfloat16 products are not for the trig kernel (its features are signed)");
+  }
   AttentionDims d;
   FeatureMap<T> fmap;
   ValueScale<T> vs;
@@ -255,6 +257,41 @@ AttentionGrads<T> favor_attention_backward(TensorView<const T> q, TensorView<con
   const FavorSetup<T> s("favor_attention_backward", q, k, v, projection, opts);
   return run_backward<T>(s.problem, s.vs, dout, std::nullopt, SavedViews<T>{out, den, state});
 }
+
+namespace kernelized {
+
+KernelizedAttentionResult<float> linear_forward(Products products, TensorView<const float> q, TensorView<const float> k,
+                                                TensorView<const float> v, const LinearAttentionOptions& opts,
+                                                std::optional<TensorView<const float>> dwc_weight) {
+  const LinearSetup<float> s("linear_attention", q, k, v, opts, dwc_weight, products);
+  return run_forward(s.problem, s.vs, dwc_weight, true);
+}
+
+AttentionGrads<float> linear_backward(Products products, TensorView<const float> q, TensorView<const float> k,
+                                      TensorView<const float> v, TensorView<const float> dout,
+                                      const std::optional<SavedResults<float>>& saved,
+                                      const LinearAttentionOptions& opts,
+                                      std::optional<TensorView<const float>> dwc_weight) {
+  const LinearSetup<float> s("linear_attention_backward", q, k, v, opts, dwc_weight, products);
+  return run_backward<float>(s.problem, s.vs, dout, dwc_weight, saved);
+}
+
+KernelizedAttentionResult<float> favor_forward(Products products, TensorView<const float> q, TensorView<const float> k,
+                                               TensorView<const float> v, TensorView<const float> projection,
+                                               const FavorOptions& opts) {
+  const FavorSetup<float> s("favor_attention", q, k, v, projection, opts, products);
+  return run_forward<float>(s.problem, s.vs, std::nullopt, true);
+}
+
+AttentionGrads<float> favor_backward(Products products, TensorView<const float> q, TensorView<const float> k,
+                                     TensorView<const float> v, TensorView<const float> projection,
+                                     TensorView<const float> dout, const std::optional<SavedResults<float>>& saved,
+                                     const FavorOptions& opts) {
+  const FavorSetup<float> s("favor_attention_backward", q, k, v, projection, opts, products);
+  return run_backward<float>(s.problem, s.vs, dout, std::nullopt, saved);
+}
+
+}  // namespace kernelized
 
 #define LINATTN_INSTANTIATE(T)                                                                          \
   template Tensor<T> linear_attention(TensorView<const T>, TensorView<const T>, TensorView<const T>,    \

@@ -2,13 +2,16 @@
 #include "linattn/core/method_support.h"
 #include "linattn/kernelized.h"
 #include "linattn/kernelized/args.h"
+#include "linattn/kernelized/feature_map.h"
 #include "linattn/kernelized/engine.h"
+#include "linattn/kernelized/products_calls.h"
 #include "linattn/random_features.h"
 
 namespace linattn {
 namespace {
 
 using namespace registry_support;
+using kernelized::SavedResults;
 
 // The forward's output with its saved den and state, as a registry output.
 template <class T>
@@ -47,6 +50,72 @@ AttentionGrads<T> favor_backward(const MethodArgs<T>& a, TensorView<const T> dou
   if (const auto s = saved_tensors<T, 3>("favor_attention_backward", saved, {"out", "den", "state"}))
     return favor_attention_backward<T>(a.q, a.k, a.v, c.projection, dout, (*s)[0], (*s)[1], (*s)[2], c.opts);
   return favor_attention_backward<T>(a.q, a.k, a.v, c.projection, dout, c.opts);
+}
+
+// ---- bfloat16 calls with bfloat16 products (AVX512-BF16) ----
+// The float32 engine on the widened inputs with Products::Bfloat16: every matrix product takes
+// its operands rounded to bfloat16 and sums in float32 (docs/precision.md). Nothing (and the
+// registry widens to float32 products) on CPUs without AVX512-BF16 and for FAVOR's trig kernel,
+// whose signed features would let the rounding errors outgrow the denominator.
+
+std::optional<SavedResults<float>> saved_results(const char* fn, const SavedViews<bfloat16>& saved) {
+  if (const auto s = saved_tensors<float, 3>(fn, saved, {"out", "den", "state"}))
+    return SavedResults<float>{(*s)[0], (*s)[1], (*s)[2]};
+  return std::nullopt;
+}
+
+MethodOutput<bfloat16> narrowed_output(KernelizedAttentionResult<float> r, const char* fn) {
+  MethodOutput<float> f = with_saved(std::move(r));
+  return {narrow<bfloat16>(f.out, (std::string(fn) + ": out").c_str()), std::move(f.saved)};
+}
+
+AttentionGrads<bfloat16> narrowed_grads(const AttentionGrads<float>& g, const std::string& fn) {
+  AttentionGrads<bfloat16> out{narrow<bfloat16>(g.dq, (fn + ": dq").c_str()), narrow<bfloat16>(g.dk, (fn + ": dk").c_str()),
+                               narrow<bfloat16>(g.dv, (fn + ": dv").c_str()), {}};
+  for (const auto& [name, t] : g.params) out.params.emplace_back(name, narrow<bfloat16>(t, (fn + ": d_" + name).c_str()));
+  return out;
+}
+
+std::optional<MethodOutput<bfloat16>> linear_forward_bf16(const MethodArgs<bfloat16>& a) {
+  if (!bfloat16_products_usable()) return std::nullopt;
+  const WidenedArgs<bfloat16> w(a);
+  const auto c = kernelized::linear_call(w.args);
+  return narrowed_output(kernelized::linear_forward(Products::Bfloat16, w.args.q, w.args.k, w.args.v, c.opts, c.dwc_weight),
+                         "linear_attention");
+}
+
+std::optional<AttentionGrads<bfloat16>> linear_backward_bf16(const MethodArgs<bfloat16>& a, TensorView<const bfloat16> dout,
+                                                             const SavedViews<bfloat16>& saved) {
+  if (!bfloat16_products_usable()) return std::nullopt;
+  const char* fn = "linear_attention_backward";
+  WidenedArgs<bfloat16> w(a);
+  const TensorView<const float> dout32 = w.keep(dout);
+  const auto c = kernelized::linear_call(w.args);
+  return narrowed_grads(kernelized::linear_backward(Products::Bfloat16, w.args.q, w.args.k, w.args.v, dout32,
+                                                    saved_results(fn, saved), c.opts, c.dwc_weight),
+                        fn);
+}
+
+std::optional<MethodOutput<bfloat16>> favor_forward_bf16(const MethodArgs<bfloat16>& a) {
+  if (!bfloat16_products_usable()) return std::nullopt;
+  const WidenedArgs<bfloat16> w(a);
+  const auto c = kernelized::favor_call(w.args);
+  if (parse_favor_kernel("favor_attention", c.opts.kernel) == FeatureMapKind::FavorTrig) return std::nullopt;
+  return narrowed_output(kernelized::favor_forward(Products::Bfloat16, w.args.q, w.args.k, w.args.v, c.projection, c.opts),
+                         "favor_attention");
+}
+
+std::optional<AttentionGrads<bfloat16>> favor_backward_bf16(const MethodArgs<bfloat16>& a, TensorView<const bfloat16> dout,
+                                                            const SavedViews<bfloat16>& saved) {
+  if (!bfloat16_products_usable()) return std::nullopt;
+  const char* fn = "favor_attention_backward";
+  WidenedArgs<bfloat16> w(a);
+  const TensorView<const float> dout32 = w.keep(dout);
+  const auto c = kernelized::favor_call(w.args);
+  if (parse_favor_kernel(fn, c.opts.kernel) == FeatureMapKind::FavorTrig) return std::nullopt;
+  return narrowed_grads(kernelized::favor_backward(Products::Bfloat16, w.args.q, w.args.k, w.args.v, c.projection, dout32,
+                                                   saved_results(fn, saved), c.opts),
+                        fn);
 }
 
 constexpr int64_t kDefaultFeatures = 256;
@@ -98,6 +167,8 @@ MethodInfo describe_linear() {
   };
   m.f32 = LINATTN_METHOD_FUNCTIONS(float, linear_forward, linear_backward, no_example_tensors);
   m.f64 = LINATTN_METHOD_FUNCTIONS(double, linear_forward, linear_backward, no_example_tensors);
+  m.bf16_kernel = linear_forward_bf16;
+  m.bf16_backward_kernel = linear_backward_bf16;
   return m;
 }
 
@@ -142,6 +213,8 @@ MethodInfo describe_favor() {
   };
   m.f32 = LINATTN_METHOD_FUNCTIONS(float, favor_forward, favor_backward, favor_example);
   m.f64 = LINATTN_METHOD_FUNCTIONS(double, favor_forward, favor_backward, favor_example);
+  m.bf16_kernel = favor_forward_bf16;
+  m.bf16_backward_kernel = favor_backward_bf16;
   return m;
 }
 

@@ -1,0 +1,79 @@
+#include "linattn/core/products.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "linattn/core/avx512_bf16.h"
+#include "linattn/memory.h"
+
+namespace linattn {
+namespace {
+
+// One worker's operand copies: A narrowed, B packed, and the float32 result when it cannot go
+// straight into C.
+struct Workspace {
+  Buffer<bfloat16> a, b;
+  Buffer<float> c;
+};
+
+template <class T>
+T* at_least(Buffer<T>& buf, int64_t count) {
+  if (buf.size() < count) buf = Buffer<T>(count, false, Init::Uninitialized);
+  return buf.data();
+}
+
+[[noreturn]] void bad_shapes(const char* what, Mat<float> C, Mat<const float> A, Mat<const float> B) {
+  throw std::logic_error(std::string("matmul_bf16: ") + what + ": C " + std::to_string(C.rows) + "x" +
+                         std::to_string(C.cols) + ", A " + std::to_string(A.op_rows()) + "x" +
+                         std::to_string(A.op_cols()) + ", B " + std::to_string(B.op_rows()) + "x" +
+                         std::to_string(B.op_cols()));
+}
+
+}  // namespace
+
+void require_native_products(Products kind) {
+  if (kind != Products::Native) throw std::logic_error("matmul: bfloat16 products are for float32 operands only");
+}
+
+bool bfloat16_products_usable() { return avx512_bf16::usable(); }
+
+void matmul_bf16(Mat<float> C, Mat<const float> A, Mat<const float> B, float alpha, float beta) {
+  if (C.transposed) bad_shapes("C must not be transposed", C, A, B);
+  if (A.op_rows() != C.rows || B.op_cols() != C.cols || A.op_cols() != B.op_rows())
+    bad_shapes("shapes do not agree", C, A, B);
+  if (C.ld < C.cols || A.ld < A.cols || B.ld < B.cols) bad_shapes("a leading dimension is below its columns", C, A, B);
+  const int64_t M = C.rows, N = C.cols, K = A.op_cols();
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) C.data[i * C.ld + j] = beta == 0 ? 0.0f : beta * C.data[i * C.ld + j];
+    return;
+  }
+  // A narrowed to rows of pairs and B packed (both through 16×16 transposes when transposed),
+  // then dot() straight into C, or into a float32 result that alpha and beta then apply to.
+  const int64_t pairs = (K + 1) / 2, blocks = (N + 15) / 16;
+  thread_local Workspace ws;
+  bfloat16* an = at_least(ws.a, M * 2 * pairs);
+  bfloat16* bp = at_least(ws.b, avx512_bf16::packed_size(K, N));
+  avx512_bf16::narrow_matrix(A.data, A.ld, M, K, A.transposed, an, 2 * pairs);
+  avx512_bf16::pack_matrix(B.data, B.ld, K, N, B.transposed, bp);
+  const avx512_bf16::PackedB packed{bp, 512, blocks * 512};
+  const int64_t last = N - 16 * (blocks - 1);
+  if (alpha == 1 && (beta == 0 || beta == 1)) {
+    avx512_bf16::dot(an, 2 * pairs, M, packed, pairs, blocks, C.data, C.ld, beta == 1, last);
+    return;
+  }
+  float* r = at_least(ws.c, M * N);
+  avx512_bf16::dot(an, 2 * pairs, M, packed, pairs, blocks, r, N, false, last);
+  for (int64_t i = 0; i < M; ++i) {
+    float* c = C.data + i * C.ld;
+    const float* ri = r + i * N;
+    if (beta == 0) {
+      for (int64_t j = 0; j < N; ++j) c[j] = alpha * ri[j];
+    } else {
+      for (int64_t j = 0; j < N; ++j) c[j] = alpha * ri[j] + beta * c[j];
+    }
+  }
+}
+
+}  // namespace linattn

@@ -1,0 +1,40 @@
+// Which arithmetic a float32 computation's matrix products use: the BLAS in float32, or
+// operands rounded to bfloat16 and summed in float32 by vdpbf16ps (AVX512-BF16), about twice the
+// float32 FMA rate. The kernelized methods' bfloat16 calls take the second (docs/precision.md).
+#pragma once
+
+#include <type_traits>
+
+#include "linattn/core/blas.h"
+
+namespace linattn {
+
+enum class Products {
+  Native,    // matmul<T>: the BLAS in the operands' own type
+  Bfloat16,  // float32 only: A and B rounded to bfloat16 (nearest even), float32 sums
+};
+
+// Throws std::logic_error unless kind is Native (float64 products are always the BLAS's).
+void require_native_products(Products kind);
+
+// Whether this CPU runs Products::Bfloat16 (avx512_bf16::usable()).
+bool bfloat16_products_usable();
+
+// C = alpha·A·B + beta·C, matmul's contract (beta = 0: C is not read). Bfloat16: each product
+// a_ik·b_kj of the rounded operands is exact in float32 and each pair of them is summed by two
+// rounded fused multiply-adds; subnormal operands and results flush to zero; alpha and beta
+// apply in float32 after the sum. Its operand copies are per thread, grown on first use
+// (the callers are pool workers that run many products of the same sizes).
+void matmul_bf16(Mat<float> C, Mat<const float> A, Mat<const float> B, float alpha = 1, float beta = 0);
+
+template <class T>
+void matmul(Products kind, Mat<T> C, Mat<const T> A, Mat<const T> B, T alpha = T(1), T beta = T(0)) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (kind == Products::Bfloat16) return matmul_bf16(C, A, B, alpha, beta);
+  } else {
+    require_native_products(kind);
+  }
+  matmul<T>(C, A, B, alpha, beta);
+}
+
+}  // namespace linattn
