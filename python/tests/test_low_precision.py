@@ -10,7 +10,12 @@ The one exception: on a CPU with AMX-BF16 tiles or AVX512-BF16, exact attention'
 forward multiplies in bfloat16 (build_info() says so), and so does its backward where the CPU
 has AVX512-BF16. The forward rounds its probabilities to bfloat16 before P·V, so its output is
 within u·|ref| + u·max|v| of the float32 one (u = 2^-8), not bitwise it; the backward rounds P
-and dS (_softmax_grad_bound). The C++ suite (test_softmax_bf16.cc) checks both against float64."""
+and dS (_softmax_grad_bound). The C++ suite (test_softmax_bf16.cc) checks both against float64.
+
+Likewise linear_attention and favor_attention (not the trig kernel) in bfloat16 on AVX512-BF16
+(build_info() says "products in bfloat16"): every matrix product takes its operands rounded to
+bfloat16 (_kernelized_out_bound, _kernelized_grad_bound; the C++ suite's per-term bound against
+float64 is in tests/kernelized_bounds.h)."""
 import ml_dtypes
 import numpy as np
 import pytest
@@ -26,6 +31,30 @@ TORCH = {BF16: torch.bfloat16, np.dtype(np.float16): torch.float16}
 
 BF16_PRODUCTS = "exact attention's forward" in linattn.build_info()
 BF16_BACKWARD = "backward on AVX512-BF16" in linattn.build_info()
+KERNELIZED_BF16 = "FAVOR+ (positive, hyperbolic) products in bfloat16" in linattn.build_info()
+KERNELIZED = {"linear", "linear_backward", "favor", "favor_backward"}
+
+
+def _kernelized_out_bound(ref, v):
+    """|out − ref| allowed for linear_attention's and favor_attention's bfloat16-product forward
+    against the float32 one. Their weights are non-negative sums over features, and each sum has
+    three operands rounded to bfloat16 on its way (the query's and the key's features, and the
+    state or the chunk's weights): num and den move by at most 3u of their own sums of absolute
+    values, so num/den moves by 2·3u/(1 − 3u)·max|v| ≤ 6.1u·max|v|; the output's rounding adds
+    u·|ref| (and u times that change), the float32 sums 2^-16·max|v| at these sizes."""
+    u = 2.0 ** -8
+    return u * np.abs(ref) + (6.2 * u + 2.0 ** -16) * np.abs(v).max()
+
+
+def _kernelized_grad_bound(g32):
+    """|g − g32| allowed for their bfloat16-product gradients against the float32 ones: each term
+    of a gradient passes through at most ten bfloat16 roundings (kernelized_bounds.h: six
+    features and four operands), here against the gradient's scale instead of the sum of its
+    terms' magnitudes (the C++ suite checks that per-term bound against float64), plus the
+    rounding of the result."""
+    u = 2.0 ** -8
+    g32 = np.abs(np.asarray(g32, np.float64))
+    return 2 * u * g32 + 10 * u * g32.max()
 
 
 def _tiles_bound(ref, v):
@@ -120,6 +149,12 @@ def test_every_numpy_function_is_its_float32_result_rounded_once(dtype):
             if name == "softmax" and dtype == BF16 and BF16_PRODUCTS:
                 err = np.abs(a.astype(np.float64) - b)
                 assert (err <= _tiles_bound(b, v.astype(np.float32))).all(), err.max()
+                continue
+            if name in KERNELIZED and dtype == BF16 and KERNELIZED_BF16:
+                err = np.abs(a.astype(np.float64) - b)
+                bound = (_kernelized_out_bound(b, v.astype(np.float32)) if not name.endswith("_backward")
+                         else _kernelized_grad_bound(b))
+                assert (err <= bound).all(), (name, i, err.max())
                 continue
             if name == "softmax_backward" and dtype == BF16 and BF16_BACKWARD:
                 bound = _softmax_grad_bound(q, k, v, g, False, want)[i]
@@ -251,8 +286,12 @@ def test_torch_autograd_in_16_bit_is_float32_rounded(method, dtype):
     out, grads = run(dtype)
     out32, grads32 = run(torch.float32)
     assert out.dtype == dtype
+    kernelized = method in ("linear", "favor") and dtype == torch.bfloat16 and KERNELIZED_BF16
     if method == "softmax" and dtype == torch.bfloat16 and BF16_PRODUCTS:
         bound = _tiles_bound(out32.detach().double().numpy(), base[2].float().numpy())
+        assert ((out - out32).detach().double().abs().numpy() <= bound).all()
+    elif kernelized:
+        bound = _kernelized_out_bound(out32.detach().double().numpy(), base[2].float().numpy())
         assert ((out - out32).detach().double().abs().numpy() <= bound).all()
     else:
         assert torch.equal(out, out32.to(dtype))
@@ -267,7 +306,12 @@ def test_torch_autograd_in_16_bit_is_float32_rounded(method, dtype):
                                   [t.numpy() for t in grads32])
     for i, (a, b) in enumerate(zip(grads, grads32)):
         assert a.dtype == dtype
-        bound = torch.from_numpy(own[i]).float() if own else 2 * u * b.abs() + 2 * u * b.abs().max()
+        if own:
+            bound = torch.from_numpy(own[i]).float()
+        elif kernelized:
+            bound = torch.from_numpy(_kernelized_grad_bound(b.numpy())).float()
+        else:
+            bound = 2 * u * b.abs() + 2 * u * b.abs().max()
         assert bool(((a.float() - b).abs() <= bound).all()), (a.float() - b).abs().max()
 
 
