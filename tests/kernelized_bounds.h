@@ -23,9 +23,13 @@
 //            values already (exact); the features are rounded where they enter a product, so E_r
 //            gains u_b·|φ_r|; a state, a chunk's W or a block's [num | den] sums enter rounded,
 //            so the sums gain u_b (g_sum + u_b); in the backward each path also rounds
-//            [dnum | dden] or P, a state or its gradient, dφ∘φ before the product with ω, and one
-//            gradient state: ε + 4·u_b. Subnormal operands flush to zero (an absolute 2⁻¹²⁶ per
-//            term), which these bounds leave out: the callers keep every feature above e⁻⁸⁰.
+//            [dnum | dden] or P, a state or its gradient, dφ∘φ before the product with ω, and the
+//            saved out (bfloat16) that dden reads: ε + 4·u_b. u_b is large enough that second-
+//            order terms matter (ten roundings of 2⁻⁸ compound to 4% more than their sum), so
+//            each u_b here is u_b/(1 − 10·u_b), as γ_n = nu/(1 − nu) does for float32. Subnormal
+//            operands and results flush to zero (an error of 2⁻¹²⁶·|other operand| per term),
+//            which these bounds leave out: the tests' inputs keep every feature, state and
+//            gradient operand far above 2⁻¹²⁶.
 #pragma once
 
 #include <algorithm>
@@ -79,7 +83,7 @@ KernelizedExact kernelized_exact_with_bounds(const Tensor<double>& q, const Tens
                                              const KernelizedSpec& spec, bool bf16_products = false) {
   const int64_t B = q.dim(0), H = q.dim(1), nq = q.dim(2), nk = k.dim(2), d = q.dim(3), dv = v.dim(3);
   const double u = unit_roundoff<T>();
-  const double ub = bf16_products ? std::ldexp(1.0, -8) : 0.0;
+  const double ub = bf16_products ? std::ldexp(1.0, -8) / (1 - 10 * std::ldexp(1.0, -8)) : 0.0;
   const double scale = spec.scale > 0 ? spec.scale : 1 / std::sqrt(double(d));
   const double s = std::sqrt(scale);
   AttentionOptions mo;
@@ -154,7 +158,7 @@ KernelizedExact kernelized_exact_with_bounds(const Tensor<double>& q, const Tens
         else if (spec.map == "focused") e = gamma<T>(d + 8) * phi;
         else if (spec.map == "trig") e = amp * (dU[rr % m_proj] + 4 * u) + eta * phi;
         else e = eta * phi;
-        e += ub * phi;
+        e += ub * phi;  // (trig never takes bfloat16 products: its callers leave ub = 0)
         out.err[i * m + rr] = e;
         const double bar = spec.map == "trig" ? amp : phi;
         if (bar > 0) out.rel[i] = std::max(out.rel[i], e / bar);

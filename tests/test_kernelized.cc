@@ -165,7 +165,8 @@ INSTANTIATE_TEST_SUITE_P(
 // float32 bound plus the operand roundings (kernelized_bounds.h, bf16_products) plus the
 // result's own rounding to bfloat16 (u_b·(|ref| + bound)). Every non-negative map, every mask,
 // sizes inside one causal chunk, across chunks and across 300 rows, at 1 and 5 threads (batch·heads
-// 6); from the saved tensors the gradients are bitwise the same. Trig keeps float32 products.
+// 6), with and without the forward's saved tensors (whose out is the rounded bfloat16 one). Trig
+// keeps float32 products.
 TEST(KernelizedBf16Products, MatchTheBoundAgainstFloat64) {
   if (!bfloat16_products_usable()) GTEST_SKIP() << "no AVX512-BF16 here";
   const double ub = std::ldexp(1.0, -8);

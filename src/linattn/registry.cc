@@ -35,11 +35,7 @@ MethodFunctions<Low> widening(const MethodFunctions<float>& f32, const std::stri
                                                                    const SavedViews<Low>& saved) {
     WidenedArgs<Low> w(a);
     const TensorView<const float> dout32 = w.keep(dout);
-    AttentionGrads<float> g = backward(w.args, dout32, saved);
-    AttentionGrads<Low> out{narrow<Low>(g.dq, (fn + ": dq").c_str()), narrow<Low>(g.dk, (fn + ": dk").c_str()),
-                            narrow<Low>(g.dv, (fn + ": dv").c_str()), {}};
-    for (auto& [name, t] : g.params) out.params.emplace_back(name, narrow<Low>(t, (fn + ": d_" + name).c_str()));
-    return out;
+    return registry_support::narrow_grads<Low>(backward(w.args, dout32, saved), fn);
   };
   if (f32.example_tensors)
     f.example_tensors = [example = f32.example_tensors, function](int64_t heads, int64_t head_dim, int64_t n_k,

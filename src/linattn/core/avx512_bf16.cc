@@ -47,6 +47,55 @@ inline __mmask16 first_lanes(int64_t count) {
   return count >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << count) - 1u);
 }
 
+// 16 bfloat16 pairs (lo[t], hi[t]) as 32-bit lanes t, from 16 floats of each of two rows (lanes
+// past `count` read as 0).
+LINATTN_TARGET inline __m512i interleaved_pairs(const float* lo, const float* hi, __mmask16 lanes) {
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512 l = lo ? _mm512_maskz_loadu_ps(lanes, lo) : _mm512_setzero_ps();
+  const __m512 h = hi ? _mm512_maskz_loadu_ps(lanes, hi) : _mm512_setzero_ps();
+  return _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), (__m512i)_mm512_cvtne2ps_pbh(h, l));
+}
+
+// 32 consecutive floats (lanes past `count` of 32 read as 0) as 16 bfloat16 pairs in order.
+LINATTN_TARGET inline __m512i consecutive_pairs(const float* x, int64_t count) {
+  const __m512 l = _mm512_maskz_loadu_ps(first_lanes(std::max<int64_t>(count, 0)), x);
+  const __m512 h = _mm512_maskz_loadu_ps(first_lanes(std::max<int64_t>(count - 16, 0)), x + 16);
+  return (__m512i)_mm512_cvtne2ps_pbh(h, l);
+}
+
+// v[i] lane j ↔ v[j] lane i (a 16×16 transpose of 32-bit lanes). GCC 12 warns that the
+// unpack intrinsics' internal pass-through operand (an undefined vector, fully overwritten
+// under an all-ones mask) may be uninitialised: a false positive of its headers.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+LINATTN_TARGET inline void transpose16(__m512i v[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // 128-bit group g of v[4k + i] now holds column 4g + i of rows 4k..4k+3: gather the groups.
+  for (int i = 0; i < 4; ++i) {
+    const __m512i a = v[i], b = v[4 + i], c = v[8 + i], d = v[12 + i];
+    const __m512i ab_lo = _mm512_shuffle_i32x4(a, b, 0x44), ab_hi = _mm512_shuffle_i32x4(a, b, 0xEE);
+    const __m512i cd_lo = _mm512_shuffle_i32x4(c, d, 0x44), cd_hi = _mm512_shuffle_i32x4(c, d, 0xEE);
+    t[i] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88);
+    t[4 + i] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0xDD);
+    t[8 + i] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0x88);
+    t[12 + i] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) v[i] = t[i];
+}
+#pragma GCC diagnostic pop
+
+
 // R rows × C column blocks of accumulators (R·C ≤ 24 of the 32 zmm registers; the rest hold
 // B's C vectors and a broadcast pair of A).
 // The last column block reads and writes only the lanes in `last`.
@@ -131,20 +180,13 @@ void dot(const bfloat16* a, int64_t lda, int64_t rows, PackedB b, int64_t pairs,
 namespace {
 LINATTN_TARGET void pack_pairs_avx512(const float* x, int64_t ld, int64_t rows, int64_t column_blocks, int64_t pairs,
                                       bfloat16* out) {
-  // vcvtne2ps2bf16 gives [row 2p's 16 | row 2p+1's 16]; vpermw interleaves them into pairs.
-  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i idx = _mm512_load_si512(kInterleave);
   for (int64_t p = 0; p < pairs; ++p) {
     const float* lo = 2 * p < rows ? x + 2 * p * ld : nullptr;
     const float* hi = 2 * p + 1 < rows ? x + (2 * p + 1) * ld : nullptr;
     bfloat16* dst = out + (p / 16) * column_blocks * 512 + (p % 16) * 32;
-    for (int64_t j = 0; j < column_blocks; ++j) {
-      const __m512 l = lo ? _mm512_loadu_ps(lo + 16 * j) : _mm512_setzero_ps();
-      const __m512 h = hi ? _mm512_loadu_ps(hi + 16 * j) : _mm512_setzero_ps();
-      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(h, l);
-      _mm512_storeu_si512(dst + j * 512, _mm512_permutexvar_epi16(idx, both));
-    }
+    for (int64_t j = 0; j < column_blocks; ++j)
+      _mm512_storeu_si512(dst + j * 512, interleaved_pairs(lo ? lo + 16 * j : nullptr, hi ? hi + 16 * j : nullptr,
+                                                           __mmask16(0xFFFF)));
   }
 }
 }  // namespace
@@ -183,73 +225,10 @@ float dot_loop(int64_t iterations, float seed) {
 #endif
 }
 
-#if LINATTN_AVX512_BF16
-namespace {
-LINATTN_TARGET void narrow_rows_avx512(const float* x, int64_t ld, int64_t rows, int64_t cols, bfloat16* out,
-                                       int64_t ld_out) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; c += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ld_out + c),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + r * ld + c)));
-}
-}  // namespace
-#endif
 
-void narrow_rows(const float* x, int64_t ld, int64_t rows, int64_t cols, bfloat16* out, int64_t ld_out) {
-  require(usable(), "avx512_bf16::narrow_rows: ", unavailable_reason());
-  require(cols % 16 == 0, "avx512_bf16::narrow_rows: cols must be a multiple of 16, got ", cols);
-#if LINATTN_AVX512_BF16
-  narrow_rows_avx512(x, ld, rows, cols, out, ld_out);
-#else
-  (void)x, (void)ld, (void)rows, (void)out, (void)ld_out;
-#endif
-}
 
 #if LINATTN_AVX512_BF16
 namespace {
-
-// 16 bfloat16 pairs (lo[t], hi[t]) as 32-bit lanes t, from 16 floats of each of two rows (lanes
-// past `count` read as 0).
-LINATTN_TARGET inline __m512i interleaved_pairs(const float* lo, const float* hi, __mmask16 lanes) {
-  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512 l = lo ? _mm512_maskz_loadu_ps(lanes, lo) : _mm512_setzero_ps();
-  const __m512 h = hi ? _mm512_maskz_loadu_ps(lanes, hi) : _mm512_setzero_ps();
-  return _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), (__m512i)_mm512_cvtne2ps_pbh(h, l));
-}
-
-// 32 consecutive floats (lanes past `count` of 32 read as 0) as 16 bfloat16 pairs in order.
-LINATTN_TARGET inline __m512i consecutive_pairs(const float* x, int64_t count) {
-  const __m512 l = _mm512_maskz_loadu_ps(first_lanes(std::max<int64_t>(count, 0)), x);
-  const __m512 h = _mm512_maskz_loadu_ps(first_lanes(std::max<int64_t>(count - 16, 0)), x + 16);
-  return (__m512i)_mm512_cvtne2ps_pbh(h, l);
-}
-
-// v[i] lane j ↔ v[j] lane i (a 16×16 transpose of 32-bit lanes).
-LINATTN_TARGET inline void transpose16(__m512i v[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  // 128-bit group g of v[4k + i] now holds column 4g + i of rows 4k..4k+3: gather the groups.
-  for (int i = 0; i < 4; ++i) {
-    const __m512i a = v[i], b = v[4 + i], c = v[8 + i], d = v[12 + i];
-    const __m512i ab_lo = _mm512_shuffle_i32x4(a, b, 0x44), ab_hi = _mm512_shuffle_i32x4(a, b, 0xEE);
-    const __m512i cd_lo = _mm512_shuffle_i32x4(c, d, 0x44), cd_hi = _mm512_shuffle_i32x4(c, d, 0xEE);
-    t[i] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88);
-    t[4 + i] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0xDD);
-    t[8 + i] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0x88);
-    t[12 + i] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) v[i] = t[i];
-}
 
 LINATTN_TARGET void narrow_matrix_avx512(const float* x, int64_t ld, int64_t rows, int64_t cols, bool transposed,
                                          bfloat16* out, int64_t ld_out) {
@@ -324,6 +303,16 @@ void narrow_matrix(const float* x, int64_t ld, int64_t rows, int64_t cols, bool 
   narrow_matrix_avx512(x, ld, rows, cols, transposed, out, ld_out);
 #else
   (void)x, (void)ld, (void)rows, (void)transposed, (void)out;
+#endif
+}
+
+void narrow_rows(const float* x, int64_t ld, int64_t rows, int64_t cols, bfloat16* out, int64_t ld_out) {
+  require(usable(), "avx512_bf16::narrow_rows: ", unavailable_reason());
+  require(cols % 16 == 0, "avx512_bf16::narrow_rows: cols must be a multiple of 16, got ", cols);
+#if LINATTN_AVX512_BF16
+  narrow_matrix_avx512(x, ld, rows, cols, false, out, ld_out);
+#else
+  (void)x, (void)ld, (void)rows, (void)out, (void)ld_out;
 #endif
 }
 

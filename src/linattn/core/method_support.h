@@ -212,4 +212,14 @@ struct WidenedArgs {
   }
 };
 
+// A float32 backward's gradients rounded to a 16-bit type; errors name fn and the tensor
+// ("favor_attention_backward: dv has a value ...").
+template <class Low>
+AttentionGrads<Low> narrow_grads(const AttentionGrads<float>& g, const std::string& fn) {
+  AttentionGrads<Low> out{narrow<Low>(g.dq, (fn + ": dq").c_str()), narrow<Low>(g.dk, (fn + ": dk").c_str()),
+                          narrow<Low>(g.dv, (fn + ": dv").c_str()), {}};
+  for (const auto& [name, t] : g.params) out.params.emplace_back(name, narrow<Low>(t, (fn + ": d_" + name).c_str()));
+  return out;
+}
+
 }  // namespace linattn::registry_support

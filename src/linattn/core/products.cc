@@ -38,6 +38,8 @@ void require_native_products(Products kind) {
 bool bfloat16_products_usable() { return avx512_bf16::usable(); }
 
 void matmul_bf16(Mat<float> C, Mat<const float> A, Mat<const float> B, float alpha, float beta) {
+  if (!avx512_bf16::usable())
+    throw std::logic_error("matmul_bf16: " + avx512_bf16::unavailable_reason() + " (bfloat16_products_usable() is false)");
   if (C.transposed) bad_shapes("C must not be transposed", C, A, B);
   if (A.op_rows() != C.rows || B.op_cols() != C.cols || A.op_cols() != B.op_rows())
     bad_shapes("shapes do not agree", C, A, B);

@@ -22,9 +22,12 @@ bool bfloat16_products_usable();
 
 // C = alpha·A·B + beta·C, matmul's contract (beta = 0: C is not read). Bfloat16: each product
 // a_ik·b_kj of the rounded operands is exact in float32 and each pair of them is summed by two
-// rounded fused multiply-adds; subnormal operands and results flush to zero; alpha and beta
-// apply in float32 after the sum. Its operand copies are per thread, grown on first use
-// (the callers are pool workers that run many products of the same sizes).
+// rounded fused multiply-adds; subnormal operands and results flush to zero. With alpha = 1
+// and beta = 1 the sum starts from C; otherwise alpha and beta apply in float32 after it.
+// Throws std::logic_error on a CPU without AVX512-BF16. Its operand copies are per thread,
+// grown on first use and kept for the thread's life, outside the workspace count: the
+// callers are pool workers that run many products of the same sizes (at most the engine's
+// 1024-row block times its feature count: about 2 MiB at m' = 256).
 void matmul_bf16(Mat<float> C, Mat<const float> A, Mat<const float> B, float alpha = 1, float beta = 0);
 
 template <class T>

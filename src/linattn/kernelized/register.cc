@@ -69,11 +69,11 @@ MethodOutput<bfloat16> narrowed_output(KernelizedAttentionResult<float> r, const
   return {narrow<bfloat16>(f.out, (std::string(fn) + ": out").c_str()), std::move(f.saved)};
 }
 
-AttentionGrads<bfloat16> narrowed_grads(const AttentionGrads<float>& g, const std::string& fn) {
-  AttentionGrads<bfloat16> out{narrow<bfloat16>(g.dq, (fn + ": dq").c_str()), narrow<bfloat16>(g.dk, (fn + ": dk").c_str()),
-                               narrow<bfloat16>(g.dv, (fn + ": dv").c_str()), {}};
-  for (const auto& [name, t] : g.params) out.params.emplace_back(name, narrow<bfloat16>(t, (fn + ": d_" + name).c_str()));
-  return out;
+// Whether a bfloat16 FAVOR call takes bfloat16 products: not the trig kernel (read before
+// anything is widened).
+bool favor_products(const MethodArgs<bfloat16>& a, const char* fn) {
+  return bfloat16_products_usable() &&
+         parse_favor_kernel(fn, kernelized::favor_call(a).opts.kernel) != FeatureMapKind::FavorTrig;
 }
 
 std::optional<MethodOutput<bfloat16>> linear_forward_bf16(const MethodArgs<bfloat16>& a) {
@@ -91,29 +91,27 @@ std::optional<AttentionGrads<bfloat16>> linear_backward_bf16(const MethodArgs<bf
   WidenedArgs<bfloat16> w(a);
   const TensorView<const float> dout32 = w.keep(dout);
   const auto c = kernelized::linear_call(w.args);
-  return narrowed_grads(kernelized::linear_backward(Products::Bfloat16, w.args.q, w.args.k, w.args.v, dout32,
+  return narrow_grads<bfloat16>(kernelized::linear_backward(Products::Bfloat16, w.args.q, w.args.k, w.args.v, dout32,
                                                     saved_results(fn, saved), c.opts, c.dwc_weight),
                         fn);
 }
 
 std::optional<MethodOutput<bfloat16>> favor_forward_bf16(const MethodArgs<bfloat16>& a) {
-  if (!bfloat16_products_usable()) return std::nullopt;
+  if (!favor_products(a, "favor_attention")) return std::nullopt;
   const WidenedArgs<bfloat16> w(a);
   const auto c = kernelized::favor_call(w.args);
-  if (parse_favor_kernel("favor_attention", c.opts.kernel) == FeatureMapKind::FavorTrig) return std::nullopt;
   return narrowed_output(kernelized::favor_forward(Products::Bfloat16, w.args.q, w.args.k, w.args.v, c.projection, c.opts),
                          "favor_attention");
 }
 
 std::optional<AttentionGrads<bfloat16>> favor_backward_bf16(const MethodArgs<bfloat16>& a, TensorView<const bfloat16> dout,
                                                             const SavedViews<bfloat16>& saved) {
-  if (!bfloat16_products_usable()) return std::nullopt;
   const char* fn = "favor_attention_backward";
+  if (!favor_products(a, fn)) return std::nullopt;
   WidenedArgs<bfloat16> w(a);
   const TensorView<const float> dout32 = w.keep(dout);
   const auto c = kernelized::favor_call(w.args);
-  if (parse_favor_kernel(fn, c.opts.kernel) == FeatureMapKind::FavorTrig) return std::nullopt;
-  return narrowed_grads(kernelized::favor_backward(Products::Bfloat16, w.args.q, w.args.k, w.args.v, c.projection, dout32,
+  return narrow_grads<bfloat16>(kernelized::favor_backward(Products::Bfloat16, w.args.q, w.args.k, w.args.v, c.projection, dout32,
                                                    saved_results(fn, saved), c.opts),
                         fn);
 }
