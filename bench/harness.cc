@@ -45,6 +45,13 @@ int64_t proc_field_bytes(const char* file, const std::string& key) {
 int64_t proc_status_bytes(const std::string& key) { return proc_field_bytes("/proc/self/status", key); }
 int64_t proc_meminfo_bytes(const std::string& key) { return proc_field_bytes("/proc/meminfo", key); }
 
+// Allocations of 1 MiB and more get pages of their own, returned on free; otherwise glibc
+// raises its mmap threshold after the first free and serves big buffers from pages that are
+// already resident, which the high-water mark cannot see. Set before main(): set at the first
+// measurement, the timing runs before it had already left big free chunks in the arenas,
+// which later calls were served from (the RSS column read 0 for most methods).
+const bool kMmapThresholdPinned = mallopt(M_MMAP_THRESHOLD, 1 << 20) == 1;
+
 bool reset_rss_high_water_mark() {
   std::ofstream f("/proc/self/clear_refs");
   if (!f) return false;
@@ -118,14 +125,13 @@ std::string cpu_features() {
 }
 
 PeakMemory measure_peak_memory(const std::function<void()>& fn) {
-  // Allocations of 1 MiB and more get pages of their own, returned on free; otherwise glibc
-  // raises its mmap threshold after the first free and serves big buffers from pages that
-  // are already resident, which the high-water mark cannot see.
-  static const bool pinned = mallopt(M_MMAP_THRESHOLD, 1 << 20) == 1;
-  (void)pinned;
   // The blocks linattn keeps for reuse (memory.h) are resident already: give them back, so that
   // the call's own allocations show in the high-water mark.
   (void)release_cached_memory();
+  // And so must glibc's arenas: freed chunks below 1 MiB coalesce there into free space that a
+  // later big request is served from without a page fault (after linear attention's many
+  // small buffers, the next rows read 0). malloc_trim gives every arena's free pages back.
+  (void)malloc_trim(0);
   PeakMemory m;
   reset_workspace_peak();
   const int64_t ws_before = workspace_stats().current_bytes;
