@@ -341,14 +341,16 @@ TEST(LowPrecision, Avx512Bf16DotMatchesFloat64) {
 // matmul_bf16 against float64 sums of the operands rounded to bfloat16 (to_bfloat16, nearest
 // even): every product is exact in float32 and vdpbf16ps rounds twice per pair, so a sum of K
 // terms is within γ_{K+1}·Σ|terms| (Higham §3.1; K + 1 for the pair's two roundings), then alpha
-// and beta add one rounding each: (K + 3)·2⁻²⁴·(|alpha|·Σ|terms| + |beta·c|). Every transpose,
-// odd sizes across the 16-column and 32-row packing blocks, padded leading dimensions; C's
-// padding is never written.
+// and beta add one rounding each: (K + 3)·2⁻²⁴·(|alpha|·Σ|terms| + |beta·c|) (dot_columns'
+// 16 lane sums and their reduction stay within K roundings per term). Every transpose, odd
+// sizes across the 16-column and 32-row packing blocks, last blocks of 1, 3, 4, 5 and 16 columns
+// (dot_columns takes up to 4), padded leading dimensions; C's padding is never written.
 TEST(LowPrecision, Bfloat16ProductsMatchFloat64OnRoundedOperands) {
   if (!bfloat16_products_usable()) GTEST_SKIP() << "no AVX512-BF16 here: " << avx512_bf16::unavailable_reason();
   std::mt19937 rng(12);
   std::normal_distribution<float> normal;
-  for (const auto [M, N, K] : {std::array<int64_t, 3>{1, 1, 1}, {7, 65, 33}, {13, 16, 64}, {33, 17, 1}, {6, 80, 70}, {40, 3, 129}})
+  for (const auto [M, N, K] : {std::array<int64_t, 3>{1, 1, 1}, {7, 65, 33}, {13, 16, 64}, {33, 17, 1}, {6, 80, 70}, {40, 3, 129},
+                                 {5, 36, 40}, {9, 21, 31}})
     for (bool ta : {false, true})
       for (bool tb : {false, true})
         for (const auto [alpha, beta] : {std::array<float, 2>{1, 0}, {1, 1}, {0.375f, 0}, {-2, 0.5f}}) {

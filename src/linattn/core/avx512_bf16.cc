@@ -178,6 +178,39 @@ void dot(const bfloat16* a, int64_t lda, int64_t rows, PackedB b, int64_t pairs,
 
 #if LINATTN_AVX512_BF16
 namespace {
+// (_mm512_reduce_add_ps: the same GCC 12 false positive as transpose16's.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+LINATTN_TARGET void dot_columns_avx512(const bfloat16* a, int64_t lda, int64_t rows, const bfloat16* b, int64_t ldb,
+                                       int64_t pairs, int64_t columns, float* c, int64_t ldc, bool accumulate) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < columns; ++j) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t p = 0; p < pairs; p += 16) {
+        const __mmask16 lanes = first_lanes(pairs - p);
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi32(lanes, a + r * lda + 2 * p),
+                               (__m512bh)_mm512_maskz_loadu_epi32(lanes, b + j * ldb + 2 * p));
+      }
+      const float sum = _mm512_reduce_add_ps(acc);
+      c[r * ldc + j] = accumulate ? c[r * ldc + j] + sum : sum;
+    }
+}
+#pragma GCC diagnostic pop
+}  // namespace
+#endif
+
+void dot_columns(const bfloat16* a, int64_t lda, int64_t rows, const bfloat16* b, int64_t ldb, int64_t pairs,
+                 int64_t columns, float* c, int64_t ldc, bool accumulate) {
+  require(usable(), "avx512_bf16::dot_columns: ", unavailable_reason());
+#if LINATTN_AVX512_BF16
+  dot_columns_avx512(a, lda, rows, b, ldb, pairs, columns, c, ldc, accumulate);
+#else
+  (void)a, (void)lda, (void)rows, (void)b, (void)ldb, (void)pairs, (void)columns, (void)c, (void)ldc, (void)accumulate;
+#endif
+}
+
+#if LINATTN_AVX512_BF16
+namespace {
 LINATTN_TARGET void pack_pairs_avx512(const float* x, int64_t ld, int64_t rows, int64_t column_blocks, int64_t pairs,
                                       bfloat16* out) {
   for (int64_t p = 0; p < pairs; ++p) {

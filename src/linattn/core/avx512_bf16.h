@@ -37,6 +37,14 @@ struct PackedB {
 void dot(const bfloat16* a, int64_t lda, int64_t rows, PackedB b, int64_t pairs, int64_t column_blocks,
          float* c, int64_t ldc, bool accumulate, int64_t last_block_columns = 16);
 
+// c[r][j] (+)= Σ_{i < 2·pairs} a[r][i]·b_j[i] for r < rows, j < columns: dot()'s arithmetic
+// for a few columns, each b_j given as its own run of 2·pairs bfloat16 (column j's pairs in
+// order, ldb elements apart). One vdpbf16ps covers 16 pairs of one row here, where dot()'s
+// 16-column blocks would spend 16 lanes on each column: for a last block of one to four
+// columns (the [num | den] products' d_v + 1). The 16 lanes are summed at the end.
+void dot_columns(const bfloat16* a, int64_t lda, int64_t rows, const bfloat16* b, int64_t ldb, int64_t pairs,
+                 int64_t columns, float* c, int64_t ldc, bool accumulate);
+
 // The rows of x [rows × 16·column_blocks] float32 (ld floats per row), rounded to bfloat16
 // (nearest even), as B of a product over rows: pair p = rows (2p, 2p+1), zero past `rows`, at
 //   out + (p / 16)·column_blocks·512 + (column block)·512 + (p % 16)·32,
