@@ -160,13 +160,14 @@ INSTANTIATE_TEST_SUITE_P(
                                          Size{300, 300, 16, 16})),
     kernelized_name);
 
-// bfloat16 calls with bfloat16 products (AVX512-BF16): the registry's bfloat16 linear_attention
-// and favor_attention, against the float64 reference on the same bfloat16 values, within the
-// float32 bound plus the operand roundings (kernelized_bounds.h, bf16_products) plus the
-// result's own rounding to bfloat16 (u_b·(|ref| + bound)). Every non-negative map, every mask,
+// bfloat16 calls with bfloat16 products (AVX512-BF16): the registry's bfloat16 favor_attention,
+// against the float64 reference on the same bfloat16 values, within the float32 bound plus the
+// operand roundings (kernelized_bounds.h, bf16_products) plus the result's own rounding to
+// bfloat16 (u_b·(|ref| + bound)). The positive and hyperbolic kernels, every mask,
 // sizes inside one causal chunk, across chunks and across 300 rows, at 1 and 5 threads (batch·heads
-// 6), with and without the forward's saved tensors (whose out is the rounded bfloat16 one). Trig
-// keeps float32 products.
+// 6), with and without the forward's saved tensors (whose out is the rounded bfloat16 one). Every
+// product call of the engine and the feature maps runs here: the plain maps share them all
+// (they differ in the element-wise feature functions only), and their bfloat16 calls widen.
 TEST(KernelizedBf16Products, MatchTheBoundAgainstFloat64) {
   if (!bfloat16_products_usable()) GTEST_SKIP() << "no AVX512-BF16 here";
   const double ub = std::ldexp(1.0, -8);
@@ -181,7 +182,7 @@ TEST(KernelizedBf16Products, MatchTheBoundAgainstFloat64) {
     for (int64_t i = 0; i < bound.size(); ++i) bound[i] = bound32[i] + ub * (std::abs(want[i]) + bound32[i]);
     expect_within(widen(TensorView<const bfloat16>(got.view())), want, bound, what);
   };
-  for (const char* map : {"elu", "relu", "identity", "focused", "positive", "hyperbolic"})
+  for (const char* map : {"positive", "hyperbolic"})
     for (Mask mask : {Mask::None, Mask::Causal, Mask::KeyLengths, Mask::CausalKeyLengths})
       for (const Size z : {Size{7, 7, 16, 8}, Size{2 * kernelized::kChunk + 2, 2 * kernelized::kChunk + 2, 32, 24},
                            Size{300, 300, 16, 16}}) {
@@ -199,13 +200,9 @@ TEST(KernelizedBf16Products, MatchTheBoundAgainstFloat64) {
         a.q = qb, a.k = kb, a.v = vb;
         a.options["causal"] = spec.causal;
         if (spec.key_lengths) a.options["key_lengths"] = *spec.key_lengths;
-        if (spec.favor()) {
-          a.options["kernel"] = spec.map;
-          a.tensors["projection"] = wb;
-        } else {
-          a.options["feature_map"] = spec.map;
-        }
-        const MethodInfo& m = method(spec.favor() ? "favor" : "linear");
+        a.options["kernel"] = spec.map;
+        a.tensors["projection"] = wb;
+        const MethodInfo& m = method("favor");
         for (int threads : {1, 5}) {
           SCOPED_TRACE(::testing::Message() << map << " " << kMaskNames[int(mask)] << " n=" << z.n_q << " threads=" << threads);
           ScopedThreads scope(threads);
@@ -228,8 +225,10 @@ TEST(KernelizedBf16Products, MatchTheBoundAgainstFloat64) {
 }
 
 // The trig kernel's features are signed, so its bfloat16 calls keep float32 products: no own
-// kernel, and the registry widens.
-TEST(KernelizedBf16Products, TrigWidens) {
+// kernel, and the registry widens; so does linear_attention, for every map.
+TEST(KernelizedBf16Products, TrigAndLinearAttentionWiden) {
+  EXPECT_FALSE(method("linear").bf16_kernel);
+  EXPECT_FALSE(method("linear").bf16_backward_kernel);
   MethodArgs<bfloat16> a;
   const Tensor<bfloat16> x = testing::narrowed<bfloat16>(random_tensor<double>({1, 1, 5, 8}, 1)),
                          w = testing::narrowed<bfloat16>(random_features<double>(8, 8, FeatureKind::Orthogonal, 2));

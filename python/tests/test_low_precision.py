@@ -12,7 +12,7 @@ has AVX512-BF16. The forward rounds its probabilities to bfloat16 before P·V, s
 within u·|ref| + u·max|v| of the float32 one (u = 2^-8), not bitwise it; the backward rounds P
 and dS (_softmax_grad_bound). The C++ suite (test_softmax_bf16.cc) checks both against float64.
 
-Likewise linear_attention and favor_attention (not the trig kernel) in bfloat16 on AVX512-BF16
+Likewise favor_attention (positive and hyperbolic kernels) in bfloat16 on AVX512-BF16
 (build_info() says "products in bfloat16"): every matrix product takes its operands rounded to
 bfloat16 (_kernelized_out_bound, _kernelized_grad_bound; the C++ suite's per-term bound against
 float64 is in tests/kernelized_bounds.h)."""
@@ -32,12 +32,12 @@ TORCH = {BF16: torch.bfloat16, np.dtype(np.float16): torch.float16}
 BF16_PRODUCTS = "exact attention's forward" in linattn.build_info()
 BF16_BACKWARD = "backward on AVX512-BF16" in linattn.build_info()
 KERNELIZED_BF16 = "FAVOR+ (positive, hyperbolic) products in bfloat16" in linattn.build_info()
-KERNELIZED = {"linear", "linear_backward", "favor", "favor_backward"}
+KERNELIZED = {"favor", "favor_backward"}
 
 
 def _kernelized_out_bound(ref, v):
-    """|out − ref| allowed for linear_attention's and favor_attention's bfloat16-product forward
-    against the float32 one. Their weights are non-negative sums over features, and each sum has
+    """|out − ref| allowed for favor_attention's bfloat16-product forward against the float32 one.
+    Its weights are non-negative sums over features, and each sum has
     three operands rounded to bfloat16 on its way (the query's and the key's features, and the
     state or the chunk's weights): num and den move by at most 3u of their own sums of absolute
     values, so num/den moves by 2·3u/(1 − 3u)·max|v| ≤ 6.1u·max|v|; the output's rounding adds
@@ -47,7 +47,7 @@ def _kernelized_out_bound(ref, v):
 
 
 def _kernelized_grad_bound(g32):
-    """|g − g32| allowed for their bfloat16-product gradients against the float32 ones: each term
+    """|g − g32| allowed for its bfloat16-product gradients against the float32 ones: each term
     of a gradient passes through at most ten bfloat16 roundings (kernelized_bounds.h: six
     features and four operands), here against the gradient's scale instead of the sum of its
     terms' magnitudes (the C++ suite checks that per-term bound against float64), plus the
@@ -286,7 +286,7 @@ def test_torch_autograd_in_16_bit_is_float32_rounded(method, dtype):
     out, grads = run(dtype)
     out32, grads32 = run(torch.float32)
     assert out.dtype == dtype
-    kernelized = method in ("linear", "favor") and dtype == torch.bfloat16 and KERNELIZED_BF16
+    kernelized = method == "favor" and dtype == torch.bfloat16 and KERNELIZED_BF16
     if method == "softmax" and dtype == torch.bfloat16 and BF16_PRODUCTS:
         bound = _tiles_bound(out32.detach().double().numpy(), base[2].float().numpy())
         assert ((out - out32).detach().double().abs().numpy() <= bound).all()

@@ -18,8 +18,9 @@ struct Problem {
   const KeyMask* mask;          // key_lengths; causal when mask->causal() (then n_q == n_k)
   const FeatureMap<T>* fmap;
   T eps;                        // added to every denominator (0 for FAVOR)
-  // The matrix products' arithmetic, the feature maps' included (bfloat16 calls of the plain
-  // and positive/hyperbolic FAVOR maps on AVX512-BF16: Products::Bfloat16).
+  // The matrix products' arithmetic, the feature maps' included (favor_attention's bfloat16
+  // calls with the positive or hyperbolic kernel on AVX512-BF16: Products::Bfloat16; the engine
+  // itself takes it for any map).
   Products products = Products::Native;
 };
 

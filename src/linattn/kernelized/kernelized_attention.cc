@@ -150,13 +150,12 @@ AttentionGrads<T> run_backward(const kernelized::Problem<T>& p, const ValueScale
 template <class T>
 struct LinearSetup {
   LinearSetup(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
-              const LinearAttentionOptions& opts, const std::optional<TensorView<const T>>& dwc_weight,
-              Products products = Products::Native)
+              const LinearAttentionOptions& opts, const std::optional<TensorView<const T>>& dwc_weight)
       : d(check_common(fn, q, k, v, opts)),
         vs(v, d.v_max),
         fmap(plain_map<T>(fn, opts, d, vs.max_abs(d.v_max))),
         mask(d, opts),
-        problem{fn, q, k, vs.view(), d, &mask, &fmap, static_cast<T>(opts.eps), products} {
+        problem{fn, q, k, vs.view(), d, &mask, &fmap, static_cast<T>(opts.eps)} {
     if (dwc_weight) check_depthwise_conv(fn, "dwc_weight", d, opts.causal, *dwc_weight);
     check_given_features(fn, "q", fmap, q);
     check_given_features(fn, "k", fmap, k, &mask);
@@ -259,22 +258,6 @@ AttentionGrads<T> favor_attention_backward(TensorView<const T> q, TensorView<con
 }
 
 namespace kernelized {
-
-KernelizedAttentionResult<float> linear_forward(Products products, TensorView<const float> q, TensorView<const float> k,
-                                                TensorView<const float> v, const LinearAttentionOptions& opts,
-                                                std::optional<TensorView<const float>> dwc_weight) {
-  const LinearSetup<float> s("linear_attention", q, k, v, opts, dwc_weight, products);
-  return run_forward(s.problem, s.vs, dwc_weight, true);
-}
-
-AttentionGrads<float> linear_backward(Products products, TensorView<const float> q, TensorView<const float> k,
-                                      TensorView<const float> v, TensorView<const float> dout,
-                                      const std::optional<SavedResults<float>>& saved,
-                                      const LinearAttentionOptions& opts,
-                                      std::optional<TensorView<const float>> dwc_weight) {
-  const LinearSetup<float> s("linear_attention_backward", q, k, v, opts, dwc_weight, products);
-  return run_backward<float>(s.problem, s.vs, dout, dwc_weight, saved);
-}
 
 KernelizedAttentionResult<float> favor_forward(Products products, TensorView<const float> q, TensorView<const float> k,
                                                TensorView<const float> v, TensorView<const float> projection,

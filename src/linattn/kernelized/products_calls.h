@@ -1,6 +1,6 @@
-// linear_attention and favor_attention in float32 with a choice of product arithmetic: the
-// registry's bfloat16 calls run them with Products::Bfloat16 on their widened inputs
-// (register.cc; docs/precision.md). The public functions are these with Products::Native.
+// favor_attention in float32 with a choice of product arithmetic: the registry's bfloat16 calls
+// run it with Products::Bfloat16 on their widened inputs (register.cc; docs/precision.md). The
+// public functions are these with Products::Native.
 #pragma once
 
 #include <optional>
@@ -16,16 +16,8 @@ struct SavedResults {
   TensorView<const T> out, den, state;
 };
 
-// The forwards return den and state too (the *_with_saved functions').
-KernelizedAttentionResult<float> linear_forward(Products products, TensorView<const float> q, TensorView<const float> k,
-                                                TensorView<const float> v, const LinearAttentionOptions& opts,
-                                                std::optional<TensorView<const float>> dwc_weight);
-// saved: the forward's out, den and state, or nullopt to run the forward first.
-AttentionGrads<float> linear_backward(Products products, TensorView<const float> q, TensorView<const float> k,
-                                      TensorView<const float> v, TensorView<const float> dout,
-                                      const std::optional<SavedResults<float>>& saved,
-                                      const LinearAttentionOptions& opts,
-                                      std::optional<TensorView<const float>> dwc_weight);
+// The forward returns den and state too (favor_attention_with_saved's); the backward takes the
+// forward's out, den and state as `saved`, or nullopt to run the forward first.
 // Products::Bfloat16 refuses the trig kernel (std::invalid_argument naming the function).
 KernelizedAttentionResult<float> favor_forward(Products products, TensorView<const float> q, TensorView<const float> k,
                                                TensorView<const float> v, TensorView<const float> projection,

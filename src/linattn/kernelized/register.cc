@@ -53,10 +53,13 @@ AttentionGrads<T> favor_backward(const MethodArgs<T>& a, TensorView<const T> dou
 }
 
 // ---- bfloat16 calls with bfloat16 products (AVX512-BF16) ----
-// The float32 engine on the widened inputs with Products::Bfloat16: every matrix product takes
-// its operands rounded to bfloat16 and sums in float32 (docs/precision.md). Nothing (and the
-// registry widens to float32 products) on CPUs without AVX512-BF16 and for FAVOR's trig kernel,
-// whose signed features would let the rounding errors outgrow the denominator.
+// favor_attention's: the float32 engine on the widened inputs with Products::Bfloat16: every
+// matrix product takes its operands rounded to bfloat16 and sums in float32 (docs/precision.md).
+// Nothing (and the registry widens to float32 products) on CPUs without AVX512-BF16 and for the
+// trig kernel, whose signed features would let the rounding errors outgrow the denominator.
+// linear_attention widens: its feature dimension is the head's (64 in the benchmarks), where
+// the products are a fifth of its time and the operand copies took back what vdpbf16ps saved
+// (bfloat16 0.79–0.96× its float32 time with them, 0.72–1.01× without), at twice the error in dq.
 
 std::optional<SavedResults<float>> saved_results(const char* fn, const SavedViews<bfloat16>& saved) {
   if (const auto s = saved_tensors<float, 3>(fn, saved, {"out", "den", "state"}))
@@ -74,26 +77,6 @@ MethodOutput<bfloat16> narrowed_output(KernelizedAttentionResult<float> r, const
 bool favor_products(const MethodArgs<bfloat16>& a, const char* fn) {
   return bfloat16_products_usable() &&
          parse_favor_kernel(fn, kernelized::favor_call(a).opts.kernel) != FeatureMapKind::FavorTrig;
-}
-
-std::optional<MethodOutput<bfloat16>> linear_forward_bf16(const MethodArgs<bfloat16>& a) {
-  if (!bfloat16_products_usable()) return std::nullopt;
-  const WidenedArgs<bfloat16> w(a);
-  const auto c = kernelized::linear_call(w.args);
-  return narrowed_output(kernelized::linear_forward(Products::Bfloat16, w.args.q, w.args.k, w.args.v, c.opts, c.dwc_weight),
-                         "linear_attention");
-}
-
-std::optional<AttentionGrads<bfloat16>> linear_backward_bf16(const MethodArgs<bfloat16>& a, TensorView<const bfloat16> dout,
-                                                             const SavedViews<bfloat16>& saved) {
-  if (!bfloat16_products_usable()) return std::nullopt;
-  const char* fn = "linear_attention_backward";
-  WidenedArgs<bfloat16> w(a);
-  const TensorView<const float> dout32 = w.keep(dout);
-  const auto c = kernelized::linear_call(w.args);
-  return narrow_grads<bfloat16>(kernelized::linear_backward(Products::Bfloat16, w.args.q, w.args.k, w.args.v, dout32,
-                                                    saved_results(fn, saved), c.opts, c.dwc_weight),
-                        fn);
 }
 
 std::optional<MethodOutput<bfloat16>> favor_forward_bf16(const MethodArgs<bfloat16>& a) {
@@ -165,8 +148,6 @@ MethodInfo describe_linear() {
   };
   m.f32 = LINATTN_METHOD_FUNCTIONS(float, linear_forward, linear_backward, no_example_tensors);
   m.f64 = LINATTN_METHOD_FUNCTIONS(double, linear_forward, linear_backward, no_example_tensors);
-  m.bf16_kernel = linear_forward_bf16;
-  m.bf16_backward_kernel = linear_backward_bf16;
   return m;
 }
 
