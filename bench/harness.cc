@@ -50,7 +50,7 @@ int64_t proc_meminfo_bytes(const std::string& key) { return proc_field_bytes("/p
 // already resident, which the high-water mark cannot see. Set before main(): set at the first
 // measurement, the timing runs before it had already left big free chunks in the arenas,
 // which later calls were served from (the RSS column read 0 for most methods).
-const bool kMmapThresholdPinned = mallopt(M_MMAP_THRESHOLD, 1 << 20) == 1;
+[[maybe_unused]] const bool kMmapThresholdPinned = mallopt(M_MMAP_THRESHOLD, 1 << 20) == 1;
 
 bool reset_rss_high_water_mark() {
   std::ofstream f("/proc/self/clear_refs");

@@ -511,8 +511,9 @@ TEST(Memory, LargeBuffersAreHugePageAligned) {
 }
 
 #ifdef LINATTN_SANITIZED
-// Under AddressSanitizer a kept block is poisoned (memory.cc): touching a freed buffer is still
-// reported, in a child process (a death test), though the block was not given back.
+// Under AddressSanitizer a kept block is poisoned (memory.cc): touching a freed buffer while its
+// block is in the cache is reported, in a child process (a death test), though the block was
+// not given back.
 TEST(Memory, KeptBlocksArePoisonedUnderAddressSanitizer) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");  // the thread pool may be running
   EXPECT_DEATH(

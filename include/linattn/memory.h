@@ -16,7 +16,7 @@ void aligned_free(void* p) noexcept;
 // Freed blocks of 1 MiB and more stay with the library (at most 64 blocks, 256 MiB in all) for
 // the next calls, which then skip the OS's page faults and zeroing of fresh pages; this gives
 // them back to the OS and returns their bytes. An allocation that fails releases them and tries
-// again. (Under the sanitizers nothing is kept.)
+// again. (Under AddressSanitizer kept blocks are poisoned until handed out again.)
 size_t release_cached_memory() noexcept;
 
 // Workspace accounting (process-wide, thread-safe).

@@ -202,6 +202,9 @@ LINATTN_TARGET void dot_columns_avx512(const bfloat16* a, int64_t lda, int64_t r
 void dot_columns(const bfloat16* a, int64_t lda, int64_t rows, const bfloat16* b, int64_t ldb, int64_t pairs,
                  int64_t columns, float* c, int64_t ldc, bool accumulate) {
   require(usable(), "avx512_bf16::dot_columns: ", unavailable_reason());
+  require(lda % 2 == 0 && ldb % 2 == 0 && ldb >= 2 * pairs && columns >= 0,
+          "avx512_bf16::dot_columns: lda and ldb must be even, ldb >= 2·pairs and columns >= 0, got lda = ", lda,
+          ", ldb = ", ldb, ", pairs = ", pairs, ", columns = ", columns);
 #if LINATTN_AVX512_BF16
   dot_columns_avx512(a, lda, rows, b, ldb, pairs, columns, c, ldc, accumulate);
 #else

@@ -37,11 +37,12 @@ struct PackedB {
 void dot(const bfloat16* a, int64_t lda, int64_t rows, PackedB b, int64_t pairs, int64_t column_blocks,
          float* c, int64_t ldc, bool accumulate, int64_t last_block_columns = 16);
 
-// c[r][j] (+)= Σ_{i < 2·pairs} a[r][i]·b_j[i] for r < rows, j < columns: dot()'s arithmetic
-// for a few columns, each b_j given as its own run of 2·pairs bfloat16 (column j's pairs in
-// order, ldb elements apart). One vdpbf16ps covers 16 pairs of one row here, where dot()'s
-// 16-column blocks would spend 16 lanes on each column: for a last block of one to four
-// columns (the [num | den] products' d_v + 1). The 16 lanes are summed at the end.
+// c[r][j] (+)= Σ_{i < 2·pairs} a[r][i]·b_j[i] for r < rows, j < columns, each b_j given as its
+// own run of 2·pairs bfloat16 (column j's pairs in order, ldb elements apart). One vdpbf16ps
+// covers 16 pairs of one row here, where dot()'s 16-column blocks would spend 16 lanes on each
+// column: for a last block of one to four columns (the [num | den] products' d_v + 1). Each of
+// the 16 lanes sums its pairs as dot() does; the lanes are then added in a tree of ordinary
+// float32 additions (so the order differs from dot()'s, and a subnormal total is not flushed).
 void dot_columns(const bfloat16* a, int64_t lda, int64_t rows, const bfloat16* b, int64_t ldb, int64_t pairs,
                  int64_t columns, float* c, int64_t ldc, bool accumulate);
 

@@ -1,5 +1,6 @@
 #include "linattn/core/products.h"
 
+#include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
