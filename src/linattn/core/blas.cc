@@ -72,9 +72,9 @@ void gemm(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, double alpha,
 }  // namespace
 
 template <class T>
-void matmul(Mat<T> C, Mat<const T> A, Mat<const T> B, T alpha, T beta) {
+void check_product_shapes(const char* fn, Mat<T> C, Mat<const T> A, Mat<const T> B) {
   auto bad = [&](const char* what) {
-    throw std::logic_error(std::string("matmul: ") + what + ": C " + std::to_string(C.rows) + "x" +
+    throw std::logic_error(std::string(fn) + ": " + what + ": C " + std::to_string(C.rows) + "x" +
                            std::to_string(C.cols) + ", A " + std::to_string(A.op_rows()) + "x" +
                            std::to_string(A.op_cols()) + ", B " + std::to_string(B.op_rows()) + "x" +
                            std::to_string(B.op_cols()));
@@ -84,6 +84,14 @@ void matmul(Mat<T> C, Mat<const T> A, Mat<const T> B, T alpha, T beta) {
   for (const auto* m : {&A, &B})
     if (m->rows > 0 && m->cols > 0 && m->ld < m->cols) bad("a leading dimension is shorter than its rows");
   if (C.rows > 0 && C.cols > 0 && C.ld < C.cols) bad("C's leading dimension is shorter than its rows");
+}
+
+template void check_product_shapes<float>(const char*, Mat<float>, Mat<const float>, Mat<const float>);
+template void check_product_shapes<double>(const char*, Mat<double>, Mat<const double>, Mat<const double>);
+
+template <class T>
+void matmul(Mat<T> C, Mat<const T> A, Mat<const T> B, T alpha, T beta) {
+  check_product_shapes("matmul", C, A, B);
   gemm(A.transposed ? Trans::Yes : Trans::No, B.transposed ? Trans::Yes : Trans::No, C.rows, C.cols,
        A.op_cols(), alpha, A.data, A.ld, B.data, B.ld, beta, C.data, C.ld);
 }

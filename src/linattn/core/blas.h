@@ -36,6 +36,11 @@ Mat<T> mat(T* data, int64_t rows, int64_t cols) {
 template <class T>
 void matmul(Mat<T> C, Mat<const T> A, Mat<const T> B, T alpha = T(1), T beta = T(0));
 
+// The checks of matmul's contract above, for other products that keep it (matmul_bf16); the
+// std::logic_error names fn.
+template <class T>
+void check_product_shapes(const char* fn, Mat<T> C, Mat<const T> A, Mat<const T> B);
+
 const char* blas_name();
 
 // The singular value decomposition of a column-major n×n matrix a (overwritten) by LAPACK's

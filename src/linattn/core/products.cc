@@ -24,13 +24,6 @@ T* at_least(Buffer<T>& buf, int64_t count) {
   return buf.data();
 }
 
-[[noreturn]] void bad_shapes(const char* what, Mat<float> C, Mat<const float> A, Mat<const float> B) {
-  throw std::logic_error(std::string("matmul_bf16: ") + what + ": C " + std::to_string(C.rows) + "x" +
-                         std::to_string(C.cols) + ", A " + std::to_string(A.op_rows()) + "x" +
-                         std::to_string(A.op_cols()) + ", B " + std::to_string(B.op_rows()) + "x" +
-                         std::to_string(B.op_cols()));
-}
-
 }  // namespace
 
 void require_native_products(Products kind) {
@@ -42,17 +35,10 @@ bool bfloat16_products_usable() { return avx512_bf16::usable(); }
 void matmul_bf16(Mat<float> C, Mat<const float> A, Mat<const float> B, float alpha, float beta) {
   if (!avx512_bf16::usable())
     throw std::logic_error("matmul_bf16: " + avx512_bf16::unavailable_reason() + " (bfloat16_products_usable() is false)");
-  if (C.transposed) bad_shapes("C must not be transposed", C, A, B);
-  if (A.op_rows() != C.rows || B.op_cols() != C.cols || A.op_cols() != B.op_rows())
-    bad_shapes("shapes do not agree", C, A, B);
-  if (C.ld < C.cols || A.ld < A.cols || B.ld < B.cols) bad_shapes("a leading dimension is below its columns", C, A, B);
+  check_product_shapes("matmul_bf16", C, A, B);
   const int64_t M = C.rows, N = C.cols, K = A.op_cols();
   if (M == 0 || N == 0) return;
-  if (K == 0) {
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t j = 0; j < N; ++j) C.data[i * C.ld + j] = beta == 0 ? 0.0f : beta * C.data[i * C.ld + j];
-    return;
-  }
+  if (K == 0) return matmul<float>(C, A, B, alpha, beta);  // beta·C, which the BLAS path leaves
   // A narrowed to rows of pairs and B packed (both through 16×16 transposes when transposed),
   // then dot() straight into C (alpha applied there after the sum), or, with beta ≠ 0 and a
   // scaled product, into a float32 result that alpha and beta then apply to.
