@@ -64,6 +64,22 @@ LINATTN_TARGET inline __m512i consecutive_pairs(const float* x, int64_t count) {
   return (__m512i)_mm512_cvtne2ps_pbh(h, l);
 }
 
+// Pairs p < pair_count of rows (2p, 2p+1) of x (zero past `rows`), `cols` columns in blocks of
+// 16 (the last masked, zero past `cols`), into the packed layout with chunks of
+// ceil(cols / 16)·512 elements: pack_pairs and pack_matrix's untransposed operands.
+LINATTN_TARGET inline void pack_row_pairs(const float* x, int64_t ld, int64_t rows, int64_t cols, int64_t pair_count,
+                                          bfloat16* out) {
+  const int64_t blocks = (cols + 15) / 16;
+  for (int64_t p = 0; p < pair_count; ++p) {
+    const float* lo = 2 * p < rows ? x + 2 * p * ld : nullptr;
+    const float* hi = 2 * p + 1 < rows ? x + (2 * p + 1) * ld : nullptr;
+    bfloat16* dst = out + (p / 16) * blocks * 512 + (p % 16) * 32;
+    for (int64_t j = 0; j < blocks; ++j)
+      _mm512_storeu_si512(dst + j * 512, interleaved_pairs(lo ? lo + 16 * j : nullptr, hi ? hi + 16 * j : nullptr,
+                                                           first_lanes(cols - 16 * j)));
+  }
+}
+
 // v[i] lane j ↔ v[j] lane i (a 16×16 transpose of 32-bit lanes). GCC 12 warns that the
 // unpack intrinsics' internal pass-through operand (an undefined vector, fully overwritten
 // under an all-ones mask) may be uninitialised: a false positive of its headers.
@@ -214,22 +230,6 @@ void dot_columns(const bfloat16* a, int64_t lda, int64_t rows, const bfloat16* b
 
 #if LINATTN_AVX512_BF16
 namespace {
-LINATTN_TARGET void pack_pairs_avx512(const float* x, int64_t ld, int64_t rows, int64_t column_blocks, int64_t pairs,
-                                      bfloat16* out) {
-  for (int64_t p = 0; p < pairs; ++p) {
-    const float* lo = 2 * p < rows ? x + 2 * p * ld : nullptr;
-    const float* hi = 2 * p + 1 < rows ? x + (2 * p + 1) * ld : nullptr;
-    bfloat16* dst = out + (p / 16) * column_blocks * 512 + (p % 16) * 32;
-    for (int64_t j = 0; j < column_blocks; ++j)
-      _mm512_storeu_si512(dst + j * 512, interleaved_pairs(lo ? lo + 16 * j : nullptr, hi ? hi + 16 * j : nullptr,
-                                                           __mmask16(0xFFFF)));
-  }
-}
-}  // namespace
-#endif
-
-#if LINATTN_AVX512_BF16
-namespace {
 LINATTN_TARGET float dot_loop_avx512(int64_t iterations, float seed) {
   // Distinct starting values, so that the compiler keeps twelve chains.
   __m512 acc[12];
@@ -303,17 +303,7 @@ LINATTN_TARGET void narrow_matrix_avx512(const float* x, int64_t ld, int64_t row
 LINATTN_TARGET void pack_matrix_avx512(const float* x, int64_t ld, int64_t rows, int64_t cols, bool transposed,
                                        bfloat16* out) {
   const int64_t blocks = (cols + 15) / 16, pairs = (rows + 1) / 2, chunk_stride = blocks * 512;
-  if (!transposed) {  // as pack_pairs, with the last column block masked
-    for (int64_t p = 0; p < (pairs + 15) / 16 * 16; ++p) {
-      const float* lo = 2 * p < rows ? x + 2 * p * ld : nullptr;
-      const float* hi = 2 * p + 1 < rows ? x + (2 * p + 1) * ld : nullptr;
-      bfloat16* dst = out + (p / 16) * chunk_stride + (p % 16) * 32;
-      for (int64_t j = 0; j < blocks; ++j)
-        _mm512_storeu_si512(dst + j * 512, interleaved_pairs(lo ? lo + 16 * j : nullptr, hi ? hi + 16 * j : nullptr,
-                                                             first_lanes(cols - 16 * j)));
-    }
-    return;
-  }
+  if (!transposed) return pack_row_pairs(x, ld, rows, cols, (pairs + 15) / 16 * 16, out);  // whole chunks
   // op(x)[i][c] = x[c·ld + i]: the pairs (2p, 2p+1) of column c are adjacent in row c of x. 16
   // columns' 16 pairs of a chunk, transposed, are the chunk's 16 pair slots of that block.
   for (int64_t j = 0; j < blocks; ++j)
@@ -364,7 +354,7 @@ void pack_matrix(const float* x, int64_t ld, int64_t rows, int64_t cols, bool tr
 void pack_pairs(const float* x, int64_t ld, int64_t rows, int64_t column_blocks, int64_t pairs, bfloat16* out) {
   require(usable(), "avx512_bf16::pack_pairs: ", unavailable_reason());
 #if LINATTN_AVX512_BF16
-  pack_pairs_avx512(x, ld, rows, column_blocks, pairs, out);
+  pack_row_pairs(x, ld, rows, 16 * column_blocks, pairs, out);
 #else
   (void)x, (void)ld, (void)rows, (void)column_blocks, (void)pairs, (void)out;
 #endif
