@@ -5,12 +5,15 @@
 #include "linattn/core/error.h"
 
 #include <sys/mman.h>
-#if defined(__SANITIZE_ADDRESS__)
-#include <sanitizer/asan_interface.h>
+#if defined(__SANITIZE_ADDRESS__)  // GCC's name, and clang's below
+#define LINATTN_ASAN 1
 #elif defined(__has_feature)
 #if __has_feature(address_sanitizer)
-#include <sanitizer/asan_interface.h>
+#define LINATTN_ASAN 1
 #endif
+#endif
+#ifdef LINATTN_ASAN
+#include <sanitizer/asan_interface.h>
 #endif
 
 #include <atomic>
@@ -39,15 +42,7 @@ std::atomic<int64_t> g_peak{0};
 // unreported, where ASan's own quarantine would have kept the memory poisoned longer.)
 constexpr size_t kCachedMin = size_t{1} << 20, kCachedBytes = size_t{256} << 20;
 constexpr size_t kCachedBlocks = 64;
-constexpr bool kCacheBlocks = true;
 
-#if defined(__SANITIZE_ADDRESS__)
-#define LINATTN_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define LINATTN_ASAN 1
-#endif
-#endif
 #ifdef LINATTN_ASAN
 void poison(void* p, size_t bytes) { ASAN_POISON_MEMORY_REGION(p, bytes); }
 void unpoison(void* p, size_t bytes) { ASAN_UNPOISON_MEMORY_REGION(p, bytes); }
@@ -78,7 +73,7 @@ void* allocate(size_t bytes) {
   const size_t granule = bytes >= 4 * kHuge ? kHuge : bytes >= kCachedMin ? size_t{64} << 10 : kAlignment;
   const size_t rounded = (bytes + granule - 1) / granule * granule;
   if (rounded < bytes) return nullptr;
-  const bool cached = kCacheBlocks && rounded >= kCachedMin;
+  const bool cached = rounded >= kCachedMin;
   if (cached) {
     BlockCache& c = cache();
     std::lock_guard<std::mutex> lock(c.mutex);
@@ -123,35 +118,33 @@ void* aligned_alloc_bytes(size_t bytes) {
 
 void aligned_free(void* p) noexcept {
   if (!p) return;
-  if (kCacheBlocks) {
-    BlockCache& c = cache();
-    std::lock_guard<std::mutex> lock(c.mutex);
-    const auto it = c.capacity.find(p);
-    if (it != c.capacity.end()) {
-      for (const auto& kept : c.free)
-        if (kept.first == p) {  // freed twice: a bug of the caller; handing it out twice would be worse
-          std::fputs("linattn: a buffer was freed twice\n", stderr);
-          std::abort();
-        }
-      const size_t size = it->second;
-      if (size <= kCachedBytes) {
-        // The oldest blocks go back to the OS until this one fits the limits.
-        while (!c.free.empty() && (c.free.size() >= kCachedBlocks || c.free_bytes + size > kCachedBytes)) {
-          c.free_bytes -= c.free.front().second;
-          c.capacity.erase(c.free.front().first);
-          unpoison(c.free.front().first, c.free.front().second);
-          std::free(c.free.front().first);
-          c.free.erase(c.free.begin());
-        }
-        if (c.free.capacity() > c.free.size()) {  // reserved below: no allocation while freeing
-          poison(p, size);
-          c.free.emplace_back(p, size);
-          c.free_bytes += size;
-          return;
-        }
+  BlockCache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  const auto it = c.capacity.find(p);
+  if (it != c.capacity.end()) {
+    for (const auto& kept : c.free)
+      if (kept.first == p) {  // freed twice: a bug of the caller; handing it out twice would be worse
+        std::fputs("linattn: a buffer was freed twice\n", stderr);
+        std::abort();
       }
-      c.capacity.erase(it);
+    const size_t size = it->second;
+    if (size <= kCachedBytes) {
+      // The oldest blocks go back to the OS until this one fits the limits.
+      while (!c.free.empty() && (c.free.size() >= kCachedBlocks || c.free_bytes + size > kCachedBytes)) {
+        c.free_bytes -= c.free.front().second;
+        c.capacity.erase(c.free.front().first);
+        unpoison(c.free.front().first, c.free.front().second);
+        std::free(c.free.front().first);
+        c.free.erase(c.free.begin());
+      }
+      if (c.free.capacity() > c.free.size()) {  // reserved below: no allocation while freeing
+        poison(p, size);
+        c.free.emplace_back(p, size);
+        c.free_bytes += size;
+        return;
+      }
     }
+    c.capacity.erase(it);
   }
   std::free(p);
 }
