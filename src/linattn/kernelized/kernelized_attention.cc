@@ -100,9 +100,6 @@ KernelizedAttentionResult<T> run_forward(const kernelized::Problem<T>& p, const 
   return r;
 }
 
-template <class T>
-using SavedViews = kernelized::SavedResults<T>;
-
 // The engine's backward, from `saved` (checked) or, without it, from a forward run here first
 // (into workspace memory: the attention output alone, den, and the state when non-causal).
 // Gradients are linear in v and dout (range.h); the saved out scales with v, and with a
@@ -110,7 +107,7 @@ using SavedViews = kernelized::SavedResults<T>;
 template <class T>
 AttentionGrads<T> run_backward(const kernelized::Problem<T>& p, const ValueScale<T>& vs, TensorView<const T> dout,
                                const std::optional<TensorView<const T>>& dwc_weight,
-                               const std::optional<SavedViews<T>>& saved) {
+                               const std::optional<kernelized::SavedResults<T>>& saved) {
   const AttentionDims& d = p.dims;
   const bool causal = p.mask->causal();
   const double dout_max = check_same_shape_finite(p.fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
@@ -221,7 +218,7 @@ AttentionGrads<T> linear_attention_backward(TensorView<const T> q, TensorView<co
                                             TensorView<const T> state, const LinearAttentionOptions& opts,
                                             std::optional<TensorView<const T>> dwc_weight) {
   const LinearSetup<T> s("linear_attention_backward", q, k, v, opts, dwc_weight);
-  return run_backward<T>(s.problem, s.vs, dout, dwc_weight, SavedViews<T>{out, den, state});
+  return run_backward<T>(s.problem, s.vs, dout, dwc_weight, kernelized::SavedResults<T>{out, den, state});
 }
 
 template <class T>
@@ -254,7 +251,7 @@ AttentionGrads<T> favor_attention_backward(TensorView<const T> q, TensorView<con
                                            TensorView<const T> den, TensorView<const T> state,
                                            const FavorOptions& opts) {
   const FavorSetup<T> s("favor_attention_backward", q, k, v, projection, opts);
-  return run_backward<T>(s.problem, s.vs, dout, std::nullopt, SavedViews<T>{out, den, state});
+  return run_backward<T>(s.problem, s.vs, dout, std::nullopt, kernelized::SavedResults<T>{out, den, state});
 }
 
 namespace kernelized {
