@@ -224,6 +224,46 @@ TEST(KernelizedBf16Products, MatchTheBoundAgainstFloat64) {
       }
 }
 
+// Thread counts below and above batch·heads (1 to 3): the bfloat16-product calls give bitwise the
+// same output and gradients at 1, 3, 8 and 16 threads (each batch·head is one worker's, and its
+// products' copies are that worker's own).
+TEST(KernelizedBf16Products, ThreadCountsGiveTheSameBits) {
+  if (!bfloat16_products_usable()) GTEST_SKIP() << "no AVX512-BF16 here";
+  for (const int64_t heads : {1, 2, 3})
+    for (const bool causal : {false, true}) {
+      const Tensor<bfloat16> q = testing::narrowed<bfloat16>(random_tensor<double>({1, heads, 70, 16}, 1)),
+                             k = testing::narrowed<bfloat16>(random_tensor<double>({1, heads, 70, 16}, 2)),
+                             v = testing::narrowed<bfloat16>(random_tensor<double>({1, heads, 70, 8}, 3)),
+                             dout = testing::narrowed<bfloat16>(random_tensor<double>({1, heads, 70, 8}, 4)),
+                             w = testing::narrowed<bfloat16>(random_features<double>(40, 16, FeatureKind::Orthogonal, 5));
+      MethodArgs<bfloat16> a;
+      a.q = q, a.k = k, a.v = v;
+      a.options["causal"] = causal;
+      a.tensors["projection"] = w;
+      const MethodInfo& m = method("favor");
+      auto same_bits = [](const Tensor<bfloat16>& got, const Tensor<bfloat16>& want, const char* what) {
+        ASSERT_EQ(got.shape(), want.shape()) << what;
+        for (int64_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i].bits, want[i].bits) << what << ": element " << i;
+      };
+      std::optional<MethodOutput<bfloat16>> f1;
+      std::optional<AttentionGrads<bfloat16>> g1;
+      for (int threads : {1, 3, 8, 16}) {
+        SCOPED_TRACE(::testing::Message() << "heads=" << heads << " causal=" << causal << " threads=" << threads);
+        ScopedThreads scope(threads);
+        MethodOutput<bfloat16> f = m.bf16.forward(a);
+        AttentionGrads<bfloat16> g = m.bf16.backward(a, dout, {});
+        if (!f1) {
+          f1 = std::move(f), g1 = std::move(g);
+          continue;
+        }
+        same_bits(f.out, f1->out, "out");
+        same_bits(g.dq, g1->dq, "dq");
+        same_bits(g.dk, g1->dk, "dk");
+        same_bits(g.dv, g1->dv, "dv");
+      }
+    }
+}
+
 // The trig kernel's features are signed, so its bfloat16 calls keep float32 products: no own
 // kernel, and the registry widens; so does linear_attention, for every map.
 TEST(KernelizedBf16Products, TrigAndLinearAttentionWiden) {

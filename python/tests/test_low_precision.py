@@ -229,6 +229,19 @@ def test_non_finite_16_bit_input_raises_as_float32_does(dtype, bad):
     with pytest.raises(ValueError) as e32:
         linattn.softmax_attention(*(q.astype(np.float32) for _ in range(3)))
     assert str(e16.value) == str(e32.value)
+    # FAVOR+'s bfloat16-product kernels too, forward and backward (and their bad projection).
+    w = linattn.random_features(8, 4)
+    for call in (lambda q, k, v, w: linattn.favor_attention(q, k, v, w),
+                 lambda q, k, v, w: linattn.favor_attention_backward(q, k, v, w, v.copy())):
+        for args in ((q, q.copy(), q.copy(), w.astype(dtype)), (q.copy(), q.copy(), q.copy(), w.astype(dtype))):
+            if args[0] is not q:
+                args[0][:] = 0
+                args[3][1, 2] = bad
+            with pytest.raises(ValueError) as e16:
+                call(*args)
+            with pytest.raises(ValueError) as e32:
+                call(*(x.astype(np.float32) for x in args))
+            assert str(e16.value) == str(e32.value)
 
 
 def test_hedgehog_float16_overflow_is_an_error_naming_it():
