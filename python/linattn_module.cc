@@ -832,6 +832,14 @@ else [heads, s_proj, n_max]. Reproducible by seed.)doc");
   m.def("set_num_threads", &linattn::set_num_threads, py::arg("n"),
         "Threads used by every kernel, 1..1024 (default: LINATTN_NUM_THREADS, else all cores).");
   m.def("get_num_threads", &linattn::num_threads);
+  m.def("share_openmp_runtime", &linattn::share_openmp_runtime,
+        R"doc(Runs the kernels' loops on the OpenMP runtime already loaded in the process (PyTorch's
+libgomp), not on linattn's own helper threads, and returns its file ('' when none is loaded:
+nothing changes). linattn.torch does so at import when torch runs on OpenMP, since OpenMP's idle
+workers spin for milliseconds after each torch operation and would take the cores from linattn's
+helpers. Results are the same bits either way.)doc");
+  m.def("use_own_threads", &linattn::use_own_threads, "Back to linattn's own helper threads (the default).");
+  m.def("thread_pool", &linattn::thread_pool, "Which threads run the kernels' loops: 'own' or 'openmp <file>'.");
   m.def("build_info", &linattn::build_info, "The BLAS (and its kernels) and SIMD target this build runs on.");
   m.def("measure_peak_rates", [](std::optional<int> threads) {
     const int t = threads.value_or(linattn::num_threads());

@@ -9,6 +9,7 @@ packages=(
   libhwy-dev             # Highway: SIMD with runtime dispatch, vectorised exp
   libboost-dev           # Boost.Math: chi-square quantiles and CDF for random-feature norms
   libgtest-dev           # GoogleTest, run through CTest
+  libgomp1               # an OpenMP runtime for the tests of share_openmp_runtime (PyTorch brings its own)
   python3-dev python3-venv  # the Python module's headers; .venv (scripts/setup-venv.sh) holds
                          # the PyPI packages: OpenBLAS (scipy-openblas32), pybind11, numpy,
                          # PyTorch, the benchmark's peers, matplotlib, ...

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <algorithm>
+#include <array>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -125,8 +126,16 @@ TEST_P(EveryMethod, SameResultsForEveryThreadCount) {
   const auto& f = x.method->f32;
   std::optional<MethodOutput<float>> out1;
   std::optional<AttentionGrads<float>> grads1;
-  for (int threads : {1, 2, 3, 8, 16}) {
-    SCOPED_TRACE(::testing::Message() << threads << " threads");
+  struct OwnThreadsAfter {
+    ~OwnThreadsAfter() { use_own_threads(); }
+  } own_threads_after;
+  // Each thread count on linattn's own helpers, then on an OpenMP team (as under linattn.torch).
+  for (int run = 0; run < 10; ++run) {
+    const int threads = std::array{1, 2, 3, 8, 16}[static_cast<size_t>(run % 5)];
+    if (run == 5) {
+      ASSERT_NE(testing::share_system_openmp().find("libgomp"), std::string::npos);
+    }
+    SCOPED_TRACE(::testing::Message() << threads << " threads on " << thread_pool());
     ScopedThreads scope(threads);
     MethodOutput<float> out = f.forward(c.args);
     AttentionGrads<float> g = f.backward(c.args, c.dout, {});

@@ -1,5 +1,7 @@
 // The parallel loop: every task once, worker ids inside the loop's worker count whatever the
-// thread count, concurrent callers, set_num_threads during loops, errors, interruption.
+// thread count, concurrent callers, set_num_threads during loops, errors, interruption; on
+// linattn's own helper threads and on an OpenMP runtime's team (share_openmp_runtime).
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -18,7 +20,40 @@ namespace {
 
 using testing::ScopedThreads;
 
-TEST(Threading, EveryTaskRunsOnceOnAValidWorker) {
+enum class Pool { Own, OpenMP };
+
+class Threading : public ::testing::TestWithParam<Pool> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == Pool::OpenMP) {
+      const std::string file = testing::share_system_openmp();
+      ASSERT_NE(file.find("libgomp"), std::string::npos) << file;
+      ASSERT_EQ(thread_pool(), "openmp " + file);
+    } else {
+      use_own_threads();
+      ASSERT_EQ(thread_pool(), "own");
+    }
+  }
+  void TearDown() override { use_own_threads(); }
+};
+
+INSTANTIATE_TEST_SUITE_P(Pools, Threading, ::testing::Values(Pool::Own, Pool::OpenMP),
+                         [](const auto& info) { return info.param == Pool::Own ? "Own" : "OpenMP"; });
+
+// Without a runtime in the process there is nothing to share: the loops stay on the own pool.
+TEST(ThreadPool, SharingNeedsALoadedRuntime) {
+  use_own_threads();
+  for (const char* name : {"libgomp.so.1", "libiomp5.so"}) {
+    if (void* loaded = dlopen(name, RTLD_LAZY | RTLD_NOLOAD)) {
+      dlclose(loaded);
+      GTEST_SKIP() << name << " is already loaded in this process (a test of the OpenMP pool ran first)";
+    }
+  }
+  EXPECT_EQ(share_openmp_runtime(), "");
+  EXPECT_EQ(thread_pool(), "own");
+}
+
+TEST_P(Threading, EveryTaskRunsOnceOnAValidWorker) {
   for (int threads : {1, 2, 3, 8, 16})
     for (int64_t tasks : {1, 2, 3, 7, 1000}) {
       ScopedThreads scope(threads);
@@ -35,7 +70,7 @@ TEST(Threading, EveryTaskRunsOnceOnAValidWorker) {
     }
 }
 
-TEST(Threading, PerWorkerChecksTheWorkerId) {
+TEST(ThreadPool, PerWorkerChecksTheWorkerId) {
   ScopedThreads scope(4);
   const ParallelLoop loop(3);
   PerWorker<int> slots(loop);
@@ -45,7 +80,7 @@ TEST(Threading, PerWorkerChecksTheWorkerId) {
   EXPECT_THROW(slots[-1], std::logic_error);
 }
 
-TEST(Threading, ExceptionsReachTheCaller) {
+TEST_P(Threading, ExceptionsReachTheCaller) {
   ScopedThreads scope(3);
   EXPECT_THROW(parallel_for(100,
                             [](int64_t t) {
@@ -58,7 +93,7 @@ TEST(Threading, ExceptionsReachTheCaller) {
   EXPECT_EQ(count.load(), 10);
 }
 
-TEST(Threading, NestedLoopsRunOnTheCallingWorker) {
+TEST_P(Threading, NestedLoopsRunOnTheCallingWorker) {
   ScopedThreads scope(3);
   std::atomic<int> count{0};
   parallel_for(4, [&](int64_t) {
@@ -73,7 +108,7 @@ TEST(Threading, NestedLoopsRunOnTheCallingWorker) {
   EXPECT_EQ(count.load(), 20);
 }
 
-TEST(Threading, ThreadCountOutsideItsRangeIsAnError) {
+TEST(ThreadPool, ThreadCountOutsideItsRangeIsAnError) {
   for (int n : {0, -1, kMaxThreads + 1, 100000})
     EXPECT_NE(testing::error_of([&] { set_num_threads(n); }).find("set_num_threads: n must be in [1, 1024]"),
               std::string::npos)
@@ -84,7 +119,7 @@ TEST(Threading, ThreadCountOutsideItsRangeIsAnError) {
 
 // Two callers, one worker each: each caller's only task waits until the other caller's task
 // has started. A process-wide lock around loops would deadlock here (caught by the timeout).
-TEST(Threading, ConcurrentCallersRunAtTheSameTime) {
+TEST_P(Threading, ConcurrentCallersRunAtTheSameTime) {
   for (int threads : {1, 2}) {
     ScopedThreads scope(threads);
     std::mutex mu;
@@ -109,7 +144,7 @@ TEST(Threading, ConcurrentCallersRunAtTheSameTime) {
 
 // set_num_threads from another thread while loops with per-worker scratch run: each loop keeps
 // the worker count it was made with, so scratch always covers the ids (ASan checks the writes).
-TEST(Threading, SetNumThreadsWhileLoopsRun) {
+TEST_P(Threading, SetNumThreadsWhileLoopsRun) {
   ScopedThreads scope(2);
   std::atomic<bool> done{false};
   std::thread toggler([&] {
@@ -146,7 +181,7 @@ bool poll_for_test() {
 // interruption point) on every worker. The stop is asked for from inside the loop, once a task
 // has made progress, not after a fixed time; the loop then ends long before it would have run
 // to the end: each task sleeps at least 100 × 1 ms, so all 1000 take at least 100 s / threads.
-TEST(Threading, InterruptPollStopsALoop) {
+TEST_P(Threading, InterruptPollStopsALoop) {
   for (int threads : {1, 3}) {
     ScopedThreads scope(threads);
     g_stop_requested = false;

@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <dlfcn.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -54,6 +56,15 @@ std::string error_of(Fn fn) {
 }
 
 // Sets the library's thread count for one scope.
+// Loads the system's libgomp (as PyTorch loads its own) and runs linattn's loops on it
+// (share_openmp_runtime); returns the runtime's file, or why it could not. The test binary links
+// no OpenMP runtime, so nothing else has loaded one. use_own_threads() undoes it.
+inline std::string share_system_openmp() {
+  static void* const lib = dlopen("libgomp.so.1", RTLD_NOW | RTLD_GLOBAL);
+  if (!lib) return std::string("dlopen(libgomp.so.1) failed: ") + dlerror();
+  return share_openmp_runtime();
+}
+
 class ScopedThreads {
  public:
   explicit ScopedThreads(int n) : saved_(num_threads()) { set_num_threads(n); }

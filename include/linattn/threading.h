@@ -2,6 +2,7 @@
 #pragma once
 
 #include <stdexcept>
+#include <string>
 
 namespace linattn {
 
@@ -17,6 +18,20 @@ int num_threads();
 // Several threads may call kernels at once; each call runs on its caller's thread plus the
 // shared pool's idle helpers, so nothing queues behind a process-wide lock.
 void set_num_threads(int n);
+
+// Runs the kernels' parallel loops on the OpenMP runtime that another library already loaded
+// into the process (libgomp, or a runtime with its ABI such as Intel's libiomp5), instead of on
+// linattn's own helper threads. linattn.torch calls it at import when PyTorch runs on OpenMP:
+// two pools on the same cores fight, since OpenMP's idle workers spin for milliseconds after
+// each of PyTorch's parallel operations (libgomp's default wait policy) and linattn's helpers
+// lose their cores to them meanwhile; on one shared team the spinning workers take linattn's
+// tasks instead. Returns the runtime's file, or "" when none is loaded (nothing changes).
+// Results are the same bits either way: tasks and per-worker scratch do not depend on the pool.
+std::string share_openmp_runtime();
+// Back to linattn's own helper threads (the default).
+void use_own_threads();
+// Which threads run the loops: "own" or "openmp <runtime's file>".
+std::string thread_pool();
 
 // Thrown out of a call when the interrupt poll said stop.
 class Interrupted : public std::runtime_error {

@@ -22,6 +22,9 @@ from ._linattn import (
     release_cached_memory,
     reset_workspace_peak,
     set_num_threads,
+    share_openmp_runtime,
+    thread_pool,
+    use_own_threads,
     workspace_stats,
 )
 
@@ -133,6 +136,7 @@ def _make(info, backward):
 __all__ = [
     "RecurrentState", "build_info", "chi_quantile_radii", "get_num_threads", "linformer_projections",
     "measure_peak_rates", "methods", "random_features", "recurrent_state", "release_cached_memory", "reset_workspace_peak", "set_num_threads",
+    "share_openmp_runtime", "thread_pool", "use_own_threads",
     "workspace_stats",
 ]
 from ._hedgehog import hedgehog_attention, hedgehog_attention_backward, hedgehog_features  # noqa: E402

@@ -15,6 +15,9 @@ from ._linattn import (
     release_cached_memory as release_cached_memory,
     reset_workspace_peak as reset_workspace_peak,
     set_num_threads as set_num_threads,
+    share_openmp_runtime as share_openmp_runtime,
+    thread_pool as thread_pool,
+    use_own_threads as use_own_threads,
     workspace_stats as workspace_stats,
 )
 

@@ -6,7 +6,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['RecurrentState', 'build_info', 'chi_quantile_radii', 'get_num_threads', 'linformer_projections', 'measure_peak_rates', 'random_features', 'recurrent_state', 'release_cached_memory', 'reset_workspace_peak', 'set_num_threads', 'workspace_stats']
+__all__: list[str] = ['RecurrentState', 'build_info', 'chi_quantile_radii', 'get_num_threads', 'linformer_projections', 'measure_peak_rates', 'random_features', 'recurrent_state', 'release_cached_memory', 'reset_workspace_peak', 'set_num_threads', 'share_openmp_runtime', 'thread_pool', 'use_own_threads', 'workspace_stats']
 class RecurrentState:
     """
     Constant-size decoding state; make one with recurrent_state().
@@ -99,6 +99,22 @@ def reset_workspace_peak() -> None:
 def set_num_threads(n: typing.SupportsInt | typing.SupportsIndex) -> None:
     """
     Threads used by every kernel, 1..1024 (default: LINATTN_NUM_THREADS, else all cores).
+    """
+def share_openmp_runtime() -> str:
+    """
+    Runs the kernels' loops on the OpenMP runtime already loaded in the process (PyTorch's
+    libgomp), not on linattn's own helper threads, and returns its file ('' when none is loaded:
+    nothing changes). linattn.torch does so at import when torch runs on OpenMP, since OpenMP's idle
+    workers spin for milliseconds after each torch operation and would take the cores from linattn's
+    helpers. Results are the same bits either way.
+    """
+def thread_pool() -> str:
+    """
+    Which threads run the kernels' loops: 'own' or 'openmp <file>'.
+    """
+def use_own_threads() -> None:
+    """
+    Back to linattn's own helper threads (the default).
     """
 def workspace_stats() -> dict:
     """

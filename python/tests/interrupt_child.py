@@ -4,7 +4,11 @@ signal can reach the test runner): `python interrupt_child.py THREADS`. Prints o
 The call is sized from a measured one so that it would take at least TARGET_S; SIGINT is sent
 once the call is inside the library (its workspace is allocated), not after a fixed time. On
 a machine so loaded that the signal still arrives after the call returned, the attempt is
-reported as "late" and repeated with a call twice as long."""
+reported as "late" and repeated with a call twice as long.
+
+`python interrupt_child.py THREADS openmp` imports linattn.torch first, so that the loops run on
+PyTorch's OpenMP team (linattn.share_openmp_runtime) and the call is interrupted there."""
+import importlib
 import json
 import math
 import os
@@ -61,6 +65,9 @@ def attempt(q):
 
 
 def main():
+    if sys.argv[2:] == ["openmp"]:
+        importlib.import_module("linattn.torch")
+        assert linattn.thread_pool().startswith("openmp "), linattn.thread_pool()
     linattn.set_num_threads(int(sys.argv[1]))
     rng = np.random.default_rng(0)
     n0 = 1024
@@ -78,7 +85,7 @@ def main():
         n = int(n * math.sqrt(2))
     small = q0[:, :, :64]
     after = bool(np.isfinite(linattn.softmax_attention(small, small, small)).all())
-    print(json.dumps({"attempts": attempts, "works_after": after}))
+    print(json.dumps({"attempts": attempts, "works_after": after, "pool": linattn.thread_pool()}))
 
 
 if __name__ == "__main__":

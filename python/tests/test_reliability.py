@@ -294,20 +294,24 @@ def test_set_num_threads_while_other_threads_compute(threads):
         t.join()
 
 
+@pytest.mark.parametrize("pool", ["own", "openmp"])
 @pytest.mark.parametrize("threads_in_child", [1, 3])
-def test_ctrl_c_interrupts_a_long_call(threads_in_child):
+def test_ctrl_c_interrupts_a_long_call(threads_in_child, pool):
     """SIGINT, sent in a child process (interrupt_child.py) once a call sized to take at least
     2 s is inside the library, ends that call with KeyboardInterrupt within a quarter of its
     predicted duration (the library polls for signals every 20 ms); the library works
     afterwards. The prediction comes from a measured call on the same machine and load, so the
-    margin holds on any machine, idle or loaded."""
+    margin holds on any machine, idle or loaded. pool "openmp": the loops run on PyTorch's
+    OpenMP team, as under linattn.torch."""
     import json
     import subprocess
     import sys
     child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "interrupt_child.py")
-    r = subprocess.run([sys.executable, child, str(threads_in_child)], capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, child, str(threads_in_child)] + (["openmp"] if pool == "openmp" else []),
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["pool"].split()[0] == pool, report
     last = report["attempts"][-1]
     assert last["outcome"] == "interrupted", report  # "late" 3 times: the signal never met a running call
     latency = last["end"] - last["signal"]

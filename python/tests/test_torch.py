@@ -92,6 +92,53 @@ def test_gradients_equal_the_numpy_backward_in_float32():
         np.testing.assert_array_equal(t.grad.numpy(), w)
 
 
+def test_loops_run_on_torchs_openmp_team_with_the_same_bits():
+    """linattn.torch shares torch's OpenMP runtime (linattn.share_openmp_runtime), so that
+    torch's spinning idle workers take linattn's tasks instead of its own helpers' cores; the
+    results are the same bits on either pool, at thread counts below and above batch·heads
+    (= 4), for every method, forward and backward."""
+    assert "parallel backend: OpenMP" in torch.__config__.parallel_info()  # the pinned torch's
+    pool = linattn.thread_pool()
+    assert pool.startswith("openmp ") and "gomp" in pool, pool
+    saved = linattn.get_num_threads()
+    try:
+        for name, make, opts, causal in CASES:
+            fn = getattr(lt, name + "_attention")
+            extra = make(torch.float32)
+            results = []
+            for own in (True, False):
+                if own:
+                    linattn.use_own_threads()
+                else:
+                    linattn.share_openmp_runtime()
+                for threads in (1, 3, 8):
+                    linattn.set_num_threads(threads)
+                    q, k, v = inputs(5, dtype=torch.float32, requires_grad=True)
+                    out = fn(q, k, v, **extra, causal=causal, key_lengths=[N, 5], **opts)
+                    out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape))
+                    results.append((linattn.thread_pool(), threads, [out.detach(), q.grad, k.grad, v.grad]))
+            assert results[0][0] == "own" and results[-1][0] == pool
+            for where, threads, got in results[1:]:
+                for a, b in zip(got, results[0][2]):
+                    assert torch.equal(a, b), (name, opts, causal, where, threads)
+    finally:
+        linattn.share_openmp_runtime()
+        linattn.set_num_threads(saved)
+
+
+def test_own_threads_can_be_kept():
+    """LINATTN_OWN_THREADS=1 keeps linattn's own helper threads under linattn.torch."""
+    import os
+    import subprocess
+    import sys
+    code = "import linattn.torch, linattn; print(linattn.thread_pool())"
+    for env, want in (({"LINATTN_OWN_THREADS": "1"}, "own"), ({}, "openmp")):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           env={**{k: v for k, v in os.environ.items() if k != "LINATTN_OWN_THREADS"}, **env})
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split()[0] == want, r.stdout
+
+
 def test_errors():
     q, k, v = inputs(5, dtype=torch.float32)
     w = torch.from_numpy(linattn.random_features(8, D))

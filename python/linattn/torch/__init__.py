@@ -21,6 +21,7 @@ array or an integer tensor [batch].
 See docs/pytorch.md."""
 
 import inspect as _inspect
+import os as _os
 
 import numpy as _np
 import torch as _torch
@@ -31,6 +32,13 @@ from .modules import MultiheadAttention
 
 _ANNOTATIONS = {"bool": "bool", "int": "int", "float": "float", "str": "str",
                 "lengths": "Union[Sequence[int], Tensor]", "tensor": "Tensor"}
+
+# One thread team for torch and linattn: torch's OpenMP workers spin for milliseconds after each
+# parallel torch operation, and on the same cores linattn's own helpers lost them meanwhile
+# (FAVOR+ forward + backward at n = 1024: 15.7 ms against 9.5 ms). LINATTN_OWN_THREADS=1 keeps
+# linattn's own threads. docs/pytorch.md, "Threads".
+if "parallel backend: OpenMP" in _torch.__config__.parallel_info() and _os.environ.get("LINATTN_OWN_THREADS") != "1":
+    _linattn.share_openmp_runtime()
 
 
 def _tensor(fn, name, x, optional=False):

@@ -1,6 +1,7 @@
 #include "linattn/core/error.h"
 #include "linattn/core/parallel.h"
 
+#include <dlfcn.h>
 #include <pthread.h>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <cstdlib>
 #include <deque>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -187,7 +189,74 @@ int default_threads() {
 
 std::atomic<int> g_threads{0};  // 0: not chosen yet
 
+// An OpenMP runtime of the process's (share_openmp_runtime) that loops run on instead of the
+// pool, through the two entry points of libgomp's ABI that a parallel region needs.
+struct OpenMPRuntime {
+  void (*parallel)(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags);  // GOMP_parallel
+  int (*thread_num)();                                                                      // omp_get_thread_num
+  std::string file;
+};
+std::atomic<const OpenMPRuntime*> g_openmp{nullptr};
+
+struct OpenMPRegion {
+  Job* job;
+  const OpenMPRuntime* runtime;
+  std::atomic<int> helpers_inside{0};
+};
+
+// One thread of the OpenMP team. Thread 0 is the caller: after its share of the tasks it waits
+// for the others while polling, as the pool's caller does, so that a long task on another
+// thread still sees Ctrl-C (OpenMP's closing barrier would not poll).
+void openmp_thread(void* data) {
+  auto& region = *static_cast<OpenMPRegion*>(data);
+  Job& job = *region.job;
+  const int slot = region.runtime->thread_num();
+  if (slot >= job.slots) return;  // a larger team than asked for: the tasks are all handed out
+  if (slot != 0) {
+    region.helpers_inside.fetch_add(1);
+    work(job, slot);
+    region.helpers_inside.fetch_sub(1);
+    return;
+  }
+  work(job, 0);
+  if (!g_poll.load(std::memory_order_relaxed)) return;
+  while (region.helpers_inside.load() > 0 && !job.stop.load()) {
+    poll_says_stop(job);
+    std::this_thread::yield();
+  }
+}
+
 }  // namespace
+
+std::string share_openmp_runtime() {
+  // Already loaded by someone else (RTLD_NOLOAD): loading one here would make a second pool.
+  for (const char* name : {"libgomp.so.1", "libiomp5.so"}) {
+    void* lib = dlopen(name, RTLD_LAZY | RTLD_NOLOAD);
+    if (!lib) continue;
+    auto* parallel = reinterpret_cast<decltype(OpenMPRuntime::parallel)>(dlsym(lib, "GOMP_parallel"));
+    auto* thread_num = reinterpret_cast<int (*)()>(dlsym(lib, "omp_get_thread_num"));
+    if (!parallel || !thread_num) continue;  // the handle stays open: the library was loaded anyway
+    Dl_info info{};
+    std::string file = dladdr(reinterpret_cast<void*>(thread_num), &info) && info.dli_fname ? info.dli_fname : name;
+    // Kept for the process's life, reachable from `kept`: a loop running now may still use a
+    // runtime that a later call replaced.
+    static std::mutex mu;
+    static auto* kept = new std::vector<std::unique_ptr<OpenMPRuntime>>();
+    std::lock_guard<std::mutex> lock(mu);
+    auto same = std::find_if(kept->begin(), kept->end(), [&](const auto& r) { return r->parallel == parallel; });
+    if (same == kept->end()) same = kept->insert(kept->end(), std::make_unique<OpenMPRuntime>(OpenMPRuntime{parallel, thread_num, file}));
+    g_openmp.store(same->get());
+    return file;
+  }
+  return "";
+}
+
+void use_own_threads() { g_openmp.store(nullptr); }
+
+std::string thread_pool() {
+  const OpenMPRuntime* runtime = g_openmp.load();
+  return runtime ? "openmp " + runtime->file : "own";
+}
 
 int num_threads() {
   int n = g_threads.load();
@@ -220,6 +289,9 @@ void ParallelLoop::run(const std::function<void(int64_t, int)>& fn) const {
   job.slots = workers_;
   if (workers_ == 1) {
     work(job, 0);
+  } else if (const OpenMPRuntime* runtime = g_openmp.load()) {
+    OpenMPRegion region{&job, runtime};
+    runtime->parallel(openmp_thread, &region, static_cast<unsigned>(workers_), 0);
   } else {
     pool().run(job);
   }
