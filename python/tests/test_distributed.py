@@ -417,3 +417,25 @@ def test_benchmark_quick(tmp_path):
     text = page.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
     assert "| softmax causal | 128 |" in text and "| Linformer s=256 | 64 |" in text
+
+
+def test_random_feature_rows_are_bounded_by_their_norms_not_their_largest_entry():
+    """The check that FAVOR's logits stay finite passes on the bound head_dim·max|x|² when it
+    can, and otherwise reads the rows' norms: a row with one entry near float32's square root
+    passes (its norm is that entry), a row of four such entries does not (0.5·‖x‖² overflows)."""
+    from linattn.torch.distributed import _max_abs, _projection
+    fn, w = "favor_attention", torch.eye(4)
+    big = 1.5e19  # 0.5·4·big² = 4.5e38 > float32's largest, 0.5·big² = 1.1e38 below it
+    one = torch.zeros(1, 1, 3, 4)
+    one[0, 0, 1, 2] = big
+    every = one.clone()
+    every[0, 0, 1] = big
+    small = torch.ones(1, 1, 3, 4)
+    for q, k, ok in ((one, small, True), (small, one, True), (every, small, False), (small, every, False)):
+        top = {"q": _max_abs(q), "k": _max_abs(k)}
+        if ok:
+            assert _projection(fn, w, "positive", ("positive",), 1.0, q, k, top) is w
+        else:
+            with pytest.raises(ValueError, match="a row of %s is too large for torch.float32 random features"
+                                                 % ("q" if q is every else "k")):
+                _projection(fn, w, "positive", ("positive",), 1.0, q, k, top)
