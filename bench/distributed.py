@@ -56,8 +56,8 @@ def predicted_bytes(label, n, P, elt=4):
         state = B * H * m * (D + 1) * elt
         shift = B * H * m * elt if label.startswith("FAVOR") else 0
         segments = 1  # contiguous layout
-        if label.endswith("causal"):
-            return AGREE + shift + segments * state, P * segments * state
+        if label.endswith("causal"):  # FAVOR's shifts travel with the states, and so back
+            return AGREE + segments * (state + shift), P * segments * (state + shift)
         return AGREE + shift + state, state
     if label == "Efficient":
         return AGREE + B * H * D * elt + B * H * D * (D + 1) * elt, B * H * D * (D + 1) * elt

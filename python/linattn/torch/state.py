@@ -198,7 +198,12 @@ def add_states(states, weights=None):
     gradient."""
     if isinstance(states, (list, tuple)):
         states = torch.stack(list(states))
-    keep = None if weights is None else _keep(weights, states)
+    return _sum_states(states, None if weights is None else _keep(weights, states))
+
+
+def _sum_states(states, keep=None):
+    """add_states on a stacked tensor, keep a bool tensor broadcasting over it or None, unchecked
+    (linattn.torch.distributed's calls, whose masks it builds itself)."""
     c_i = states[..., -1:].detach()
     if not bool((c_i == 0).all()):  # FAVOR (the plain maps' shifts are all 0: nothing to rescale)
         if keep is not None:

@@ -12,7 +12,8 @@ segments before it (an exclusive prefix over ranks).
 FAVOR's per-feature shifts c (the largest key logit; linattn.torch.state) differ from rank to
 rank: states add as c = max_i c_i, [S | z] = Σ_i [S_i | z_i]·exp(c_i − c), so the non-causal
 path all-reduces the maxima first (m' numbers, no gradient) and the causal one gathers them
-beside the states. The shifts carry no gradient: the result does not depend on them.
+with the states, in one all-gather of [S | z | c]. The shifts carry no gradient: the result
+does not depend on them.
 
 The depthwise convolution of the focused map needs up to K−1 neighbouring rows of v from other
 ranks: every segment's first and last K−1 rows are all-gathered (any row within K−1 of a
@@ -204,6 +205,15 @@ def _all_reduce_state(g, st, favor):
     return torch.cat([g.all_reduce_sum(st[..., :-1]), st[..., -1:]], -1)
 
 
+def _feature_dim(head_dim, opts):
+    """m', the feature count of a state: head_dim for the plain maps (and the given features'
+    count for "identity", their last dim), FAVOR's m, or 2m for its hyperbolic and trig kernels."""
+    if opts["feature_map"] != "favor":
+        return head_dim
+    m = opts["projection"].shape[0]
+    return m if opts["kernel"] == "positive" else 2 * m
+
+
 def attention(g, segs, q, k, v, lengths, causal, opts):
     """This rank's out [B,H,n,d_v] (segs: every rank's segments; this rank's are segs[g.rank]);
     opts: linattn.torch.state's options (feature_map, projection, kernel, scale, eps,
@@ -211,41 +221,47 @@ def attention(g, segs, q, k, v, lengths, causal, opts):
     mine = segs[g.rank]
     favor = opts["feature_map"] == "favor"
     if not causal:
-        states = torch.stack([_state.key_state(s.rows(k), s.rows(v), key_lengths=local_lengths(lengths, s), **opts)
-                              for s in mine])  # [segments, B, H, m', d_v+2]
-        total = _all_reduce_state(g, _state.add_states(states), favor)
+        states = [_state.key_state(s.rows(k), s.rows(v), key_lengths=local_lengths(lengths, s), **opts)
+                  for s in mine]  # [B, H, m', d_v+2] per segment
+        mine_total = states[0] if len(states) == 1 else _state._sum_states(torch.stack(states))
+        total = _all_reduce_state(g, mine_total, favor)
         return _state.apply_state(q, total, **opts)
     # Causal: each segment's state, for the segments after it. The sequence's last segment has
-    # none after it: the state of none of its rows stands in (no pass over its keys, none back;
-    # the same operation, so its shape, shifts and place in the autograd graph are the others',
-    # and every rank's backward reaches the all-gather).
+    # none after it: the empty state stands in, without a pass over its keys. It takes part in
+    # the autograd graph as the others' states do (a leaf that requires a gradient exactly when
+    # they do, which every rank agreed on), so that every rank's backward reaches the all-gather,
+    # whose adjoint is a collective.
     n_total = max(s.stop for rank_segs in segs for s in rank_segs)
+    needs_grad = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
     states = []
     for s in mine:
         if s.stop == n_total:
-            kb, vb, lb = s.rows(k)[:, :, :0], s.rows(v)[:, :, :0], None
+            m = _feature_dim(q.shape[3], opts)
+            empty = _state.empty_state(q.shape[0], q.shape[1], m, v.shape[3], favor=favor, dtype=v.dtype)
+            states.append(empty.requires_grad_(needs_grad))
         else:
-            kb, vb, lb = s.rows(k), s.rows(v), local_lengths(lengths, s)
-        states.append(_state.key_state(kb, vb, key_lengths=lb, **opts))
+            states.append(_state.key_state(s.rows(k), s.rows(v), key_lengths=local_lengths(lengths, s), **opts))
     states = torch.stack(states)  # [segments, B, H, m', d_v+2]
-    every = g.all_gather(states[..., :-1])  # [P, segments, B, H, m', d_v+1]
+    # FAVOR's shifts travel with the states (they take no gradient: add_states detaches them);
+    # the plain maps' are all 0.
     if favor:
-        with torch.no_grad():
-            shifts = g.all_gather(states[..., -1:].contiguous())
+        every = g.all_gather(states)  # [P, segments, B, H, m', d_v+2]
     else:
-        shifts = every.new_zeros(*every.shape[:-1], 1)
-    every = torch.cat([every, shifts], -1).flatten(0, 1)
+        every = g.all_gather(states[..., :-1])
+        every = torch.cat([every, every.new_zeros(*every.shape[:-1], 1)], -1)
+    every = every.flatten(0, 1)
     starts = torch.tensor([s.start for rank_segs in segs for s in rank_segs])
     outs = []
     for s in mine:
         # The segments before this one, as 0/1 weights rather than a selection, so that every
         # rank's backward reaches the all-gather (whose adjoint is a collective) even where no
         # segment comes before.
-        prefix = _state.add_states(every, weights=starts < s.start)
+        keep = (starts < s.start).view(-1, *([1] * (every.dim() - 1)))
+        prefix = _state._sum_states(every, keep)
         out, _ = _state.causal_from_state(s.rows(q), s.rows(k), s.rows(v), prefix,
                                           key_lengths=local_lengths(lengths, s), **opts)
         outs.append(out)
-    return torch.cat(outs, 2)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
 
 
 def halos(g, segs, xs, left, right):
