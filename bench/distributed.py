@@ -198,7 +198,7 @@ def main():
     ap.add_argument("--docs", default=None, help="docs/distributed.md: rewrite its measured section")
     ap.add_argument("--ns", type=int, nargs="+", default=[1024, 4096, 8192])
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="n = 64, 128 and one repetition (the test's)")
     ap.add_argument("--rows", help="write the report from this distributed.json instead of measuring")
     a = ap.parse_args()
