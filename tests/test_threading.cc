@@ -3,6 +3,8 @@
 // linattn's own helper threads and on an OpenMP runtime's team (share_openmp_runtime).
 #include <dlfcn.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -175,6 +177,29 @@ std::atomic<int> g_polls{0};
 bool poll_for_test() {
   ++g_polls;
   return g_stop_requested.load();
+}
+
+// A forked child runs loops too: on the OpenMP pool, the child has none of the parent's team
+// (libgomp would wait for it forever), so it goes back to its own helpers. The child's loop
+// would hang rather than fail, so an alarm ends it.
+TEST_P(Threading, AForkedChildRunsLoops) {
+  ScopedThreads scope(3);
+  std::atomic<int> count{0};
+  parallel_for(30, [&](int64_t) { ++count; });  // the parent's pool is up
+  ASSERT_EQ(count.load(), 30);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    alarm(60);
+    std::atomic<int> in_child{0};
+    parallel_for(30, [&](int64_t) { ++in_child; });
+    _exit(in_child.load() == 30 && thread_pool() == "own" ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child's loop did not end (signal " << WTERMSIG(status) << ")";
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  EXPECT_EQ(thread_pool().substr(0, 6), GetParam() == Pool::OpenMP ? "openmp" : "own");  // the parent's is kept
 }
 
 // A poll that says stop ends the loop with Interrupted, from tasks that are long (they reach an

@@ -243,6 +243,10 @@ std::string share_openmp_runtime() {
     static std::mutex mu;
     static auto* kept = new std::vector<std::unique_ptr<OpenMPRuntime>>();
     std::lock_guard<std::mutex> lock(mu);
+    // A forked child (Python multiprocessing) goes back to the own pool, which it remakes: the
+    // parent's OpenMP team does not exist there, and libgomp would wait for it.
+    static const bool at_fork = (pthread_atfork(nullptr, nullptr, [] { g_openmp.store(nullptr); }), true);
+    (void)at_fork;
     auto same = std::find_if(kept->begin(), kept->end(), [&](const auto& r) { return r->parallel == parallel; });
     if (same == kept->end()) same = kept->insert(kept->end(), std::make_unique<OpenMPRuntime>(OpenMPRuntime{parallel, thread_num, file}));
     g_openmp.store(same->get());
