@@ -109,7 +109,9 @@ std::string cpu_features() {
   unsigned a = 0, b = 0, c = 0, d = 0;
   std::string out;
   auto add = [&](bool has, const char* name) {
-    if (has) out += (out.empty() ? "" : " ") + std::string(name);
+    if (!has) return;
+    if (!out.empty()) out += ' ';
+    out += name;  // appended in two steps: GCC 12 warns falsely (-Wrestrict) on "" + std::string
   };
   if (__get_cpuid(1, &a, &b, &c, &d)) add(c & (1u << 12), "fma");
   if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {

@@ -832,12 +832,14 @@ else [heads, s_proj, n_max]. Reproducible by seed.)doc");
   m.def("set_num_threads", &linattn::set_num_threads, py::arg("n"),
         "Threads used by every kernel, 1..1024 (default: LINATTN_NUM_THREADS, else all cores).");
   m.def("get_num_threads", &linattn::num_threads);
-  m.def("share_openmp_runtime", &linattn::share_openmp_runtime,
-        R"doc(Runs the kernels' loops on the OpenMP runtime already loaded in the process (PyTorch's
-libgomp), not on linattn's own helper threads, and returns its file ('' when none is loaded:
-nothing changes). linattn.torch does so at import when torch runs on OpenMP, since OpenMP's idle
-workers spin for milliseconds after each torch operation and would take the cores from linattn's
-helpers. Results are the same bits either way.)doc");
+  m.def("share_openmp_runtime", &linattn::share_openmp_runtime, py::arg("through") = "",
+        R"doc(Runs the kernels' loops on the OpenMP runtime already loaded in the process, not on
+linattn's own helper threads, and returns its file ('' when none is found: nothing changes).
+through: a loaded library whose runtime to share (linattn.torch passes 'libtorch_cpu.so', so that
+it is torch's, whatever its file is called); '' looks for libgomp.so.1, then libiomp5.so.
+linattn.torch does so at import when torch runs on OpenMP, since OpenMP's idle workers spin for
+milliseconds after each torch operation and would take the cores from linattn's helpers. Results
+are the same bits either way. A forked child goes back to linattn's own threads.)doc");
   m.def("use_own_threads", &linattn::use_own_threads, "Back to linattn's own helper threads (the default).");
   m.def("thread_pool", &linattn::thread_pool, "Which threads run the kernels' loops: 'own' or 'openmp <file>'.");
   m.def("build_info", &linattn::build_info, "The BLAS (and its kernels) and SIMD target this build runs on.");

@@ -42,6 +42,19 @@ class Threading : public ::testing::TestWithParam<Pool> {
 INSTANTIATE_TEST_SUITE_P(Pools, Threading, ::testing::Values(Pool::Own, Pool::OpenMP),
                          [](const auto& info) { return info.param == Pool::Own ? "Own" : "OpenMP"; });
 
+// Sharing through a library takes the runtime that library binds to (here the runtime itself);
+// a library that is not loaded gives nothing to share, and the pool stays as it was.
+TEST(ThreadPool, SharingThroughALoadedLibrary) {
+  const std::string file = testing::share_system_openmp();
+  ASSERT_NE(file.find("libgomp"), std::string::npos) << file;
+  use_own_threads();
+  EXPECT_EQ(share_openmp_runtime("libgomp.so.1"), file);
+  EXPECT_EQ(thread_pool(), "openmp " + file);
+  use_own_threads();
+  EXPECT_EQ(share_openmp_runtime("liblinattn-not-loaded.so"), "");
+  EXPECT_EQ(thread_pool(), "own");
+}
+
 // Without a runtime in the process there is nothing to share: the loops stay on the own pool.
 TEST(ThreadPool, SharingNeedsALoadedRuntime) {
   use_own_threads();

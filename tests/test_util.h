@@ -55,7 +55,6 @@ std::string error_of(Fn fn) {
   return "<no error>";
 }
 
-// Sets the library's thread count for one scope.
 // Loads the system's libgomp (as PyTorch loads its own) and runs linattn's loops on it
 // (share_openmp_runtime); returns the runtime's file, or why it could not. The test binary links
 // no OpenMP runtime, so nothing else has loaded one. use_own_threads() undoes it.
@@ -65,6 +64,7 @@ inline std::string share_system_openmp() {
   return share_openmp_runtime();
 }
 
+// Sets the library's thread count for one scope.
 class ScopedThreads {
  public:
   explicit ScopedThreads(int n) : saved_(num_threads()) { set_num_threads(n); }

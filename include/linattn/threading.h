@@ -27,7 +27,10 @@ void set_num_threads(int n);
 // lose their cores to them meanwhile; on one shared team the spinning workers take linattn's
 // tasks instead. Returns the runtime's file, or "" when none is loaded (nothing changes).
 // Results are the same bits either way: tasks and per-worker scratch do not depend on the pool.
-std::string share_openmp_runtime();
+// through: an already loaded library (e.g. "libtorch_cpu.so") whose OpenMP runtime to share, the
+// one its symbols bind to, whatever that runtime's file is called; "" looks for libgomp.so.1,
+// then libiomp5.so. A forked child goes back to linattn's own threads.
+std::string share_openmp_runtime(const std::string& through = "");
 // Back to linattn's own helper threads (the default).
 void use_own_threads();
 // Which threads run the loops: "own" or "openmp <runtime's file>".

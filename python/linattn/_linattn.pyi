@@ -100,13 +100,15 @@ def set_num_threads(n: typing.SupportsInt | typing.SupportsIndex) -> None:
     """
     Threads used by every kernel, 1..1024 (default: LINATTN_NUM_THREADS, else all cores).
     """
-def share_openmp_runtime() -> str:
+def share_openmp_runtime(through: str = '') -> str:
     """
-    Runs the kernels' loops on the OpenMP runtime already loaded in the process (PyTorch's
-    libgomp), not on linattn's own helper threads, and returns its file ('' when none is loaded:
-    nothing changes). linattn.torch does so at import when torch runs on OpenMP, since OpenMP's idle
-    workers spin for milliseconds after each torch operation and would take the cores from linattn's
-    helpers. Results are the same bits either way.
+    Runs the kernels' loops on the OpenMP runtime already loaded in the process, not on
+    linattn's own helper threads, and returns its file ('' when none is found: nothing changes).
+    through: a loaded library whose runtime to share (linattn.torch passes 'libtorch_cpu.so', so that
+    it is torch's, whatever its file is called); '' looks for libgomp.so.1, then libiomp5.so.
+    linattn.torch does so at import when torch runs on OpenMP, since OpenMP's idle workers spin for
+    milliseconds after each torch operation and would take the cores from linattn's helpers. Results
+    are the same bits either way. A forked child goes back to linattn's own threads.
     """
 def thread_pool() -> str:
     """

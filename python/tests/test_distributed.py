@@ -231,6 +231,33 @@ def _thread_counts(dist_mod):
     return got
 
 
+def _partial_inputs(seed=11):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, N, D, generator=gen, dtype=torch.float64) for _ in range(3))
+    w = torch.from_numpy(linattn.random_features(6, D, seed=1)).double()
+    return q, k, v, w
+
+
+PARTIAL_CALLS = {"elu": lambda mod, a, b, c, w: mod.linear_attention(a, b, c, causal=True),
+                 "favor": lambda mod, a, b, c, w: mod.favor_attention(a, b, c, w, causal=True)}
+
+
+def _partial_grads(dist_mod, rank, world):
+    """torch.autograd.grad for some inputs only (k and v; q), causal elu and FAVOR+, contiguous
+    blocks: this rank's gradients. autograd then runs only the nodes that lead to those inputs,
+    so every rank must reach the states' all-gather through them alike (the last rank's segment
+    has no key state of its own); a rank that skipped it would leave the others waiting."""
+    q, k, v, w = _partial_inputs()
+    bounds = [sum(SIZES[world][:r]) for r in range(world + 1)]
+    got = {}
+    for name, call in PARTIAL_CALLS.items():
+        for wanted in ("kv", "q"):
+            ql, kl, vl = (x[:, :, bounds[rank]:bounds[rank + 1]].clone().requires_grad_() for x in (q, k, v))
+            out = call(dist_mod, ql, kl, vl, w)
+            got[(name, wanted)] = torch.autograd.grad(out.square().sum(), (kl, vl) if wanted == "kv" else (ql,))
+    return got
+
+
 def worker(rank, world, store, outdir):
     import datetime
 
@@ -242,7 +269,7 @@ def worker(rank, world, store, outdir):
     # waits longer than the timeout raises instead of hanging.
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    result = {"cases": {}, "errors": None, "traffic": None, "threads": None, "failure": None}
+    result = {"cases": {}, "errors": None, "traffic": None, "threads": None, "partial": None, "failure": None}
     try:
         for name, (function, _, layout) in CASES.items():
             q, k, v, dout, opts, params = inputs(name)
@@ -259,6 +286,7 @@ def worker(rank, world, store, outdir):
         result["errors"] = _errors(ld, rank)
         result["traffic"] = _traffic(ld, world)
         result["threads"] = _thread_counts(ld)
+        result["partial"] = _partial_grads(ld, rank, world)
     except Exception:  # noqa: BLE001 (reported by the test)
         result["failure"] = traceback.format_exc()
     torch.save(result, os.path.join(outdir, "rank%d.pt" % rank))
@@ -377,6 +405,24 @@ def test_thread_counts(world):
         for (name, threads), (out, dq) in res["threads"].items():
             base_out, base_dq = res["threads"][(name, 1)]
             assert torch.equal(out, base_out) and torch.equal(dq, base_dq), (name, threads)
+
+
+def test_gradients_of_some_inputs_only(world):
+    """torch.autograd.grad asked for k and v only, or q only, gives every rank its rows of the
+    single-process gradients (and returns: no rank waits in a collective the others skipped)."""
+    w, results = world
+    q, k, v, proj = _partial_inputs()
+    bounds = [sum(SIZES[w][:r]) for r in range(w + 1)]
+    for name, call in PARTIAL_CALLS.items():
+        qa, ka, va = (x.clone().requires_grad_() for x in (q, k, v))
+        dq, dk, dv = torch.autograd.grad(call(lt, qa, ka, va, proj).square().sum(), (qa, ka, va))
+        for rank, res in enumerate(results):
+            rows = slice(bounds[rank], bounds[rank + 1])
+            for wanted, want in (("kv", (dk, dv)), ("q", (dq,))):
+                got = res["partial"][(name, wanted)]
+                for g, x in zip(got, want):
+                    err = float((g - x[:, :, rows]).abs().max())
+                    assert err <= TOL64 * float(x.abs().max()), (name, wanted, rank, err)
 
 
 def test_needs_an_initialised_group():

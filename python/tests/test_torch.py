@@ -127,14 +127,19 @@ def test_loops_run_on_torchs_openmp_team_with_the_same_bits():
 
 
 def test_own_threads_can_be_kept():
-    """LINATTN_OWN_THREADS=1 keeps linattn's own helper threads under linattn.torch."""
+    """LINATTN_OWN_THREADS=1 keeps linattn's own helper threads under linattn.torch; 0 or unset
+    shares torch's; another value is refused at import."""
     import os
     import subprocess
     import sys
     code = "import linattn.torch, linattn; print(linattn.thread_pool())"
-    for env, want in (({"LINATTN_OWN_THREADS": "1"}, "own"), ({}, "openmp")):
+    for env, want in (({"LINATTN_OWN_THREADS": "1"}, "own"), ({"LINATTN_OWN_THREADS": "0"}, "openmp"), ({}, "openmp"),
+                      ({"LINATTN_OWN_THREADS": "yes"}, None)):
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                            env={**{k: v for k, v in os.environ.items() if k != "LINATTN_OWN_THREADS"}, **env})
+        if want is None:
+            assert r.returncode != 0 and "LINATTN_OWN_THREADS must be 1" in r.stderr and "'yes'" in r.stderr, r.stderr
+            continue
         assert r.returncode == 0, r.stderr
         assert r.stdout.split()[0] == want, r.stdout
 

@@ -35,10 +35,15 @@ _ANNOTATIONS = {"bool": "bool", "int": "int", "float": "float", "str": "str",
 
 # One thread team for torch and linattn: torch's OpenMP workers spin for milliseconds after each
 # parallel torch operation, and on the same cores linattn's own helpers lost them meanwhile
-# (FAVOR+ forward + backward at n = 1024: 15.7 ms against 9.5 ms). LINATTN_OWN_THREADS=1 keeps
-# linattn's own threads. docs/pytorch.md, "Threads".
-if "parallel backend: OpenMP" in _torch.__config__.parallel_info() and _os.environ.get("LINATTN_OWN_THREADS") != "1":
-    _linattn.share_openmp_runtime()
+# (FAVOR+ forward + backward at n = 1024: 15.7 ms against 9.4 ms). The runtime is the one
+# libtorch_cpu binds to. LINATTN_OWN_THREADS=1 keeps linattn's own threads. docs/pytorch.md,
+# "Threads".
+_OWN_THREADS = _os.environ.get("LINATTN_OWN_THREADS", "")
+if _OWN_THREADS not in ("", "0", "1"):
+    raise ValueError("LINATTN_OWN_THREADS must be 1 (keep linattn's own threads) or 0 (share torch's OpenMP "
+                     "threads, the default), got %r" % _OWN_THREADS)
+if "parallel backend: OpenMP" in _torch.__config__.parallel_info() and _OWN_THREADS != "1":
+    _linattn.share_openmp_runtime("libtorch_cpu.so")
 
 
 def _tensor(fn, name, x, optional=False):

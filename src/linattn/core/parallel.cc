@@ -194,6 +194,7 @@ std::atomic<int> g_threads{0};  // 0: not chosen yet
 struct OpenMPRuntime {
   void (*parallel)(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags);  // GOMP_parallel
   int (*thread_num)();                                                                      // omp_get_thread_num
+  int (*max_threads)();                                                                     // omp_get_max_threads
   std::string file;
 };
 std::atomic<const OpenMPRuntime*> g_openmp{nullptr};
@@ -201,7 +202,9 @@ std::atomic<const OpenMPRuntime*> g_openmp{nullptr};
 struct OpenMPRegion {
   Job* job;
   const OpenMPRuntime* runtime;
-  std::atomic<int> helpers_inside{0};
+  std::mutex mu;
+  std::condition_variable done;
+  int helpers_inside = 0;  // guarded by mu
 };
 
 // One thread of the OpenMP team. Thread 0 is the caller: after its share of the tasks it waits
@@ -211,33 +214,46 @@ void openmp_thread(void* data) {
   auto& region = *static_cast<OpenMPRegion*>(data);
   Job& job = *region.job;
   const int slot = region.runtime->thread_num();
-  if (slot >= job.slots) return;  // a larger team than asked for: the tasks are all handed out
+  if (slot >= job.slots) return;  // members beyond the loop's workers (see ParallelLoop::run)
   if (slot != 0) {
-    region.helpers_inside.fetch_add(1);
+    {
+      std::lock_guard<std::mutex> lock(region.mu);
+      ++region.helpers_inside;
+    }
     work(job, slot);
-    region.helpers_inside.fetch_sub(1);
+    std::lock_guard<std::mutex> lock(region.mu);
+    if (--region.helpers_inside == 0) region.done.notify_all();
     return;
   }
   work(job, 0);
   if (!g_poll.load(std::memory_order_relaxed)) return;
-  while (region.helpers_inside.load() > 0 && !job.stop.load()) {
+  std::unique_lock<std::mutex> lock(region.mu);
+  while (region.helpers_inside > 0 && !job.stop.load()) {
+    region.done.wait_for(lock, kPollInterval);
+    lock.unlock();
     poll_says_stop(job);
-    std::this_thread::yield();
+    lock.lock();
   }
 }
 
 }  // namespace
 
-std::string share_openmp_runtime() {
+std::string share_openmp_runtime(const std::string& through) {
   // Already loaded by someone else (RTLD_NOLOAD): loading one here would make a second pool.
-  for (const char* name : {"libgomp.so.1", "libiomp5.so"}) {
-    void* lib = dlopen(name, RTLD_LAZY | RTLD_NOLOAD);
+  // Through a library: the runtime that library's symbols bind to (dlsym searches its
+  // dependencies), whatever its file is called (PyTorch's wheels have shipped a renamed libgomp).
+  std::vector<std::string> names;
+  if (!through.empty()) names = {through};
+  else names = {"libgomp.so.1", "libiomp5.so"};
+  for (const std::string& name : names) {
+    void* lib = dlopen(name.c_str(), RTLD_LAZY | RTLD_NOLOAD);
     if (!lib) continue;
     auto* parallel = reinterpret_cast<decltype(OpenMPRuntime::parallel)>(dlsym(lib, "GOMP_parallel"));
     auto* thread_num = reinterpret_cast<int (*)()>(dlsym(lib, "omp_get_thread_num"));
-    if (!parallel || !thread_num) continue;  // the handle stays open: the library was loaded anyway
+    auto* max_threads = reinterpret_cast<int (*)()>(dlsym(lib, "omp_get_max_threads"));
+    if (!parallel || !thread_num || !max_threads) continue;  // the handle stays open: it was loaded anyway
     Dl_info info{};
-    std::string file = dladdr(reinterpret_cast<void*>(thread_num), &info) && info.dli_fname ? info.dli_fname : name;
+    std::string file = dladdr(reinterpret_cast<void*>(parallel), &info) && info.dli_fname ? info.dli_fname : name;
     // Kept for the process's life, reachable from `kept`: a loop running now may still use a
     // runtime that a later call replaced.
     static std::mutex mu;
@@ -248,7 +264,9 @@ std::string share_openmp_runtime() {
     static const bool at_fork = (pthread_atfork(nullptr, nullptr, [] { g_openmp.store(nullptr); }), true);
     (void)at_fork;
     auto same = std::find_if(kept->begin(), kept->end(), [&](const auto& r) { return r->parallel == parallel; });
-    if (same == kept->end()) same = kept->insert(kept->end(), std::make_unique<OpenMPRuntime>(OpenMPRuntime{parallel, thread_num, file}));
+    if (same == kept->end())
+      same = kept->insert(kept->end(),
+                          std::make_unique<OpenMPRuntime>(OpenMPRuntime{parallel, thread_num, max_threads, file}));
     g_openmp.store(same->get());
     return file;
   }
@@ -294,8 +312,14 @@ void ParallelLoop::run(const std::function<void(int64_t, int)>& fn) const {
   if (workers_ == 1) {
     work(job, 0);
   } else if (const OpenMPRuntime* runtime = g_openmp.load()) {
-    OpenMPRegion region{&job, runtime};
-    runtime->parallel(openmp_thread, &region, static_cast<unsigned>(workers_), 0);
+    OpenMPRegion region;
+    region.job = &job;
+    region.runtime = runtime;
+    // At least the team the runtime's other users ask for (torch asks for omp_get_max_threads()):
+    // libgomp ends the pool's threads beyond a smaller team and starts them again for the next
+    // larger one. Members beyond the loop's workers return at once.
+    const int team = std::max(workers_, runtime->max_threads());
+    runtime->parallel(openmp_thread, &region, static_cast<unsigned>(team), 0);
   } else {
     pool().run(job);
   }

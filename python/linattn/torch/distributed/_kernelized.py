@@ -214,6 +214,21 @@ def _feature_dim(head_dim, opts):
     return m if opts["kernel"] == "positive" else 2 * m
 
 
+class _EmptyState(torch.autograd.Function):
+    """The state of no keys [B, H, m', d_v+2], a function of k and v in the autograd graph as
+    the other segments' key states are, with no gradient to them: so every rank's backward
+    reaches the all-gather of the states (whose adjoint is a collective) whenever the others'
+    does, also when torch.autograd.grad or backward(inputs=...) asks only for some tensors."""
+
+    @staticmethod
+    def forward(ctx, k, v, shape, favor):
+        return _state.empty_state(*shape, favor=favor, dtype=v.dtype)
+
+    @staticmethod
+    def backward(ctx, dstate):
+        return None, None, None, None
+
+
 def attention(g, segs, q, k, v, lengths, causal, opts):
     """This rank's out [B,H,n,d_v] (segs: every rank's segments; this rank's are segs[g.rank]);
     opts: linattn.torch.state's options (feature_map, projection, kernel, scale, eps,
@@ -227,18 +242,13 @@ def attention(g, segs, q, k, v, lengths, causal, opts):
         total = _all_reduce_state(g, mine_total, favor)
         return _state.apply_state(q, total, **opts)
     # Causal: each segment's state, for the segments after it. The sequence's last segment has
-    # none after it: the empty state stands in, without a pass over its keys. It takes part in
-    # the autograd graph as the others' states do (a leaf that requires a gradient exactly when
-    # they do, which every rank agreed on), so that every rank's backward reaches the all-gather,
-    # whose adjoint is a collective.
+    # none after it: the empty state stands in, without a pass over its keys (_EmptyState).
     n_total = max(s.stop for rank_segs in segs for s in rank_segs)
-    needs_grad = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
     states = []
     for s in mine:
         if s.stop == n_total:
-            m = _feature_dim(q.shape[3], opts)
-            empty = _state.empty_state(q.shape[0], q.shape[1], m, v.shape[3], favor=favor, dtype=v.dtype)
-            states.append(empty.requires_grad_(needs_grad))
+            shape = (q.shape[0], q.shape[1], _feature_dim(q.shape[3], opts), v.shape[3])
+            states.append(_EmptyState.apply(k, v, shape, favor))
         else:
             states.append(_state.key_state(s.rows(k), s.rows(v), key_lengths=local_lengths(lengths, s), **opts))
     states = torch.stack(states)  # [segments, B, H, m', d_v+2]
