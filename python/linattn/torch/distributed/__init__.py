@@ -86,12 +86,14 @@ def _all_finite(x):
     return math.isfinite(_max_abs(x))
 
 
-def _max_abs(x):
-    """max |x| (0 when empty), NaN or inf where x has a non-finite value: one aminmax."""
-    if x.numel() == 0:
-        return 0.0
-    lo, hi = torch.aminmax(x.detach())
-    return max(-float(lo), float(hi)) if bool(torch.isfinite(lo) & torch.isfinite(hi)) else math.nan
+def _max_abs(*xs):
+    """max |x| of each tensor (0 when empty), NaN where one has a non-finite value: one aminmax
+    per tensor, and one conversion to Python numbers for all of them. One tensor: a float."""
+    parts = [torch.stack(torch.aminmax(x.detach())) if x.numel() else x.new_zeros(2) for x in xs]
+    tops = []
+    for lo, hi in torch.stack(parts).tolist() if parts else []:
+        tops.append(max(-lo, hi) if math.isfinite(lo) and math.isfinite(hi) else math.nan)
+    return tops[0] if len(xs) == 1 else tops
 
 
 def _finite(fn, name, top):
@@ -133,7 +135,7 @@ class _Call:
                       q.requires_grad, k.requires_grad, v.requires_grad]
             fields += [-1.0, 0.0] if lengths is None else [lengths.numel(), float((lengths * (torch.arange(
                 lengths.numel()) + 1)).sum())]
-            top = {n: _max_abs(x) for n, x in (("q", q), ("k", k), ("v", v))}
+            top = dict(zip("qkv", _max_abs(q, k, v)))
             fields += check_options(fn, q, k, v, top)
             for n in ("q", "k", "v"):
                 _finite(fn, n, top[n])
