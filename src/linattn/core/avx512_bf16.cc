@@ -82,9 +82,11 @@ LINATTN_TARGET inline void pack_row_pairs(const float* x, int64_t ld, int64_t ro
 
 // v[i] lane j ↔ v[j] lane i (a 16×16 transpose of 32-bit lanes). GCC 12 warns that the
 // unpack intrinsics' internal pass-through operand (an undefined vector, fully overwritten
-// under an all-ones mask) may be uninitialised: a false positive of its headers.
+// under an all-ones mask) may be, or is, uninitialised (the sanitizer build says "is"): a false
+// positive of its headers.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 LINATTN_TARGET inline void transpose16(__m512i v[16]) {
   __m512i t[16];
   for (int i = 0; i < 16; i += 2) {
@@ -197,6 +199,7 @@ namespace {
 // (_mm512_reduce_add_ps: the same GCC 12 false positive as transpose16's.)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 LINATTN_TARGET void dot_columns_avx512(const bfloat16* a, int64_t lda, int64_t rows, const bfloat16* b, int64_t ldb,
                                        int64_t pairs, int64_t columns, float* c, int64_t ldc, bool accumulate) {
   for (int64_t r = 0; r < rows; ++r)
