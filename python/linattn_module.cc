@@ -830,7 +830,8 @@ batch of sequences: using it from two threads at once raises ValueError (copy() 
 i.e. uniform on (-a, a), a = sqrt(3 / (n_max + s_proj)). heads=None: shared [s_proj, n_max];
 else [heads, s_proj, n_max]. Reproducible by seed.)doc");
   m.def("set_num_threads", &linattn::set_num_threads, py::arg("n"),
-        "Threads used by every kernel, 1..1024 (default: LINATTN_NUM_THREADS, else all cores).");
+        "Threads used by every kernel, 1..1024 (default: LINATTN_NUM_THREADS; else, under linattn.torch, "
+        "torch's thread count, followed as it changes; else all cores).");
   m.def("get_num_threads", &linattn::num_threads);
   m.def("share_openmp_runtime", &linattn::share_openmp_runtime, py::arg("through") = "",
         R"doc(Runs the kernels' loops on the OpenMP runtime already loaded in the process, not on

@@ -10,8 +10,10 @@ namespace linattn {
 // hardware threads; more only oversubscribes them).
 inline constexpr int kMaxThreads = 1024;
 
-// Threads a call may use. Default: LINATTN_NUM_THREADS (an integer in [1, kMaxThreads], else
-// the first call throws Error), otherwise the hardware's thread count, at most kMaxThreads.
+// Threads a call may use: set_num_threads's n; else LINATTN_NUM_THREADS (an integer in
+// [1, kMaxThreads], else every call throws Error); else, while the loops run on a shared OpenMP
+// runtime, that runtime's omp_get_max_threads() (torch.set_num_threads under linattn.torch);
+// else the hardware's thread count. At most kMaxThreads.
 int num_threads();
 // Sets the thread count for calls made from now on; n in [1, kMaxThreads], else Error. Safe to
 // call while other threads run kernels: those keep the worker count they started with.

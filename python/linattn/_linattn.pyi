@@ -98,7 +98,7 @@ def reset_workspace_peak() -> None:
     ...
 def set_num_threads(n: typing.SupportsInt | typing.SupportsIndex) -> None:
     """
-    Threads used by every kernel, 1..1024 (default: LINATTN_NUM_THREADS, else all cores).
+    Threads used by every kernel, 1..1024 (default: LINATTN_NUM_THREADS; else, under linattn.torch, torch's thread count, followed as it changes; else all cores).
     """
 def share_openmp_runtime(through: str = '') -> str:
     """

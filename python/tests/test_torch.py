@@ -144,6 +144,35 @@ def test_own_threads_can_be_kept():
         assert r.stdout.split()[0] == want, r.stdout
 
 
+def test_thread_count_follows_torchs_unless_set():
+    """Under linattn.torch, with LINATTN_NUM_THREADS unset and no linattn.set_num_threads, linattn
+    uses torch's thread count and follows torch.set_num_threads; linattn.set_num_threads and
+    LINATTN_NUM_THREADS win over it; with linattn's own threads the default is every core."""
+    import os
+    import subprocess
+    import sys
+    code = ("import torch, linattn, linattn.torch\n"
+            "a = linattn.get_num_threads(), torch.get_num_threads()\n"
+            "torch.set_num_threads(1); b = linattn.get_num_threads()\n"
+            "linattn.set_num_threads(3); torch.set_num_threads(2); c = linattn.get_num_threads()\n"
+            "print(a[0], a[1], b, c)")
+    base = {k: v for k, v in os.environ.items() if k not in ("LINATTN_NUM_THREADS", "LINATTN_OWN_THREADS",
+                                                              "OMP_NUM_THREADS")}
+    for env in ({"OMP_NUM_THREADS": "2"}, {"OMP_NUM_THREADS": "2", "LINATTN_NUM_THREADS": "5"},
+                {"OMP_NUM_THREADS": "2", "LINATTN_OWN_THREADS": "1"}):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           env={**base, **env})
+        assert r.returncode == 0, r.stderr
+        mine, torchs, after_torch_1, after_set = (int(x) for x in r.stdout.split())
+        assert torchs == 2 and after_set == 3, r.stdout
+        if "LINATTN_NUM_THREADS" in env:
+            assert mine == after_torch_1 == 5, r.stdout
+        elif "LINATTN_OWN_THREADS" in env:
+            assert mine == after_torch_1 == os.cpu_count(), r.stdout
+        else:
+            assert mine == 2 and after_torch_1 == 1, r.stdout
+
+
 def test_errors():
     q, k, v = inputs(5, dtype=torch.float32)
     w = torch.from_numpy(linattn.random_features(8, D))

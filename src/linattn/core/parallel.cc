@@ -175,19 +175,23 @@ Pool& pool() {
   return *p;
 }
 
-int default_threads() {
-  if (const char* env = std::getenv("LINATTN_NUM_THREADS")) {
-    char* end = nullptr;
-    const long n = std::strtol(env, &end, 10);
-    require(end != env && *end == '\0' && n >= 1 && n <= kMaxThreads,
-            "LINATTN_NUM_THREADS must be an integer in [1, ", kMaxThreads, "], got \"", env, "\"");
-    return static_cast<int>(n);
-  }
+// LINATTN_NUM_THREADS, or 0 when it is unset (an Error when it is not a count).
+int env_threads() {
+  const char* env = std::getenv("LINATTN_NUM_THREADS");
+  if (!env) return 0;
+  char* end = nullptr;
+  const long n = std::strtol(env, &end, 10);
+  require(end != env && *end == '\0' && n >= 1 && n <= kMaxThreads,
+          "LINATTN_NUM_THREADS must be an integer in [1, ", kMaxThreads, "], got \"", env, "\"");
+  return static_cast<int>(n);
+}
+
+int hardware_threads() {
   const unsigned hw = std::thread::hardware_concurrency();
   return hw == 0 ? 1 : static_cast<int>(std::min<unsigned>(hw, kMaxThreads));
 }
 
-std::atomic<int> g_threads{0};  // 0: not chosen yet
+std::atomic<int> g_threads{0};  // 0: not set (set_num_threads, LINATTN_NUM_THREADS)
 
 // An OpenMP runtime of the process's (share_openmp_runtime) that loops run on instead of the
 // pool, through the two entry points of libgomp's ABI that a parallel region needs.
@@ -281,13 +285,19 @@ std::string thread_pool() {
 }
 
 int num_threads() {
-  int n = g_threads.load();
-  if (n == 0) {
+  const int n = g_threads.load();
+  if (n > 0) return n;
+  static const int from_env = env_threads();  // read once; an invalid value throws on every call
+  if (from_env > 0) {
     int expected = 0;
-    g_threads.compare_exchange_strong(expected, default_threads());
-    n = g_threads.load();
+    g_threads.compare_exchange_strong(expected, from_env);
+    return g_threads.load();
   }
-  return n;
+  // Not set: the shared OpenMP runtime's count (torch.set_num_threads under linattn.torch), so
+  // that one knob sizes both and the team keeps one size; else every hardware thread.
+  if (const OpenMPRuntime* runtime = g_openmp.load()) return std::clamp(runtime->max_threads(), 1, kMaxThreads);
+  static const int hardware = hardware_threads();  // get_nprocs reads /sys: once
+  return hardware;
 }
 
 void set_num_threads(int n) {
