@@ -180,12 +180,12 @@ def rescale_state(state, shift):
 
 
 def _keep(weights, states):
-    """weights as a bool mask broadcasting over states [N, ...]; only 0 and 1 are accepted."""
+    """weights as a bool mask [N], one per state of states [N, ...]; only 0 and 1 are accepted."""
     w = torch.as_tensor(weights)
     if w.shape != (states.shape[0],) or not bool(((w == 0) | (w == 1)).all()):
         raise ValueError("linattn.torch.state.add_states: weights must hold one 0 or 1 per state (%d), got %s"
                          % (states.shape[0], w.tolist()))
-    return w.to(torch.bool).view(-1, *([1] * (states.dim() - 1)))
+    return w.to(torch.bool)
 
 
 def add_states(states, weights=None):
@@ -202,8 +202,10 @@ def add_states(states, weights=None):
 
 
 def _sum_states(states, keep=None):
-    """add_states on a stacked tensor, keep a bool tensor broadcasting over it or None, unchecked
+    """add_states on a stacked tensor, keep a bool tensor [N] or None, unchecked
     (linattn.torch.distributed's calls, whose masks it builds itself)."""
+    if keep is not None:
+        keep = keep.view(-1, *([1] * (states.dim() - 1)))
     c_i = states[..., -1:].detach()
     if not bool((c_i == 0).all()):  # FAVOR (the plain maps' shifts are all 0: nothing to rescale)
         if keep is not None:

@@ -86,6 +86,23 @@ void work(Job& job, int slot) {
   t_is_caller = outer_caller;
 }
 
+// On the caller, lock held: waits until `inside` (helpers still running `job`'s tasks, guarded by
+// the lock's mutex and signalled on `done`) is 0, polling meanwhile so that Ctrl-C reaches long
+// tasks through interruption_point(). Both pools end their loops here.
+void wait_for_helpers(std::unique_lock<std::mutex>& lock, std::condition_variable& done, const int& inside, Job& job) {
+  while (inside > 0) {
+    if (g_poll.load(std::memory_order_relaxed) && !job.stop.load()) {
+      done.wait_for(lock, kPollInterval);
+      if (inside == 0) break;
+      lock.unlock();
+      poll_says_stop(job);
+      lock.lock();
+    } else {
+      done.wait(lock, [&] { return inside == 0; });
+    }
+  }
+}
+
 // Helper threads, grown on demand up to the largest worker count asked for, never shrunk (idle
 // helpers sleep on a condition variable and are not woken for jobs that do not need them).
 class Pool {
@@ -115,19 +132,7 @@ class Pool {
     work(job, 0);
     std::unique_lock<std::mutex> lock(mu_);
     open_.erase(std::remove(open_.begin(), open_.end(), &job), open_.end());
-    // Wait for the helpers still inside; keep polling so Ctrl-C reaches long tasks through
-    // interruption_point().
-    while (job.active > 0) {
-      if (g_poll.load(std::memory_order_relaxed) && !job.stop.load()) {
-        done_.wait_for(lock, kPollInterval);
-        if (job.active == 0) break;
-        lock.unlock();
-        poll_says_stop(job);
-        lock.lock();
-      } else {
-        done_.wait(lock, [&] { return job.active == 0; });
-      }
-    }
+    wait_for_helpers(lock, done_, job.active, job);
   }
 
  private:
@@ -212,8 +217,8 @@ struct OpenMPRegion {
 };
 
 // One thread of the OpenMP team. Thread 0 is the caller: after its share of the tasks it waits
-// for the others while polling, as the pool's caller does, so that a long task on another
-// thread still sees Ctrl-C (OpenMP's closing barrier would not poll).
+// for the others as the own pool's caller does, polling, so that a long task on another thread
+// still sees Ctrl-C (OpenMP's closing barrier would not poll).
 void openmp_thread(void* data) {
   auto& region = *static_cast<OpenMPRegion*>(data);
   Job& job = *region.job;
@@ -230,14 +235,8 @@ void openmp_thread(void* data) {
     return;
   }
   work(job, 0);
-  if (!g_poll.load(std::memory_order_relaxed)) return;
   std::unique_lock<std::mutex> lock(region.mu);
-  while (region.helpers_inside > 0 && !job.stop.load()) {
-    region.done.wait_for(lock, kPollInterval);
-    lock.unlock();
-    poll_says_stop(job);
-    lock.lock();
-  }
+  wait_for_helpers(lock, region.done, region.helpers_inside, job);
 }
 
 }  // namespace

@@ -83,17 +83,14 @@ def _all_finite(x):
     """Whether every value is finite: the smallest and largest, since both propagate NaN (one
     reduction, no temporary: 20 times faster than isfinite(x).all(), which took 14 ms of a
     40 ms linear_attention forward + backward at n = 8192)."""
-    return math.isfinite(_max_abs(x))
+    return math.isfinite(_max_abs(x)[0])
 
 
 def _max_abs(*xs):
-    """max |x| of each tensor (0 when empty), NaN where one has a non-finite value: one aminmax
-    per tensor, and one conversion to Python numbers for all of them. One tensor: a float."""
-    parts = [torch.stack(torch.aminmax(x.detach())) if x.numel() else x.new_zeros(2) for x in xs]
-    tops = []
-    for lo, hi in torch.stack(parts).tolist() if parts else []:
-        tops.append(max(-lo, hi) if math.isfinite(lo) and math.isfinite(hi) else math.nan)
-    return tops[0] if len(xs) == 1 else tops
+    """[max |x| of each tensor] (0 when empty), NaN where one has a non-finite value: one
+    aminmax per tensor, and one conversion to Python numbers for all of them."""
+    parts = torch.stack([torch.stack(torch.aminmax(x.detach())) if x.numel() else x.new_zeros(2) for x in xs])
+    return [max(-lo, hi) if math.isfinite(lo) and math.isfinite(hi) else math.nan for lo, hi in parts.tolist()]
 
 
 def _finite(fn, name, top):

@@ -26,6 +26,7 @@ window, which the state operations do not express."""
 import torch
 import torch.nn.functional as F
 
+from ... import _linattn
 from .. import state as _state
 
 CHUNK = 64  # rows per chunk of the causal form: intra-chunk products C×C, one state per chunk
@@ -207,11 +208,11 @@ def _all_reduce_state(g, st, favor):
 
 def _feature_dim(head_dim, opts):
     """m', the feature count of a state: head_dim for the plain maps (and the given features'
-    count for "identity", their last dim), FAVOR's m, or 2m for its hyperbolic and trig kernels."""
+    count for "identity", their last dim); FAVOR's as the library's registry counts it."""
     if opts["feature_map"] != "favor":
         return head_dim
-    m = opts["projection"].shape[0]
-    return m if opts["kernel"] == "positive" else 2 * m
+    return _linattn._feature_dim("favor", head_dim, {"projection": list(opts["projection"].shape)},
+                                 {"kernel": opts["kernel"]})
 
 
 class _EmptyState(torch.autograd.Function):
@@ -266,8 +267,7 @@ def attention(g, segs, q, k, v, lengths, causal, opts):
         # The segments before this one, as 0/1 weights rather than a selection, so that every
         # rank's backward reaches the all-gather (whose adjoint is a collective) even where no
         # segment comes before.
-        keep = (starts < s.start).view(-1, *([1] * (every.dim() - 1)))
-        prefix = _state._sum_states(every, keep)
+        prefix = _state._sum_states(every, starts < s.start)
         out, _ = _state.causal_from_state(s.rows(q), s.rows(k), s.rows(v), prefix,
                                           key_lengths=local_lengths(lengths, s), **opts)
         outs.append(out)
