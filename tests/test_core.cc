@@ -446,6 +446,33 @@ TEST(Simd, FiniteMaxAbs) {
   }
 }
 
+// The same for bfloat16 values, read on their bits: the largest |x| exactly (the largest finite
+// bfloat16 and negative values included), NaN for ±inf or a NaN anywhere, over lengths that end
+// in a full vector and in a tail.
+TEST(Simd, FiniteMaxAbsBfloat16) {
+  for (size_t n : {size_t{0}, size_t{1}, size_t{31}, size_t{32}, size_t{33}, size_t{100}}) {
+    std::vector<float> x(n);
+    fill_normal(x.data(), int64_t(n), 21 + n);
+    std::vector<bfloat16> b(n);
+    for (size_t i = 0; i < n; ++i) b[i] = to_bfloat16(x[i]);
+    float want = 0;
+    for (bfloat16 v : b) want = std::max(want, std::abs(to_float(v)));
+    EXPECT_EQ(simd::finite_max_abs(b.data(), n), want) << n;
+    EXPECT_TRUE(simd::all_finite(b.data(), n)) << n;
+    for (size_t i = 0; i < n; ++i) {
+      std::vector<bfloat16> y = b;
+      y[i] = bfloat16{0xFF7F};  // −(largest finite bfloat16)
+      ASSERT_EQ(simd::finite_max_abs(y.data(), n), -to_float(y[i])) << n << " " << i;
+      for (float bad : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                        std::numeric_limits<float>::quiet_NaN()}) {
+        y[i] = to_bfloat16(bad);
+        ASSERT_TRUE(std::isnan(simd::finite_max_abs(y.data(), n))) << n << " " << i;
+        ASSERT_FALSE(simd::all_finite(y.data(), n)) << n << " " << i;
+      }
+    }
+  }
+}
+
 // Sizes from arguments: a byte count that overflows is an Error naming the arguments, one
 // beyond the machine's memory an OutOfMemory naming them; in range, the element count.
 TEST(Sizes, ArgumentSizedArraysAreChecked) {

@@ -264,19 +264,177 @@ TEST(KernelizedBf16Products, ThreadCountsGiveTheSameBits) {
     }
 }
 
-// The trig kernel's features are signed, so its bfloat16 calls keep float32 products: no own
-// kernel, and the registry widens; so does linear_attention, for every map.
-TEST(KernelizedBf16Products, TrigAndLinearAttentionWiden) {
-  EXPECT_FALSE(method("linear").bf16_kernel);
-  EXPECT_FALSE(method("linear").bf16_backward_kernel);
+void expect_same_bits(const Tensor<bfloat16>& got, const Tensor<bfloat16>& want, const char* what) {
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  for (int64_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i].bits, want[i].bits) << what << ": element " << i;
+}
+
+void expect_same_values(const Tensor<float>& got, const Tensor<float>& want, const char* what) {
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  for (int64_t i = 0; i < got.size(); ++i)
+    ASSERT_TRUE(got[i] == want[i] || (std::isinf(got[i]) && got[i] == want[i])) << what << ": element " << i;
+}
+
+Tensor<float> widened(const Tensor<bfloat16>& x) { return widen(TensorView<const bfloat16>(x.view())); }
+
+// A bfloat16 call of `method` (map: linear's feature_map or favor's kernel) on the bfloat16
+// values of q, k, v, with the spec's mask; projection w for favor.
+MethodArgs<bfloat16> bf16_args(const std::string& method_name, const KernelizedSpec& spec, const Tensor<bfloat16>& q,
+                               const Tensor<bfloat16>& k, const Tensor<bfloat16>& v, const Tensor<bfloat16>* w) {
   MethodArgs<bfloat16> a;
-  const Tensor<bfloat16> x = testing::narrowed<bfloat16>(random_tensor<double>({1, 1, 5, 8}, 1)),
-                         w = testing::narrowed<bfloat16>(random_features<double>(8, 8, FeatureKind::Orthogonal, 2));
-  a.q = x, a.k = x, a.v = x;
-  a.options["kernel"] = std::string("trig");
-  a.tensors["projection"] = w;
-  EXPECT_FALSE(method("favor").bf16_kernel(a).has_value());
-  EXPECT_FALSE(method("favor").bf16_backward_kernel(a, x, {}).has_value());
+  a.q = q, a.k = k, a.v = v;
+  a.options["causal"] = spec.causal;
+  if (spec.key_lengths) a.options["key_lengths"] = *spec.key_lengths;
+  if (method_name == "favor") {
+    a.options["kernel"] = spec.map;
+    a.tensors["projection"] = *w;
+  } else {
+    a.options["feature_map"] = spec.map;
+  }
+  return a;
+}
+
+// The same call in float32 on the widened values (the registry's widened path).
+MethodArgs<float> widened_args(const MethodArgs<bfloat16>& a, std::vector<Tensor<float>>& storage) {
+  storage.reserve(8);
+  auto keep = [&](TensorView<const bfloat16> t) {
+    storage.push_back(widen(t));
+    return storage.back().view();
+  };
+  MethodArgs<float> w;
+  w.q = keep(a.q), w.k = keep(a.k), w.v = keep(a.v);
+  w.options = a.options;
+  for (const auto& [name, t] : a.tensors) w.tensors[name] = keep(t);
+  return w;
+}
+
+// bfloat16 calls that keep float32 products (every plain map; FAVOR's trig kernel, whose signed
+// features would let the operands' rounding errors outgrow the denominator; every FAVOR kernel
+// on a CPU without AVX512-BF16) run the float32 engine on the bfloat16 storage, widening and
+// rounding a block at a time. That is the widened float32 call's arithmetic, so the results
+// must be its bits once rounded: forward (and the saved den and state), backward with and
+// without the saved tensors, every mask, sizes inside one causal chunk, across chunks and
+// across a key block (1100 rows), at 1 and 5 threads (batch·heads 6).
+TEST(KernelizedBf16, StorageCallsGiveTheWidenedCallsBits) {
+  struct Case {
+    const char* method;
+    const char* map;
+  };
+  std::vector<Case> cases = {{"linear", "elu"}, {"linear", "relu"}, {"linear", "focused"}, {"linear", "identity"},
+                             {"favor", "trig"}};
+  if (!bfloat16_products_usable()) cases.insert(cases.end(), {{"favor", "positive"}, {"favor", "hyperbolic"}});
+  const int64_t block = kernelized::kBlockRows + 76, chunks = 2 * kernelized::kChunk + 2;
+  for (const Case c : cases)
+    for (Mask mask : {Mask::None, Mask::Causal, Mask::KeyLengths, Mask::CausalKeyLengths})
+      for (const Size z : {Size{7, 7, 16, 8}, Size{chunks, chunks, 32, 24}, Size{block, block, 16, 12}}) {
+        const int64_t B = 3, H = 2;
+        const KernelizedSpec spec = spec_for(c.map, mask, B, z.n_k);
+        const uint64_t seed = 70 + z.n_q;
+        const double sigma = std::string(c.map) == "trig" ? 0.5 : 1.0;
+        auto bf16 = [](const Tensor<double>& x) { return testing::narrowed<bfloat16>(x); };
+        const Tensor<bfloat16> q = bf16(given_features(c.map, random_tensor<double>({B, H, z.n_q, z.d}, seed, sigma))),
+                               k = bf16(given_features(c.map, random_tensor<double>({B, H, z.n_k, z.d}, seed + 1, sigma))),
+                               v = bf16(random_tensor<double>({B, H, z.n_k, z.dv}, seed + 2)),
+                               dout = bf16(random_tensor<double>({B, H, z.n_q, z.dv}, seed + 3)),
+                               w = bf16(random_features<double>(24, z.d, FeatureKind::Orthogonal, seed + 4));
+        const MethodArgs<bfloat16> a = bf16_args(c.method, spec, q, k, v, &w);
+        std::vector<Tensor<float>> storage;
+        const MethodArgs<float> a32 = widened_args(a, storage);
+        const Tensor<float> dout32 = widened(dout);
+        const MethodInfo& m = method(c.method);
+        const MethodOutput<float> f32 = m.f32.forward(a32);
+        const Tensor<bfloat16> out_want = narrow<bfloat16>(f32.out, "out");
+        const Tensor<float> out_saved = widened(out_want);  // what a caller saves: the rounded output
+        SavedViews<float> saved32{{"out", out_saved.view()}};
+        for (const auto& [name, t] : f32.saved) saved32[name] = t.view();
+        const AttentionGrads<float> g32 = m.f32.backward(a32, dout32.view(), {});
+        const AttentionGrads<float> gs32 = m.f32.backward(a32, dout32.view(), saved32);
+        for (int threads : {1, 5}) {
+          SCOPED_TRACE(::testing::Message() << c.method << " " << c.map << " " << kMaskNames[int(mask)] << " n=" << z.n_q
+                                            << " threads=" << threads);
+          ScopedThreads scope(threads);
+          std::optional<MethodOutput<bfloat16>> f = m.bf16_kernel(a);
+          ASSERT_TRUE(f.has_value());
+          expect_same_bits(f->out, out_want, "out");
+          ASSERT_EQ(f->saved.size(), f32.saved.size());
+          for (size_t i = 0; i < f->saved.size(); ++i) expect_same_values(f->saved[i].second, f32.saved[i].second, "saved");
+          std::optional<AttentionGrads<bfloat16>> g = m.bf16_backward_kernel(a, dout, {});
+          ASSERT_TRUE(g.has_value());
+          expect_same_bits(g->dq, narrow<bfloat16>(g32.dq, "dq"), "dq");
+          expect_same_bits(g->dk, narrow<bfloat16>(g32.dk, "dk"), "dk");
+          expect_same_bits(g->dv, narrow<bfloat16>(g32.dv, "dv"), "dv");
+          SavedViews<bfloat16> saved{{"out", out_saved.view()}};
+          for (const auto& [name, t] : f->saved) saved[name] = t.view();
+          std::optional<AttentionGrads<bfloat16>> gs = m.bf16_backward_kernel(a, dout, saved);
+          ASSERT_TRUE(gs.has_value());
+          expect_same_bits(gs->dq, narrow<bfloat16>(gs32.dq, "dq"), "dq from saved");
+          expect_same_bits(gs->dk, narrow<bfloat16>(gs32.dk, "dk"), "dk from saved");
+          expect_same_bits(gs->dv, narrow<bfloat16>(gs32.dv, "dv from saved"), "dv from saved");
+        }
+      }
+}
+
+// Where the bfloat16 storage path does not apply, its functions give nothing and the registry's
+// bfloat16 call runs the widened float32 one: v beyond 2^64 (the float32 code rescales it
+// first), dout beyond 2^64, and linear attention with a dwc_weight (its convolution reads v in
+// float32). The registry's results are then the widened call's.
+TEST(KernelizedBf16, OutOfRangeValuesAndTheConvolutionWiden) {
+  const KernelizedSpec spec = spec_for("elu", Mask::None, 1, 9);
+  auto bf16 = [](const Tensor<double>& x) { return testing::narrowed<bfloat16>(x); };
+  const Tensor<bfloat16> q = bf16(random_tensor<double>({1, 2, 9, 4}, 1)), k = bf16(random_tensor<double>({1, 2, 9, 4}, 2)),
+                         dout = bf16(random_tensor<double>({1, 2, 9, 3}, 4));
+  const Tensor<bfloat16> v = bf16(random_tensor<double>({1, 2, 9, 3}, 3));
+  Tensor<bfloat16> big_dout = bf16(random_tensor<double>({1, 2, 9, 3}, 4));
+  for (const char* name : {"linear", "favor"}) {
+    SCOPED_TRACE(name);
+    const MethodInfo& m = method(name);
+    const Tensor<bfloat16> w = bf16(random_features<double>(8, 4, FeatureKind::Orthogonal, 5));
+    KernelizedSpec s = spec;
+    if (std::string(name) == "favor") s.map = "trig";
+    Tensor<bfloat16> big_v = bf16(random_tensor<double>({1, 2, 9, 3}, 3));
+    big_v[5] = to_bfloat16(0x1p70f);
+    const MethodArgs<bfloat16> a = bf16_args(name, s, q, k, big_v, &w);
+    EXPECT_FALSE(m.bf16_kernel(a).has_value());
+    EXPECT_FALSE(m.bf16_backward_kernel(a, dout, {}).has_value());
+    std::vector<Tensor<float>> storage;
+    const MethodArgs<float> a32 = widened_args(a, storage);
+    expect_same_bits(m.bf16.forward(a).out, narrow<bfloat16>(m.f32.forward(a32).out, "out"), "out with large v");
+    big_dout[4] = to_bfloat16(-0x1p70f);
+    const MethodArgs<bfloat16> small = bf16_args(name, s, q, k, v, &w);
+    EXPECT_TRUE(m.bf16_kernel(small).has_value());
+    EXPECT_FALSE(m.bf16_backward_kernel(small, big_dout, {}).has_value());
+  }
+  MethodArgs<bfloat16> conv = bf16_args("linear", spec, q, k, v, nullptr);
+  const Tensor<bfloat16> dwc = bf16(random_tensor<double>({2, 3}, 6));
+  conv.tensors["dwc_weight"] = dwc;
+  EXPECT_FALSE(method("linear").bf16_kernel(conv).has_value());
+  EXPECT_FALSE(method("linear").bf16_backward_kernel(conv, dout, {}).has_value());
+  EXPECT_EQ(method("linear").bf16.forward(conv).out.shape(), (Shape{1, 2, 9, 3}));
+}
+
+// Bad bfloat16 input to the storage path: an error naming the argument, as for float32.
+TEST(KernelizedBf16, BadInputIsAnErrorNamingIt) {
+  const KernelizedSpec spec = spec_for("elu", Mask::None, 1, 9);
+  auto bf16 = [](const Tensor<double>& x) { return testing::narrowed<bfloat16>(x); };
+  const Tensor<bfloat16> q = bf16(random_tensor<double>({1, 2, 9, 4}, 1)), k = bf16(random_tensor<double>({1, 2, 9, 4}, 2)),
+                         v = bf16(random_tensor<double>({1, 2, 9, 3}, 3)), dout = bf16(random_tensor<double>({1, 2, 9, 3}, 4));
+  const MethodInfo& m = method("linear");
+  for (const float bad : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+    Tensor<bfloat16> k_bad = bf16(random_tensor<double>({1, 2, 9, 4}, 2)), dout_bad = bf16(random_tensor<double>({1, 2, 9, 3}, 4));
+    k_bad[7] = to_bfloat16(bad), dout_bad[2] = to_bfloat16(bad);
+    EXPECT_THAT(error_of([&] { m.bf16_kernel(bf16_args("linear", spec, q, k_bad, v, nullptr)); }), HasSubstr("k"));
+    EXPECT_THAT(error_of([&] { m.bf16_backward_kernel(bf16_args("linear", spec, q, k, v, nullptr), dout_bad, {}); }),
+                HasSubstr("dout"));
+  }
+  KernelizedSpec identity = spec;
+  identity.map = "identity";
+  Tensor<bfloat16> negative = bf16(given_features("identity", random_tensor<double>({1, 2, 9, 4}, 1)));
+  const Tensor<bfloat16> features = bf16(given_features("identity", random_tensor<double>({1, 2, 9, 4}, 2)));
+  negative[3] = to_bfloat16(-0.5f);
+  EXPECT_THAT(error_of([&] { m.bf16_kernel(bf16_args("linear", identity, negative, features, v, nullptr)); }),
+              HasSubstr("q holds features, which must be >= 0; got -0.5 at row 0 (counting over batch·heads·seq), feature 3"));
+  const Tensor<bfloat16> short_v = bf16(random_tensor<double>({1, 2, 8, 3}, 3));
+  EXPECT_THAT(error_of([&] { m.bf16_kernel(bf16_args("linear", spec, q, k, short_v, nullptr)); }), HasSubstr("v"));
 }
 
 // Non-causal with n_q != n_k; the keys cross the block of the key passes.

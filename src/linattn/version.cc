@@ -29,7 +29,9 @@ std::string build_info() {
                                 tile_matmul::target_name() + ", " + std::to_string(tile_matmul::block_rows()) + "×" +
                                 std::to_string(tile_matmul::block_columns()) + " register blocks)";
   return std::string("BLAS ") + blas_name() + ", SIMD " + simd::target_name() + ", " + exact_f32 +
-         ", bfloat16/float16: widened to float32 (float32 kernels, one rounding of the results); " + exact_bf16 +
+         ", bfloat16/float16: float32 kernels, one rounding of the results (linear_attention and favor_attention "
+         "widen bfloat16 a block at a time, the other methods widen their inputs whole); " +
+         exact_bf16 +
          "; parallel loops on " + thread_pool();
 }
 

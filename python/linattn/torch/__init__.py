@@ -11,7 +11,8 @@ normaliser and the key sums), not a second forward.
 
 Inputs: contiguous tensors are used without a copy, others are made contiguous. CUDA (or any
 non-CPU) tensors, other dtypes and inputs of mixed dtypes raise TypeError. bfloat16/float16 inputs
-are widened to float32 inside the operator; softmax statistics, linear states and normalisers
+are widened to float32 inside the operator (bfloat16 a block at a time for linear_attention and
+favor_attention, with no widened copy of the whole tensor); softmax statistics, linear states and normalisers
 accumulate in float32, what the forward saves stays float32, and the output and gradients are
 rounded once to the input dtype (docs/precision.md). The FAVOR projection is
 a constant of the method, not a parameter: a projection with requires_grad=True raises

@@ -673,19 +673,20 @@ int64_t FinishRowsF32(float* o, size_t ld_o, size_t rows, size_t cols, const flo
   return FinishRows(o, ld_o, rows, cols, l, out, ld_out);
 }
 
-// finite_max_abs of bfloat16 values, widened a block at a time.
+// finite_max_abs of bfloat16 values on their bits: below the sign bit, a bfloat16's bits order
+// its magnitudes as integers (inf = 0x7F80, NaN above), so one unsigned maximum gives both
+// the largest |x| and whether any value is not finite, reading 2 bytes per value.
 float FiniteMaxAbsBF16(const uint16_t* x, size_t n) {
-  constexpr size_t kBlock = 1024;
-  HWY_ALIGN float wide[kBlock];
-  float m = 0;
-  for (size_t i = 0; i < n; i += kBlock) {
-    const size_t c = std::min(kBlock, n - i);
-    WidenBF16(x + i, wide, c);
-    const float b = FiniteMaxAbs(wide, c);
-    if (std::isnan(b)) return b;
-    m = std::max(m, b);
-  }
-  return m;
+  const hn::ScalableTag<uint16_t> du;
+  const size_t N = hn::Lanes(du);
+  const auto magnitude = hn::Set(du, 0x7FFF);
+  auto m = hn::Zero(du);
+  size_t i = 0;
+  for (; i + N <= n; i += N) m = hn::Max(m, hn::And(hn::LoadU(du, x + i), magnitude));
+  uint16_t top = hn::GetLane(hn::MaxOfLanes(du, m));
+  for (; i < n; ++i) top = std::max<uint16_t>(top, static_cast<uint16_t>(x[i] & 0x7FFFu));
+  if (top >= 0x7F80u) return std::numeric_limits<float>::quiet_NaN();
+  return to_float(bfloat16{top});
 }
 
 // float16 through Highway's PromoteTo / DemoteTo where they are F16C's vcvtph2ps / vcvtps2ph
@@ -922,6 +923,7 @@ int64_t finish_rows(float* o, size_t ld_o, size_t rows, size_t cols, const float
 float finite_max_abs(const bfloat16* x, size_t n) {
   return HWY_DYNAMIC_DISPATCH(FiniteMaxAbsBF16)(reinterpret_cast<const uint16_t*>(x), n);
 }
+bool all_finite(const bfloat16* x, size_t n) { return !std::isnan(finite_max_abs(x, n)); }
 void widen(const float16* src, float* dst, size_t n) {
   HWY_DYNAMIC_DISPATCH(WidenF16)(reinterpret_cast<const uint16_t*>(src), dst, n);
 }

@@ -108,6 +108,7 @@ float finite_max_abs(const bfloat16* x, size_t n);
 // True when every x[i] is finite (no NaN, no ±inf).
 bool all_finite(const float* x, size_t n);
 bool all_finite(const double* x, size_t n);
+bool all_finite(const bfloat16* x, size_t n);
 
 // The 16-bit storage types to and from float32: widening is exact; narrowing rounds to nearest
 // even (the one-value to_bfloat16 / to_float16 of low_precision.h, which the tests compare).

@@ -42,6 +42,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <type_traits>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -99,8 +100,8 @@ Features<T> features_at(const FeatureMap<T>& fm, Side side, int64_t rows, T* mem
 }
 
 // Rows of a block (non-causal) or chunk (causal), no more than the problem has.
-template <class T>
-int64_t block_rows(const Problem<T>& p, bool causal) {
+template <class T, class S>
+int64_t block_rows(const Problem<T, S>& p, bool causal) {
   return std::max<int64_t>(1, std::min(causal ? kChunk : kBlockRows, std::max(p.dims.n_q, p.dims.n_k)));
 }
 
@@ -108,7 +109,8 @@ int64_t block_rows(const Problem<T>& p, bool causal) {
 // written before it is read (a product with beta = 0 writes its result without reading it).
 template <class T>
 struct Scratch {
-  Scratch(const Problem<T>& p, bool causal) {
+  template <class S>
+  Scratch(const Problem<T, S>& p, bool causal) {
     const FeatureMap<T>& fm = *p.fmap;
     const int64_t rows = block_rows(p, causal), m = fm.dim(), dv = p.dims.value_dim;
     auto buffer = [](int64_t n) { return Buffer<T>(n, true, Init::Uninitialized); };
@@ -133,6 +135,12 @@ struct Scratch {
       W = buffer(rows * kChunk);  // leading dimension kChunk
       P = buffer(rows * kChunk);
     }
+    if constexpr (!std::is_same_v<S, T>) {
+      const int64_t d = p.dims.head_dim;
+      rows_in = buffer(rows * d);
+      grads_in = buffer(rows * dv);
+      staged = buffer(rows * std::max(d, dv));
+    }
   }
   Buffer<T> features;
   Features<T> qf, kf;  // the scratch's own blocks of query and key features
@@ -146,26 +154,64 @@ struct Scratch {
   Buffer<T> kvz, dkvz, vaug, nd, dnd;
   // Causal: a chunk's denominators; its running maxima while finding where it ends; its W and P.
   Buffer<T> D, run_max, W, P;
+  // Inputs stored as bfloat16 (S ≠ T): a block's q or k rows and its dout rows widened, and the
+  // block's results before they are rounded to the output (storage below).
+  Buffer<T> rows_in, grads_in, staged;
   // Backward: whether every gradient value this worker wrote is finite (range.h).
   WrittenFinite written;
 };
+
+// ---- storage -------------------------------------------------------------------------------
+// The engine computes in T and reads its inputs and writes its results as S: T itself, or
+// bfloat16 with T = float, widened a block at a time into the worker's scratch and rounded back
+// from it, so that no widened copy of a whole tensor is made (the block is still in cache).
+
+// count values at src as T: src itself, or widened into buf.
+template <class T, class S>
+const T* compute_values(const S* src, int64_t count, Buffer<T>& buf) {
+  if constexpr (std::is_same_v<S, T>) {
+    return src;
+  } else {
+    simd::widen(src, buf.data(), static_cast<size_t>(count));
+    return buf.data();
+  }
+}
+
+// Where results bound for dst are computed: dst itself, or s.staged (store_results moves them).
+template <class T, class S>
+T* result_values(S* dst, Scratch<T>& s) {
+  if constexpr (std::is_same_v<S, T>) {
+    return dst;
+  } else {
+    return s.staged.data();
+  }
+}
+
+// count results from result_values(dst, s) into dst, rounded to nearest even when S is narrower;
+// with `check`, whether each value stored is finite goes into s.written (a rounding can overflow).
+template <class T, class S>
+void store_results(S* dst, const T* src, int64_t count, Scratch<T>& s, bool check) {
+  if constexpr (!std::is_same_v<S, T>) simd::narrow(src, dst, static_cast<size_t>(count));
+  if (check) s.written.check(dst, count);
+}
 
 // ---- features --------------------------------------------------------------------------------
 
 // Key logits (FAVOR, into kf.e and kf.s) or features (plain, into kf.f) of `rows` key rows
 // from j0.
-template <class T>
-void key_logits(const Problem<T>& p, int64_t bh, int64_t j0, int64_t rows, Features<T>& kf) {
+template <class T, class S>
+void key_logits(const Problem<T, S>& p, int64_t bh, int64_t j0, int64_t rows, Scratch<T>& s, Features<T>& kf) {
+  const T* x = compute_values(p.k.row(bh, j0), rows * p.dims.head_dim, s.rows_in);
   if (p.fmap->log_form()) {
-    p.fmap->logits(p.fn, p.k.row(bh, j0), rows, Side::Key, kf.e, kf.s, p.products);
+    p.fmap->logits(p.fn, x, rows, Side::Key, kf.e, kf.s, p.products);
   } else {
-    p.fmap->features(p.k.row(bh, j0), rows, kf.f);
+    p.fmap->features(x, rows, kf.f);
   }
 }
 
 // FAVOR: kf.e holds key logits; make them the features exp(L − c) (times s for trig).
-template <class T>
-void finish_key_features(const Problem<T>& p, int64_t rows, const T* c, Features<T>& kf) {
+template <class T, class S>
+void finish_key_features(const Problem<T, S>& p, int64_t rows, const T* c, Features<T>& kf) {
   if (!p.fmap->log_form() || rows == 0) return;
   const int64_t m = p.fmap->dim();
   simd::exp_minus_columns(kf.e, static_cast<size_t>(rows), static_cast<size_t>(m), static_cast<size_t>(m), c);
@@ -176,15 +222,16 @@ void finish_key_features(const Problem<T>& p, int64_t rows, const T* c, Features
 
 // Query features of `rows` rows from i0 against the key shifts c: FAVOR Q_ir =
 // s_ir·exp(Lq_ir + c_r − t_i) with t_i (into qf.t) the row's largest exponent.
-template <class T>
-void query_features(const Problem<T>& p, int64_t bh, int64_t i0, int64_t rows, const T* c,
+template <class T, class S>
+void query_features(const Problem<T, S>& p, int64_t bh, int64_t i0, int64_t rows, const T* c, Scratch<T>& s,
                     Features<T>& qf) {
+  const T* x = compute_values(p.q.row(bh, i0), rows * p.dims.head_dim, s.rows_in);
   if (!p.fmap->log_form()) {
-    p.fmap->features(p.q.row(bh, i0), rows, qf.f);
+    p.fmap->features(x, rows, qf.f);
     return;
   }
   const int64_t m = p.fmap->dim();
-  p.fmap->logits(p.fn, p.q.row(bh, i0), rows, Side::Query, qf.e, qf.s, p.products);
+  p.fmap->logits(p.fn, x, rows, Side::Query, qf.e, qf.s, p.products);
   for (int64_t i = 0; i < rows; ++i) qf.t[i] = simd::exp_row_offset(qf.e + i * m, static_cast<size_t>(m), c);
   if (p.fmap->has_factor())
     simd::product_difference(qf.s, qf.e, static_cast<const T*>(nullptr), static_cast<const T*>(nullptr), qf.f,
@@ -214,8 +261,8 @@ void raise_shifts(int64_t m, const T* c_new, T* c, T* S, int64_t s_cols) {
 
 // dx [rows × d] from dφ (in s.dphi) for a block whose features are f: plain maps through their
 // Jacobian; FAVOR, φ = s∘exp(L − shift), through dL = dφ∘φ and (trig) ds = dφ∘exp(L − shift).
-template <class T>
-void feature_backward(const Problem<T>& p, const T* x, int64_t rows, Side side, const Features<T>& f,
+template <class T, class S>
+void feature_backward(const Problem<T, S>& p, const T* x, int64_t rows, Side side, const Features<T>& f,
                       Scratch<T>& s, T* dx) {
   T* dphi = s.dphi.data();
   if (!p.fmap->log_form()) {
@@ -249,19 +296,23 @@ void output_grads(const T* dout, const T* out, const T* D, const T* dden, int64_
 // ---- non-causal ----------------------------------------------------------------------------
 
 // s.vaug rows = [v_j, 1].
-template <class T>
-void augmented_values(const Problem<T>& p, int64_t bh, int64_t j0, int64_t rows, Scratch<T>& s) {
+template <class T, class S>
+void augmented_values(const Problem<T, S>& p, int64_t bh, int64_t j0, int64_t rows, Scratch<T>& s) {
   const int64_t dv = p.dims.value_dim, da = dv + 1;
   for (int64_t j = 0; j < rows; ++j) {
-    std::copy(p.v.row(bh, j0 + j), p.v.row(bh, j0 + j) + dv, s.vaug.data() + j * da);
+    if constexpr (std::is_same_v<S, T>) {
+      std::copy(p.v.row(bh, j0 + j), p.v.row(bh, j0 + j) + dv, s.vaug.data() + j * da);
+    } else {
+      simd::widen(p.v.row(bh, j0 + j), s.vaug.data() + j * da, static_cast<size_t>(dv));
+    }
     s.vaug[j * da + dv] = 1;
   }
 }
 
 // [KV | z] = Σ_j K_jᵀ·[v_j, 1] over the valid keys of bh, with the shifts c (FAVOR) raised
 // block by block.
-template <class T>
-void accumulate_kv(const Problem<T>& p, int64_t bh, int64_t key_len, Scratch<T>& s) {
+template <class T, class S>
+void accumulate_kv(const Problem<T, S>& p, int64_t bh, int64_t key_len, Scratch<T>& s) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, da = dv + 1;
   std::fill(s.kvz.data(), s.kvz.data() + m * da, T(0));
   std::fill(s.c.data(), s.c.data() + m, p.fmap->log_form() ? neg_inf<T>() : T(0));
@@ -269,7 +320,7 @@ void accumulate_kv(const Problem<T>& p, int64_t bh, int64_t key_len, Scratch<T>&
     interruption_point();
     const int64_t rows = std::min(kBlockRows, key_len - j0);
     Features<T>& kf = s.kf;
-    key_logits(p, bh, j0, rows, kf);
+    key_logits(p, bh, j0, rows, s, kf);
     if (p.fmap->log_form()) {
       column_maxima(kf.e, rows, m, s.c.data(), s.c_new.data());
       raise_shifts(m, s.c_new.data(), s.c.data(), s.kvz.data(), da);
@@ -284,11 +335,11 @@ void accumulate_kv(const Problem<T>& p, int64_t bh, int64_t key_len, Scratch<T>&
 // [num | den] for query rows [i0, i0+rows) into s.nd (their features into s.qf), and
 // out_i = num_i / D_i into out (stride d_v), with D_i from D_in (the saved values) when given,
 // else den_i + eps (then also written to D_out when given).
-template <class T>
-void query_rows(const Problem<T>& p, int64_t bh, int64_t i0, int64_t rows, Scratch<T>& s, T* out,
+template <class T, class S>
+void query_rows(const Problem<T, S>& p, int64_t bh, int64_t i0, int64_t rows, Scratch<T>& s, T* out,
                 const T* D_in, T* D_out) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, da = dv + 1;
-  query_features(p, bh, i0, rows, s.c.data(), s.qf);
+  query_features(p, bh, i0, rows, s.c.data(), s, s.qf);
   matmul<T>(p.products, mat(s.nd.data(), rows, da), mat(s.qf.values(*p.fmap), rows, m),
             mat(s.kvz.data(), m, da));
   for (int64_t i = 0; i < rows; ++i) {
@@ -301,8 +352,8 @@ void query_rows(const Problem<T>& p, int64_t bh, int64_t i0, int64_t rows, Scrat
 }
 
 // state rows [S_r | z_r | c_r] from s.kvz and s.c.
-template <class T>
-void store_state(const Problem<T>& p, const Scratch<T>& s, T* state) {
+template <class T, class S>
+void store_state(const Problem<T, S>& p, const Scratch<T>& s, T* state) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
   for (int64_t r = 0; r < m; ++r) {
     std::copy(s.kvz.data() + r * (dv + 1), s.kvz.data() + (r + 1) * (dv + 1), state + r * (dv + 2));
@@ -310,22 +361,24 @@ void store_state(const Problem<T>& p, const Scratch<T>& s, T* state) {
   }
 }
 
-template <class T>
-void forward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* out, const Saved<T>& save) {
+template <class T, class S>
+void forward_noncausal(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, S* out, const Saved<T>& save) {
   const int64_t dv = p.dims.value_dim, m = p.fmap->dim();
   accumulate_kv(p, bh, p.mask->key_length(bh / p.dims.heads), s);
   for (int64_t i0 = 0; i0 < p.dims.n_q; i0 += kBlockRows) {
     interruption_point();
     const int64_t rows = std::min(kBlockRows, p.dims.n_q - i0);
-    query_rows(p, bh, i0, rows, s, out + (bh * p.dims.n_q + i0) * dv, static_cast<const T*>(nullptr),
-               save.den ? save.den + bh * p.dims.n_q + i0 : nullptr);
+    S* o = out + (bh * p.dims.n_q + i0) * dv;
+    T* r = result_values(o, s);
+    query_rows(p, bh, i0, rows, s, r, static_cast<const T*>(nullptr), save.den ? save.den + bh * p.dims.n_q + i0 : nullptr);
+    store_results(o, r, rows * dv, s, false);  // the caller checks the whole output
   }
   if (save.state) store_state(p, s, save.state + bh * m * (dv + 2));
 }
 
 // s.kvz and s.c from a state's rows [S_r | z_r | c_r] (this batch·head's).
-template <class T>
-void load_state(const Problem<T>& p, const T* st, Scratch<T>& s) {
+template <class T, class S>
+void load_state(const Problem<T, S>& p, const T* st, Scratch<T>& s) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, da = dv + 1;
   for (int64_t r = 0; r < m; ++r) {
     std::copy(st + r * (dv + 2), st + r * (dv + 2) + da, s.kvz.data() + r * da);
@@ -335,9 +388,9 @@ void load_state(const Problem<T>& p, const T* st, Scratch<T>& s) {
 
 // Queries against the state in s.kvz, s.c: dq, and [dKV | dz] += Σ_i Q_iᵀ[dnum_i, dden_i] into
 // s.dkvz (which the caller zeroes).
-template <class T>
-void noncausal_query_grads(const Problem<T>& p, int64_t bh, Scratch<T>& s, const T* dout, const T* out,
-                           const T* den, T* dq) {
+template <class T, class S>
+void noncausal_query_grads(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, const S* dout, const T* out,
+                           const T* den, S* dq) {
   const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, da = dv + 1;
   const int64_t n_q = p.dims.n_q;
   for (int64_t i0 = 0; i0 < n_q; i0 += kBlockRows) {
@@ -346,46 +399,52 @@ void noncausal_query_grads(const Problem<T>& p, int64_t bh, Scratch<T>& s, const
     const T* D = den + bh * n_q + i0;
     const T* o = out ? out + (bh * n_q + i0) * dv : nullptr;
     if (o) {
-      query_features(p, bh, i0, rows, s.c.data(), s.qf);
+      query_features(p, bh, i0, rows, s.c.data(), s, s.qf);
     } else {  // the attention output again (the caller's output holds more than attention)
       query_rows(p, bh, i0, rows, s, s.num.data(), D, static_cast<T*>(nullptr));
       o = s.num.data();
     }
-    output_grads(dout + (bh * n_q + i0) * dv, o, D, static_cast<const T*>(nullptr), rows, dv, s.dnd.data());
+    output_grads(compute_values(dout + (bh * n_q + i0) * dv, rows * dv, s.grads_in), o, D, static_cast<const T*>(nullptr),
+                 rows, dv, s.dnd.data());
     matmul<T>(p.products, mat(s.dphi.data(), rows, m), mat(s.dnd.data(), rows, da), mat(s.kvz.data(), m, da).t());
     matmul<T>(p.products, mat(s.dkvz.data(), m, da), mat(s.qf.values(*p.fmap), rows, m).t(), mat(s.dnd.data(), rows, da),
               T(1), T(1));
-    feature_backward(p, p.q.row(bh, i0), rows, Side::Query, s.qf, s, dq + (bh * n_q + i0) * d);
-    s.written.check(dq + (bh * n_q + i0) * d, rows * d);
+    S* g = dq + (bh * n_q + i0) * d;
+    T* r = result_values(g, s);
+    feature_backward(p, compute_values(p.q.row(bh, i0), rows * d, s.rows_in), rows, Side::Query, s.qf, s, r);
+    store_results(g, r, rows * d, s, true);
   }
 }
 
 // Keys, which entered the state as K_jᵀ[v_j, 1] (shifts s.c): from its gradient [dKV | dz] in
 // s.dkvz, dK_j = [v_j, 1]·[dKV | dz]ᵀ and dv_j = K_j·dKV.
-template <class T>
-void noncausal_key_grads(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* dk, T* dv_out) {
+template <class T, class S>
+void noncausal_key_grads(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, S* dk, S* dv_out) {
   const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, da = dv + 1;
   const int64_t key_len = p.mask->key_length(bh / p.dims.heads);
   for (int64_t j0 = 0; j0 < key_len; j0 += kBlockRows) {
     interruption_point();
     const int64_t rows = std::min(kBlockRows, key_len - j0);
     Features<T>& kf = s.kf;
-    key_logits(p, bh, j0, rows, kf);
+    key_logits(p, bh, j0, rows, s, kf);
     finish_key_features(p, rows, s.c.data(), kf);  // against the final shifts
     augmented_values(p, bh, j0, rows, s);
     matmul<T>(p.products, mat(s.dphi.data(), rows, m), mat(s.vaug.data(), rows, da), mat(s.dkvz.data(), m, da).t());
-    matmul<T>(p.products, mat(dv_out + (bh * p.dims.n_k + j0) * dv, rows, dv), mat(kf.values(*p.fmap), rows, m),
-              mat(s.dkvz.data(), m, dv, da));
-    feature_backward(p, p.k.row(bh, j0), rows, Side::Key, kf, s, dk + (bh * p.dims.n_k + j0) * d);
-    s.written.check(dk + (bh * p.dims.n_k + j0) * d, rows * d);
-    s.written.check(dv_out + (bh * p.dims.n_k + j0) * dv, rows * dv);
+    S* gv = dv_out + (bh * p.dims.n_k + j0) * dv;
+    T* rv = result_values(gv, s);
+    matmul<T>(p.products, mat(rv, rows, dv), mat(kf.values(*p.fmap), rows, m), mat(s.dkvz.data(), m, dv, da));
+    store_results(gv, rv, rows * dv, s, true);
+    S* gk = dk + (bh * p.dims.n_k + j0) * d;
+    T* rk = result_values(gk, s);
+    feature_backward(p, compute_values(p.k.row(bh, j0), rows * d, s.rows_in), rows, Side::Key, kf, s, rk);
+    store_results(gk, rk, rows * d, s, true);
   }
 }
 
 // From the saved state: queries give dq and [dKV | dz], then keys give dk and dv.
-template <class T>
-void backward_noncausal(const Problem<T>& p, int64_t bh, Scratch<T>& s, const T* dout, const T* out,
-                        const T* den, const T* state, T* dq, T* dk, T* dv_out) {
+template <class T, class S>
+void backward_noncausal(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, const S* dout, const T* out,
+                        const T* den, const T* state, S* dq, S* dk, S* dv_out) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
   load_state(p, state + bh * m * (dv + 2), s);
   std::fill(s.dkvz.data(), s.dkvz.data() + m * (dv + 1), T(0));
@@ -416,11 +475,11 @@ int64_t chunk_length(const T* L, int64_t kr, int64_t rows, int64_t m, const T* c
 // One chunk from t0: its length (rows, cut where the shifts would grow too fast), its valid
 // keys (kr), their features K into kf (raising the shifts c and rescaling the state), and the
 // query features Q into qf. rows and kr come in as the longest chunk and its valid keys.
-template <class T>
-void chunk_features(const Problem<T>& p, int64_t bh, int64_t t0, int64_t& rows, int64_t& kr, Scratch<T>& s,
+template <class T, class S>
+void chunk_features(const Problem<T, S>& p, int64_t bh, int64_t t0, int64_t& rows, int64_t& kr, Scratch<T>& s,
                     Features<T>& qf, Features<T>& kf) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
-  if (kr > 0) key_logits(p, bh, t0, kr, kf);
+  if (kr > 0) key_logits(p, bh, t0, kr, s, kf);
   if (p.fmap->log_form() && kr > 0) {
     const T* L = kf.e;
     T* c = s.c.data();
@@ -436,7 +495,7 @@ void chunk_features(const Problem<T>& p, int64_t bh, int64_t t0, int64_t& rows, 
     raise_shifts(m, c_new, c, s.kvz.data(), dv + 1);
     finish_key_features(p, kr, c, kf);
   }
-  query_features(p, bh, t0, rows, s.c.data(), qf);
+  query_features(p, bh, t0, rows, s.c.data(), s, qf);
 }
 
 // A chunk's matrix (rows × kr, leading dimension kChunk) with 0 where j > i.
@@ -446,8 +505,8 @@ void zero_above_diagonal(T* M, int64_t rows, int64_t kr) {
 }
 
 // A chunk's W_ij = Q_i·K_j for j <= i (0 above the diagonal), rows × kr, into s.W.
-template <class T>
-void chunk_weights(const Problem<T>& p, int64_t rows, int64_t kr, const Features<T>& qf, const Features<T>& kf,
+template <class T, class S>
+void chunk_weights(const Problem<T, S>& p, int64_t rows, int64_t kr, const Features<T>& qf, const Features<T>& kf,
                    Scratch<T>& s) {
   if (kr == 0) return;
   const int64_t m = p.fmap->dim();
@@ -459,8 +518,8 @@ void chunk_weights(const Problem<T>& p, int64_t rows, int64_t kr, const Features
 // [num_i | den_i] = Q_i·[S | z] + Σ_j W_ij·[v_j, 1] into s.nd, with s.vaug = the chunk's [V | 1];
 // out_i = num_i / D_i into out (stride d_v), with D_i from D_in (the saved values) when given,
 // else den_i + eps (then also written to D_out).
-template <class T>
-void chunk_outputs(const Problem<T>& p, int64_t rows, int64_t kr, const Features<T>& qf, Scratch<T>& s, T* out,
+template <class T, class S>
+void chunk_outputs(const Problem<T, S>& p, int64_t rows, int64_t kr, const Features<T>& qf, Scratch<T>& s, T* out,
                    const T* D_in, T* D_out) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, da = dv + 1;
   matmul<T>(p.products, mat(s.nd.data(), rows, da), mat(qf.values(*p.fmap), rows, m), mat(s.kvz.data(), m, da));
@@ -477,8 +536,8 @@ void chunk_outputs(const Problem<T>& p, int64_t rows, int64_t kr, const Features
 }
 
 // [S | z] += Kᵀ·[V | 1] over the chunk's kr valid keys (s.vaug).
-template <class T>
-void add_chunk_to_state(const Problem<T>& p, int64_t kr, const Features<T>& kf, Scratch<T>& s) {
+template <class T, class S>
+void add_chunk_to_state(const Problem<T, S>& p, int64_t kr, const Features<T>& kf, Scratch<T>& s) {
   if (kr == 0) return;
   const int64_t m = p.fmap->dim(), da = p.dims.value_dim + 1;
   matmul<T>(p.products, mat(s.kvz.data(), m, da), mat(kf.values(*p.fmap), kr, m).t(), mat(s.vaug.data(), kr, da), T(1), T(1));
@@ -486,8 +545,8 @@ void add_chunk_to_state(const Problem<T>& p, int64_t kr, const Features<T>& kf, 
 
 // The state at the start: a prefix state's rows [S_r | z_r | c_r] (causal_from_state), S, z
 // and shifts from the caller (RecurrentState), or empty.
-template <class T>
-void start_state(const Problem<T>& p, Scratch<T>& s, const T* prefix, const T* S0, const T* z0, const T* c0) {
+template <class T, class S>
+void start_state(const Problem<T, S>& p, Scratch<T>& s, const T* prefix, const T* S0, const T* z0, const T* c0) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, da = dv + 1;
   if (prefix) {
     load_state(p, prefix, s);
@@ -508,8 +567,8 @@ void start_state(const Problem<T>& p, Scratch<T>& s, const T* prefix, const T* S
 // carried: S, z, c of this batch·head to start from and to leave the final state in, or null;
 // prefix: the state rows to start from (this batch·head's), or null; neither: start empty.
 // save: den and the final state, or null.
-template <class T>
-void forward_causal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* out, const Saved<T>& save,
+template <class T, class S>
+void forward_causal(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, S* out, const Saved<T>& save,
                     T* S0 = nullptr, T* z0 = nullptr, T* c0 = nullptr, const T* prefix = nullptr) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, n = p.dims.n_q;
   const int64_t key_len = p.mask->key_length(bh / p.dims.heads);
@@ -520,8 +579,10 @@ void forward_causal(const Problem<T>& p, int64_t bh, Scratch<T>& s, T* out, cons
     chunk_features(p, bh, t0, rows, kr, s, s.qf, s.kf);
     chunk_weights(p, rows, kr, s.qf, s.kf, s);
     augmented_values(p, bh, t0, kr, s);
-    chunk_outputs(p, rows, kr, s.qf, s, out + (bh * n + t0) * dv, static_cast<const T*>(nullptr),
-                  save.den ? save.den + bh * n + t0 : s.D.data());
+    S* o = out + (bh * n + t0) * dv;
+    T* r = result_values(o, s);
+    chunk_outputs(p, rows, kr, s.qf, s, r, static_cast<const T*>(nullptr), save.den ? save.den + bh * n + t0 : s.D.data());
+    store_results(o, r, rows * dv, s, false);  // the caller checks the whole output
     add_chunk_to_state(p, kr, s.kf, s);
     t0 += rows;
   }
@@ -577,8 +638,8 @@ struct FeatureCache {
 
 // P_ij = [dnum_i | dden_i]·[v_j, 1] on the chunk's causal triangle (0 elsewhere), rows × kr
 // (leading dimension kChunk), into P, from s.dnd and s.vaug.
-template <class T>
-void chunk_output_grads(const Problem<T>& p, int64_t rows, int64_t kr, const Scratch<T>& s, T* P) {
+template <class T, class S>
+void chunk_output_grads(const Problem<T, S>& p, int64_t rows, int64_t kr, const Scratch<T>& s, T* P) {
   if (kr == 0) return;
   const int64_t da = p.dims.value_dim + 1;
   matmul<T>(p.products, mat(P, rows, kr, kChunk), mat(s.dnd.data(), rows, da), mat(s.vaug.data(), kr, da).t());
@@ -588,9 +649,9 @@ void chunk_output_grads(const Problem<T>& p, int64_t rows, int64_t kr, const Scr
 // Pass A, forward in time through the same chunks as the forward (same shifts): dnum and dden
 // from the saved out and D, each chunk's extent and shifts, and dq:
 // dQ_i = dnum_i·Sᵀ + dden_i·z + Σ_{j<=i} P_ij K_j.
-template <class T>
-void causal_forward_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, CausalSaved<T>& saved,
-                         FeatureCache<T>& cache, const T* dout, const T* out, const T* den, T* dq,
+template <class T, class S>
+void causal_forward_pass(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, CausalSaved<T>& saved,
+                         FeatureCache<T>& cache, const S* dout, const T* out, const T* den, S* dq,
                          const T* prefix = nullptr) {
   const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, da = dv + 1, n = p.dims.n_q;
   const int64_t key_len = p.mask->key_length(bh / p.dims.heads);
@@ -617,7 +678,8 @@ void causal_forward_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, CausalS
       chunk_outputs(p, rows, kr, chunk.qf, s, s.num.data(), D, static_cast<T*>(nullptr));
       o = s.num.data();
     }
-    output_grads(dout + (bh * n + t0) * dv, o, D, static_cast<const T*>(nullptr), rows, dv, s.dnd.data());
+    output_grads(compute_values(dout + (bh * n + t0) * dv, rows * dv, s.grads_in), o, D, static_cast<const T*>(nullptr), rows,
+                 dv, s.dnd.data());
     for (int64_t i = 0; i < rows; ++i) dden[i] = s.dnd[i * da + dv];  // for the reverse pass
     chunk_output_grads(p, rows, kr, s, chunk.P);
     // dQ = [dnum | dden]·[S | z]ᵀ + P·K
@@ -625,8 +687,10 @@ void causal_forward_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, CausalS
     if (kr > 0)
       matmul<T>(p.products, mat(s.dphi.data(), rows, m), mat(chunk.P, rows, kr, kChunk), mat(chunk.kf.values(*p.fmap), kr, m),
                 T(1), T(1));
-    feature_backward(p, p.q.row(bh, t0), rows, Side::Query, chunk.qf, s, dq + (bh * n + t0) * d);
-    s.written.check(dq + (bh * n + t0) * d, rows * d);
+    S* g = dq + (bh * n + t0) * d;
+    T* r = result_values(g, s);
+    feature_backward(p, compute_values(p.q.row(bh, t0), rows * d, s.rows_in), rows, Side::Query, chunk.qf, s, r);
+    store_results(g, r, rows * d, s, true);
     saved.chunks.push_back(chunk);
     saved.shifts.insert(saved.shifts.end(), s.c.data(), s.c.data() + m);
     add_chunk_to_state(p, kr, chunk.kf, s);
@@ -640,9 +704,9 @@ void causal_forward_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, CausalS
 // would: it is in the last chunk's scale. With a prefix, R at the start is the prefix's
 // gradient, in chunk 0's scale: the prefix entered as [S | z]·exp(c_P − c_0) (raise_shifts),
 // so dprefix = R·exp(c_P − c_0), 0 for a row at c_P = −inf (no key: S and z are 0).
-template <class T>
-void causal_reverse_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, const CausalSaved<T>& saved,
-                         const T* dout, const T* den, T* dk, T* dv_out, const T* dstate_after = nullptr,
+template <class T, class S>
+void causal_reverse_pass(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, const CausalSaved<T>& saved,
+                         const S* dout, const T* den, S* dk, S* dv_out, const T* dstate_after = nullptr,
                          const T* prefix = nullptr, T* dprefix = nullptr) {
   const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, da = dv + 1, n = p.dims.n_q;
   T* R = s.dkvz.data();  // [R | ρ], m' × (d_v + 1)
@@ -668,14 +732,14 @@ void causal_reverse_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, const C
     if (!chunk.cached) {
       qf = s.qf, kf = s.kf;
       if (kr > 0) {
-        key_logits(p, bh, t0, kr, kf);
+        key_logits(p, bh, t0, kr, s, kf);
         finish_key_features(p, kr, c, kf);
       }
-      query_features(p, bh, t0, rows, c, qf);
+      query_features(p, bh, t0, rows, c, s, qf);
     }
     chunk_weights(p, rows, kr, qf, kf, s);
-    output_grads(dout + (bh * n + t0) * dv, static_cast<const T*>(nullptr), den + bh * n + t0,
-                 saved.dden.data() + t0, rows, dv, s.dnd.data());
+    output_grads(compute_values(dout + (bh * n + t0) * dv, rows * dv, s.grads_in), static_cast<const T*>(nullptr),
+                 den + bh * n + t0, saved.dden.data() + t0, rows, dv, s.dnd.data());
     augmented_values(p, bh, t0, kr, s);
     const T* P = chunk.P;
     if (!chunk.cached) {
@@ -689,13 +753,16 @@ void causal_reverse_pass(const Problem<T>& p, int64_t bh, Scratch<T>& s, const C
       matmul<T>(p.products, mat(s.dphi.data(), kr, m), mat(s.vaug.data(), kr, da), mat(static_cast<const T*>(R), m, da).t());
       matmul<T>(p.products, mat(s.dphi.data(), kr, m), mat(P, rows, kr, kChunk).t(), mat(Q, rows, m), T(1), T(1));
       // dv = K·R + Wᵀ·dnum
-      T* dvc = dv_out + (bh * n + t0) * dv;
+      S* gv = dv_out + (bh * n + t0) * dv;
+      T* dvc = result_values(gv, s);
       matmul<T>(p.products, mat(dvc, kr, dv), mat(K, kr, m), mat(static_cast<const T*>(R), m, dv, da));
       matmul<T>(p.products, mat(dvc, kr, dv), mat(s.W.data(), rows, kr, kChunk).t(), mat(s.dnd.data(), rows, dv, da), T(1),
                 T(1));
-      feature_backward(p, p.k.row(bh, t0), kr, Side::Key, kf, s, dk + (bh * n + t0) * d);
-      s.written.check(dk + (bh * n + t0) * d, kr * d);
-      s.written.check(dvc, kr * dv);
+      store_results(gv, dvc, kr * dv, s, true);
+      S* gk = dk + (bh * n + t0) * d;
+      T* rk = result_values(gk, s);
+      feature_backward(p, compute_values(p.k.row(bh, t0), kr * d, s.rows_in), kr, Side::Key, kf, s, rk);
+      store_results(gk, rk, kr * d, s, true);
     }
     // This chunk's queries join the suffix state: [R | ρ] += Qᵀ·[dnum | dden].
     matmul<T>(p.products, mat(R, m, da), mat(Q, rows, m).t(), mat(s.dnd.data(), rows, da), T(1), T(1));
@@ -718,8 +785,8 @@ std::atomic<int64_t> g_feature_cache_bytes{int64_t{32} << 20};
 int64_t feature_cache_bytes() { return g_feature_cache_bytes.load(); }
 void set_feature_cache_bytes(int64_t bytes) { g_feature_cache_bytes.store(bytes); }
 
-template <class T>
-void forward(const Problem<T>& p, T* out, Saved<T> save) {
+template <class T, class S>
+void forward(const Problem<T, S>& p, S* out, Saved<T> save) {
   const bool causal = p.mask->causal();
   const ParallelLoop loop(p.dims.bh());
   PerWorker<Scratch<T>> scratch(loop, [&] { return Scratch<T>(p, causal); });
@@ -744,9 +811,9 @@ void forward_causal_from_state(const Problem<T>& p, T* out, T* S, T* z, T* c) {
   });
 }
 
-template <class T>
-bool backward(const Problem<T>& p, const T* dout, const T* out, const T* den, const T* state, T* dq, T* dk,
-              T* dv) {
+template <class T, class S>
+bool backward(const Problem<T, S>& p, const S* dout, const T* out, const T* den, const T* state, S* dq, S* dk,
+              S* dv) {
   const bool causal = p.mask->causal();
   require(causal || state, "kernelized::backward: the non-causal backward needs the saved state");
   const ParallelLoop loop(p.dims.bh());
@@ -762,8 +829,8 @@ bool backward(const Problem<T>& p, const T* dout, const T* out, const T* den, co
   loop.run([&](int64_t bh, int worker) {
     // The passes write every query row and the valid key rows; padded keys get 0.
     const int64_t key_len = p.mask->key_length(bh / p.dims.heads);
-    std::fill(dk + (bh * p.dims.n_k + key_len) * d, dk + (bh + 1) * p.dims.n_k * d, T(0));
-    std::fill(dv + (bh * p.dims.n_k + key_len) * dvd, dv + (bh + 1) * p.dims.n_k * dvd, T(0));
+    std::fill(dk + (bh * p.dims.n_k + key_len) * d, dk + (bh + 1) * p.dims.n_k * d, S{});
+    std::fill(dv + (bh * p.dims.n_k + key_len) * dvd, dv + (bh + 1) * p.dims.n_k * dvd, S{});
     Scratch<T>& s = scratch[worker];
     if (causal) {
       causal_forward_pass(p, bh, s, saved[worker], cache[worker], dout, out, den, dq);
@@ -895,12 +962,15 @@ LINATTN_STATE_OPS(double)
 #undef LINATTN_STATE_OPS
 
 template void forward<float>(const Problem<float>&, float*, Saved<float>);
+template void forward<float, bfloat16>(const Problem<float, bfloat16>&, bfloat16*, Saved<float>);
 template void forward<double>(const Problem<double>&, double*, Saved<double>);
 template void forward_causal_from_state<float>(const Problem<float>&, float*, float*, float*, float*);
 template void forward_causal_from_state<double>(const Problem<double>&, double*, double*, double*,
                                                 double*);
 template bool backward<float>(const Problem<float>&, const float*, const float*, const float*, const float*,
                               float*, float*, float*);
+template bool backward<float, bfloat16>(const Problem<float, bfloat16>&, const bfloat16*, const float*, const float*,
+                                        const float*, bfloat16*, bfloat16*, bfloat16*);
 template bool backward<double>(const Problem<double>&, const double*, const double*, const double*,
                                const double*, double*, double*, double*);
 

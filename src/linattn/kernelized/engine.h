@@ -6,14 +6,17 @@
 
 #include "linattn/core/attention_args.h"
 #include "linattn/core/products.h"
+#include "linattn/low_precision.h"
 #include "linattn/kernelized/feature_map.h"
 
 namespace linattn::kernelized {
 
-template <class T>
+// S: how q, k, v, dout and the results are stored; T, or bfloat16 with T = float (the engine
+// computes in T and widens and rounds a block at a time: engine.cc, "storage").
+template <class T, class S = T>
 struct Problem {
   const char* fn;               // the public function, named in errors
-  TensorView<const T> q, k, v;  // [B,H,n_q,d], [B,H,n_k,d], [B,H,n_k,d_v]
+  TensorView<const S> q, k, v;  // [B,H,n_q,d], [B,H,n_k,d], [B,H,n_k,d_v]
   AttentionDims dims;
   const KeyMask* mask;          // key_lengths; causal when mask->causal() (then n_q == n_k)
   const FeatureMap<T>* fmap;
@@ -36,14 +39,14 @@ struct Saved {
   T* den = nullptr;
   T* state = nullptr;
 };
-template <class T>
-int64_t state_size(const Problem<T>& p) {
+template <class T, class S>
+int64_t state_size(const Problem<T, S>& p) {
   return p.dims.bh() * p.fmap->dim() * (p.dims.value_dim + 2);
 }
 
 // out [B,H,n_q,d_v] (overwritten), and what `save` points at.
-template <class T>
-void forward(const Problem<T>& p, T* out, Saved<T> save = {});
+template <class T, class S>
+void forward(const Problem<T, S>& p, S* out, Saved<T> save = {});
 
 // Causal forward that starts from a carried state and leaves the final one there (for
 // RecurrentState): per batch·head, S [m'×d_v], z [m'] and the per-feature log-shifts c [m']
@@ -56,9 +59,9 @@ void forward_causal_from_state(const Problem<T>& p, T* out, T* S, T* z, T* c);
 // causal) state. out: the forward's attention output, or null to compute it again (when the
 // caller's output also holds a depthwise convolution). Returns whether every value written is
 // finite (checked block by block while in cache; restore_gradients then need not read them).
-template <class T>
-bool backward(const Problem<T>& p, const T* dout, const T* out, const T* den, const T* state, T* dq,
-              T* dk, T* dv);
+template <class T, class S>
+bool backward(const Problem<T, S>& p, const S* dout, const T* out, const T* den, const T* state, S* dq,
+              S* dk, S* dv);
 
 // ---- state-level operations (state_ops.cc; the distributed path's pieces) --------------------
 // A state holds per batch·head the rows [S_r | z_r | c_r] (m' × (d_v + 2)) of Saved::state.

@@ -10,6 +10,7 @@
 #include "linattn/core/attention_args.h"
 #include "linattn/core/blas.h"
 #include "linattn/core/simd.h"
+#include "linattn/low_precision.h"
 
 namespace linattn {
 
@@ -271,18 +272,22 @@ void FeatureMap<T>::logits_backward(const T* x, int64_t n, Side side, const T* d
   matmul<T>(products, mat(dx, n, d), mat(positive ? dL : static_cast<const T*>(dU), n, m), mat(omega_, m, d), sq, T(1));
 }
 
-template <class T>
-void check_given_features(const char* fn, const char* name, const FeatureMap<T>& fmap, TensorView<const T> x,
+template <class T, class S>
+void check_given_features(const char* fn, const char* name, const FeatureMap<T>& fmap, TensorView<const S> x,
                           const KeyMask* mask) {
   if (fmap.kind() != FeatureMapKind::Identity) return;
+  const auto value = [](S s) -> T {
+    if constexpr (std::is_same_v<S, bfloat16>) return to_float(s);
+    else return s;
+  };
   const int64_t B = x.dim(0), H = x.dim(1), n = x.dim(2), m = x.dim(3);
   for (int64_t bh = 0; bh < B * H; ++bh) {
     const int64_t rows = mask ? std::min(n, mask->key_length(bh / H)) : n;
-    const T* first = x.data + bh * n * m;
-    const T* bad = std::find_if(first, first + rows * m, [](T value) { return !(value >= 0); });
+    const S* first = x.data + bh * n * m;
+    const S* bad = std::find_if(first, first + rows * m, [&](S s) { return !(value(s) >= 0); });
     if (bad == first + rows * m) continue;
     const int64_t at = bad - x.data;
-    fail(fn, ": with feature_map=\"identity\", ", name, " holds features, which must be >= 0; got ", *bad,
+    fail(fn, ": with feature_map=\"identity\", ", name, " holds features, which must be >= 0; got ", value(*bad),
          " at row ", at / m, " (counting over batch·heads·seq), feature ", at % m);
   }
 }
@@ -290,6 +295,8 @@ void check_given_features(const char* fn, const char* name, const FeatureMap<T>&
 template class FeatureMap<float>;
 template void check_given_features(const char*, const char*, const FeatureMap<float>&,
                                    TensorView<const float>, const KeyMask*);
+template void check_given_features(const char*, const char*, const FeatureMap<float>&,
+                                   TensorView<const bfloat16>, const KeyMask*);
 template class FeatureMap<double>;
 template void check_given_features(const char*, const char*, const FeatureMap<double>&,
                                    TensorView<const double>, const KeyMask*);

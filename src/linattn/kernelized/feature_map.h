@@ -103,8 +103,9 @@ FeatureMap<T> feature_map_from_options(const char* fn, RecurrentOptions& opts, i
 // that every attention weight φ(q_i)·φ(k_j) and normaliser is >= 0 (throws Error naming fn and
 // `name`, with the first offending position, otherwise). With a mask (keys), only the rows
 // below each item's key length: padded keys may hold anything. Does nothing for other maps.
-template <class T>
-void check_given_features(const char* fn, const char* name, const FeatureMap<T>& fmap, TensorView<const T> x,
+// x is stored as T, or as bfloat16 for a float32 map (a bfloat16 call).
+template <class T, class S>
+void check_given_features(const char* fn, const char* name, const FeatureMap<T>& fmap, TensorView<const S> x,
                           const KeyMask* mask = nullptr);
 
 // "elu", "relu", "identity", "focused" / "positive", "hyperbolic", "trig", with the function name in errors.

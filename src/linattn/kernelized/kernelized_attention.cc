@@ -16,9 +16,9 @@
 namespace linattn {
 namespace {
 
-template <class T>
-AttentionDims check_common(const char* fn, TensorView<const T> q, TensorView<const T> k,
-                           TensorView<const T> v, const AttentionOptions& o) {
+template <class S>
+AttentionDims check_common(const char* fn, TensorView<const S> q, TensorView<const S> k,
+                           TensorView<const S> v, const AttentionOptions& o) {
   const AttentionDims d = check_attention_args(fn, q, k, v, o);
   require(!o.causal || d.n_q == d.n_k, fn, ": causal=true needs n_q == n_k (got n_q = ", d.n_q,
           ", n_k = ", d.n_k, "); to decode one token at a time use recurrent_state");
@@ -254,7 +254,129 @@ AttentionGrads<T> favor_attention_backward(TensorView<const T> q, TensorView<con
   return run_backward<T>(s.problem, s.vs, dout, std::nullopt, kernelized::SavedResults<T>{out, den, state});
 }
 
+namespace {
+
+// ---- bfloat16 calls on the engine reading bfloat16 (products_calls.h) ----------------------
+
+// The largest |v| and |dout| the float32 code takes without rescaling them (ValueScale<float>).
+constexpr double kUnscaledMax = 0x1p64;
+
+// A bfloat16 call's engine problem over the inputs as they are, with its float32 map.
+struct Bf16Problem {
+  Bf16Problem(const char* fn, const AttentionDims& dims, TensorView<const bfloat16> q, TensorView<const bfloat16> k,
+              TensorView<const bfloat16> v, const AttentionOptions& opts, FeatureMap<float> map, float eps,
+              Products products)
+      : fmap(std::move(map)), mask(dims, opts), problem{fn, q, k, v, dims, &mask, &fmap, eps, products} {}
+  Bf16Problem(const Bf16Problem&) = delete;
+  FeatureMap<float> fmap;
+  KeyMask mask;
+  kernelized::Problem<float, bfloat16> problem;
+};
+
+kernelized::Bf16Forward run_forward_bf16(const kernelized::Problem<float, bfloat16>& p) {
+  const AttentionDims& d = p.dims;
+  kernelized::Bf16Forward r{Tensor<bfloat16>({d.batch, d.heads, d.n_q, d.value_dim}, false, Init::Uninitialized),
+                            Tensor<float>({d.batch, d.heads, d.n_q}, false, Init::Uninitialized),
+                            Tensor<float>({d.batch, d.heads, p.fmap->dim(), d.value_dim + 2}, false, Init::Uninitialized)};
+  kernelized::forward(p, r.out.data(), {r.den.data(), r.state.data()});
+  check_result_finite(p.fn, "the output", r.out);
+  return r;
+}
+
+// run_backward's, for a call whose v needed no rescaling; nullopt when dout would.
+std::optional<AttentionGrads<bfloat16>> run_backward_bf16(const kernelized::Problem<float, bfloat16>& p,
+                                                          TensorView<const bfloat16> dout,
+                                                          const std::optional<kernelized::SavedResults<float>>& saved) {
+  const AttentionDims& d = p.dims;
+  const bool causal = p.mask->causal();
+  const double dout_max = check_same_shape_finite(p.fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
+  if (dout_max > kUnscaledMax) return std::nullopt;
+  Tensor<bfloat16> out;
+  Tensor<float> den, state;
+  const float *out_p = nullptr, *den_p = nullptr, *state_p = nullptr;
+  if (saved) {
+    check_saved(p.fn, d, p.fmap->dim(), saved->out, saved->den, saved->state);
+    out_p = saved->out.data, den_p = saved->den.data, state_p = saved->state.data;
+  } else {  // den and state from a forward here; the engine computes the output again in float32
+    out = Tensor<bfloat16>({d.batch, d.heads, d.n_q, d.value_dim}, true, Init::Uninitialized);
+    den = Tensor<float>({d.batch, d.heads, d.n_q}, true, Init::Uninitialized);
+    if (!causal) state = Tensor<float>({d.batch, d.heads, p.fmap->dim(), d.value_dim + 2}, true, Init::Uninitialized);
+    kernelized::forward(p, out.data(), {den.data(), causal ? nullptr : state.data()});
+    den_p = den.data(), state_p = causal ? nullptr : state.data();
+  }
+  AttentionGrads<bfloat16> g{Tensor<bfloat16>(p.q.shape, false, Init::Uninitialized),
+                             Tensor<bfloat16>(p.k.shape, false, Init::Uninitialized),
+                             Tensor<bfloat16>(p.v.shape, false, Init::Uninitialized), {}};
+  if (!kernelized::backward(p, dout.data, out_p, den_p, state_p, g.dq.data(), g.dk.data(), g.dv.data())) {
+    // Which one: the first of them that is not finite is the error.
+    check_result_finite(p.fn, "dq", g.dq);
+    check_result_finite(p.fn, "dk", g.dk);
+    check_result_finite(p.fn, "dv", g.dv);
+  }
+  return g;
+}
+
+// run(problem) for a bfloat16 linear_attention call, or nullopt where v needs rescaling.
+template <class Run>
+auto with_linear_problem(const char* fn, TensorView<const bfloat16> q, TensorView<const bfloat16> k,
+                         TensorView<const bfloat16> v, const LinearAttentionOptions& opts, Run run)
+    -> std::optional<typename decltype(run(std::declval<const kernelized::Problem<float, bfloat16>&>()))::value_type> {
+  const AttentionDims d = check_common(fn, q, k, v, opts);
+  if (d.v_max > kUnscaledMax) return std::nullopt;
+  const Bf16Problem b(fn, d, q, k, v, opts, plain_map<float>(fn, opts, d, d.v_max), static_cast<float>(opts.eps),
+                      Products::Native);
+  check_given_features(fn, "q", b.fmap, q);
+  check_given_features(fn, "k", b.fmap, k, &b.mask);
+  return run(b.problem);
+}
+
+// The same for favor_attention.
+template <class Run>
+auto with_favor_problem(const char* fn, Products products, TensorView<const bfloat16> q, TensorView<const bfloat16> k,
+                        TensorView<const bfloat16> v, TensorView<const float> projection, const FavorOptions& opts, Run run)
+    -> std::optional<typename decltype(run(std::declval<const kernelized::Problem<float, bfloat16>&>()))::value_type> {
+  const AttentionDims d = check_common(fn, q, k, v, opts);
+  if (d.v_max > kUnscaledMax) return std::nullopt;
+  const Bf16Problem b(fn, d, q, k, v, opts, favor_map(fn, opts, d, projection), 0.0f, products);
+  require(products == Products::Native || !b.fmap.has_factor(), fn,
+          ": bfloat16 products are not for the trig kernel (its features are signed)");
+  return run(b.problem);
+}
+
+}  // namespace
+
 namespace kernelized {
+
+std::optional<Bf16Forward> linear_forward_bf16(TensorView<const bfloat16> q, TensorView<const bfloat16> k,
+                                               TensorView<const bfloat16> v, const LinearAttentionOptions& opts) {
+  return with_linear_problem("linear_attention", q, k, v, opts,
+                             [](const auto& p) { return std::optional(run_forward_bf16(p)); });
+}
+
+std::optional<AttentionGrads<bfloat16>> linear_backward_bf16(TensorView<const bfloat16> q, TensorView<const bfloat16> k,
+                                                             TensorView<const bfloat16> v, TensorView<const bfloat16> dout,
+                                                             const std::optional<SavedResults<float>>& saved,
+                                                             const LinearAttentionOptions& opts) {
+  return with_linear_problem("linear_attention_backward", q, k, v, opts,
+                             [&](const auto& p) { return run_backward_bf16(p, dout, saved); });
+}
+
+std::optional<Bf16Forward> favor_forward_bf16(Products products, TensorView<const bfloat16> q, TensorView<const bfloat16> k,
+                                              TensorView<const bfloat16> v, TensorView<const float> projection,
+                                              const FavorOptions& opts) {
+  return with_favor_problem("favor_attention", products, q, k, v, projection, opts,
+                            [](const auto& p) { return std::optional(run_forward_bf16(p)); });
+}
+
+std::optional<AttentionGrads<bfloat16>> favor_backward_bf16(Products products, TensorView<const bfloat16> q,
+                                                            TensorView<const bfloat16> k, TensorView<const bfloat16> v,
+                                                            TensorView<const float> projection,
+                                                            TensorView<const bfloat16> dout,
+                                                            const std::optional<SavedResults<float>>& saved,
+                                                            const FavorOptions& opts) {
+  return with_favor_problem("favor_attention_backward", products, q, k, v, projection, opts,
+                            [&](const auto& p) { return run_backward_bf16(p, dout, saved); });
+}
 
 KernelizedAttentionResult<float> favor_forward(Products products, TensorView<const float> q, TensorView<const float> k,
                                                TensorView<const float> v, TensorView<const float> projection,

@@ -1,12 +1,12 @@
-// favor_attention in float32 with a choice of product arithmetic: the registry's bfloat16 calls
-// run it with Products::Bfloat16 on their widened inputs (register.cc; docs/precision.md). The
-// public functions are these with Products::Native.
+// The registry's bfloat16 calls of linear_attention and favor_attention (register.cc;
+// docs/precision.md), and favor_attention in float32 with a choice of product arithmetic.
 #pragma once
 
 #include <optional>
 
 #include "linattn/core/products.h"
 #include "linattn/kernelized.h"
+#include "linattn/low_precision.h"
 
 namespace linattn::kernelized {
 
@@ -26,5 +26,31 @@ AttentionGrads<float> favor_backward(Products products, TensorView<const float> 
                                      TensorView<const float> v, TensorView<const float> projection,
                                      TensorView<const float> dout, const std::optional<SavedResults<float>>& saved,
                                      const FavorOptions& opts);
+
+// bfloat16 calls on the float32 engine reading and writing bfloat16 a block at a time
+// (engine.h, Problem<float, bfloat16>): q, k, v and dout are checked as they are and never
+// widened whole; sums, den and state are float32, the output and gradients rounded once, as the
+// widened float32 call would give them. nullopt where v or dout exceeds 2^64, which the float32
+// code rescales first (ValueScale), and (linear) with a dwc_weight, whose convolution reads v in
+// float32: the caller widens then. products: favor's (Products::Bfloat16 refuses trig).
+struct Bf16Forward {
+  Tensor<bfloat16> out;     // [B,H,n_q,d_v]
+  Tensor<float> den, state;  // KernelizedAttentionResult's
+};
+std::optional<Bf16Forward> linear_forward_bf16(TensorView<const bfloat16> q, TensorView<const bfloat16> k,
+                                               TensorView<const bfloat16> v, const LinearAttentionOptions& opts);
+std::optional<AttentionGrads<bfloat16>> linear_backward_bf16(TensorView<const bfloat16> q, TensorView<const bfloat16> k,
+                                                             TensorView<const bfloat16> v, TensorView<const bfloat16> dout,
+                                                             const std::optional<SavedResults<float>>& saved,
+                                                             const LinearAttentionOptions& opts);
+std::optional<Bf16Forward> favor_forward_bf16(Products products, TensorView<const bfloat16> q, TensorView<const bfloat16> k,
+                                              TensorView<const bfloat16> v, TensorView<const float> projection,
+                                              const FavorOptions& opts);
+std::optional<AttentionGrads<bfloat16>> favor_backward_bf16(Products products, TensorView<const bfloat16> q,
+                                                            TensorView<const bfloat16> k, TensorView<const bfloat16> v,
+                                                            TensorView<const float> projection,
+                                                            TensorView<const bfloat16> dout,
+                                                            const std::optional<SavedResults<float>>& saved,
+                                                            const FavorOptions& opts);
 
 }  // namespace linattn::kernelized

@@ -52,14 +52,16 @@ AttentionGrads<T> favor_backward(const MethodArgs<T>& a, TensorView<const T> dou
   return favor_attention_backward<T>(a.q, a.k, a.v, c.projection, dout, c.opts);
 }
 
-// ---- bfloat16 calls with bfloat16 products (AVX512-BF16) ----
-// favor_attention's: the float32 engine on the widened inputs with Products::Bfloat16: every
-// matrix product takes its operands rounded to bfloat16 and sums in float32 (docs/precision.md).
-// Nothing (and the registry widens to float32 products) on CPUs without AVX512-BF16 and for the
-// trig kernel, whose signed features would let the rounding errors outgrow the denominator.
-// linear_attention widens: its feature dimension is the head's (64 in the benchmarks), where
-// the products are a fifth of its time and the operand copies took back what vdpbf16ps saved
-// (bfloat16 0.79–0.96× its float32 time with them, 0.72–1.01× without), at twice the error in dq.
+// ---- bfloat16 calls ----
+// The float32 engine reading and writing bfloat16 a block at a time (products_calls.h): no
+// widened copy of q, k, v, dout or the results. favor_attention's products (positive and
+// hyperbolic kernels on AVX512-BF16) take their operands rounded to bfloat16 and sum in float32
+// (docs/precision.md); the trig kernel's signed features would let those rounding errors
+// outgrow the denominator, so it keeps float32 products, as linear_attention does (its feature
+// dimension is the head's, 64 in the benchmarks, where the operand copies took back what
+// vdpbf16ps saved, at twice the error in dq). Where these give nothing (v or dout beyond 2^64,
+// a dwc_weight), the widened float32 call runs: the registry's, or favor's with the same
+// products.
 
 std::optional<SavedResults<float>> saved_results(const char* fn, const SavedViews<bfloat16>& saved) {
   if (const auto s = saved_tensors<float, 3>(fn, saved, {"out", "den", "state"}))
@@ -67,36 +69,65 @@ std::optional<SavedResults<float>> saved_results(const char* fn, const SavedView
   return std::nullopt;
 }
 
-MethodOutput<bfloat16> narrowed_output(KernelizedAttentionResult<float> r, const char* fn) {
-  MethodOutput<float> f = with_saved(std::move(r));
-  return {narrow<bfloat16>(f.out, (std::string(fn) + ": out").c_str()), std::move(f.saved)};
+MethodOutput<bfloat16> bf16_output(kernelized::Bf16Forward r) {
+  MethodOutput<bfloat16> out{std::move(r.out), {}};
+  out.saved.emplace_back("den", std::move(r.den));
+  out.saved.emplace_back("state", std::move(r.state));
+  return out;
 }
 
-// Whether a bfloat16 FAVOR call takes bfloat16 products: not the trig kernel (read before
-// anything is widened).
-bool favor_products(const MethodArgs<bfloat16>& a, const char* fn) {
-  return bfloat16_products_usable() &&
-         parse_favor_kernel(fn, kernelized::favor_call(a).opts.kernel) != FeatureMapKind::FavorTrig;
+std::optional<MethodOutput<bfloat16>> linear_forward_bf16(const MethodArgs<bfloat16>& a) {
+  const auto c = kernelized::linear_call(a);
+  if (c.dwc_weight) return std::nullopt;
+  auto r = kernelized::linear_forward_bf16(a.q, a.k, a.v, c.opts);
+  if (!r) return std::nullopt;
+  return bf16_output(std::move(*r));
+}
+
+std::optional<AttentionGrads<bfloat16>> linear_backward_bf16(const MethodArgs<bfloat16>& a, TensorView<const bfloat16> dout,
+                                                             const SavedViews<bfloat16>& saved) {
+  const auto c = kernelized::linear_call(a);
+  if (c.dwc_weight) return std::nullopt;
+  return kernelized::linear_backward_bf16(a.q, a.k, a.v, dout, saved_results("linear_attention_backward", saved), c.opts);
+}
+
+// favor_attention's products for a bfloat16 call: Bfloat16 where the CPU has AVX512-BF16 and
+// the kernel is not trig.
+Products favor_products(const kernelized::FavorCall<bfloat16>& c, const char* fn) {
+  return bfloat16_products_usable() && parse_favor_kernel(fn, c.opts.kernel) != FeatureMapKind::FavorTrig
+             ? Products::Bfloat16
+             : Products::Native;
 }
 
 std::optional<MethodOutput<bfloat16>> favor_forward_bf16(const MethodArgs<bfloat16>& a) {
-  if (!favor_products(a, "favor_attention")) return std::nullopt;
+  const char* fn = "favor_attention";
+  const auto c = kernelized::favor_call(a);
+  const Products products = favor_products(c, fn);
+  const Tensor<float> projection = widen(c.projection);
+  if (auto r = kernelized::favor_forward_bf16(products, a.q, a.k, a.v, projection.view(), c.opts))
+    return bf16_output(std::move(*r));
+  if (products == Products::Native) return std::nullopt;
   const WidenedArgs<bfloat16> w(a);
-  const auto c = kernelized::favor_call(w.args);
-  return narrowed_output(kernelized::favor_forward(Products::Bfloat16, w.args.q, w.args.k, w.args.v, c.projection, c.opts),
-                         "favor_attention");
+  MethodOutput<float> f =
+      with_saved(kernelized::favor_forward(products, w.args.q, w.args.k, w.args.v, projection.view(), c.opts));
+  return MethodOutput<bfloat16>{narrow<bfloat16>(f.out, "favor_attention: out"), std::move(f.saved)};
 }
 
 std::optional<AttentionGrads<bfloat16>> favor_backward_bf16(const MethodArgs<bfloat16>& a, TensorView<const bfloat16> dout,
                                                             const SavedViews<bfloat16>& saved) {
   const char* fn = "favor_attention_backward";
-  if (!favor_products(a, fn)) return std::nullopt;
+  const auto c = kernelized::favor_call(a);
+  const Products products = favor_products(c, fn);
+  const Tensor<float> projection = widen(c.projection);
+  if (auto g = kernelized::favor_backward_bf16(products, a.q, a.k, a.v, projection.view(), dout, saved_results(fn, saved),
+                                               c.opts))
+    return g;
+  if (products == Products::Native) return std::nullopt;
   WidenedArgs<bfloat16> w(a);
   const TensorView<const float> dout32 = w.keep(dout);
-  const auto c = kernelized::favor_call(w.args);
-  return narrow_grads<bfloat16>(kernelized::favor_backward(Products::Bfloat16, w.args.q, w.args.k, w.args.v, c.projection, dout32,
-                                                   saved_results(fn, saved), c.opts),
-                        fn);
+  return narrow_grads<bfloat16>(kernelized::favor_backward(products, w.args.q, w.args.k, w.args.v, projection.view(),
+                                                           dout32, saved_results(fn, saved), c.opts),
+                                fn);
 }
 
 constexpr int64_t kDefaultFeatures = 256;
@@ -148,6 +179,8 @@ MethodInfo describe_linear() {
   };
   m.f32 = LINATTN_METHOD_FUNCTIONS(float, linear_forward, linear_backward, no_example_tensors);
   m.f64 = LINATTN_METHOD_FUNCTIONS(double, linear_forward, linear_backward, no_example_tensors);
+  m.bf16_kernel = linear_forward_bf16;
+  m.bf16_backward_kernel = linear_backward_bf16;
   return m;
 }
 
