@@ -533,6 +533,79 @@ py::tuple causal_from_state_backward_py(const py::object& q, const py::object& k
 #undef LINATTN_STATE_ARGS
 #undef LINATTN_STATE_PARAMS
 
+// Efficient Attention's state-level operations (efficient.h): scale and key_lengths as
+// efficient_attention takes them.
+struct EfficientStateArgs {
+  EfficientStateArgs(const char* fn, const py::object& scale, const py::object& key_lengths) : fn(fn), inputs(fn) {
+    opts.scale = as_scale(fn, scale);
+    opts.key_lengths = as_lengths(fn, key_lengths);
+  }
+  EfficientStateArgs& add(const char* name, const py::object& obj) {
+    inputs.add(name, obj);
+    return *this;
+  }
+  DType dtype() const {
+    const DType dt = inputs.dtype();
+    full_precision_only(fn, "the inputs", dt);
+    return dt;
+  }
+  const char* fn;
+  linattn::EfficientAttentionOptions opts;
+  Inputs inputs;
+};
+
+py::array efficient_key_state_py(const py::object& k, const py::object& v, const py::object& key_lengths,
+                                 const py::object& scale) {
+  EfficientStateArgs a("efficient_key_state", scale, key_lengths);
+  a.add("k", k).add("v", v);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::array {
+    using T = decltype(tag);
+    const Inputs& in = a.inputs;
+    return to_numpy(run_without_gil([&] { return linattn::efficient_key_state<T>(in.tensor<T>("k"), in.tensor<T>("v"), a.opts); }));
+  });
+}
+
+py::tuple efficient_key_state_backward_py(const py::object& k, const py::object& v, const py::object& state,
+                                          const py::object& dstate, const py::object& key_lengths, const py::object& scale) {
+  EfficientStateArgs a("efficient_key_state_backward", scale, key_lengths);
+  a.add("k", k).add("v", v).add("state", state).add("dstate", dstate);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::tuple {
+    using T = decltype(tag);
+    const Inputs& in = a.inputs;
+    auto g = run_without_gil([&] {
+      return linattn::efficient_key_state_backward<T>(in.tensor<T>("k"), in.tensor<T>("v"), in.tensor<T>("state"),
+                                                      in.tensor<T>("dstate"), a.opts);
+    });
+    return numpy_tuple(std::move(g.dk), std::move(g.dv));
+  });
+}
+
+py::array efficient_apply_state_py(const py::object& q, const py::object& state, const py::object& scale) {
+  EfficientStateArgs a("efficient_apply_state", scale, py::none());
+  a.add("q", q).add("state", state);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::array {
+    using T = decltype(tag);
+    const Inputs& in = a.inputs;
+    return to_numpy(
+        run_without_gil([&] { return linattn::efficient_apply_state<T>(in.tensor<T>("q"), in.tensor<T>("state"), a.opts); }));
+  });
+}
+
+py::tuple efficient_apply_state_backward_py(const py::object& q, const py::object& state, const py::object& dout,
+                                            const py::object& scale) {
+  EfficientStateArgs a("efficient_apply_state_backward", scale, py::none());
+  a.add("q", q).add("state", state).add("dout", dout);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::tuple {
+    using T = decltype(tag);
+    const Inputs& in = a.inputs;
+    auto g = run_without_gil([&] {
+      return linattn::efficient_apply_state_backward<T>(in.tensor<T>("q"), in.tensor<T>("state"), in.tensor<T>("dout"),
+                                                        a.opts);
+    });
+    return numpy_tuple(std::move(g.dq), std::move(g.dstate));
+  });
+}
+
 // ---- the registered methods -------------------------------------------------------------------
 
 // One option's Python value as the registry's OptionValue, by the kind the method declares.
@@ -795,6 +868,13 @@ PYBIND11_MODULE(_linattn, m) {
         py::arg("prefix"), py::arg("dout"), py::arg("out"), py::arg("den"), py::arg("dstate_after"),
         py::arg("key_lengths"), LINATTN_STATE_OPTS);
 #undef LINATTN_STATE_OPTS
+  m.def("_efficient_key_state", &efficient_key_state_py, py::arg("k"), py::arg("v"), py::arg("key_lengths"),
+        py::arg("scale"));
+  m.def("_efficient_key_state_backward", &efficient_key_state_backward_py, py::arg("k"), py::arg("v"), py::arg("state"),
+        py::arg("dstate"), py::arg("key_lengths"), py::arg("scale"));
+  m.def("_efficient_apply_state", &efficient_apply_state_py, py::arg("q"), py::arg("state"), py::arg("scale"));
+  m.def("_efficient_apply_state_backward", &efficient_apply_state_backward_py, py::arg("q"), py::arg("state"),
+        py::arg("dout"), py::arg("scale"));
   m.def("random_features", &random_features, py::arg("num_features"), py::arg("head_dim"),
         py::arg("kind") = "orthogonal", py::arg("seed") = 0, py::arg("dtype") = py::dtype::of<float>(),
         R"doc(Random projection ω [num_features, head_dim] for FAVOR attention.

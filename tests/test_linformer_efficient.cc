@@ -275,5 +275,178 @@ TEST(EfficientErrors, CausalAndShapes) {
             std::string::npos);
 }
 
+// ---- Efficient Attention's state-level operations ----
+
+// States [B,H,d,d_v+2] added as efficient.h says: c = max, [S | z] rescaled by exp(c_i − c).
+template <class T>
+Tensor<T> add_states(const Tensor<T>& a, const Tensor<T>& b) {
+  Tensor<T> out(a.shape());
+  const int64_t row = a.shape()[3];
+  for (int64_t at = 0; at < a.size(); at += row) {
+    const T ca = a[at + row - 1], cb = b[at + row - 1], c = std::max(ca, cb);
+    const T fa = ca == -INFINITY ? T(0) : std::exp(ca - c), fb = cb == -INFINITY ? T(0) : std::exp(cb - c);
+    for (int64_t i = 0; i + 1 < row; ++i) out[at + i] = a[at + i] * fa + b[at + i] * fb;
+    out[at + row - 1] = c;
+  }
+  return out;
+}
+
+// Rows [begin, end) of x [B,H,n,c].
+template <class T>
+Tensor<T> rows_of(const Tensor<T>& x, int64_t begin, int64_t end) {
+  const auto& sh = x.shape();
+  Tensor<T> out({sh[0], sh[1], end - begin, sh[3]});
+  for (int64_t bh = 0; bh < sh[0] * sh[1]; ++bh)
+    for (int64_t j = begin; j < end; ++j)
+      for (int64_t c = 0; c < sh[3]; ++c) out[(bh * (end - begin) + j - begin) * sh[3] + c] = x[(bh * sh[2] + j) * sh[3] + c];
+  return out;
+}
+
+// The key lengths of rows [begin, end) of a sequence with lengths l.
+std::vector<int64_t> local_lengths(const std::vector<int64_t>& l, int64_t begin, int64_t end) {
+  std::vector<int64_t> out;
+  for (int64_t x : l) out.push_back(std::clamp<int64_t>(x - begin, 0, end - begin));
+  return out;
+}
+
+// The keys in three blocks (their states added, then applied to the queries) give
+// efficient_attention: every mask (an item with no key at all included), at 1 and 3 threads
+// (B·H = 4), float32 and float64. Bound against the float64 reference, per element:
+// (n_k + d + 16)·u·max|v|: G_r is a weighted mean of v over the n_k keys (summation γ_{n_k},
+// the exponentials, the merge's rescaling and the division, about 10u) and out a convex
+// combination of the d rows of G (γ_d and the feature softmax's few u).
+template <class T>
+void check_efficient_states(int threads) {
+  SCOPED_TRACE(::testing::Message() << "threads=" << threads << " T=" << sizeof(T));
+  ScopedThreads scoped(threads);
+  const int64_t B = 2, H = 2, nq = 11, n = 37, d = 5, dv = 3;
+  const auto q = cast<T>(random_tensor<double>({B, H, nq, d}, 1, 2.0)), k = cast<T>(random_tensor<double>({B, H, n, d}, 2, 2.0)),
+             v = cast<T>(random_tensor<double>({B, H, n, dv}, 3));
+  for (const std::vector<int64_t>& lengths : {std::vector<int64_t>{n, n}, std::vector<int64_t>{20, 0}, std::vector<int64_t>{3, 14}}) {
+    EfficientAttentionOptions o;
+    o.key_lengths = lengths;
+    const int64_t cuts[] = {0, 9, 16, n};
+    Tensor<T> total;
+    for (int i = 0; i < 3; ++i) {
+      EfficientAttentionOptions ob;
+      ob.key_lengths = local_lengths(lengths, cuts[i], cuts[i + 1]);
+      Tensor<T> st = efficient_key_state<T>(rows_of(k, cuts[i], cuts[i + 1]), rows_of(v, cuts[i], cuts[i + 1]), ob);
+      total = i == 0 ? std::move(st) : add_states(total, st);
+    }
+    const Tensor<T> out = efficient_apply_state<T>(q, total);
+    const auto want = reference::efficient_attention(cast<double>(q), cast<double>(k), cast<double>(v), o);
+    double v_max = 0;
+    for (int64_t i = 0; i < v.size(); ++i) v_max = std::max(v_max, std::abs(static_cast<double>(v[i])));
+    const double bound = static_cast<double>(n + d + 16) * unit_roundoff<T>() * v_max;
+    for (int64_t i = 0; i < out.size(); ++i)
+      ASSERT_NEAR(static_cast<double>(out[i]), want.value[i], bound) << "lengths " << lengths[0] << "," << lengths[1] << " at " << i;
+  }
+}
+
+TEST(EfficientState, BlocksAddUpToEfficientAttention) {
+  for (int threads : {1, 3}) {
+    check_efficient_states<float>(threads);
+    check_efficient_states<double>(threads);
+  }
+}
+
+// Each operation's backward against central differences of its forward (float64). The key
+// state's S and z are divided by exp(c) with c a function of k, which the gradient holds
+// constant; the loss is therefore taken on the state at the base point's shifts c0,
+// Σ dstate∘[S | z]·exp(c − c0), which is smooth in k and whose gradient at the base point is
+// the backward's.
+TEST(EfficientState, GradientsMatchCentralDifferences) {
+  const int64_t B = 2, H = 2, nq = 6, n = 9, d = 4, dv = 3;
+  auto q = random_tensor<double>({B, H, nq, d}, 1), k = random_tensor<double>({B, H, n, d}, 2),
+       v = random_tensor<double>({B, H, n, dv}, 3);
+  const auto dstate = random_tensor<double>({B, H, d, dv + 2}, 4), dout = random_tensor<double>({B, H, nq, dv}, 5);
+  EfficientAttentionOptions o;
+  o.key_lengths = std::vector<int64_t>{n, 6};
+  o.scale = 0.7;
+  const Tensor<double> base = efficient_key_state<double>(k, v, o);
+  auto key_loss = [&] {
+    const Tensor<double> st = efficient_key_state<double>(k, v, o);
+    double sum = 0;
+    for (int64_t at = 0; at < st.size(); at += dv + 2) {
+      const double f = std::exp(st[at + dv + 1] - base[at + dv + 1]);
+      for (int64_t c = 0; c <= dv; ++c) sum += dstate[at + c] * st[at + c] * f;
+    }
+    return sum;
+  };
+  const StateGrads<double> gk = efficient_key_state_backward<double>(k, v, base, dstate, o);
+  expect_gradient(k, gk.dk, key_loss, "dk");
+  expect_gradient(v, gk.dv, key_loss, "dv");
+  Tensor<double> state = efficient_key_state<double>(k, v, o);
+  EfficientAttentionOptions oq;
+  oq.scale = 0.7;
+  auto apply_loss = [&] { return dot_loss(efficient_apply_state<double>(q, state, oq), dout); };
+  const StateGrads<double> ga = efficient_apply_state_backward<double>(q, state, dout, oq);
+  expect_gradient(q, ga.dq, apply_loss, "dq");
+  // The state's S and z (the shifts take no gradient: their column is 0).
+  Tensor<double> ds_sz(ga.dstate.shape());
+  for (int64_t i = 0; i < ds_sz.size(); ++i) ds_sz[i] = ga.dstate[i];
+  for (int64_t at = 0; at < state.size(); at += dv + 2) ASSERT_EQ(ga.dstate[at + dv + 1], 0.0);
+  const double h = 1e-5;
+  for (int64_t i = 0; i < state.size(); ++i) {
+    if (i % (dv + 2) == dv + 1) continue;
+    const double x0 = state[i];
+    state[i] = x0 + h;
+    const double lp = apply_loss();
+    state[i] = x0 - h;
+    const double lm = apply_loss();
+    state[i] = x0;
+    const double fd = (lp - lm) / (2 * h);
+    ASSERT_NEAR(ga.dstate[i], fd, 1e-7 * (1 + std::abs(fd))) << "dstate[" << i << "]";
+  }
+}
+
+// Bitwise the same results at 1, 3 and 8 threads (B·H = 2: above and below it).
+TEST(EfficientState, ThreadCountsGiveTheSameBits) {
+  const auto q = random_tensor<float>({1, 2, 300, 8}, 1), k = random_tensor<float>({1, 2, 70, 8}, 2),
+             v = random_tensor<float>({1, 2, 70, 4}, 3), dout = random_tensor<float>({1, 2, 300, 4}, 4);
+  const auto dstate = random_tensor<float>({1, 2, 8, 6}, 5);
+  std::optional<Tensor<float>> st1, out1, dq1, dk1, dv1;
+  for (int threads : {1, 3, 8}) {
+    ScopedThreads scoped(threads);
+    Tensor<float> st = efficient_key_state<float>(k, v);
+    Tensor<float> out = efficient_apply_state<float>(q, st);
+    StateGrads<float> ga = efficient_apply_state_backward<float>(q, st, dout);
+    StateGrads<float> gk = efficient_key_state_backward<float>(k, v, st, dstate);
+    if (!st1) {
+      st1 = std::move(st), out1 = std::move(out), dq1 = std::move(ga.dq), dk1 = std::move(gk.dk), dv1 = std::move(gk.dv);
+      continue;
+    }
+    for (auto [got, want] : {std::pair{&st, &*st1}, {&out, &*out1}, {&ga.dq, &*dq1}, {&gk.dk, &*dk1}, {&gk.dv, &*dv1}})
+      for (int64_t i = 0; i < got->size(); ++i) ASSERT_EQ((*got)[i], (*want)[i]) << threads << " threads, " << i;
+  }
+}
+
+TEST(EfficientState, BadInputIsAnErrorNamingIt) {
+  const auto q = random_tensor<float>({1, 2, 10, 4}, 1), k = random_tensor<float>({1, 2, 10, 4}, 2),
+             v = random_tensor<float>({1, 2, 10, 3}, 3);
+  const Tensor<float> st = efficient_key_state<float>(k, v);
+  EfficientAttentionOptions o;
+  o.causal = true;
+  EXPECT_NE(error_of([&] { efficient_key_state<float>(k, v, o); }).find("future positions"), std::string::npos);
+  EXPECT_NE(error_of([&] { efficient_apply_state<float>(q, st, o); }).find("future positions"), std::string::npos);
+  o = {};
+  o.key_lengths = std::vector<int64_t>{5};
+  EXPECT_NE(error_of([&] { efficient_apply_state<float>(q, st, o); }).find("key_lengths is not taken here"),
+            std::string::npos);
+  auto k_bad = random_tensor<float>({1, 2, 10, 4}, 2);
+  k_bad[7] = NAN;
+  EXPECT_NE(error_of([&] { efficient_key_state<float>(k_bad, v); }).find("k has a non-finite value"), std::string::npos);
+  const auto wrong = random_tensor<float>({1, 2, 3, 5}, 4);
+  EXPECT_NE(error_of([&] { efficient_apply_state<float>(q, wrong); }).find("state has shape [1, 2, 3, 5]; expected [1, 2, 4, 5]"),
+            std::string::npos);
+  Tensor<float> bad_shift = efficient_key_state<float>(k, v);
+  bad_shift[4] = NAN;  // row 0's shift
+  EXPECT_NE(error_of([&] { efficient_apply_state<float>(q, bad_shift); }).find("state[4] = nan is a shift"),
+            std::string::npos);
+  Tensor<float> negative_sum = efficient_key_state<float>(k, v);
+  negative_sum[3] = -1;  // row 0's z
+  EXPECT_NE(error_of([&] { efficient_apply_state<float>(q, negative_sum); }).find("expected >= 0"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace linattn::testing

@@ -134,3 +134,60 @@ def test_bad_input():
     with pytest.raises(TypeError, match="key_state: k must be an array, got None"):
         _linattn._key_state(None, v.numpy(), None, feature_map="elu", kernel=None, scale=None, eps=1e-6,
                             focus_power=3.0, projection=None)
+
+
+def _efficient_blockwise(q, k, v, lengths, cuts, scale):
+    """linattn.torch.efficient_attention from blocks of keys, as linattn.torch.distributed
+    composes it: each block's context state, their sum, applied to the queries."""
+    local = [None if lengths is None else [min(max(n - a, 0), b - a) for n in lengths] for a, b in zip(cuts, cuts[1:])]
+    states = [st.efficient_key_state(k[:, :, a:b], v[:, :, a:b], scale=scale, key_lengths=L)
+              for (a, b), L in zip(zip(cuts, cuts[1:]), local)]
+    return st.efficient_apply_state(q, st.add_states(states), scale=scale)
+
+
+@pytest.mark.parametrize("lengths", [None, [45, 15], [0, 12]])
+def test_efficient_blocks_equal_the_whole_sequence(lengths):
+    """Efficient Attention from blocks of 11, 1, 8 and 25 keys (padding ending inside one, blocks
+    with no key, an item with no key at all) against linattn.torch.efficient_attention on the
+    whole sequence, forward and gradients (float64: the same sums in another order and the
+    merge's rescaling, to 1e-11 of their size)."""
+    q, k, v = _inputs("elu", 45)
+    cuts = [0, 11, 12, 20, 45]
+    xs = [x.clone().requires_grad_() for x in (q, k, v)]
+    ys = [x.clone().requires_grad_() for x in (q, k, v)]
+    got = _efficient_blockwise(*xs, lengths, cuts, 0.6)
+    want = lt.efficient_attention(*ys, key_lengths=lengths, scale=0.6)
+    torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11)
+    g = torch.randn_like(want)
+    (got * g).sum().backward()
+    (want * g).sum().backward()
+    for a, b, label in zip(xs, ys, "qkv"):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-10, msg=lambda m: "d%s: %s" % (label, m))
+
+
+def test_efficient_gradcheck():
+    """gradcheck (central differences, float64) of efficient_key_state on two blocks ->
+    add_states -> efficient_apply_state, in q, k and v."""
+    q, k, v = _inputs("elu", 6, d=3, dv=2, seed=1)
+    args = [x.clone().requires_grad_() for x in (q, k, v)]
+
+    def composed(q, k, v):
+        return _efficient_blockwise(q, k, v, [6, 4], [0, 2, 6], None)
+    assert torch.autograd.gradcheck(composed, args, eps=1e-6, atol=1e-7)
+
+
+def test_efficient_bad_input():
+    q, k, v = _inputs("elu", 5)
+    s = st.efficient_key_state(k, v)
+    with pytest.raises(TypeError, match="the state operations take torch.float32 or torch.float64"):
+        st.efficient_key_state(k.bfloat16(), v.bfloat16())
+    with pytest.raises(TypeError, match="scale must be a float or None"):
+        st.efficient_apply_state(q, s, scale=True)
+    with pytest.raises(ValueError, match=r"efficient_apply_state: state has shape \[2, 2, 3, 5\]; expected \[2, 2, 4, 5\]"):
+        st.efficient_apply_state(q, s[:, :, :3])
+    with pytest.raises(ValueError, match="key_lengths"):
+        st.efficient_key_state(k, v, key_lengths=[9, 1])
+    bad = k.clone()
+    bad[0, 0, 2, 1] = float("nan")
+    with pytest.raises(ValueError, match="k has a non-finite value"):
+        st.efficient_key_state(bad, v)

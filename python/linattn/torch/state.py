@@ -1,5 +1,6 @@
 """linattn.torch.state: kernelized attention in pieces, differentiable (the C++ library's
-key_state, apply_state and causal_from_state; include/linattn/kernelized.h).
+key_state, apply_state and causal_from_state; include/linattn/kernelized.h), and Efficient
+Attention's context state (efficient_key_state, efficient_apply_state; include/linattn/efficient.h).
 
 For a sequence split into blocks (context parallelism: linattn.torch.distributed uses them;
 pipelines; prefill in parts): the state of a block's keys, a state applied to queries, and a
@@ -27,7 +28,8 @@ from .. import _linattn
 from . import _lengths, _same_dtype, _tensor
 from ._ops import _array, _tensor as _from_numpy
 
-__all__ = ["key_state", "apply_state", "causal_from_state", "add_states", "rescale_state", "empty_state"]
+__all__ = ["key_state", "apply_state", "causal_from_state", "add_states", "rescale_state", "empty_state",
+           "efficient_key_state", "efficient_apply_state"]
 
 _FULL = (torch.float32, torch.float64)
 
@@ -151,6 +153,67 @@ def causal_from_state(q, k, v, prefix, *, feature_map="elu", projection=None, ke
     opts = _opts(fn, feature_map, projection, kernel, scale, eps, focus_power)
     q, k, v, prefix = _inputs(fn, [("q", q), ("k", k), ("v", v), ("prefix", prefix)])
     return _CausalFromState.apply(q, k, v, prefix, _length_list(fn, key_lengths), opts)
+
+
+class _EfficientKeyState(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, k, v, lengths, scale):
+        state = _from_numpy(_linattn._efficient_key_state(_array(k), _array(v), lengths, scale))
+        ctx.save_for_backward(k, v, state)
+        ctx.lengths, ctx.scale = lengths, scale
+        return state
+
+    @staticmethod
+    @once_differentiable  # the backward is a kernel: no graph for second derivatives
+    def backward(ctx, dstate):
+        k, v, state = ctx.saved_tensors
+        dk, dv = _linattn._efficient_key_state_backward(_array(k), _array(v), _array(state), _array(dstate),
+                                                        ctx.lengths, ctx.scale)
+        return _from_numpy(dk), _from_numpy(dv), None, None
+
+
+class _EfficientApplyState(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, state, scale):
+        out = _from_numpy(_linattn._efficient_apply_state(_array(q), _array(state), scale))
+        ctx.save_for_backward(q, state)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    @once_differentiable  # the backward is a kernel: no graph for second derivatives
+    def backward(ctx, dout):
+        q, state = ctx.saved_tensors
+        dq, dstate = _linattn._efficient_apply_state_backward(_array(q), _array(state), _array(dout), ctx.scale)
+        return _from_numpy(dq), _from_numpy(dstate), None
+
+
+def _efficient_scale(fn, scale):
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError("%s: scale must be a float or None, got %r" % (fn, scale))
+    return None if scale is None else float(scale)
+
+
+def efficient_key_state(k, v, *, scale=None, key_lengths=None):
+    """Efficient Attention's context state of the keys j < key_lengths[b] (default all):
+    k [B,H,n,d], v [B,H,n,d_v] -> [B,H,d,d_v+2], per feature r the row
+    [Σ_j e_jr·v_j | Σ_j e_jr | c_r] with e_jr = exp(scale·k_jr − c_r), c_r = max_j scale·k_jr
+    (−inf, and zeros, where the block holds no key). States add as add_states adds them, and
+    efficient_apply_state of the whole sequence's state is linattn.torch.efficient_attention.
+    scale: None is 1/sqrt(d). Differentiable in k and v (the shifts take no gradient)."""
+    fn = "linattn.torch.state.efficient_key_state"
+    scale = _efficient_scale(fn, scale)
+    k, v = _inputs(fn, [("k", k), ("v", v)])
+    return _EfficientKeyState.apply(k, v, _length_list(fn, key_lengths), scale)
+
+
+def efficient_apply_state(q, state, *, scale=None):
+    """q [B,H,n,d] and an efficient_key_state -> out_i = softmax_d(scale·q_i)·G [B,H,n,d_v],
+    G_r = S_r / z_r (0 where z_r = 0: no key). Differentiable in q and the state's S and z."""
+    fn = "linattn.torch.state.efficient_apply_state"
+    scale = _efficient_scale(fn, scale)
+    q, state = _inputs(fn, [("q", q), ("state", state)])
+    return _EfficientApplyState.apply(q, state, scale)
 
 
 def empty_state(batch, heads, feature_dim, value_dim, *, favor=False, dtype=torch.float32):

@@ -35,7 +35,9 @@ bool softmax_rows(double* x, size_t rows, size_t cols, size_t ld, double* inv_su
 // Softmax down the columns of a rows × cols block (rows >= 1), for softmax over positions of a
 // row-major [positions, features] matrix without transposing it: reads scale·src (leading
 // dimension ld_src), writes the unnormalised e = exp(scale·src − column max) into dst (rows ×
-// cols, contiguous) and inv_sums[c] = 1/Σ_r e[r,c]; P = e·diag(inv_sums). work: 2·cols values.
+// cols, contiguous) and inv_sums[c] = 1/Σ_r e[r,c]; P = e·diag(inv_sums). work: 2·cols values,
+// of which work[0, cols) holds the column maxima of scale·src on return (efficient_key_state's
+// shifts).
 // Column sums are blocked (error ~(256 + rows/256)·u). Returns false if a column's max is ±inf
 // or NaN.
 bool softmax_columns(const float* src, size_t ld_src, float* dst, size_t rows, size_t cols, float scale,

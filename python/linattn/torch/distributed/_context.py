@@ -2,9 +2,11 @@
 positions, so one all-reduce of a [d or s, ·] matrix per (batch, head) gives every rank the
 whole sequence's.
 
-Efficient:  G = Σ_j softmax_j(k_j·scale)ᵀ v_j  (softmax over positions, per feature), made
-            finite by the whole sequence's largest logit per feature (an all-reduce of
-            maxima; it cancels), then out = softmax over features of (q·scale) times G.
+Efficient:  G = Σ_j softmax_j(k_j·scale)ᵀ v_j  (softmax over positions, per feature): each
+            rank's context state [S | z | c] (the C++ efficient_key_state, with c its largest
+            logit per feature), the sum over ranks on the largest shifts (an all-reduce of
+            maxima, then of sums), then out = softmax over features of (q·scale) times S/z
+            (efficient_apply_state).
 Linformer:  K' = Σ_j E[:, j] k_jᵀ, V' = Σ_j F[:, j] v_jᵀ over the valid keys (each rank
             uses its own columns of E and F), then linattn's exact softmax attention of the
             queries over the s projected keys."""
@@ -12,7 +14,8 @@ Linformer:  K' = Σ_j E[:, j] k_jᵀ, V' = Σ_j F[:, j] v_jᵀ over the valid ke
 import torch
 
 from .. import softmax_attention
-from ._kernelized import key_mask, ratio
+from .. import state as _state
+from ._kernelized import _all_reduce_state, key_mask, local_lengths
 
 
 def _masked(x, mask):
@@ -20,17 +23,13 @@ def _masked(x, mask):
 
 
 def efficient(g, segs, q, k, v, lengths, scale):
-    mine = segs[g.rank]
-    masks = [key_mask(lengths, s) for s in mine]
-    logits = [s.rows(k) * scale if m is None else (s.rows(k) * scale).masked_fill(~m, float("-inf"))
-              for s, m in zip(mine, masks)]
-    top = g.all_reduce_max(torch.stack([x.amax(2, keepdim=True) for x in logits]).amax(0))
-    top = torch.where(torch.isfinite(top), top, 0)  # no key at all: G = 0
-    ones = v.new_ones(*v.shape[:3], 1)
-    context = sum(torch.exp(x - top).transpose(-1, -2) @ _masked(torch.cat([s.rows(v), s.rows(ones)], -1), m)
-                  for x, s, m in zip(logits, mine, masks))  # [B,H,d,d_v+1]
-    G = ratio(g.all_reduce_sum(context), 0.0)
-    return torch.softmax(q * scale, -1) @ G
+    """Each segment's context state (linattn.torch.state.efficient_key_state: the kernelized
+    states' layout, its shifts the largest logit per feature), their sum over this rank's
+    segments and over ranks as the shifts require, then the queries against it."""
+    states = [_state.efficient_key_state(s.rows(k), s.rows(v), scale=scale, key_lengths=local_lengths(lengths, s))
+              for s in segs[g.rank]]
+    mine = states[0] if len(states) == 1 else _state._sum_states(torch.stack(states))
+    return _state.efficient_apply_state(q, _all_reduce_state(g, mine, True), scale=scale)
 
 
 def linformer(g, segs, q, k, v, e, f, lengths, scale):
