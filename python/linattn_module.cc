@@ -533,8 +533,8 @@ py::tuple causal_from_state_backward_py(const py::object& q, const py::object& k
 #undef LINATTN_STATE_ARGS
 #undef LINATTN_STATE_PARAMS
 
-// Efficient Attention's state-level operations (efficient.h): scale and key_lengths as
-// efficient_attention takes them.
+// Efficient Attention's state-level operations (efficient.h) and Linformer's projection of a
+// block (linformer.h): scale and key_lengths as their methods take them.
 struct EfficientStateArgs {
   EfficientStateArgs(const char* fn, const py::object& scale, const py::object& key_lengths) : fn(fn), inputs(fn) {
     opts.scale = as_scale(fn, scale);
@@ -588,6 +588,40 @@ py::array efficient_apply_state_py(const py::object& q, const py::object& state,
     const Inputs& in = a.inputs;
     return to_numpy(
         run_without_gil([&] { return linattn::efficient_apply_state<T>(in.tensor<T>("q"), in.tensor<T>("state"), a.opts); }));
+  });
+}
+
+py::array linformer_project_py(const py::object& k, const py::object& v, const py::object& e, const py::object& f,
+                               int64_t offset, const py::object& key_lengths) {
+  EfficientStateArgs a("linformer_project", py::none(), key_lengths);
+  a.add("k", k).add("v", v).add("e", e).add("f", f);
+  linattn::LinformerOptions o;
+  o.key_lengths = a.opts.key_lengths;
+  return by_dtype(a.dtype(), [&](auto tag) -> py::array {
+    using T = decltype(tag);
+    const Inputs& in = a.inputs;
+    return to_numpy(run_without_gil([&] {
+      return linattn::linformer_project<T>(in.tensor<T>("k"), in.tensor<T>("v"), in.tensor<T>("e"), in.tensor<T>("f"),
+                                           offset, o);
+    }));
+  });
+}
+
+py::tuple linformer_project_backward_py(const py::object& k, const py::object& v, const py::object& e,
+                                        const py::object& f, const py::object& dprojected, int64_t offset,
+                                        const py::object& key_lengths) {
+  EfficientStateArgs a("linformer_project_backward", py::none(), key_lengths);
+  a.add("k", k).add("v", v).add("e", e).add("f", f).add("dprojected", dprojected);
+  linattn::LinformerOptions o;
+  o.key_lengths = a.opts.key_lengths;
+  return by_dtype(a.dtype(), [&](auto tag) -> py::tuple {
+    using T = decltype(tag);
+    const Inputs& in = a.inputs;
+    auto g = run_without_gil([&] {
+      return linattn::linformer_project_backward<T>(in.tensor<T>("k"), in.tensor<T>("v"), in.tensor<T>("e"),
+                                                    in.tensor<T>("f"), in.tensor<T>("dprojected"), offset, o);
+    });
+    return numpy_tuple(std::move(g.dk), std::move(g.dv), std::move(g.params[0].second), std::move(g.params[1].second));
   });
 }
 
@@ -872,6 +906,10 @@ PYBIND11_MODULE(_linattn, m) {
         py::arg("scale"));
   m.def("_efficient_key_state_backward", &efficient_key_state_backward_py, py::arg("k"), py::arg("v"), py::arg("state"),
         py::arg("dstate"), py::arg("key_lengths"), py::arg("scale"));
+  m.def("_linformer_project", &linformer_project_py, py::arg("k"), py::arg("v"), py::arg("e"), py::arg("f"),
+        py::arg("offset"), py::arg("key_lengths"));
+  m.def("_linformer_project_backward", &linformer_project_backward_py, py::arg("k"), py::arg("v"), py::arg("e"),
+        py::arg("f"), py::arg("dprojected"), py::arg("offset"), py::arg("key_lengths"));
   m.def("_efficient_apply_state", &efficient_apply_state_py, py::arg("q"), py::arg("state"), py::arg("scale"));
   m.def("_efficient_apply_state_backward", &efficient_apply_state_backward_py, py::arg("q"), py::arg("state"),
         py::arg("dout"), py::arg("scale"));

@@ -448,5 +448,91 @@ TEST(EfficientState, BadInputIsAnErrorNamingIt) {
   EXPECT_NE(error_of([&] { efficient_apply_state<float>(q, negative_sum); }).find("expected >= 0"), std::string::npos);
 }
 
+// ---- Linformer's state-level operation ----
+
+// Three blocks' projections (each key j of a block at column offset + j of e and f) add up to
+// the whole sequence's, for shared and per-head e, f and every mask, at 1 and 3 threads,
+// float32 and float64. Bound per element against float64 loops: (n + 3)·u·Σ_j |e_rj|·|k_jc|
+// (γ_n for each block's sum, and the two additions of the blocks).
+template <class T>
+void check_linformer_blocks(bool per_head, int threads) {
+  SCOPED_TRACE(::testing::Message() << "per_head=" << per_head << " threads=" << threads << " T=" << sizeof(T));
+  ScopedThreads scoped(threads);
+  const int64_t B = 2, H = 2, n = 37, n_max = 41, d = 5, dv = 3, sp = 6;
+  const auto k = cast<T>(random_tensor<double>({B, H, n, d}, 2)), v = cast<T>(random_tensor<double>({B, H, n, dv}, 3));
+  const Shape es = per_head ? Shape{H, sp, n_max} : Shape{sp, n_max};
+  const auto e = cast<T>(random_tensor<double>(es, 4)), f = cast<T>(random_tensor<double>(es, 5));
+  for (const std::vector<int64_t>& lengths : {std::vector<int64_t>{n, n}, std::vector<int64_t>{20, 0}}) {
+    const int64_t cuts[] = {0, 9, 16, n};
+    Tensor<T> total({B, H, sp, d + dv});
+    for (int i = 0; i < 3; ++i) {
+      LinformerOptions o;
+      o.key_lengths = local_lengths(lengths, cuts[i], cuts[i + 1]);
+      const Tensor<T> p = linformer_project<T>(rows_of(k, cuts[i], cuts[i + 1]), rows_of(v, cuts[i], cuts[i + 1]), e, f,
+                                               cuts[i], o);
+      for (int64_t x = 0; x < p.size(); ++x) total[x] += p[x];
+    }
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t r = 0; r < sp; ++r)
+          for (int64_t c = 0; c < d + dv; ++c) {
+            const bool key = c < d;
+            const Tensor<T>& m = key ? e : f;
+            const Tensor<T>& x = key ? k : v;
+            const int64_t w = key ? d : dv, col = key ? c : c - d;
+            double want = 0, mag = 0;
+            for (int64_t j = 0; j < lengths[b]; ++j) {
+              const double t = static_cast<double>(m[(per_head ? h * sp * n_max : 0) + r * n_max + j]) *
+                               static_cast<double>(x[((b * H + h) * n + j) * w + col]);
+              want += t, mag += std::abs(t);
+            }
+            const double got = total[((b * H + h) * sp + r) * (d + dv) + c];
+            ASSERT_NEAR(got, want, static_cast<double>(n + 3) * unit_roundoff<T>() * mag)
+                << "b=" << b << " h=" << h << " r=" << r << " c=" << c;
+          }
+  }
+}
+
+TEST(LinformerProject, BlocksAddUpToTheWholeProjection) {
+  for (bool per_head : {false, true})
+    for (int threads : {1, 3}) {
+      check_linformer_blocks<float>(per_head, threads);
+      check_linformer_blocks<double>(per_head, threads);
+    }
+}
+
+TEST(LinformerProject, GradientsMatchCentralDifferences) {
+  for (bool per_head : {false, true}) {
+    SCOPED_TRACE(per_head);
+    const int64_t B = 2, H = 2, n = 7, n_max = 12, d = 3, dv = 2, sp = 4, offset = 3;
+    auto k = random_tensor<double>({B, H, n, d}, 1), v = random_tensor<double>({B, H, n, dv}, 2);
+    const Shape es = per_head ? Shape{H, sp, n_max} : Shape{sp, n_max};
+    auto e = random_tensor<double>(es, 3), f = random_tensor<double>(es, 4);
+    const auto G = random_tensor<double>({B, H, sp, d + dv}, 5);
+    LinformerOptions o;
+    o.key_lengths = std::vector<int64_t>{n, 4};
+    auto loss = [&] { return dot_loss(linformer_project<double>(k, v, e, f, offset, o), G); };
+    const auto g = linformer_project_backward<double>(k, v, e, f, G, offset, o);
+    expect_gradient(k, g.dk, loss, "dk");
+    expect_gradient(v, g.dv, loss, "dv");
+    expect_gradient(e, g.params[0].second, loss, "de");
+    expect_gradient(f, g.params[1].second, loss, "df");
+  }
+}
+
+TEST(LinformerProject, BadInputIsAnErrorNamingIt) {
+  const auto k = random_tensor<float>({1, 2, 10, 4}, 1), v = random_tensor<float>({1, 2, 10, 3}, 2);
+  const auto e = random_tensor<float>({6, 16}, 3), f = random_tensor<float>({6, 16}, 4), f_bad = random_tensor<float>({6, 15}, 5);
+  EXPECT_NE(error_of([&] { linformer_project<float>(k, v, e, f, 7); }).find("offset = 7 with n = 10 keys needs 0 <= offset <= n_max − n = 6"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { linformer_project<float>(k, v, e, f, -1); }).find("offset = -1"), std::string::npos);
+  EXPECT_NE(error_of([&] { linformer_project<float>(k, v, e, f_bad); }).find("f has shape [6, 15]"), std::string::npos);
+  LinformerOptions o;
+  o.causal = true;
+  EXPECT_NE(error_of([&] { linformer_project<float>(k, v, e, f, 0, o); }).find("future positions"), std::string::npos);
+  const auto g_bad = random_tensor<float>({1, 2, 6, 6}, 6);
+  EXPECT_NE(error_of([&] { linformer_project_backward<float>(k, v, e, f, g_bad); }).find("dprojected"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace linattn::testing

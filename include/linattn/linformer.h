@@ -31,6 +31,24 @@ AttentionGrads<T> linformer_attention_backward(TensorView<const T> q, TensorView
                                                TensorView<const T> f, TensorView<const T> dout,
                                                const LinformerOptions& opts = {});
 
+// ---- state-level operation -------------------------------------------------------------------
+// Linformer over a sequence split into blocks (linattn.torch.distributed): a block's share of
+// the projected keys and values. Each key j of the block is column offset + j of e and f, so
+// the projections of the blocks add up to the whole sequence's, and softmax attention of the
+// queries over them is linformer_attention.
+// k [B,H,n,d], v [B,H,n,d_v], e and f as linformer_attention takes them (offset + n <= n_max)
+// -> [B,H,s,d+d_v] = [E_L·K_L | F_L·V_L], with E_L the columns offset + j, j < key_lengths[b]
+// (default all), of e (of head h for [H,s,n_max] projections).
+template <class T>
+Tensor<T> linformer_project(TensorView<const T> k, TensorView<const T> v, TensorView<const T> e, TensorView<const T> f,
+                            int64_t offset = 0, const LinformerOptions& opts = {});
+// dk, dv (padded keys 0) and params {"e", "f"} (e's shape: 0 outside the block's valid columns)
+// from dprojected [B,H,s,d+d_v].
+template <class T>
+AttentionGrads<T> linformer_project_backward(TensorView<const T> k, TensorView<const T> v, TensorView<const T> e,
+                                             TensorView<const T> f, TensorView<const T> dprojected, int64_t offset = 0,
+                                             const LinformerOptions& opts = {});
+
 // E and F as fairseq's Linformer initialises its compression layers: Xavier-uniform with gain
 // 1/√2, i.e. uniform on (−a, a) with a = sqrt(3 / (n_max + s_proj)). heads = 0 gives shared
 // [s_proj, n_max] matrices, heads > 0 one per head. E from Rng(seed), F from Rng(seed + 1).

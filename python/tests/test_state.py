@@ -191,3 +191,47 @@ def test_efficient_bad_input():
     bad[0, 0, 2, 1] = float("nan")
     with pytest.raises(ValueError, match="k has a non-finite value"):
         st.efficient_key_state(bad, v)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_linformer_blocks_equal_the_whole_sequence(per_head):
+    """Linformer from blocks of 11, 1, 8 and 25 keys (their projections summed, then softmax
+    attention over them) against linattn.torch.linformer_attention on the whole sequence,
+    forward and gradients in q, k, v, e and f (float64, to 1e-11 of their size)."""
+    q, k, v = _inputs("elu", 45)
+    lengths = [45, 15]
+    cuts = [0, 11, 12, 20, 45]
+    gen = torch.Generator().manual_seed(7)
+    shape = (2, 6, 50) if per_head else (6, 50)
+    e, f = (torch.randn(*shape, generator=gen, dtype=torch.float64) * 0.3 for _ in range(2))
+    xs = [x.clone().requires_grad_() for x in (q, k, v, e, f)]
+    ys = [x.clone().requires_grad_() for x in (q, k, v, e, f)]
+    qa, ka, va, ea, fa = xs
+    local = [[min(max(n - a, 0), b - a) for n in lengths] for a, b in zip(cuts, cuts[1:])]
+    projected = sum(st.linformer_project(ka[:, :, a:b], va[:, :, a:b], ea, fa, offset=a, key_lengths=L)
+                    for (a, b), L in zip(zip(cuts, cuts[1:]), local))
+    got = lt.softmax_attention(qa, projected[..., :4].contiguous(), projected[..., 4:].contiguous(), scale=0.5)
+    want = lt.linformer_attention(*ys, key_lengths=lengths, scale=0.5)
+    torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11)
+    g = torch.randn_like(want)
+    (got * g).sum().backward()
+    (want * g).sum().backward()
+    for a, b, label in zip(xs, ys, ["q", "k", "v", "e", "f"]):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-10, msg=lambda m: "d%s: %s" % (label, m))
+
+
+def test_linformer_gradcheck_and_bad_input():
+    """gradcheck (central differences, float64) of linformer_project in k, v, e and f, with an
+    offset and padded keys; errors name the argument."""
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 2, 5, 3, generator=gen, dtype=torch.float64), torch.randn(2, 2, 5, 2, generator=gen, dtype=torch.float64)
+    e, f = (torch.randn(4, 9, generator=gen, dtype=torch.float64) for _ in range(2))
+    args = [x.clone().requires_grad_() for x in (k, v, e, f)]
+    assert torch.autograd.gradcheck(lambda k, v, e, f: st.linformer_project(k, v, e, f, offset=2, key_lengths=[5, 3]),
+                                    args, eps=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="offset = 5 with n = 5 keys needs 0 <= offset <= n_max − n = 4"):
+        st.linformer_project(k, v, e, f, offset=5)
+    with pytest.raises(TypeError, match="offset must be an int"):
+        st.linformer_project(k, v, e, f, offset=1.0)
+    with pytest.raises(TypeError, match="f has dtype torch.float32 but k has torch.float64"):
+        st.linformer_project(k, v, e, f.float())

@@ -1,6 +1,7 @@
 """linattn.torch.state: kernelized attention in pieces, differentiable (the C++ library's
 key_state, apply_state and causal_from_state; include/linattn/kernelized.h), and Efficient
-Attention's context state (efficient_key_state, efficient_apply_state; include/linattn/efficient.h).
+Attention's context state (efficient_key_state, efficient_apply_state; include/linattn/efficient.h)
+and Linformer's projection of a block of keys (linformer_project; include/linattn/linformer.h).
 
 For a sequence split into blocks (context parallelism: linattn.torch.distributed uses them;
 pipelines; prefill in parts): the state of a block's keys, a state applied to queries, and a
@@ -29,7 +30,7 @@ from . import _lengths, _same_dtype, _tensor
 from ._ops import _array, _tensor as _from_numpy
 
 __all__ = ["key_state", "apply_state", "causal_from_state", "add_states", "rescale_state", "empty_state",
-           "efficient_key_state", "efficient_apply_state"]
+           "efficient_key_state", "efficient_apply_state", "linformer_project"]
 
 _FULL = (torch.float32, torch.float64)
 
@@ -214,6 +215,36 @@ def efficient_apply_state(q, state, *, scale=None):
     scale = _efficient_scale(fn, scale)
     q, state = _inputs(fn, [("q", q), ("state", state)])
     return _EfficientApplyState.apply(q, state, scale)
+
+
+class _LinformerProject(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, k, v, e, f, offset, lengths):
+        out = _from_numpy(_linattn._linformer_project(_array(k), _array(v), _array(e), _array(f), offset, lengths))
+        ctx.save_for_backward(k, v, e, f)
+        ctx.offset, ctx.lengths = offset, lengths
+        return out
+
+    @staticmethod
+    @once_differentiable  # the backward is a kernel: no graph for second derivatives
+    def backward(ctx, dprojected):
+        k, v, e, f = ctx.saved_tensors
+        dk, dv, de, df = _linattn._linformer_project_backward(_array(k), _array(v), _array(e), _array(f),
+                                                              _array(dprojected), ctx.offset, ctx.lengths)
+        return _from_numpy(dk), _from_numpy(dv), _from_numpy(de), _from_numpy(df), None, None
+
+
+def linformer_project(k, v, e, f, *, offset=0, key_lengths=None):
+    """Linformer's projection of a block of keys: k [B,H,n,d], v [B,H,n,d_v], e and f [s, n_max]
+    or [H, s, n_max] as linattn.torch.linformer_attention takes them -> [B,H,s,d+d_v] =
+    [E·K | F·V] over the keys j < key_lengths[b] (default all), key j at column offset + j of
+    e and f. The blocks' projections add up to the whole sequence's, and softmax attention over
+    them is linformer_attention. Differentiable in k, v, e and f."""
+    fn = "linattn.torch.state.linformer_project"
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError("%s: offset must be an int, got %r" % (fn, offset))
+    k, v, e, f = _inputs(fn, [("k", k), ("v", v), ("e", e), ("f", f)])
+    return _LinformerProject.apply(k, v, e, f, offset, _length_list(fn, key_lengths))
 
 
 def empty_state(batch, heads, feature_dim, value_dim, *, favor=False, dtype=torch.float32):

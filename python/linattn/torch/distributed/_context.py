@@ -8,18 +8,14 @@ Efficient:  G = Σ_j softmax_j(k_j·scale)ᵀ v_j  (softmax over positions, per 
             maxima, then of sums), then out = softmax over features of (q·scale) times S/z
             (efficient_apply_state).
 Linformer:  K' = Σ_j E[:, j] k_jᵀ, V' = Σ_j F[:, j] v_jᵀ over the valid keys (each rank
-            uses its own columns of E and F), then linattn's exact softmax attention of the
-            queries over the s projected keys."""
+            uses its own columns of E and F: the C++ linformer_project), then linattn's exact
+            softmax attention of the queries over the s projected keys."""
 
 import torch
 
 from .. import softmax_attention
 from .. import state as _state
-from ._kernelized import _all_reduce_state, key_mask, local_lengths
-
-
-def _masked(x, mask):
-    return x if mask is None else torch.where(mask, x, 0)
+from ._kernelized import _all_reduce_state, local_lengths
 
 
 def efficient(g, segs, q, k, v, lengths, scale):
@@ -33,11 +29,10 @@ def efficient(g, segs, q, k, v, lengths, scale):
 
 
 def linformer(g, segs, q, k, v, e, f, lengths, scale):
+    """Each segment's projection (linattn.torch.state.linformer_project: its keys at their own
+    columns of e and f), their sum over ranks, then the queries' softmax attention over it."""
     d = k.shape[-1]
-    kv = torch.cat([k, v], -1)
-    projected = 0
-    for s in segs[g.rank]:
-        x = _masked(s.rows(kv), key_mask(lengths, s))
-        projected = projected + torch.cat([e[..., s.start:s.stop] @ x[..., :d], f[..., s.start:s.stop] @ x[..., d:]], -1)
+    projected = sum(_state.linformer_project(s.rows(k), s.rows(v), e, f, offset=s.start,
+                                             key_lengths=local_lengths(lengths, s)) for s in segs[g.rank])
     projected = g.all_reduce_sum(projected)  # [B,H,s,d+d_v]
     return softmax_attention(q, projected[..., :d].contiguous(), projected[..., d:].contiguous(), scale=scale)
