@@ -535,12 +535,12 @@ py::tuple causal_from_state_backward_py(const py::object& q, const py::object& k
 
 // Efficient Attention's state-level operations (efficient.h) and Linformer's projection of a
 // block (linformer.h): scale and key_lengths as their methods take them.
-struct EfficientStateArgs {
-  EfficientStateArgs(const char* fn, const py::object& scale, const py::object& key_lengths) : fn(fn), inputs(fn) {
+struct BlockStateArgs {
+  BlockStateArgs(const char* fn, const py::object& scale, const py::object& key_lengths) : fn(fn), inputs(fn) {
     opts.scale = as_scale(fn, scale);
     opts.key_lengths = as_lengths(fn, key_lengths);
   }
-  EfficientStateArgs& add(const char* name, const py::object& obj) {
+  BlockStateArgs& add(const char* name, const py::object& obj) {
     inputs.add(name, obj);
     return *this;
   }
@@ -556,7 +556,7 @@ struct EfficientStateArgs {
 
 py::array efficient_key_state_py(const py::object& k, const py::object& v, const py::object& key_lengths,
                                  const py::object& scale) {
-  EfficientStateArgs a("efficient_key_state", scale, key_lengths);
+  BlockStateArgs a("efficient_key_state", scale, key_lengths);
   a.add("k", k).add("v", v);
   return by_dtype(a.dtype(), [&](auto tag) -> py::array {
     using T = decltype(tag);
@@ -567,7 +567,7 @@ py::array efficient_key_state_py(const py::object& k, const py::object& v, const
 
 py::tuple efficient_key_state_backward_py(const py::object& k, const py::object& v, const py::object& state,
                                           const py::object& dstate, const py::object& key_lengths, const py::object& scale) {
-  EfficientStateArgs a("efficient_key_state_backward", scale, key_lengths);
+  BlockStateArgs a("efficient_key_state_backward", scale, key_lengths);
   a.add("k", k).add("v", v).add("state", state).add("dstate", dstate);
   return by_dtype(a.dtype(), [&](auto tag) -> py::tuple {
     using T = decltype(tag);
@@ -581,7 +581,7 @@ py::tuple efficient_key_state_backward_py(const py::object& k, const py::object&
 }
 
 py::array efficient_apply_state_py(const py::object& q, const py::object& state, const py::object& scale) {
-  EfficientStateArgs a("efficient_apply_state", scale, py::none());
+  BlockStateArgs a("efficient_apply_state", scale, py::none());
   a.add("q", q).add("state", state);
   return by_dtype(a.dtype(), [&](auto tag) -> py::array {
     using T = decltype(tag);
@@ -593,7 +593,7 @@ py::array efficient_apply_state_py(const py::object& q, const py::object& state,
 
 py::array linformer_project_py(const py::object& k, const py::object& v, const py::object& e, const py::object& f,
                                int64_t offset, const py::object& key_lengths) {
-  EfficientStateArgs a("linformer_project", py::none(), key_lengths);
+  BlockStateArgs a("linformer_project", py::none(), key_lengths);
   a.add("k", k).add("v", v).add("e", e).add("f", f);
   linattn::LinformerOptions o;
   o.key_lengths = a.opts.key_lengths;
@@ -610,7 +610,7 @@ py::array linformer_project_py(const py::object& k, const py::object& v, const p
 py::tuple linformer_project_backward_py(const py::object& k, const py::object& v, const py::object& e,
                                         const py::object& f, const py::object& dprojected, int64_t offset,
                                         const py::object& key_lengths) {
-  EfficientStateArgs a("linformer_project_backward", py::none(), key_lengths);
+  BlockStateArgs a("linformer_project_backward", py::none(), key_lengths);
   a.add("k", k).add("v", v).add("e", e).add("f", f).add("dprojected", dprojected);
   linattn::LinformerOptions o;
   o.key_lengths = a.opts.key_lengths;
@@ -627,7 +627,7 @@ py::tuple linformer_project_backward_py(const py::object& k, const py::object& v
 
 py::tuple efficient_apply_state_backward_py(const py::object& q, const py::object& state, const py::object& dout,
                                             const py::object& scale) {
-  EfficientStateArgs a("efficient_apply_state_backward", scale, py::none());
+  BlockStateArgs a("efficient_apply_state_backward", scale, py::none());
   a.add("q", q).add("state", state).add("dout", dout);
   return by_dtype(a.dtype(), [&](auto tag) -> py::tuple {
     using T = decltype(tag);

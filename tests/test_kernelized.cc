@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -12,6 +13,7 @@
 #include "kernelized_bounds.h"
 #include "linattn/random_features.h"
 #include "linattn/kernelized/engine.h"
+#include "linattn/kernelized/products_calls.h"
 #include "linattn/kernelized.h"
 #include "linattn/kernelized/reference.h"
 #include "linattn/registry.h"
@@ -272,7 +274,7 @@ void expect_same_bits(const Tensor<bfloat16>& got, const Tensor<bfloat16>& want,
 void expect_same_values(const Tensor<float>& got, const Tensor<float>& want, const char* what) {
   ASSERT_EQ(got.shape(), want.shape()) << what;
   for (int64_t i = 0; i < got.size(); ++i)
-    ASSERT_TRUE(got[i] == want[i] || (std::isinf(got[i]) && got[i] == want[i])) << what << ": element " << i;
+    ASSERT_EQ(std::bit_cast<uint32_t>(got[i]), std::bit_cast<uint32_t>(want[i])) << what << ": element " << i;
 }
 
 Tensor<float> widened(const Tensor<bfloat16>& x) { return widen(TensorView<const bfloat16>(x.view())); }
@@ -326,7 +328,7 @@ TEST(KernelizedBf16, StorageCallsGiveTheWidenedCallsBits) {
   const int64_t block = kernelized::kBlockRows + 76, chunks = 2 * kernelized::kChunk + 2;
   for (const Case c : cases)
     for (Mask mask : {Mask::None, Mask::Causal, Mask::KeyLengths, Mask::CausalKeyLengths})
-      for (const Size z : {Size{7, 7, 16, 8}, Size{chunks, chunks, 32, 24}, Size{block, block, 16, 12}}) {
+      for (const Size z : {Size{7, 7, 8, 24}, Size{chunks, chunks, 32, 24}, Size{block, block, 16, 12}}) {
         const int64_t B = 3, H = 2;
         const KernelizedSpec spec = spec_for(c.map, mask, B, z.n_k);
         const uint64_t seed = 70 + z.n_q;
@@ -375,41 +377,64 @@ TEST(KernelizedBf16, StorageCallsGiveTheWidenedCallsBits) {
 }
 
 // Where the bfloat16 storage path does not apply, its functions give nothing and the registry's
-// bfloat16 call runs the widened float32 one: v beyond 2^64 (the float32 code rescales it
-// first), dout beyond 2^64, and linear attention with a dwc_weight (its convolution reads v in
-// float32). The registry's results are then the widened call's.
+// bfloat16 call runs the widened float32 one, with the same results bit for bit: v beyond 2^64
+// (the float32 code rescales it first), dout beyond 2^64, and linear attention with a
+// dwc_weight (its convolution reads v in float32). FAVOR with bfloat16 products (positive
+// kernel, on AVX512-BF16) falls back to its own widened call with those products instead.
 TEST(KernelizedBf16, OutOfRangeValuesAndTheConvolutionWiden) {
   const KernelizedSpec spec = spec_for("elu", Mask::None, 1, 9);
   auto bf16 = [](const Tensor<double>& x) { return testing::narrowed<bfloat16>(x); };
   const Tensor<bfloat16> q = bf16(random_tensor<double>({1, 2, 9, 4}, 1)), k = bf16(random_tensor<double>({1, 2, 9, 4}, 2)),
-                         dout = bf16(random_tensor<double>({1, 2, 9, 3}, 4));
-  const Tensor<bfloat16> v = bf16(random_tensor<double>({1, 2, 9, 3}, 3));
-  Tensor<bfloat16> big_dout = bf16(random_tensor<double>({1, 2, 9, 3}, 4));
+                         v = bf16(random_tensor<double>({1, 2, 9, 3}, 3)), dout = bf16(random_tensor<double>({1, 2, 9, 3}, 4)),
+                         w = bf16(random_features<double>(8, 4, FeatureKind::Orthogonal, 5));
+  Tensor<bfloat16> big_v = bf16(random_tensor<double>({1, 2, 9, 3}, 3)), big_dout = bf16(random_tensor<double>({1, 2, 9, 3}, 4));
+  big_v[5] = to_bfloat16(0x1p70f);
+  big_dout[4] = to_bfloat16(-0x1p70f);
+  auto expect_widened = [&](const MethodInfo& m, const MethodArgs<bfloat16>& a, const Tensor<bfloat16>& g) {
+    std::vector<Tensor<float>> storage;
+    const MethodArgs<float> a32 = widened_args(a, storage);
+    const Tensor<float> g32 = widened(g);
+    expect_same_bits(m.bf16.forward(a).out, narrow<bfloat16>(m.f32.forward(a32).out, "out"), "out");
+    const AttentionGrads<bfloat16> got = m.bf16.backward(a, g, {});
+    const AttentionGrads<float> want = m.f32.backward(a32, g32.view(), {});
+    expect_same_bits(got.dq, narrow<bfloat16>(want.dq, "dq"), "dq");
+    expect_same_bits(got.dk, narrow<bfloat16>(want.dk, "dk"), "dk");
+    expect_same_bits(got.dv, narrow<bfloat16>(want.dv, "dv"), "dv");
+  };
   for (const char* name : {"linear", "favor"}) {
     SCOPED_TRACE(name);
     const MethodInfo& m = method(name);
-    const Tensor<bfloat16> w = bf16(random_features<double>(8, 4, FeatureKind::Orthogonal, 5));
     KernelizedSpec s = spec;
     if (std::string(name) == "favor") s.map = "trig";
-    Tensor<bfloat16> big_v = bf16(random_tensor<double>({1, 2, 9, 3}, 3));
-    big_v[5] = to_bfloat16(0x1p70f);
-    const MethodArgs<bfloat16> a = bf16_args(name, s, q, k, big_v, &w);
-    EXPECT_FALSE(m.bf16_kernel(a).has_value());
-    EXPECT_FALSE(m.bf16_backward_kernel(a, dout, {}).has_value());
-    std::vector<Tensor<float>> storage;
-    const MethodArgs<float> a32 = widened_args(a, storage);
-    expect_same_bits(m.bf16.forward(a).out, narrow<bfloat16>(m.f32.forward(a32).out, "out"), "out with large v");
-    big_dout[4] = to_bfloat16(-0x1p70f);
-    const MethodArgs<bfloat16> small = bf16_args(name, s, q, k, v, &w);
-    EXPECT_TRUE(m.bf16_kernel(small).has_value());
-    EXPECT_FALSE(m.bf16_backward_kernel(small, big_dout, {}).has_value());
+    const MethodArgs<bfloat16> large_v = bf16_args(name, s, q, k, big_v, &w), in_range = bf16_args(name, s, q, k, v, &w);
+    EXPECT_FALSE(m.bf16_kernel(large_v).has_value());
+    EXPECT_FALSE(m.bf16_backward_kernel(large_v, dout, {}).has_value());
+    EXPECT_TRUE(m.bf16_kernel(in_range).has_value());
+    EXPECT_FALSE(m.bf16_backward_kernel(in_range, big_dout, {}).has_value());
+    expect_widened(m, large_v, dout);
+    expect_widened(m, in_range, big_dout);
   }
   MethodArgs<bfloat16> conv = bf16_args("linear", spec, q, k, v, nullptr);
   const Tensor<bfloat16> dwc = bf16(random_tensor<double>({2, 3}, 6));
   conv.tensors["dwc_weight"] = dwc;
   EXPECT_FALSE(method("linear").bf16_kernel(conv).has_value());
   EXPECT_FALSE(method("linear").bf16_backward_kernel(conv, dout, {}).has_value());
-  EXPECT_EQ(method("linear").bf16.forward(conv).out.shape(), (Shape{1, 2, 9, 3}));
+  expect_widened(method("linear"), conv, dout);
+  if (!bfloat16_products_usable()) return;
+  // FAVOR+ with bfloat16 products: a large v takes the widened call with the same products.
+  KernelizedSpec positive = spec;
+  positive.map = "positive";
+  const MethodArgs<bfloat16> a = bf16_args("favor", positive, q, k, big_v, &w);
+  std::vector<Tensor<float>> storage;
+  const MethodArgs<float> a32 = widened_args(a, storage);
+  FavorOptions o;
+  o.kernel = "positive";
+  const std::optional<MethodOutput<bfloat16>> f = method("favor").bf16_kernel(a);
+  ASSERT_TRUE(f.has_value());
+  expect_same_bits(f->out,
+                   narrow<bfloat16>(kernelized::favor_forward(Products::Bfloat16, a32.q, a32.k, a32.v,
+                                                              a32.tensors.at("projection"), o).out, "out"),
+                   "out with bfloat16 products");
 }
 
 // Bad bfloat16 input to the storage path: an error naming the argument, as for float32.
@@ -422,9 +447,10 @@ TEST(KernelizedBf16, BadInputIsAnErrorNamingIt) {
   for (const float bad : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
     Tensor<bfloat16> k_bad = bf16(random_tensor<double>({1, 2, 9, 4}, 2)), dout_bad = bf16(random_tensor<double>({1, 2, 9, 3}, 4));
     k_bad[7] = to_bfloat16(bad), dout_bad[2] = to_bfloat16(bad);
-    EXPECT_THAT(error_of([&] { m.bf16_kernel(bf16_args("linear", spec, q, k_bad, v, nullptr)); }), HasSubstr("k"));
+    EXPECT_THAT(error_of([&] { m.bf16_kernel(bf16_args("linear", spec, q, k_bad, v, nullptr)); }),
+                HasSubstr("linear_attention: k has a non-finite value"));
     EXPECT_THAT(error_of([&] { m.bf16_backward_kernel(bf16_args("linear", spec, q, k, v, nullptr), dout_bad, {}); }),
-                HasSubstr("dout"));
+                HasSubstr("linear_attention_backward: dout has a non-finite value"));
   }
   KernelizedSpec identity = spec;
   identity.map = "identity";
@@ -434,7 +460,8 @@ TEST(KernelizedBf16, BadInputIsAnErrorNamingIt) {
   EXPECT_THAT(error_of([&] { m.bf16_kernel(bf16_args("linear", identity, negative, features, v, nullptr)); }),
               HasSubstr("q holds features, which must be >= 0; got -0.5 at row 0 (counting over batch·heads·seq), feature 3"));
   const Tensor<bfloat16> short_v = bf16(random_tensor<double>({1, 2, 8, 3}, 3));
-  EXPECT_THAT(error_of([&] { m.bf16_kernel(bf16_args("linear", spec, q, k, short_v, nullptr)); }), HasSubstr("v"));
+  EXPECT_THAT(error_of([&] { m.bf16_kernel(bf16_args("linear", spec, q, k, short_v, nullptr)); }),
+              HasSubstr("linear_attention: v has shape [1, 2, 8, 3]; expected [1, 2, 9, value_dim]"));
 }
 
 // Non-causal with n_q != n_k; the keys cross the block of the key passes.

@@ -383,8 +383,6 @@ TEST(EfficientState, GradientsMatchCentralDifferences) {
   const StateGrads<double> ga = efficient_apply_state_backward<double>(q, state, dout, oq);
   expect_gradient(q, ga.dq, apply_loss, "dq");
   // The state's S and z (the shifts take no gradient: their column is 0).
-  Tensor<double> ds_sz(ga.dstate.shape());
-  for (int64_t i = 0; i < ds_sz.size(); ++i) ds_sz[i] = ga.dstate[i];
   for (int64_t at = 0; at < state.size(); at += dv + 2) ASSERT_EQ(ga.dstate[at + dv + 1], 0.0);
   const double h = 1e-5;
   for (int64_t i = 0; i < state.size(); ++i) {
@@ -405,7 +403,7 @@ TEST(EfficientState, ThreadCountsGiveTheSameBits) {
   const auto q = random_tensor<float>({1, 2, 300, 8}, 1), k = random_tensor<float>({1, 2, 70, 8}, 2),
              v = random_tensor<float>({1, 2, 70, 4}, 3), dout = random_tensor<float>({1, 2, 300, 4}, 4);
   const auto dstate = random_tensor<float>({1, 2, 8, 6}, 5);
-  std::optional<Tensor<float>> st1, out1, dq1, dk1, dv1;
+  std::optional<Tensor<float>> st1, out1, dq1, ds1, dk1, dv1;
   for (int threads : {1, 3, 8}) {
     ScopedThreads scoped(threads);
     Tensor<float> st = efficient_key_state<float>(k, v);
@@ -413,10 +411,12 @@ TEST(EfficientState, ThreadCountsGiveTheSameBits) {
     StateGrads<float> ga = efficient_apply_state_backward<float>(q, st, dout);
     StateGrads<float> gk = efficient_key_state_backward<float>(k, v, st, dstate);
     if (!st1) {
-      st1 = std::move(st), out1 = std::move(out), dq1 = std::move(ga.dq), dk1 = std::move(gk.dk), dv1 = std::move(gk.dv);
+      st1 = std::move(st), out1 = std::move(out), dq1 = std::move(ga.dq), ds1 = std::move(ga.dstate);
+      dk1 = std::move(gk.dk), dv1 = std::move(gk.dv);
       continue;
     }
-    for (auto [got, want] : {std::pair{&st, &*st1}, {&out, &*out1}, {&ga.dq, &*dq1}, {&gk.dk, &*dk1}, {&gk.dv, &*dv1}})
+    for (auto [got, want] :
+         {std::pair{&st, &*st1}, {&out, &*out1}, {&ga.dq, &*dq1}, {&ga.dstate, &*ds1}, {&gk.dk, &*dk1}, {&gk.dv, &*dv1}})
       for (int64_t i = 0; i < got->size(); ++i) ASSERT_EQ((*got)[i], (*want)[i]) << threads << " threads, " << i;
   }
 }
@@ -442,6 +442,17 @@ TEST(EfficientState, BadInputIsAnErrorNamingIt) {
   Tensor<float> bad_shift = efficient_key_state<float>(k, v);
   bad_shift[4] = NAN;  // row 0's shift
   EXPECT_NE(error_of([&] { efficient_apply_state<float>(q, bad_shift); }).find("state[4] = nan is a shift"),
+            std::string::npos);
+  Tensor<float> stale = efficient_key_state<float>(k, v);
+  stale[4] = -INFINITY;  // row 0's shift, of a block with keys
+  stale[0] = stale[1] = stale[2] = stale[3] = 0;
+  const auto dstate = random_tensor<float>({1, 2, 4, 5}, 6);
+  EXPECT_NE(error_of([&] { efficient_key_state_backward<float>(k, v, stale, dstate); })
+                .find("state[4] = -inf is the shift of a block with keys"),
+            std::string::npos);
+  Tensor<float> no_key_sum = efficient_key_state<float>(k, v);
+  no_key_sum[3] = 0;  // row 0's z, with S nonzero
+  EXPECT_NE(error_of([&] { efficient_apply_state<float>(q, no_key_sum); }).find("in a row whose sum z is 0 (no key)"),
             std::string::npos);
   Tensor<float> negative_sum = efficient_key_state<float>(k, v);
   negative_sum[3] = -1;  // row 0's z

@@ -1,8 +1,10 @@
 // bfloat16 and float16 tensors: the storage types of bf16/fp16 models. Every method takes them
-// through the registry (MethodInfo::functions<bfloat16>()): inputs are widened to float32, the
-// float32 kernels run (softmax statistics, linear states and normalisers accumulate in float32),
-// and the output and gradients are rounded once, to nearest even. What a method saves for its
-// backward (lse, den, state) stays float32. docs/precision.md states what the rounding costs.
+// through the registry (MethodInfo::functions<bfloat16>()): inputs are widened to float32 (whole,
+// or a block at a time for the kernelized methods' bfloat16 calls), the float32 kernels run
+// (softmax statistics, linear states and normalisers accumulate in float32), and the output and
+// gradients are rounded once, to nearest even; exact attention's bfloat16 calls multiply in
+// bfloat16 where the CPU can. What a method saves for its backward (lse, den, state) stays
+// float32. docs/precision.md states what the rounding costs.
 #pragma once
 
 #include <cstdint>

@@ -108,11 +108,13 @@ struct MethodInfo {
   MethodFunctions<bfloat16> bf16;
   MethodFunctions<float16> f16;
   // A method's own bfloat16 forward, where it has one (exact attention on AMX tiles or
-  // AVX512-BF16): bf16.forward
-  // calls it first and runs the widened float32 forward only when it returns nothing (this CPU,
-  // or this call, is outside what it does). Set by describe_<method>(); null for most methods.
+  // AVX512-BF16; linear_attention and favor_attention on bfloat16 storage, widened a block at a
+  // time): bf16.forward calls it first and runs the widened float32 forward only when it
+  // returns nothing (this CPU, or this call, is outside what it does). Set by
+  // describe_<method>(); null for the other methods.
   std::function<std::optional<MethodOutput<bfloat16>>(const MethodArgs<bfloat16>&)> bf16_kernel;
-  // And its own bfloat16 backward, the same way (exact attention on AVX512-BF16).
+  // And its own bfloat16 backward, the same way (exact attention on AVX512-BF16; the kernelized
+  // methods).
   std::function<std::optional<AttentionGrads<bfloat16>>(const MethodArgs<bfloat16>&, TensorView<const bfloat16> dout,
                                                         const SavedViews<bfloat16>& saved)>
       bf16_backward_kernel;

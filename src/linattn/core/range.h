@@ -32,9 +32,11 @@ void scale_by_power_of_two(Tensor<T>& t, int e) {
 template <class T>
 class ValueScale {
  public:
+  // The largest |value| taken as it is: 2^(emax/2), 2^64 for float. Beyond it, a scaled copy.
+  static double unscaled_max() { return std::ldexp(1.0, std::numeric_limits<T>::max_exponent / 2); }
   ValueScale(TensorView<const T> x, double max_abs) : view_(x) {
     constexpr int emax = std::numeric_limits<T>::max_exponent;  // 128 (float), 1024 (double)
-    if (max_abs > std::ldexp(1.0, emax / 2)) scale_copy(std::ilogb(max_abs) - emax / 4);
+    if (max_abs > unscaled_max()) scale_copy(std::ilogb(max_abs) - emax / 4);
   }
   // x scaled by the same power of two as `like` (a saved output of the scaled input, say).
   ValueScale(TensorView<const T> x, const ValueScale& like) : view_(x) {

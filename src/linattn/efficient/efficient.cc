@@ -28,19 +28,6 @@ Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, T
                               "output would see future positions");
 }
 
-template <class T>
-struct Buffers {
-  Buffers(const Setup& s, bool backward)
-      : e(s.d.head_dim * s.d.n_k),
-        inv(s.d.head_dim),
-        work(3 * s.d.head_dim),
-        g(s.d.head_dim * s.d.value_dim),
-        qb(std::min(kRowBlock, s.d.n_q) * s.d.head_dim),
-        dg(backward ? s.d.head_dim * s.d.value_dim : 0),
-        dqb(backward ? std::min(kRowBlock, s.d.n_q) * s.d.head_dim : 0) {}
-  Buffer<T> e, inv, work, g, qb, dg, dqb;
-};
-
 // E [L, d], inv [d] and G = diag(inv)·Eᵀ V_L [d, d_v] for head bh.
 template <class T>
 void key_side(const char* fn, const Setup& s, TensorView<const T> k, TensorView<const T> v,
@@ -51,17 +38,6 @@ void key_side(const char* fn, const Setup& s, TensorView<const T> k, TensorView<
           fn, ": attention scores overflowed to inf or NaN; the inputs are too large for this dtype");
   matmul<T>(mat(b.g.data(), hd, dv), mat(b.e.data(), L, hd).t(), mat(v.row(bh, 0), L, dv));
   for (int64_t c = 0; c < hd; ++c) simd::scale(b.g.data() + c * dv, static_cast<size_t>(dv), b.inv[c]);
-}
-
-// ρ_q = softmax over features of s·Q for `rows` query rows from r0, into b.qb.
-template <class T>
-void query_block(const char* fn, const Setup& s, TensorView<const T> q, int64_t bh, int64_t r0,
-                 int64_t rows, Buffers<T>& b) {
-  const int64_t hd = s.d.head_dim;
-  const T sc = static_cast<T>(s.scale);
-  const T* src = q.row(bh, r0);
-  for (int64_t i = 0; i < rows * hd; ++i) b.qb[i] = sc * src[i];
-  softmax_rows(fn, b.qb.data(), rows, hd, hd);
 }
 
 }  // namespace efficient

@@ -23,9 +23,6 @@
 namespace linattn {
 namespace {
 
-constexpr const char* kNoCausal =
-    "Efficient Attention normalises keys over all positions, so every output would see future positions";
-
 template <class T>
 void check_rank4(const char* fn, const char* name, TensorView<const T> x, const char* layout) {
   require(x.shape.size() == 4, fn, ": ", name, " must be ", layout, ", got shape ", shape_string(x.shape));
@@ -38,7 +35,7 @@ efficient::Setup check_keys(const char* fn, TensorView<const T> k, TensorView<co
                             const EfficientAttentionOptions& opts) {
   check_rank4(fn, "k", k, "[batch, heads, n, head_dim]");
   const TensorView<const T> no_queries{nullptr, {k.dim(0), k.dim(1), 0, k.dim(3)}};
-  return check_noncausal_args(fn, no_queries, k, v, opts, kNoCausal);
+  return efficient::check_args(fn, no_queries, k, v, opts);
 }
 
 template <class T>
@@ -52,7 +49,7 @@ efficient::Setup check_queries(const char* fn, TensorView<const T> q, TensorView
           shape_string(state.shape));
   const TensorView<const T> no_keys{nullptr, {q.dim(0), q.dim(1), 0, q.dim(3)}};
   const TensorView<const T> no_values{nullptr, {q.dim(0), q.dim(1), 0, dv}};
-  return check_noncausal_args(fn, q, no_keys, no_values, opts, kNoCausal);
+  return efficient::check_args(fn, q, no_keys, no_values, opts);
 }
 
 // [B,H,d,d_v+2] of a call's sizes.
@@ -69,6 +66,9 @@ void check_state(const char* fn, const char* name, TensorView<const T> state, co
     for (int64_t c = 0; c + 1 < row; ++c)
       require(std::isfinite(x[c]), fn, ": ", name, "[", at + c, "] = ", x[c], "; expected a finite value");
     require(x[row - 2] >= 0, fn, ": ", name, "[", at + row - 2, "] = ", x[row - 2], " is a sum of exponentials; expected >= 0");
+    if (x[row - 2] == 0)
+      for (int64_t c = 0; c + 2 < row; ++c)
+        require(x[c] == 0, fn, ": ", name, "[", at + c, "] = ", x[c], " in a row whose sum z is 0 (no key); expected 0");
     const T shift = x[row - 1];
     require(std::isfinite(shift) || shift == -std::numeric_limits<T>::infinity(), fn, ": ", name, "[", at + row - 1,
             "] = ", shift, " is a shift; expected a finite value or -inf");
@@ -78,22 +78,9 @@ void check_state(const char* fn, const char* name, TensorView<const T> state, co
   }
 }
 
-// Per-worker buffers.
-template <class T>
-struct Buffers {
-  Buffers(const AttentionDims& d, int64_t rows, bool backward)
-      : e(rows * d.head_dim),
-        work(3 * d.head_dim),
-        g(d.head_dim * d.value_dim),
-        dg(backward ? d.head_dim * d.value_dim : 0),
-        qb(std::min(efficient::kRowBlock, d.n_q) * d.head_dim),
-        dqb(backward ? std::min(efficient::kRowBlock, d.n_q) * d.head_dim : 0) {}
-  Buffer<T> e, work, g, dg, qb, dqb;
-};
-
 // e = exp(s·k_j − c) of head bh's first L keys into b.e, for the shifts c (L >= 1).
 template <class T>
-void key_exponentials(TensorView<const T> k, int64_t bh, int64_t L, int64_t hd, T scale, const T* c, Buffers<T>& b) {
+void key_exponentials(TensorView<const T> k, int64_t bh, int64_t L, int64_t hd, T scale, const T* c, efficient::Buffers<T>& b) {
   const T* x = k.row(bh, 0);
   for (int64_t i = 0; i < L * hd; ++i) b.e[i] = x[i] * scale;
   simd::exp_minus_columns(b.e.data(), static_cast<size_t>(L), static_cast<size_t>(hd), static_cast<size_t>(hd), c);
@@ -101,21 +88,12 @@ void key_exponentials(TensorView<const T> k, int64_t bh, int64_t L, int64_t hd, 
 
 // G = S / z (rows with z = 0 give 0) of head bh's state rows into b.g.
 template <class T>
-void context(const T* st, int64_t hd, int64_t dv, Buffers<T>& b) {
+void context(const T* st, int64_t hd, int64_t dv, efficient::Buffers<T>& b) {
   for (int64_t r = 0; r < hd; ++r) {
     const T* x = st + r * (dv + 2);
     const T z = x[dv];
     for (int64_t c = 0; c < dv; ++c) b.g[r * dv + c] = z > 0 ? x[c] / z : T(0);
   }
-}
-
-// ρ = softmax over features of s·q for `rows` query rows from r0, into b.qb.
-template <class T>
-void query_block(const char* fn, TensorView<const T> q, int64_t bh, int64_t r0, int64_t rows, int64_t hd, T scale,
-                 Buffers<T>& b) {
-  const T* src = q.row(bh, r0);
-  for (int64_t i = 0; i < rows * hd; ++i) b.qb[i] = scale * src[i];
-  softmax_rows(fn, b.qb.data(), rows, hd, hd);
 }
 
 }  // namespace
@@ -129,7 +107,7 @@ Tensor<T> efficient_key_state(TensorView<const T> k, TensorView<const T> v, cons
   const int64_t hd = d.head_dim, dv = d.value_dim, row = dv + 2;
   Tensor<T> state(state_shape(d), false, Init::Uninitialized);
   const ParallelLoop loop(d.bh());
-  PerWorker<Buffers<T>> buffers(loop, [&] { return Buffers<T>(d, d.n_k, false); });
+  PerWorker<efficient::Buffers<T>> buffers(loop, [&] { return efficient::Buffers<T>(s, false); });
   PerWorker<WrittenFinite> written(loop);
   const T sc = static_cast<T>(s.scale);
   loop.run([&](int64_t bh, int worker) {
@@ -142,9 +120,9 @@ Tensor<T> efficient_key_state(TensorView<const T> k, TensorView<const T> v, cons
       }
       return;
     }
-    Buffers<T>& b = buffers[worker];
-    // e = exp(s·K − c) with c the column maxima (work[0, hd)) and b.work[hd...] the inverse sums.
-    T* inv = b.work.data() + 2 * hd;
+    efficient::Buffers<T>& b = buffers[worker];
+    // e = exp(s·K − c) with c the column maxima (b.work[0, hd)), and b.inv the inverse sums.
+    T* inv = b.inv.data();
     require(simd::softmax_columns(k.row(bh, 0), static_cast<size_t>(hd), b.e.data(), static_cast<size_t>(L),
                                   static_cast<size_t>(hd), sc, inv, b.work.data()),
             fn, ": s·k overflowed to inf or NaN; the inputs are too large for this dtype");
@@ -173,7 +151,7 @@ StateGrads<T> efficient_key_state_backward(TensorView<const T> k, TensorView<con
   const int64_t hd = d.head_dim, dv = d.value_dim, row = dv + 2;
   StateGrads<T> g{{}, Tensor<T>(k.shape, false, Init::Uninitialized), Tensor<T>(v.shape, false, Init::Uninitialized), {}};
   const ParallelLoop loop(d.bh());
-  PerWorker<Buffers<T>> buffers(loop, [&] { return Buffers<T>(d, d.n_k, true); });
+  PerWorker<efficient::Buffers<T>> buffers(loop, [&] { return efficient::Buffers<T>(s, true); });
   PerWorker<WrittenFinite> written(loop);
   const T sc = static_cast<T>(s.scale);
   loop.run([&](int64_t bh, int worker) {
@@ -183,10 +161,14 @@ StateGrads<T> efficient_key_state_backward(TensorView<const T> k, TensorView<con
     std::fill(dk + L * hd, dk + d.n_k * hd, T(0));
     std::fill(dvo + L * dv, dvo + d.n_k * dv, T(0));
     if (L == 0) return;
-    Buffers<T>& b = buffers[worker];
+    efficient::Buffers<T>& b = buffers[worker];
     const T* st = state.data + bh * hd * row;
     const T* gs = dstate.data + bh * hd * row;
-    for (int64_t r = 0; r < hd; ++r) b.work[r] = st[r * row + dv + 1];
+    for (int64_t r = 0; r < hd; ++r) {
+      b.work[r] = st[r * row + dv + 1];
+      require(std::isfinite(b.work[r]), fn, ": state[", bh * hd * row + r * row + dv + 1, "] = ", b.work[r],
+              " is the shift of a block with keys; expected the finite one efficient_key_state gave for these k");
+    }
     key_exponentials(k, bh, L, hd, sc, b.work.data(), b);
     // dv_L = e·dS; dk_L = s·e∘(V_L dSᵀ + 1·dzᵀ)
     matmul<T>(mat(dvo, L, dv), mat(b.e.data(), L, hd), mat(gs, hd, dv, row));
@@ -214,15 +196,14 @@ Tensor<T> efficient_apply_state(TensorView<const T> q, TensorView<const T> state
   const int64_t hd = d.head_dim, dv = d.value_dim;
   Tensor<T> out({d.batch, d.heads, d.n_q, dv}, false, Init::Uninitialized);
   const ParallelLoop loop(d.bh());
-  PerWorker<Buffers<T>> buffers(loop, [&] { return Buffers<T>(d, 0, false); });
-  const T sc = static_cast<T>(s.scale);
+  PerWorker<efficient::Buffers<T>> buffers(loop, [&] { return efficient::Buffers<T>(s, false); });
   loop.run([&](int64_t bh, int worker) {
-    Buffers<T>& b = buffers[worker];
+    efficient::Buffers<T>& b = buffers[worker];
     context(state.data + bh * hd * (dv + 2), hd, dv, b);
     for (int64_t r0 = 0; r0 < d.n_q; r0 += efficient::kRowBlock) {
       interruption_point();
       const int64_t rows = std::min(efficient::kRowBlock, d.n_q - r0);
-      query_block(fn, q, bh, r0, rows, hd, sc, b);
+      efficient::query_block(fn, s, q, bh, r0, rows, b);
       matmul<T>(mat(out.data() + (bh * d.n_q + r0) * dv, rows, dv), mat(b.qb.data(), rows, hd), mat(b.g.data(), hd, dv));
     }
   });
@@ -241,11 +222,11 @@ StateGrads<T> efficient_apply_state_backward(TensorView<const T> q, TensorView<c
   const int64_t hd = d.head_dim, dv = d.value_dim, row = dv + 2;
   StateGrads<T> g{Tensor<T>(q.shape, false, Init::Uninitialized), {}, {}, Tensor<T>(state.shape, false, Init::Uninitialized)};
   const ParallelLoop loop(d.bh());
-  PerWorker<Buffers<T>> buffers(loop, [&] { return Buffers<T>(d, 0, true); });
+  PerWorker<efficient::Buffers<T>> buffers(loop, [&] { return efficient::Buffers<T>(s, true); });
   PerWorker<WrittenFinite> written(loop);
   const T sc = static_cast<T>(s.scale);
   loop.run([&](int64_t bh, int worker) {
-    Buffers<T>& b = buffers[worker];
+    efficient::Buffers<T>& b = buffers[worker];
     const T* st = state.data + bh * hd * row;
     context(st, hd, dv, b);
     std::fill(b.dg.data(), b.dg.data() + hd * dv, T(0));
@@ -253,7 +234,7 @@ StateGrads<T> efficient_apply_state_backward(TensorView<const T> q, TensorView<c
       interruption_point();
       const int64_t rows = std::min(efficient::kRowBlock, d.n_q - r0);
       const T* go = dout.data + (bh * d.n_q + r0) * dv;
-      query_block(fn, q, bh, r0, rows, hd, sc, b);
+      efficient::query_block(fn, s, q, bh, r0, rows, b);
       // out = ρ G: dG += ρᵀ dout, dρ = dout Gᵀ
       matmul<T>(mat(b.dg.data(), hd, dv), mat(b.qb.data(), rows, hd).t(), mat(go, rows, dv), T(1), T(1));
       matmul<T>(mat(b.dqb.data(), rows, hd), mat(go, rows, dv), mat(b.g.data(), hd, dv).t());

@@ -258,8 +258,8 @@ namespace {
 
 // ---- bfloat16 calls on the engine reading bfloat16 (products_calls.h) ----------------------
 
-// The largest |v| and |dout| the float32 code takes without rescaling them (ValueScale<float>).
-constexpr double kUnscaledMax = 0x1p64;
+// The largest |v| and |dout| the float32 code takes without rescaling them.
+const double kUnscaledMax = ValueScale<float>::unscaled_max();
 
 // A bfloat16 call's engine problem over the inputs as they are, with its float32 map.
 struct Bf16Problem {

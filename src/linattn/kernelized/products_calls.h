@@ -31,8 +31,9 @@ AttentionGrads<float> favor_backward(Products products, TensorView<const float> 
 // (engine.h, Problem<float, bfloat16>): q, k, v and dout are checked as they are and never
 // widened whole; sums, den and state are float32, the output and gradients rounded once, as the
 // widened float32 call would give them. nullopt where v or dout exceeds 2^64, which the float32
-// code rescales first (ValueScale), and (linear) with a dwc_weight, whose convolution reads v in
-// float32: the caller widens then. products: favor's (Products::Bfloat16 refuses trig).
+// code rescales first (ValueScale): the caller widens then (register.cc also widens linear
+// attention with a dwc_weight, whose convolution reads v in float32). products: favor's
+// (Products::Bfloat16 refuses trig).
 struct Bf16Forward {
   Tensor<bfloat16> out;     // [B,H,n_q,d_v]
   Tensor<float> den, state;  // KernelizedAttentionResult's

@@ -13,9 +13,10 @@ namespace {
 using namespace registry_support;
 using kernelized::SavedResults;
 
-// The forward's output with its saved den and state, as a registry output.
-template <class T>
-MethodOutput<T> with_saved(KernelizedAttentionResult<T> r) {
+// The forward's output with its saved den and state, as a registry output (Result:
+// KernelizedAttentionResult<T>, or a bfloat16 call's kernelized::Bf16Forward).
+template <class T, class Result>
+MethodOutput<T> with_saved(Result r) {
   MethodOutput<T> out{std::move(r.out), {}};
   out.saved.emplace_back("den", std::move(r.den));
   out.saved.emplace_back("state", std::move(r.state));
@@ -25,7 +26,7 @@ MethodOutput<T> with_saved(KernelizedAttentionResult<T> r) {
 template <class T>
 MethodOutput<T> linear_forward(const MethodArgs<T>& a) {
   const auto c = kernelized::linear_call(a);
-  return with_saved(linear_attention_with_saved<T>(a.q, a.k, a.v, c.opts, c.dwc_weight));
+  return with_saved<T>(linear_attention_with_saved<T>(a.q, a.k, a.v, c.opts, c.dwc_weight));
 }
 
 template <class T>
@@ -40,7 +41,7 @@ AttentionGrads<T> linear_backward(const MethodArgs<T>& a, TensorView<const T> do
 template <class T>
 MethodOutput<T> favor_forward(const MethodArgs<T>& a) {
   const auto c = kernelized::favor_call(a);
-  return with_saved(favor_attention_with_saved<T>(a.q, a.k, a.v, c.projection, c.opts));
+  return with_saved<T>(favor_attention_with_saved<T>(a.q, a.k, a.v, c.projection, c.opts));
 }
 
 template <class T>
@@ -69,19 +70,12 @@ std::optional<SavedResults<float>> saved_results(const char* fn, const SavedView
   return std::nullopt;
 }
 
-MethodOutput<bfloat16> bf16_output(kernelized::Bf16Forward r) {
-  MethodOutput<bfloat16> out{std::move(r.out), {}};
-  out.saved.emplace_back("den", std::move(r.den));
-  out.saved.emplace_back("state", std::move(r.state));
-  return out;
-}
-
 std::optional<MethodOutput<bfloat16>> linear_forward_bf16(const MethodArgs<bfloat16>& a) {
   const auto c = kernelized::linear_call(a);
   if (c.dwc_weight) return std::nullopt;
   auto r = kernelized::linear_forward_bf16(a.q, a.k, a.v, c.opts);
   if (!r) return std::nullopt;
-  return bf16_output(std::move(*r));
+  return with_saved<bfloat16>(std::move(*r));
 }
 
 std::optional<AttentionGrads<bfloat16>> linear_backward_bf16(const MethodArgs<bfloat16>& a, TensorView<const bfloat16> dout,
@@ -105,11 +99,11 @@ std::optional<MethodOutput<bfloat16>> favor_forward_bf16(const MethodArgs<bfloat
   const Products products = favor_products(c, fn);
   const Tensor<float> projection = widen(c.projection);
   if (auto r = kernelized::favor_forward_bf16(products, a.q, a.k, a.v, projection.view(), c.opts))
-    return bf16_output(std::move(*r));
+    return with_saved<bfloat16>(std::move(*r));
   if (products == Products::Native) return std::nullopt;
   const WidenedArgs<bfloat16> w(a);
   MethodOutput<float> f =
-      with_saved(kernelized::favor_forward(products, w.args.q, w.args.k, w.args.v, projection.view(), c.opts));
+      with_saved<float>(kernelized::favor_forward(products, w.args.q, w.args.k, w.args.v, projection.view(), c.opts));
   return MethodOutput<bfloat16>{narrow<bfloat16>(f.out, "favor_attention: out"), std::move(f.saved)};
 }
 
