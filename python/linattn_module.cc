@@ -609,7 +609,7 @@ py::array linformer_project_py(const py::object& k, const py::object& v, const p
 
 py::tuple linformer_project_backward_py(const py::object& k, const py::object& v, const py::object& e,
                                         const py::object& f, const py::object& dprojected, int64_t offset,
-                                        const py::object& key_lengths) {
+                                        const py::object& key_lengths, bool param_grads) {
   BlockStateArgs a("linformer_project_backward", py::none(), key_lengths);
   a.add("k", k).add("v", v).add("e", e).add("f", f).add("dprojected", dprojected);
   linattn::LinformerOptions o;
@@ -619,8 +619,9 @@ py::tuple linformer_project_backward_py(const py::object& k, const py::object& v
     const Inputs& in = a.inputs;
     auto g = run_without_gil([&] {
       return linattn::linformer_project_backward<T>(in.tensor<T>("k"), in.tensor<T>("v"), in.tensor<T>("e"),
-                                                    in.tensor<T>("f"), in.tensor<T>("dprojected"), offset, o);
+                                                    in.tensor<T>("f"), in.tensor<T>("dprojected"), offset, o, param_grads);
     });
+    if (!param_grads) return py::make_tuple(to_numpy(std::move(g.dk)), to_numpy(std::move(g.dv)), py::none(), py::none());
     return numpy_tuple(std::move(g.dk), std::move(g.dv), std::move(g.params[0].second), std::move(g.params[1].second));
   });
 }
@@ -909,7 +910,7 @@ PYBIND11_MODULE(_linattn, m) {
   m.def("_linformer_project", &linformer_project_py, py::arg("k"), py::arg("v"), py::arg("e"), py::arg("f"),
         py::arg("offset"), py::arg("key_lengths"));
   m.def("_linformer_project_backward", &linformer_project_backward_py, py::arg("k"), py::arg("v"), py::arg("e"),
-        py::arg("f"), py::arg("dprojected"), py::arg("offset"), py::arg("key_lengths"));
+        py::arg("f"), py::arg("dprojected"), py::arg("offset"), py::arg("key_lengths"), py::arg("param_grads"));
   m.def("_efficient_apply_state", &efficient_apply_state_py, py::arg("q"), py::arg("state"), py::arg("scale"));
   m.def("_efficient_apply_state_backward", &efficient_apply_state_backward_py, py::arg("q"), py::arg("state"),
         py::arg("dout"), py::arg("scale"));

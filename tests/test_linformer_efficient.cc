@@ -528,6 +528,11 @@ TEST(LinformerProject, GradientsMatchCentralDifferences) {
     expect_gradient(v, g.dv, loss, "dv");
     expect_gradient(e, g.params[0].second, loss, "de");
     expect_gradient(f, g.params[1].second, loss, "df");
+    // Without the projections' gradients: none given, and dk, dv the same bits.
+    const auto g0 = linformer_project_backward<double>(k, v, e, f, G, offset, o, false);
+    EXPECT_TRUE(g0.params.empty());
+    for (int64_t i = 0; i < g.dk.size(); ++i) ASSERT_EQ(g0.dk[i], g.dk[i]) << i;
+    for (int64_t i = 0; i < g.dv.size(); ++i) ASSERT_EQ(g0.dv[i], g.dv[i]) << i;
   }
 }
 

@@ -43,11 +43,12 @@ template <class T>
 Tensor<T> linformer_project(TensorView<const T> k, TensorView<const T> v, TensorView<const T> e, TensorView<const T> f,
                             int64_t offset = 0, const LinformerOptions& opts = {});
 // dk, dv (padded keys 0) and params {"e", "f"} (e's shape: 0 outside the block's valid columns)
-// from dprojected [B,H,s,d+d_v].
+// from dprojected [B,H,s,d+d_v]; with param_grads false, no params (frozen projections: dE and
+// dF are as much work as dk and dv).
 template <class T>
 AttentionGrads<T> linformer_project_backward(TensorView<const T> k, TensorView<const T> v, TensorView<const T> e,
                                              TensorView<const T> f, TensorView<const T> dprojected, int64_t offset = 0,
-                                             const LinformerOptions& opts = {});
+                                             const LinformerOptions& opts = {}, bool param_grads = true);
 
 // E and F as fairseq's Linformer initialises its compression layers: Xavier-uniform with gain
 // 1/√2, i.e. uniform on (−a, a) with a = sqrt(3 / (n_max + s_proj)). heads = 0 gives shared

@@ -229,6 +229,14 @@ def test_linformer_gradcheck_and_bad_input():
     args = [x.clone().requires_grad_() for x in (k, v, e, f)]
     assert torch.autograd.gradcheck(lambda k, v, e, f: st.linformer_project(k, v, e, f, offset=2, key_lengths=[5, 3]),
                                     args, eps=1e-6, atol=1e-7)
+    # Frozen e and f: no gradient for them, and k's and v's the same.
+    kk, vv = k.clone().requires_grad_(), v.clone().requires_grad_()
+    g = torch.randn(2, 2, 4, 5, generator=gen, dtype=torch.float64)
+    (st.linformer_project(kk, vv, e, f, offset=2, key_lengths=[5, 3]) * g).sum().backward()
+    k2, v2, e2 = k.clone().requires_grad_(), v.clone().requires_grad_(), e.clone().requires_grad_()
+    (st.linformer_project(k2, v2, e2, f, offset=2, key_lengths=[5, 3]) * g).sum().backward()
+    assert e.grad is None and f.grad is None and e2.grad is not None
+    assert torch.equal(kk.grad, k2.grad) and torch.equal(vv.grad, v2.grad)
     with pytest.raises(ValueError, match="offset = 5 with n = 5 keys needs 0 <= offset <= n_max − n = 4"):
         st.linformer_project(k, v, e, f, offset=5)
     with pytest.raises(TypeError, match="offset must be an int"):

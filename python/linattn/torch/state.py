@@ -229,9 +229,11 @@ class _LinformerProject(torch.autograd.Function):
     @once_differentiable  # the backward is a kernel: no graph for second derivatives
     def backward(ctx, dprojected):
         k, v, e, f = ctx.saved_tensors
+        params = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]  # frozen e and f: no dE, dF work
         dk, dv, de, df = _linattn._linformer_project_backward(_array(k), _array(v), _array(e), _array(f),
-                                                              _array(dprojected), ctx.offset, ctx.lengths)
-        return _from_numpy(dk), _from_numpy(dv), _from_numpy(de), _from_numpy(df), None, None
+                                                              _array(dprojected), ctx.offset, ctx.lengths, params)
+        return (_from_numpy(dk), _from_numpy(dv), None if de is None else _from_numpy(de),
+                None if df is None else _from_numpy(df), None, None)
 
 
 def linformer_project(k, v, e, f, *, offset=0, key_lengths=None):

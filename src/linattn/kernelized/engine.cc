@@ -368,10 +368,10 @@ void forward_noncausal(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, S* out
   for (int64_t i0 = 0; i0 < p.dims.n_q; i0 += kBlockRows) {
     interruption_point();
     const int64_t rows = std::min(kBlockRows, p.dims.n_q - i0);
-    S* o = out + (bh * p.dims.n_q + i0) * dv;
-    T* r = result_values(o, s);
+    S* o = out ? out + (bh * p.dims.n_q + i0) * dv : nullptr;
+    T* r = o ? result_values(o, s) : s.num.data();
     query_rows(p, bh, i0, rows, s, r, static_cast<const T*>(nullptr), save.den ? save.den + bh * p.dims.n_q + i0 : nullptr);
-    store_results(o, r, rows * dv, s, false);  // the caller checks the whole output
+    if (o) store_results(o, r, rows * dv, s, false);  // the caller checks the whole output
   }
   if (save.state) store_state(p, s, save.state + bh * m * (dv + 2));
 }
@@ -579,10 +579,10 @@ void forward_causal(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, S* out, c
     chunk_features(p, bh, t0, rows, kr, s, s.qf, s.kf);
     chunk_weights(p, rows, kr, s.qf, s.kf, s);
     augmented_values(p, bh, t0, kr, s);
-    S* o = out + (bh * n + t0) * dv;
-    T* r = result_values(o, s);
+    S* o = out ? out + (bh * n + t0) * dv : nullptr;
+    T* r = o ? result_values(o, s) : s.num.data();
     chunk_outputs(p, rows, kr, s.qf, s, r, static_cast<const T*>(nullptr), save.den ? save.den + bh * n + t0 : s.D.data());
-    store_results(o, r, rows * dv, s, false);  // the caller checks the whole output
+    if (o) store_results(o, r, rows * dv, s, false);  // the caller checks the whole output
     add_chunk_to_state(p, kr, s.kf, s);
     t0 += rows;
   }

@@ -44,7 +44,7 @@ int64_t state_size(const Problem<T, S>& p) {
   return p.dims.bh() * p.fmap->dim() * (p.dims.value_dim + 2);
 }
 
-// out [B,H,n_q,d_v] (overwritten), and what `save` points at.
+// out [B,H,n_q,d_v] (overwritten; null: only what `save` points at), and what `save` points at.
 template <class T, class S>
 void forward(const Problem<T, S>& p, S* out, Saved<T> save = {});
 

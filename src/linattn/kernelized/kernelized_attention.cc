@@ -291,17 +291,15 @@ std::optional<AttentionGrads<bfloat16>> run_backward_bf16(const kernelized::Prob
   const bool causal = p.mask->causal();
   const double dout_max = check_same_shape_finite(p.fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
   if (dout_max > kUnscaledMax) return std::nullopt;
-  Tensor<bfloat16> out;
   Tensor<float> den, state;
   const float *out_p = nullptr, *den_p = nullptr, *state_p = nullptr;
   if (saved) {
     check_saved(p.fn, d, p.fmap->dim(), saved->out, saved->den, saved->state);
     out_p = saved->out.data, den_p = saved->den.data, state_p = saved->state.data;
-  } else {  // den and state from a forward here; the engine computes the output again in float32
-    out = Tensor<bfloat16>({d.batch, d.heads, d.n_q, d.value_dim}, true, Init::Uninitialized);
+  } else {  // den and state from a forward here (no output); the backward computes the output in float32
     den = Tensor<float>({d.batch, d.heads, d.n_q}, true, Init::Uninitialized);
     if (!causal) state = Tensor<float>({d.batch, d.heads, p.fmap->dim(), d.value_dim + 2}, true, Init::Uninitialized);
-    kernelized::forward(p, out.data(), {den.data(), causal ? nullptr : state.data()});
+    kernelized::forward(p, static_cast<bfloat16*>(nullptr), {den.data(), causal ? nullptr : state.data()});
     den_p = den.data(), state_p = causal ? nullptr : state.data();
   }
   AttentionGrads<bfloat16> g{Tensor<bfloat16>(p.q.shape, false, Init::Uninitialized),

@@ -58,7 +58,7 @@ Tensor<T> linformer_project(TensorView<const T> k, TensorView<const T> v, Tensor
 template <class T>
 AttentionGrads<T> linformer_project_backward(TensorView<const T> k, TensorView<const T> v, TensorView<const T> e,
                                              TensorView<const T> f, TensorView<const T> dprojected, int64_t offset,
-                                             const LinformerOptions& opts) {
+                                             const LinformerOptions& opts, bool param_grads) {
   const char* fn = "linformer_project_backward";
   const linformer::Setup s = check_block(fn, k, v, e, f, offset, opts);
   const AttentionDims& d = s.d;
@@ -66,10 +66,6 @@ AttentionGrads<T> linformer_project_backward(TensorView<const T> k, TensorView<c
   check_same_shape_finite(fn, "dprojected", dprojected, {d.batch, d.heads, sp, row});
   const KeyMask mask(d, s.mask_opts);
   AttentionGrads<T> g{{}, Tensor<T>(k.shape, false, Init::Uninitialized), Tensor<T>(v.shape, false, Init::Uninitialized), {}};
-  g.params.emplace_back("e", Tensor<T>(e.shape));  // zeros outside the block's valid columns
-  g.params.emplace_back("f", Tensor<T>(f.shape));
-  Tensor<T>& de = g.params[0].second;
-  Tensor<T>& df = g.params[1].second;
   parallel_for(d.bh(), [&](int64_t bh) {
     const int64_t L = mask.key_length(bh / d.heads), h = bh % d.heads;
     T* dk = g.dk.data() + bh * d.n_k * hd;
@@ -82,6 +78,13 @@ AttentionGrads<T> linformer_project_backward(TensorView<const T> k, TensorView<c
     matmul<T>(mat(dk, L, hd), mat(e.data + at, sp, L, s.n_max).t(), mat(gp, sp, hd, row));
     matmul<T>(mat(dvo, L, dv), mat(f.data + at, sp, L, s.n_max).t(), mat(gp + hd, sp, dv, row));
   });
+  check_result_finite(fn, "dk", g.dk);
+  check_result_finite(fn, "dv", g.dv);
+  if (!param_grads) return g;
+  g.params.emplace_back("e", Tensor<T>(e.shape));  // zeros outside the block's valid columns
+  g.params.emplace_back("f", Tensor<T>(f.shape));
+  Tensor<T>& de = g.params[0].second;
+  Tensor<T>& df = g.params[1].second;
   constexpr int64_t kCols = linformer::kColBlock;
   const int64_t col_blocks = (d.n_k + kCols - 1) / kCols, mats = s.per_head ? d.heads : 1;
   parallel_for(mats * col_blocks, [&](int64_t task) {
@@ -99,8 +102,6 @@ AttentionGrads<T> linformer_project_backward(TensorView<const T> k, TensorView<c
                 T(1), T(1));
     }
   });
-  check_result_finite(fn, "dk", g.dk);
-  check_result_finite(fn, "dv", g.dv);
   check_result_finite(fn, "the gradient of e", de);
   check_result_finite(fn, "the gradient of f", df);
   return g;
@@ -111,7 +112,7 @@ AttentionGrads<T> linformer_project_backward(TensorView<const T> k, TensorView<c
                                        TensorView<const T>, int64_t, const LinformerOptions&);                     \
   template AttentionGrads<T> linformer_project_backward(TensorView<const T>, TensorView<const T>, TensorView<const T>, \
                                                         TensorView<const T>, TensorView<const T>, int64_t,         \
-                                                        const LinformerOptions&);
+                                                        const LinformerOptions&, bool);
 LINATTN_INSTANTIATE(float)
 LINATTN_INSTANTIATE(double)
 #undef LINATTN_INSTANTIATE
