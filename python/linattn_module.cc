@@ -401,20 +401,12 @@ py::tuple linformer_projections(int64_t s_proj, int64_t n_max, const py::typing:
 
 // ---- the state-level operations (linattn.torch.state) -----------------------------------------
 
-// The state operations' options, tensors and dtype (float32 or float64). Every tensor
+// A state-level operation's options, tensors and dtype (float32 or float64). Every tensor
 // argument may be None where optional.
-struct StateArgs {
-  StateArgs(const char* fn, const std::string& feature_map, const py::object& kernel, const py::object& scale,
-            double eps, double focus_power, const py::object& projection)
-      : fn(fn), inputs(fn) {
-    opts.feature_map = feature_map;
-    if (!kernel.is_none()) opts.kernel = kernel.cast<std::string>();
-    opts.scale = as_scale(fn, scale);
-    opts.eps = eps;
-    opts.focus_power = focus_power;
-    inputs.add("projection", projection);
-  }
-  StateArgs& add(const char* name, const py::object& obj) {
+template <class Options>
+struct FullPrecisionArgs {
+  explicit FullPrecisionArgs(const char* fn) : fn(fn), inputs(fn) {}
+  FullPrecisionArgs& add(const char* name, const py::object& obj) {
     inputs.add(name, obj);
     return *this;
   }
@@ -424,8 +416,22 @@ struct StateArgs {
     return dt;
   }
   const char* fn;
-  linattn::StateOptions opts;
+  Options opts;
   Inputs inputs;
+};
+
+// The kernelized state operations'.
+struct StateArgs : FullPrecisionArgs<linattn::StateOptions> {
+  StateArgs(const char* fn, const std::string& feature_map, const py::object& kernel, const py::object& scale,
+            double eps, double focus_power, const py::object& projection)
+      : FullPrecisionArgs(fn) {
+    opts.feature_map = feature_map;
+    if (!kernel.is_none()) opts.kernel = kernel.cast<std::string>();
+    opts.scale = as_scale(fn, scale);
+    opts.eps = eps;
+    opts.focus_power = focus_power;
+    inputs.add("projection", projection);
+  }
 };
 
 #define LINATTN_STATE_ARGS(fn_name)                                                                      \
@@ -535,23 +541,11 @@ py::tuple causal_from_state_backward_py(const py::object& q, const py::object& k
 
 // Efficient Attention's state-level operations (efficient.h) and Linformer's projection of a
 // block (linformer.h): scale and key_lengths as their methods take them.
-struct BlockStateArgs {
-  BlockStateArgs(const char* fn, const py::object& scale, const py::object& key_lengths) : fn(fn), inputs(fn) {
+struct BlockStateArgs : FullPrecisionArgs<linattn::EfficientAttentionOptions> {
+  BlockStateArgs(const char* fn, const py::object& scale, const py::object& key_lengths) : FullPrecisionArgs(fn) {
     opts.scale = as_scale(fn, scale);
     opts.key_lengths = as_lengths(fn, key_lengths);
   }
-  BlockStateArgs& add(const char* name, const py::object& obj) {
-    inputs.add(name, obj);
-    return *this;
-  }
-  DType dtype() const {
-    const DType dt = inputs.dtype();
-    full_precision_only(fn, "the inputs", dt);
-    return dt;
-  }
-  const char* fn;
-  linattn::EfficientAttentionOptions opts;
-  Inputs inputs;
 };
 
 py::array efficient_key_state_py(const py::object& k, const py::object& v, const py::object& key_lengths,

@@ -437,6 +437,20 @@ TEST(KernelizedBf16, OutOfRangeValuesAndTheConvolutionWiden) {
                    "out with bfloat16 products");
 }
 
+// bfloat16 products for FAVOR's trig kernel are refused, on the widened path and on the storage
+// path alike (its signed features would let the operands' rounding outgrow the denominator).
+TEST(KernelizedBf16, TrigRefusesBfloat16Products) {
+  if (!bfloat16_products_usable()) GTEST_SKIP() << "no AVX512-BF16 here";
+  const Tensor<double> x = random_tensor<double>({1, 2, 9, 4}, 1), w = random_features<double>(8, 4, FeatureKind::Orthogonal, 5);
+  const Tensor<float> x32 = cast<float>(x), w32 = cast<float>(w);
+  const Tensor<bfloat16> xb = testing::narrowed<bfloat16>(x);
+  FavorOptions o;
+  o.kernel = "trig";
+  const char* want = "favor_attention: bfloat16 products are not for the trig kernel (its features are signed)";
+  EXPECT_THAT(error_of([&] { kernelized::favor_forward(Products::Bfloat16, x32, x32, x32, w32, o); }), HasSubstr(want));
+  EXPECT_THAT(error_of([&] { kernelized::favor_forward_bf16(Products::Bfloat16, xb, xb, xb, w32, o); }), HasSubstr(want));
+}
+
 // Bad bfloat16 input to the storage path: an error naming the argument, as for float32.
 TEST(KernelizedBf16, BadInputIsAnErrorNamingIt) {
   const KernelizedSpec spec = spec_for("elu", Mask::None, 1, 9);

@@ -50,6 +50,15 @@ def _blockwise(name, q, k, v, causal, lengths, cuts):
     return torch.cat(outs, 2)
 
 
+def _expect_same_gradients(got, want, xs, ys, labels):
+    """The gradients of Σ g∘got in xs against those of Σ g∘want in ys, g random (float64: to 1e-10)."""
+    g = torch.randn_like(want)
+    (got * g).sum().backward()
+    (want * g).sum().backward()
+    for a, b, label in zip(xs, ys, labels):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-10, msg=lambda m: "d%s: %s" % (label, m))
+
+
 @pytest.mark.parametrize("name", MAPS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_blocks_equal_the_whole_sequence(name, causal):
@@ -64,11 +73,7 @@ def test_blocks_equal_the_whole_sequence(name, causal):
     got = _blockwise(name, *xs, causal, lengths, cuts)
     want = _whole(name, *ys, causal, lengths)
     torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11)
-    g = torch.randn_like(want)
-    (got * g).sum().backward()
-    (want * g).sum().backward()
-    for a, b, label in zip(xs, ys, "qkv"):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-10, msg=lambda m: "d%s: %s" % (label, m))
+    _expect_same_gradients(got, want, xs, ys, "qkv")
 
 
 @pytest.mark.parametrize("name", MAPS)
@@ -158,11 +163,7 @@ def test_efficient_blocks_equal_the_whole_sequence(lengths):
     got = _efficient_blockwise(*xs, lengths, cuts, 0.6)
     want = lt.efficient_attention(*ys, key_lengths=lengths, scale=0.6)
     torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11)
-    g = torch.randn_like(want)
-    (got * g).sum().backward()
-    (want * g).sum().backward()
-    for a, b, label in zip(xs, ys, "qkv"):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-10, msg=lambda m: "d%s: %s" % (label, m))
+    _expect_same_gradients(got, want, xs, ys, "qkv")
 
 
 def test_efficient_gradcheck():
@@ -213,11 +214,7 @@ def test_linformer_blocks_equal_the_whole_sequence(per_head):
     got = lt.softmax_attention(qa, projected[..., :4].contiguous(), projected[..., 4:].contiguous(), scale=0.5)
     want = lt.linformer_attention(*ys, key_lengths=lengths, scale=0.5)
     torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11)
-    g = torch.randn_like(want)
-    (got * g).sum().backward()
-    (want * g).sum().backward()
-    for a, b, label in zip(xs, ys, ["q", "k", "v", "e", "f"]):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-10, msg=lambda m: "d%s: %s" % (label, m))
+    _expect_same_gradients(got, want, xs, ys, ["q", "k", "v", "e", "f"])
 
 
 def test_linformer_gradcheck_and_bad_input():

@@ -97,6 +97,14 @@ struct WrittenFinite {
   }
 };
 
+// Whether every worker's WrittenFinite (a PerWorker<WrittenFinite>) saw only finite values.
+template <class Workers>
+bool all_written_finite(Workers& written) {
+  for (int w = 0; w < written.size(); ++w)
+    if (!written[w].ok) return false;
+  return true;
+}
+
 // After a backward computed from v·2^−v_exp and dout·2^−dout_exp (ValueScale): dq, dk and the
 // parameter gradients are linear in v and in dout, dv in dout alone; then every gradient is
 // checked to be finite (unless `checked` says so and it was not rescaled).

@@ -134,8 +134,7 @@ AttentionGrads<T> efficient_attention_backward(TensorView<const T> q, TensorView
     finite.check(dk, L * hd);
     finite.check(g.dv.view().row(bh, 0), L * dv);
   });
-  bool all = true;
-  for (int w = 0; w < written.size(); ++w) all = all && written[w].ok;
+  const bool all = all_written_finite(written);
   restore_gradients(fn, g, vs.exponent(), gs.exponent(), {all, all, all});
   return g;
 }

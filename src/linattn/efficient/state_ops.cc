@@ -133,9 +133,8 @@ Tensor<T> efficient_key_state(TensorView<const T> k, TensorView<const T> v, cons
     matmul<T>(mat(st, hd, dv, row), mat(b.e.data(), L, hd).t(), mat(v.row(bh, 0), L, dv));
     for (int64_t r = 0; r < hd; ++r) written[worker].check(st + r * row, dv + 1);  // S and z (c may be −inf)
   });
-  for (int w = 0; w < written.size(); ++w)
-    require(written[w].ok, fn, ": the state overflows ", dtype_name<T>(),
-            ": the inputs are finite but too large for this dtype; scale them down or use float64");
+  require(all_written_finite(written), fn, ": the state overflows ", dtype_name<T>(),
+          ": the inputs are finite but too large for this dtype; scale them down or use float64");
   return state;
 }
 
@@ -178,9 +177,7 @@ StateGrads<T> efficient_key_state_backward(TensorView<const T> k, TensorView<con
     written[worker].check(dk, L * hd);
     written[worker].check(dvo, L * dv);
   });
-  bool finite = true;
-  for (int w = 0; w < written.size(); ++w) finite = finite && written[w].ok;
-  if (!finite) {
+  if (!all_written_finite(written)) {
     check_result_finite(fn, "dk", g.dk);
     check_result_finite(fn, "dv", g.dv);
   }
@@ -254,9 +251,7 @@ StateGrads<T> efficient_apply_state_backward(TensorView<const T> q, TensorView<c
     }
     written[worker].check(gs, hd * row);
   });
-  bool finite = true;
-  for (int w = 0; w < written.size(); ++w) finite = finite && written[w].ok;
-  if (!finite) {
+  if (!all_written_finite(written)) {
     check_result_finite(fn, "dq", g.dq);
     check_result_finite(fn, "dstate", g.dstate);
   }

@@ -56,10 +56,15 @@ FeatureMap<T> plain_map(const char* fn, const LinearAttentionOptions& o, const A
   return FeatureMap<T>::plain(fn, kind, d.head_dim, o.focus_power);
 }
 
+// FAVOR's map, refusing bfloat16 products for the trig kernel, whose signed features would let
+// the operands' rounding errors outgrow the denominator.
 template <class T>
-FeatureMap<T> favor_map(const char* fn, const FavorOptions& o, const AttentionDims& d,
-                        TensorView<const T> projection) {
-  return FeatureMap<T>::favor(fn, parse_favor_kernel(fn, o.kernel), projection, d.head_dim, o.scale);
+FeatureMap<T> favor_map(const char* fn, const FavorOptions& o, const AttentionDims& d, TensorView<const T> projection,
+                        Products products = Products::Native) {
+  FeatureMap<T> map = FeatureMap<T>::favor(fn, parse_favor_kernel(fn, o.kernel), projection, d.head_dim, o.scale);
+  require(products == Products::Native || !map.has_factor(), fn,
+          ": bfloat16 products are not for the trig kernel (its features are signed)");
+  return map;
 }
 
 // The saved tensors a backward was given: out [B,H,n_q,d_v] and den [B,H,n_q] finite, state
@@ -170,13 +175,10 @@ struct FavorSetup {
   FavorSetup(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
              TensorView<const T> projection, const FavorOptions& opts, Products products = Products::Native)
       : d(check_common(fn, q, k, v, opts)),
-        fmap(favor_map(fn, opts, d, projection)),
+        fmap(favor_map(fn, opts, d, projection, products)),
         vs(v, d.v_max),
         mask(d, opts),
-        problem{fn, q, k, vs.view(), d, &mask, &fmap, T(0), products} {
-    require(products == Products::Native || !fmap.has_factor(), fn,
-            ": bfloat16 products are not for the trig kernel (its features are signed)");
-  }
+        problem{fn, q, k, vs.view(), d, &mask, &fmap, T(0), products} {}
   AttentionDims d;
   FeatureMap<T> fmap;
   ValueScale<T> vs;
@@ -335,9 +337,7 @@ auto with_favor_problem(const char* fn, Products products, TensorView<const bflo
     -> std::optional<typename decltype(run(std::declval<const kernelized::Problem<float, bfloat16>&>()))::value_type> {
   const AttentionDims d = check_common(fn, q, k, v, opts);
   if (d.v_max > kUnscaledMax) return std::nullopt;
-  const Bf16Problem b(fn, d, q, k, v, opts, favor_map(fn, opts, d, projection), 0.0f, products);
-  require(products == Products::Native || !b.fmap.has_factor(), fn,
-          ": bfloat16 products are not for the trig kernel (its features are signed)");
+  const Bf16Problem b(fn, d, q, k, v, opts, favor_map(fn, opts, d, projection, products), 0.0f, products);
   return run(b.problem);
 }
 

@@ -151,24 +151,8 @@ AttentionGrads<T> linformer_attention_backward(TensorView<const T> q, TensorView
     matmul<T>(mat(g.dv.view().row(bh, 0), L, dv), mat(f.data + s.offset(h), sp, L, s.n_max).t(),
               mat(dv_p, sp, dv));
   });
-  // dE[:, j] = Σ_{b,h sharing E} dK'_bh K_bh[j]ᵀ over j < L_b; tasks own column blocks of one matrix.
-  constexpr int64_t kCols = linformer::kColBlock;
-  const int64_t col_blocks = (d.n_k + kCols - 1) / kCols, mats = s.per_head ? d.heads : 1;
-  parallel_for(mats * col_blocks, [&](int64_t task) {
-    const int64_t which = task / col_blocks, j0 = (task % col_blocks) * kCols;
-    for (int64_t bh = 0; bh < d.bh(); ++bh) {
-      const int64_t h = bh % d.heads;
-      if (s.per_head && h != which) continue;
-      const int64_t j1 = std::min(j0 + kCols, mask.key_length(bh / d.heads));
-      if (j1 <= j0) continue;
-      matmul<T>(mat(de.data() + s.offset(h) + j0, sp, j1 - j0, s.n_max),
-                mat(dkp.data() + bh * sp * hd, sp, hd), mat(k.row(bh, j0), j1 - j0, hd).t(), T(1),
-                T(1));
-      matmul<T>(mat(df.data() + s.offset(h) + j0, sp, j1 - j0, s.n_max),
-                mat(dvp.data() + bh * sp * dv, sp, dv), mat(v.row(bh, j0), j1 - j0, dv).t(), T(1),
-                T(1));
-    }
-  });
+  linformer::add_projection_grads(s, mask, k, v, dkp.data(), sp * hd, hd, dvp.data(), sp * dv, dv, 0, de.data(),
+                                  df.data());
   restore_gradients(fn, g, vs.exponent(), gs.exponent());
   return g;
 }

@@ -85,23 +85,8 @@ AttentionGrads<T> linformer_project_backward(TensorView<const T> k, TensorView<c
   g.params.emplace_back("f", Tensor<T>(f.shape));
   Tensor<T>& de = g.params[0].second;
   Tensor<T>& df = g.params[1].second;
-  constexpr int64_t kCols = linformer::kColBlock;
-  const int64_t col_blocks = (d.n_k + kCols - 1) / kCols, mats = s.per_head ? d.heads : 1;
-  parallel_for(mats * col_blocks, [&](int64_t task) {
-    const int64_t which = task / col_blocks, j0 = (task % col_blocks) * kCols;
-    for (int64_t bh = 0; bh < d.bh(); ++bh) {
-      const int64_t h = bh % d.heads;
-      if (s.per_head && h != which) continue;
-      const int64_t j1 = std::min(j0 + kCols, mask.key_length(bh / d.heads));
-      if (j1 <= j0) continue;
-      const T* gp = dprojected.data + bh * sp * row;
-      const int64_t at = s.offset(h) + offset + j0;
-      matmul<T>(mat(de.data() + at, sp, j1 - j0, s.n_max), mat(gp, sp, hd, row), mat(k.row(bh, j0), j1 - j0, hd).t(),
-                T(1), T(1));
-      matmul<T>(mat(df.data() + at, sp, j1 - j0, s.n_max), mat(gp + hd, sp, dv, row), mat(v.row(bh, j0), j1 - j0, dv).t(),
-                T(1), T(1));
-    }
-  });
+  linformer::add_projection_grads(s, mask, k, v, dprojected.data, sp * row, row, dprojected.data + hd, sp * row, row,
+                                  offset, de.data(), df.data());
   check_result_finite(fn, "the gradient of e", de);
   check_result_finite(fn, "the gradient of f", df);
   return g;

@@ -11,11 +11,9 @@ Linformer:  K' = Σ_j E[:, j] k_jᵀ, V' = Σ_j F[:, j] v_jᵀ over the valid ke
             uses its own columns of E and F: the C++ linformer_project), then linattn's exact
             softmax attention of the queries over the s projected keys."""
 
-import torch
-
 from .. import softmax_attention
 from .. import state as _state
-from ._kernelized import _all_reduce_state, local_lengths
+from ._kernelized import local_lengths, total_state
 
 
 def efficient(g, segs, q, k, v, lengths, scale):
@@ -24,8 +22,7 @@ def efficient(g, segs, q, k, v, lengths, scale):
     segments and over ranks as the shifts require, then the queries against it."""
     states = [_state.efficient_key_state(s.rows(k), s.rows(v), scale=scale, key_lengths=local_lengths(lengths, s))
               for s in segs[g.rank]]
-    mine = states[0] if len(states) == 1 else _state._sum_states(torch.stack(states))
-    return _state.efficient_apply_state(q, _all_reduce_state(g, mine, True), scale=scale)
+    return _state.efficient_apply_state(q, total_state(g, states, True), scale=scale)
 
 
 def linformer(g, segs, q, k, v, e, f, lengths, scale):

@@ -206,6 +206,13 @@ def _all_reduce_state(g, st, favor):
     return torch.cat([g.all_reduce_sum(st[..., :-1]), st[..., -1:]], -1)
 
 
+def total_state(g, states, favor):
+    """The sum of this rank's segment states (a list of [B,H,m',d_v+2]) over its segments and
+    over ranks; favor: the states have shifts to reconcile (FAVOR's, Efficient Attention's)."""
+    mine = states[0] if len(states) == 1 else _state._sum_states(torch.stack(states))
+    return _all_reduce_state(g, mine, favor)
+
+
 def _feature_dim(head_dim, opts):
     """m', the feature count of a state: head_dim for the plain maps (and the given features'
     count for "identity", their last dim); FAVOR's as the library's registry counts it."""
@@ -239,9 +246,7 @@ def attention(g, segs, q, k, v, lengths, causal, opts):
     if not causal:
         states = [_state.key_state(s.rows(k), s.rows(v), key_lengths=local_lengths(lengths, s), **opts)
                   for s in mine]  # [B, H, m', d_v+2] per segment
-        mine_total = states[0] if len(states) == 1 else _state._sum_states(torch.stack(states))
-        total = _all_reduce_state(g, mine_total, favor)
-        return _state.apply_state(q, total, **opts)
+        return _state.apply_state(q, total_state(g, states, favor), **opts)
     # Causal: each segment's state, for the segments after it. The sequence's last segment has
     # none after it: the empty state stands in, without a pass over its keys (_EmptyState).
     n_total = max(s.stop for rank_segs in segs for s in rank_segs)
