@@ -12,6 +12,7 @@
 
 #include "kernelized_bounds.h"
 #include "linattn/random_features.h"
+#include "linattn/kernelized/args.h"
 #include "linattn/kernelized/engine.h"
 #include "linattn/kernelized/products_calls.h"
 #include "linattn/kernelized.h"
@@ -162,110 +163,6 @@ INSTANTIATE_TEST_SUITE_P(
                                          Size{300, 300, 16, 16})),
     kernelized_name);
 
-// bfloat16 calls with bfloat16 products (AVX512-BF16): the registry's bfloat16 favor_attention,
-// against the float64 reference on the same bfloat16 values, within the float32 bound plus the
-// operand roundings (kernelized_bounds.h, bf16_products) plus the result's own rounding to
-// bfloat16 (u_b·(|ref| + bound)). The positive and hyperbolic kernels, every mask,
-// sizes inside one causal chunk, across chunks and across 300 rows, at 1 and 5 threads (batch·heads
-// 6), with and without the forward's saved tensors (whose out is the rounded bfloat16 one). Every
-// product call of the engine and the feature maps runs here: the plain maps share them all
-// (they differ in the element-wise feature functions only), and their bfloat16 calls widen.
-TEST(KernelizedBf16Products, MatchTheBoundAgainstFloat64) {
-  if (!bfloat16_products_usable()) GTEST_SKIP() << "no AVX512-BF16 here";
-  const double ub = std::ldexp(1.0, -8);
-  auto rounded = [](Tensor<double> x) {
-    for (int64_t i = 0; i < x.size(); ++i) x[i] = to_float(to_bfloat16(static_cast<float>(x[i])));
-    return x;
-  };
-  auto to_bf16 = [](const Tensor<double>& x) { return testing::narrowed<bfloat16>(x); };
-  auto check_within = [&](const Tensor<bfloat16>& got, const Tensor<double>& want, const Tensor<double>& bound32,
-                          const char* what) {
-    Tensor<double> bound(bound32.shape());
-    for (int64_t i = 0; i < bound.size(); ++i) bound[i] = bound32[i] + ub * (std::abs(want[i]) + bound32[i]);
-    expect_within(widen(TensorView<const bfloat16>(got.view())), want, bound, what);
-  };
-  for (const char* map : {"positive", "hyperbolic"})
-    for (Mask mask : {Mask::None, Mask::Causal, Mask::KeyLengths, Mask::CausalKeyLengths})
-      for (const Size z : {Size{7, 7, 16, 8}, Size{2 * kernelized::kChunk + 2, 2 * kernelized::kChunk + 2, 32, 24},
-                           Size{300, 300, 16, 16}}) {
-        const int64_t B = 3, H = 2;
-        const KernelizedSpec spec = spec_for(map, mask, B, z.n_k);
-        const uint64_t seed = 40 + z.n_q;
-        const auto q = rounded(given_features(map, random_tensor<double>({B, H, z.n_q, z.d}, seed)));
-        const auto k = rounded(given_features(map, random_tensor<double>({B, H, z.n_k, z.d}, seed + 1)));
-        const auto v = rounded(random_tensor<double>({B, H, z.n_k, z.dv}, seed + 2));
-        const auto dout = rounded(random_tensor<double>({B, H, z.n_q, z.dv}, seed + 3));
-        const auto w = rounded(random_features<double>(24, z.d, FeatureKind::Orthogonal, seed + 4));
-        const auto exact = testing::kernelized_exact_with_bounds<float>(q, k, v, dout, &w, spec, true);
-        MethodArgs<bfloat16> a;
-        const Tensor<bfloat16> qb = to_bf16(q), kb = to_bf16(k), vb = to_bf16(v), gb = to_bf16(dout), wb = to_bf16(w);
-        a.q = qb, a.k = kb, a.v = vb;
-        a.options["causal"] = spec.causal;
-        if (spec.key_lengths) a.options["key_lengths"] = *spec.key_lengths;
-        a.options["kernel"] = spec.map;
-        a.tensors["projection"] = wb;
-        const MethodInfo& m = method("favor");
-        for (int threads : {1, 5}) {
-          SCOPED_TRACE(::testing::Message() << map << " " << kMaskNames[int(mask)] << " n=" << z.n_q << " threads=" << threads);
-          ScopedThreads scope(threads);
-          ASSERT_TRUE(m.bf16_kernel(a).has_value());
-          const MethodOutput<bfloat16> f = m.bf16.forward(a);
-          check_within(f.out, exact.out, exact.out_bound, "out");
-          const AttentionGrads<bfloat16> g = m.bf16.backward(a, gb, {});
-          check_within(g.dq, exact.dq, exact.dq_bound, "dq");
-          check_within(g.dk, exact.dk, exact.dk_bound, "dk");
-          check_within(g.dv, exact.dv, exact.dv_bound, "dv");
-          const Tensor<float> out_wide = widen(TensorView<const bfloat16>(f.out.view()));
-          SavedViews<bfloat16> saved{{"out", out_wide.view()}};
-          for (const auto& [name, t] : f.saved) saved[name] = t.view();
-          const AttentionGrads<bfloat16> gs = m.bf16.backward(a, gb, saved);
-          check_within(gs.dq, exact.dq, exact.dq_bound, "dq from saved");
-          check_within(gs.dk, exact.dk, exact.dk_bound, "dk from saved");
-          check_within(gs.dv, exact.dv, exact.dv_bound, "dv from saved");
-        }
-      }
-}
-
-// Thread counts below and above batch·heads (1 to 3): the bfloat16-product calls give bitwise the
-// same output and gradients at 1, 3, 8 and 16 threads (each batch·head is one worker's, and its
-// products' copies are that worker's own).
-TEST(KernelizedBf16Products, ThreadCountsGiveTheSameBits) {
-  if (!bfloat16_products_usable()) GTEST_SKIP() << "no AVX512-BF16 here";
-  for (const int64_t heads : {1, 2, 3})
-    for (const bool causal : {false, true}) {
-      const Tensor<bfloat16> q = testing::narrowed<bfloat16>(random_tensor<double>({1, heads, 70, 16}, 1)),
-                             k = testing::narrowed<bfloat16>(random_tensor<double>({1, heads, 70, 16}, 2)),
-                             v = testing::narrowed<bfloat16>(random_tensor<double>({1, heads, 70, 8}, 3)),
-                             dout = testing::narrowed<bfloat16>(random_tensor<double>({1, heads, 70, 8}, 4)),
-                             w = testing::narrowed<bfloat16>(random_features<double>(40, 16, FeatureKind::Orthogonal, 5));
-      MethodArgs<bfloat16> a;
-      a.q = q, a.k = k, a.v = v;
-      a.options["causal"] = causal;
-      a.tensors["projection"] = w;
-      const MethodInfo& m = method("favor");
-      auto same_bits = [](const Tensor<bfloat16>& got, const Tensor<bfloat16>& want, const char* what) {
-        ASSERT_EQ(got.shape(), want.shape()) << what;
-        for (int64_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i].bits, want[i].bits) << what << ": element " << i;
-      };
-      std::optional<MethodOutput<bfloat16>> f1;
-      std::optional<AttentionGrads<bfloat16>> g1;
-      for (int threads : {1, 3, 8, 16}) {
-        SCOPED_TRACE(::testing::Message() << "heads=" << heads << " causal=" << causal << " threads=" << threads);
-        ScopedThreads scope(threads);
-        MethodOutput<bfloat16> f = m.bf16.forward(a);
-        AttentionGrads<bfloat16> g = m.bf16.backward(a, dout, {});
-        if (!f1) {
-          f1 = std::move(f), g1 = std::move(g);
-          continue;
-        }
-        same_bits(f.out, f1->out, "out");
-        same_bits(g.dq, g1->dq, "dq");
-        same_bits(g.dk, g1->dk, "dk");
-        same_bits(g.dv, g1->dv, "dv");
-      }
-    }
-}
-
 void expect_same_bits(const Tensor<bfloat16>& got, const Tensor<bfloat16>& want, const char* what) {
   ASSERT_EQ(got.shape(), want.shape()) << what;
   for (int64_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i].bits, want[i].bits) << what << ": element " << i;
@@ -310,23 +207,158 @@ MethodArgs<float> widened_args(const MethodArgs<bfloat16>& a, std::vector<Tensor
   return w;
 }
 
-// bfloat16 calls that keep float32 products (every plain map; FAVOR's trig kernel, whose signed
-// features would let the operands' rounding errors outgrow the denominator; every FAVOR kernel
-// on a CPU without AVX512-BF16) run the float32 engine on the bfloat16 storage, widening and
-// rounding a block at a time. That is the widened float32 call's arithmetic, so the results
-// must be its bits once rounded: forward (and the saved den and state), backward with and
-// without the saved tensors, every mask, sizes inside one causal chunk, across chunks and
-// across a key block (1100 rows), at 1 and 5 threads (batch·heads 6).
-TEST(KernelizedBf16, StorageCallsGiveTheWidenedCallsBits) {
-  struct Case {
-    const char* method;
-    const char* map;
+// The products a bfloat16 call of the registry takes (register.cc): bfloat16 on AVX512-BF16,
+// except for FAVOR's trig kernel.
+Products registry_products(const std::string& map) {
+  return bfloat16_products_usable() && map != "trig" ? Products::Bfloat16 : Products::Native;
+}
+
+// The float32 call on widened arguments a32 (widened_args) with the given products: the
+// arithmetic a bfloat16 call of the registry must reproduce, rounded.
+MethodOutput<float> widened_forward(const std::string& method_name, Products products, const MethodArgs<float>& a32) {
+  KernelizedAttentionResult<float> r;
+  if (method_name == "favor") {
+    const auto c = kernelized::favor_call(a32);
+    r = kernelized::favor_forward(products, a32.q, a32.k, a32.v, c.projection, c.opts);
+  } else {
+    const auto c = kernelized::linear_call(a32);
+    r = kernelized::linear_forward(products, a32.q, a32.k, a32.v, c.opts, c.dwc_weight);
+  }
+  MethodOutput<float> out{std::move(r.out), {}};
+  out.saved.emplace_back("den", std::move(r.den));
+  out.saved.emplace_back("state", std::move(r.state));
+  return out;
+}
+
+AttentionGrads<float> widened_backward(const std::string& method_name, Products products, const MethodArgs<float>& a32,
+                                       TensorView<const float> dout, const SavedViews<float>& saved) {
+  std::optional<kernelized::SavedResults<float>> s;
+  if (!saved.empty()) s = kernelized::SavedResults<float>{saved.at("out"), saved.at("den"), saved.at("state")};
+  if (method_name == "favor") {
+    const auto c = kernelized::favor_call(a32);
+    return kernelized::favor_backward(products, a32.q, a32.k, a32.v, c.projection, dout, s, c.opts);
+  }
+  const auto c = kernelized::linear_call(a32);
+  return kernelized::linear_backward(products, a32.q, a32.k, a32.v, dout, s, c.opts, c.dwc_weight);
+}
+
+// linear_attention's maps and FAVOR's kernels with bfloat16 products (its trig kernel keeps float32's).
+struct Bf16ProductCase {
+  const char* method;
+  const char* map;
+};
+constexpr Bf16ProductCase kBf16ProductCases[] = {{"linear", "elu"},     {"linear", "relu"},      {"linear", "focused"},
+                                                 {"linear", "identity"}, {"favor", "positive"}, {"favor", "hyperbolic"}};
+
+// bfloat16 calls with bfloat16 products (AVX512-BF16): the registry's bfloat16 linear_attention
+// (every map) and favor_attention (positive, hyperbolic), against the float64 reference on the
+// same bfloat16 values, within the float32 bound plus the operand roundings (kernelized_bounds.h,
+// bf16_products) plus the result's own rounding to bfloat16 (u_b·(|ref| + bound)). Every mask,
+// sizes inside one causal chunk, across chunks and across 300 rows, at 1 and 5 threads
+// (batch·heads 6), with and without the forward's saved tensors (whose out is the rounded
+// bfloat16 one). Every product call of the engine and the feature maps runs here.
+TEST(KernelizedBf16Products, MatchTheBoundAgainstFloat64) {
+  if (!bfloat16_products_usable()) GTEST_SKIP() << "no AVX512-BF16 here";
+  const double ub = std::ldexp(1.0, -8);
+  auto rounded = [](Tensor<double> x) {
+    for (int64_t i = 0; i < x.size(); ++i) x[i] = to_float(to_bfloat16(static_cast<float>(x[i])));
+    return x;
   };
-  std::vector<Case> cases = {{"linear", "elu"}, {"linear", "relu"}, {"linear", "focused"}, {"linear", "identity"},
-                             {"favor", "trig"}};
-  if (!bfloat16_products_usable()) cases.insert(cases.end(), {{"favor", "positive"}, {"favor", "hyperbolic"}});
+  auto to_bf16 = [](const Tensor<double>& x) { return testing::narrowed<bfloat16>(x); };
+  auto check_within = [&](const Tensor<bfloat16>& got, const Tensor<double>& want, const Tensor<double>& bound32,
+                          const char* what) {
+    Tensor<double> bound(bound32.shape());
+    for (int64_t i = 0; i < bound.size(); ++i) bound[i] = bound32[i] + ub * (std::abs(want[i]) + bound32[i]);
+    expect_within(widen(TensorView<const bfloat16>(got.view())), want, bound, what);
+  };
+  for (const Bf16ProductCase c : kBf16ProductCases)
+    for (Mask mask : {Mask::None, Mask::Causal, Mask::KeyLengths, Mask::CausalKeyLengths})
+      for (const Size z : {Size{7, 7, 16, 8}, Size{2 * kernelized::kChunk + 2, 2 * kernelized::kChunk + 2, 32, 24},
+                           Size{300, 300, 16, 16}}) {
+        const int64_t B = 3, H = 2;
+        const KernelizedSpec spec = spec_for(c.map, mask, B, z.n_k);
+        const uint64_t seed = 40 + z.n_q;
+        const auto q = rounded(given_features(c.map, random_tensor<double>({B, H, z.n_q, z.d}, seed)));
+        const auto k = rounded(given_features(c.map, random_tensor<double>({B, H, z.n_k, z.d}, seed + 1)));
+        const auto v = rounded(random_tensor<double>({B, H, z.n_k, z.dv}, seed + 2));
+        const auto dout = rounded(random_tensor<double>({B, H, z.n_q, z.dv}, seed + 3));
+        const auto w = rounded(random_features<double>(24, z.d, FeatureKind::Orthogonal, seed + 4));
+        const auto exact = testing::kernelized_exact_with_bounds<float>(q, k, v, dout, &w, spec, true);
+        const Tensor<bfloat16> qb = to_bf16(q), kb = to_bf16(k), vb = to_bf16(v), gb = to_bf16(dout), wb = to_bf16(w);
+        const MethodArgs<bfloat16> a = bf16_args(c.method, spec, qb, kb, vb, &wb);
+        const MethodInfo& m = method(c.method);
+        for (int threads : {1, 5}) {
+          SCOPED_TRACE(::testing::Message() << c.method << " " << c.map << " " << kMaskNames[int(mask)]
+                                            << " n=" << z.n_q << " threads=" << threads);
+          ScopedThreads scope(threads);
+          ASSERT_TRUE(m.bf16_kernel(a).has_value());
+          const MethodOutput<bfloat16> f = m.bf16.forward(a);
+          check_within(f.out, exact.out, exact.out_bound, "out");
+          const AttentionGrads<bfloat16> g = m.bf16.backward(a, gb, {});
+          check_within(g.dq, exact.dq, exact.dq_bound, "dq");
+          check_within(g.dk, exact.dk, exact.dk_bound, "dk");
+          check_within(g.dv, exact.dv, exact.dv_bound, "dv");
+          const Tensor<float> out_wide = widen(TensorView<const bfloat16>(f.out.view()));
+          SavedViews<bfloat16> saved{{"out", out_wide.view()}};
+          for (const auto& [name, t] : f.saved) saved[name] = t.view();
+          const AttentionGrads<bfloat16> gs = m.bf16.backward(a, gb, saved);
+          check_within(gs.dq, exact.dq, exact.dq_bound, "dq from saved");
+          check_within(gs.dk, exact.dk, exact.dk_bound, "dk from saved");
+          check_within(gs.dv, exact.dv, exact.dv_bound, "dv from saved");
+        }
+      }
+}
+
+// Thread counts below and above batch·heads (1 to 3): the bfloat16-product calls give bitwise the
+// same output and gradients at 1, 3, 8 and 16 threads (each batch·head is one worker's, and its
+// products' copies are that worker's own).
+TEST(KernelizedBf16Products, ThreadCountsGiveTheSameBits) {
+  if (!bfloat16_products_usable()) GTEST_SKIP() << "no AVX512-BF16 here";
+  for (const char* method_name : {"linear", "favor"})
+    for (const int64_t heads : {1, 2, 3})
+      for (const bool causal : {false, true}) {
+        const Tensor<bfloat16> q = testing::narrowed<bfloat16>(random_tensor<double>({1, heads, 70, 16}, 1)),
+                               k = testing::narrowed<bfloat16>(random_tensor<double>({1, heads, 70, 16}, 2)),
+                               v = testing::narrowed<bfloat16>(random_tensor<double>({1, heads, 70, 8}, 3)),
+                               dout = testing::narrowed<bfloat16>(random_tensor<double>({1, heads, 70, 8}, 4)),
+                               w = testing::narrowed<bfloat16>(random_features<double>(40, 16, FeatureKind::Orthogonal, 5));
+        KernelizedSpec spec;
+        spec.map = std::string(method_name) == "favor" ? "positive" : "elu";
+        spec.causal = causal;
+        const MethodArgs<bfloat16> a = bf16_args(method_name, spec, q, k, v, &w);
+        const MethodInfo& m = method(method_name);
+        std::optional<MethodOutput<bfloat16>> f1;
+        std::optional<AttentionGrads<bfloat16>> g1;
+        for (int threads : {1, 3, 8, 16}) {
+          SCOPED_TRACE(::testing::Message() << method_name << " heads=" << heads << " causal=" << causal
+                                            << " threads=" << threads);
+          ScopedThreads scope(threads);
+          MethodOutput<bfloat16> f = m.bf16.forward(a);
+          AttentionGrads<bfloat16> g = m.bf16.backward(a, dout, {});
+          if (!f1) {
+            f1 = std::move(f), g1 = std::move(g);
+            continue;
+          }
+          expect_same_bits(f.out, f1->out, "out");
+          expect_same_bits(g.dq, g1->dq, "dq");
+          expect_same_bits(g.dk, g1->dk, "dk");
+          expect_same_bits(g.dv, g1->dv, "dv");
+        }
+      }
+}
+
+// bfloat16 calls run the float32 engine on the bfloat16 storage, widening and rounding a block
+// at a time, with the products the registry picks (bfloat16 on AVX512-BF16 except for FAVOR's
+// trig kernel, float32 otherwise). That is the arithmetic of the widened float32 call with the
+// same products, so the results must be its bits once rounded: forward (and the saved den and
+// state), backward with and without the saved tensors, every map, every mask, sizes inside one
+// causal chunk, across chunks and across a key block (1100 rows), at 1 and 5 threads
+// (batch·heads 6).
+TEST(KernelizedBf16, StorageCallsGiveTheWidenedCallsBits) {
+  std::vector<Bf16ProductCase> cases(std::begin(kBf16ProductCases), std::end(kBf16ProductCases));
+  cases.push_back({"favor", "trig"});
   const int64_t block = kernelized::kBlockRows + 76, chunks = 2 * kernelized::kChunk + 2;
-  for (const Case c : cases)
+  for (const Bf16ProductCase c : cases)
     for (Mask mask : {Mask::None, Mask::Causal, Mask::KeyLengths, Mask::CausalKeyLengths})
       for (const Size z : {Size{7, 7, 8, 24}, Size{chunks, chunks, 32, 24}, Size{block, block, 16, 12}}) {
         const int64_t B = 3, H = 2;
@@ -343,14 +375,15 @@ TEST(KernelizedBf16, StorageCallsGiveTheWidenedCallsBits) {
         std::vector<Tensor<float>> storage;
         const MethodArgs<float> a32 = widened_args(a, storage);
         const Tensor<float> dout32 = widened(dout);
+        const Products products = registry_products(c.map);
         const MethodInfo& m = method(c.method);
-        const MethodOutput<float> f32 = m.f32.forward(a32);
+        const MethodOutput<float> f32 = widened_forward(c.method, products, a32);
         const Tensor<bfloat16> out_want = narrow<bfloat16>(f32.out, "out");
         const Tensor<float> out_saved = widened(out_want);  // what a caller saves: the rounded output
         SavedViews<float> saved32{{"out", out_saved.view()}};
         for (const auto& [name, t] : f32.saved) saved32[name] = t.view();
-        const AttentionGrads<float> g32 = m.f32.backward(a32, dout32.view(), {});
-        const AttentionGrads<float> gs32 = m.f32.backward(a32, dout32.view(), saved32);
+        const AttentionGrads<float> g32 = widened_backward(c.method, products, a32, dout32.view(), {});
+        const AttentionGrads<float> gs32 = widened_backward(c.method, products, a32, dout32.view(), saved32);
         for (int threads : {1, 5}) {
           SCOPED_TRACE(::testing::Message() << c.method << " " << c.map << " " << kMaskNames[int(mask)] << " n=" << z.n_q
                                             << " threads=" << threads);
@@ -376,13 +409,12 @@ TEST(KernelizedBf16, StorageCallsGiveTheWidenedCallsBits) {
       }
 }
 
-// Where the bfloat16 storage path does not apply, its functions give nothing and the registry's
-// bfloat16 call runs the widened float32 one, with the same results bit for bit: v beyond 2^64
-// (the float32 code rescales it first), dout beyond 2^64, and linear attention with a
-// dwc_weight (its convolution reads v in float32). FAVOR with bfloat16 products (positive
-// kernel, on AVX512-BF16) falls back to its own widened call with those products instead.
+// Where the bfloat16 storage path does not apply, a bfloat16 call runs the widened float32 one
+// with the same products (bfloat16 on AVX512-BF16 except for trig), with the same results bit
+// for bit: v beyond 2^64 (the float32 code rescales
+// it first), dout beyond 2^64, and linear attention with a dwc_weight (its convolution reads v
+// in float32).
 TEST(KernelizedBf16, OutOfRangeValuesAndTheConvolutionWiden) {
-  const KernelizedSpec spec = spec_for("elu", Mask::None, 1, 9);
   auto bf16 = [](const Tensor<double>& x) { return testing::narrowed<bfloat16>(x); };
   const Tensor<bfloat16> q = bf16(random_tensor<double>({1, 2, 9, 4}, 1)), k = bf16(random_tensor<double>({1, 2, 9, 4}, 2)),
                          v = bf16(random_tensor<double>({1, 2, 9, 3}, 3)), dout = bf16(random_tensor<double>({1, 2, 9, 3}, 4)),
@@ -390,51 +422,46 @@ TEST(KernelizedBf16, OutOfRangeValuesAndTheConvolutionWiden) {
   Tensor<bfloat16> big_v = bf16(random_tensor<double>({1, 2, 9, 3}, 3)), big_dout = bf16(random_tensor<double>({1, 2, 9, 3}, 4));
   big_v[5] = to_bfloat16(0x1p70f);
   big_dout[4] = to_bfloat16(-0x1p70f);
-  auto expect_widened = [&](const MethodInfo& m, const MethodArgs<bfloat16>& a, const Tensor<bfloat16>& g) {
+  auto expect_widened = [&](const char* name, const std::string& map, const MethodArgs<bfloat16>& a,
+                            const Tensor<bfloat16>& g) {
+    const MethodInfo& m = method(name);
     std::vector<Tensor<float>> storage;
     const MethodArgs<float> a32 = widened_args(a, storage);
     const Tensor<float> g32 = widened(g);
-    expect_same_bits(m.bf16.forward(a).out, narrow<bfloat16>(m.f32.forward(a32).out, "out"), "out");
+    const Products products = registry_products(map);
+    expect_same_bits(m.bf16.forward(a).out, narrow<bfloat16>(widened_forward(name, products, a32).out, "out"), "out");
     const AttentionGrads<bfloat16> got = m.bf16.backward(a, g, {});
-    const AttentionGrads<float> want = m.f32.backward(a32, g32.view(), {});
+    const AttentionGrads<float> want = widened_backward(name, products, a32, g32.view(), {});
     expect_same_bits(got.dq, narrow<bfloat16>(want.dq, "dq"), "dq");
     expect_same_bits(got.dk, narrow<bfloat16>(want.dk, "dk"), "dk");
     expect_same_bits(got.dv, narrow<bfloat16>(want.dv, "dv"), "dv");
+    ASSERT_EQ(got.params.size(), want.params.size());
+    for (size_t i = 0; i < got.params.size(); ++i)
+      expect_same_bits(got.params[i].second, narrow<bfloat16>(want.params[i].second, "param"), "param");
   };
-  for (const char* name : {"linear", "favor"}) {
-    SCOPED_TRACE(name);
-    const MethodInfo& m = method(name);
-    KernelizedSpec s = spec;
-    if (std::string(name) == "favor") s.map = "trig";
-    const MethodArgs<bfloat16> large_v = bf16_args(name, s, q, k, big_v, &w), in_range = bf16_args(name, s, q, k, v, &w);
-    EXPECT_FALSE(m.bf16_kernel(large_v).has_value());
-    EXPECT_FALSE(m.bf16_backward_kernel(large_v, dout, {}).has_value());
+  for (const Bf16ProductCase c : {Bf16ProductCase{"linear", "elu"}, Bf16ProductCase{"favor", "trig"},
+                                  Bf16ProductCase{"favor", "positive"}}) {
+    SCOPED_TRACE(::testing::Message() << c.method << " " << c.map);
+    const MethodInfo& m = method(c.method);
+    const KernelizedSpec s = spec_for(c.map, Mask::None, 1, 9);
+    const MethodArgs<bfloat16> large_v = bf16_args(c.method, s, q, k, big_v, &w), in_range = bf16_args(c.method, s, q, k, v, &w);
+    // With float32 products the registry widens (the kernels give nothing); with bfloat16
+    // products the kernels widen themselves, to keep those products.
+    const bool own = registry_products(c.map) == Products::Bfloat16;
+    EXPECT_EQ(m.bf16_kernel(large_v).has_value(), own);
+    EXPECT_EQ(m.bf16_backward_kernel(large_v, dout, {}).has_value(), own);
     EXPECT_TRUE(m.bf16_kernel(in_range).has_value());
-    EXPECT_FALSE(m.bf16_backward_kernel(in_range, big_dout, {}).has_value());
-    expect_widened(m, large_v, dout);
-    expect_widened(m, in_range, big_dout);
+    EXPECT_EQ(m.bf16_backward_kernel(in_range, big_dout, {}).has_value(), own);
+    expect_widened(c.method, c.map, large_v, dout);
+    expect_widened(c.method, c.map, in_range, big_dout);
   }
-  MethodArgs<bfloat16> conv = bf16_args("linear", spec, q, k, v, nullptr);
+  MethodArgs<bfloat16> conv = bf16_args("linear", spec_for("elu", Mask::None, 1, 9), q, k, v, nullptr);
   const Tensor<bfloat16> dwc = bf16(random_tensor<double>({2, 3}, 6));
   conv.tensors["dwc_weight"] = dwc;
-  EXPECT_FALSE(method("linear").bf16_kernel(conv).has_value());
-  EXPECT_FALSE(method("linear").bf16_backward_kernel(conv, dout, {}).has_value());
-  expect_widened(method("linear"), conv, dout);
-  if (!bfloat16_products_usable()) return;
-  // FAVOR+ with bfloat16 products: a large v takes the widened call with the same products.
-  KernelizedSpec positive = spec;
-  positive.map = "positive";
-  const MethodArgs<bfloat16> a = bf16_args("favor", positive, q, k, big_v, &w);
-  std::vector<Tensor<float>> storage;
-  const MethodArgs<float> a32 = widened_args(a, storage);
-  FavorOptions o;
-  o.kernel = "positive";
-  const std::optional<MethodOutput<bfloat16>> f = method("favor").bf16_kernel(a);
-  ASSERT_TRUE(f.has_value());
-  expect_same_bits(f->out,
-                   narrow<bfloat16>(kernelized::favor_forward(Products::Bfloat16, a32.q, a32.k, a32.v,
-                                                              a32.tensors.at("projection"), o).out, "out"),
-                   "out with bfloat16 products");
+  const bool own = registry_products("elu") == Products::Bfloat16;
+  EXPECT_EQ(method("linear").bf16_kernel(conv).has_value(), own);
+  EXPECT_EQ(method("linear").bf16_backward_kernel(conv, dout, {}).has_value(), own);
+  expect_widened("linear", "elu", conv, dout);
 }
 
 // bfloat16 products for FAVOR's trig kernel are refused, on the widened path and on the storage

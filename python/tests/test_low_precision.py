@@ -12,8 +12,8 @@ has AVX512-BF16. The forward rounds its probabilities to bfloat16 before P·V, s
 within u·|ref| + u·max|v| of the float32 one (u = 2^-8), not bitwise it; the backward rounds P
 and dS (_softmax_grad_bound). The C++ suite (test_softmax_bf16.cc) checks both against float64.
 
-Likewise favor_attention (positive and hyperbolic kernels) in bfloat16 on AVX512-BF16
-(build_info() says "products in bfloat16"): every matrix product takes its operands rounded to
+Likewise linear_attention and favor_attention (positive and hyperbolic kernels) in bfloat16 on
+AVX512-BF16 (build_info() says "products in bfloat16"): every matrix product takes its operands rounded to
 bfloat16 (_kernelized_out_bound, _kernelized_grad_bound; the C++ suite's per-term bound against
 float64 is in tests/kernelized_bounds.h)."""
 import ml_dtypes
@@ -31,12 +31,12 @@ TORCH = {BF16: torch.bfloat16, np.dtype(np.float16): torch.float16}
 
 BF16_PRODUCTS = "exact attention's forward" in linattn.build_info()
 BF16_BACKWARD = "backward on AVX512-BF16" in linattn.build_info()
-KERNELIZED_BF16 = "FAVOR+ (positive, hyperbolic) products in bfloat16" in linattn.build_info()
-KERNELIZED = {"favor", "favor_backward"}
+KERNELIZED_BF16 = "linear_attention and FAVOR+ (positive, hyperbolic) products in bfloat16" in linattn.build_info()
+KERNELIZED = {"linear", "linear_backward", "favor", "favor_backward"}
 
 
 def _kernelized_out_bound(ref, v):
-    """|out − ref| allowed for favor_attention's bfloat16-product forward against the float32 one.
+    """|out − ref| allowed for the kernelized bfloat16-product forwards against the float32 ones.
     Its weights are non-negative sums over features, and each sum has
     three operands rounded to bfloat16 on its way (the query's and the key's features, and the
     state or the chunk's weights): num and den move by at most 3u of their own sums of absolute
@@ -299,7 +299,7 @@ def test_torch_autograd_in_16_bit_is_float32_rounded(method, dtype):
     out, grads = run(dtype)
     out32, grads32 = run(torch.float32)
     assert out.dtype == dtype
-    kernelized = method == "favor" and dtype == torch.bfloat16 and KERNELIZED_BF16
+    kernelized = method in ("linear", "favor") and dtype == torch.bfloat16 and KERNELIZED_BF16
     if method == "softmax" and dtype == torch.bfloat16 and BF16_PRODUCTS:
         bound = _tiles_bound(out32.detach().double().numpy(), base[2].float().numpy())
         assert ((out - out32).detach().double().abs().numpy() <= bound).all()

@@ -22,8 +22,9 @@ std::string build_info() {
     exact_bf16 = "exact attention's forward and backward on AVX512-BF16 (vdpbf16ps); no AMX-BF16 tiles (" +
                  amx::unavailable_reason() + ")";
   else exact_bf16 = "no bfloat16 products (" + amx::unavailable_reason() + "; " + avx512_bf16::unavailable_reason() + ")";
-  // FAVOR+'s bfloat16 calls run the float32 engine with bfloat16 products.
-  if (dp) exact_bf16 += "; FAVOR+ (positive, hyperbolic) products in bfloat16 (vdpbf16ps, float32 sums)";
+  // The kernelized methods' bfloat16 calls run the float32 engine with bfloat16 products.
+  if (dp)
+    exact_bf16 += "; linear_attention and FAVOR+ (positive, hyperbolic) products in bfloat16 (vdpbf16ps, float32 sums)";
   // Exact attention in float32 does not run on the BLAS, so OPENBLAS_CORETYPE does not move it.
   const std::string exact_f32 = std::string("exact attention's float32 forward and backward on linattn's own kernels (") +
                                 tile_matmul::target_name() + ", " + std::to_string(tile_matmul::block_rows()) + "×" +

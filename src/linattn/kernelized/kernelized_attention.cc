@@ -152,12 +152,13 @@ AttentionGrads<T> run_backward(const kernelized::Problem<T>& p, const ValueScale
 template <class T>
 struct LinearSetup {
   LinearSetup(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
-              const LinearAttentionOptions& opts, const std::optional<TensorView<const T>>& dwc_weight)
+              const LinearAttentionOptions& opts, const std::optional<TensorView<const T>>& dwc_weight,
+              Products products = Products::Native)
       : d(check_common(fn, q, k, v, opts)),
         vs(v, d.v_max),
         fmap(plain_map<T>(fn, opts, d, vs.max_abs(d.v_max))),
         mask(d, opts),
-        problem{fn, q, k, vs.view(), d, &mask, &fmap, static_cast<T>(opts.eps)} {
+        problem{fn, q, k, vs.view(), d, &mask, &fmap, static_cast<T>(opts.eps), products} {
     if (dwc_weight) check_depthwise_conv(fn, "dwc_weight", d, opts.causal, *dwc_weight);
     check_given_features(fn, "q", fmap, q);
     check_given_features(fn, "k", fmap, k, &mask);
@@ -318,13 +319,13 @@ std::optional<AttentionGrads<bfloat16>> run_backward_bf16(const kernelized::Prob
 
 // run(problem) for a bfloat16 linear_attention call, or nullopt where v needs rescaling.
 template <class Run>
-auto with_linear_problem(const char* fn, TensorView<const bfloat16> q, TensorView<const bfloat16> k,
+auto with_linear_problem(const char* fn, Products products, TensorView<const bfloat16> q, TensorView<const bfloat16> k,
                          TensorView<const bfloat16> v, const LinearAttentionOptions& opts, Run run)
     -> std::optional<typename decltype(run(std::declval<const kernelized::Problem<float, bfloat16>&>()))::value_type> {
   const AttentionDims d = check_common(fn, q, k, v, opts);
   if (d.v_max > kUnscaledMax) return std::nullopt;
   const Bf16Problem b(fn, d, q, k, v, opts, plain_map<float>(fn, opts, d, d.v_max), static_cast<float>(opts.eps),
-                      Products::Native);
+                      products);
   check_given_features(fn, "q", b.fmap, q);
   check_given_features(fn, "k", b.fmap, k, &b.mask);
   return run(b.problem);
@@ -345,17 +346,19 @@ auto with_favor_problem(const char* fn, Products products, TensorView<const bflo
 
 namespace kernelized {
 
-std::optional<Bf16Forward> linear_forward_bf16(TensorView<const bfloat16> q, TensorView<const bfloat16> k,
-                                               TensorView<const bfloat16> v, const LinearAttentionOptions& opts) {
-  return with_linear_problem("linear_attention", q, k, v, opts,
+std::optional<Bf16Forward> linear_forward_bf16(Products products, TensorView<const bfloat16> q,
+                                               TensorView<const bfloat16> k, TensorView<const bfloat16> v,
+                                               const LinearAttentionOptions& opts) {
+  return with_linear_problem("linear_attention", products, q, k, v, opts,
                              [](const auto& p) { return std::optional(run_forward_bf16(p)); });
 }
 
-std::optional<AttentionGrads<bfloat16>> linear_backward_bf16(TensorView<const bfloat16> q, TensorView<const bfloat16> k,
-                                                             TensorView<const bfloat16> v, TensorView<const bfloat16> dout,
+std::optional<AttentionGrads<bfloat16>> linear_backward_bf16(Products products, TensorView<const bfloat16> q,
+                                                             TensorView<const bfloat16> k, TensorView<const bfloat16> v,
+                                                             TensorView<const bfloat16> dout,
                                                              const std::optional<SavedResults<float>>& saved,
                                                              const LinearAttentionOptions& opts) {
-  return with_linear_problem("linear_attention_backward", q, k, v, opts,
+  return with_linear_problem("linear_attention_backward", products, q, k, v, opts,
                              [&](const auto& p) { return run_backward_bf16(p, dout, saved); });
 }
 
@@ -374,6 +377,21 @@ std::optional<AttentionGrads<bfloat16>> favor_backward_bf16(Products products, T
                                                             const FavorOptions& opts) {
   return with_favor_problem("favor_attention_backward", products, q, k, v, projection, opts,
                             [&](const auto& p) { return run_backward_bf16(p, dout, saved); });
+}
+
+KernelizedAttentionResult<float> linear_forward(Products products, TensorView<const float> q, TensorView<const float> k,
+                                                TensorView<const float> v, const LinearAttentionOptions& opts,
+                                                std::optional<TensorView<const float>> dwc_weight) {
+  const LinearSetup<float> s("linear_attention", q, k, v, opts, dwc_weight, products);
+  return run_forward(s.problem, s.vs, dwc_weight, true);
+}
+
+AttentionGrads<float> linear_backward(Products products, TensorView<const float> q, TensorView<const float> k,
+                                      TensorView<const float> v, TensorView<const float> dout,
+                                      const std::optional<SavedResults<float>>& saved, const LinearAttentionOptions& opts,
+                                      std::optional<TensorView<const float>> dwc_weight) {
+  const LinearSetup<float> s("linear_attention_backward", q, k, v, opts, dwc_weight, products);
+  return run_backward<float>(s.problem, s.vs, dout, dwc_weight, saved);
 }
 
 KernelizedAttentionResult<float> favor_forward(Products products, TensorView<const float> q, TensorView<const float> k,

@@ -1,5 +1,6 @@
 // The registry's bfloat16 calls of linear_attention and favor_attention (register.cc;
-// docs/precision.md), and favor_attention in float32 with a choice of product arithmetic.
+// docs/precision.md), and both in float32 with a choice of product arithmetic (the widened
+// calls those fall back to).
 #pragma once
 
 #include <optional>
@@ -19,6 +20,13 @@ struct SavedResults {
 // The forward returns den and state too (favor_attention_with_saved's); the backward takes the
 // forward's out, den and state as `saved`, or nullopt to run the forward first.
 // Products::Bfloat16 refuses the trig kernel (std::invalid_argument naming the function).
+KernelizedAttentionResult<float> linear_forward(Products products, TensorView<const float> q, TensorView<const float> k,
+                                                TensorView<const float> v, const LinearAttentionOptions& opts,
+                                                std::optional<TensorView<const float>> dwc_weight);
+AttentionGrads<float> linear_backward(Products products, TensorView<const float> q, TensorView<const float> k,
+                                      TensorView<const float> v, TensorView<const float> dout,
+                                      const std::optional<SavedResults<float>>& saved, const LinearAttentionOptions& opts,
+                                      std::optional<TensorView<const float>> dwc_weight);
 KernelizedAttentionResult<float> favor_forward(Products products, TensorView<const float> q, TensorView<const float> k,
                                                TensorView<const float> v, TensorView<const float> projection,
                                                const FavorOptions& opts);
@@ -32,16 +40,18 @@ AttentionGrads<float> favor_backward(Products products, TensorView<const float> 
 // widened whole; sums, den and state are float32, the output and gradients rounded once, as the
 // widened float32 call would give them. nullopt where v or dout exceeds 2^64, which the float32
 // code rescales first (ValueScale): the caller widens then (register.cc also widens linear
-// attention with a dwc_weight, whose convolution reads v in float32). products: favor's
-// (Products::Bfloat16 refuses trig).
+// attention with a dwc_weight, whose convolution reads v in float32). products: those of every
+// matrix product (Products::Bfloat16 refuses favor's trig kernel).
 struct Bf16Forward {
   Tensor<bfloat16> out;     // [B,H,n_q,d_v]
   Tensor<float> den, state;  // KernelizedAttentionResult's
 };
-std::optional<Bf16Forward> linear_forward_bf16(TensorView<const bfloat16> q, TensorView<const bfloat16> k,
-                                               TensorView<const bfloat16> v, const LinearAttentionOptions& opts);
-std::optional<AttentionGrads<bfloat16>> linear_backward_bf16(TensorView<const bfloat16> q, TensorView<const bfloat16> k,
-                                                             TensorView<const bfloat16> v, TensorView<const bfloat16> dout,
+std::optional<Bf16Forward> linear_forward_bf16(Products products, TensorView<const bfloat16> q,
+                                               TensorView<const bfloat16> k, TensorView<const bfloat16> v,
+                                               const LinearAttentionOptions& opts);
+std::optional<AttentionGrads<bfloat16>> linear_backward_bf16(Products products, TensorView<const bfloat16> q,
+                                                             TensorView<const bfloat16> k, TensorView<const bfloat16> v,
+                                                             TensorView<const bfloat16> dout,
                                                              const std::optional<SavedResults<float>>& saved,
                                                              const LinearAttentionOptions& opts);
 std::optional<Bf16Forward> favor_forward_bf16(Products products, TensorView<const bfloat16> q, TensorView<const bfloat16> k,

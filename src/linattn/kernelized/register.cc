@@ -7,6 +7,8 @@
 #include "linattn/kernelized/products_calls.h"
 #include "linattn/random_features.h"
 
+#include <string>
+
 namespace linattn {
 namespace {
 
@@ -55,14 +57,13 @@ AttentionGrads<T> favor_backward(const MethodArgs<T>& a, TensorView<const T> dou
 
 // ---- bfloat16 calls ----
 // The float32 engine reading and writing bfloat16 a block at a time (products_calls.h): no
-// widened copy of q, k, v, dout or the results. favor_attention's products (positive and
-// hyperbolic kernels on AVX512-BF16) take their operands rounded to bfloat16 and sum in float32
-// (docs/precision.md); the trig kernel's signed features would let those rounding errors
-// outgrow the denominator, so it keeps float32 products, as linear_attention does (its feature
-// dimension is the head's, 64 in the benchmarks, where the operand copies took back what
-// vdpbf16ps saved, at twice the error in dq). Where these give nothing (v or dout beyond 2^64,
-// a dwc_weight), the widened float32 call runs: the registry's, or favor's with the same
-// products.
+// widened copy of q, k, v, dout or the results. Where the CPU has AVX512-BF16, every matrix
+// product takes its operands rounded to bfloat16 and sums in float32 (vdpbf16ps;
+// docs/precision.md): linear_attention's maps and FAVOR's positive and hyperbolic kernels have
+// non-negative features, so those roundings stay bounded by the denominator. FAVOR's trig
+// kernel has signed features, whose rounding errors could outgrow it: float32 products. Where
+// the storage path gives nothing (v or dout beyond 2^64, a dwc_weight), the call widens whole
+// and runs the float32 call with the same products.
 
 std::optional<SavedResults<float>> saved_results(const char* fn, const SavedViews<bfloat16>& saved) {
   if (const auto s = saved_tensors<float, 3>(fn, saved, {"out", "den", "state"}))
@@ -70,27 +71,73 @@ std::optional<SavedResults<float>> saved_results(const char* fn, const SavedView
   return std::nullopt;
 }
 
+Products bf16_products_where_usable() {
+  return bfloat16_products_usable() ? Products::Bfloat16 : Products::Native;
+}
+
+// A bfloat16 forward: the storage call's result, or else, with bfloat16 products, the widened
+// float32 call (widened(args) with the same products), rounded; nullopt leaves the registry's
+// own widened float32 call.
+template <class Storage, class Widened>
+std::optional<MethodOutput<bfloat16>> bf16_forward(const char* fn, const MethodArgs<bfloat16>& a, Products products,
+                                                   Storage storage, Widened widened) {
+  if (auto r = storage()) return with_saved<bfloat16>(std::move(*r));
+  if (products == Products::Native) return std::nullopt;
+  const WidenedArgs<bfloat16> w(a);
+  MethodOutput<float> f = with_saved<float>(widened(w.args));
+  return MethodOutput<bfloat16>{narrow<bfloat16>(f.out, (std::string(fn) + ": out").c_str()), std::move(f.saved)};
+}
+
+// The same for a backward: widened(args, dout) on the widened arguments.
+template <class Storage, class Widened>
+std::optional<AttentionGrads<bfloat16>> bf16_backward(const char* fn, const MethodArgs<bfloat16>& a,
+                                                      TensorView<const bfloat16> dout, Products products,
+                                                      Storage storage, Widened widened) {
+  if (auto g = storage()) return g;
+  if (products == Products::Native) return std::nullopt;
+  WidenedArgs<bfloat16> w(a);
+  const TensorView<const float> dout32 = w.keep(dout);
+  return narrow_grads<bfloat16>(widened(w.args, dout32), fn);
+}
+
 std::optional<MethodOutput<bfloat16>> linear_forward_bf16(const MethodArgs<bfloat16>& a) {
   const auto c = kernelized::linear_call(a);
-  if (c.dwc_weight) return std::nullopt;
-  auto r = kernelized::linear_forward_bf16(a.q, a.k, a.v, c.opts);
-  if (!r) return std::nullopt;
-  return with_saved<bfloat16>(std::move(*r));
+  const Products products = bf16_products_where_usable();
+  return bf16_forward(
+      "linear_attention", a, products,
+      [&]() -> std::optional<kernelized::Bf16Forward> {
+        if (c.dwc_weight) return std::nullopt;
+        return kernelized::linear_forward_bf16(products, a.q, a.k, a.v, c.opts);
+      },
+      [&](const MethodArgs<float>& w) {
+        const auto c32 = kernelized::linear_call(w);
+        return kernelized::linear_forward(products, w.q, w.k, w.v, c32.opts, c32.dwc_weight);
+      });
 }
 
 std::optional<AttentionGrads<bfloat16>> linear_backward_bf16(const MethodArgs<bfloat16>& a, TensorView<const bfloat16> dout,
                                                              const SavedViews<bfloat16>& saved) {
+  const char* fn = "linear_attention_backward";
   const auto c = kernelized::linear_call(a);
-  if (c.dwc_weight) return std::nullopt;
-  return kernelized::linear_backward_bf16(a.q, a.k, a.v, dout, saved_results("linear_attention_backward", saved), c.opts);
+  const Products products = bf16_products_where_usable();
+  return bf16_backward(
+      fn, a, dout, products,
+      [&]() -> std::optional<AttentionGrads<bfloat16>> {
+        if (c.dwc_weight) return std::nullopt;
+        return kernelized::linear_backward_bf16(products, a.q, a.k, a.v, dout, saved_results(fn, saved), c.opts);
+      },
+      [&](const MethodArgs<float>& w, TensorView<const float> dout32) {
+        const auto c32 = kernelized::linear_call(w);
+        return kernelized::linear_backward(products, w.q, w.k, w.v, dout32, saved_results(fn, saved), c32.opts,
+                                           c32.dwc_weight);
+      });
 }
 
 // favor_attention's products for a bfloat16 call: Bfloat16 where the CPU has AVX512-BF16 and
 // the kernel is not trig.
 Products favor_products(const kernelized::FavorCall<bfloat16>& c, const char* fn) {
-  return bfloat16_products_usable() && parse_favor_kernel(fn, c.opts.kernel) != FeatureMapKind::FavorTrig
-             ? Products::Bfloat16
-             : Products::Native;
+  return parse_favor_kernel(fn, c.opts.kernel) != FeatureMapKind::FavorTrig ? bf16_products_where_usable()
+                                                                            : Products::Native;
 }
 
 std::optional<MethodOutput<bfloat16>> favor_forward_bf16(const MethodArgs<bfloat16>& a) {
@@ -98,13 +145,12 @@ std::optional<MethodOutput<bfloat16>> favor_forward_bf16(const MethodArgs<bfloat
   const auto c = kernelized::favor_call(a);
   const Products products = favor_products(c, fn);
   const Tensor<float> projection = widen(c.projection);
-  if (auto r = kernelized::favor_forward_bf16(products, a.q, a.k, a.v, projection.view(), c.opts))
-    return with_saved<bfloat16>(std::move(*r));
-  if (products == Products::Native) return std::nullopt;
-  const WidenedArgs<bfloat16> w(a);
-  MethodOutput<float> f =
-      with_saved<float>(kernelized::favor_forward(products, w.args.q, w.args.k, w.args.v, projection.view(), c.opts));
-  return MethodOutput<bfloat16>{narrow<bfloat16>(f.out, "favor_attention: out"), std::move(f.saved)};
+  return bf16_forward(
+      fn, a, products,
+      [&] { return kernelized::favor_forward_bf16(products, a.q, a.k, a.v, projection.view(), c.opts); },
+      [&](const MethodArgs<float>& w) {
+        return kernelized::favor_forward(products, w.q, w.k, w.v, projection.view(), c.opts);
+      });
 }
 
 std::optional<AttentionGrads<bfloat16>> favor_backward_bf16(const MethodArgs<bfloat16>& a, TensorView<const bfloat16> dout,
@@ -113,15 +159,16 @@ std::optional<AttentionGrads<bfloat16>> favor_backward_bf16(const MethodArgs<bfl
   const auto c = kernelized::favor_call(a);
   const Products products = favor_products(c, fn);
   const Tensor<float> projection = widen(c.projection);
-  if (auto g = kernelized::favor_backward_bf16(products, a.q, a.k, a.v, projection.view(), dout, saved_results(fn, saved),
-                                               c.opts))
-    return g;
-  if (products == Products::Native) return std::nullopt;
-  WidenedArgs<bfloat16> w(a);
-  const TensorView<const float> dout32 = w.keep(dout);
-  return narrow_grads<bfloat16>(kernelized::favor_backward(products, w.args.q, w.args.k, w.args.v, projection.view(),
-                                                           dout32, saved_results(fn, saved), c.opts),
-                                fn);
+  return bf16_backward(
+      fn, a, dout, products,
+      [&] {
+        return kernelized::favor_backward_bf16(products, a.q, a.k, a.v, projection.view(), dout,
+                                               saved_results(fn, saved), c.opts);
+      },
+      [&](const MethodArgs<float>& w, TensorView<const float> dout32) {
+        return kernelized::favor_backward(products, w.q, w.k, w.v, projection.view(), dout32, saved_results(fn, saved),
+                                          c.opts);
+      });
 }
 
 constexpr int64_t kDefaultFeatures = 256;
