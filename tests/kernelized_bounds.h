@@ -2,7 +2,9 @@
 // exact float64 result, element by element, derived to first order in the unit roundoff u:
 //
 //  features  each computed feature has an absolute error E_r:
-//            elu 2u|φ| (exp within 1 ulp, one rounding); relu and identity 0; focused γ_{d+8}|φ| (pow,
+//            elu 2.6u|φ| + 2⁻¹²⁶ in float32 (exp within 1.3 ulp, simd.cc's ExpNonPositive, an ulp
+//            being at most 2u|φ|; 0 below 2⁻¹²⁶), 2u|φ| in float64 (Highway's exp, 1 ulp); relu and
+//            identity 0; focused γ_{d+8}|φ| (pow,
 //            two norms, sqrt, division); FAVOR: U_r = √scale·x·ω_r has |δU_r| ≤
 //            γ_{d+1}·√scale·Σ_c|x_c ω_rc| + u|U_r|, and the exponent, the stabilising log-scales
 //            (bounded by L = max |ls| over all rows) and exp add up to
@@ -36,6 +38,7 @@
 #include <cmath>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "linattn/core/attention_args.h"
@@ -153,7 +156,7 @@ KernelizedExact kernelized_exact_with_bounds(const Tensor<double>& q, const Tens
       for (int64_t rr = 0; rr < m; ++rr) {
         const double phi = std::abs(out.phi[i * m + rr]);
         double e;
-        if (spec.map == "elu") e = 2 * u * phi;
+        if (spec.map == "elu") e = std::is_same_v<T, float> ? 2.6 * u * phi + std::ldexp(1.0, -126) : 2 * u * phi;
         else if (spec.map == "relu" || spec.map == "identity") e = 0;
         else if (spec.map == "focused") e = gamma<T>(d + 8) * phi;
         else if (spec.map == "trig") e = amp * (dU[rr % m_proj] + 4 * u) + eta * phi;

@@ -1,7 +1,9 @@
 // Vector kernels on contiguous rows, dispatched at run time to the best instruction set the
 // CPU has (Highway: SSE4 / AVX2 / AVX-512). One source, no per-ISA copies.
 // exp is Highway's contrib Exp (max error 1 ulp, valid for x <= 104 in float32 and
-// x <= 706 in float64); callers never pass -inf or NaN.
+// x <= 706 in float64), except where the argument is <= 0 in float32 (the softmax's shifted
+// scores, elu+1): there simd.cc's ExpNonPositive (1.3 ulp, 0 below 2^-126); callers never pass
+// -inf or NaN unless a function says so.
 #pragma once
 
 #include <cstddef>
