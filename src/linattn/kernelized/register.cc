@@ -1,4 +1,6 @@
 // linear_attention and favor_attention in the method registry.
+#include <string>
+
 #include "linattn/core/method_support.h"
 #include "linattn/kernelized.h"
 #include "linattn/kernelized/args.h"
@@ -6,8 +8,6 @@
 #include "linattn/kernelized/engine.h"
 #include "linattn/kernelized/products_calls.h"
 #include "linattn/random_features.h"
-
-#include <string>
 
 namespace linattn {
 namespace {
