@@ -70,20 +70,27 @@ def _length_list(fn, key_lengths):
 
 
 class _KeyState(torch.autograd.Function):
+    """A block's key state from a pair of C++ kernels, (forward, backward) =
+    (f(k, v, key_lengths, **opts) -> state, b(k, v, state, dstate, key_lengths, **opts) -> (dk, dv)):
+    the kernelized maps' (_KERNELIZED_KEY_STATE) and Efficient Attention's (_EFFICIENT_KEY_STATE)."""
+
     @staticmethod
-    def forward(ctx, k, v, lengths, opts):
-        state = _from_numpy(_linattn._key_state(_array(k), _array(v), lengths, **opts))
+    def forward(ctx, k, v, lengths, kernels, opts):
+        state = _from_numpy(kernels[0](_array(k), _array(v), lengths, **opts))
         ctx.save_for_backward(k, v, state)
-        ctx.lengths, ctx.opts = lengths, opts
+        ctx.lengths, ctx.kernels, ctx.opts = lengths, kernels, opts
         return state
 
     @staticmethod
     @once_differentiable  # the backward is a kernel: no graph for second derivatives
     def backward(ctx, dstate):
         k, v, state = ctx.saved_tensors
-        dk, dv = _linattn._key_state_backward(_array(k), _array(v), _array(state), _array(dstate), ctx.lengths,
-                                              **ctx.opts)
-        return _from_numpy(dk), _from_numpy(dv), None, None
+        dk, dv = ctx.kernels[1](_array(k), _array(v), _array(state), _array(dstate), ctx.lengths, **ctx.opts)
+        return _from_numpy(dk), _from_numpy(dv), None, None, None
+
+
+_KERNELIZED_KEY_STATE = (_linattn._key_state, _linattn._key_state_backward)
+_EFFICIENT_KEY_STATE = (_linattn._efficient_key_state, _linattn._efficient_key_state_backward)
 
 
 class _ApplyState(torch.autograd.Function):
@@ -132,7 +139,7 @@ def key_state(k, v, *, feature_map="elu", projection=None, kernel=None, scale=No
     fn = "linattn.torch.state.key_state"
     opts = _opts(fn, feature_map, projection, kernel, scale, eps, focus_power)
     k, v = _inputs(fn, [("k", k), ("v", v)])
-    return _KeyState.apply(k, v, _length_list(fn, key_lengths), opts)
+    return _KeyState.apply(k, v, _length_list(fn, key_lengths), _KERNELIZED_KEY_STATE, opts)
 
 
 def apply_state(q, state, *, feature_map="elu", projection=None, kernel=None, scale=None, eps=None, focus_power=3.0):
@@ -154,23 +161,6 @@ def causal_from_state(q, k, v, prefix, *, feature_map="elu", projection=None, ke
     opts = _opts(fn, feature_map, projection, kernel, scale, eps, focus_power)
     q, k, v, prefix = _inputs(fn, [("q", q), ("k", k), ("v", v), ("prefix", prefix)])
     return _CausalFromState.apply(q, k, v, prefix, _length_list(fn, key_lengths), opts)
-
-
-class _EfficientKeyState(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, k, v, lengths, scale):
-        state = _from_numpy(_linattn._efficient_key_state(_array(k), _array(v), lengths, scale))
-        ctx.save_for_backward(k, v, state)
-        ctx.lengths, ctx.scale = lengths, scale
-        return state
-
-    @staticmethod
-    @once_differentiable  # the backward is a kernel: no graph for second derivatives
-    def backward(ctx, dstate):
-        k, v, state = ctx.saved_tensors
-        dk, dv = _linattn._efficient_key_state_backward(_array(k), _array(v), _array(state), _array(dstate),
-                                                        ctx.lengths, ctx.scale)
-        return _from_numpy(dk), _from_numpy(dv), None, None
 
 
 class _EfficientApplyState(torch.autograd.Function):
@@ -205,7 +195,7 @@ def efficient_key_state(k, v, *, scale=None, key_lengths=None):
     fn = "linattn.torch.state.efficient_key_state"
     scale = _efficient_scale(fn, scale)
     k, v = _inputs(fn, [("k", k), ("v", v)])
-    return _EfficientKeyState.apply(k, v, _length_list(fn, key_lengths), scale)
+    return _KeyState.apply(k, v, _length_list(fn, key_lengths), _EFFICIENT_KEY_STATE, {"scale": scale})
 
 
 def efficient_apply_state(q, state, *, scale=None):
