@@ -198,15 +198,17 @@ void store_results(S* dst, const T* src, int64_t count, Scratch<T>& s, bool chec
 // ---- features --------------------------------------------------------------------------------
 
 // Key logits (FAVOR, into kf.e and kf.s) or features (plain, into kf.f) of `rows` key rows
-// from j0.
+// from j0. Returns those rows as T (widened into s.rows_in for bfloat16 storage, where they stay
+// until the next widening: the backward's feature_backward reads them there).
 template <class T, class S>
-void key_logits(const Problem<T, S>& p, int64_t bh, int64_t j0, int64_t rows, Scratch<T>& s, Features<T>& kf) {
+const T* key_logits(const Problem<T, S>& p, int64_t bh, int64_t j0, int64_t rows, Scratch<T>& s, Features<T>& kf) {
   const T* x = compute_values(p.k.row(bh, j0), rows * p.dims.head_dim, s.rows_in);
   if (p.fmap->log_form()) {
     p.fmap->logits(p.fn, x, rows, Side::Key, kf.e, kf.s, p.products);
   } else {
     p.fmap->features(x, rows, kf.f);
   }
+  return x;
 }
 
 // FAVOR: kf.e holds key logits; make them the features exp(L − c) (times s for trig).
@@ -221,14 +223,15 @@ void finish_key_features(const Problem<T, S>& p, int64_t rows, const T* c, Featu
 }
 
 // Query features of `rows` rows from i0 against the key shifts c: FAVOR Q_ir =
-// s_ir·exp(Lq_ir + c_r − t_i) with t_i (into qf.t) the row's largest exponent.
+// s_ir·exp(Lq_ir + c_r − t_i) with t_i (into qf.t) the row's largest exponent. Returns the rows
+// as T, as key_logits does.
 template <class T, class S>
-void query_features(const Problem<T, S>& p, int64_t bh, int64_t i0, int64_t rows, const T* c, Scratch<T>& s,
-                    Features<T>& qf) {
+const T* query_features(const Problem<T, S>& p, int64_t bh, int64_t i0, int64_t rows, const T* c, Scratch<T>& s,
+                        Features<T>& qf) {
   const T* x = compute_values(p.q.row(bh, i0), rows * p.dims.head_dim, s.rows_in);
   if (!p.fmap->log_form()) {
     p.fmap->features(x, rows, qf.f);
-    return;
+    return x;
   }
   const int64_t m = p.fmap->dim();
   p.fmap->logits(p.fn, x, rows, Side::Query, qf.e, qf.s, p.products);
@@ -236,6 +239,7 @@ void query_features(const Problem<T, S>& p, int64_t bh, int64_t i0, int64_t rows
   if (p.fmap->has_factor())
     simd::product_difference(qf.s, qf.e, static_cast<const T*>(nullptr), static_cast<const T*>(nullptr), qf.f,
                              static_cast<size_t>(rows * m));
+  return x;
 }
 
 // c_new = max(c, column maxima of `rows` key logits L (rows × m')).
@@ -334,12 +338,13 @@ void accumulate_kv(const Problem<T, S>& p, int64_t bh, int64_t key_len, Scratch<
 
 // [num | den] for query rows [i0, i0+rows) into s.nd (their features into s.qf), and
 // out_i = num_i / D_i into out (stride d_v), with D_i from D_in (the saved values) when given,
-// else den_i + eps (then also written to D_out when given).
+// else den_i + eps (then also written to D_out when given). Returns the query rows as T
+// (query_features).
 template <class T, class S>
-void query_rows(const Problem<T, S>& p, int64_t bh, int64_t i0, int64_t rows, Scratch<T>& s, T* out,
-                const T* D_in, T* D_out) {
+const T* query_rows(const Problem<T, S>& p, int64_t bh, int64_t i0, int64_t rows, Scratch<T>& s, T* out,
+                    const T* D_in, T* D_out) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, da = dv + 1;
-  query_features(p, bh, i0, rows, s.c.data(), s, s.qf);
+  const T* x = query_features(p, bh, i0, rows, s.c.data(), s, s.qf);
   matmul<T>(p.products, mat(s.nd.data(), rows, da), mat(s.qf.values(*p.fmap), rows, m),
             mat(s.kvz.data(), m, da));
   for (int64_t i = 0; i < rows; ++i) {
@@ -349,6 +354,7 @@ void query_rows(const Problem<T, S>& p, int64_t bh, int64_t i0, int64_t rows, Sc
     const T inv = D != 0 ? T(1) / D : T(0);
     for (int64_t c = 0; c < dv; ++c) out[i * dv + c] = nd[c] * inv;
   }
+  return x;
 }
 
 // state rows [S_r | z_r | c_r] from s.kvz and s.c.
@@ -398,10 +404,11 @@ void noncausal_query_grads(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, co
     const int64_t rows = std::min(kBlockRows, n_q - i0);
     const T* D = den + bh * n_q + i0;
     const T* o = out ? out + (bh * n_q + i0) * dv : nullptr;
+    const T* x = nullptr;  // the query rows as T
     if (o) {
-      query_features(p, bh, i0, rows, s.c.data(), s, s.qf);
+      x = query_features(p, bh, i0, rows, s.c.data(), s, s.qf);
     } else {  // the attention output again (the caller's output holds more than attention)
-      query_rows(p, bh, i0, rows, s, s.num.data(), D, static_cast<T*>(nullptr));
+      x = query_rows(p, bh, i0, rows, s, s.num.data(), D, static_cast<T*>(nullptr));
       o = s.num.data();
     }
     output_grads(compute_values(dout + (bh * n_q + i0) * dv, rows * dv, s.grads_in), o, D, static_cast<const T*>(nullptr),
@@ -411,7 +418,7 @@ void noncausal_query_grads(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, co
               T(1), T(1));
     S* g = dq + (bh * n_q + i0) * d;
     T* r = result_values(g, s);
-    feature_backward(p, compute_values(p.q.row(bh, i0), rows * d, s.rows_in), rows, Side::Query, s.qf, s, r);
+    feature_backward(p, x, rows, Side::Query, s.qf, s, r);
     store_results(g, r, rows * d, s, true);
   }
 }
@@ -426,7 +433,7 @@ void noncausal_key_grads(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, S* d
     interruption_point();
     const int64_t rows = std::min(kBlockRows, key_len - j0);
     Features<T>& kf = s.kf;
-    key_logits(p, bh, j0, rows, s, kf);
+    const T* x = key_logits(p, bh, j0, rows, s, kf);
     finish_key_features(p, rows, s.c.data(), kf);  // against the final shifts
     augmented_values(p, bh, j0, rows, s);
     matmul<T>(p.products, mat(s.dphi.data(), rows, m), mat(s.vaug.data(), rows, da), mat(s.dkvz.data(), m, da).t());
@@ -436,7 +443,7 @@ void noncausal_key_grads(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, S* d
     store_results(gv, rv, rows * dv, s, true);
     S* gk = dk + (bh * p.dims.n_k + j0) * d;
     T* rk = result_values(gk, s);
-    feature_backward(p, compute_values(p.k.row(bh, j0), rows * d, s.rows_in), rows, Side::Key, kf, s, rk);
+    feature_backward(p, x, rows, Side::Key, kf, s, rk);
     store_results(gk, rk, rows * d, s, true);
   }
 }
@@ -474,10 +481,11 @@ int64_t chunk_length(const T* L, int64_t kr, int64_t rows, int64_t m, const T* c
 
 // One chunk from t0: its length (rows, cut where the shifts would grow too fast), its valid
 // keys (kr), their features K into kf (raising the shifts c and rescaling the state), and the
-// query features Q into qf. rows and kr come in as the longest chunk and its valid keys.
+// query features Q into qf. rows and kr come in as the longest chunk and its valid keys. Returns
+// the query rows as T (query_features).
 template <class T, class S>
-void chunk_features(const Problem<T, S>& p, int64_t bh, int64_t t0, int64_t& rows, int64_t& kr, Scratch<T>& s,
-                    Features<T>& qf, Features<T>& kf) {
+const T* chunk_features(const Problem<T, S>& p, int64_t bh, int64_t t0, int64_t& rows, int64_t& kr, Scratch<T>& s,
+                        Features<T>& qf, Features<T>& kf) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
   if (kr > 0) key_logits(p, bh, t0, kr, s, kf);
   if (p.fmap->log_form() && kr > 0) {
@@ -495,7 +503,7 @@ void chunk_features(const Problem<T, S>& p, int64_t bh, int64_t t0, int64_t& row
     raise_shifts(m, c_new, c, s.kvz.data(), dv + 1);
     finish_key_features(p, kr, c, kf);
   }
-  query_features(p, bh, t0, rows, s.c.data(), s, qf);
+  return query_features(p, bh, t0, rows, s.c.data(), s, qf);
 }
 
 // A chunk's matrix (rows × kr, leading dimension kChunk) with 0 where j > i.
@@ -667,7 +675,7 @@ void causal_forward_pass(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, Caus
     typename CausalSaved<T>::Chunk chunk{t0, rows, kr, false, s.qf, s.kf, s.P.data()};
     // Into the cache when it has room for the longest chunk (the chunk may come out shorter).
     chunk.cached = cache.take(*p.fmap, rows, chunk.qf, chunk.kf, chunk.P);
-    chunk_features(p, bh, t0, rows, kr, s, chunk.qf, chunk.kf);
+    const T* x = chunk_features(p, bh, t0, rows, kr, s, chunk.qf, chunk.kf);  // the query rows as T
     chunk.rows = rows, chunk.kr = kr;
     const T* D = den + bh * n + t0;
     T* dden = saved.dden.data() + t0;
@@ -689,7 +697,7 @@ void causal_forward_pass(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, Caus
                 T(1), T(1));
     S* g = dq + (bh * n + t0) * d;
     T* r = result_values(g, s);
-    feature_backward(p, compute_values(p.q.row(bh, t0), rows * d, s.rows_in), rows, Side::Query, chunk.qf, s, r);
+    feature_backward(p, x, rows, Side::Query, chunk.qf, s, r);
     store_results(g, r, rows * d, s, true);
     saved.chunks.push_back(chunk);
     saved.shifts.insert(saved.shifts.end(), s.c.data(), s.c.data() + m);
