@@ -4,11 +4,14 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <bit>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "kernelized_bounds.h"
 #include "linattn/random_features.h"
@@ -462,6 +465,37 @@ TEST(KernelizedBf16, OutOfRangeValuesAndTheConvolutionWiden) {
   EXPECT_EQ(method("linear").bf16_kernel(conv).has_value(), own);
   EXPECT_EQ(method("linear").bf16_backward_kernel(conv, dout, {}).has_value(), own);
   expect_widened("linear", "elu", conv, dout);
+}
+
+// A FAVOR map whose projection is packed once (pack_projection, as bfloat16 calls make it) gives
+// the bits of packing ω per product: logits and logits_backward, keys and queries, positive and
+// hyperbolic, m != d and m == d (where a wrong transpose would still fit the shapes), rows across
+// the 32-row packing blocks.
+TEST(KernelizedBf16Products, PackedProjectionGivesTheSameBits) {
+  if (!bfloat16_products_usable()) GTEST_SKIP() << "no AVX512-BF16 here";
+  for (const char* kernel : {"positive", "hyperbolic"})
+    for (const auto [m, d] : {std::array<int64_t, 2>{24, 16}, {16, 16}, {40, 7}}) {
+      SCOPED_TRACE(::testing::Message() << kernel << " m=" << m << " d=" << d);
+      const Tensor<float> w = cast<float>(random_features<double>(m, d, FeatureKind::Orthogonal, 7));
+      const FeatureMap<float> plain = FeatureMap<float>::favor("test", parse_favor_kernel("test", kernel), w.view(), d,
+                                                               std::nullopt);
+      FeatureMap<float> packed = plain;
+      packed.pack_projection();
+      ASSERT_TRUE(packed.projection_packed());
+      ASSERT_FALSE(plain.projection_packed());
+      const int64_t n = 37, mm = plain.dim();
+      const Tensor<float> x = cast<float>(random_tensor<double>({n, d}, 3)), dL = cast<float>(random_tensor<double>({n, mm}, 4));
+      for (const Side side : {Side::Key, Side::Query}) {
+        std::vector<float> L0(n * mm), L1(n * mm), dx0(n * d), dx1(n * d), scratch(plain.scratch_size(n));
+        plain.logits("test", x.data(), n, side, L0.data(), nullptr, Products::Bfloat16);
+        packed.logits("test", x.data(), n, side, L1.data(), nullptr, Products::Bfloat16);
+        plain.logits_backward(x.data(), n, side, dL.data(), nullptr, nullptr, dx0.data(), scratch.data(), Products::Bfloat16);
+        packed.logits_backward(x.data(), n, side, dL.data(), nullptr, nullptr, dx1.data(), scratch.data(), Products::Bfloat16);
+        for (size_t i = 0; i < L0.size(); ++i) ASSERT_EQ(std::bit_cast<uint32_t>(L0[i]), std::bit_cast<uint32_t>(L1[i])) << i;
+        for (size_t i = 0; i < dx0.size(); ++i)
+          ASSERT_EQ(std::bit_cast<uint32_t>(dx0[i]), std::bit_cast<uint32_t>(dx1[i])) << i;
+      }
+    }
 }
 
 // bfloat16 products for FAVOR's trig kernel are refused, on the widened path and on the storage

@@ -397,5 +397,59 @@ TEST(LowPrecision, Bfloat16ProductsMatchFloat64OnRoundedOperands) {
                std::logic_error);
 }
 
+// A B packed once (Bf16PackedB) gives the bits of matmul_bf16 packing it per call, over the
+// shapes above (thin last blocks, odd K, transposes, every alpha and beta form), twice from the
+// same packing (it is read, never changed); K = 0 leaves beta·C; shapes are checked.
+TEST(LowPrecision, PackedBfloat16OperandGivesTheUnpackedBits) {
+  if (!bfloat16_products_usable()) GTEST_SKIP() << "no AVX512-BF16 here: " << avx512_bf16::unavailable_reason();
+  std::mt19937 rng(13);
+  std::normal_distribution<float> normal;
+  Bf16PackedB reused;  // packed again for each B, larger and smaller, with and without a thin tail
+  for (const auto [M, N, K] : {std::array<int64_t, 3>{1, 1, 1}, {7, 65, 33}, {13, 16, 64}, {33, 17, 1}, {6, 80, 70}, {40, 3, 129},
+                                 {5, 36, 40}, {9, 21, 31}, {32, 256, 64}, {32, 64, 256}, {3, 20, 2}})
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) {
+        const int64_t a_rows = ta ? K : M, a_cols = ta ? M : K, b_rows = tb ? N : K, b_cols = tb ? K : N;
+        const int64_t lda = a_cols + 3, ldb = b_cols + 3, ldc = N + 5;
+        std::vector<float> a(a_rows * lda), b(b_rows * ldb), c(M * ldc);
+        for (auto& x : a) x = normal(rng);
+        for (auto& x : b) x = normal(rng);
+        for (auto& x : c) x = normal(rng);
+        Mat<const float> A{a.data(), a_rows, a_cols, lda, false}, B{b.data(), b_rows, b_cols, ldb, false};
+        if (ta) A = A.t();
+        if (tb) B = B.t();
+        const Bf16PackedB packed(B);
+        ASSERT_EQ(packed.rows(), K);
+        ASSERT_EQ(packed.cols(), N);
+        reused.pack(B);
+        for (const auto [alpha, beta] : {std::array<float, 2>{1, 0}, {1, 1}, {0.375f, 0}, {-2, 0.5f}})
+          for (int round = 0; round < 2; ++round) {
+            SCOPED_TRACE(::testing::Message() << M << "x" << N << "x" << K << " ta=" << ta << " tb=" << tb
+                                              << " alpha=" << alpha << " beta=" << beta << " round " << round);
+            std::vector<float> want = c, got = c, got_reused = c;
+            matmul_bf16(Mat<float>{want.data(), M, N, ldc, false}, A, B, alpha, beta);
+            matmul_bf16(Mat<float>{got.data(), M, N, ldc, false}, A, packed, alpha, beta);
+            matmul_bf16(Mat<float>{got_reused.data(), M, N, ldc, false}, A, reused, alpha, beta);
+            for (size_t i = 0; i < c.size(); ++i) {
+              ASSERT_EQ(std::bit_cast<uint32_t>(got[i]), std::bit_cast<uint32_t>(want[i])) << "c flat " << i;
+              ASSERT_EQ(std::bit_cast<uint32_t>(got_reused[i]), std::bit_cast<uint32_t>(want[i])) << "reused, c flat " << i;
+            }
+          }
+      }
+  std::vector<float> c = {std::nanf(""), 2.0f}, none(1);
+  const Bf16PackedB empty(Mat<const float>{none.data(), 0, 2, 2, false});
+  matmul_bf16(Mat<float>{c.data(), 1, 2, 2, false}, Mat<const float>{none.data(), 1, 0, 1, false}, empty, 1.0f, 0.0f);
+  EXPECT_EQ(c[0], 0.0f);
+  EXPECT_EQ(c[1], 0.0f);
+  c = {1.0f, 2.0f};
+  matmul_bf16(Mat<float>{c.data(), 1, 2, 2, false}, Mat<const float>{none.data(), 1, 0, 1, false}, empty, 1.0f, 0.5f);
+  EXPECT_EQ(c[0], 0.5f);
+  EXPECT_EQ(c[1], 1.0f);
+  std::vector<float> b4(4, 1.0f);
+  const Bf16PackedB two_by_two(Mat<const float>{b4.data(), 2, 2, 2, false});
+  EXPECT_THROW(matmul_bf16(Mat<float>{c.data(), 1, 2, 2, false}, Mat<const float>{none.data(), 1, 1, 1, false}, two_by_two),
+               std::logic_error);
+}
+
 }  // namespace
 }  // namespace linattn

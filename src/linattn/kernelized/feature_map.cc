@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
 #include <type_traits>
 #include <vector>
 
@@ -201,7 +202,15 @@ void FeatureMap<T>::logits(const char* fn, const T* x, int64_t n, Side side, T* 
   const bool with_norm = side != Side::Query;
   // U = x̃·ωᵀ, straight into the first m columns of L (positive, hyperbolic) or s (trig).
   T* U = kind_ == FeatureMapKind::FavorTrig ? s : L;
-  matmul<T>(products, mat(U, n, m, dim_), mat(x, n, d), mat(omega_, m, d).t(), sq);
+  if constexpr (std::is_same_v<T, float>) {
+    if (products == Products::Bfloat16 && omega_t_packed_) {
+      matmul_bf16(mat(U, n, m, dim_), mat(x, n, d), *omega_t_packed_, sq);
+    } else {
+      matmul<T>(products, mat(U, n, m, dim_), mat(x, n, d), mat(omega_, m, d).t(), sq);
+    }
+  } else {
+    matmul<T>(products, mat(U, n, m, dim_), mat(x, n, d), mat(omega_, m, d).t(), sq);
+  }
   // Every logit is finite when ‖x̃‖·max_r‖ω_r‖ and ‖x̃‖²/2 are (|ω_r·x̃| <= ‖x̃‖·‖ω_r‖):
   // checked per row from ‖x‖², which h needs anyway, rather than by a pass over the m logits.
   const double limit = static_cast<double>(std::numeric_limits<T>::max());
@@ -269,7 +278,25 @@ void FeatureMap<T>::logits_backward(const T* x, int64_t n, Side side, const T* d
     const T* xr = x + i * d;
     for (int64_t c = 0; c < d; ++c) dx[i * d + c] = coef * sq * sq * xr[c];
   }
-  matmul<T>(products, mat(dx, n, d), mat(positive ? dL : static_cast<const T*>(dU), n, m), mat(omega_, m, d), sq, T(1));
+  const Mat<const T> dU_or_dL = mat(positive ? dL : static_cast<const T*>(dU), n, m);
+  if constexpr (std::is_same_v<T, float>) {
+    if (products == Products::Bfloat16 && omega_packed_) {
+      matmul_bf16(mat(dx, n, d), dU_or_dL, *omega_packed_, sq, 1.0f);
+      return;
+    }
+  }
+  matmul<T>(products, mat(dx, n, d), dU_or_dL, mat(omega_, m, d), sq, T(1));
+}
+
+template <class T>
+void FeatureMap<T>::pack_projection() {
+  if constexpr (std::is_same_v<T, float>) {
+    require(log_form(), "FeatureMap::pack_projection: not a FAVOR feature map");
+    omega_t_packed_ = std::make_shared<const Bf16PackedB>(mat(omega_, m_, d_).t());
+    omega_packed_ = std::make_shared<const Bf16PackedB>(mat(omega_, m_, d_));
+  } else {
+    throw std::logic_error("FeatureMap::pack_projection: bfloat16 products are for float32 maps only");
+  }
 }
 
 template <class T, class S>

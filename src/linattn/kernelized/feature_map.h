@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -81,12 +82,20 @@ class FeatureMap {
                        T* dx, T* scratch, Products products = Products::Native) const;
   int64_t scratch_size(int64_t n) const;
 
+  // For Products::Bfloat16 calls of a float32 FAVOR map: ω rounded and packed once (as B of
+  // logits' and logits_backward's products) rather than once per block of rows, which at the
+  // causal chunks' 32 rows cost a third of U's product. The same bits. Needs AVX512-BF16.
+  void pack_projection();
+  bool projection_packed() const { return omega_t_packed_ != nullptr; }
+
  private:
   FeatureMapKind kind_ = FeatureMapKind::Elu;
   int64_t d_ = 0, dim_ = 0, m_ = 0;
   double focus_power_ = 3, sqrt_scale_ = 1;
   double omega_norm_max_ = 0;  // max_r ‖ω_r‖: |ω_r·x̃| <= ‖x̃‖·omega_norm_max_
   const T* omega_ = nullptr;   // [m, d]
+  // pack_projection()'s ωᵀ and ω, shared by the map's copies (null: pack per product).
+  std::shared_ptr<const Bf16PackedB> omega_t_packed_, omega_packed_;
 };
 
 class KeyMask;

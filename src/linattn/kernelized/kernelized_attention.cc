@@ -3,6 +3,7 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <type_traits>
 
 #include "linattn/core/attention_args.h"
 #include "linattn/core/depthwise_conv.h"
@@ -64,6 +65,8 @@ FeatureMap<T> favor_map(const char* fn, const FavorOptions& o, const AttentionDi
   FeatureMap<T> map = FeatureMap<T>::favor(fn, parse_favor_kernel(fn, o.kernel), projection, d.head_dim, o.scale);
   require(products == Products::Native || !map.has_factor(), fn,
           ": bfloat16 products are not for the trig kernel (its features are signed)");
+  if constexpr (std::is_same_v<T, float>)
+    if (products == Products::Bfloat16) map.pack_projection();
   return map;
 }
 
