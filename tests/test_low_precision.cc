@@ -55,6 +55,26 @@ TEST(LowPrecision, WideningEveryPatternMatchesTheOneValueForm) {
   expect_widen_all_patterns<float16>();
 }
 
+// widen_rows: each row of a block widens as simd::widen widens it, into rows ld_dst apart, and
+// the columns past cols are left alone; odd widths below and across a vector's lanes.
+TEST(LowPrecision, WideningRowsMatchesWideningEachRow) {
+  std::vector<bfloat16> src(7 * 37);
+  for (size_t i = 0; i < src.size(); ++i) src[i].bits = static_cast<uint16_t>((i * 2654435761u) >> 16);
+  for (const size_t cols : {size_t{1}, size_t{5}, size_t{16}, size_t{37}}) {
+    const size_t rows = src.size() / cols > 7 ? 7 : src.size() / cols, ld = cols + 3;
+    std::vector<float> got(rows * ld, -2.5f), want(rows * ld, -2.5f);
+    simd::widen_rows(src.data(), rows, cols, got.data(), ld);
+    for (size_t r = 0; r < rows; ++r) simd::widen(src.data() + r * cols, want.data() + r * ld, cols);
+    for (size_t i = 0; i < got.size(); ++i) {
+      if (std::isnan(want[i])) {
+        EXPECT_TRUE(std::isnan(got[i])) << "cols " << cols << " at " << i;
+      } else {
+        ASSERT_EQ(bits_of(got[i]), bits_of(want[i])) << "cols " << cols << " at " << i;
+      }
+    }
+  }
+}
+
 // Known values: the largest finite, the smallest subnormal, ties to even, overflow to inf.
 TEST(LowPrecision, KnownRoundings) {
   EXPECT_EQ(to_bfloat16(1.0f).bits, 0x3F80);

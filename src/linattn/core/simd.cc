@@ -540,6 +540,10 @@ void WidenBF16(const uint16_t* src, float* dst, size_t n) {
   for (; i < n; ++i) dst[i] = to_float(bfloat16{src[i]});
 }
 
+void WidenRowsBF16(const uint16_t* src, size_t rows, size_t cols, float* dst, size_t ld_dst) {
+  for (size_t r = 0; r < rows; ++r) WidenBF16(src + r * cols, dst + r * ld_dst, cols);
+}
+
 // The bfloat16 bits of v (float32 lanes) rounded to nearest even, NaN kept quiet, as 16-bit lanes.
 template <class DF>
 HWY_INLINE auto RoundToBF16Bits(DF df, hn::Vec<DF> v) {
@@ -785,6 +789,7 @@ HWY_EXPORT(CurrentTarget);
 HWY_EXPORT(FmaLoop);
 HWY_EXPORT(FloatLanes);
 HWY_EXPORT(WidenBF16);
+HWY_EXPORT(WidenRowsBF16);
 HWY_EXPORT(NarrowBF16);
 HWY_EXPORT(OnlineSoftmaxBF16);
 HWY_EXPORT(OnlineSoftmaxF32);
@@ -903,6 +908,9 @@ void widen(const bfloat16* src, float* dst, size_t n) {
 }
 void narrow(const float* src, bfloat16* dst, size_t n) {
   HWY_DYNAMIC_DISPATCH(NarrowBF16)(src, reinterpret_cast<uint16_t*>(dst), n);
+}
+void widen_rows(const bfloat16* src, size_t rows, size_t cols, float* dst, size_t ld_dst) {
+  HWY_DYNAMIC_DISPATCH(WidenRowsBF16)(reinterpret_cast<const uint16_t*>(src), rows, cols, dst, ld_dst);
 }
 int64_t online_softmax_step(const float* s, size_t ld_s, size_t rows, const int64_t* count, size_t width,
                             float scale, float* m, float* l, float* o, size_t ld_o, size_t o_cols, bfloat16* p,

@@ -118,6 +118,9 @@ bool all_finite(const bfloat16* x, size_t n);
 // even (the one-value to_bfloat16 / to_float16 of low_precision.h, which the tests compare).
 void widen(const bfloat16* src, float* dst, size_t n);
 void narrow(const float* src, bfloat16* dst, size_t n);
+// rows × cols contiguous values into rows of ld_dst floats (ld_dst >= cols): one call for a block
+// of short rows (the engine's [v_j, 1] rows), where a call per row cost more than its widening.
+void widen_rows(const bfloat16* src, size_t rows, size_t cols, float* dst, size_t ld_dst);
 void widen(const float16* src, float* dst, size_t n);
 void narrow(const float* src, float16* dst, size_t n);
 

@@ -303,12 +303,12 @@ void output_grads(const T* dout, const T* out, const T* D, const T* dden, int64_
 template <class T, class S>
 void augmented_values(const Problem<T, S>& p, int64_t bh, int64_t j0, int64_t rows, Scratch<T>& s) {
   const int64_t dv = p.dims.value_dim, da = dv + 1;
+  if constexpr (!std::is_same_v<S, T>)
+    if (rows > 0)
+      simd::widen_rows(p.v.row(bh, j0), static_cast<size_t>(rows), static_cast<size_t>(dv), s.vaug.data(),
+                       static_cast<size_t>(da));
   for (int64_t j = 0; j < rows; ++j) {
-    if constexpr (std::is_same_v<S, T>) {
-      std::copy(p.v.row(bh, j0 + j), p.v.row(bh, j0 + j) + dv, s.vaug.data() + j * da);
-    } else {
-      simd::widen(p.v.row(bh, j0 + j), s.vaug.data() + j * da, static_cast<size_t>(dv));
-    }
+    if constexpr (std::is_same_v<S, T>) std::copy(p.v.row(bh, j0 + j), p.v.row(bh, j0 + j) + dv, s.vaug.data() + j * da);
     s.vaug[j * da + dv] = 1;
   }
 }
