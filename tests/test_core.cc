@@ -430,6 +430,37 @@ void check_shift_kernels() {
 TEST(Simd, FloatShiftKernelsMatchLoops) { check_shift_kernels<float>(); }
 TEST(Simd, DoubleShiftKernelsMatchLoops) { check_shift_kernels<double>(); }
 
+// scale_rows on every SIMD target: each value is the one multiply x·factor of its row (float32,
+// float64), and for a bfloat16 result that product rounded as to_bfloat16 rounds it (ties,
+// overflow to inf and a zero factor included); padding columns of dst are left alone; widths
+// that end in a full vector and in a tail.
+template <class T>
+void check_scale_rows() {
+  testing::for_each_simd_target([](int64_t) {
+    for (const size_t cols : {size_t{1}, size_t{7}, size_t{16}, size_t{33}}) {
+      const size_t rows = 5, ld_src = cols + 2, ld_dst = cols + 3;
+      std::vector<T> src(rows * ld_src), factor = {T(0.37), T(0), T(-3), T(1) / T(3), T(1e38)};
+      fill_normal(src.data(), int64_t(src.size()), 31 + cols);
+      src[0] = T(1) + T(1) / T(256);  // a bfloat16 tie: rounds to even
+      std::vector<T> got(rows * ld_dst, T(-7)), want = got;
+      std::vector<bfloat16> got16(rows * ld_dst, to_bfloat16(-7.0f)), want16 = got16;
+      for (size_t r = 0; r < rows; ++r)
+        for (size_t c = 0; c < cols; ++c) {
+          want[r * ld_dst + c] = src[r * ld_src + c] * factor[r];
+          if constexpr (std::is_same_v<T, float>) want16[r * ld_dst + c] = to_bfloat16(src[r * ld_src + c] * factor[r]);
+        }
+      simd::scale_rows(src.data(), ld_src, rows, cols, factor.data(), got.data(), ld_dst);
+      for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], want[i]) << "cols " << cols << " at " << i;
+      if constexpr (std::is_same_v<T, float>) {
+        simd::scale_rows(src.data(), ld_src, rows, cols, factor.data(), got16.data(), ld_dst);
+        for (size_t i = 0; i < got16.size(); ++i) ASSERT_EQ(got16[i].bits, want16[i].bits) << "cols " << cols << " at " << i;
+      }
+    }
+  });
+}
+TEST(Simd, FloatScaleRowsMatchesOneMultiply) { check_scale_rows<float>(); }
+TEST(Simd, DoubleScaleRowsMatchesOneMultiply) { check_scale_rows<double>(); }
+
 // finite_max_abs: the largest |x| exactly, NaN as soon as one entry is not finite, wherever
 // it sits (full vector or tail).
 TEST(Simd, FiniteMaxAbs) {

@@ -581,6 +581,42 @@ void NarrowBF16(const float* src, uint16_t* dst, size_t n) {
   for (; i < n; ++i) dst[i] = to_bfloat16(src[i]).bits;
 }
 
+template <class T>
+void ScaleRows(const T* src, size_t ld_src, size_t rows, size_t cols, const T* factor, T* dst, size_t ld_dst) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  for (size_t r = 0; r < rows; ++r) {
+    const T* x = src + r * ld_src;
+    T* y = dst + r * ld_dst;
+    const auto f = hn::Set(d, factor[r]);
+    size_t c = 0;
+    for (; c + N <= cols; c += N) hn::StoreU(hn::Mul(hn::LoadU(d, x + c), f), d, y + c);
+    if (c < cols) StoreTail(d, hn::Mul(LoadTail(d, x + c, cols - c), f), y + c, cols - c);
+  }
+}
+void ScaleRowsF32(const float* src, size_t ld_src, size_t rows, size_t cols, const float* factor, float* dst,
+                  size_t ld_dst) {
+  ScaleRows(src, ld_src, rows, cols, factor, dst, ld_dst);
+}
+void ScaleRowsF64(const double* src, size_t ld_src, size_t rows, size_t cols, const double* factor, double* dst,
+                  size_t ld_dst) {
+  ScaleRows(src, ld_src, rows, cols, factor, dst, ld_dst);
+}
+void ScaleRowsBF16(const float* src, size_t ld_src, size_t rows, size_t cols, const float* factor, uint16_t* dst,
+                   size_t ld_dst) {
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<uint16_t, decltype(df)> du16;
+  const size_t N = hn::Lanes(df);
+  for (size_t r = 0; r < rows; ++r) {
+    const float* x = src + r * ld_src;
+    uint16_t* y = dst + r * ld_dst;
+    const auto f = hn::Set(df, factor[r]);
+    size_t c = 0;
+    for (; c + N <= cols; c += N) hn::StoreU(RoundToBF16Bits(df, hn::Mul(hn::LoadU(df, x + c), f)), du16, y + c);
+    for (; c < cols; ++c) y[c] = to_bfloat16(x[c] * factor[r]).bits;
+  }
+}
+
 // The store of probabilities: float32 as computed, or rounded to bfloat16.
 template <class DF>
 HWY_INLINE void StoreProbabilities(DF df, hn::Vec<DF> e, float* p) {
@@ -806,6 +842,9 @@ HWY_EXPORT(FmaLoop);
 HWY_EXPORT(FloatLanes);
 HWY_EXPORT(WidenBF16);
 HWY_EXPORT(WidenRowsBF16);
+HWY_EXPORT(ScaleRowsF32);
+HWY_EXPORT(ScaleRowsF64);
+HWY_EXPORT(ScaleRowsBF16);
 HWY_EXPORT(NarrowBF16);
 HWY_EXPORT(OnlineSoftmaxBF16);
 HWY_EXPORT(OnlineSoftmaxF32);
@@ -924,6 +963,18 @@ void widen(const bfloat16* src, float* dst, size_t n) {
 }
 void narrow(const float* src, bfloat16* dst, size_t n) {
   HWY_DYNAMIC_DISPATCH(NarrowBF16)(src, reinterpret_cast<uint16_t*>(dst), n);
+}
+void scale_rows(const float* src, size_t ld_src, size_t rows, size_t cols, const float* factor, float* dst,
+                size_t ld_dst) {
+  HWY_DYNAMIC_DISPATCH(ScaleRowsF32)(src, ld_src, rows, cols, factor, dst, ld_dst);
+}
+void scale_rows(const double* src, size_t ld_src, size_t rows, size_t cols, const double* factor, double* dst,
+                size_t ld_dst) {
+  HWY_DYNAMIC_DISPATCH(ScaleRowsF64)(src, ld_src, rows, cols, factor, dst, ld_dst);
+}
+void scale_rows(const float* src, size_t ld_src, size_t rows, size_t cols, const float* factor, bfloat16* dst,
+                size_t ld_dst) {
+  HWY_DYNAMIC_DISPATCH(ScaleRowsBF16)(src, ld_src, rows, cols, factor, reinterpret_cast<uint16_t*>(dst), ld_dst);
 }
 void widen_rows(const bfloat16* src, size_t rows, size_t cols, float* dst, size_t ld_dst) {
   HWY_DYNAMIC_DISPATCH(WidenRowsBF16)(reinterpret_cast<const uint16_t*>(src), rows, cols, dst, ld_dst);

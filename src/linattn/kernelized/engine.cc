@@ -122,6 +122,7 @@ struct Scratch {
     dlog = buffer(fm.has_factor() ? rows * m : 0);
     fs = buffer(fm.scratch_size(rows));
     num = buffer(rows * dv);
+    inv = buffer(rows);
     c = buffer(m);
     c_new = buffer(m);
     kvz = buffer(m * (dv + 1));
@@ -147,6 +148,7 @@ struct Scratch {
   // Gradients of a block's features (dphi), and for trig the gradient of its logits (dlog);
   // the feature map's backward scratch; outputs (recomputed).
   Buffer<T> dphi, dlog, fs, num;
+  Buffer<T> inv;  // a block's 1 / D_i (0 where D_i = 0), for simd::scale_rows
   Buffer<T> c, c_new;  // per-feature log-shifts of the keys (FAVOR), and scratch for raising them
   // Augmented so that one product gives both sums (and no rank-one loops are left): the state
   // [KV | z] (m'×(d_v+1); causal: S and z so far), its gradient [dKV | dz] (causal: the suffix
@@ -297,6 +299,21 @@ void output_grads(const T* dout, const T* out, const T* D, const T* dden, int64_
   }
 }
 
+// out_i = num_i / D_i for `rows` rows of [num | den] (s.nd), into out (stride d_v: T, or the
+// result's own S, rounded there), with D_i from D_in (the saved values) when given, else den_i +
+// eps (then also written to D_out when given); 0 where D_i = 0.
+template <class T, class S, class O>
+void divide_rows(const Problem<T, S>& p, int64_t rows, Scratch<T>& s, O* out, const T* D_in, T* D_out) {
+  const int64_t dv = p.dims.value_dim, da = dv + 1;
+  for (int64_t i = 0; i < rows; ++i) {
+    const T D = D_in ? D_in[i] : s.nd[i * da + dv] + p.eps;
+    if (D_out) D_out[i] = D;
+    s.inv[i] = D != 0 ? T(1) / D : T(0);
+  }
+  simd::scale_rows(s.nd.data(), static_cast<size_t>(da), static_cast<size_t>(rows), static_cast<size_t>(dv),
+                   s.inv.data(), out, static_cast<size_t>(dv));
+}
+
 // ---- non-causal ----------------------------------------------------------------------------
 
 // s.vaug rows = [v_j, 1].
@@ -337,23 +354,15 @@ void accumulate_kv(const Problem<T, S>& p, int64_t bh, int64_t key_len, Scratch<
 }
 
 // [num | den] for query rows [i0, i0+rows) into s.nd (their features into s.qf), and
-// out_i = num_i / D_i into out (stride d_v), with D_i from D_in (the saved values) when given,
-// else den_i + eps (then also written to D_out when given). Returns the query rows as T
-// (query_features).
-template <class T, class S>
-const T* query_rows(const Problem<T, S>& p, int64_t bh, int64_t i0, int64_t rows, Scratch<T>& s, T* out,
+// out_i = num_i / D_i into out (divide_rows). Returns the query rows as T (query_features).
+template <class T, class S, class O>
+const T* query_rows(const Problem<T, S>& p, int64_t bh, int64_t i0, int64_t rows, Scratch<T>& s, O* out,
                     const T* D_in, T* D_out) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, da = dv + 1;
   const T* x = query_features(p, bh, i0, rows, s.c.data(), s, s.qf);
   matmul<T>(p.products, mat(s.nd.data(), rows, da), mat(s.qf.values(*p.fmap), rows, m),
             mat(s.kvz.data(), m, da));
-  for (int64_t i = 0; i < rows; ++i) {
-    const T* nd = s.nd.data() + i * da;
-    const T D = D_in ? D_in[i] : nd[dv] + p.eps;
-    if (D_out) D_out[i] = D;
-    const T inv = D != 0 ? T(1) / D : T(0);
-    for (int64_t c = 0; c < dv; ++c) out[i * dv + c] = nd[c] * inv;
-  }
+  divide_rows(p, rows, s, out, D_in, D_out);
   return x;
 }
 
@@ -375,9 +384,10 @@ void forward_noncausal(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, S* out
     interruption_point();
     const int64_t rows = std::min(kBlockRows, p.dims.n_q - i0);
     S* o = out ? out + (bh * p.dims.n_q + i0) * dv : nullptr;
-    T* r = o ? result_values(o, s) : s.num.data();
-    query_rows(p, bh, i0, rows, s, r, static_cast<const T*>(nullptr), save.den ? save.den + bh * p.dims.n_q + i0 : nullptr);
-    if (o) store_results(o, r, rows * dv, s, false);  // the caller checks the whole output
+    T* den = save.den ? save.den + bh * p.dims.n_q + i0 : nullptr;
+    // The caller checks the whole output.
+    if (o) query_rows(p, bh, i0, rows, s, o, static_cast<const T*>(nullptr), den);
+    else query_rows(p, bh, i0, rows, s, s.num.data(), static_cast<const T*>(nullptr), den);
   }
   if (save.state) store_state(p, s, save.state + bh * m * (dv + 2));
 }
@@ -524,23 +534,16 @@ void chunk_weights(const Problem<T, S>& p, int64_t rows, int64_t kr, const Featu
 }
 
 // [num_i | den_i] = Q_i·[S | z] + Σ_j W_ij·[v_j, 1] into s.nd, with s.vaug = the chunk's [V | 1];
-// out_i = num_i / D_i into out (stride d_v), with D_i from D_in (the saved values) when given,
-// else den_i + eps (then also written to D_out).
-template <class T, class S>
-void chunk_outputs(const Problem<T, S>& p, int64_t rows, int64_t kr, const Features<T>& qf, Scratch<T>& s, T* out,
+// out_i = num_i / D_i into out (divide_rows; D_out written when D_in is null).
+template <class T, class S, class O>
+void chunk_outputs(const Problem<T, S>& p, int64_t rows, int64_t kr, const Features<T>& qf, Scratch<T>& s, O* out,
                    const T* D_in, T* D_out) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim, da = dv + 1;
   matmul<T>(p.products, mat(s.nd.data(), rows, da), mat(qf.values(*p.fmap), rows, m), mat(s.kvz.data(), m, da));
   if (kr > 0)
     matmul<T>(p.products, mat(s.nd.data(), rows, da), mat(s.W.data(), rows, kr, kChunk), mat(s.vaug.data(), kr, da), T(1),
               T(1));
-  for (int64_t i = 0; i < rows; ++i) {
-    const T* nd = s.nd.data() + i * da;
-    const T D = D_in ? D_in[i] : nd[dv] + p.eps;
-    if (!D_in) D_out[i] = D;
-    const T inv = D != 0 ? T(1) / D : T(0);
-    for (int64_t c = 0; c < dv; ++c) out[i * dv + c] = nd[c] * inv;
-  }
+  divide_rows(p, rows, s, out, D_in, D_in ? nullptr : D_out);
 }
 
 // [S | z] += Kᵀ·[V | 1] over the chunk's kr valid keys (s.vaug).
@@ -588,9 +591,10 @@ void forward_causal(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, S* out, c
     chunk_weights(p, rows, kr, s.qf, s.kf, s);
     augmented_values(p, bh, t0, kr, s);
     S* o = out ? out + (bh * n + t0) * dv : nullptr;
-    T* r = o ? result_values(o, s) : s.num.data();
-    chunk_outputs(p, rows, kr, s.qf, s, r, static_cast<const T*>(nullptr), save.den ? save.den + bh * n + t0 : s.D.data());
-    if (o) store_results(o, r, rows * dv, s, false);  // the caller checks the whole output
+    T* den = save.den ? save.den + bh * n + t0 : s.D.data();
+    // The caller checks the whole output.
+    if (o) chunk_outputs(p, rows, kr, s.qf, s, o, static_cast<const T*>(nullptr), den);
+    else chunk_outputs(p, rows, kr, s.qf, s, s.num.data(), static_cast<const T*>(nullptr), den);
     add_chunk_to_state(p, kr, s.kf, s);
     t0 += rows;
   }
