@@ -441,7 +441,8 @@ void check_scale_rows() {
       const size_t rows = 5, ld_src = cols + 2, ld_dst = cols + 3;
       std::vector<T> src(rows * ld_src), factor = {T(0.37), T(0), T(-3), T(1) / T(3), T(1e38)};
       fill_normal(src.data(), int64_t(src.size()), 31 + cols);
-      src[0] = T(1) + T(1) / T(256);  // a bfloat16 tie: rounds to even
+      src[0] = T(1) + T(1) / T(256);                 // a bfloat16 tie: rounds to even
+      src[4 * ld_src + cols - 1] = T(4);             // times 1e38: past float32's range (row 4)
       std::vector<T> got(rows * ld_dst, T(-7)), want = got;
       std::vector<bfloat16> got16(rows * ld_dst, to_bfloat16(-7.0f)), want16 = got16;
       for (size_t r = 0; r < rows; ++r)
@@ -449,11 +450,21 @@ void check_scale_rows() {
           want[r * ld_dst + c] = src[r * ld_src + c] * factor[r];
           if constexpr (std::is_same_v<T, float>) want16[r * ld_dst + c] = to_bfloat16(src[r * ld_src + c] * factor[r]);
         }
-      simd::scale_rows(src.data(), ld_src, rows, cols, factor.data(), got.data(), ld_dst);
+      bool finite = true, finite16 = true;
+      for (size_t r = 0; r < rows; ++r)
+        for (size_t c = 0; c < cols; ++c) {
+          finite = finite && std::isfinite(want[r * ld_dst + c]);
+          finite16 = finite16 && std::isfinite(to_float(want16[r * ld_dst + c]));
+        }
+      EXPECT_EQ(simd::scale_rows(src.data(), ld_src, rows, cols, factor.data(), got.data(), ld_dst), finite) << cols;
       for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], want[i]) << "cols " << cols << " at " << i;
+      // Without the row that overflows float32, every value is finite.
+      EXPECT_TRUE(simd::scale_rows(src.data(), ld_src, rows - 1, cols, factor.data(), got.data(), ld_dst)) << cols;
       if constexpr (std::is_same_v<T, float>) {
-        simd::scale_rows(src.data(), ld_src, rows, cols, factor.data(), got16.data(), ld_dst);
+        EXPECT_FALSE(finite16);  // 1e38·x rounds to inf somewhere (|x| > 3.4)
+        EXPECT_EQ(simd::scale_rows(src.data(), ld_src, rows, cols, factor.data(), got16.data(), ld_dst), finite16) << cols;
         for (size_t i = 0; i < got16.size(); ++i) ASSERT_EQ(got16[i].bits, want16[i].bits) << "cols " << cols << " at " << i;
+        EXPECT_TRUE(simd::scale_rows(src.data(), ld_src, rows - 1, cols, factor.data(), got16.data(), ld_dst)) << cols;
       }
     }
   });

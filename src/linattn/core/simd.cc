@@ -582,39 +582,62 @@ void NarrowBF16(const float* src, uint16_t* dst, size_t n) {
 }
 
 template <class T>
-void ScaleRows(const T* src, size_t ld_src, size_t rows, size_t cols, const T* factor, T* dst, size_t ld_dst) {
+bool ScaleRows(const T* src, size_t ld_src, size_t rows, size_t cols, const T* factor, T* dst, size_t ld_dst) {
   const hn::ScalableTag<T> d;
   const size_t N = hn::Lanes(d);
+  // x − x is 0 for a finite x and NaN for ±inf or NaN: one sum of them per row tells.
+  auto finite = hn::Zero(d);
   for (size_t r = 0; r < rows; ++r) {
     const T* x = src + r * ld_src;
     T* y = dst + r * ld_dst;
     const auto f = hn::Set(d, factor[r]);
     size_t c = 0;
-    for (; c + N <= cols; c += N) hn::StoreU(hn::Mul(hn::LoadU(d, x + c), f), d, y + c);
-    if (c < cols) StoreTail(d, hn::Mul(LoadTail(d, x + c, cols - c), f), y + c, cols - c);
+    for (; c + N <= cols; c += N) {
+      const auto v = hn::Mul(hn::LoadU(d, x + c), f);
+      hn::StoreU(v, d, y + c);
+      finite = hn::Add(finite, hn::Sub(v, v));
+    }
+    if (c < cols) {
+      const auto v = hn::Mul(LoadTail(d, x + c, cols - c), f);
+      StoreTail(d, v, y + c, cols - c);
+      finite = hn::Add(finite, hn::Sub(v, v));  // the lanes past cols are 0·f: 0 or NaN only if f is not finite
+    }
   }
+  return hn::AllTrue(d, hn::Eq(finite, hn::Zero(d)));
 }
-void ScaleRowsF32(const float* src, size_t ld_src, size_t rows, size_t cols, const float* factor, float* dst,
+bool ScaleRowsF32(const float* src, size_t ld_src, size_t rows, size_t cols, const float* factor, float* dst,
                   size_t ld_dst) {
-  ScaleRows(src, ld_src, rows, cols, factor, dst, ld_dst);
+  return ScaleRows(src, ld_src, rows, cols, factor, dst, ld_dst);
 }
-void ScaleRowsF64(const double* src, size_t ld_src, size_t rows, size_t cols, const double* factor, double* dst,
+bool ScaleRowsF64(const double* src, size_t ld_src, size_t rows, size_t cols, const double* factor, double* dst,
                   size_t ld_dst) {
-  ScaleRows(src, ld_src, rows, cols, factor, dst, ld_dst);
+  return ScaleRows(src, ld_src, rows, cols, factor, dst, ld_dst);
 }
-void ScaleRowsBF16(const float* src, size_t ld_src, size_t rows, size_t cols, const float* factor, uint16_t* dst,
+bool ScaleRowsBF16(const float* src, size_t ld_src, size_t rows, size_t cols, const float* factor, uint16_t* dst,
                    size_t ld_dst) {
   const hn::ScalableTag<float> df;
   const hn::Rebind<uint16_t, decltype(df)> du16;
   const size_t N = hn::Lanes(df);
+  // Below the sign bit a bfloat16's bits order its magnitudes: the largest is below 0x7F80 (inf)
+  // exactly when every value written is finite.
+  auto top = hn::Zero(du16);
+  uint16_t top_tail = 0;
   for (size_t r = 0; r < rows; ++r) {
     const float* x = src + r * ld_src;
     uint16_t* y = dst + r * ld_dst;
     const auto f = hn::Set(df, factor[r]);
     size_t c = 0;
-    for (; c + N <= cols; c += N) hn::StoreU(RoundToBF16Bits(df, hn::Mul(hn::LoadU(df, x + c), f)), du16, y + c);
-    for (; c < cols; ++c) y[c] = to_bfloat16(x[c] * factor[r]).bits;
+    for (; c + N <= cols; c += N) {
+      const auto bits = RoundToBF16Bits(df, hn::Mul(hn::LoadU(df, x + c), f));
+      hn::StoreU(bits, du16, y + c);
+      top = hn::Max(top, hn::And(bits, hn::Set(du16, 0x7FFF)));
+    }
+    for (; c < cols; ++c) {
+      y[c] = to_bfloat16(x[c] * factor[r]).bits;
+      top_tail = std::max<uint16_t>(top_tail, static_cast<uint16_t>(y[c] & 0x7FFFu));
+    }
   }
+  return std::max<uint16_t>(top_tail, hn::GetLane(hn::MaxOfLanes(du16, top))) < 0x7F80u;
 }
 
 // The store of probabilities: float32 as computed, or rounded to bfloat16.
@@ -964,17 +987,17 @@ void widen(const bfloat16* src, float* dst, size_t n) {
 void narrow(const float* src, bfloat16* dst, size_t n) {
   HWY_DYNAMIC_DISPATCH(NarrowBF16)(src, reinterpret_cast<uint16_t*>(dst), n);
 }
-void scale_rows(const float* src, size_t ld_src, size_t rows, size_t cols, const float* factor, float* dst,
+bool scale_rows(const float* src, size_t ld_src, size_t rows, size_t cols, const float* factor, float* dst,
                 size_t ld_dst) {
-  HWY_DYNAMIC_DISPATCH(ScaleRowsF32)(src, ld_src, rows, cols, factor, dst, ld_dst);
+  return HWY_DYNAMIC_DISPATCH(ScaleRowsF32)(src, ld_src, rows, cols, factor, dst, ld_dst);
 }
-void scale_rows(const double* src, size_t ld_src, size_t rows, size_t cols, const double* factor, double* dst,
+bool scale_rows(const double* src, size_t ld_src, size_t rows, size_t cols, const double* factor, double* dst,
                 size_t ld_dst) {
-  HWY_DYNAMIC_DISPATCH(ScaleRowsF64)(src, ld_src, rows, cols, factor, dst, ld_dst);
+  return HWY_DYNAMIC_DISPATCH(ScaleRowsF64)(src, ld_src, rows, cols, factor, dst, ld_dst);
 }
-void scale_rows(const float* src, size_t ld_src, size_t rows, size_t cols, const float* factor, bfloat16* dst,
+bool scale_rows(const float* src, size_t ld_src, size_t rows, size_t cols, const float* factor, bfloat16* dst,
                 size_t ld_dst) {
-  HWY_DYNAMIC_DISPATCH(ScaleRowsBF16)(src, ld_src, rows, cols, factor, reinterpret_cast<uint16_t*>(dst), ld_dst);
+  return HWY_DYNAMIC_DISPATCH(ScaleRowsBF16)(src, ld_src, rows, cols, factor, reinterpret_cast<uint16_t*>(dst), ld_dst);
 }
 void widen_rows(const bfloat16* src, size_t rows, size_t cols, float* dst, size_t ld_dst) {
   HWY_DYNAMIC_DISPATCH(WidenRowsBF16)(reinterpret_cast<const uint16_t*>(src), rows, cols, dst, ld_dst);

@@ -121,12 +121,13 @@ void narrow(const float* src, bfloat16* dst, size_t n);
 // dst[r][c] = src[r][c]·factor[r] for r < rows, c < cols (one float32 or float64 multiply), and
 // for a bfloat16 dst that product rounded to nearest even as narrow() rounds it: the kernelized
 // engine's out_i = num_i / D_i, written straight into a bfloat16 result instead of through a
-// float32 block that narrow() then reads again.
-void scale_rows(const float* src, size_t ld_src, size_t rows, size_t cols, const float* factor, float* dst,
+// float32 block that narrow() then reads again. Returns whether every value written is finite
+// (checked while in registers: the caller need not read the result again).
+bool scale_rows(const float* src, size_t ld_src, size_t rows, size_t cols, const float* factor, float* dst,
                 size_t ld_dst);
-void scale_rows(const double* src, size_t ld_src, size_t rows, size_t cols, const double* factor, double* dst,
+bool scale_rows(const double* src, size_t ld_src, size_t rows, size_t cols, const double* factor, double* dst,
                 size_t ld_dst);
-void scale_rows(const float* src, size_t ld_src, size_t rows, size_t cols, const float* factor, bfloat16* dst,
+bool scale_rows(const float* src, size_t ld_src, size_t rows, size_t cols, const float* factor, bfloat16* dst,
                 size_t ld_dst);
 // rows × cols contiguous values into rows of ld_dst floats (ld_dst >= cols): one call for a block
 // of short rows (the engine's [v_j, 1] rows), where a call per row cost more than its widening.

@@ -159,8 +159,10 @@ struct Scratch {
   // Inputs stored as bfloat16 (S ≠ T): a block's q or k rows and its dout rows widened, and the
   // block's results before they are rounded to the output (storage below).
   Buffer<T> rows_in, grads_in, staged;
-  // Backward: whether every gradient value this worker wrote is finite (range.h).
+  // Backward: whether every gradient value this worker wrote is finite (range.h). Forward:
+  // whether every output value it wrote is (divide_rows).
   WrittenFinite written;
+  bool outputs_finite = true;
 };
 
 // ---- storage -------------------------------------------------------------------------------
@@ -301,7 +303,8 @@ void output_grads(const T* dout, const T* out, const T* D, const T* dden, int64_
 
 // out_i = num_i / D_i for `rows` rows of [num | den] (s.nd), into out (stride d_v: T, or the
 // result's own S, rounded there), with D_i from D_in (the saved values) when given, else den_i +
-// eps (then also written to D_out when given); 0 where D_i = 0.
+// eps (then also written to D_out when given); 0 where D_i = 0. Whether every value written is
+// finite goes into s.outputs_finite.
 template <class T, class S, class O>
 void divide_rows(const Problem<T, S>& p, int64_t rows, Scratch<T>& s, O* out, const T* D_in, T* D_out) {
   const int64_t dv = p.dims.value_dim, da = dv + 1;
@@ -310,8 +313,9 @@ void divide_rows(const Problem<T, S>& p, int64_t rows, Scratch<T>& s, O* out, co
     if (D_out) D_out[i] = D;
     s.inv[i] = D != 0 ? T(1) / D : T(0);
   }
-  simd::scale_rows(s.nd.data(), static_cast<size_t>(da), static_cast<size_t>(rows), static_cast<size_t>(dv),
-                   s.inv.data(), out, static_cast<size_t>(dv));
+  if (!simd::scale_rows(s.nd.data(), static_cast<size_t>(da), static_cast<size_t>(rows), static_cast<size_t>(dv),
+                        s.inv.data(), out, static_cast<size_t>(dv)))
+    s.outputs_finite = false;
 }
 
 // ---- non-causal ----------------------------------------------------------------------------
@@ -798,7 +802,7 @@ int64_t feature_cache_bytes() { return g_feature_cache_bytes.load(); }
 void set_feature_cache_bytes(int64_t bytes) { g_feature_cache_bytes.store(bytes); }
 
 template <class T, class S>
-void forward(const Problem<T, S>& p, S* out, Saved<T> save) {
+bool forward(const Problem<T, S>& p, S* out, Saved<T> save) {
   const bool causal = p.mask->causal();
   const ParallelLoop loop(p.dims.bh());
   PerWorker<Scratch<T>> scratch(loop, [&] { return Scratch<T>(p, causal); });
@@ -810,6 +814,9 @@ void forward(const Problem<T, S>& p, S* out, Saved<T> save) {
       forward_noncausal(p, bh, s, out, save);
     }
   });
+  for (int w = 0; w < scratch.size(); ++w)
+    if (!scratch[w].outputs_finite) return false;
+  return true;
 }
 
 template <class T>
@@ -973,9 +980,9 @@ LINATTN_STATE_OPS(float)
 LINATTN_STATE_OPS(double)
 #undef LINATTN_STATE_OPS
 
-template void forward<float>(const Problem<float>&, float*, Saved<float>);
-template void forward<float, bfloat16>(const Problem<float, bfloat16>&, bfloat16*, Saved<float>);
-template void forward<double>(const Problem<double>&, double*, Saved<double>);
+template bool forward<float>(const Problem<float>&, float*, Saved<float>);
+template bool forward<float, bfloat16>(const Problem<float, bfloat16>&, bfloat16*, Saved<float>);
+template bool forward<double>(const Problem<double>&, double*, Saved<double>);
 template void forward_causal_from_state<float>(const Problem<float>&, float*, float*, float*, float*);
 template void forward_causal_from_state<double>(const Problem<double>&, double*, double*, double*,
                                                 double*);

@@ -45,8 +45,10 @@ int64_t state_size(const Problem<T, S>& p) {
 }
 
 // out [B,H,n_q,d_v] (overwritten; null: only what `save` points at), and what `save` points at.
+// Returns whether every value written to out is finite (checked as it was written, so a caller
+// whose out is final need not read it again).
 template <class T, class S>
-void forward(const Problem<T, S>& p, S* out, Saved<T> save = {});
+bool forward(const Problem<T, S>& p, S* out, Saved<T> save = {});
 
 // Causal forward that starts from a carried state and leaves the final one there (for
 // RecurrentState): per batch·head, S [m'×d_v], z [m'] and the per-feature log-shifts c [m']
