@@ -757,7 +757,8 @@ py::tuple method_backward(const std::string& name, const ArrayArg& q, const Arra
   PyCall call(m, fn, q, k, v, tensors, options);
   call.arrays.add("dout", dout.obj);
   // What the forward saved is in the accumulation dtype (float32 for bfloat16/float16 calls);
-  // "out" may also come in the call's own dtype, and is then widened.
+  // "out" may also come in the call's own dtype, as the forward returned it: it goes to the
+  // backward as it is (SavedViews::out_as_returned), which widens it only where it must.
   std::vector<std::pair<std::string, Array>> saved_arrays;
   for (const auto& [key, value] : saved) {
     if (value.is_none()) continue;
@@ -770,15 +771,11 @@ py::tuple method_backward(const std::string& name, const ArrayArg& q, const Arra
     using A = linattn::accumulator_t<T>;
     const linattn::MethodArgs<T> a = call.args<T>();
     linattn::SavedViews<T> s;
-    std::vector<Tensor<float>> widened;
     for (const auto& [n, arr] : saved_arrays) {
       if (arr.dtype == dtype_of<A>()) {
         s[n] = arr.template view<A>();
       } else if (dtype_of<A>() != dt && n == "out" && arr.dtype == dt) {
-        if constexpr (linattn::is_low_precision_v<T>) {
-          widened.push_back(linattn::widen(arr.template view<T>()));
-          s[n] = widened.back().view();
-        }
+        s.out_as_returned = arr.template view<T>();
       } else {
         throw py::type_error(fn + ": " + n + " has dtype " + dtype_name(arr.dtype) + " but must be " +
                              dtype_name(dtype_of<A>()) + " (what the forward saves for " + dtype_name(dt) + " inputs)");

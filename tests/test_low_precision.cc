@@ -248,6 +248,61 @@ TEST(LowPrecision, EveryMethodIsItsFloat32ResultRoundedOnce) {
     }
 }
 
+// Every method's 16-bit backward from the forward's out as it returned it (SavedViews::
+// out_as_returned, what the Python module passes) gives the bits of the same backward from that
+// out widened into the map: the kernelized methods read it a block at a time, the others widen
+// it (with_float_out). Both storage and own kernels (exact attention's, the kernelized ones) and
+// the registry's widened calls; causal or not. out_as_returned with den or state missing, or
+// with an "out" in the map too, is an error naming what to pass.
+template <class Low>
+void expect_out_as_returned_matches(const MethodInfo& m, bool causal) {
+  SCOPED_TRACE(::testing::Message() << m.name << (causal ? " causal " : " ") << dtype_name<Low>());
+  const int64_t B = 1, H = 2, n = 70, d = 8;
+  const Tensor<Low> q = narrowed<Low>(random_tensor<double>({B, H, n, d}, 21)),
+                    k = narrowed<Low>(random_tensor<double>({B, H, n, d}, 22)),
+                    v = narrowed<Low>(random_tensor<double>({B, H, n, d}, 23)),
+                    dout = narrowed<Low>(random_tensor<double>({B, H, n, d}, 24));
+  const auto extra = m.functions<Low>().example_tensors(H, d, n, 0, 25);
+  MethodArgs<Low> a;
+  a.q = q, a.k = k, a.v = v;
+  a.options["causal"] = causal;
+  for (const auto& [name, t] : extra) a.tensors[name] = t.view();
+  const MethodOutput<Low> f = m.functions<Low>().forward(a);
+  const Tensor<float> out_wide = widen(f.out.view());
+  SavedViews<Low> widened{{"out", out_wide.view()}}, as_returned;
+  for (const auto& [name, t] : f.saved) widened[name] = as_returned[name] = t.view();
+  as_returned.out_as_returned = f.out.view();
+  const AttentionGrads<Low> want = m.functions<Low>().backward(a, dout, widened);
+  const AttentionGrads<Low> got = m.functions<Low>().backward(a, dout, as_returned);
+  auto same_bits = [](const Tensor<Low>& x, const Tensor<Low>& y, const std::string& what) {
+    ASSERT_EQ(x.shape(), y.shape()) << what;
+    for (int64_t i = 0; i < x.size(); ++i) ASSERT_EQ(x[i].bits, y[i].bits) << what << " [" << i << "]";
+  };
+  same_bits(got.dq, want.dq, "dq");
+  same_bits(got.dk, want.dk, "dk");
+  same_bits(got.dv, want.dv, "dv");
+  ASSERT_EQ(got.params.size(), want.params.size());
+  for (size_t i = 0; i < got.params.size(); ++i) same_bits(got.params[i].second, want.params[i].second, got.params[i].first);
+  if (f.saved.empty()) return;
+  SavedViews<Low> partial = as_returned;
+  partial.erase(f.saved.back().first);
+  const std::string e = testing::error_of([&] { m.functions<Low>().backward(a, dout, partial); });
+  EXPECT_NE(e.find("pass out"), std::string::npos) << e;
+  SavedViews<Low> both = as_returned;
+  both["out"] = out_wide.view();
+  const std::string e2 = testing::error_of([&] { m.functions<Low>().backward(a, dout, both); });
+  EXPECT_NE(e2.find("out was given twice"), std::string::npos) << e2;
+}
+
+TEST(LowPrecision, SavedOutAsReturnedGivesTheWidenedOutsBits) {
+  for (const MethodInfo& m : methods())
+    for (bool causal : {false, true}) {
+      if (causal && !m.no_causal.empty()) continue;
+      expect_out_as_returned_matches<bfloat16>(m, causal);
+      expect_out_as_returned_matches<float16>(m, causal);
+    }
+}
+
 // A gradient beyond float16's range is an error naming it, not inf: uniform attention over two
 // keys sends half of each of 8 queries' dout (60000 each) to every key, dv = 240000.
 TEST(LowPrecision, Float16OverflowIsAnError) {

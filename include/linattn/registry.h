@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "linattn/attention.h"
+#include "linattn/error.h"
 #include "linattn/low_precision.h"
 #include "linattn/tensor.h"
 
@@ -53,10 +54,36 @@ struct MethodOutput {
   std::vector<std::pair<std::string, Tensor<accumulator_t<T>>>> saved;
 };
 
-// The saved tensors a backward takes by name ("out" and MethodInfo::saved); float32 for
-// bfloat16/float16 calls, "out" included (widen() it).
+// The saved tensors a backward takes by name ("out" and MethodInfo::saved), in the accumulation
+// type (float32 for bfloat16/float16 calls). A bfloat16/float16 call's "out" may come instead as
+// the forward returned it, in the call's own type (out_as_returned, with no "out" in the map):
+// the kernelized methods read it a block at a time, and every other backward widens it
+// (with_float_out), so no caller need make a float32 copy of the whole output.
 template <class T>
-using SavedViews = std::map<std::string, TensorView<const accumulator_t<T>>, std::less<>>;
+struct SavedViews : std::map<std::string, TensorView<const accumulator_t<T>>, std::less<>> {
+  using Map = std::map<std::string, TensorView<const accumulator_t<T>>, std::less<>>;
+  using Map::Map;
+  SavedViews() = default;
+  SavedViews(Map views) : Map(std::move(views)) {}  // a plain map of views, as before
+  std::optional<TensorView<const T>> out_as_returned;
+};
+
+// saved with its out_as_returned widened into `keep` as the map's "out" (saved itself when it
+// has none), as the float32 backward's saved tensors. An out given both ways is an Error naming
+// fn.
+template <class T>
+SavedViews<accumulator_t<T>> with_float_out(const char* fn, const SavedViews<T>& saved, Tensor<accumulator_t<T>>& keep) {
+  SavedViews<accumulator_t<T>> s(saved.begin(), saved.end());
+  if constexpr (is_low_precision_v<T>) {
+    if (saved.out_as_returned) {
+      if (saved.count("out") > 0)
+        throw Error(std::string(fn) + ": out was given twice, as returned and widened; pass one of them");
+      keep = widen(*saved.out_as_returned);
+      s.emplace("out", keep.view());
+    }
+  }
+  return s;
+}
 
 template <class T>
 struct MethodFunctions {

@@ -35,7 +35,8 @@ MethodFunctions<Low> widening(const MethodFunctions<float>& f32, const std::stri
                                                                    const SavedViews<Low>& saved) {
     WidenedArgs<Low> w(a);
     const TensorView<const float> dout32 = w.keep(dout);
-    return registry_support::narrow_grads<Low>(backward(w.args, dout32, saved), fn);
+    Tensor<float> out32;
+    return registry_support::narrow_grads<Low>(backward(w.args, dout32, with_float_out(fn.c_str(), saved, out32)), fn);
   };
   if (f32.example_tensors)
     f.example_tensors = [example = f32.example_tensors, function](int64_t heads, int64_t head_dim, int64_t n_k,

@@ -140,6 +140,7 @@ struct Scratch {
       const int64_t d = p.dims.head_dim;
       rows_in = buffer(rows * d);
       grads_in = buffer(rows * dv);
+      outputs_in = buffer(rows * dv);
       staged = buffer(rows * std::max(d, dv));
     }
   }
@@ -156,9 +157,10 @@ struct Scratch {
   Buffer<T> kvz, dkvz, vaug, nd, dnd;
   // Causal: a chunk's denominators; its running maxima while finding where it ends; its W and P.
   Buffer<T> D, run_max, W, P;
-  // Inputs stored as bfloat16 (S ≠ T): a block's q or k rows and its dout rows widened, and the
-  // block's results before they are rounded to the output (storage below).
-  Buffer<T> rows_in, grads_in, staged;
+  // Inputs stored as bfloat16 (S ≠ T): a block's q or k rows, its dout rows and (the backward's
+  // saved out as returned) its out rows widened, and the block's results before they are rounded
+  // to the output (storage below).
+  Buffer<T> rows_in, grads_in, outputs_in, staged;
   // Backward: whether every gradient value this worker wrote is finite (range.h). Forward:
   // whether every output value it wrote is (divide_rows).
   WrittenFinite written;
@@ -408,8 +410,8 @@ void load_state(const Problem<T, S>& p, const T* st, Scratch<T>& s) {
 
 // Queries against the state in s.kvz, s.c: dq, and [dKV | dz] += Σ_i Q_iᵀ[dnum_i, dden_i] into
 // s.dkvz (which the caller zeroes).
-template <class T, class S>
-void noncausal_query_grads(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, const S* dout, const T* out,
+template <class T, class S, class O>
+void noncausal_query_grads(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, const S* dout, const O* out,
                            const T* den, S* dq) {
   const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, da = dv + 1;
   const int64_t n_q = p.dims.n_q;
@@ -417,7 +419,7 @@ void noncausal_query_grads(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, co
     interruption_point();
     const int64_t rows = std::min(kBlockRows, n_q - i0);
     const T* D = den + bh * n_q + i0;
-    const T* o = out ? out + (bh * n_q + i0) * dv : nullptr;
+    const T* o = out ? compute_values(out + (bh * n_q + i0) * dv, rows * dv, s.outputs_in) : nullptr;
     const T* x = nullptr;  // the query rows as T
     if (o) {
       x = query_features(p, bh, i0, rows, s.c.data(), s, s.qf);
@@ -463,8 +465,8 @@ void noncausal_key_grads(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, S* d
 }
 
 // From the saved state: queries give dq and [dKV | dz], then keys give dk and dv.
-template <class T, class S>
-void backward_noncausal(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, const S* dout, const T* out,
+template <class T, class S, class O>
+void backward_noncausal(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, const S* dout, const O* out,
                         const T* den, const T* state, S* dq, S* dk, S* dv_out) {
   const int64_t m = p.fmap->dim(), dv = p.dims.value_dim;
   load_state(p, state + bh * m * (dv + 2), s);
@@ -665,9 +667,9 @@ void chunk_output_grads(const Problem<T, S>& p, int64_t rows, int64_t kr, const 
 // Pass A, forward in time through the same chunks as the forward (same shifts): dnum and dden
 // from the saved out and D, each chunk's extent and shifts, and dq:
 // dQ_i = dnum_i·Sᵀ + dden_i·z + Σ_{j<=i} P_ij K_j.
-template <class T, class S>
+template <class T, class S, class O>
 void causal_forward_pass(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, CausalSaved<T>& saved,
-                         FeatureCache<T>& cache, const S* dout, const T* out, const T* den, S* dq,
+                         FeatureCache<T>& cache, const S* dout, const O* out, const T* den, S* dq,
                          const T* prefix = nullptr) {
   const int64_t m = p.fmap->dim(), d = p.dims.head_dim, dv = p.dims.value_dim, da = dv + 1, n = p.dims.n_q;
   const int64_t key_len = p.mask->key_length(bh / p.dims.heads);
@@ -688,7 +690,7 @@ void causal_forward_pass(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, Caus
     const T* D = den + bh * n + t0;
     T* dden = saved.dden.data() + t0;
     augmented_values(p, bh, t0, kr, s);
-    const T* o = out ? out + (bh * n + t0) * dv : nullptr;
+    const T* o = out ? compute_values(out + (bh * n + t0) * dv, rows * dv, s.outputs_in) : nullptr;
     if (!o) {  // the attention output again (the caller's output holds more than attention)
       chunk_weights(p, rows, kr, chunk.qf, chunk.kf, s);
       chunk_outputs(p, rows, kr, chunk.qf, s, s.num.data(), D, static_cast<T*>(nullptr));
@@ -830,8 +832,8 @@ void forward_causal_from_state(const Problem<T>& p, T* out, T* S, T* z, T* c) {
   });
 }
 
-template <class T, class S>
-bool backward(const Problem<T, S>& p, const S* dout, const T* out, const T* den, const T* state, S* dq, S* dk,
+template <class T, class S, class O>
+bool backward(const Problem<T, S>& p, const S* dout, const O* out, const T* den, const T* state, S* dq, S* dk,
               S* dv) {
   const bool causal = p.mask->causal();
   require(causal || state, "kernelized::backward: the non-causal backward needs the saved state");
@@ -990,6 +992,8 @@ template bool backward<float>(const Problem<float>&, const float*, const float*,
                               float*, float*, float*);
 template bool backward<float, bfloat16>(const Problem<float, bfloat16>&, const bfloat16*, const float*, const float*,
                                         const float*, bfloat16*, bfloat16*, bfloat16*);
+template bool backward<float, bfloat16, bfloat16>(const Problem<float, bfloat16>&, const bfloat16*, const bfloat16*,
+                                                  const float*, const float*, bfloat16*, bfloat16*, bfloat16*);
 template bool backward<double>(const Problem<double>&, const double*, const double*, const double*,
                                const double*, double*, double*, double*);
 

@@ -58,11 +58,12 @@ template <class T>
 void forward_causal_from_state(const Problem<T>& p, T* out, T* S, T* z, T* c);
 
 // Gradients of Σ dout∘out: dq, dk, dv (overwritten), from the forward's saved den and (non-
-// causal) state. out: the forward's attention output, or null to compute it again (when the
-// caller's output also holds a depthwise convolution). Returns whether every value written is
-// finite (checked block by block while in cache; restore_gradients then need not read them).
-template <class T, class S>
-bool backward(const Problem<T, S>& p, const S* dout, const T* out, const T* den, const T* state, S* dq,
+// causal) state. out: the forward's attention output (T, or as a bfloat16 forward returned it:
+// O = S, widened a block at a time), or null to compute it again (when the caller's output also
+// holds a depthwise convolution). Returns whether every value written is finite (checked block
+// by block while in cache; restore_gradients then need not read them).
+template <class T, class S, class O = T>
+bool backward(const Problem<T, S>& p, const S* dout, const O* out, const T* den, const T* state, S* dq,
               S* dk, S* dv);
 
 // ---- state-level operations (state_ops.cc; the distributed path's pieces) --------------------

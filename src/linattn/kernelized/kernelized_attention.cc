@@ -71,9 +71,10 @@ FeatureMap<T> favor_map(const char* fn, const FavorOptions& o, const AttentionDi
 }
 
 // The saved tensors a backward was given: out [B,H,n_q,d_v] and den [B,H,n_q] finite, state
-// [B,H,m',d_v+2] with S and z finite and each shift c finite or −inf.
-template <class T>
-void check_saved(const char* fn, const AttentionDims& d, int64_t features, TensorView<const T> out,
+// [B,H,m',d_v+2] with S and z finite and each shift c finite or −inf. out is T, or bfloat16 as a
+// bfloat16 forward returned it.
+template <class T, class O>
+void check_saved(const char* fn, const AttentionDims& d, int64_t features, TensorView<const O> out,
                  TensorView<const T> den, TensorView<const T> state) {
   check_same_shape_finite(fn, "out", out, {d.batch, d.heads, d.n_q, d.value_dim});
   check_same_shape_finite(fn, "den", den, {d.batch, d.heads, d.n_q});
@@ -293,16 +294,24 @@ kernelized::Bf16Forward run_forward_bf16(const kernelized::Problem<float, bfloat
 // run_backward's, for a call whose v needed no rescaling; nullopt when dout would.
 std::optional<AttentionGrads<bfloat16>> run_backward_bf16(const kernelized::Problem<float, bfloat16>& p,
                                                           TensorView<const bfloat16> dout,
-                                                          const std::optional<kernelized::SavedResults<float>>& saved) {
+                                                          const std::optional<kernelized::Bf16SavedResults>& saved) {
   const AttentionDims& d = p.dims;
   const bool causal = p.mask->causal();
   const double dout_max = check_same_shape_finite(p.fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
   if (dout_max > kUnscaledMax) return std::nullopt;
   Tensor<float> den, state;
   const float *out_p = nullptr, *den_p = nullptr, *state_p = nullptr;
+  const bfloat16* out16 = nullptr;  // the saved out as the forward returned it
   if (saved) {
-    check_saved(p.fn, d, p.fmap->dim(), saved->out, saved->den, saved->state);
-    out_p = saved->out.data, den_p = saved->den.data, state_p = saved->state.data;
+    const kernelized::SavedResults<float>& w = saved->widened;
+    if (saved->out_as_returned) {
+      check_saved(p.fn, d, p.fmap->dim(), *saved->out_as_returned, w.den, w.state);
+      out16 = saved->out_as_returned->data;
+    } else {
+      check_saved(p.fn, d, p.fmap->dim(), w.out, w.den, w.state);
+      out_p = w.out.data;
+    }
+    den_p = w.den.data, state_p = w.state.data;
   } else {  // den and state from a forward here (no output); the backward computes the output in float32
     den = Tensor<float>({d.batch, d.heads, d.n_q}, true, Init::Uninitialized);
     if (!causal) state = Tensor<float>({d.batch, d.heads, p.fmap->dim(), d.value_dim + 2}, true, Init::Uninitialized);
@@ -312,7 +321,9 @@ std::optional<AttentionGrads<bfloat16>> run_backward_bf16(const kernelized::Prob
   AttentionGrads<bfloat16> g{Tensor<bfloat16>(p.q.shape, false, Init::Uninitialized),
                              Tensor<bfloat16>(p.k.shape, false, Init::Uninitialized),
                              Tensor<bfloat16>(p.v.shape, false, Init::Uninitialized), {}};
-  if (!kernelized::backward(p, dout.data, out_p, den_p, state_p, g.dq.data(), g.dk.data(), g.dv.data())) {
+  const bool finite = out16 ? kernelized::backward(p, dout.data, out16, den_p, state_p, g.dq.data(), g.dk.data(), g.dv.data())
+                            : kernelized::backward(p, dout.data, out_p, den_p, state_p, g.dq.data(), g.dk.data(), g.dv.data());
+  if (!finite) {
     // Which one: the first of them that is not finite is the error.
     check_result_finite(p.fn, "dq", g.dq);
     check_result_finite(p.fn, "dk", g.dk);
@@ -360,7 +371,7 @@ std::optional<Bf16Forward> linear_forward_bf16(Products products, TensorView<con
 std::optional<AttentionGrads<bfloat16>> linear_backward_bf16(Products products, TensorView<const bfloat16> q,
                                                              TensorView<const bfloat16> k, TensorView<const bfloat16> v,
                                                              TensorView<const bfloat16> dout,
-                                                             const std::optional<SavedResults<float>>& saved,
+                                                             const std::optional<Bf16SavedResults>& saved,
                                                              const LinearAttentionOptions& opts) {
   return with_linear_problem("linear_attention_backward", products, q, k, v, opts,
                              [&](const auto& p) { return run_backward_bf16(p, dout, saved); });
@@ -377,7 +388,7 @@ std::optional<AttentionGrads<bfloat16>> favor_backward_bf16(Products products, T
                                                             TensorView<const bfloat16> k, TensorView<const bfloat16> v,
                                                             TensorView<const float> projection,
                                                             TensorView<const bfloat16> dout,
-                                                            const std::optional<SavedResults<float>>& saved,
+                                                            const std::optional<Bf16SavedResults>& saved,
                                                             const FavorOptions& opts) {
   return with_favor_problem("favor_attention_backward", products, q, k, v, projection, opts,
                             [&](const auto& p) { return run_backward_bf16(p, dout, saved); });

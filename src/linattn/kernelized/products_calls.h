@@ -17,6 +17,13 @@ struct SavedResults {
   TensorView<const T> out, den, state;
 };
 
+// What a bfloat16 backward was given: den and state, and out either widened (widened.out) or as
+// the forward returned it (out_as_returned, read a block at a time; widened.out then empty).
+struct Bf16SavedResults {
+  SavedResults<float> widened;
+  std::optional<TensorView<const bfloat16>> out_as_returned;
+};
+
 // The forward returns den and state too (favor_attention_with_saved's); the backward takes the
 // forward's out, den and state as `saved`, or nullopt to run the forward first.
 // Products::Bfloat16 refuses the trig kernel (std::invalid_argument naming the function).
@@ -52,7 +59,7 @@ std::optional<Bf16Forward> linear_forward_bf16(Products products, TensorView<con
 std::optional<AttentionGrads<bfloat16>> linear_backward_bf16(Products products, TensorView<const bfloat16> q,
                                                              TensorView<const bfloat16> k, TensorView<const bfloat16> v,
                                                              TensorView<const bfloat16> dout,
-                                                             const std::optional<SavedResults<float>>& saved,
+                                                             const std::optional<Bf16SavedResults>& saved,
                                                              const LinearAttentionOptions& opts);
 std::optional<Bf16Forward> favor_forward_bf16(Products products, TensorView<const bfloat16> q, TensorView<const bfloat16> k,
                                               TensorView<const bfloat16> v, TensorView<const float> projection,
@@ -61,7 +68,7 @@ std::optional<AttentionGrads<bfloat16>> favor_backward_bf16(Products products, T
                                                             TensorView<const bfloat16> k, TensorView<const bfloat16> v,
                                                             TensorView<const float> projection,
                                                             TensorView<const bfloat16> dout,
-                                                            const std::optional<SavedResults<float>>& saved,
+                                                            const std::optional<Bf16SavedResults>& saved,
                                                             const FavorOptions& opts);
 
 }  // namespace linattn::kernelized

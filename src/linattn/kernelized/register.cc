@@ -65,10 +65,26 @@ AttentionGrads<T> favor_backward(const MethodArgs<T>& a, TensorView<const T> dou
 // the storage path gives nothing (v or dout beyond 2^64, a dwc_weight), the call widens whole
 // and runs the float32 call with the same products.
 
-std::optional<SavedResults<float>> saved_results(const char* fn, const SavedViews<bfloat16>& saved) {
-  if (const auto s = saved_tensors<float, 3>(fn, saved, {"out", "den", "state"}))
+// The widened calls' saved tensors (out widened here from saved.out_as_returned if it came so).
+std::optional<SavedResults<float>> saved_results(const char* fn, const SavedViews<bfloat16>& saved, Tensor<float>& keep) {
+  if (const auto s = saved_tensors<float, 3>(fn, with_float_out(fn, saved, keep), {"out", "den", "state"}))
     return SavedResults<float>{(*s)[0], (*s)[1], (*s)[2]};
   return std::nullopt;
+}
+
+// The storage calls': out as the forward returned it when it came so (read a block at a time,
+// never widened whole), else as given.
+std::optional<kernelized::Bf16SavedResults> bf16_saved_results(const char* fn, const SavedViews<bfloat16>& saved) {
+  if (!saved.out_as_returned) {
+    Tensor<float> unused;
+    if (const auto s = saved_results(fn, saved, unused)) return kernelized::Bf16SavedResults{*s, std::nullopt};
+    return std::nullopt;
+  }
+  require(!saved.contains("out"), fn, ": out was given twice, as returned and widened; pass one of them");
+  const auto den = saved.find("den"), state = saved.find("state");
+  require(den != saved.end() && state != saved.end(), fn,
+          ": pass out, den and state (from the forward), or none of them");
+  return kernelized::Bf16SavedResults{SavedResults<float>{{}, den->second, state->second}, saved.out_as_returned};
 }
 
 Products bf16_products_where_usable() {
@@ -124,11 +140,12 @@ std::optional<AttentionGrads<bfloat16>> linear_backward_bf16(const MethodArgs<bf
       fn, a, dout, products,
       [&]() -> std::optional<AttentionGrads<bfloat16>> {
         if (c.dwc_weight) return std::nullopt;
-        return kernelized::linear_backward_bf16(products, a.q, a.k, a.v, dout, saved_results(fn, saved), c.opts);
+        return kernelized::linear_backward_bf16(products, a.q, a.k, a.v, dout, bf16_saved_results(fn, saved), c.opts);
       },
       [&](const MethodArgs<float>& w, TensorView<const float> dout32) {
         const auto c32 = kernelized::linear_call(w);
-        return kernelized::linear_backward(products, w.q, w.k, w.v, dout32, saved_results(fn, saved), c32.opts,
+        Tensor<float> out32;
+        return kernelized::linear_backward(products, w.q, w.k, w.v, dout32, saved_results(fn, saved, out32), c32.opts,
                                            c32.dwc_weight);
       });
 }
@@ -163,11 +180,12 @@ std::optional<AttentionGrads<bfloat16>> favor_backward_bf16(const MethodArgs<bfl
       fn, a, dout, products,
       [&] {
         return kernelized::favor_backward_bf16(products, a.q, a.k, a.v, projection.view(), dout,
-                                               saved_results(fn, saved), c.opts);
+                                               bf16_saved_results(fn, saved), c.opts);
       },
       [&](const MethodArgs<float>& w, TensorView<const float> dout32) {
-        return kernelized::favor_backward(products, w.q, w.k, w.v, projection.view(), dout32, saved_results(fn, saved),
-                                          c.opts);
+        Tensor<float> out32;
+        return kernelized::favor_backward(products, w.q, w.k, w.v, projection.view(), dout32,
+                                          saved_results(fn, saved, out32), c.opts);
       });
 }
 

@@ -58,7 +58,8 @@ std::optional<AttentionGrads<bfloat16>> backward_bf16(const MethodArgs<bfloat16>
   const double dout_max = check_same_shape_finite(fn, "dout", dout, {d.batch, d.heads, d.n_q, d.value_dim});
   if (!softmax_detail::bf16_backward_usable(d, scale, dout_max)) return std::nullopt;
   AttentionGrads<float> g;
-  if (const auto s = saved_tensors<float, 2>(fn, saved, {"out", "lse"})) {
+  Tensor<float> out32;  // D_i = rowsum(dout∘out) reads out in float32
+  if (const auto s = saved_tensors<float, 2>(fn, with_float_out(fn, saved, out32), {"out", "lse"})) {
     softmax_detail::check_saved(fn, (*s)[0], (*s)[1], d);
     g = softmax_detail::backward_bf16_products(a.q, a.k, a.v, dout, (*s)[0], (*s)[1], d, o, scale);
   } else {
