@@ -151,6 +151,26 @@ void expect_narrow_matches() {
   }
 }
 
+// narrow_finite writes narrow()'s bits and says whether every value written is finite: over every
+// finite bfloat16 and the midpoints around it (all finite, the largest rounding to inf beyond
+// the last), then with an inf or a NaN at a vector position and in the tail.
+TEST(LowPrecision, NarrowFiniteWritesNarrowsBitsAndChecksThem) {
+  std::vector<float> x;
+  for (uint32_t i = 0; i < 0x7F80; ++i) x.push_back(to_float(bfloat16{static_cast<uint16_t>(i)}));
+  for (const size_t n : {x.size(), size_t{37}, size_t{5}}) {
+    std::vector<bfloat16> want(n), got(n);
+    simd::narrow(x.data(), want.data(), n);
+    EXPECT_TRUE(simd::narrow_finite(x.data(), got.data(), n)) << n;
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ(got[i].bits, want[i].bits) << i;
+    for (const float bad : {std::numeric_limits<float>::infinity(), std::nanf(""), 3.4e38f})  // the last rounds to inf
+      for (const size_t at : {size_t{0}, n - 1}) {
+        std::vector<float> y(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(n));
+        y[at] = bad;
+        EXPECT_FALSE(simd::narrow_finite(y.data(), got.data(), n)) << n << " " << at << " " << bad;
+      }
+  }
+}
+
 TEST(LowPrecision, BulkNarrowingMatchesTheOneValueForm) {
   expect_narrow_matches<bfloat16>();
   expect_narrow_matches<float16>();

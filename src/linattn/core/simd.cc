@@ -581,6 +581,26 @@ void NarrowBF16(const float* src, uint16_t* dst, size_t n) {
   for (; i < n; ++i) dst[i] = to_bfloat16(src[i]).bits;
 }
 
+bool NarrowFiniteBF16(const float* src, uint16_t* dst, size_t n) {
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<uint16_t, decltype(df)> du16;
+  const size_t N = hn::Lanes(df);
+  // Below the sign bit a bfloat16's bits order its magnitudes: finite is below 0x7F80 (inf).
+  auto top = hn::Zero(du16);
+  uint16_t top_tail = 0;
+  size_t i = 0;
+  for (; i + N <= n; i += N) {
+    const auto bits = RoundToBF16Bits(df, hn::LoadU(df, src + i));
+    hn::StoreU(bits, du16, dst + i);
+    top = hn::Max(top, hn::And(bits, hn::Set(du16, 0x7FFF)));
+  }
+  for (; i < n; ++i) {
+    dst[i] = to_bfloat16(src[i]).bits;
+    top_tail = std::max<uint16_t>(top_tail, static_cast<uint16_t>(dst[i] & 0x7FFFu));
+  }
+  return std::max<uint16_t>(top_tail, hn::GetLane(hn::MaxOfLanes(du16, top))) < 0x7F80u;
+}
+
 template <class T>
 bool ScaleRows(const T* src, size_t ld_src, size_t rows, size_t cols, const T* factor, T* dst, size_t ld_dst) {
   const hn::ScalableTag<T> d;
@@ -866,6 +886,7 @@ HWY_EXPORT(FloatLanes);
 HWY_EXPORT(WidenBF16);
 HWY_EXPORT(WidenRowsBF16);
 HWY_EXPORT(ScaleRowsF32);
+HWY_EXPORT(NarrowFiniteBF16);
 HWY_EXPORT(ScaleRowsF64);
 HWY_EXPORT(ScaleRowsBF16);
 HWY_EXPORT(NarrowBF16);
@@ -986,6 +1007,9 @@ void widen(const bfloat16* src, float* dst, size_t n) {
 }
 void narrow(const float* src, bfloat16* dst, size_t n) {
   HWY_DYNAMIC_DISPATCH(NarrowBF16)(src, reinterpret_cast<uint16_t*>(dst), n);
+}
+bool narrow_finite(const float* src, bfloat16* dst, size_t n) {
+  return HWY_DYNAMIC_DISPATCH(NarrowFiniteBF16)(src, reinterpret_cast<uint16_t*>(dst), n);
 }
 bool scale_rows(const float* src, size_t ld_src, size_t rows, size_t cols, const float* factor, float* dst,
                 size_t ld_dst) {

@@ -118,6 +118,9 @@ bool all_finite(const bfloat16* x, size_t n);
 // even (the one-value to_bfloat16 / to_float16 of low_precision.h, which the tests compare).
 void widen(const bfloat16* src, float* dst, size_t n);
 void narrow(const float* src, bfloat16* dst, size_t n);
+// narrow(), returning whether every value written is finite (a rounding can overflow to inf),
+// checked as it is written rather than by a second pass.
+bool narrow_finite(const float* src, bfloat16* dst, size_t n);
 // dst[r][c] = src[r][c]·factor[r] for r < rows, c < cols (one float32 or float64 multiply), and
 // for a bfloat16 dst that product rounded to nearest even as narrow() rounds it: the kernelized
 // engine's out_i = num_i / D_i, written straight into a bfloat16 result instead of through a

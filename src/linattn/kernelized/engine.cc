@@ -194,11 +194,15 @@ T* result_values(S* dst, Scratch<T>& s) {
 }
 
 // count results from result_values(dst, s) into dst, rounded to nearest even when S is narrower;
-// with `check`, whether each value stored is finite goes into s.written (a rounding can overflow).
+// whether each value stored is finite goes into s.written (a rounding can overflow), checked as
+// it is rounded or, for T itself, while in cache.
 template <class T, class S>
-void store_results(S* dst, const T* src, int64_t count, Scratch<T>& s, bool check) {
-  if constexpr (!std::is_same_v<S, T>) simd::narrow(src, dst, static_cast<size_t>(count));
-  if (check) s.written.check(dst, count);
+void store_results(S* dst, const T* src, int64_t count, Scratch<T>& s) {
+  if constexpr (!std::is_same_v<S, T>) {
+    if (!simd::narrow_finite(src, dst, static_cast<size_t>(count))) s.written.ok = false;
+  } else {
+    s.written.check(dst, count);
+  }
 }
 
 // ---- features --------------------------------------------------------------------------------
@@ -435,7 +439,7 @@ void noncausal_query_grads(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, co
     S* g = dq + (bh * n_q + i0) * d;
     T* r = result_values(g, s);
     feature_backward(p, x, rows, Side::Query, s.qf, s, r);
-    store_results(g, r, rows * d, s, true);
+    store_results(g, r, rows * d, s);
   }
 }
 
@@ -456,11 +460,11 @@ void noncausal_key_grads(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, S* d
     S* gv = dv_out + (bh * p.dims.n_k + j0) * dv;
     T* rv = result_values(gv, s);
     matmul<T>(p.products, mat(rv, rows, dv), mat(kf.values(*p.fmap), rows, m), mat(s.dkvz.data(), m, dv, da));
-    store_results(gv, rv, rows * dv, s, true);
+    store_results(gv, rv, rows * dv, s);
     S* gk = dk + (bh * p.dims.n_k + j0) * d;
     T* rk = result_values(gk, s);
     feature_backward(p, x, rows, Side::Key, kf, s, rk);
-    store_results(gk, rk, rows * d, s, true);
+    store_results(gk, rk, rows * d, s);
   }
 }
 
@@ -708,7 +712,7 @@ void causal_forward_pass(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, Caus
     S* g = dq + (bh * n + t0) * d;
     T* r = result_values(g, s);
     feature_backward(p, x, rows, Side::Query, chunk.qf, s, r);
-    store_results(g, r, rows * d, s, true);
+    store_results(g, r, rows * d, s);
     saved.chunks.push_back(chunk);
     saved.shifts.insert(saved.shifts.end(), s.c.data(), s.c.data() + m);
     add_chunk_to_state(p, kr, chunk.kf, s);
@@ -776,11 +780,11 @@ void causal_reverse_pass(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, cons
       matmul<T>(p.products, mat(dvc, kr, dv), mat(K, kr, m), mat(static_cast<const T*>(R), m, dv, da));
       matmul<T>(p.products, mat(dvc, kr, dv), mat(s.W.data(), rows, kr, kChunk).t(), mat(s.dnd.data(), rows, dv, da), T(1),
                 T(1));
-      store_results(gv, dvc, kr * dv, s, true);
+      store_results(gv, dvc, kr * dv, s);
       S* gk = dk + (bh * n + t0) * d;
       T* rk = result_values(gk, s);
       feature_backward(p, compute_values(p.k.row(bh, t0), kr * d, s.rows_in), kr, Side::Key, kf, s, rk);
-      store_results(gk, rk, kr * d, s, true);
+      store_results(gk, rk, kr * d, s);
     }
     // This chunk's queries join the suffix state: [R | ρ] += Qᵀ·[dnum | dden].
     matmul<T>(p.products, mat(R, m, da), mat(Q, rows, m).t(), mat(s.dnd.data(), rows, da), T(1), T(1));
