@@ -19,6 +19,12 @@ struct Workspace {
   Buffer<float> c;
 };
 
+// The calling thread's (both forms of matmul_bf16 share it).
+Workspace& thread_workspace() {
+  thread_local Workspace ws;
+  return ws;
+}
+
 template <class T>
 T* at_least(Buffer<T>& buf, int64_t count) {
   if (buf.size() < count) buf = Buffer<T>(count, false, Init::Uninitialized);
@@ -100,7 +106,7 @@ void matmul_bf16(Mat<float> C, Mat<const float> A, Mat<const float> B, float alp
   const int64_t K = A.op_cols(), N = C.cols;
   if (C.rows == 0 || N == 0) return;
   if (K == 0) return matmul<float>(C, A, B, alpha, beta);  // beta·C, which the BLAS path leaves
-  thread_local Workspace ws;
+  Workspace& ws = thread_workspace();
   bfloat16* bp = at_least(ws.b, avx512_bf16::packed_size(K, N));
   const bool thin = pack_operand(B, bp, ws.tail);
   product_packed(C, A, bp, thin ? ws.tail.data() : nullptr, K, N, alpha, beta, ws);
@@ -124,8 +130,8 @@ void matmul_bf16(Mat<float> C, Mat<const float> A, const Bf16PackedB& B, float a
       for (int64_t j = 0; j < N; ++j) C.data[i * C.ld + j] = beta == 0 ? 0.0f : beta * C.data[i * C.ld + j];
     return;
   }
-  thread_local Workspace ws;
-  product_packed(C, A, B.packed_.data(), B.thin_tail_ ? B.tail_.data() : nullptr, K, N, alpha, beta, ws);
+  product_packed(C, A, B.packed_.data(), B.thin_tail_ ? B.tail_.data() : nullptr, K, N, alpha, beta,
+                 thread_workspace());
 }
 
 }  // namespace linattn

@@ -395,7 +395,7 @@ void forward_noncausal(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, S* out
     const int64_t rows = std::min(kBlockRows, p.dims.n_q - i0);
     S* o = out ? out + (bh * p.dims.n_q + i0) * dv : nullptr;
     T* den = save.den ? save.den + bh * p.dims.n_q + i0 : nullptr;
-    // The caller checks the whole output.
+    // divide_rows checks what it writes into out (forward() returns it).
     if (o) query_rows(p, bh, i0, rows, s, o, static_cast<const T*>(nullptr), den);
     else query_rows(p, bh, i0, rows, s, s.num.data(), static_cast<const T*>(nullptr), den);
   }
@@ -602,7 +602,7 @@ void forward_causal(const Problem<T, S>& p, int64_t bh, Scratch<T>& s, S* out, c
     augmented_values(p, bh, t0, kr, s);
     S* o = out ? out + (bh * n + t0) * dv : nullptr;
     T* den = save.den ? save.den + bh * n + t0 : s.D.data();
-    // The caller checks the whole output.
+    // divide_rows checks what it writes into out (forward() returns it).
     if (o) chunk_outputs(p, rows, kr, s.qf, s, o, static_cast<const T*>(nullptr), den);
     else chunk_outputs(p, rows, kr, s.qf, s, s.num.data(), static_cast<const T*>(nullptr), den);
     add_chunk_to_state(p, kr, s.kf, s);

@@ -202,15 +202,7 @@ void FeatureMap<T>::logits(const char* fn, const T* x, int64_t n, Side side, T* 
   const bool with_norm = side != Side::Query;
   // U = x̃·ωᵀ, straight into the first m columns of L (positive, hyperbolic) or s (trig).
   T* U = kind_ == FeatureMapKind::FavorTrig ? s : L;
-  if constexpr (std::is_same_v<T, float>) {
-    if (products == Products::Bfloat16 && omega_t_packed_) {
-      matmul_bf16(mat(U, n, m, dim_), mat(x, n, d), *omega_t_packed_, sq);
-    } else {
-      matmul<T>(products, mat(U, n, m, dim_), mat(x, n, d), mat(omega_, m, d).t(), sq);
-    }
-  } else {
-    matmul<T>(products, mat(U, n, m, dim_), mat(x, n, d), mat(omega_, m, d).t(), sq);
-  }
+  times_projection(products, mat(U, n, m, dim_), mat(x, n, d), true, sq, T(0));
   // Every logit is finite when ‖x̃‖·max_r‖ω_r‖ and ‖x̃‖²/2 are (|ω_r·x̃| <= ‖x̃‖·‖ω_r‖):
   // checked per row from ‖x‖², which h needs anyway, rather than by a pass over the m logits.
   const double limit = static_cast<double>(std::numeric_limits<T>::max());
@@ -278,14 +270,18 @@ void FeatureMap<T>::logits_backward(const T* x, int64_t n, Side side, const T* d
     const T* xr = x + i * d;
     for (int64_t c = 0; c < d; ++c) dx[i * d + c] = coef * sq * sq * xr[c];
   }
-  const Mat<const T> dU_or_dL = mat(positive ? dL : static_cast<const T*>(dU), n, m);
+  times_projection(products, mat(dx, n, d), mat(positive ? dL : static_cast<const T*>(dU), n, m), false, sq, T(1));
+}
+
+template <class T>
+void FeatureMap<T>::times_projection(Products products, Mat<T> C, Mat<const T> A, bool transposed, T alpha,
+                                     T beta) const {
   if constexpr (std::is_same_v<T, float>) {
-    if (products == Products::Bfloat16 && omega_packed_) {
-      matmul_bf16(mat(dx, n, d), dU_or_dL, *omega_packed_, sq, 1.0f);
-      return;
-    }
+    const Bf16PackedB* packed = transposed ? omega_t_packed_.get() : omega_packed_.get();
+    if (products == Products::Bfloat16 && packed) return matmul_bf16(C, A, *packed, alpha, beta);
   }
-  matmul<T>(products, mat(dx, n, d), dU_or_dL, mat(omega_, m, d), sq, T(1));
+  const Mat<const T> omega = mat(omega_, m_, d_);
+  matmul<T>(products, C, A, transposed ? omega.t() : omega, alpha, beta);
 }
 
 template <class T>

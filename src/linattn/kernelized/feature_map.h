@@ -89,6 +89,10 @@ class FeatureMap {
   bool projection_packed() const { return omega_t_packed_ != nullptr; }
 
  private:
+  // C = alpha·A·op(ω) + beta·C, op(ω) = ωᵀ (transposed) or ω, from the packed copy when there is
+  // one for these products.
+  void times_projection(Products products, Mat<T> C, Mat<const T> A, bool transposed, T alpha, T beta) const;
+
   FeatureMapKind kind_ = FeatureMapKind::Elu;
   int64_t d_ = 0, dim_ = 0, m_ = 0;
   double focus_power_ = 3, sqrt_scale_ = 1;
