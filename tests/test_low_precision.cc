@@ -183,6 +183,25 @@ void expect_rounded_from(const Tensor<Low>& got, const Tensor<float>& wide, cons
     ASSERT_EQ(got[i].bits, from_float<Low>(wide[i]).bits) << what << " [" << i << "]: float32 " << wide[i];
 }
 
+// A call of method m on random 16-bit q, k, v [B,H,n,d] (and dout), with the method's extra
+// tensors; seeds seed, seed + 1, ... The arguments view the tensors held here.
+template <class Low>
+struct RandomCall {
+  Tensor<Low> q, k, v, dout;
+  std::vector<std::pair<std::string, Tensor<Low>>> extra;
+  MethodArgs<Low> args;
+  RandomCall(const MethodInfo& m, bool causal, int64_t B, int64_t H, int64_t n, int64_t d, uint64_t seed)
+      : q(narrowed<Low>(random_tensor<double>({B, H, n, d}, seed))),
+        k(narrowed<Low>(random_tensor<double>({B, H, n, d}, seed + 1))),
+        v(narrowed<Low>(random_tensor<double>({B, H, n, d}, seed + 2))),
+        dout(narrowed<Low>(random_tensor<double>({B, H, n, d}, seed + 3))),
+        extra(m.functions<Low>().example_tensors(H, d, n, 0, seed + 4)) {
+    args.q = q, args.k = k, args.v = v;
+    args.options["causal"] = causal;
+    for (const auto& [name, t] : extra) args.tensors[name] = t.view();
+  }
+};
+
 // One method, causal or not, at a thread count: the 16-bit forward and backward against the
 // float32 ones on the widened inputs.
 template <class Low>
@@ -190,26 +209,19 @@ void expect_method_is_rounded_float32(const MethodInfo& m, bool causal, int thre
   SCOPED_TRACE(::testing::Message() << m.name << (causal ? " causal " : " ") << dtype_name<Low>() << " threads="
                                     << threads);
   ScopedThreads scope(threads);
-  const int64_t B = 2, H = 3, n = m.block_rows + 29, d = 16;
-  const Tensor<Low> q = narrowed<Low>(random_tensor<double>({B, H, n, d}, 11)),
-                    k = narrowed<Low>(random_tensor<double>({B, H, n, d}, 12)),
-                    v = narrowed<Low>(random_tensor<double>({B, H, n, d}, 13)),
-                    dout = narrowed<Low>(random_tensor<double>({B, H, n, d}, 14));
-  const auto extra = m.functions<Low>().example_tensors(H, d, n, 0, 15);
-  MethodArgs<Low> a;
-  a.q = q, a.k = k, a.v = v;
-  a.options["causal"] = causal;
-  for (const auto& [name, t] : extra) a.tensors[name] = t.view();
+  const RandomCall<Low> call(m, causal, 2, 3, m.block_rows + 29, 16, 11);
+  const MethodArgs<Low>& a = call.args;
+  const Tensor<Low>& dout = call.dout;
   std::vector<Tensor<float>> wide;
-  wide.reserve(4 + extra.size());
+  wide.reserve(4 + call.extra.size());
   MethodArgs<float> w;
   auto keep = [&](const Tensor<Low>& t) {
     wide.push_back(widen(t.view()));
     return wide.back().view();
   };
-  w.q = keep(q), w.k = keep(k), w.v = keep(v);
+  w.q = keep(call.q), w.k = keep(call.k), w.v = keep(call.v);
   w.options = a.options;
-  for (const auto& [name, t] : extra) w.tensors[name] = keep(t);
+  for (const auto& [name, t] : call.extra) w.tensors[name] = keep(t);
   const TensorView<const float> dout32 = keep(dout);
 
   const MethodOutput<Low> low = m.functions<Low>().forward(a);
@@ -277,16 +289,9 @@ TEST(LowPrecision, EveryMethodIsItsFloat32ResultRoundedOnce) {
 template <class Low>
 void expect_out_as_returned_matches(const MethodInfo& m, bool causal) {
   SCOPED_TRACE(::testing::Message() << m.name << (causal ? " causal " : " ") << dtype_name<Low>());
-  const int64_t B = 1, H = 2, n = 70, d = 8;
-  const Tensor<Low> q = narrowed<Low>(random_tensor<double>({B, H, n, d}, 21)),
-                    k = narrowed<Low>(random_tensor<double>({B, H, n, d}, 22)),
-                    v = narrowed<Low>(random_tensor<double>({B, H, n, d}, 23)),
-                    dout = narrowed<Low>(random_tensor<double>({B, H, n, d}, 24));
-  const auto extra = m.functions<Low>().example_tensors(H, d, n, 0, 25);
-  MethodArgs<Low> a;
-  a.q = q, a.k = k, a.v = v;
-  a.options["causal"] = causal;
-  for (const auto& [name, t] : extra) a.tensors[name] = t.view();
+  const RandomCall<Low> call(m, causal, 1, 2, 70, 8, 21);
+  const MethodArgs<Low>& a = call.args;
+  const Tensor<Low>& dout = call.dout;
   const MethodOutput<Low> f = m.functions<Low>().forward(a);
   const Tensor<float> out_wide = widen(f.out.view());
   SavedViews<Low> widened{{"out", out_wide.view()}}, as_returned;

@@ -68,16 +68,22 @@ struct SavedViews : std::map<std::string, TensorView<const accumulator_t<T>>, st
   std::optional<TensorView<const T>> out_as_returned;
 };
 
+// Whether saved brings its out as returned; an out given both ways is an Error naming fn.
+template <class T>
+bool has_out_as_returned(const char* fn, const SavedViews<T>& saved) {
+  if (!saved.out_as_returned) return false;
+  if (saved.count("out") > 0)
+    throw Error(std::string(fn) + ": out was given twice, as returned and widened; pass one of them");
+  return true;
+}
+
 // saved with its out_as_returned widened into `keep` as the map's "out" (saved itself when it
-// has none), as the float32 backward's saved tensors. An out given both ways is an Error naming
-// fn.
+// has none), as the float32 backward's saved tensors.
 template <class T>
 SavedViews<accumulator_t<T>> with_float_out(const char* fn, const SavedViews<T>& saved, Tensor<accumulator_t<T>>& keep) {
   SavedViews<accumulator_t<T>> s(saved.begin(), saved.end());
   if constexpr (is_low_precision_v<T>) {
-    if (saved.out_as_returned) {
-      if (saved.count("out") > 0)
-        throw Error(std::string(fn) + ": out was given twice, as returned and widened; pass one of them");
+    if (has_out_as_returned(fn, saved)) {
       keep = widen(*saved.out_as_returned);
       s.emplace("out", keep.view());
     }

@@ -581,24 +581,40 @@ void NarrowBF16(const float* src, uint16_t* dst, size_t n) {
   for (; i < n; ++i) dst[i] = to_bfloat16(src[i]).bits;
 }
 
+// float32 values rounded to bfloat16 as NarrowBF16 rounds them (times a factor for kScaled),
+// into y, with the largest magnitude written kept in top (vector lanes) and top_tail: below the
+// sign bit a bfloat16's bits order its magnitudes, so every value written is finite when the
+// largest is below 0x7F80 (inf; AllFiniteBF16Bits).
+template <bool kScaled, class DF, class VU>
+HWY_INLINE void RoundCheckedBF16(DF df, const float* x, size_t n, float factor, uint16_t* y, VU& top,
+                                 uint16_t& top_tail) {
+  const hn::Rebind<uint16_t, DF> du16;
+  const size_t N = hn::Lanes(df);
+  const auto f = hn::Set(df, factor);
+  size_t c = 0;
+  for (; c + N <= n; c += N) {
+    const auto v = hn::LoadU(df, x + c);
+    const auto bits = RoundToBF16Bits(df, kScaled ? hn::Mul(v, f) : v);
+    hn::StoreU(bits, du16, y + c);
+    top = hn::Max(top, hn::And(bits, hn::Set(du16, 0x7FFF)));
+  }
+  for (; c < n; ++c) {
+    y[c] = to_bfloat16(kScaled ? x[c] * factor : x[c]).bits;
+    top_tail = std::max<uint16_t>(top_tail, static_cast<uint16_t>(y[c] & 0x7FFFu));
+  }
+}
+template <class DU, class VU>
+HWY_INLINE bool AllFiniteBF16Bits(DU du16, VU top, uint16_t top_tail) {
+  return std::max<uint16_t>(top_tail, hn::GetLane(hn::MaxOfLanes(du16, top))) < 0x7F80u;
+}
+
 bool NarrowFiniteBF16(const float* src, uint16_t* dst, size_t n) {
   const hn::ScalableTag<float> df;
   const hn::Rebind<uint16_t, decltype(df)> du16;
-  const size_t N = hn::Lanes(df);
-  // Below the sign bit a bfloat16's bits order its magnitudes: finite is below 0x7F80 (inf).
   auto top = hn::Zero(du16);
   uint16_t top_tail = 0;
-  size_t i = 0;
-  for (; i + N <= n; i += N) {
-    const auto bits = RoundToBF16Bits(df, hn::LoadU(df, src + i));
-    hn::StoreU(bits, du16, dst + i);
-    top = hn::Max(top, hn::And(bits, hn::Set(du16, 0x7FFF)));
-  }
-  for (; i < n; ++i) {
-    dst[i] = to_bfloat16(src[i]).bits;
-    top_tail = std::max<uint16_t>(top_tail, static_cast<uint16_t>(dst[i] & 0x7FFFu));
-  }
-  return std::max<uint16_t>(top_tail, hn::GetLane(hn::MaxOfLanes(du16, top))) < 0x7F80u;
+  RoundCheckedBF16<false>(df, src, n, 1.0f, dst, top, top_tail);
+  return AllFiniteBF16Bits(du16, top, top_tail);
 }
 
 template <class T>
@@ -637,27 +653,11 @@ bool ScaleRowsBF16(const float* src, size_t ld_src, size_t rows, size_t cols, co
                    size_t ld_dst) {
   const hn::ScalableTag<float> df;
   const hn::Rebind<uint16_t, decltype(df)> du16;
-  const size_t N = hn::Lanes(df);
-  // Below the sign bit a bfloat16's bits order its magnitudes: the largest is below 0x7F80 (inf)
-  // exactly when every value written is finite.
   auto top = hn::Zero(du16);
   uint16_t top_tail = 0;
-  for (size_t r = 0; r < rows; ++r) {
-    const float* x = src + r * ld_src;
-    uint16_t* y = dst + r * ld_dst;
-    const auto f = hn::Set(df, factor[r]);
-    size_t c = 0;
-    for (; c + N <= cols; c += N) {
-      const auto bits = RoundToBF16Bits(df, hn::Mul(hn::LoadU(df, x + c), f));
-      hn::StoreU(bits, du16, y + c);
-      top = hn::Max(top, hn::And(bits, hn::Set(du16, 0x7FFF)));
-    }
-    for (; c < cols; ++c) {
-      y[c] = to_bfloat16(x[c] * factor[r]).bits;
-      top_tail = std::max<uint16_t>(top_tail, static_cast<uint16_t>(y[c] & 0x7FFFu));
-    }
-  }
-  return std::max<uint16_t>(top_tail, hn::GetLane(hn::MaxOfLanes(du16, top))) < 0x7F80u;
+  for (size_t r = 0; r < rows; ++r)
+    RoundCheckedBF16<true>(df, src + r * ld_src, cols, factor[r], dst + r * ld_dst, top, top_tail);
+  return AllFiniteBF16Bits(du16, top, top_tail);
 }
 
 // The store of probabilities: float32 as computed, or rounded to bfloat16.

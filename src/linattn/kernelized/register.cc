@@ -75,16 +75,16 @@ std::optional<SavedResults<float>> saved_results(const char* fn, const SavedView
 // The storage calls': out as the forward returned it when it came so (read a block at a time,
 // never widened whole), else as given.
 std::optional<kernelized::Bf16SavedResults> bf16_saved_results(const char* fn, const SavedViews<bfloat16>& saved) {
-  if (!saved.out_as_returned) {
+  if (!has_out_as_returned(fn, saved)) {
     Tensor<float> unused;
     if (const auto s = saved_results(fn, saved, unused)) return kernelized::Bf16SavedResults{*s, std::nullopt};
     return std::nullopt;
   }
-  require(!saved.contains("out"), fn, ": out was given twice, as returned and widened; pass one of them");
-  const auto den = saved.find("den"), state = saved.find("state");
-  require(den != saved.end() && state != saved.end(), fn,
-          ": pass out, den and state (from the forward), or none of them");
-  return kernelized::Bf16SavedResults{SavedResults<float>{{}, den->second, state->second}, saved.out_as_returned};
+  // den and state, checked by saved_tensors as ever, with a stand-in for the out that came apart.
+  SavedViews<bfloat16> views = saved;
+  views.emplace("out", TensorView<const float>{});
+  const auto s = saved_tensors<float, 3>(fn, views, {"out", "den", "state"});  // out is there: all, or an error
+  return kernelized::Bf16SavedResults{SavedResults<float>{{}, (*s)[1], (*s)[2]}, saved.out_as_returned};
 }
 
 Products bf16_products_where_usable() {
