@@ -331,21 +331,29 @@ TEST(KernelizedBf16Products, ThreadCountsGiveTheSameBits) {
         const MethodArgs<bfloat16> a = bf16_args(method_name, spec, q, k, v, &w);
         const MethodInfo& m = method(method_name);
         std::optional<MethodOutput<bfloat16>> f1;
-        std::optional<AttentionGrads<bfloat16>> g1;
+        std::optional<AttentionGrads<bfloat16>> g1, gs1;
         for (int threads : {1, 3, 8, 16}) {
           SCOPED_TRACE(::testing::Message() << method_name << " heads=" << heads << " causal=" << causal
                                             << " threads=" << threads);
           ScopedThreads scope(threads);
           MethodOutput<bfloat16> f = m.bf16.forward(a);
           AttentionGrads<bfloat16> g = m.bf16.backward(a, dout, {});
+          // And from the saved tensors, out as the forward returned it (read a block at a time).
+          SavedViews<bfloat16> saved;
+          for (const auto& [name, t] : f.saved) saved[name] = t.view();
+          saved.out_as_returned = f.out.view();
+          AttentionGrads<bfloat16> gs = m.bf16.backward(a, dout, saved);
           if (!f1) {
-            f1 = std::move(f), g1 = std::move(g);
+            f1 = std::move(f), g1 = std::move(g), gs1 = std::move(gs);
             continue;
           }
           expect_same_bits(f.out, f1->out, "out");
           expect_same_bits(g.dq, g1->dq, "dq");
           expect_same_bits(g.dk, g1->dk, "dk");
           expect_same_bits(g.dv, g1->dv, "dv");
+          expect_same_bits(gs.dq, gs1->dq, "dq from saved");
+          expect_same_bits(gs.dk, gs1->dk, "dk from saved");
+          expect_same_bits(gs.dv, gs1->dv, "dv from saved");
         }
       }
 }
