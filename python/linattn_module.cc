@@ -10,6 +10,9 @@
 #include <pybind11/stl.h>
 #include <pybind11/typing.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <deque>
 #include <map>
 #include <memory>
@@ -842,6 +845,45 @@ bool python_interrupt_poll() {
   return true;
 }
 
+// The distributed layer's agreement check compares, across ranks, a fingerprint of each
+// tensor that every rank must pass alike (Linformer's E and F, FAVOR's ω, conv weights): the
+// buffer's bytes as 64-bit words w_i (the last one zero-padded), h = Σ w_i + k·Σ (i+1)·w_i
+// mod 2^64 (k odd, the golden-ratio constant). Integer sums, so the thread count and the
+// summation order do not enter, and one pass with no temporaries: the float64 sums it replaces
+// made three copies of the tensor per call, whose page faults made them cost about ten times
+// their arithmetic. Returns (bytes, low 32 bits of h, high 32 bits), exact in float64.
+py::tuple fingerprint(py::object obj) {
+  if (!PyObject_CheckBuffer(obj.ptr()))
+    throw py::type_error("_fingerprint: buffer must support the buffer protocol (a numpy.ndarray), got " +
+                         std::string(py::str(py::type::of(obj).attr("__name__"))));
+  const py::buffer_info info = py::reinterpret_borrow<py::buffer>(obj).request();
+  if (!PyBuffer_IsContiguous(info.view(), 'C'))
+    throw py::value_error("_fingerprint: the buffer must be C-contiguous");
+  const auto* bytes = static_cast<const unsigned char*>(info.ptr);
+  const size_t length = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+  uint64_t h1 = 0, h2 = 0, i = 0;
+  {
+    py::gil_scoped_release release;
+    auto add = [&](uint64_t w) {
+      h1 += w;
+      h2 += ++i * w;
+    };
+    uint64_t w;
+    size_t at = 0;
+    for (; at + 8 <= length; at += 8) {
+      std::memcpy(&w, bytes + at, 8);
+      add(w);
+    }
+    if (at < length) {
+      w = 0;
+      std::memcpy(&w, bytes + at, length - at);
+      add(w);
+    }
+  }
+  const uint64_t h = h1 + 0x9E3779B97F4A7C15u * h2;
+  return py::make_tuple(static_cast<double>(length), static_cast<double>(h & 0xffffffffu), static_cast<double>(h >> 32));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_linattn, m) {
@@ -905,6 +947,9 @@ PYBIND11_MODULE(_linattn, m) {
   m.def("_efficient_apply_state", &efficient_apply_state_py, py::arg("q"), py::arg("state"), py::arg("scale"));
   m.def("_efficient_apply_state_backward", &efficient_apply_state_backward_py, py::arg("q"), py::arg("state"),
         py::arg("dout"), py::arg("scale"));
+  m.def("_fingerprint", &fingerprint, py::arg("buffer"),
+        "(bytes, low, high 32 bits of the hash) of a C-contiguous buffer: the distributed agreement check's "
+        "fingerprint of a tensor (exact integer sums of its 64-bit words, plain and position-weighted).");
   m.def("random_features", &random_features, py::arg("num_features"), py::arg("head_dim"),
         py::arg("kind") = "orthogonal", py::arg("seed") = 0, py::arg("dtype") = py::dtype::of<float>(),
         R"doc(Random projection ω [num_features, head_dim] for FAVOR attention.

@@ -49,6 +49,10 @@ def _efficient_key_state_backward(k: typing.Any, v: typing.Any, state: typing.An
     ...
 def _feature_dim(name: str, head_dim: typing.SupportsInt | typing.SupportsIndex, tensor_shapes: dict, options: dict) -> int:
     ...
+def _fingerprint(buffer: typing.Any) -> tuple:
+    """
+    (bytes, low, high 32 bits of the hash) of a C-contiguous buffer: the distributed agreement check's fingerprint of a tensor (exact integer sums of its 64-bit words, plain and position-weighted).
+    """
 def _forward(name: str, q: numpy.ndarray, k: numpy.ndarray, v: numpy.ndarray, tensors: dict, options: dict, want_saved: collections.abc.Sequence[str]) -> typing.Any:
     ...
 def _key_state(k: typing.Any, v: typing.Any, key_lengths: typing.Any, feature_map: str, kernel: typing.Any, scale: typing.Any, eps: typing.SupportsFloat | typing.SupportsIndex, focus_power: typing.SupportsFloat | typing.SupportsIndex, projection: typing.Any) -> numpy.ndarray:

@@ -153,10 +153,20 @@ def run_case(name, fn, q, k, v, dout, opts, params):
             **{"d_" + p: t.grad for p, t in trained.items()}}
 
 
+def _one_ulp_up(x, change):
+    """x, or (change) a copy with its element [2, 5] one ulp larger."""
+    if not change:
+        return x
+    y = x.clone()
+    y[2, 5] = torch.nextafter(y[2, 5], torch.tensor(float("inf"), dtype=y.dtype))
+    return y
+
+
 def _errors(dist_mod, rank):
     """Bad input on one rank, or options that differ: every rank raises (nothing hangs)."""
     got = {}
     q = torch.randn(B, H, 4, D, dtype=torch.float64)
+    e_shared = torch.randn(3, 16, generator=torch.Generator().manual_seed(5), dtype=torch.float64) / 4
     cases = {
         "dtype_on_rank_1": lambda: dist_mod.softmax_attention(q.float() if rank == 1 else q, q, q),
         "causal_differs": lambda: dist_mod.linear_attention(q, q, q, causal=rank == 1),
@@ -175,6 +185,9 @@ def _errors(dist_mod, rank):
         "window_differs": lambda: dist_mod.hybrid_attention(q, q, q, window=1 + rank),
         "gate_differs": lambda: dist_mod.hybrid_attention(q, q, q, window=2, window_gate=torch.full(
             (H,), float(rank), dtype=torch.float64)),
+        # one element of f one ulp apart on rank 1: the shared tensors' fingerprints differ
+        "linformer_f_differs": lambda: dist_mod.linformer_attention(q, q, q, e_shared,
+                                                                    _one_ulp_up(e_shared, rank == 1)),
         "negative_features": lambda: dist_mod.hybrid_attention(q, q, q, feature_map="given", query_features=q,
                                                                key_features=q.abs()),
         "hybrid_favor_trig": lambda: dist_mod.hybrid_attention(
@@ -350,7 +363,7 @@ def test_errors_raised_on_every_rank(world):
                   "hedgehog_weight_shape", "hybrid_favor_trig"}
     if w > 1:
         everywhere |= {"dtype_on_rank_1", "causal_differs", "projection_differs", "zigzag_sizes", "window_differs",
-                       "gate_differs"}
+                       "gate_differs", "linformer_f_differs"}
     if w == 4:
         everywhere |= {"nan_on_last", "identity_nan_on_last", "state_overflow_on_last"}
     assert set(results[0]["errors"]) >= everywhere
@@ -366,7 +379,7 @@ def test_errors_raised_on_every_rank(world):
         elif key == "state_overflow_on_last":  # refused before any collective, so nothing hangs
             assert got[3][0] == "ValueError" and "too large for torch.float64" in got[3][1]
             assert "rank 3" in got[0][1]
-        elif key in ("causal_differs", "projection_differs", "window_differs", "gate_differs"):
+        elif key in ("causal_differs", "projection_differs", "window_differs", "gate_differs", "linformer_f_differs"):
             assert all(g[0] == "ValueError" and "other shapes or options than rank 0" in g[1] for g in got[1:])
         elif key == "zigzag_sizes":
             assert all(g[0] == "ValueError" and "zigzag" in g[1] for g in got)
@@ -485,3 +498,41 @@ def test_random_feature_rows_are_bounded_by_their_norms_not_their_largest_entry(
             with pytest.raises(ValueError, match="a row of %s is too large for torch.float32 random features"
                                                  % ("q" if q is every else "k")):
                 _projection(fn, w, "positive", ("positive",), 1.0, q, k, top)
+
+
+def test_shared_tensor_fingerprint():
+    """_checksum, the agreement check's numbers for a tensor every rank must pass alike: the
+    definition (bytes, then h = Σ w_i + k·Σ (i+1)·w_i mod 2^64 over the bytes as 64-bit words,
+    the last zero-padded, as two 32-bit halves), equal for equal bytes (a non-contiguous view as
+    its contiguous copy), different for one ulp anywhere, for two values swapped, and for a
+    dtype's other bytes."""
+    import numpy as np
+    from linattn.torch.distributed import _checksum
+
+    def expected(t):
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        words = np.frombuffer(raw + bytes(-len(raw) % 8), dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            h1 = int(words.sum(dtype=np.uint64))
+            h2 = int((words * np.arange(1, len(words) + 1, dtype=np.uint64)).sum(dtype=np.uint64))
+        h = (h1 + 0x9E3779B97F4A7C15 * h2) % 2 ** 64
+        return [float(len(raw)), float(h & 0xFFFFFFFF), float(h >> 32)]
+
+    g = torch.Generator().manual_seed(3)
+    for t in (torch.randn(7, 13, generator=g), torch.randn(2, 3, 5, generator=g, dtype=torch.float64),
+              torch.randn(9, generator=g).bfloat16(), torch.zeros(0), torch.tensor(1.5)):
+        assert _checksum(t) == expected(t), t.dtype
+        assert _checksum(t.clone().requires_grad_()) == _checksum(t)
+    assert _checksum(None) == [0.0, 0.0, 0.0]
+    x = torch.randn(5, 9, generator=g)  # 180 bytes: the last word is half padding
+    assert _checksum(x.t()) == _checksum(x.t().contiguous()) == expected(x.t())
+    seen = {tuple(_checksum(x))}
+    for i, j in ((0, 0), (2, 7), (4, 8)):  # first, middle, last (in the padded word)
+        y = x.clone()
+        y[i, j] = torch.nextafter(y[i, j], torch.tensor(float("inf")))
+        seen.add(tuple(_checksum(y)))
+    swapped = x.clone()
+    swapped[1, 2], swapped[4, 3] = x[4, 3].item(), x[1, 2].item()
+    seen.add(tuple(_checksum(swapped)))
+    seen.add(tuple(_checksum(x.double())))
+    assert len(seen) == 6

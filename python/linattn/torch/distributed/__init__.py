@@ -48,7 +48,7 @@ import torch
 import torch._dynamo  # noqa: F401
 
 from .. import _lengths, _tensor
-from ... import methods as _methods, _default
+from ... import _linattn as _lx, methods as _methods, _default
 from .. import feature_maps as _feature_maps
 from . import _context, _hybrid, _kernelized, _ring
 from ._comm import Group, reset_traffic, traffic
@@ -72,11 +72,13 @@ def _full(name):
 
 
 def _checksum(t):
-    """A few numbers that differ when ranks pass different shared tensors."""
+    """Numbers that differ when ranks pass different shared tensors: the C++ _fingerprint of the
+    tensor's bytes (exact integer sums, the same on every rank whatever its threads; one pass
+    with no copies). The tensors' dtypes are agreed on with q's."""
     if t is None:
         return [0.0, 0.0, 0.0]
-    x = t.detach().double().reshape(-1)
-    return [float(x.numel()), float(x.sum()), float((x * torch.arange(1, x.numel() + 1, dtype=torch.float64)).sum())]
+    x = t.detach().cpu().contiguous()
+    return list(_lx._fingerprint(x.reshape(-1).view(torch.uint8).numpy()))
 
 
 def _all_finite(x):
