@@ -89,7 +89,8 @@ models: build
 # docs/distributed.md: bytes each rank sends and forward+backward times of
 # linattn.torch.distributed on 1, 2 and 4 gloo processes (a few minutes). Raw results in out/distributed.
 distributed: build
-	$(PYTHON) bench/distributed.py --out out/distributed --docs docs/distributed.md
+	@echo "make distributed: OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset for the benchmark command (were: '$${OPENBLAS_CORETYPE}' '$${OPENBLAS_L2_SIZE}')"
+	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(PYTHON) bench/distributed.py --out out/distributed --docs docs/distributed.md
 
 # The hybrid against LoLCATs' CPU forms (docs/methods/hybrid.md); OPENBLAS_CORETYPE unset for
 # this command alone, as users run.

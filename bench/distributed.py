@@ -87,6 +87,21 @@ def timed(step, reps, sync):
     return statistics.median(times)
 
 
+def timed_alternately(steps, reps, sync):
+    """Median seconds of each of steps, timed in turns (one of each per round, after a warm-up
+    of each), so that the machine's drift from moment to moment falls on all of them alike."""
+    for step in steps:
+        step()
+    times = [[] for _ in steps]
+    for _ in range(reps):
+        for step, t_list in zip(steps, times):
+            sync(None)
+            t = time.perf_counter()
+            step()
+            t_list.append(sync(time.perf_counter() - t))
+    return [statistics.median(t_list) for t_list in times]
+
+
 def worker(rank, P, store, ns, reps, path):
     import linattn.torch.distributed as ld
     threads = max(1, 2 // P)
@@ -122,9 +137,8 @@ def worker(rank, P, store, ns, reps, path):
             out.sum().backward()
             backward_bytes = ld.traffic()["bytes"] - forward_bytes
             row = {"method": label, "n": n, "ranks": P, "threads_per_rank": threads, "forward_bytes": forward_bytes,
-                   "backward_bytes": backward_bytes, "predicted": predicted_bytes(label, n, P),
-                   "seconds": timed(step, reps, sync)}
-            if P == 1:  # one process of linattn.torch on the same inputs
+                   "backward_bytes": backward_bytes, "predicted": predicted_bytes(label, n, P)}
+            if P == 1:  # one process of linattn.torch on the same inputs, timed in turns with P = 1
                 qa, ka, va = (x.detach().requires_grad_() for x in (q, k, v))
                 single = getattr(lt, function)
                 opts1 = dict(opts)
@@ -132,7 +146,9 @@ def worker(rank, P, store, ns, reps, path):
                 def step1():
                     out = single(qa, ka, va, *extra, **opts1)  # noqa: B023
                     out.sum().backward()
-                row["single_process_seconds"] = timed(step1, reps, sync)
+                row["seconds"], row["single_process_seconds"] = timed_alternately([step, step1], reps, sync)
+            else:
+                row["seconds"] = timed(step, reps, sync)
             rows.append(row)
             if rank == 0:
                 print("  P=%d n=%-6d %-20s %9d + %9d bytes  %.4f s" % (P, n, label, forward_bytes, backward_bytes,
@@ -177,7 +193,7 @@ def report(rows, ranks, ns, command, reps):
         "blocks, zig-zag for causal softmax) on this 2-core VM: P gloo processes on the loopback interface, each with "
         "max(1, 2/P) threads. Bytes: payload this rank handed to torch.distributed (linattn.torch.distributed."
         "traffic()), per forward and per backward, every row equal to the formula above. Times: forward + backward, "
-        "median of %d after a warm-up, the slowest rank's." % (command, B, H, D, M_FAVOR, S_LINFORMER, reps),
+        "median of %d after a warm-up, the slowest rank's; at P = 1 timed in turns with one process." % (command, B, H, D, M_FAVOR, S_LINFORMER, reps),
         "",
         table(rows, ranks, ns),
         "",
@@ -198,7 +214,7 @@ def main():
     ap.add_argument("--docs", default=None, help="docs/distributed.md: rewrite its measured section")
     ap.add_argument("--ns", type=int, nargs="+", default=[1024, 4096, 8192])
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=11)
     ap.add_argument("--quick", action="store_true", help="n = 64, 128 and one repetition (the test's)")
     ap.add_argument("--rows", help="write the report from this distributed.json instead of measuring")
     a = ap.parse_args()
