@@ -193,7 +193,8 @@ def report(rows, ranks, ns, command, reps):
         "blocks, zig-zag for causal softmax) on this 2-core VM: P gloo processes on the loopback interface, each with "
         "max(1, 2/P) threads. Bytes: payload this rank handed to torch.distributed (linattn.torch.distributed."
         "traffic()), per forward and per backward, every row equal to the formula above. Times: forward + backward, "
-        "median of %d after a warm-up, the slowest rank's; at P = 1 timed in turns with one process." % (command, B, H, D, M_FAVOR, S_LINFORMER, reps),
+        "median of %d after a warm-up, the slowest rank's; at P = 1 timed in turns with one process."
+        % (command, B, H, D, M_FAVOR, S_LINFORMER, reps),
         "",
         table(rows, ranks, ns),
         "",

@@ -10,7 +10,6 @@
 #include <pybind11/stl.h>
 #include <pybind11/typing.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <deque>
