@@ -438,6 +438,28 @@ TEST(LowPrecision, Avx512Bf16DotMatchesFloat64) {
   }
 }
 
+// Random stored operands of C = op(A)·op(B) (M×K, K×N) for the matmul_bf16 tests: A stored
+// M×K (K×M when ta), B K×N (N×K when tb), each row with 3 padding columns, C M×N with 5, all
+// filled from rng (a, b, then c); A and B view a and b as the product reads them.
+struct RandomProductOperands {
+  RandomProductOperands(int64_t M, int64_t N, int64_t K, bool ta, bool tb, std::mt19937& rng)
+      : lda((ta ? M : K) + 3), ldb((tb ? K : N) + 3), ldc(N + 5),
+        a((ta ? K : M) * lda), b((tb ? N : K) * ldb), c(M * ldc) {
+    std::normal_distribution<float> normal;
+    for (auto& x : a) x = normal(rng);
+    for (auto& x : b) x = normal(rng);
+    for (auto& x : c) x = normal(rng);
+    A = Mat<const float>{a.data(), ta ? K : M, ta ? M : K, lda, false};
+    B = Mat<const float>{b.data(), tb ? N : K, tb ? K : N, ldb, false};
+    if (ta) A = A.t();
+    if (tb) B = B.t();
+  }
+  RandomProductOperands(const RandomProductOperands&) = delete;  // A and B point into a and b
+  int64_t lda, ldb, ldc;
+  std::vector<float> a, b, c;
+  Mat<const float> A{}, B{};
+};
+
 // matmul_bf16 against float64 sums of the operands rounded to bfloat16 (to_bfloat16, nearest
 // even): every product is exact in float32 and vdpbf16ps rounds twice per pair, so a sum of K
 // terms is within γ_{K+1}·Σ|terms| (Higham §3.1; K + 1 for the pair's two roundings), then alpha
@@ -448,7 +470,6 @@ TEST(LowPrecision, Avx512Bf16DotMatchesFloat64) {
 TEST(LowPrecision, Bfloat16ProductsMatchFloat64OnRoundedOperands) {
   if (!bfloat16_products_usable()) GTEST_SKIP() << "no AVX512-BF16 here: " << avx512_bf16::unavailable_reason();
   std::mt19937 rng(12);
-  std::normal_distribution<float> normal;
   for (const auto [M, N, K] : {std::array<int64_t, 3>{1, 1, 1}, {7, 65, 33}, {13, 16, 64}, {33, 17, 1}, {6, 80, 70}, {40, 3, 129},
                                  {5, 36, 40}, {9, 21, 31}})
     for (bool ta : {false, true})
@@ -456,17 +477,9 @@ TEST(LowPrecision, Bfloat16ProductsMatchFloat64OnRoundedOperands) {
         for (const auto [alpha, beta] : {std::array<float, 2>{1, 0}, {1, 1}, {0.375f, 0}, {-2, 0.5f}}) {
           SCOPED_TRACE(::testing::Message() << M << "x" << N << "x" << K << " ta=" << ta << " tb=" << tb << " alpha=" << alpha
                                             << " beta=" << beta);
-          // Stored shapes: A is M×K (K×M transposed), B K×N (N×K), each with 3 padding columns.
-          const int64_t a_rows = ta ? K : M, a_cols = ta ? M : K, b_rows = tb ? N : K, b_cols = tb ? K : N;
-          const int64_t lda = a_cols + 3, ldb = b_cols + 3, ldc = N + 5;
-          std::vector<float> a(a_rows * lda), b(b_rows * ldb), c(M * ldc);
-          for (auto& x : a) x = normal(rng);
-          for (auto& x : b) x = normal(rng);
-          for (auto& x : c) x = normal(rng);
-          const std::vector<float> c0 = c;
-          Mat<const float> A{a.data(), a_rows, a_cols, lda, false}, B{b.data(), b_rows, b_cols, ldb, false};
-          if (ta) A = A.t();
-          if (tb) B = B.t();
+          RandomProductOperands ops(M, N, K, ta, tb, rng);
+          const auto& [lda, ldb, ldc, a, b, c0, A, B] = ops;
+          std::vector<float> c = c0;
           matmul_bf16(Mat<float>{c.data(), M, N, ldc, false}, A, B, alpha, beta);
           auto a_at = [&](int64_t i, int64_t l) { return to_float(to_bfloat16(ta ? a[l * lda + i] : a[i * lda + l])); };
           auto b_at = [&](int64_t l, int64_t j) { return to_float(to_bfloat16(tb ? b[j * ldb + l] : b[l * ldb + j])); };
@@ -503,21 +516,15 @@ TEST(LowPrecision, Bfloat16ProductsMatchFloat64OnRoundedOperands) {
 TEST(LowPrecision, PackedBfloat16OperandGivesTheUnpackedBits) {
   if (!bfloat16_products_usable()) GTEST_SKIP() << "no AVX512-BF16 here: " << avx512_bf16::unavailable_reason();
   std::mt19937 rng(13);
-  std::normal_distribution<float> normal;
   Bf16PackedB reused;  // packed again for each B, larger and smaller, with and without a thin tail
   for (const auto [M, N, K] : {std::array<int64_t, 3>{1, 1, 1}, {7, 65, 33}, {13, 16, 64}, {33, 17, 1}, {6, 80, 70}, {40, 3, 129},
                                  {5, 36, 40}, {9, 21, 31}, {32, 256, 64}, {32, 64, 256}, {3, 20, 2}})
     for (bool ta : {false, true})
       for (bool tb : {false, true}) {
-        const int64_t a_rows = ta ? K : M, a_cols = ta ? M : K, b_rows = tb ? N : K, b_cols = tb ? K : N;
-        const int64_t lda = a_cols + 3, ldb = b_cols + 3, ldc = N + 5;
-        std::vector<float> a(a_rows * lda), b(b_rows * ldb), c(M * ldc);
-        for (auto& x : a) x = normal(rng);
-        for (auto& x : b) x = normal(rng);
-        for (auto& x : c) x = normal(rng);
-        Mat<const float> A{a.data(), a_rows, a_cols, lda, false}, B{b.data(), b_rows, b_cols, ldb, false};
-        if (ta) A = A.t();
-        if (tb) B = B.t();
+        const RandomProductOperands ops(M, N, K, ta, tb, rng);
+        const int64_t ldc = ops.ldc;
+        const std::vector<float>& c = ops.c;
+        const Mat<const float> A = ops.A, B = ops.B;
         const Bf16PackedB packed(B);
         ASSERT_EQ(packed.rows(), K);
         ASSERT_EQ(packed.cols(), N);
