@@ -162,10 +162,19 @@ struct Scratch {
   // to the output (storage below).
   Buffer<T> rows_in, grads_in, outputs_in, staged;
   // Backward: whether every gradient value this worker wrote is finite (range.h). Forward:
-  // whether every output value it wrote is (divide_rows).
+  // whether every output value it wrote is (divide_rows; a backward's recomputed outputs set it
+  // too, unread there).
   WrittenFinite written;
   bool outputs_finite = true;
 };
+
+// Whether every worker's gradient values were finite (Scratch::written).
+template <class T>
+bool all_gradients_finite(PerWorker<Scratch<T>>& scratch) {
+  for (int w = 0; w < scratch.size(); ++w)
+    if (!scratch[w].written.ok) return false;
+  return true;
+}
 
 // ---- storage -------------------------------------------------------------------------------
 // The engine computes in T and reads its inputs and writes its results as S: T itself, or
@@ -864,9 +873,7 @@ bool backward(const Problem<T, S>& p, const S* dout, const O* out, const T* den,
       backward_noncausal(p, bh, s, dout, out, den, state, dq, dk, dv);
     }
   });
-  bool finite = true;
-  for (int w = 0; w < scratch.size(); ++w) finite = finite && scratch[w].written.ok;
-  return finite;
+  return all_gradients_finite(scratch);
 }
 
 // ---- state-level operations (engine.h) ------------------------------------------------------
@@ -879,9 +886,7 @@ template <class T, class Body>
 bool each_head(const ParallelLoop& loop, const Problem<T>& p, bool causal, Body body) {
   PerWorker<Scratch<T>> scratch(loop, [&] { return Scratch<T>(p, causal); });
   loop.run([&](int64_t bh, int worker) { body(bh, scratch[worker], worker); });
-  bool finite = true;
-  for (int w = 0; w < scratch.size(); ++w) finite = finite && scratch[w].written.ok;
-  return finite;
+  return all_gradients_finite(scratch);
 }
 
 template <class T>
