@@ -124,14 +124,9 @@ def test_reorder_and_select_move_every_state_with_its_row():
 def test_what_the_cache_cannot_serve_raises():
     model = model_on("linattn_elu", {"window": 3})
     prompt = ids_of(2, 8)
-    mask = torch.ones_like(prompt)
-    mask[0, :3] = 0  # left padding
-    with pytest.raises(ValueError, match="LinattnCache.*unpadded prompts"):
-        model.generate(prompt, attention_mask=mask, max_new_tokens=2, do_sample=False)
-    mask = torch.ones_like(prompt)
-    mask[1, -2:] = 0  # right padding
-    with pytest.raises(ValueError, match="LinattnCache.*unpadded prompts"):
-        model.generate(prompt, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    band = torch.ones(2, 1, 8, 8, dtype=torch.bool).tril() & torch.ones(8, 8, dtype=torch.bool).triu(-2)
+    with torch.no_grad(), pytest.raises(ValueError, match="not a causal padding mask"):
+        model(prompt, attention_mask=band, past_key_values=lh.LinattnCache(model), use_cache=True)
     cache = lh.LinattnCache(model)
     for count in (1, -1):  # transformers passes negative counts
         with pytest.raises(ValueError, match="recurrent state cannot forget"):
@@ -190,7 +185,7 @@ def test_inconsistent_use_raises():
     cache = lh.LinattnCache(model)
     with torch.no_grad():
         model(prompt, past_key_values=cache, use_cache=True)
-    with pytest.raises(ValueError, match="decoding runs without autograd"):
+    with pytest.raises(ValueError, match="decoding step with autograd on"):
         model(prompt[:, :1], past_key_values=cache, use_cache=True)
     layer = model.model.layers[1]
     handle = layer.register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("interrupted")))
@@ -275,3 +270,151 @@ def test_a_bfloat16_model_decodes_with_a_float32_state(name, options):
     assert (got.float() - full).abs().max() <= 2.0 ** -5 * full.abs().max()
     out = model.generate(ids[:, :6], max_new_tokens=4, do_sample=False)
     assert out.shape == (2, 10)
+
+
+def padded(ids, lengths, side):
+    """Each row's first lengths[r] tokens of ids, padded (token 0, mask 0) to the batch's width."""
+    batch, n = ids.shape[0], max(lengths)
+    out, mask = torch.zeros((batch, n), dtype=torch.long), torch.zeros((batch, n), dtype=torch.long)
+    for r, length in enumerate(lengths):
+        where = slice(n - length, n) if side == "left" else slice(0, length)
+        out[r, where], mask[r, where] = ids[r, :length], 1
+    return out, mask
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("name,options", CASES)
+def test_padded_prompts_generate_what_each_gets_alone(name, options, side):
+    # Prompts of 10, 6 and 8 tokens in one batch: each row's greedy tokens and their logits equal
+    # those of the row generated alone. Padded positions stay out of every state, window and
+    # convolution (φ(0) ≠ 0 for elu+1 and Hedgehog); right padding is moved to the left for the
+    # search, and the prompt comes back as given.
+    model = model_on(name, options)
+    lengths, ids = [10, 6, 8], ids_of(3, 10)
+    prompt, mask = padded(ids, lengths, side)
+    out = model.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    assert isinstance(out.past_key_values, lh.LinattnCache)
+    assert torch.equal(out.sequences[:, :10], prompt)
+    for r, length in enumerate(lengths):
+        alone = model.generate(ids[r:r + 1, :length], max_new_tokens=6, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True)
+        assert torch.equal(out.sequences[r, 10:], alone.sequences[0, length:]), (r, side)
+        got, want = torch.stack([l[r] for l in out.logits]), torch.stack([l[0] for l in alone.logits])
+        assert (got - want).abs().max() <= TOL * want.abs().max()
+
+
+@pytest.mark.parametrize("name,options", [("linattn_elu", {"window": 3}), ("linattn_favor", {"window": 4}),
+                                          ("linattn_focused", {"dwc_kernel_size": 3}),
+                                          ("linattn_hedgehog", {"feature_dim": 4})])
+def test_right_padded_prompt_then_tokens_through_the_model(name, options):
+    # Without generate(): a right-padded prompt (padding in the middle of the sequence once new
+    # tokens follow), then a chunk of 2 tokens and single tokens, each row against itself alone.
+    model = model_on(name, options)
+    lengths, ids = [9, 5], ids_of(2, 14)
+    prompt, mask = padded(ids, lengths, "right")
+    more = ids_of(2, 4, seed=7)
+    with torch.no_grad():
+        cache = lh.LinattnCache(model)
+        first = model(prompt, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+        pieces, seen = [], mask
+        for chunk in (more[:, :2], more[:, 2:3], more[:, 3:]):
+            seen = torch.cat([seen, torch.ones_like(chunk)], dim=1)
+            positions = seen.cumsum(dim=1)[:, -chunk.shape[1]:] - 1  # each row's own positions, as generate() sets
+            pieces.append(model(chunk, attention_mask=seen, position_ids=positions, past_key_values=cache,
+                                use_cache=True).logits)
+        got = torch.cat(pieces, dim=1)
+        for r, length in enumerate(lengths):
+            want = model(torch.cat([ids[r:r + 1, :length], more[r:r + 1]], dim=1)).logits
+            assert (first[r, :length] - want[0, :length]).abs().max() <= TOL * want.abs().max()
+            assert (got[r] - want[0, length:]).abs().max() <= TOL * want.abs().max()
+    assert cache.layers[0].counts.tolist() == [13, 9] and cache.get_seq_length() == 13
+    wrong = torch.ones(2, 14, dtype=torch.long)
+    wrong[0, 0] = 0  # a mask of other sequences than the cache has seen
+    with torch.no_grad(), pytest.raises(ValueError, match=r"marks \[12, 13\] tokens before the new ones.*\[13, 9\]"):
+        model(more[:, :1], attention_mask=wrong, past_key_values=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("name,options", [("linattn_softmax", {}), ("linattn_elu", {}), ("linattn_elu", {"window": 3}),
+                                          ("linattn_hedgehog", {"feature_dim": 4, "window": 5}),
+                                          ("linattn_favor", {}), ("linattn_window", {"window": 4})])
+def test_a_static_cache_generates_what_a_dynamic_cache_does(name, options):
+    # StaticCache hands every layer its whole buffer, empty slots included, and transformers'
+    # sdpa mask is left out for the prompt (torch's top-left is_causal): linattn's mask keeps
+    # the slots visible, and the attention drops the slots no query sees.
+    model = model_on(name, options)
+    prompt = ids_of(2, 7)
+    kw = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    dynamic = model.generate(prompt, past_key_values=transformers.DynamicCache(config=model.config), **kw)
+    static = model.generate(prompt, cache_implementation="static", **kw)
+    assert isinstance(static.past_key_values, transformers.StaticCache)
+    assert torch.equal(static.sequences, dynamic.sequences)
+    for a, b in zip(static.logits, dynamic.logits):
+        assert (a - b).abs().max() <= TOL * b.abs().max()
+
+
+def test_a_cache_refuses_a_model_switched_to_another_backend_or_options():
+    model = model_on("linattn_elu", {"window": 3})
+    prompt = ids_of(1, 6)
+    for switch, match in ((lambda m: m.set_attn_implementation("linattn_relu"), "made for linattn_elu.*'linattn_relu'"),
+                          (lambda m: lh.set_options(m, window=2), r"options changed.*window 3 -> 2"),
+                          (lambda m: setattr(m.config, "linattn_options", {"window": 3, "eps": 0.5}),
+                           r"eps 1e-06 -> 0.5")):
+        m = model_on("linattn_elu", {"window": 3})
+        cache = lh.LinattnCache(m)
+        with torch.no_grad():
+            m(prompt, past_key_values=cache, use_cache=True)
+            switch(m)
+            with pytest.raises(ValueError, match=match):
+                m(prompt[:, :1], past_key_values=cache, use_cache=True)
+    hedgehog = model_on("linattn_hedgehog", {"feature_dim": 8})
+    cache = lh.LinattnCache(hedgehog)
+    with torch.no_grad():
+        hedgehog(prompt, past_key_values=cache, use_cache=True)
+        hedgehog.set_attn_implementation("linattn_elu")
+        with pytest.raises(ValueError, match="made for linattn_hedgehog"):
+            hedgehog(prompt[:, :1], past_key_values=cache, use_cache=True)
+    assert model is not None
+
+
+def test_a_decoding_step_with_autograd_on_is_refused_with_frozen_projections():
+    # After linearize every projection is frozen: q, k and v need no gradient, the maps do.
+    lh.register()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG, attn_implementation="sdpa")).eval()
+    lh.linearize(model, feature_map="hedgehog", window=2, feature_dim=4)
+    cache = lh.LinattnCache(model)
+    prompt = ids_of(1, 5)
+    model(prompt, past_key_values=cache, use_cache=True)  # the prompt: with autograd, as in training
+    with pytest.raises(ValueError, match="decoding step with autograd on"):
+        model(prompt[:, :1], past_key_values=cache, use_cache=True)
+
+
+def test_two_threads_sharing_a_cache_are_told_so():
+    # A forward in progress on another thread (here: stopped after its first layer's update,
+    # held by an event, so no timing is involved) makes the second forward raise a message that
+    # names concurrent use; the first thread's forward state is untouched.
+    import threading
+    model = model_on("linattn_elu", {"window": 3})
+    cache = lh.LinattnCache(model)
+    prompt = ids_of(1, 5)
+    started, release = threading.Event(), threading.Event()
+
+    def first_layer_then_wait():
+        cache.update(torch.zeros(1, 2, 5, 16), torch.zeros(1, 2, 5, 16), 0)
+        lh.backends.PENDING_CACHE.note = None
+        started.set()
+        release.wait()
+
+    other = threading.Thread(target=first_layer_then_wait)
+    other.start()
+    try:
+        assert started.wait(60)
+        with torch.no_grad(), pytest.raises(ValueError, match="used by two forwards at once.*give each its own"):
+            model(prompt, past_key_values=cache, use_cache=True)
+    finally:
+        release.set()
+        other.join()
+    with torch.no_grad():  # the other thread is gone: a fresh cache serves this one
+        fresh = lh.LinattnCache(model)
+        assert model(prompt, past_key_values=fresh, use_cache=True).logits.shape == (1, 5, 97)

@@ -202,7 +202,7 @@ def test_attention_transfer_lowers_every_layer_loss(minilm, feature_map, window)
     model = lh.linearize(load(path), feature_map=feature_map, window=window, feature_dim=8)
     if feature_map == "none":  # nothing to learn: the window alone
         assert lh.learned_parameters(model) == []
-        with pytest.raises(ValueError, match="never linearized"):
+        with pytest.raises(ValueError, match="learns nothing"):
             lh.attention_transfer(model, tok, TEXTS, steps=1)
         with torch.no_grad():
             assert (embed(model, batch) * base).sum(1).mean() > 0.5
@@ -251,17 +251,17 @@ def test_conversion_bad_input_and_failure_leaves_the_model_as_it_was(minilm):
             lh.linearize(model, **kwargs)
     with pytest.raises(ValueError, match="never linearized"):
         lh.attention_transfer(model, tok, TEXTS, steps=1)
-    # A failure midway (here: set_options raising) restores everything.
-    original = lh.convert.set_options  # what linearize calls
+    # A failure midway (here: create_learned raising) restores everything.
+    original = lh.convert.create_learned  # what linearize calls
 
     def broken(*a, **k):
         raise MemoryError("simulated")
-    lh.convert.set_options = broken
+    lh.convert.create_learned = broken
     try:
         with pytest.raises(MemoryError):
             lh.linearize(model, window=2)
     finally:
-        lh.convert.set_options = original
+        lh.convert.create_learned = original
     assert model.config._attn_implementation == "sdpa"
     assert [p.requires_grad for p in model.parameters()] == flags
     assert not any(n.split(".")[-1].startswith("linattn_") for n, _ in model.named_parameters())

@@ -70,7 +70,7 @@ options), masks.py (attention masks -> key_lengths), convert.py (linearize, atte
 finetune, from_pretrained), cache.py (LinattnCache, generation in constant memory)."""
 
 from .backends import (BACKENDS, Backend, attention_function, attention_modules, options_of, register,  # noqa: F401
-                       set_options)
+                       remove_learned, set_options)
 from .convert import attention_transfer, finetune, from_pretrained, learned_parameters, linearize  # noqa: F401
 from . import backends, convert, masks  # noqa: F401
 
@@ -86,4 +86,4 @@ def __getattr__(attr):
 
 
 __all__ = ["BACKENDS", "LinattnCache", "Backend", "attention_function", "attention_modules", "attention_transfer", "finetune",
-           "from_pretrained", "learned_parameters", "linearize", "options_of", "register", "set_options"]
+           "from_pretrained", "learned_parameters", "linearize", "options_of", "register", "remove_learned", "set_options"]

@@ -1,37 +1,72 @@
 """The linattn.hf backends: one Backend object per transformers attention implementation, each
 knowing the linattn.torch function it calls, the options its name fixes, the user options it
-takes (with defaults), the tensors it attaches to attention modules and how it passes them.
-attention_function(name) is the function transformers calls; set_options() checks a model's
-options and attaches what they need. See linattn.hf's documentation."""
+takes (with defaults), the learned tensors it needs on attention modules and how it passes
+them. attention_function(name) is the function transformers calls; set_options() checks a
+model's options and creates what they need. See linattn.hf's documentation.
 
+Learned tensors (feature maps, window gates, convolutions, Linformer's e and f) are created in
+one place, create_learned (called by set_options, hence by linearize and from_pretrained), and
+never by a forward: a forward finds them (learned_tensor) or raises, and casts a tensor whose
+dtype differs from the activations' (autocast, a bfloat16 forward) without replacing it."""
+
+import math as _math
 import threading as _threading
 
 import numpy as _np
 import torch as _torch
 
 from .. import _linattn
+from .. import _options
 from .. import torch as _lt
 from . import masks as _masks
 
 PREFIX = "linattn_"  # attribute names of what linattn.hf attaches to attention modules
 FEATURE_KINDS = ("orthogonal", "iid", "orthogonal_fixed", "quantile")
+KERNELS = ("positive", "hyperbolic", "trig")
 # LinattnCache.update's note to the attention function that runs next on this thread:
 # .note = (cache layer, the key tensor update returned). See linattn.hf.cache.
 PENDING_CACHE = _threading.local()
 
 
-def _positive_int(value):
-    return not isinstance(value, bool) and isinstance(value, (int, _np.integer)) and value >= 1
+# The methods whose every output depends on every key: a causal form would leak the future.
+_NO_CAUSAL_FORM = {"nystrom_attention": "its landmarks are means over segments of the whole sequence",
+                   "linformer_attention": "it projects keys and values over the whole sequence",
+                   "efficient_attention": "it normalises keys over all positions"}
+
+
+def _optional(check):
+    return lambda fn, name, value: None if value is None else check(fn, name, value)
+
+
+# Every option of every backend: name -> its check, which returns the plain Python value (so
+# NumPy scalars are stored as int/float and the config stays JSON) or raises ValueError naming it.
+_OPTION_CHECKS = {
+    "num_features": lambda fn, k, v: _options.integer(fn, k, v, 1),
+    "num_landmarks": lambda fn, k, v: _options.integer(fn, k, v, 1),
+    "pinv_iterations": lambda fn, k, v: _options.integer(fn, k, v, 0),
+    "s_proj": lambda fn, k, v: _options.integer(fn, k, v, 1),
+    "feature_dim": lambda fn, k, v: _options.integer(fn, k, v, 1),
+    "seed": lambda fn, k, v: _options.integer(fn, k, v, 0),
+    "max_seq_len": _optional(lambda fn, k, v: _options.integer(fn, k, v, 1)),
+    "dwc_kernel_size": _optional(lambda fn, k, v: _options.integer(fn, k, v, 1)),
+    "conv_kernel_size": _optional(lambda fn, k, v: _options.integer(fn, k, v, 1)),
+    "eps": lambda fn, k, v: _options.real(fn, k, v, minimum=0.0),
+    "focus_power": lambda fn, k, v: _options.real(fn, k, v, minimum=1.0, maximum=1000.0),  # the C++ map's range
+    "features": lambda fn, k, v: _options.choice(fn, k, v, FEATURE_KINDS),
+    "kernel": lambda fn, k, v: _options.choice(fn, k, v, KERNELS),
+    "pinv": lambda fn, k, v: _options.choice(fn, k, v, ("iterative", "exact")),
+}
 
 
 class Backend:
     """A backend: `function` (linattn.torch's), `fixed` (options its name sets), `defaults`
     (the user options it takes). The methods below are the defaults (exact softmax,
-    Efficient Attention: nothing attached, the model's scaling passed as `scale`); the
+    Efficient Attention: nothing learned, the model's scaling passed as `scale`); the
     subclasses add their options and tensors."""
 
     takes_scale = True  # the model's scaling goes to the method's `scale`
     inits = ()  # the values of the option `init`, when it has one
+    minimum_window = 0
 
     def __init__(self, name, function, fixed=None, defaults=None):
         self.name, self.function = name, function
@@ -43,9 +78,15 @@ class Backend:
     def check(self, o, config):
         """Backend-specific checks and completions of the options o (defaults already merged)."""
 
-    def attach(self, module, anchor, user):
-        """set_options: creates what the options need on an attention module (anchor: one of
-        its parameters, for dtype and device)."""
+    def learned(self, module, user):
+        """The learned tensors the options `user` need on an attention module: {attribute name
+        (without PREFIX): (shape, the option that sets it, make(factory) -> Parameter or
+        Module)}. A module's shape is its weight's. The window gate comes with any window."""
+        h, _ = heads(module, module.config)
+        if user.get("window") and self.minimum_window == 0:
+            # g = 0: γ = sigmoid(g) = 1/2, the window and the linear part weighed alike
+            return {"window_gate": ((h,), "window", lambda f: _torch.nn.Parameter(_torch.zeros(h, **f)))}
+        return {}
 
     def options(self, module, query, user):
         """The keyword arguments of `function` besides key_lengths, causal and scale."""
@@ -56,22 +97,31 @@ class Backend:
         raise ValueError("%s has no sliding-window form" % self.name)
 
 
+def _zero_conv(h, k):
+    # zero: a pretrained model's output is unchanged until the convolution is trained
+    return lambda f: _torch.nn.Parameter(_torch.zeros((h, k), **f))
+
+
 class Kernelized(Backend):
     """elu, relu, focused: linear_attention with a fixed map; eps, focus_power, a learned
     depthwise convolution (dwc_kernel_size), and the sliding-window hybrid (window)."""
 
     takes_scale = False  # the maps have no scale
 
-    def attach(self, module, anchor, user):
+    def learned(self, module, user):
+        out = super().learned(module, user)
         if user.get("dwc_kernel_size"):
-            learned(module, self, anchor, user, create=True)
+            h, _ = heads(module, module.config)
+            k = user["dwc_kernel_size"]
+            out["conv_weight"] = ((h, k), "dwc_kernel_size", _zero_conv(h, k))
+        return out
 
     def options(self, module, query, user):
         options = dict(self.fixed, eps=user["eps"])
         if "focus_power" in user:
             options["focus_power"] = user["focus_power"]
         if user.get("dwc_kernel_size") is not None:
-            options["dwc_weight"] = learned(module, self, query, user)["conv_weight"]
+            options["dwc_weight"] = learned_tensor(module, self, user, "conv_weight", query)
         return options
 
     def hybrid_features(self, module, query, key, user):
@@ -87,9 +137,6 @@ class Favor(Backend):
             raise ValueError("linattn.hf: linattn_favor with window > 0 needs kernel 'positive' or 'hyperbolic' "
                              "(the hybrid's weights must be >= 0; trig's are not), got 'trig'")
 
-    def attach(self, module, anchor, user):
-        projection(module, anchor, user)
-
     def options(self, module, query, user):
         return dict(self.fixed, kernel=user["kernel"], projection=projection(module, query, user))
 
@@ -101,15 +148,18 @@ class Favor(Backend):
 
 
 class Nystrom(Backend):
-    def attach(self, module, anchor, user):
-        if user.get("conv_kernel_size"):
-            learned(module, self, anchor, user, create=True)
+    def learned(self, module, user):
+        if not user.get("conv_kernel_size"):
+            return {}
+        h, _ = heads(module, module.config)
+        k = user["conv_kernel_size"]
+        return {"conv_weight": ((h, k), "conv_kernel_size", _zero_conv(h, k))}
 
     def options(self, module, query, user):
         options = dict(self.fixed, num_landmarks=user["num_landmarks"], pinv_iterations=user["pinv_iterations"],
                        pinv=user["pinv"])
         if user["conv_kernel_size"] is not None:
-            options["conv_weight"] = learned(module, self, query, user)["conv_weight"]
+            options["conv_weight"] = learned_tensor(module, self, user, "conv_weight", query)
         return options
 
 
@@ -122,13 +172,31 @@ class Linformer(Backend):
             if o["max_seq_len"] is None:
                 raise ValueError("linattn.hf: linattn_linformer needs max_seq_len (the model config has no "
                                  "max_position_embeddings)")
+            o["max_seq_len"] = _options.integer("linattn.hf", "max_seq_len (max_position_embeddings)",
+                                                o["max_seq_len"], 1)
 
-    def attach(self, module, anchor, user):
-        learned(module, self, anchor, user, create=True)
+    def learned(self, module, user):
+        s, n = user["s_proj"], user["max_seq_len"]
+
+        def make(which):
+            def made(factory):
+                if user["init"] == "pool":
+                    # segment j: positions floor(j·n/s) .. floor((j+1)·n/s) − 1 (none when s > n)
+                    e = _torch.zeros((s, n), **factory)
+                    for j in range(s):
+                        lo, hi = j * n // s, (j + 1) * n // s
+                        if hi > lo:
+                            e[j, lo:hi] = 1.0 / (hi - lo)
+                    return _torch.nn.Parameter(e)
+                np_dtype = _np.float64 if factory["dtype"] == _torch.float64 else _np.float32
+                pair = _linattn.linformer_projections(s, n, seed=0, dtype=np_dtype)
+                return _torch.nn.Parameter(_torch.from_numpy(pair[which]).to(**factory))
+            return made
+        return {"e": ((s, n), "s_proj", make(0)), "f": ((s, n), "s_proj", make(1))}
 
     def options(self, module, query, user):
-        tensors = learned(module, self, query, user)
-        return dict(self.fixed, e=tensors["e"], f=tensors["f"])
+        return dict(self.fixed, e=learned_tensor(module, self, user, "e", query),
+                    f=learned_tensor(module, self, user, "f", query))
 
 
 class Hedgehog(Backend):
@@ -138,20 +206,35 @@ class Hedgehog(Backend):
     takes_scale = False
     inits = ("identity", "random")
 
-    def check(self, o, config):
-        if not _positive_int(o["feature_dim"]):
-            raise ValueError("linattn.hf: feature_dim must be a positive integer, got %r" % (o["feature_dim"],))
+    def learned(self, module, user):
+        from ..torch.feature_maps import HedgehogFeatureMap
+        out = super().learned(module, user)
+        h, d = heads(module, module.config)
+        f = user["feature_dim"]
+        for side in ("hedgehog_q", "hedgehog_k"):
+            out[side] = ((h, d, f), "feature_dim",
+                         lambda factory: HedgehogFeatureMap(h, d, f, init=user["init"], **factory))
+        return out
 
-    def attach(self, module, anchor, user):
-        hedgehog_maps(module, anchor, user, create=True)
+    def maps(self, module, user, like):
+        """(weight, bias) of the query map and of the key map, in like's dtype."""
+        return [(m.weight.to(like.dtype), m.bias.to(like.dtype))
+                for m in (learned_tensor(module, self, user, side, like, cast=False) for side in ("hedgehog_q",
+                                                                                                   "hedgehog_k"))]
+
+    def features(self, module, user, x, side):
+        """Hedgehog's features of x (side "query" or "key") with the module's map, in x's dtype."""
+        from ..torch.feature_maps import hedgehog_features
+        weight, bias = self.maps(module, user, x)[0 if side == "query" else 1]
+        return hedgehog_features(x, weight, bias)
 
     def options(self, module, query, user):
-        fq, fk = hedgehog_maps(module, query, user)
-        return dict(self.fixed, query_weight=fq.weight, query_bias=fq.bias, key_weight=fk.weight, key_bias=fk.bias)
+        (qw, qb), (kw, kb) = self.maps(module, user, query)
+        return dict(self.fixed, query_weight=qw, query_bias=qb, key_weight=kw, key_bias=kb)
 
     def hybrid_features(self, module, query, key, user):
-        fq, fk = hedgehog_maps(module, query, user)
-        return {"feature_map": "given", "query_features": fq(query), "key_features": fk(key)}
+        return {"feature_map": "given", "query_features": self.features(module, user, query, "query"),
+                "key_features": self.features(module, user, key, "key")}
 
 
 class Window(Backend):
@@ -191,16 +274,72 @@ def backend(name):
 
 
 def register():
-    """Registers every backend of BACKENDS with transformers' AttentionInterface (and, for the
-    masks, AttentionMaskInterface: the boolean masks of sdpa, which are None when nothing is
-    masked). Idempotent."""
+    """Registers every backend of BACKENDS with transformers' AttentionInterface and, for the
+    masks, AttentionMaskInterface (mask); makes generate() use LinattnCache on the cached
+    backends (cache.install_generation_hook) and a linattn model's config save atomic
+    (install_atomic_config_save). Idempotent."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
     from .cache import install_generation_hook
     for name in BACKENDS:
         AttentionInterface.register(name, attention_function(name))
-        AttentionMaskInterface.register(name, sdpa_mask)
+        AttentionMaskInterface.register(name, mask)
     install_generation_hook()
+    install_atomic_config_save()
+
+
+def mask(*args, **kwargs):
+    """sdpa's boolean mask (True = attend; None when nothing is masked), except that it is
+    never left out for several queries against more keys: sdpa then relies on torch's top-left
+    aligned is_causal (a static cache's prefill against its empty slots), while linattn aligns
+    causal masks bottom-right, so it needs the mask to see which slots are empty."""
+    from transformers.masking_utils import sdpa_mask
+    import inspect
+    bound = inspect.signature(sdpa_mask).bind(*args, **kwargs)
+    q_length, kv_length = bound.arguments["q_length"], bound.arguments["kv_length"]
+    if q_length not in (1, kv_length):
+        bound.arguments["allow_is_causal_skip"] = False
+    return sdpa_mask(*bound.args, **bound.kwargs)
+
+
+def install_atomic_config_save():
+    """Wraps transformers' PreTrainedConfig.to_json_file once: for a config that carries linattn
+    options, the options are checked and normalised (plain Python numbers) and the JSON text is
+    made before anything is written, then written to a temporary file beside the target and
+    renamed over it, so a failed save leaves the checkpoint that was there intact. Other
+    configs go to transformers' own."""
+    import os
+    import tempfile
+    from transformers import PretrainedConfig
+    original = PretrainedConfig.to_json_file
+    if getattr(original, "linattn_hook", False):
+        return
+
+    def to_json_file(self, json_file_path, use_diff=True):
+        name = getattr(self, "_attn_implementation", None)
+        if getattr(self, "linattn_options", None) is None and getattr(self, "linattn_backend", None) is None:
+            return original(self, json_file_path, use_diff=use_diff)
+        options = getattr(self, "linattn_options", None) or {}
+        if name in BACKENDS:
+            full = checked(name, options, self, fn="save_pretrained")
+            self.linattn_options = {k: full[k] for k in options}
+        text = self.to_json_string(use_diff=use_diff)
+        folder = os.path.dirname(os.path.abspath(json_file_path))
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".config-", suffix=".json.tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, json_file_path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    to_json_file.linattn_hook = True
+    to_json_file.__wrapped__ = original
+    PretrainedConfig.to_json_file = to_json_file
 
 
 def take_pending(key):
@@ -239,7 +378,6 @@ def attention_function(name):
                                  % (name, query.shape[1], key.shape[1]))
             groups = query.shape[1] // key.shape[1]
             key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-        n_q, n_k = query.shape[2], key.shape[2]
         causal = bool(kwargs.get("is_causal") if kwargs.get("is_causal") is not None
                       else getattr(module, "is_causal", False))
         user = options_of(getattr(module, "config", None), name)
@@ -248,9 +386,18 @@ def attention_function(name):
             if not causal:
                 raise ValueError("%s: LinattnCache serves causal attention; this attention layer is not causal" % name)
             out = attend(name, cached, module, b, user, query, key, value, attention_mask, scaling,
-                         lambda: forward(module, query, key, value, None, True, causal, scaling, user))
+                         lambda q, k, v: forward(module, q, k, v, None, True, causal, scaling, user))
             return out.transpose(1, 2).contiguous(), None
+        # Key slots masked for every query of every row (a static cache's empty slots) hold no
+        # token: dropped, so that causal masks align bottom-right on the keys that exist.
+        used = _masks.used_keys(attention_mask, key.shape[2])
+        if used < key.shape[2]:
+            key, value, attention_mask = key[:, :, :used], value[:, :, :used], attention_mask[..., :used]
+        n_q, n_k = query.shape[2], key.shape[2]
         mask_causal = causal and n_q > 1  # a single new query sees the whole cache
+        if mask_causal and b.function in _NO_CAUSAL_FORM:
+            raise ValueError("%s: this attention layer is causal, and %s has no causal form (%s); use linattn_softmax "
+                             "or a kernelized backend for a causal model" % (name, b.function, _NO_CAUSAL_FORM[b.function]))
         key_lengths = _masks.key_lengths(name, attention_mask, query.shape[0], n_q, n_k, mask_causal)
         if mask_causal and n_q != n_k and b.function != "softmax_attention" and not user.get("window"):
             raise ValueError("%s: %d queries against %d cached keys; causal %s needs as many queries as keys "
@@ -287,63 +434,119 @@ def options_of(config, name):
     return checked(name, given, config)
 
 
-def checked(name, given, config):
-    """The options `given` for backend `name`, checked (ValueError naming the option) and
-    completed with the defaults."""
+def checked(name, given, config, fn="linattn.hf"):
+    """The options `given` for backend `name`, checked (ValueError naming the option),
+    normalised (plain Python values) and completed with the defaults."""
     b = backend(name)
-    unknown = sorted(set(given) - set(b.defaults))
+    if not isinstance(given, dict):
+        raise ValueError("%s: the linattn options must be a dict, got %s" % (fn, type(given).__name__))
+    unknown = sorted(set(given) - set(b.defaults), key=str)
     if unknown:
-        raise ValueError("linattn.hf: backend %r takes no option %s (its options: %s)"
-                         % (name, ", ".join(map(repr, unknown)), ", ".join(sorted(b.defaults)) or "none"))
+        raise ValueError("%s: backend %r takes no option %s (its options: %s)"
+                         % (fn, name, ", ".join(map(repr, unknown)), ", ".join(sorted(b.defaults)) or "none"))
     o = {**b.defaults, **given}
-    for k in ("num_features", "num_landmarks", "s_proj", "max_seq_len", "dwc_kernel_size", "conv_kernel_size"):
-        if o.get(k) is not None and not _positive_int(o[k]):
-            raise ValueError("linattn.hf: %s must be a positive integer, got %r" % (k, o[k]))
-    if "features" in o and o["features"] not in FEATURE_KINDS:
-        raise ValueError("linattn.hf: features must be one of %s, got %r" % (", ".join(FEATURE_KINDS), o["features"]))
-    if "init" in o and o["init"] not in b.inits:
-        raise ValueError("linattn.hf: init must be %s, got %r" % (" or ".join(map(repr, b.inits)), o["init"]))
-    least = getattr(b, "minimum_window", 0)
-    if "window" in o and (isinstance(o["window"], bool) or not isinstance(o["window"], (int, _np.integer)) or
-                          o["window"] < least):
-        raise ValueError("linattn.hf: window must be an integer >= %d, got %r" % (least, o["window"]))
+    for k in o:
+        if k == "window":
+            o[k] = _options.integer(fn, k, o[k], b.minimum_window)
+        elif k == "init":
+            o[k] = _options.choice(fn, k, o[k], b.inits)
+        else:
+            o[k] = _OPTION_CHECKS[k](fn, k, o[k])
     b.check(o, config)
     return o
 
 
+def given_options(model, name, options):
+    """What set_options stores for backend `name`: the model's stored options (when they are
+    this backend's) updated by `options`, checked and normalised. The model is not changed."""
+    config = model.config
+    stored = dict(getattr(config, "linattn_options", None) or {})
+    if getattr(config, "linattn_backend", name) != name or not set(stored) <= set(backend(name).defaults):
+        stored = {}  # another backend's options: they do not carry over
+    merged = {**stored, **options}
+    full = checked(name, merged, config, fn="linattn.hf.set_options")
+    return {k: full[k] for k in merged}, full
+
+
 def set_options(model, **options):
-    """Sets the options of the model's linattn backend (model.config.linattn_options, checked)
-    and attaches what they need to every attention module: FAVOR projections (buffers) and the
-    learned tensors (Linformer e, f; depthwise convolution weights; Hedgehog's maps; the
-    hybrid's window gate) as parameters, so that an optimizer built afterwards trains them.
-    Call it with no options to attach the defaults'. Returns the model."""
+    """Sets options of the model's linattn backend and creates the learned tensors they need.
+
+    The options update those the model has (model.config.linattn_options, saved with the model):
+    set_options(model, window=4) keeps feature_dim and every other option as it was. They are
+    checked and normalised (plain Python numbers) before anything is written: a bad value raises
+    ValueError naming it and the model is unchanged. Then every attention module gets what the
+    options need and does not have yet, as parameters (Linformer e, f; depthwise convolution
+    weights; Hedgehog's maps; the hybrid's window gate), so an optimizer built afterwards trains
+    them. A learned tensor the module has already is kept as it is (trained maps are never
+    replaced): options that would need it in another shape (feature_dim of existing maps, say)
+    raise ValueError; remove_learned(model) removes them first when starting over is meant.
+    Call it with no options to create the defaults' tensors. Returns the model."""
+    create_learned(model, options)
+    return model
+
+
+def create_learned(model, options):
+    """set_options' work; returns [(module, attribute)] of what it created (linearize removes
+    exactly those when it fails midway)."""
     config = model.config
     name = getattr(config, "_attn_implementation", None)
     if name not in BACKENDS:
         raise ValueError("linattn.hf.set_options: the model's attention implementation is %r, not a linattn "
                          "backend (load it with attn_implementation='linattn_...'; see linattn.hf.BACKENDS)" % (name,))
-    checked(name, options, config)
-    config.linattn_options = dict(options)
-    user = options_of(config, name)
+    stored, user = given_options(model, name, options)
     modules = attention_modules(model)
     if not modules:
         raise ValueError("linattn.hf.set_options: found no attention module (a module with config, is_causal "
                          "and layer_idx attributes) in %s" % type(model).__name__)
     b = BACKENDS[name]
+    plan = []  # every check first, over every module: nothing is written before all pass
     for m in modules:
-        detach_all(m)  # options changed: what was attached for the old ones goes
+        for attr, (shape, option, make) in b.learned(m, user).items():
+            have = _existing(m, attr)
+            if have is None:
+                plan.append((m, attr, make))
+            elif tuple(_shape_of(have)) != tuple(shape):
+                raise ValueError("linattn.hf.set_options: %s=%r needs %s of shape %s, but layer %s has a learned one of "
+                                 "shape %s, which would be lost; set %s back, or remove the learned tensors first "
+                                 "with linattn.hf.remove_learned(model) to start over"
+                                 % (option, user.get(option), PREFIX + attr, list(shape), m.layer_idx,
+                                    list(_shape_of(have)), option))
+    config.linattn_options = stored
+    config.linattn_backend = name
+    created = []
+    for m, attr, make in plan:
         anchor = next(m.parameters())
-        b.attach(m, anchor, user)
-        if user.get("window") and not isinstance(b, Window):
-            window_gate(m, anchor, create=True)
-    return model
+        made = make({"dtype": anchor.dtype, "device": anchor.device})
+        if isinstance(made, _torch.nn.Module):
+            m.add_module(PREFIX + attr, made)
+        else:
+            m.register_parameter(PREFIX + attr, made)
+        created.append((m, PREFIX + attr))
+    if isinstance(b, Favor):
+        for m in modules:
+            projection(m, next(m.parameters()), user)
+    return created
 
 
-def detach_all(module):
-    """Removes every parameter, buffer and submodule linattn.hf attached to an attention module."""
-    for attr in [a for kind in ("_parameters", "_buffers", "_modules") for a in vars(module)[kind]
-                 if a.startswith(PREFIX)]:
-        delattr(module, attr)
+def remove_learned(model):
+    """Removes every tensor linattn.hf attached to the model's attention modules and returns
+    them, {qualified name: tensor or module}: the deliberate way to start a conversion over
+    (set_options and linearize never replace a learned tensor)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    removed = {}
+    for m in attention_modules(model):
+        for attr in [a for kind in ("_parameters", "_buffers", "_modules") for a in vars(m)[kind] if a.startswith(PREFIX)]:
+            removed["%s.%s" % (names[id(m)], attr) if names[id(m)] else attr] = getattr(m, attr)
+            delattr(m, attr)
+    return removed
+
+
+def _existing(module, attr):
+    return vars(module)["_parameters"].get(PREFIX + attr, vars(module)["_modules"].get(PREFIX + attr))
+
+
+def _shape_of(t):
+    return t.weight.shape if isinstance(t, _torch.nn.Module) else t.shape
 
 
 def attention_modules(model):
@@ -352,7 +555,27 @@ def attention_modules(model):
     return [m for m in model.modules() if all(hasattr(m, a) for a in ("config", "is_causal", "layer_idx"))]
 
 
-# ---- what backends attach ------------------------------------------------------------------------
+def learned_parameters(model):
+    """The parameters of the learned tensors the model's backend and options use (feature maps,
+    window gates, convolutions, Linformer's e and f), in module order."""
+    name = getattr(model.config, "_attn_implementation", None)
+    if name not in BACKENDS:
+        return []
+    user = options_of(model.config, name)
+    return [p for m in attention_modules(model) for p in module_learned_parameters(m, BACKENDS[name], user)]
+
+
+def module_learned_parameters(module, b, user):
+    """The parameters of the learned tensors backend b with options `user` uses on one module."""
+    out = []
+    for attr in b.learned(module, user):
+        t = _existing(module, attr)
+        if t is not None:
+            out += list(t.parameters()) if isinstance(t, _torch.nn.Module) else [t]
+    return out
+
+
+# ---- what backends use ---------------------------------------------------------------------------
 
 def heads(module, config):
     h = getattr(module, "num_attention_heads", None) or getattr(config, "num_attention_heads", None)
@@ -363,88 +586,45 @@ def heads(module, config):
 
 
 def projection(module, like, user):
-    """Layer layer_idx's FAVOR projection [num_features, head_dim], a buffer made on first use."""
+    """Layer layer_idx's FAVOR projection [num_features, head_dim] in like's dtype: a buffer
+    drawn from the options (seed + layer index; fixed constants, nothing learned) when the
+    module has none of this shape yet; cast, not redrawn, for another dtype."""
     key = PREFIX + "projection"
     w = getattr(module, key, None)
     _, d = heads(module, module.config)
-    if w is None or w.shape != (user["num_features"], d) or w.dtype != like.dtype:
+    if w is None or tuple(w.shape) != (user["num_features"], d):
         seed = (int(user["seed"]) + int(module.layer_idx or 0)) % 2**63
-        np_dtype = _np.float64 if like.dtype == _torch.float64 else _np.float32
+        anchor = next(module.parameters())
+        np_dtype = _np.float64 if anchor.dtype == _torch.float64 else _np.float32
         w = _torch.from_numpy(_linattn.random_features(user["num_features"], d, user["features"], seed, np_dtype))
-        module.register_buffer(key, w.to(device=like.device, dtype=like.dtype), persistent=False)
-    return getattr(module, key)
+        module.register_buffer(key, w.to(device=anchor.device, dtype=anchor.dtype), persistent=False)
+        w = getattr(module, key)
+    return w.to(like.dtype)
 
 
-def learned(module, b, like, user, create=False):
-    """The module's learned tensors for backend b (made by set_options, create=True, or here on
-    first use outside training): Linformer's e and f, or a depthwise convolution's weight."""
-    function, name = b.function, b.name
-    keys = ("e", "f") if function == "linformer_attention" else ("conv_weight",)
-    have = {k: getattr(module, PREFIX + k, None) for k in keys}
-    if all(v is not None for v in have.values()):
-        return have
-    if not create and module.training and _torch.is_grad_enabled():
-        raise ValueError("%s: the learned tensors (%s) do not exist yet; call linattn.hf.set_options(model, ...) "
-                         "before building the optimizer, so that it trains them" % (name, ", ".join(keys)))
-    factory = {"dtype": like.dtype, "device": like.device}
-    if function == "linformer_attention":
-        s, n = user["s_proj"], user["max_seq_len"]
-        if user["init"] == "pool":
-            e = _torch.zeros((s, n), **factory)
-            for j in range(s):  # segment j: positions floor(j·n/s) .. floor((j+1)·n/s) − 1 (none when s > n)
-                lo, hi = j * n // s, (j + 1) * n // s
-                if hi > lo:
-                    e[j, lo:hi] = 1.0 / (hi - lo)
-            f = e.clone()
-        else:
-            np_dtype = _np.float64 if like.dtype == _torch.float64 else _np.float32
-            e, f = (_torch.from_numpy(x).to(**factory) for x in _linattn.linformer_projections(s, n, seed=0, dtype=np_dtype))
-        tensors = {"e": e, "f": f}
-    else:
-        h, _ = heads(module, module.config)
-        k = user.get("dwc_kernel_size") or user.get("conv_kernel_size")
-        tensors = {"conv_weight": _torch.zeros((h, k), **factory)}  # zero: the pretrained output unchanged
-    for k, t in tensors.items():
-        module.register_parameter(PREFIX + k, _torch.nn.Parameter(t))
-    return {k: getattr(module, PREFIX + k) for k in keys}
+def learned_tensor(module, b, user, attr, like, cast=True):
+    """The module's learned tensor `attr` of backend b (made by set_options), cast to like's
+    dtype when cast (a differentiable cast: the parameter itself stays as it is). ValueError
+    when it does not exist or does not fit the options: a forward never creates one."""
+    t = _existing(module, attr)
+    shape = b.learned(module, user)[attr][0]
+    if t is None:
+        raise ValueError("%s: layer %s has no learned %s; call linattn.hf.set_options(model, ...) (or linearize) "
+                         "once before running the model, and before building the optimizer, so that it trains it"
+                         % (b.name, module.layer_idx, PREFIX + attr))
+    if tuple(_shape_of(t)) != tuple(shape):
+        raise ValueError("%s: layer %s's learned %s has shape %s, but the model's options need %s "
+                         "(config.linattn_options was changed without linattn.hf.set_options, which refuses to "
+                         "replace learned tensors); set the options back" % (b.name, module.layer_idx, PREFIX + attr,
+                                                                             list(_shape_of(t)), list(shape)))
+    if cast and t.dtype != like.dtype:
+        return t.to(like.dtype)
+    return t
 
 
-def hedgehog_maps(module, like, user, create=False):
-    """The module's learned Hedgehog feature maps (queries, keys): HedgehogFeatureMap
-    submodules made by set_options or linearize (create=True), or here on first use outside
-    training."""
-    keys = (PREFIX + "hedgehog_q", PREFIX + "hedgehog_k")
-    maps = [getattr(module, k, None) for k in keys]
-    h, d = heads(module, module.config)
-    fits = all(m is not None and m.weight.shape == (h, d, user["feature_dim"]) and m.weight.dtype == like.dtype
-               for m in maps)
-    if fits and not create:
-        return maps
-    if not create and module.training and _torch.is_grad_enabled():
-        raise ValueError("linattn_hedgehog: the learned feature maps do not exist yet; call linattn.hf.linearize(model, "
-                         "...) or linattn.hf.set_options(model, ...) before building the optimizer, so that it trains them")
-    from ..torch.feature_maps import HedgehogFeatureMap
-    for k in keys:
-        module.add_module(k, HedgehogFeatureMap(h, d, int(user["feature_dim"]), init=user["init"], dtype=like.dtype,
-                                                device=like.device))
-    return [getattr(module, k) for k in keys]
-
-
-def window_gate(module, like, create=False):
-    """The module's learned window gate g [heads] of the sliding-window hybrid (γ = sigmoid(g)
-    scales the window term), a parameter made by set_options or linearize (create=True; g = 0,
-    γ = 1/2, the window and the linear part weighed alike), or here on first use outside
-    training."""
-    key = PREFIX + "window_gate"
-    gate = getattr(module, key, None)
-    h, _ = heads(module, module.config)
-    if gate is not None and gate.shape == (h,) and gate.dtype == like.dtype and not create:
-        return gate
-    if not create and module.training and _torch.is_grad_enabled():
-        raise ValueError("linattn.hf: the window gate does not exist yet; call linattn.hf.linearize(model, ...) or "
-                         "linattn.hf.set_options(model, ...) before building the optimizer, so that it trains it")
-    module.register_parameter(key, _torch.nn.Parameter(_torch.zeros(h, dtype=like.dtype, device=like.device)))
-    return getattr(module, key)
+def window_gate(module, b, user, like):
+    """The hybrid's window gate g [heads] in like's dtype (γ = sigmoid(g) scales the window)."""
+    return learned_tensor(module, b, user, "window_gate", like)
 
 
 def hybrid(module, b, query, key, value, key_lengths, causal, scaling, user):
@@ -455,7 +635,7 @@ def hybrid(module, b, query, key, value, key_lengths, causal, scaling, user):
     a cache too: its window is the last `window` keys, as in training."""
     options = {"window": int(user["window"]), "causal": causal, "key_lengths": key_lengths, "scale": scaling}
     if not isinstance(b, Window):
-        options["window_gate"] = window_gate(module, query)
+        options["window_gate"] = window_gate(module, b, user, query)
     options.update(b.hybrid_features(module, query, key, user))
     return _lt.hybrid_attention(query, key, value, **options)
 

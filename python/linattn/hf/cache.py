@@ -2,12 +2,18 @@
 and hybrid backends (linattn_elu, linattn_relu, linattn_focused, linattn_favor,
 linattn_hedgehog, linattn_window, with or without a window).
 
-Per layer it keeps the linear state of linattn.torch.recurrent ([S | z] over the keys that have
-left the window, FAVOR's on its per-feature scale), the last `window` keys and values (exact
-softmax over them), and for a depthwise convolution the last K − 1 values: its size does not
-grow with the context. The first forward (the prompt) runs the backend's own causal kernel, the
-chunked one a forward without cache runs, and its keys and values then fill the state with
-one product; each later token costs O(1) in the context length.
+Per layer and batch row it keeps the linear state of linattn.torch.recurrent ([S | z] over the
+keys that have left the window, FAVOR's on its per-feature scale), the last `window` tokens'
+keys and values (exact softmax over them; slots not filled yet are masked), and for a depthwise
+convolution the last K − 1 values: its size does not grow with the context. The first forward
+(the prompt) runs the backend's own causal kernel, the chunked one a forward without cache
+runs, and its keys and values then fill the state with one product; each later token costs
+O(1) in the context length.
+
+Padded batches (generate() on prompts of different lengths, left- or right-padded): the model's
+attention mask says which positions hold tokens. Each row's prompt runs alone on its tokens,
+and padded positions never enter a row's state, window or convolution (φ(0) ≠ 0 for elu+1 and
+Hedgehog, so zeroing them would not do), so each row gets the outputs it gets alone.
 
 How it reaches the attention function: a transformers attention layer calls
 cache.update(key, value, layer_idx) and passes what it returns to the attention function.
@@ -15,9 +21,11 @@ update() returns the new keys as they are and leaves a note (thread-local) namin
 linattn's attention function takes the note, checks that the keys it got are the very tensor
 the cache returned, and runs attend() below. A model that is not on a linattn backend, or that
 changes the keys between the two calls, gets a ValueError instead of attention over the new
-tokens alone."""
+tokens alone. The cache records the backend and its options when it is made and refuses a
+model that runs another since: a state means something only for the map that made it."""
 
 import math
+import threading
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -36,6 +44,7 @@ __all__ = ["LinattnCache", "CACHED_BACKENDS", "supports"]
 CACHED_BACKENDS = ("linattn_elu", "linattn_relu", "linattn_focused", "linattn_favor", "linattn_hedgehog",
                    "linattn_window")
 
+
 def supports(name):
     return name in CACHED_BACKENDS
 
@@ -48,23 +57,25 @@ def _model_config(model_or_config):
 
 class LinattnCacheLayer(CacheLayerMixin):
     """One decoder layer's recurrent state: `linear` (a linattn.torch.recurrent.LinearState or
-    None before the prompt), `window_keys` / `window_values` [B, H, <= w, d] (the keys inside the
-    sliding window, newest last), `conv_values` [B, H, K − 1, d_v] (a depthwise convolution's
-    past values) and `tokens`, the tokens seen."""
+    None before the prompt), `window_keys` / `window_values` [B, H, w, d] (the last w tokens'
+    keys and values, newest last) with `window_valid` [B, w] (False: a slot no token has filled
+    yet), `conv_values` [B, H, K − 1, d_v] (a depthwise convolution's past values, zeros before
+    the first tokens), `tokens` (the positions seen, padding included: what transformers counts)
+    and `counts` [B] (the tokens of each row, padding excluded)."""
 
     is_compileable = False
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, index):
+    def __init__(self, index, cache=None):
         super().__init__()
-        self.index = index
+        self.index, self.cache = index, cache
         self.reset()
 
     def reset(self):
         self.tokens = 0
-        self.linear = None
-        self.window_keys = self.window_values = self.conv_values = None
+        self.linear = self.counts = None
+        self.window_keys = self.window_values = self.window_valid = self.conv_values = None
         self.is_initialized = False
 
     def lazy_initialization(self, key_states, value_states):
@@ -88,10 +99,13 @@ class LinattnCacheLayer(CacheLayerMixin):
     def prefetch(self):
         pass
 
+    def _tensors(self):
+        return ("counts", "window_keys", "window_values", "window_valid", "conv_values")
+
     def _map(self, fn):
         if self.linear is not None:
             self.linear = self.linear.map(fn)
-        for attr in ("window_keys", "window_values", "conv_values"):
+        for attr in self._tensors():
             t = getattr(self, attr)
             if t is not None:
                 setattr(self, attr, fn(t))
@@ -113,8 +127,12 @@ class LinattnCacheLayer(CacheLayerMixin):
     @property
     def nbytes(self):
         n = 0 if self.linear is None else self.linear.nbytes
-        return n + sum(t.numel() * t.element_size() for t in (self.window_keys, self.window_values, self.conv_values)
+        return n + sum(t.numel() * t.element_size() for t in (getattr(self, a) for a in self._tensors())
                        if t is not None)
+
+
+_CONCURRENT = ("one LinattnCache is used by two forwards at once (concurrent generate() calls, or threads, sharing "
+               "one cache; give each its own LinattnCache)")
 
 
 class LinattnCache(Cache):
@@ -123,8 +141,9 @@ class LinattnCache(Cache):
     itself for such a model; LinattnCache(model) passed as past_key_values works too, as for
     any transformers Cache. nbytes is its size in bytes. reorder_cache, batch_repeat_interleave
     and batch_select_indices serve beam search; crop (assisted generation) raises ValueError.
-    Prompts must not be padded (one prompt, or prompts of one length): a padded batch raises
-    ValueError, as linattn's masks do for left padding."""
+    Batches of prompts of different lengths, left- or right-padded, give each row the outputs it
+    gets alone (the attention mask says which positions are padding). The backend and its
+    options are recorded here: a model switched to another since raises ValueError."""
 
     def __init__(self, model):
         config = _model_config(model)
@@ -133,13 +152,24 @@ class LinattnCache(Cache):
             raise ValueError("LinattnCache: the model runs attention implementation %r; the cache serves a model on "
                              "one of %s" % (name, ", ".join(CACHED_BACKENDS)))
         self.config = config
-        super().__init__(layers=[LinattnCacheLayer(i) for i in range(config.num_hidden_layers)])
+        self.backend, self.options = name, _backends.options_of(config, name)
+        self._lock = threading.Lock()
+        self._forward = None  # (thread id, thread) of the forward in progress
+        super().__init__(layers=[LinattnCacheLayer(i, self) for i in range(config.num_hidden_layers)])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         name = getattr(self.config, "_attn_implementation", None)
-        if not supports(name):
-            raise ValueError("LinattnCache: the model now runs attention implementation %r; the cache serves a model "
-                             "on one of %s" % (name, ", ".join(CACHED_BACKENDS)))
+        if name != self.backend:
+            raise ValueError("LinattnCache: the cache was made for %s, and the model now runs attention implementation "
+                             "%r; its states hold %s's features, which mean nothing to another map: start a new cache"
+                             % (self.backend, name, self.backend))
+        options = _backends.options_of(self.config, name)
+        if options != self.options:
+            changed = sorted(k for k in options if options[k] != self.options.get(k))
+            raise ValueError("LinattnCache: the model's %s options changed since the cache was made (%s); its states "
+                             "were made with the old ones: start a new cache"
+                             % (name, ", ".join("%s %r -> %r" % (k, self.options.get(k), options[k]) for k in changed)))
+        self._enter_forward(layer_idx)
         pending = _backends.PENDING_CACHE
         stale = getattr(pending, "note", None)
         pending.note = None
@@ -166,6 +196,27 @@ class LinattnCache(Cache):
         pending.note = (layer, key_states)
         return key_states, value_states
 
+    def _enter_forward(self, layer_idx):
+        """Refuses a second thread's forward while one is in progress (the first layer starts a
+        forward, the last layer's attention ends it; a thread that failed midway and is gone
+        does not count)."""
+        me = threading.get_ident()
+        with self._lock:
+            running = self._forward
+            if layer_idx == 0:
+                if running is not None and running[0] != me and running[1].is_alive():
+                    raise ValueError("LinattnCache: %s" % _CONCURRENT)
+                self._forward = (me, threading.current_thread())
+            elif running is None or running[0] != me:
+                raise ValueError("LinattnCache: layer %d's update without its forward's first layer on this thread: %s"
+                                 % (layer_idx, _CONCURRENT))
+
+    def _leave_forward(self, layer_idx):
+        if layer_idx == len(self.layers) - 1:
+            with self._lock:
+                if self._forward is not None and self._forward[0] == threading.get_ident():
+                    self._forward = None
+
     @property
     def nbytes(self):
         """Bytes held by the cache's tensors (states, windows, convolution rings)."""
@@ -189,32 +240,34 @@ def _wide(t):
     return t.to(accumulator_dtype(t.dtype))
 
 
+_FIXED_MAPS = {"elu": lambda x, user: torch.nn.functional.elu(x) + 1, "relu": lambda x, user: torch.relu(x),
+               "focused": lambda x, user: _focused(x, float(user["focus_power"]))}
+
+
 class _Map:
     """A backend's feature map on torch tensors: plain features, or FAVOR's logits (log form)."""
 
     def __init__(self, module, b, user, like, scaling):
-        self.b, self.user = b, user
+        self.module, self.b, self.user = module, b, user
         # The model's scaling: the window's scores and FAVOR's x̃ = √scale·x.
         self.scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(like.shape[-1])
         self.log_form = isinstance(b, _backends.Favor)
         if self.log_form:
-            self.omega = _backends.projection(module, like, user)
+            self.omega = _backends.projection(module, _wide(like), user)
             self.kernel = user["kernel"]
-        elif isinstance(b, _backends.Hedgehog):
-            self.maps = _backends.hedgehog_maps(module, like, user)
+        elif not isinstance(b, (_backends.Hedgehog, _backends.Window)) and b.fixed.get("feature_map") not in _FIXED_MAPS:
+            raise ValueError("LinattnCache: backend %s has no recurrent form of its feature map %r"
+                             % (b.name, b.fixed.get("feature_map")))
 
     def plain(self, x, side):
         b = self.b
         if isinstance(b, _backends.Hedgehog):
-            return self.maps[0 if side == "query" else 1](x)
+            # In the model's dtype, as the forward computes them (torch, then the kernel widens).
+            return b.features(self.module, self.user, x, side)
         if isinstance(b, _backends.Window):
             return x.new_zeros(x.shape[:-1] + (1,))
-        kind = b.fixed["feature_map"]
-        if kind == "elu":
-            return torch.nn.functional.elu(x) + 1
-        if kind == "relu":
-            return torch.relu(x)
-        return _focused(x, float(self.user["focus_power"]))
+        # The C++ kernels widen a 16-bit input to float32 before the map: so does decoding.
+        return _FIXED_MAPS[b.fixed["feature_map"]](_wide(x), self.user)
 
     def logits(self, x, side):
         """(L, s): side "key" and "query_with_norm" L = U − h (hyperbolic [U − h, −U − h], trig h),
@@ -232,11 +285,12 @@ class _Map:
         factors = torch.cat([torch.sin(u), torch.cos(u)], dim=-1)
         return (h if norm else torch.zeros_like(h)).expand_as(factors), factors
 
-    def enter(self, state, keys, values):
+    def enter(self, state, keys, values, mask=None):
+        """keys, values [B, H, n, d] enter the state where mask [B, n] is True (all: None)."""
         if self.log_form:
             logits, factors = self.logits(keys, "key")
-            return _recurrent.enter(state, values, logits=logits, factors=factors)
-        return _recurrent.enter(state, values, features=self.plain(keys, "key"))
+            return _recurrent.enter(state, values, logits=logits, factors=factors, mask=mask)
+        return _recurrent.enter(state, values, features=self.plain(keys, "key"), mask=mask)
 
     def read(self, state, q, with_norm):
         """q [B, H, 1, d] against the state: linattn.torch.recurrent.read."""
@@ -259,93 +313,162 @@ def _eps(b, user):
     return float(user.get("eps", 1e-6))
 
 
-_UNPADDED = ("the cache keeps one state per sequence and cannot drop padded tokens: generate unpadded prompts (one "
-             "prompt, or prompts of one length)")
+def token_validity(name, attention_mask, batch, n, layer):
+    """Which of the n new positions of each row hold tokens: [B, n] bool, or None (all of them).
 
-
-def check_mask(name, attention_mask, batch, n_q, n_k):
-    """The cache serves unpadded prompts: a mask must be the causal pattern alone."""
+    The mask is the model's causal mask over every position so far, padding included
+    ([B or 1, 1, n, tokens + n]). A position is a token when the last new query attends to it
+    (the last query sees every real position, causally); the tokens before the new ones must be
+    as many as the cache holds per row, and each new token's row must be the causal pattern
+    over the real positions. Anything else (sliding windows, packed sequences, biases) raises."""
     if attention_mask is None:
-        return
-    try:
-        lengths = _masks.key_lengths(name, attention_mask, batch, n_q, n_k, True)
-    except ValueError as e:
-        raise ValueError("LinattnCache: %s. The %s" % (e, _UNPADDED)) from None
-    if lengths is not None:
-        raise ValueError("%s: LinattnCache: the prompts are padded (lengths %s of %d); %s"
-                         % (name, lengths.tolist(), n_k, _UNPADDED))
+        return None
+    total = layer.tokens + n
+    keep = _masks.keep_of(name, attention_mask)
+    if keep.shape[-1] < total or keep.shape[2] not in (1, n) or keep.shape[0] not in (1, batch):
+        raise ValueError("%s: LinattnCache: attention mask of shape %s for %d new positions after %d, batch %d"
+                         % (name, tuple(keep.shape), n, layer.tokens, batch))
+    keep = keep[..., :total]
+    if keep.shape[1] > 1 and not bool((keep == keep[:, :1]).all()):
+        raise ValueError("%s: LinattnCache: the attention mask differs between heads; the cache serves causal "
+                         "padding masks" % name)
+    keep = keep[:, 0].expand(batch, n, total)
+    real = keep[:, -1, :]  # [B, tokens + n]
+    new = real[:, layer.tokens:]
+    if layer.counts is not None and not torch.equal(real[:, :layer.tokens].sum(dim=1).to(layer.counts.device),
+                                                    layer.counts):
+        raise ValueError("%s: LinattnCache: the attention mask marks %s tokens before the new ones, and the cache holds "
+                         "%s per row: the mask does not describe the sequences the cache has seen"
+                         % (name, real[:, :layer.tokens].sum(dim=1).tolist(), layer.counts.tolist()))
+    positions = torch.arange(total, device=keep.device)
+    rows = torch.arange(n, device=keep.device)[:, None] + layer.tokens
+    want = real[:, None, :] & (positions[None, :] <= rows)[None]  # causal over the real positions
+    wrong = (keep != want).any(dim=-1) & new  # rows of padding are not used: only tokens' rows must fit
+    if bool(wrong.any()):
+        raise ValueError("%s: LinattnCache: the attention mask is not a causal padding mask (sliding windows, packed "
+                         "sequences and custom masks cannot be kept in a recurrent state)" % name)
+    return None if bool(new.all()) else new
 
 
-def attend(name, layer, module, b, user, query, key, value, attention_mask, scaling, full_forward):
+def attend(name, layer, module, b, user, query, key, value, attention_mask, scaling, forward_on):
     """Attention of the new tokens (query, key, value [B, H, n, d], keys already repeated for
-    grouped queries) with the cache's layer, which it then advances. full_forward() is the
-    backend's causal forward over the new tokens alone: the prompt's outputs."""
+    grouped queries) with the cache's layer, which it then advances. forward_on(q, k, v) is the
+    backend's causal forward over new tokens alone: the prompt's outputs."""
+    try:
+        return _attend(name, layer, module, b, user, query, key, value, attention_mask, scaling, forward_on)
+    finally:
+        if layer.cache is not None:
+            layer.cache._leave_forward(layer.index)
+
+
+def _attend(name, layer, module, b, user, query, key, value, attention_mask, scaling, forward_on):
     batch, n = query.shape[0], query.shape[2]
-    check_mask(name, attention_mask, batch, n, layer.tokens + n)
-    if layer.linear is not None and torch.is_grad_enabled() and query.requires_grad:
-        raise ValueError("LinattnCache: decoding runs without autograd (the state holds no graph of the tokens before); "
-                         "run it under torch.no_grad(), as generate() does")
-    if layer.linear is not None and layer.linear.sums.shape[0] != batch:
+    decoding = layer.linear is not None
+    if decoding and layer.counts.shape[0] != batch:
         raise ValueError("LinattnCache: layer %d holds %d sequences, the model gave %d"
-                         % (layer.index, layer.linear.sums.shape[0], batch))
+                         % (layer.index, layer.counts.shape[0], batch))
+    if decoding and torch.is_grad_enabled() and (any(t.requires_grad for t in (query, key, value))
+                                                 or any(p.requires_grad for p in _backends.module_learned_parameters(module, b, user))):
+        raise ValueError("LinattnCache: a decoding step with autograd on; the state holds no graph of the tokens "
+                         "before, so nothing before this token would get a gradient. Run decoding under "
+                         "torch.no_grad(), as generate() does")
+    valid = token_validity(name, attention_mask, batch, n, layer)
     fmap = _Map(module, b, user, query, scaling)
     window = int(user.get("window") or 0)
-    if layer.linear is None:  # the prompt: the backend's own forward (with autograd when enabled)
-        out = full_forward()
+    if not decoding:  # the prompt: the backend's own forward (with autograd when enabled)
+        if valid is None:
+            out = forward_on(query, key, value)
+        else:  # each row on its tokens alone; padded positions' outputs are 0
+            rows = []
+            for r in range(batch):
+                idx = valid[r].nonzero()[:, 0]
+                row = query.new_zeros((1, query.shape[1], n, value.shape[-1]))
+                if idx.numel():
+                    pick = [t[r:r + 1].index_select(2, idx) for t in (query, key, value)]
+                    row = row.index_copy(2, idx, forward_on(*pick).to(row.dtype))
+                rows.append(row)
+            out = torch.cat(rows, dim=0)
         with torch.no_grad():
-            _fill(layer, fmap, module, user, key.detach(), value.detach(), window)
+            _fill(layer, fmap, module, user, key.detach(), value.detach(), window, valid)
         return out
     with torch.no_grad():
         outs = [_step(layer, fmap, module, b, user, query[:, :, t:t + 1], key[:, :, t:t + 1], value[:, :, t:t + 1],
-                      window) for t in range(n)]
+                      window, None if valid is None else valid[:, t]) for t in range(n)]
     # A bfloat16/float16 model's state and sums are float32 (recurrent.py); the output is rounded once.
     return torch.cat(outs, dim=2).to(query.dtype)
 
 
-def _fill(layer, fmap, module, user, key, value, window):
-    """The state after the prompt: keys before the window enter the linear state; the last
-    `window` keys and values are kept; a convolution keeps the last K − 1 values."""
+def _last_slots(valid, size):
+    """For the last `size` tokens of each row: (rows, positions, slots) with slot size − 1 the
+    newest, size − 2 the one before, ...; valid [B, n] marks the tokens."""
+    after = valid.flip(1).cumsum(1).flip(1) - valid.long()  # tokens after each position
+    rows, positions = (valid & (after < size)).nonzero(as_tuple=True)
+    return rows, positions, size - 1 - after[rows, positions]
+
+
+def _fill(layer, fmap, module, user, key, value, window, valid):
+    """The state after the prompt: per row, its tokens before its last `window` enter the
+    linear state; the last `window` tokens' keys and values fill the window's slots (the
+    newest last); a convolution keeps the last K − 1 values. Padded positions go nowhere."""
     batch, heads, n, head_dim = key.shape
+    valid = torch.ones((batch, n), dtype=torch.bool, device=key.device) if valid is None else valid
+    after = valid.flip(1).cumsum(1).flip(1) - valid.long()
     state = _recurrent.empty_state(batch, heads, fmap.dim(head_dim), value.shape[-1], log_form=fmap.log_form,
                                    like=value)
-    entering = max(n - window, 0)
-    layer.linear = fmap.enter(state, key[:, :, :entering], value[:, :, :entering])
+    layer.linear = fmap.enter(state, key, value, mask=valid & (after >= window))
     if window:
-        layer.window_keys, layer.window_values = key[:, :, entering:].clone(), value[:, :, entering:].clone()
+        rows, positions, slots = _last_slots(valid, window)
+        layer.window_keys = key.new_zeros((batch, heads, window, head_dim))
+        layer.window_values = value.new_zeros((batch, heads, window, value.shape[-1]))
+        layer.window_valid = torch.zeros((batch, window), dtype=torch.bool, device=key.device)
+        layer.window_keys[rows, :, slots] = key[rows, :, positions]
+        layer.window_values[rows, :, slots] = value[rows, :, positions]
+        layer.window_valid[rows, slots] = True
     conv = getattr(module, _backends.PREFIX + "conv_weight", None)
     if user.get("dwc_kernel_size") and conv is not None:
         past = conv.shape[1] - 1
-        pad = value.new_zeros((batch, heads, max(past - n, 0), value.shape[-1]))
-        layer.conv_values = torch.cat([pad, value[:, :, max(n - past, 0):]], dim=2)
+        layer.conv_values = value.new_zeros((batch, heads, past, value.shape[-1]))
+        if past:
+            rows, positions, slots = _last_slots(valid, past)
+            layer.conv_values[rows, :, slots] = value[rows, :, positions]
+    layer.counts = valid.sum(dim=1)
     layer.tokens = n
 
 
-def _step(layer, fmap, module, b, user, q, k, v, window):
-    """One token q, k, v [B, H, 1, d] -> its output [B, H, 1, d_v], the row of the backend's
-    causal forward for the newest token; the layer advances by it."""
+def _step(layer, fmap, module, b, user, q, k, v, window, valid):
+    """One position q, k, v [B, H, 1, d] -> its output [B, H, 1, d_v], the row of the backend's
+    causal forward for the newest token; the layer advances by it in the rows where valid [B]
+    (None: all) says it is a token (elsewhere the state stays and the output is 0)."""
     layer.tokens += 1
+    batch = q.shape[0]
+    advance = torch.ones(batch, dtype=torch.bool, device=q.device) if valid is None else valid
     eps = _eps(b, user)
     if window == 0:
-        layer.linear = fmap.enter(layer.linear, k, v)  # causal: the query sees its own key
+        layer.linear = fmap.enter(layer.linear, k, v, mask=advance[:, None])  # causal: the query sees its own key
         num, den, _ = fmap.read(layer.linear, q, with_norm=False)
         den = den + eps
         # A zero denominator (trig features can cancel) gives 0, as favor_attention does.
         out = torch.where(den[..., None] != 0, num / torch.where(den != 0, den, 1)[..., None], 0)
     else:
-        keys, values = torch.cat([layer.window_keys, k], dim=2), torch.cat([layer.window_values, v], dim=2)
-        leaving = keys.shape[2] - window
-        if leaving > 0:  # the oldest key leaves the window for the linear state
-            layer.linear = fmap.enter(layer.linear, keys[:, :, :leaving], values[:, :, :leaving])
-            keys, values = keys[:, :, leaving:], values[:, :, leaving:]
-        layer.window_keys, layer.window_values = keys, values
+        # The oldest slot's token (if it holds one) leaves the window for the linear state.
+        layer.linear = fmap.enter(layer.linear, layer.window_keys[:, :, :1], layer.window_values[:, :, :1],
+                                  mask=(layer.window_valid[:, 0] & advance)[:, None])
+        moved = advance[:, None, None, None]
+        layer.window_keys = torch.where(moved, torch.cat([layer.window_keys[:, :, 1:], k], dim=2), layer.window_keys)
+        layer.window_values = torch.where(moved, torch.cat([layer.window_values[:, :, 1:], v], dim=2),
+                                          layer.window_values)
+        layer.window_valid = torch.where(advance[:, None], torch.cat([layer.window_valid[:, 1:], advance[:, None]], 1),
+                                         layer.window_valid)
         # The window's scores and sums in float32 for a 16-bit model (the state already is).
-        keys, values = _wide(keys), _wide(values)
+        keys, values = _wide(layer.window_keys), _wide(layer.window_values)
         scores = torch.einsum("bhd,bhjd->bhj", _wide(q[:, :, 0]), keys) * fmap.scale
+        scores = scores.masked_fill(~layer.window_valid[:, None, :], float("-inf"))
         top = scores.amax(dim=-1)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row with no token yet
         if isinstance(b, _backends.Window):
-            gamma = q.new_ones(())  # no gate: hybrid_attention's γ = 1
+            gamma = q.new_ones((), dtype=keys.dtype)  # no gate: hybrid_attention's γ = 1
         else:
-            gamma = _wide(torch.sigmoid(_backends.window_gate(module, q)))[None, :]
+            gamma = _wide(torch.sigmoid(_backends.window_gate(module, b, user, q)))[None, :]
         num, den, shift = fmap.read(layer.linear, q, with_norm=True)
         if fmap.log_form:  # every term on the scale e^{R}, R = max(M, the linear part's)
             row = torch.maximum(top, shift)
@@ -362,10 +485,12 @@ def _step(layer, fmap, module, b, user, q, k, v, window):
             den = den + gamma * e.sum(dim=-1)
             out = num / (den + eps)[..., None]
     if layer.conv_values is not None:  # causal depthwise convolution: Σ_t w[h, t]·v[i + t − (K − 1)]
-        conv = getattr(module, _backends.PREFIX + "conv_weight")
+        conv = _backends.learned_tensor(module, b, user, "conv_weight", q)
         past = torch.cat([layer.conv_values, v], dim=2)
         out = out + torch.einsum("bhkd,hk->bhd", _wide(past), _wide(conv))
-        layer.conv_values = past[:, :, 1:]
+        layer.conv_values = torch.where(advance[:, None, None, None], past[:, :, 1:], layer.conv_values)
+    out = torch.where(advance[:, None, None], out, torch.zeros_like(out))
+    layer.counts = layer.counts + advance.to(layer.counts.dtype)
     return out[:, :, None]
 
 
@@ -398,3 +523,53 @@ def install_generation_hook():
     prepare_cache_for_generation.linattn_hook = True
     prepare_cache_for_generation.__wrapped__ = original
     GenerationMixin._prepare_cache_for_generation = prepare_cache_for_generation
+
+    _install_padding_hook()
+
+
+def _right_padded(mask):
+    """A 2-D 0/1 attention mask whose rows are ones, then zeros, with padding in some row."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[1] < 2:
+        return False
+    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
+        return False
+    m = mask.to(torch.int64)
+    return bool((m[:, 1:] <= m[:, :-1]).all()) and bool((m[:, -1] == 0).any()) and bool((m[:, 0] == 1).all())
+
+
+def _install_padding_hook():
+    """Wraps GenerationMixin.generate once: on a model with a cached backend, right-padded prompts
+    (input ids and a 2-D attention mask whose rows are ones, then zeros) are moved to the left
+    for the search and put back as given in the output. A right-padded row's next token would
+    otherwise come from a padding position (transformers warns about it, for every attention):
+    left padding gives each row the tokens it gets alone. Other calls are transformers' own."""
+    original = GenerationMixin.generate
+    if getattr(original, "linattn_hook", False):
+        return
+
+    def generate(self, inputs=None, *args, **kwargs):
+        ids = inputs if inputs is not None else kwargs.get("input_ids")
+        mask = kwargs.get("attention_mask")
+        config = _model_config(self)
+        if not (supports(getattr(config, "_attn_implementation", None))
+                and not getattr(self.config, "is_encoder_decoder", False) and isinstance(ids, torch.Tensor)
+                and ids.dim() == 2 and isinstance(mask, torch.Tensor) and tuple(mask.shape) == tuple(ids.shape)
+                and _right_padded(mask)):
+            return original(self, inputs, *args, **kwargs)
+        n = ids.shape[1]
+        pads = (mask == 0).sum(dim=1)
+        order = (torch.arange(n, device=ids.device)[None, :] - pads[:, None].to(ids.device)) % n  # rows rolled right
+        kwargs["attention_mask"] = mask.gather(1, order.to(mask.device))
+        if inputs is not None:
+            inputs = ids.gather(1, order)
+        else:
+            kwargs["input_ids"] = ids.gather(1, order)
+        out = original(self, inputs, *args, **kwargs)
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        sequences[:, :n] = ids.to(sequences.device)  # the prompt as the caller gave it
+        return out
+
+    generate.linattn_hook = True
+    generate.__wrapped__ = original
+    generate.__doc__ = original.__doc__
+    GenerationMixin.generate = generate

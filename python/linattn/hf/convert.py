@@ -7,7 +7,9 @@ original, with LoRA through peft; from_pretrained() loads a converted model with
 import numpy as _np
 import torch as _torch
 
-from .backends import BACKENDS, PREFIX, attention_modules, detach_all, register, set_options
+from .. import _options
+from .backends import (BACKENDS, PREFIX, attention_modules, create_learned, learned_parameters,  # noqa: F401
+                       register)
 
 # linearize's feature_map -> the backend it switches to. "none": the window alone (exact softmax
 # over the window, nothing beyond), the baseline that shows what the linear part earns.
@@ -35,18 +37,15 @@ def linearize(model, feature_map="hedgehog", window=0, feature_dim=32, init="ide
     an argument is wrong or the model has no attention module that linattn can drive; a failure
     midway restores the model. Returns the model."""
     fn = "linattn.hf.linearize"
-    if feature_map not in _CONVERSIONS:
+    if not isinstance(feature_map, str) or feature_map not in _CONVERSIONS:
         raise ValueError("%s: feature_map must be one of %s, got %r" % (fn, ", ".join(map(repr, _CONVERSIONS)),
                                                                        feature_map))
-    if isinstance(window, bool) or not isinstance(window, (int, _np.integer)) or window < 0:
-        raise ValueError("%s: window must be an integer >= 0, got %r" % (fn, window))
+    window = _options.integer(fn, "window", window, 0)
     if feature_map == "none" and window < 1:
         raise ValueError("%s: feature_map='none' keeps only the window, so window must be >= 1, got %r"
                          % (fn, window))
-    if isinstance(feature_dim, bool) or not isinstance(feature_dim, (int, _np.integer)) or feature_dim < 1:
-        raise ValueError("%s: feature_dim must be an integer >= 1, got %r" % (fn, feature_dim))
-    if init not in ("identity", "random"):
-        raise ValueError("%s: init must be 'identity' or 'random', got %r" % (fn, init))
+    feature_dim = _options.integer(fn, "feature_dim", feature_dim, 1)
+    init = _options.choice(fn, "init", init, ("identity", "random"))
     modules = attention_modules(model)
     if not modules:
         raise ValueError("%s: found no attention module (a module with config, is_causal and layer_idx attributes) "
@@ -54,7 +53,9 @@ def linearize(model, feature_map="hedgehog", window=0, feature_dim=32, init="ide
     name = _CONVERSIONS[feature_map]
     saved = {"implementation": model.config._attn_implementation,
              "options": getattr(model.config, "linattn_options", None),
+             "backend": getattr(model.config, "linattn_backend", None),
              "requires_grad": [p.requires_grad for p in model.parameters()]}
+    created = []
     try:
         register()
         model.set_attn_implementation(name)
@@ -63,22 +64,24 @@ def linearize(model, feature_map="hedgehog", window=0, feature_dim=32, init="ide
                              "transformers' AttentionInterface)" % (fn, type(model).__name__))
         for p in model.parameters():
             p.requires_grad_(False)
-        options = {"window": int(window)}
+        options = {"window": window}
         if feature_map == "hedgehog":
-            options.update(feature_dim=int(feature_dim), init=init)
+            options.update(feature_dim=feature_dim, init=init)
         elif feature_map == "favor":
-            options.update(num_features=int(feature_dim))
-        set_options(model, **options)
-        model.config.linattn_backend = name  # saved with the model: from_pretrained() reads it
+            options.update(num_features=feature_dim)
+        created = create_learned(model, options)
         for p in learned_parameters(model):
             p.requires_grad_(True)
     except BaseException:
-        for m in modules:
-            detach_all(m)
+        for m, attr in created:  # what this call made; tensors the model had before stay
+            delattr(m, attr)
         if model.config._attn_implementation != saved["implementation"]:
             model.set_attn_implementation(saved["implementation"])
         model.config.linattn_options = saved["options"]
-        model.config.__dict__.pop("linattn_backend", None)
+        if saved["backend"] is None:
+            model.config.__dict__.pop("linattn_backend", None)
+        else:
+            model.config.linattn_backend = saved["backend"]
         for p, flag in zip(model.parameters(), saved["requires_grad"]):
             p.requires_grad_(flag)
         raise
@@ -100,6 +103,11 @@ def from_pretrained(model_class, path, **kwargs):
     if name not in BACKENDS:
         raise ValueError("%s: %s holds no linattn conversion (its config has no linattn_backend); load it with "
                          "%s.from_pretrained" % (fn, path, getattr(model_class, "__name__", "the model class")))
+    asked = kwargs.pop("attn_implementation", name)
+    if asked != name:
+        raise ValueError("%s: attn_implementation=%r, but %s was converted to %s and its learned tensors are that "
+                         "backend's; load it without attn_implementation (then model.set_attn_implementation to "
+                         "compare)" % (fn, asked, path, name))
     register()
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the learned tensors are "unused weights" to transformers; loaded below
@@ -107,8 +115,8 @@ def from_pretrained(model_class, path, **kwargs):
         model = model_class.from_pretrained(path, attn_implementation=name, **kwargs)
     finally:
         hf_logging.set_verbosity(verbosity)
-    set_options(model, **(config.linattn_options or {}))
     model.config.linattn_backend = name
+    create_learned(model, dict(getattr(config, "linattn_options", None) or {}))
     wanted = {k for k in model.state_dict() if (".%s" % PREFIX) in k}
     loaded = {k: v for k, v in _checkpoint_tensors(path, wanted).items()}
     missing = sorted(wanted - set(loaded))
@@ -144,18 +152,6 @@ def _checkpoint_tensors(path, names):
     return out
 
 
-def learned_parameters(model):
-    """The parameters linattn.hf attached to the model's attention modules (feature maps,
-    projections, convolutions), in module order."""
-    out = []
-    for m in attention_modules(model):
-        for attr, sub in vars(m)["_modules"].items():
-            if attr.startswith(PREFIX):
-                out += list(sub.parameters())
-        out += [p for attr, p in vars(m)["_parameters"].items() if attr.startswith(PREFIX) and p is not None]
-    return out
-
-
 def attention_transfer(model, tokenizer, texts, steps=300, lr=1e-2, batch_size=8, max_length=128, seed=0,
                        progress=True):
     """Stage 1 of a conversion (LoLCATs' attention transfer): trains only the parameters that
@@ -171,11 +167,16 @@ def attention_transfer(model, tokenizer, texts, steps=300, lr=1e-2, batch_size=8
     a tqdm bar. Returns the per-layer losses: losses[layer][step]."""
     fn = "linattn.hf.attention_transfer"
     name = getattr(model.config, "_attn_implementation", None)
+    if name not in BACKENDS or name == "linattn_softmax":
+        raise ValueError("%s: the model was never linearized (its attention is %r); call linattn.hf.linearize(model, "
+                         "...) first" % (fn, name))
     params = learned_parameters(model)
-    if name not in BACKENDS or not params:
-        raise ValueError("%s: the model was never linearized (its attention is %r with no learned feature maps); call "
-                         "linattn.hf.linearize(model, ...) first" % (fn, name))
-    _check_training(fn, texts, steps=steps, batch_size=batch_size, max_length=max_length, lr=lr)
+    if not params:
+        raise ValueError("%s: the model's backend %s with options %r learns nothing (no feature map, window gate or "
+                         "convolution), so there is nothing to train; linearize with feature_map='hedgehog', or with "
+                         "window > 0 for a learned gate" % (fn, name, getattr(model.config, "linattn_options", None)))
+    steps, batch_size, max_length, lr = _check_training(fn, texts, steps=steps, batch_size=batch_size,
+                                                        max_length=max_length, lr=lr)
     modules = attention_modules(model)
     optimizer = _torch.optim.Adam(params, lr=lr)
     losses = [[] for _ in modules]
@@ -215,15 +216,14 @@ def attention_transfer(model, tokenizer, texts, steps=300, lr=1e-2, batch_size=8
 
 
 def _check_training(fn, texts, lr, **counts):
-    """ValueError naming fn and the argument: counts (steps, batch_size, ...) must be integers
-    >= 1, lr a finite number > 0, texts a non-empty list of strings."""
-    for arg, value in counts.items():
-        if isinstance(value, bool) or not isinstance(value, (int, _np.integer)) or value < 1:
-            raise ValueError("%s: %s must be an integer >= 1, got %r" % (fn, arg, value))
-    if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and 0 < lr < float("inf")):
-        raise ValueError("%s: lr must be a finite number > 0, got %r" % (fn, lr))
+    """The counts (steps, batch_size, ...; integers >= 1, in the order given) and lr (a finite
+    number > 0) as plain Python numbers, NumPy scalars included; texts a non-empty list of
+    strings. ValueError naming fn and the argument otherwise."""
+    values = [_options.integer(fn, arg, value, 1) for arg, value in counts.items()]
+    values.append(_options.real(fn, "lr", lr, above=0.0))
     if isinstance(texts, str) or not len(texts) or not all(isinstance(t, str) for t in texts):
         raise ValueError("%s: texts must be a non-empty list of strings" % fn)
+    return values
 
 
 def _batches(tokenizer, texts, steps, batch_size, max_length, seed, device):
@@ -260,7 +260,8 @@ def finetune(model, teacher, tokenizer, texts, steps=100, lr=1e-4, batch_size=8,
                          "...) and attention_transfer first" % (fn, name))
     if teacher is model or not isinstance(teacher, _torch.nn.Module):
         raise ValueError("%s: teacher must be the original model, a separate torch module" % fn)
-    _check_training(fn, texts, steps=steps, batch_size=batch_size, max_length=max_length, lora_rank=lora_rank, lr=lr)
+    steps, batch_size, max_length, lora_rank, lr = _check_training(fn, texts, steps=steps, batch_size=batch_size,
+                                                                   max_length=max_length, lora_rank=lora_rank, lr=lr)
     if isinstance(train, str) or not all(isinstance(t, str) for t in train):
         raise ValueError("%s: train must be a list of parameter-name parts, got %r" % (fn, train))
     try:

@@ -13,20 +13,8 @@ def key_lengths(name, mask, batch, n_q, n_k, causal):
     intersected with the causal pattern (bottom-right aligned) when causal."""
     if mask is None:
         return None
-    if not isinstance(mask, _torch.Tensor) or mask.dim() != 4:
-        raise ValueError("%s: expected a 4-D attention mask [batch, heads, n_q, n_k], got %r"
-                         % (name, getattr(mask, "shape", type(mask))))
-    mask = mask[..., :n_k]
-    if mask.dtype == _torch.bool:
-        keep = mask
-    elif mask.dtype.is_floating_point:
-        keep = mask == 0
-        dropped = mask[~keep]
-        if dropped.numel() and not bool((dropped <= _torch.finfo(mask.dtype).min / 2).all()):
-            raise ValueError("%s: the attention mask adds a bias (values other than 0 and -inf); linattn applies "
-                             "only key-padding (and causal) masks" % name)
-    else:
-        raise ValueError("%s: attention mask of dtype %s; expected bool or floating" % (name, mask.dtype))
+    mask = mask[..., :n_k] if isinstance(mask, _torch.Tensor) else mask
+    keep = keep_of(name, mask)
     if mask.shape[2] not in (1, n_q) or mask.shape[0] not in (1, batch):
         raise ValueError("%s: attention mask of shape %s for %d queries and batch %d"
                          % (name, tuple(mask.shape), n_q, batch))
@@ -44,3 +32,36 @@ def key_lengths(name, mask, batch, n_q, n_k, causal):
     if bool((lengths == n_k).all()):
         return None
     return lengths.to(_torch.int64)
+
+
+def keep_of(name, mask):
+    """A 4-D attention mask as booleans, True = attend: boolean masks as they are, additive
+    float masks kept where 0 (ValueError for a bias other than 0 and the dtype's minimum / -inf)."""
+    if not isinstance(mask, _torch.Tensor) or mask.dim() != 4:
+        raise ValueError("%s: expected a 4-D attention mask [batch, heads, n_q, n_k], got %r"
+                         % (name, getattr(mask, "shape", type(mask))))
+    if mask.dtype == _torch.bool:
+        return mask
+    if mask.dtype.is_floating_point:
+        keep = mask == 0
+        dropped = mask[~keep]
+        if dropped.numel() and not bool((dropped <= _torch.finfo(mask.dtype).min / 2).all()):
+            raise ValueError("%s: the attention mask adds a bias (values other than 0 and -inf); linattn applies "
+                             "only key-padding (and causal) masks" % name)
+        return keep
+    raise ValueError("%s: attention mask of dtype %s; expected bool or floating" % (name, mask.dtype))
+
+
+def used_keys(mask, n_k):
+    """The number of key slots before the first one that every query of every row masks and
+    after which all are masked: a static cache's empty slots at the end (n_k when none, or no
+    mask). Those slots hold no token, and dropping them lets causal masks align bottom-right."""
+    if not isinstance(mask, _torch.Tensor) or mask.dim() != 4:
+        return n_k  # key_lengths raises for it
+    mask = mask[..., :n_k]
+    keep = mask if mask.dtype == _torch.bool else (mask == 0)
+    kept = keep.flatten(0, 2).any(dim=0)  # [n_k]: a key some query attends
+    if bool(kept[-1]) if kept.numel() else True:
+        return n_k
+    where = kept.nonzero()
+    return int(where[-1]) + 1 if where.numel() else n_k

@@ -49,22 +49,29 @@ def empty_state(batch, heads, features, value_dim, *, log_form, like):
                        shift)
 
 
-def enter(state, values, features=None, logits=None, factors=None):
+def enter(state, values, features=None, logits=None, factors=None, mask=None):
     """The state after keys j = 1..n enter it: values [B, H, n, d_v] with their plain features
     [B, H, n, m'] or (log form) their logits L [B, H, n, m'] and, for FAVOR's trig map, factors
-    s [B, H, n, m'] (φ = s·e^{L}; None means 1)."""
+    s [B, H, n, m'] (φ = s·e^{L}; None means 1). mask [B, n] (bool, optional): only the keys
+    where it is True enter (padding stays out; φ(0) ≠ 0, so zeroing the inputs would not do)."""
     if values.shape[2] == 0:
         return state
     dtype = state.sums.dtype
     values, features, logits, factors = (None if t is None else t.to(dtype) for t in (values, features, logits, factors))
     if state.shift is None:
+        if mask is not None:
+            features = features * mask[:, None, :, None].to(dtype)
         # sums += Σ_j φ(k_j) v_jᵀ, normaliser += Σ_j φ(k_j)
         return LinearState(state.sums + torch.einsum("bhnm,bhnd->bhmd", features, values),
                            state.normaliser + features.sum(dim=2))
+    if mask is not None:
+        logits = logits.masked_fill(~mask[:, None, :, None], float("-inf"))
     # c' = max(c, max_j L_j); the old sums move to the new scale by e^{c − c'} (0 while c = −inf).
+    # A feature no key has reached yet keeps c' = −inf: measured from 0 instead, every term is 0.
     shift = torch.maximum(state.shift, logits.amax(dim=2))
-    decay = torch.exp(state.shift - shift)
-    weights = torch.exp(logits - shift[:, :, None, :])
+    origin = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    decay = torch.exp(state.shift - origin)
+    weights = torch.exp(logits - origin[:, :, None, :])
     if factors is not None:
         weights = weights * factors
     return LinearState(state.sums * decay[..., None] + torch.einsum("bhnm,bhnd->bhmd", weights, values),

@@ -1,0 +1,49 @@
+"""Options as users pass them (Python or NumPy numbers, strings) -> plain Python values, checked
+in one place: linattn.hf's backends, linearize, its training loops and MultiheadAttention all
+call these, so a NumPy scalar is accepted everywhere and stored as int/float (JSON-safe), and
+a bad value raises ValueError naming the caller and the argument before anything is written."""
+
+import math
+import numbers
+
+# The largest integer a C++ int64_t option (and a torch custom op's `int`) holds.
+INT64_MAX = 2 ** 63 - 1
+
+
+def integer(fn, name, value, minimum=None, maximum=INT64_MAX):
+    """value as a Python int in [minimum, maximum]; bool and non-integral numbers refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError("%s: %s must be an integer%s, got %r" % (fn, name, _range(minimum, maximum), value))
+    value = int(value)
+    if (minimum is not None and value < minimum) or value > maximum:
+        raise ValueError("%s: %s must be an integer%s, got %r" % (fn, name, _range(minimum, maximum), value))
+    return value
+
+
+def real(fn, name, value, minimum=None, maximum=None, above=None):
+    """value as a finite Python float, >= minimum, <= maximum and > above where given."""
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real)
+    if ok:
+        value = float(value)
+        ok = (math.isfinite(value) and (minimum is None or value >= minimum) and (maximum is None or value <= maximum)
+              and (above is None or value > above))
+    if not ok:
+        bounds = [b for b in ("> %r" % above if above is not None else None,
+                              ">= %r" % minimum if minimum is not None else None,
+                              "<= %r" % maximum if maximum is not None else None) if b]
+        raise ValueError("%s: %s must be a finite number%s, got %r"
+                         % (fn, name, (" " + " and ".join(bounds)) if bounds else "", value))
+    return value
+
+
+def choice(fn, name, value, choices):
+    """value, one of choices (strings)."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError("%s: %s must be one of %s, got %r" % (fn, name, ", ".join(map(repr, choices)), value))
+    return str(value)
+
+
+def _range(minimum, maximum):
+    if minimum is None:
+        return " <= %d" % maximum if maximum != INT64_MAX else ""
+    return " >= %d" % minimum if maximum == INT64_MAX else " in [%d, %d]" % (minimum, maximum)
