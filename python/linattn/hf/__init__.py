@@ -80,7 +80,10 @@ def __getattr__(attr):
     # linattn.hf.LinattnCache / linattn.hf.cache import transformers, which linattn.hf itself
     # does not need until register(): loaded on first use.
     if attr in ("LinattnCache", "cache"):
-        from . import cache
+        import importlib
+        # import_module, not `from . import cache`: that asks this module for the attribute
+        # first, which would come back here.
+        cache = importlib.import_module(__name__ + ".cache")
         return cache if attr == "cache" else cache.LinattnCache
     raise AttributeError("module 'linattn.hf' has no attribute %r" % attr)
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import _linattn
+from .. import _linattn, _options
 from ._ops import accumulator_dtype
 
 # The module's method names: registered methods, and the kernelized feature maps by name.
@@ -30,9 +30,10 @@ class DecodingState:
     constant-size state (S, z per head) and, with a depthwise convolution, the last K−1 values.
     Its memory does not grow with the number of steps; copy() it to branch (beam search)."""
 
-    def __init__(self, recurrent, values):
+    def __init__(self, recurrent, values, maker, batch_size):
         self._recurrent = recurrent
         self._values = values  # [B, H, K-1, head_dim] or None
+        self.maker, self.batch_size = maker, batch_size  # what made it: MultiheadAttention.step checks
 
     @property
     def tokens(self):
@@ -41,7 +42,8 @@ class DecodingState:
 
     def copy(self):
         """An independent copy."""
-        return DecodingState(self._recurrent.copy(), None if self._values is None else self._values.clone())
+        return DecodingState(self._recurrent.copy(), None if self._values is None else self._values.clone(),
+                             self.maker, self.batch_size)
 
     __copy__ = copy
 
@@ -54,8 +56,8 @@ class HedgehogDecodingState:
     state [S | z] of the keys that have left the window, and a ring of the last `window` keys,
     values and key features. Its memory does not grow with the number of steps."""
 
-    def __init__(self, batch_size, heads, head_dim, features, window, like):
-        self.window = window
+    def __init__(self, batch_size, heads, head_dim, features, window, like, maker):
+        self.window, self.maker, self.batch_size = window, maker, batch_size
         # A bfloat16/float16 module's state, window and sums are float32; step() rounds its output once.
         like = like.new_empty(0, dtype=accumulator_dtype(like.dtype))
         self.state = like.new_zeros((batch_size, heads, features, head_dim))
@@ -220,11 +222,11 @@ class MultiheadAttention(torch.nn.Module):
             raise TypeError("MultiheadAttention: method 'hedgehog' takes no option %s (its options: %s)"
                             % (", ".join(map(repr, unknown)), ", ".join(sorted(_HEDGEHOG_OPTIONS))))
         o = {**_HEDGEHOG_OPTIONS, **options}
-        window = o["window"]
-        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-            raise ValueError("MultiheadAttention: window must be an integer >= 0, got %r" % (window,))
-        if isinstance(o["eps"], bool) or not (isinstance(o["eps"], (int, float)) and 0 <= o["eps"] < float("inf")):
-            raise ValueError("MultiheadAttention: eps must be a finite number >= 0, got %r" % (o["eps"],))
+        fn = "MultiheadAttention"
+        o["window"] = window = _options.integer(fn, "window", o["window"], 0)
+        o["feature_dim"] = _options.integer(fn, "feature_dim", o["feature_dim"], 1)
+        o["eps"] = _options.real(fn, "eps", o["eps"], minimum=0.0)
+        o["init"] = _options.choice(fn, "init", o["init"], ("identity", "random"))
         self.method_options = o
         self.feature_redraw_interval = None
         self._init_projections(factory, bias)
@@ -313,10 +315,13 @@ class MultiheadAttention(torch.nn.Module):
 
     def init_state(self, batch_size):
         """A decoding state for batch_size sequences (causal kernelized methods: elu, relu,
-        focused, linear, favor). Decoding runs without autograd."""
+        focused, linear, favor; hedgehog). Decoding runs without autograd. The state records
+        what made it (the method, its options, the heads and the dtype): step refuses a state
+        of another kind of module."""
+        batch_size = _options.integer("MultiheadAttention.init_state", "batch_size", batch_size, 1)
         if self._registered == "hedgehog":
             return HedgehogDecodingState(batch_size, self.num_heads, self.head_dim, 2 * self.method_options["feature_dim"],
-                                         self.method_options["window"], self.in_proj_weight.detach())
+                                         self.method_options["window"], self.in_proj_weight.detach(), self._maker())
         if self._registered not in ("linear", "favor"):
             raise ValueError("MultiheadAttention: recurrent decoding is for the kernelized methods (elu, relu, "
                              "focused, linear, favor), not %r" % self.method)
@@ -335,17 +340,46 @@ class MultiheadAttention(torch.nn.Module):
         if self.conv_weight is not None:
             values = self.in_proj_weight.new_zeros((batch_size, self.num_heads, self.conv_weight.shape[1] - 1,
                                                     self.head_dim))
-        return DecodingState(rs, values)
+        return DecodingState(rs, values, self._maker(), batch_size)
+
+    def _maker(self):
+        """What a decoding state must have been made by: the method, its options, the heads and
+        the state's dtype (the learned weights are read at each step, so they may change)."""
+        conv = None if self.conv_weight is None else tuple(self.conv_weight.shape)
+        return {"method": self.method, "options": dict(self.method_options), "num_heads": self.num_heads,
+                "head_dim": self.head_dim, "convolution": conv,
+                "num_features": getattr(self, "num_features", None),
+                "dtype": accumulator_dtype(self.in_proj_weight.dtype)}
+
+    def _check_state(self, state, batch):
+        fn = "MultiheadAttention.step"
+        if not isinstance(state, (DecodingState, HedgehogDecodingState)):
+            raise TypeError("%s: state must be what this module's init_state(batch_size) returned, got %s"
+                            % (fn, type(state).__name__))
+        mine = self._maker()
+        if state.maker != mine:
+            differ = sorted(k for k in mine if state.maker.get(k) != mine[k])
+            raise ValueError("%s: the state was made by a MultiheadAttention with %s; this one has %s: a state holds "
+                             "its own method's sums and window, start one with this module's init_state"
+                             % (fn, ", ".join("%s=%r" % (k, state.maker.get(k)) for k in differ),
+                                ", ".join("%s=%r" % (k, mine[k]) for k in differ)))
+        if batch != state.batch_size:
+            raise ValueError("%s: x_t has batch %d, the state holds %d sequences" % (fn, batch, state.batch_size))
 
     @torch.no_grad()
     def step(self, x_t, state):
         """x_t [B, E] (or [B, 1, E]): the next token of each sequence -> [B, E] (or [B, 1, E]):
-        row t of the causal forward over the tokens so far, to float rounding."""
+        row t of the causal forward over the tokens so far, to float rounding. state: what this
+        module's init_state(B) returned (TypeError otherwise; ValueError for a state made by a
+        module with another method, options, heads or dtype, or for another batch size)."""
+        if not isinstance(x_t, torch.Tensor):
+            raise TypeError("MultiheadAttention.step: x_t must be a torch.Tensor, got %s" % type(x_t).__name__)
         squeeze = x_t.dim() == 2
         x = x_t.unsqueeze(1) if squeeze else x_t
-        if x.dim() != 3 or x.shape[1] != 1:
-            raise ValueError("MultiheadAttention.step: x_t must be [batch, embed_dim] or [batch, 1, embed_dim], got %s"
-                             % (tuple(x_t.shape),))
+        if x.dim() != 3 or x.shape[1] != 1 or x.shape[2] != self.embed_dim:
+            raise ValueError("MultiheadAttention.step: x_t must be [batch, embed_dim = %d] or [batch, 1, embed_dim], "
+                             "got %s" % (self.embed_dim, tuple(x_t.shape)))
+        self._check_state(state, x.shape[0])
         q, k, v = (self._heads(y)[:, :, 0] for y in self._project(x, x, x))
         if isinstance(state, HedgehogDecodingState):
             fq, fk = self.query_map(q[:, :, None])[:, :, 0], self.key_map(k[:, :, None])[:, :, 0]
