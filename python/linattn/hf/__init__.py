@@ -3,7 +3,7 @@
     import linattn.hf
     linattn.hf.register()
     model = AutoModel.from_pretrained(path, attn_implementation="linattn_favor")
-    linattn.hf.set_options(model, num_features=128)      # optional; before building an optimizer
+    linattn.hf.set_options(model, num_features=128)      # before the first forward and the optimizer
 
 Every model whose attention goes through transformers' AttentionInterface (BERT and MiniLM,
 Llama, Qwen, GPT-2, ...) then runs its attention on linattn's kernels, forward and backward
@@ -23,21 +23,29 @@ Masks: the model's padding mask becomes linattn's key_lengths, so padding must b
 each sequence (right padding, what encoders use). A mask that is not "a prefix of the keys"
 (left padding, packed sequences, sliding windows, additive biases such as ALiBi) raises
 ValueError: linattn cannot apply it, and attending to the wrong keys silently is worse.
+Key slots that every query masks at the end (a StaticCache's empty slots) are dropped first.
 Causal models (module.is_causal) use the causal forms: the kernelized methods and softmax;
 Nyström, Linformer and Efficient Attention have none and raise ValueError.
 
 Generation: on the kernelized and hybrid backends (cache.CACHED_BACKENDS), generate() uses
 LinattnCache (linattn.hf.cache): per layer a constant-size recurrent state plus the window's
 last keys, the prompt through the chunked causal kernel, O(1) per new token; register()
-installs that default, and LinattnCache(model) can be passed as past_key_values. With
+installs that default, and LinattnCache(model) can be passed as past_key_values. Prompts of
+different lengths, left- or right-padded, give each row the tokens it gets alone. With
 transformers' DynamicCache (linattn_softmax, or one the caller passes), one new query attends
 to every cached key (no mask needed); a chunk of several new queries over a longer cache works
 for softmax (bottom-right aligned) and raises for the others.
 
 Options live in the model config as the dict `config.linattn_options` (saved with the model);
-set_options(model, **options) checks them against the model's backend, stores them and creates
-the learned tensors they need (Linformer's e and f, depthwise convolutions) as parameters of
-each attention module, so an optimizer built afterwards trains them. Per backend:
+set_options(model, **options) updates them (options not named keep their value), checks and
+normalises them against the model's backend before anything is written, stores them and
+creates the learned tensors they need (Linformer's e and f, depthwise convolutions, Hedgehog's
+maps, window gates) as parameters of each attention module, so an optimizer built afterwards
+trains them. Learned tensors are made there only: a forward never creates or replaces one (it
+raises ValueError naming the call to make, and casts a tensor whose dtype differs from the
+activations', under autocast say); set_options refuses options that would need an existing
+one in another shape; remove_learned(model) takes them off when starting over is meant. A
+config with linattn options is written atomically (temporary file, then rename). Per backend:
   linattn_favor: num_features (256), features ("orthogonal"; linattn.random_features' kinds:
     "iid", "orthogonal_fixed", "quantile"), kernel ("positive"; "hyperbolic", "trig"), seed (0).
     Layer l uses projection seed + l: fixed, reproducible constants (buffers, not parameters).

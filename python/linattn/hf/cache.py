@@ -189,7 +189,8 @@ class LinattnCache(Cache):
             consistent = self.layers[layer_idx].tokens == first - n
         if not consistent:
             raise ValueError("LinattnCache: its layers hold different numbers of tokens (%s): a forward with this cache "
-                             "failed midway, or an attention layer bypassed linattn; start a new cache"
+                             "failed midway, an attention layer bypassed linattn, or two forwards used it at once; "
+                             "start a new cache"
                              % [layer.tokens for layer in self.layers])
         layer = self.layers[layer_idx]
         layer.is_initialized = True
