@@ -214,6 +214,23 @@ def test_decoder_softmax_backend_reproduces_eager_with_padding_and_cache(llama):
     assert torch.equal(ours.generate(ids[:1, :6], max_new_tokens=12, do_sample=False), g_ref)
 
 
+@pytest.mark.parametrize("name", ["linattn_softmax", "linattn_elu", "linattn_hedgehog"])
+def test_decoder_batch_padded_on_the_right_in_every_row(llama, name):
+    # Every row ends in padding (padding="max_length"): the key slots at the end that no query
+    # sees are not a static cache's empty slots, and the causal mask stays aligned. Each row's
+    # valid logits equal those of the row alone.
+    _, make = llama
+    model = lh.set_options(make(name))
+    ids = torch.randint(1, 97, (2, 20), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[0, 17:], mask[1, 13:] = 0, 0
+    with torch.no_grad():
+        together = model(input_ids=ids, attention_mask=mask).logits
+        for r, length in enumerate((17, 13)):
+            alone = model(input_ids=ids[r:r + 1, :length]).logits[0]
+            assert (together[r, :length] - alone).abs().max() <= TOL * alone.abs().max(), r
+
+
 @pytest.mark.parametrize("name", ["linattn_elu", "linattn_favor", "linattn_focused"])
 def test_decoder_kernelized_backends_are_causal(llama, name):
     # Causal: a prefix's logits do not depend on what follows; decoding with the KV cache (one

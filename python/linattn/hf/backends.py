@@ -388,13 +388,18 @@ def attention_function(name):
             out = attend(name, cached, module, b, user, query, key, value, attention_mask, scaling,
                          lambda q, k, v: forward(module, q, k, v, None, True, causal, scaling, user))
             return out.transpose(1, 2).contiguous(), None
-        # Key slots masked for every query of every row (a static cache's empty slots) hold no
-        # token: dropped, so that causal masks align bottom-right on the keys that exist.
-        used = _masks.used_keys(attention_mask, key.shape[2])
-        if used < key.shape[2]:
-            key, value, attention_mask = key[:, :, :used], value[:, :, :used], attention_mask[..., :used]
         n_q, n_k = query.shape[2], key.shape[2]
         mask_causal = causal and n_q > 1  # a single new query sees the whole cache
+        # Key slots masked for every query of every row at the end: a static cache's empty
+        # slots (no token), or right padding. Dropped for one query (always the same result,
+        # and its window is then the last keys that exist), and for several when the mask is
+        # a causal mask only on the keys before them (a static cache's prompt against its
+        # empty slots: causal masks align bottom-right on the keys that exist).
+        used = _masks.used_keys(attention_mask, n_k)
+        if used < n_k and (n_q == 1 or (used >= n_q and not _masks.fits(name, attention_mask, query.shape[0], n_q,
+                                                                          n_k, mask_causal))):
+            key, value, attention_mask = key[:, :, :used], value[:, :, :used], attention_mask[..., :used]
+            n_k = used
         if mask_causal and b.function in _NO_CAUSAL_FORM:
             raise ValueError("%s: this attention layer is causal, and %s has no causal form (%s); use linattn_softmax "
                              "or a kernelized backend for a causal model" % (name, b.function, _NO_CAUSAL_FORM[b.function]))

@@ -65,3 +65,12 @@ def used_keys(mask, n_k):
         return n_k
     where = kept.nonzero()
     return int(where[-1]) + 1 if where.numel() else n_k
+
+
+def fits(name, mask, batch, n_q, n_k, causal):
+    """Whether key_lengths can express the mask as it is (bottom-right aligned when causal)."""
+    try:
+        key_lengths(name, mask, batch, n_q, n_k, causal)
+    except ValueError:
+        return False
+    return True
