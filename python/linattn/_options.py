@@ -1,7 +1,9 @@
 """Options as users pass them (Python or NumPy numbers, strings) -> plain Python values, checked
-in one place: linattn.hf's backends, linearize, its training loops and MultiheadAttention all
-call these, so a NumPy scalar is accepted everywhere and stored as int/float (JSON-safe), and
-a bad value raises ValueError naming the caller and the argument before anything is written."""
+in one place: linattn.hf's backends, linearize, its training loops and MultiheadAttention's
+counts, sizes, seeds and Hedgehog options call these, so a NumPy scalar is accepted and stored
+as int/float (JSON-safe), a float or bool where an integer belongs is refused (never
+truncated), and a bad value raises ValueError naming the caller and the argument before
+anything is written."""
 
 import math
 import numbers

@@ -251,3 +251,60 @@ def test_multihead_attention_step_checks_its_state():
     state = hedgehog.init_state(3)
     outs = [hedgehog.step(x_t, state) for x_t in torch.randn(5, 3, 16)]
     assert all(torch.isfinite(o).all() for o in outs)
+
+
+def test_favor_options_redraw_the_projection_a_reload_draws(tmp_path):
+    # The projection is not learned and not saved: it is drawn from the options. Changing seed
+    # or features redraws it, so the model in memory is the one a reload makes.
+    model = bert()
+    model.set_attn_implementation("linattn_favor")
+    lh.set_options(model, num_features=16)
+    ids = ids_of()
+    for options in (dict(seed=5), dict(features="iid"), dict(seed=np.int64(-3))):
+        lh.set_options(model, **options)
+        model.save_pretrained(tmp_path)
+        reloaded = lh.from_pretrained(transformers.BertModel, str(tmp_path)).eval()
+        with torch.no_grad():
+            assert torch.equal(reloaded(ids).last_hidden_state, model(ids).last_hidden_state), options
+    # Assigned directly (no set_options), the next forward draws what the options say.
+    with torch.no_grad():
+        before = model(ids).last_hidden_state
+        model.config.linattn_options = dict(model.config.linattn_options, seed=11)
+        assert not torch.equal(model(ids).last_hidden_state, before)
+
+
+def test_a_switched_backend_saves_and_runs_with_its_own_options(tmp_path):
+    # A converted Hedgehog model switched to elu for a comparison: the stored options are
+    # Hedgehog's (config.linattn_backend); elu runs with its defaults and the save still works.
+    model = trained(lh.linearize(bert(), feature_map="hedgehog", window=2, feature_dim=4))
+    model.set_attn_implementation("linattn_elu")
+    with torch.no_grad():
+        assert torch.isfinite(model(ids_of()).last_hidden_state).all()
+    model.save_pretrained(tmp_path)
+    with open(tmp_path / "probe", "w"):  # the mode an ordinary open() gives under this umask
+        pass
+    assert os.stat(tmp_path / "config.json").st_mode & 0o777 == os.stat(tmp_path / "probe").st_mode & 0o777
+    reloaded = lh.from_pretrained(transformers.BertModel, str(tmp_path))
+    assert reloaded.config.linattn_options == {"window": 2, "feature_dim": 4, "init": "identity"}
+
+
+def test_a_masked_position_holding_nan_stays_out_of_a_state():
+    from linattn.torch import recurrent
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(2, 3, 4, 5, generator=g)
+    features = torch.rand(2, 3, 4, 6, generator=g)
+    values[0, :, 1], features[1, :, 3] = float("nan"), float("inf")
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    mask[0, 1], mask[1, 3] = False, False
+    for log_form in (False, True):
+        empty = recurrent.empty_state(2, 3, 6, 5, log_form=log_form, like=values)
+        kw = {"logits": features} if log_form else {"features": features}
+        state = recurrent.enter(empty, values, mask=mask, **kw)
+        assert all(torch.isfinite(t).all() for t in state if t is not None), log_form
+        keep = [torch.tensor([0, 2, 3]), torch.tensor([0, 1, 2])]
+        for r in range(2):
+            alone = recurrent.enter(recurrent.empty_state(1, 3, 6, 5, log_form=log_form, like=values),
+                                    values[r:r + 1, :, keep[r]],
+                                    **{k: v[r:r + 1, :, keep[r]] for k, v in kw.items()})
+            assert torch.allclose(state.sums[r], alone.sums[0], rtol=1e-6, atol=0)
+            assert torch.allclose(state.normaliser[r], alone.normaliser[0], rtol=1e-6, atol=0)

@@ -46,7 +46,7 @@ _OPTION_CHECKS = {
     "pinv_iterations": lambda fn, k, v: _options.integer(fn, k, v, 0),
     "s_proj": lambda fn, k, v: _options.integer(fn, k, v, 1),
     "feature_dim": lambda fn, k, v: _options.integer(fn, k, v, 1),
-    "seed": lambda fn, k, v: _options.integer(fn, k, v, 0),
+    "seed": lambda fn, k, v: _options.integer(fn, k, v, -2 ** 63),  # layer l draws with (seed + l) mod 2^63
     "max_seq_len": _optional(lambda fn, k, v: _options.integer(fn, k, v, 1)),
     "dwc_kernel_size": _optional(lambda fn, k, v: _options.integer(fn, k, v, 1)),
     "conv_kernel_size": _optional(lambda fn, k, v: _options.integer(fn, k, v, 1)),
@@ -309,23 +309,24 @@ def install_atomic_config_save():
     renamed over it, so a failed save leaves the checkpoint that was there intact. Other
     configs go to transformers' own."""
     import os
-    import tempfile
+    import uuid
     from transformers import PretrainedConfig
     original = PretrainedConfig.to_json_file
     if getattr(original, "linattn_hook", False):
         return
 
     def to_json_file(self, json_file_path, use_diff=True):
-        name = getattr(self, "_attn_implementation", None)
         if getattr(self, "linattn_options", None) is None and getattr(self, "linattn_backend", None) is None:
             return original(self, json_file_path, use_diff=use_diff)
         options = getattr(self, "linattn_options", None) or {}
+        name = stored_backend(self)  # whose options they are (the model may run another backend now)
         if name in BACKENDS:
             full = checked(name, options, self, fn="save_pretrained")
             self.linattn_options = {k: full[k] for k in options}
         text = self.to_json_string(use_diff=use_diff)
-        folder = os.path.dirname(os.path.abspath(json_file_path))
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".config-", suffix=".json.tmp")
+        tmp = "%s.%s.tmp" % (os.path.abspath(json_file_path), uuid.uuid4().hex)
+        # os.open with 0o666, as open() does: the umask gives config.json its usual mode
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
@@ -364,6 +365,17 @@ def attention_function(name):
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         cached = take_pending(key)  # a LinattnCache layer, when generate() runs with one
+        if cached is None:
+            return attend_or_forward(module, query, key, value, attention_mask, scaling, dropout, None, kwargs)
+        try:
+            out = attend_or_forward(module, query, key, value, attention_mask, scaling, dropout, cached, kwargs)
+        except BaseException:
+            cached.end_forward(failed=True)  # the cache is free for other threads' forwards again
+            raise
+        cached.end_forward()
+        return out
+
+    def attend_or_forward(module, query, key, value, attention_mask, scaling, dropout, cached, kwargs):
         if dropout and module.training:
             raise ValueError("%s: attention dropout %g in training; linattn forms no attention weights to drop. "
                              "Set the model's attention dropout (attention_probs_dropout_prob, attention_dropout) to 0"
@@ -434,9 +446,15 @@ def options_of(config, name):
     the config's backend (the options are the model's backend's; another backend called on the
     same modules, as a comparison does, runs with its defaults)."""
     given = {}
-    if getattr(config, "_attn_implementation", None) == name:
+    if getattr(config, "_attn_implementation", None) == name and stored_backend(config) == name:
         given = dict(getattr(config, "linattn_options", None) or {})
     return checked(name, given, config)
+
+
+def stored_backend(config):
+    """The backend whose options config.linattn_options holds: config.linattn_backend, which
+    set_options writes, or (a config written before it did) the attention implementation."""
+    return getattr(config, "linattn_backend", None) or getattr(config, "_attn_implementation", None)
 
 
 def checked(name, given, config, fn="linattn.hf"):
@@ -466,7 +484,7 @@ def given_options(model, name, options):
     this backend's) updated by `options`, checked and normalised. The model is not changed."""
     config = model.config
     stored = dict(getattr(config, "linattn_options", None) or {})
-    if getattr(config, "linattn_backend", name) != name or not set(stored) <= set(backend(name).defaults):
+    if stored_backend(config) != name:
         stored = {}  # another backend's options: they do not carry over
     merged = {**stored, **options}
     full = checked(name, merged, config, fn="linattn.hf.set_options")
@@ -592,17 +610,21 @@ def heads(module, config):
 
 def projection(module, like, user):
     """Layer layer_idx's FAVOR projection [num_features, head_dim] in like's dtype: a buffer
-    drawn from the options (seed + layer index; fixed constants, nothing learned) when the
-    module has none of this shape yet; cast, not redrawn, for another dtype."""
+    drawn from the options (features, seed + layer index: fixed constants, nothing learned, not
+    saved) by set_options, and drawn again whenever those options differ from what it was drawn
+    from (the module records it), so that what runs is what a reload draws; cast, not redrawn,
+    for another dtype."""
     key = PREFIX + "projection"
     w = getattr(module, key, None)
     _, d = heads(module, module.config)
-    if w is None or tuple(w.shape) != (user["num_features"], d):
-        seed = (int(user["seed"]) + int(module.layer_idx or 0)) % 2**63
+    seed = (int(user["seed"]) + int(module.layer_idx or 0)) % 2**63
+    source = (user["num_features"], d, user["features"], seed)
+    if w is None or getattr(module, "_linattn_projection_source", None) != source:
         anchor = next(module.parameters())
         np_dtype = _np.float64 if anchor.dtype == _torch.float64 else _np.float32
         w = _torch.from_numpy(_linattn.random_features(user["num_features"], d, user["features"], seed, np_dtype))
         module.register_buffer(key, w.to(device=anchor.device, dtype=anchor.dtype), persistent=False)
+        module._linattn_projection_source = source
         w = getattr(module, key)
     return w.to(like.dtype)
 

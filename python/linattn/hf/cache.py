@@ -119,6 +119,11 @@ class LinattnCacheLayer(CacheLayerMixin):
     def batch_select_indices(self, indices):
         self._map(lambda t: t[indices])
 
+    def end_forward(self, failed=False):
+        """The attention of this layer is done (LinattnCache.end_forward)."""
+        if self.cache is not None:
+            self.cache.end_forward(self.index, failed)
+
     def crop(self, tokens_to_remove):
         if tokens_to_remove != 0:  # transformers passes a negative count: "keep all but these"
             raise ValueError("LinattnCache.crop: a recurrent state cannot forget tokens (it keeps sums, not the "
@@ -132,7 +137,8 @@ class LinattnCacheLayer(CacheLayerMixin):
 
 
 _CONCURRENT = ("one LinattnCache is used by two forwards at once (concurrent generate() calls, or threads, sharing "
-               "one cache; give each its own LinattnCache)")
+               "one cache; give each its own LinattnCache), or another thread's forward with it stopped between "
+               "layers (the cache no longer describes one sequence: start a new one)")
 
 
 class LinattnCache(Cache):
@@ -170,6 +176,13 @@ class LinattnCache(Cache):
                              "were made with the old ones: start a new cache"
                              % (name, ", ".join("%s %r -> %r" % (k, self.options.get(k), options[k]) for k in changed)))
         self._enter_forward(layer_idx)
+        try:
+            return self._update(key_states, value_states, layer_idx)
+        except BaseException:
+            self.end_forward(layer_idx, failed=True)
+            raise
+
+    def _update(self, key_states, value_states, layer_idx):
         pending = _backends.PENDING_CACHE
         stale = getattr(pending, "note", None)
         pending.note = None
@@ -197,10 +210,19 @@ class LinattnCache(Cache):
         pending.note = (layer, key_states)
         return key_states, value_states
 
+    def __getstate__(self):  # copy.deepcopy (one prompt's cache for several continuations)
+        state = dict(self.__dict__)
+        state["_lock"], state["_forward"] = None, None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def _enter_forward(self, layer_idx):
         """Refuses a second thread's forward while one is in progress (the first layer starts a
-        forward, the last layer's attention ends it; a thread that failed midway and is gone
-        does not count)."""
+        forward, the last layer's attention ends it, and so does a failure in any layer's update
+        or attention; a thread that is gone does not count)."""
         me = threading.get_ident()
         with self._lock:
             running = self._forward
@@ -212,8 +234,10 @@ class LinattnCache(Cache):
                 raise ValueError("LinattnCache: layer %d's update without its forward's first layer on this thread: %s"
                                  % (layer_idx, _CONCURRENT))
 
-    def _leave_forward(self, layer_idx):
-        if layer_idx == len(self.layers) - 1:
+    def end_forward(self, layer_idx, failed=False):
+        """After layer layer_idx's attention (failed: it raised, or its update did): the last
+        layer's, or a failure anywhere, ends this thread's forward."""
+        if failed or layer_idx == len(self.layers) - 1:
             with self._lock:
                 if self._forward is not None and self._forward[0] == threading.get_ident():
                     self._forward = None
@@ -354,15 +378,8 @@ def token_validity(name, attention_mask, batch, n, layer):
 def attend(name, layer, module, b, user, query, key, value, attention_mask, scaling, forward_on):
     """Attention of the new tokens (query, key, value [B, H, n, d], keys already repeated for
     grouped queries) with the cache's layer, which it then advances. forward_on(q, k, v) is the
-    backend's causal forward over new tokens alone: the prompt's outputs."""
-    try:
-        return _attend(name, layer, module, b, user, query, key, value, attention_mask, scaling, forward_on)
-    finally:
-        if layer.cache is not None:
-            layer.cache._leave_forward(layer.index)
-
-
-def _attend(name, layer, module, b, user, query, key, value, attention_mask, scaling, forward_on):
+    backend's causal forward over new tokens alone: the prompt's outputs. (The attention
+    function calls layer.end_forward afterwards.)"""
     batch, n = query.shape[0], query.shape[2]
     decoding = layer.linear is not None
     if decoding and layer.counts.shape[0] != batch:
@@ -565,9 +582,17 @@ def _install_padding_hook():
             inputs = ids.gather(1, order)
         else:
             kwargs["input_ids"] = ids.gather(1, order)
+        embeds = kwargs.get("inputs_embeds")
+        if isinstance(embeds, torch.Tensor):  # rolled with the ids, or the mask would not fit them
+            if embeds.dim() != 3 or tuple(embeds.shape[:2]) != tuple(ids.shape):
+                raise ValueError("generate: inputs_embeds of shape %s for input ids of shape %s"
+                                 % (tuple(embeds.shape), tuple(ids.shape)))
+            kwargs["inputs_embeds"] = embeds.gather(1, order.to(embeds.device)[..., None].expand_as(embeds))
         out = original(self, inputs, *args, **kwargs)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
-        sequences[:, :n] = ids.to(sequences.device)  # the prompt as the caller gave it
+        copies = sequences.shape[0] // ids.shape[0]  # num_return_sequences: each prompt's rows in a block
+        if sequences.shape[1] >= n:  # the prompt as the caller gave it (generate may return new tokens only)
+            sequences[:, :n] = ids.to(sequences.device).repeat_interleave(copies, dim=0)
         return out
 
     generate.linattn_hook = True

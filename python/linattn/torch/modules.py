@@ -149,12 +149,17 @@ class MultiheadAttention(torch.nn.Module):
         info = next(m for m in _linattn._methods() if m["name"] == registered)
         self._function = info["function"]
         opts = dict(method_options)
-        self.seed = int(opts.pop("seed", 0))
-        num_features = opts.pop("num_features", None)
+        fn = "MultiheadAttention"
+
+        def count(name, value, minimum=1):  # Python or NumPy integers, as plain ints; None stays
+            return None if value is None else _options.integer(fn, name, value, minimum)
+        self.seed = count("seed", opts.pop("seed", 0), -2 ** 63)
+        num_features = count("num_features", opts.pop("num_features", None))
         features = opts.pop("features", None)
-        self.feature_redraw_interval = opts.pop("feature_redraw_interval", None)
-        s_proj, max_seq_len = opts.pop("s_proj", None), opts.pop("max_seq_len", None)
-        kernel_size = opts.pop("dwc_kernel_size", None) if registered == "linear" else opts.pop("conv_kernel_size", None)
+        self.feature_redraw_interval = count("feature_redraw_interval", opts.pop("feature_redraw_interval", None))
+        s_proj, max_seq_len = count("s_proj", opts.pop("s_proj", None)), count("max_seq_len", opts.pop("max_seq_len", None))
+        kernel_name = "dwc_kernel_size" if registered == "linear" else "conv_kernel_size"
+        kernel_size = count(kernel_name, opts.pop(kernel_name, None))
         allowed = {o["name"] for o in info["options"] if o["kind"] != "tensor" and o["name"] not in ("causal", "key_lengths")}
         for name in opts:
             if name not in allowed:

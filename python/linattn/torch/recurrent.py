@@ -58,9 +58,14 @@ def enter(state, values, features=None, logits=None, factors=None, mask=None):
         return state
     dtype = state.sums.dtype
     values, features, logits, factors = (None if t is None else t.to(dtype) for t in (values, features, logits, factors))
+    if mask is not None:  # where, not a product: whatever a masked position holds, inf or NaN, stays out
+        keep = mask[:, None, :, None]
+        values = torch.where(keep, values, torch.zeros((), dtype=dtype, device=values.device))
+        if features is not None:
+            features = torch.where(keep, features, torch.zeros((), dtype=dtype, device=features.device))
+        if factors is not None:
+            factors = torch.where(keep, factors, torch.zeros((), dtype=dtype, device=factors.device))
     if state.shift is None:
-        if mask is not None:
-            features = features * mask[:, None, :, None].to(dtype)
         # sums += Σ_j φ(k_j) v_jᵀ, normaliser += Σ_j φ(k_j)
         return LinearState(state.sums + torch.einsum("bhnm,bhnd->bhmd", features, values),
                            state.normaliser + features.sum(dim=2))
