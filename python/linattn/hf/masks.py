@@ -28,7 +28,8 @@ def key_lengths(name, mask, batch, n_q, n_k, causal):
     if not _torch.equal(keep, want.expand_as(keep)):
         raise ValueError("%s: the attention mask is not %s key-padding mask with the padding at the end of each "
                          "sequence (left padding, packed sequences, sliding windows and custom masks cannot be "
-                         "expressed as key_lengths); pad on the right" % (name, "a causal" if causal else "a"))
+                         "expressed as key_lengths); pad on the right (generate() with LinattnCache also serves left "
+                         "padding)" % (name, "a causal" if causal else "a"))
     if bool((lengths == n_k).all()):
         return None
     return lengths.to(_torch.int64)

@@ -1,0 +1,289 @@
+// Gated linear attention (include/linattn/gated.h) against its float64 recurrence
+// (src/linattn/gated/reference.cc) and, for the backward, against central finite differences
+// of the forward in float64.
+//
+// Tolerance of the forward: every output and state value is a sum of terms q·k·v·(decays ≤ 1)
+// (and S_0·decays). Whatever the order of summation, the rounding error of such a sum is at
+// most γ_m·Σ|terms| (Higham, 3.1), m the longest chain of roundings one term goes through:
+// the state carries a term through every chunk (≤ n additions), its product with q adds d_k,
+// the intra-chunk products 64 + d_k, and each factor's rounding (e^x, the scaled operands) a
+// few more. The decay factors e^{b_j − b_i} come from cumulative sums b (float64) of at most 64
+// log-gates: b_j − b_i is off by at most 2·64·u₆₄·max|b|, and e^x by as much relative, which
+// matters after a reset (a log-gate at the floor, −1000, makes |b| large while the factors
+// after it are O(1)). So |fast − exact| ≤ (2·(n + 2·d_k + 2·64 + 8)·u + 2·64·u₆₄·B)·Σ|terms|,
+// with Σ|terms| the same recurrence on |q|, |k|, |v|, |S_0| (reference with absolute = true),
+// u the dtype's unit roundoff and B the largest sum of min(|g|, 1000) over a chunk.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "linattn/gated.h"
+#include "linattn/gated/reference.h"
+#include "test_util.h"
+
+namespace linattn {
+namespace {
+
+using testing::random_tensor;
+
+struct Case {
+  int64_t batch, heads, n, dk, dv;
+  bool per_channel, initial;
+  const char* gates;  // "mixed" (−3 .. −0.001), "near0" (−1e−6 .. 0), "resets" (some −inf, −2000, −50)
+};
+
+template <class T>
+Tensor<T> gates_for(const Case& c, uint64_t seed) {
+  Shape shape = c.per_channel ? Shape{c.batch, c.heads, c.n, c.dk} : Shape{c.batch, c.heads, c.n};
+  Tensor<T> g = random_tensor<T>(shape, seed);
+  const std::string kind = c.gates;
+  for (int64_t i = 0; i < g.size(); ++i) {
+    const double u = std::fabs(static_cast<double>(g[i]));
+    double x = kind == "near0" ? -1e-6 * std::fmod(u, 1.0) : -(0.001 + std::fmod(u, 3.0));
+    if (kind == "resets" && i % 17 == 3) x = -std::numeric_limits<double>::infinity();
+    if (kind == "resets" && i % 23 == 5) x = -2000.0;
+    if (kind == "resets" && i % 29 == 7) x = -50.0;
+    g[i] = static_cast<T>(x);
+  }
+  return g;
+}
+
+template <class T>
+std::vector<double> widen(const Tensor<T>& t) {
+  std::vector<double> out(static_cast<size_t>(t.size()));
+  for (int64_t i = 0; i < t.size(); ++i) out[i] = static_cast<double>(t[i]);
+  return out;
+}
+
+template <class T>
+void check_forward(const Case& c, int threads, uint64_t seed) {
+  SCOPED_TRACE(::testing::Message() << "n=" << c.n << " dk=" << c.dk << " dv=" << c.dv << " per_channel="
+                                    << c.per_channel << " initial=" << c.initial << " gates=" << c.gates
+                                    << " threads=" << threads << " dtype=" << dtype_name<T>());
+  testing::ScopedThreads scoped(threads);
+  const Tensor<T> q = random_tensor<T>({c.batch, c.heads, c.n, c.dk}, seed);
+  const Tensor<T> k = random_tensor<T>({c.batch, c.heads, c.n, c.dk}, seed + 1);
+  const Tensor<T> v = random_tensor<T>({c.batch, c.heads, c.n, c.dv}, seed + 2);
+  const Tensor<T> g = gates_for<T>(c, seed + 3);
+  const Tensor<T> s0 = c.initial ? random_tensor<T>({c.batch, c.heads, c.dk, c.dv}, seed + 4) : Tensor<T>();
+  const double scale = 0.7;
+  const auto r = gated_linear_attention<T>(q, k, v, g, c.initial ? s0.view() : TensorView<const T>{}, {scale, true});
+  const auto qd = widen(q), kd = widen(k), vd = widen(v), gd = widen(g), sd = widen(s0);
+  const int64_t bh = c.batch * c.heads;
+  const double* init = c.initial ? sd.data() : nullptr;
+  const auto want = reference::gated_linear_attention(qd.data(), kd.data(), vd.data(), gd.data(), init, bh, c.n,
+                                                      c.dk, c.dv, c.per_channel, scale);
+  const auto mag = reference::gated_linear_attention(qd.data(), kd.data(), vd.data(), gd.data(), init, bh, c.n,
+                                                     c.dk, c.dv, c.per_channel, scale, true);
+  const double u = std::numeric_limits<T>::epsilon() / 2, u64 = std::numeric_limits<double>::epsilon() / 2;
+  const int64_t width = c.per_channel ? c.dk : 1;
+  double largest_b = 0;  // B: the largest chunk sum of min(|g|, 1000)
+  for (int64_t h = 0; h < c.batch * c.heads; ++h)
+    for (int64_t e = 0; e < width; ++e)
+      for (int64_t t0 = 0; t0 < c.n; t0 += 64) {
+        double sum = 0;
+        for (int64_t t = t0; t < std::min<int64_t>(t0 + 64, c.n); ++t)
+          sum += std::min(std::fabs(gd[(h * c.n + t) * width + e]), 1000.0);
+        largest_b = std::max(largest_b, sum);
+      }
+  const double chain = 2.0 * static_cast<double>(c.n + 2 * c.dk + 2 * 64 + 8) * u + 2.0 * 64 * u64 * largest_b;
+  ASSERT_EQ(r.out.size(), static_cast<int64_t>(want.out.size()));
+  for (int64_t i = 0; i < r.out.size(); ++i)
+    ASSERT_LE(std::fabs(static_cast<double>(r.out[i]) - want.out[i]), chain * mag.out[i] + 1e-300) << "out " << i;
+  for (int64_t i = 0; i < r.state.size(); ++i)
+    ASSERT_LE(std::fabs(static_cast<double>(r.state[i]) - want.state[i]), chain * mag.state[i] + 1e-300)
+        << "state " << i;
+}
+
+const Case kCases[] = {
+    {1, 2, 1, 4, 3, false, false, "mixed"},    {2, 3, 63, 5, 7, true, true, "mixed"},
+    {1, 2, 64, 16, 16, true, false, "near0"},  {1, 1, 65, 8, 4, false, true, "near0"},
+    {2, 1, 130, 17, 9, true, true, "resets"},  {1, 2, 200, 32, 24, false, false, "resets"},
+    {1, 1, 97, 3, 2, true, false, "mixed"},
+};
+
+TEST(GatedLinearAttention, ForwardMatchesTheRecurrenceInFloat64AndFloat32) {
+  uint64_t seed = 100;
+  for (const Case& c : kCases)
+    for (int threads : {1, 3, 8}) {
+      check_forward<double>(c, threads, seed);
+      check_forward<float>(c, threads, seed);
+      seed += 10;
+    }
+}
+
+TEST(GatedLinearAttention, TwoCallsOverASplitEqualOneCall) {
+  for (bool per_channel : {false, true}) {
+    const Case c{1, 2, 150, 6, 5, per_channel, true, "mixed"};
+    const Tensor<double> q = random_tensor<double>({1, 2, 150, 6}, 1), k = random_tensor<double>({1, 2, 150, 6}, 2);
+    const Tensor<double> v = random_tensor<double>({1, 2, 150, 5}, 3), s0 = random_tensor<double>({1, 2, 6, 5}, 4);
+    const Tensor<double> g = gates_for<double>(c, 5);
+    const auto whole = gated_linear_attention<double>(q, k, v, g, s0.view());
+    const int64_t cut = 77;  // not a multiple of the chunk
+    auto slice = [&](const Tensor<double>& x, int64_t from, int64_t to) {
+      const int64_t inner = x.rank() == 4 ? x.dim(3) : 1;
+      Shape shape = x.shape();
+      shape[2] = to - from;
+      Tensor<double> y(shape);
+      for (int64_t h = 0; h < 2; ++h)
+        for (int64_t t = from; t < to; ++t)
+          for (int64_t e = 0; e < inner; ++e) y[(h * (to - from) + t - from) * inner + e] = x[(h * 150 + t) * inner + e];
+      return y;
+    };
+    const auto first = gated_linear_attention<double>(slice(q, 0, cut), slice(k, 0, cut), slice(v, 0, cut),
+                                                      slice(g, 0, cut), s0.view());
+    const auto second = gated_linear_attention<double>(slice(q, cut, 150), slice(k, cut, 150), slice(v, cut, 150),
+                                                       slice(g, cut, 150), first.state.view());
+    const Tensor<double> out_a = slice(whole.out, 0, cut), out_b = slice(whole.out, cut, 150);
+    for (int64_t i = 0; i < out_a.size(); ++i) ASSERT_NEAR(first.out[i], out_a[i], 1e-12 * (1 + std::fabs(out_a[i])));
+    for (int64_t i = 0; i < out_b.size(); ++i) ASSERT_NEAR(second.out[i], out_b[i], 1e-12 * (1 + std::fabs(out_b[i])));
+    for (int64_t i = 0; i < whole.state.size(); ++i)
+      ASSERT_NEAR(second.state[i], whole.state[i], 1e-12 * (1 + std::fabs(whole.state[i])));
+  }
+}
+
+// L = Σ w_o·out + Σ w_s·state, in float64.
+struct Loss {
+  Tensor<double> w_out, w_state;
+  double operator()(const GatedLinearAttentionResult<double>& r) const {
+    double l = 0;
+    for (int64_t i = 0; i < r.out.size(); ++i) l += w_out[i] * r.out[i];
+    for (int64_t i = 0; i < r.state.size(); ++i) l += w_state[i] * r.state[i];
+    return l;
+  }
+};
+
+TEST(GatedLinearAttention, EveryGradientMatchesCentralDifferencesInFloat64) {
+  // Central differences with h = 1e−5 on a loss of size O(1): truncation h²·|L'''| ~ 1e−10 and
+  // cancellation u·|L|/h ~ 1e−11; the gradients agree to 1e−7 relative to the largest.
+  for (bool per_channel : {false, true})
+    for (const char* gates : {"mixed", "resets"}) {
+      SCOPED_TRACE(::testing::Message() << "per_channel=" << per_channel << " gates=" << gates);
+      const Case c{1, 2, 70, 3, 2, per_channel, true, gates};
+      Tensor<double> q = random_tensor<double>({1, 2, 70, 3}, 11), k = random_tensor<double>({1, 2, 70, 3}, 12);
+      Tensor<double> v = random_tensor<double>({1, 2, 70, 2}, 13), s0 = random_tensor<double>({1, 2, 3, 2}, 14);
+      Tensor<double> g = gates_for<double>(c, 15);
+      const Loss loss{random_tensor<double>({1, 2, 70, 2}, 16), random_tensor<double>({1, 2, 3, 2}, 17)};
+      const GatedLinearAttentionOptions opts{0.6, true};
+      const auto grads = gated_linear_attention_backward<double>(q, k, v, g, s0.view(), loss.w_out.view(),
+                                                                 loss.w_state.view(), opts);
+      struct Input {
+        const char* name;
+        Tensor<double>* x;
+        const Tensor<double>* grad;
+      };
+      for (const Input& in : {Input{"q", &q, &grads.dq}, Input{"k", &k, &grads.dk}, Input{"v", &v, &grads.dv},
+                              Input{"log_gate", &g, &grads.dlog_gate}, Input{"initial_state", &s0, &grads.dinitial_state}}) {
+        double largest = 0;
+        for (int64_t i = 0; i < in.grad->size(); ++i) largest = std::max(largest, std::fabs((*in.grad)[i]));
+        ASSERT_GT(largest, 0) << in.name;
+        for (int64_t i = 0; i < in.x->size(); ++i) {
+          const double saved = (*in.x)[i];
+          const bool gate = std::string(in.name) == "log_gate";
+          if (gate && !(saved > -1000.0)) {  // at the floor (or −inf): no gradient
+            ASSERT_EQ((*in.grad)[i], 0.0) << in.name << " " << i;
+            continue;
+          }
+          const double h = gate ? std::min(1e-5, -saved / 2) : 1e-5;
+          (*in.x)[i] = saved + h;
+          const double up = loss(gated_linear_attention<double>(q, k, v, g, s0.view(), opts));
+          (*in.x)[i] = saved - h;
+          const double down = loss(gated_linear_attention<double>(q, k, v, g, s0.view(), opts));
+          (*in.x)[i] = saved;
+          ASSERT_NEAR((*in.grad)[i], (up - down) / (2 * h), 1e-7 * largest + 1e-9) << in.name << " " << i;
+        }
+      }
+    }
+}
+
+TEST(GatedLinearAttention, Float32GradientsFollowFloat64) {
+  // dq, dk, dv and dS_0 are sums of products of q, k, v, dout, dstate, S_0 and decays, as the
+  // forward's values are: the chain bound applies with Σ|terms| = the float64 backward on
+  // absolute values. db_j = q_j ⊙ dq_j − k_j ⊙ dk_j (+ at the chunk's end two more sums of the
+  // same terms), and dg sums at most 64 of them: its bound is 2·64 times the largest
+  // |q|·Σ|dq terms| + |k|·Σ|dk terms|.
+  for (bool per_channel : {false, true}) {
+    const Case c{2, 2, 140, 12, 10, per_channel, true, "mixed"};
+    const auto q = random_tensor<double>({2, 2, 140, 12}, 21), k = random_tensor<double>({2, 2, 140, 12}, 22);
+    const auto v = random_tensor<double>({2, 2, 140, 10}, 23), s0 = random_tensor<double>({2, 2, 12, 10}, 24);
+    const auto g = gates_for<double>(c, 25);
+    const auto dout = random_tensor<double>({2, 2, 140, 10}, 26), dstate = random_tensor<double>({2, 2, 12, 10}, 27);
+    auto absolute = [](const Tensor<double>& x) {
+      Tensor<double> y(x.shape());
+      for (int64_t i = 0; i < x.size(); ++i) y[i] = std::fabs(x[i]);
+      return y;
+    };
+    const auto wide = gated_linear_attention_backward<double>(q, k, v, g, s0.view(), dout.view(), dstate.view());
+    const auto mag = gated_linear_attention_backward<double>(absolute(q), absolute(k), absolute(v), g,
+                                                             absolute(s0).view(), absolute(dout).view(),
+                                                             absolute(dstate).view());
+    double gate_scale = 0;
+    for (int64_t i = 0; i < q.size(); ++i)
+      gate_scale = std::max(gate_scale, std::fabs(q[i]) * mag.dq[i] + std::fabs(k[i]) * mag.dk[i]);
+    const double u = std::numeric_limits<float>::epsilon() / 2;
+    const double chain = 2.0 * (140 + 2 * 12 + 2 * 64 + 8) * u;
+    for (int threads : {1, 3, 16}) {
+      testing::ScopedThreads scoped(threads);
+      const auto narrow = gated_linear_attention_backward<float>(
+          testing::cast<float>(q), testing::cast<float>(k), testing::cast<float>(v), testing::cast<float>(g),
+          testing::cast<float>(s0).view(), testing::cast<float>(dout).view(), testing::cast<float>(dstate).view());
+      auto compare = [&](const char* name, const Tensor<double>& a, const Tensor<float>& b, const Tensor<double>* m,
+                         double flat) {
+        for (int64_t i = 0; i < a.size(); ++i)
+          ASSERT_LE(std::fabs(a[i] - static_cast<double>(b[i])), chain * (m ? (*m)[i] : flat) + 1e-30)
+              << name << " " << i << " threads " << threads;
+      };
+      compare("dq", wide.dq, narrow.dq, &mag.dq, 0);
+      compare("dk", wide.dk, narrow.dk, &mag.dk, 0);
+      compare("dv", wide.dv, narrow.dv, &mag.dv, 0);
+      compare("dinitial_state", wide.dinitial_state, narrow.dinitial_state, &mag.dinitial_state, 0);
+      compare("dlog_gate", wide.dlog_gate, narrow.dlog_gate, nullptr, 2 * 64 * gate_scale * (per_channel ? 1 : 12));
+    }
+  }
+}
+
+TEST(GatedLinearAttention, BadInputIsAnErrorNamingTheArgument) {
+  const auto q = random_tensor<float>({1, 2, 8, 4}, 1), v = random_tensor<float>({1, 2, 8, 3}, 2);
+  Tensor<float> g({1, 2, 8});
+  auto fails = [](auto&& call, const std::string& text) {
+    try {
+      call();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+      return;
+    }
+    ADD_FAILURE() << "no Error for " << text;
+  };
+  fails([&] { gated_linear_attention<float>(q, q, v, random_tensor<float>({1, 2, 7}, 3), {}); }, "log_gate has shape");
+  Tensor<float> positive({1, 2, 8});
+  positive[5] = 0.5f;
+  fails([&] { gated_linear_attention<float>(q, q, v, positive, {}); }, "log_gate must be <= 0");
+  Tensor<float> nan({1, 2, 8});
+  nan[2] = std::numeric_limits<float>::quiet_NaN();
+  fails([&] { gated_linear_attention<float>(q, q, v, nan, {}); }, "log_gate must be <= 0");
+  Tensor<float> bad_q = random_tensor<float>({1, 2, 8, 4}, 4);
+  bad_q[9] = std::numeric_limits<float>::infinity();
+  fails([&] { gated_linear_attention<float>(bad_q, q, v, g, {}); }, "q holds a non-finite value");
+  fails([&] { gated_linear_attention<float>(q, random_tensor<float>({1, 2, 8, 5}, 5), v, g, {}); }, "k has shape");
+  fails([&] { gated_linear_attention<float>(q, q, v, g, random_tensor<float>({1, 2, 3, 4}, 6).view()); },
+        "initial_state has shape");
+  fails([&] { gated_linear_attention<float>(q, q, v, g, {}, {std::nullopt, false}); }, "causal=false");
+  fails([&] { gated_linear_attention<float>(q, q, v, g, {}, {std::numeric_limits<double>::infinity(), true}); },
+        "scale must be finite");
+  fails([&] { gated_linear_attention_backward<float>(q, q, v, g, {}, random_tensor<float>({1, 2, 8, 4}, 7), {}); },
+        "dout has shape");
+}
+
+TEST(GatedLinearAttention, AnEmptySequenceHandsBackTheInitialState) {
+  const Tensor<double> q({1, 2, 0, 4}), v({1, 2, 0, 3}), g({1, 2, 0});
+  const auto s0 = random_tensor<double>({1, 2, 4, 3}, 1);
+  const auto r = gated_linear_attention<double>(q, q, v, g, s0.view());
+  EXPECT_EQ(r.out.size(), 0);
+  for (int64_t i = 0; i < s0.size(); ++i) EXPECT_EQ(r.state[i], s0[i]);
+}
+
+}  // namespace
+}  // namespace linattn
