@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "call_guard.h"
+#include "linattn/gated.h"
 #include "linattn/linattn.h"
 
 namespace py = pybind11;
@@ -622,6 +623,54 @@ py::tuple linformer_project_backward_py(const py::object& k, const py::object& v
   });
 }
 
+// Gated linear attention (include/linattn/gated.h): float32 and float64.
+struct GatedArgs : FullPrecisionArgs<linattn::GatedLinearAttentionOptions> {
+  GatedArgs(const char* fn, const py::object& scale, bool causal) : FullPrecisionArgs(fn) {
+    opts.scale = as_scale(fn, scale);
+    opts.causal = causal;
+  }
+};
+
+py::object gated_linear_attention_py(const py::object& q, const py::object& k, const py::object& v,
+                                     const py::object& log_gate, const py::object& scale, bool causal,
+                                     const py::object& initial_state, bool return_state) {
+  GatedArgs a("gated_linear_attention", scale, causal);
+  a.add("q", q).add("k", k).add("v", v).add("log_gate", log_gate).add("initial_state", initial_state);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::object {
+    using T = decltype(tag);
+    const Inputs& in = a.inputs;
+    auto r = run_without_gil([&] {
+      return linattn::gated_linear_attention<T>(in.tensor<T>("q"), in.tensor<T>("k"), in.tensor<T>("v"),
+                                                in.tensor<T>("log_gate"),
+                                                in.optional<T>("initial_state").value_or(TensorView<const T>{}),
+                                                a.opts);
+    });
+    if (return_state) return numpy_tuple(std::move(r.out), std::move(r.state));
+    return to_numpy(std::move(r.out));
+  });
+}
+
+py::tuple gated_linear_attention_backward_py(const py::object& q, const py::object& k, const py::object& v,
+                                             const py::object& log_gate, const py::object& dout,
+                                             const py::object& scale, bool causal, const py::object& initial_state,
+                                             const py::object& dstate) {
+  GatedArgs a("gated_linear_attention_backward", scale, causal);
+  a.add("q", q).add("k", k).add("v", v).add("log_gate", log_gate).add("dout", dout);
+  a.add("initial_state", initial_state).add("dstate", dstate);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::tuple {
+    using T = decltype(tag);
+    const Inputs& in = a.inputs;
+    auto g = run_without_gil([&] {
+      return linattn::gated_linear_attention_backward<T>(
+          in.tensor<T>("q"), in.tensor<T>("k"), in.tensor<T>("v"), in.tensor<T>("log_gate"),
+          in.optional<T>("initial_state").value_or(TensorView<const T>{}), in.tensor<T>("dout"),
+          in.optional<T>("dstate").value_or(TensorView<const T>{}), a.opts);
+    });
+    return numpy_tuple(std::move(g.dq), std::move(g.dk), std::move(g.dv), std::move(g.dlog_gate),
+                       std::move(g.dinitial_state));
+  });
+}
+
 py::tuple efficient_apply_state_backward_py(const py::object& q, const py::object& state, const py::object& dout,
                                             const py::object& scale) {
   BlockStateArgs a("efficient_apply_state_backward", scale, py::none());
@@ -949,6 +998,21 @@ PYBIND11_MODULE(_linattn, m) {
   m.def("_fingerprint", &fingerprint, py::arg("buffer"),
         "(bytes, low, high 32 bits of the hash) of a C-contiguous buffer: the distributed agreement check's "
         "fingerprint of a tensor (exact integer sums of its 64-bit words, plain and position-weighted).");
+  m.def("gated_linear_attention", &gated_linear_attention_py, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("log_gate"), py::kw_only(), py::arg("scale") = py::none(), py::arg("causal") = true,
+        py::arg("initial_state") = py::none(), py::arg("return_state") = false,
+        R"doc(Gated (decayed) linear attention: S_t = diag(exp(g_t))·S_{t-1} + k_t v_tᵀ, o_t = scale·S_tᵀ q_t.
+
+q, k [B, H, n, d_k], v [B, H, n, d_v] (float32 or float64); log_gate g [B, H, n] (per head) or
+[B, H, n, d_k] (per channel), values <= 0 (-inf: a reset); scale default d_k^-1/2; no
+normaliser. initial_state [B, H, d_k, d_v] continues a sequence (two calls over a split equal
+one call); return_state=True returns (out, S_n). causal must be True. Chunked (64 positions).)doc");
+  m.def("gated_linear_attention_backward", &gated_linear_attention_backward_py, py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("log_gate"), py::arg("dout"), py::kw_only(), py::arg("scale") = py::none(),
+        py::arg("causal") = true, py::arg("initial_state") = py::none(), py::arg("dstate") = py::none(),
+        R"doc((dq, dk, dv, dlog_gate, dinitial_state) of gated_linear_attention for dout [B, H, n, d_v] and
+dstate, the gradient of the returned final state (None: 0). dinitial_state is the gradient of
+the initial state (of zeros when none was given).)doc");
   m.def("random_features", &random_features, py::arg("num_features"), py::arg("head_dim"),
         py::arg("kind") = "orthogonal", py::arg("seed") = 0, py::arg("dtype") = py::dtype::of<float>(),
         R"doc(Random projection ω [num_features, head_dim] for FAVOR attention.

@@ -6,7 +6,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['RecurrentState', 'build_info', 'chi_quantile_radii', 'get_num_threads', 'linformer_projections', 'measure_peak_rates', 'random_features', 'recurrent_state', 'release_cached_memory', 'reset_workspace_peak', 'set_num_threads', 'share_openmp_runtime', 'thread_pool', 'use_own_threads', 'workspace_stats']
+__all__: list[str] = ['RecurrentState', 'build_info', 'chi_quantile_radii', 'gated_linear_attention', 'gated_linear_attention_backward', 'get_num_threads', 'linformer_projections', 'measure_peak_rates', 'random_features', 'recurrent_state', 'release_cached_memory', 'reset_workspace_peak', 'set_num_threads', 'share_openmp_runtime', 'thread_pool', 'use_own_threads', 'workspace_stats']
 class RecurrentState:
     """
     Constant-size decoding state; make one with recurrent_state().
@@ -72,6 +72,21 @@ def build_info() -> str:
 def chi_quantile_radii(num_features: typing.SupportsInt | typing.SupportsIndex, head_dim: typing.SupportsInt | typing.SupportsIndex) -> numpy.ndarray:
     """
     The radii R_i, P(r <= R_i) = i/(m+1) for r ~ chi(head_dim), i = 1..m (sorted).
+    """
+def gated_linear_attention(q: typing.Any, k: typing.Any, v: typing.Any, log_gate: typing.Any, *, scale: typing.Any = None, causal: bool = True, initial_state: typing.Any = None, return_state: bool = False) -> typing.Any:
+    """
+    Gated (decayed) linear attention: S_t = diag(exp(g_t))·S_{t-1} + k_t v_tᵀ, o_t = scale·S_tᵀ q_t.
+    
+    q, k [B, H, n, d_k], v [B, H, n, d_v] (float32 or float64); log_gate g [B, H, n] (per head) or
+    [B, H, n, d_k] (per channel), values <= 0 (-inf: a reset); scale default d_k^-1/2; no
+    normaliser. initial_state [B, H, d_k, d_v] continues a sequence (two calls over a split equal
+    one call); return_state=True returns (out, S_n). causal must be True. Chunked (64 positions).
+    """
+def gated_linear_attention_backward(q: typing.Any, k: typing.Any, v: typing.Any, log_gate: typing.Any, dout: typing.Any, *, scale: typing.Any = None, causal: bool = True, initial_state: typing.Any = None, dstate: typing.Any = None) -> tuple:
+    """
+    (dq, dk, dv, dlog_gate, dinitial_state) of gated_linear_attention for dout [B, H, n, d_v] and
+    dstate, the gradient of the returned final state (None: 0). dinitial_state is the gradient of
+    the initial state (of zeros when none was given).
     """
 def get_num_threads() -> int:
     ...

@@ -1,0 +1,64 @@
+"""linattn.torch.gated_linear_attention: the C++ chunked kernel (include/linattn/gated.h) with
+autograd, state in and state out. The formulas live in C++; this file passes tensors."""
+
+import torch
+
+from .. import _linattn
+
+__all__ = ["gated_linear_attention"]
+
+_FN = "linattn.torch.gated_linear_attention"
+
+
+def _array(t):
+    return None if t is None else t.detach().contiguous().numpy()
+
+
+class _GatedLinearAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, log_gate, initial_state, scale, causal):
+        out, state = _linattn.gated_linear_attention(_array(q), _array(k), _array(v), _array(log_gate), scale=scale,
+                                                     causal=causal, initial_state=_array(initial_state),
+                                                     return_state=True)
+        ctx.save_for_backward(q, k, v, log_gate, initial_state)
+        ctx.scale, ctx.causal = scale, causal
+        return torch.from_numpy(out), torch.from_numpy(state)
+
+    @staticmethod
+    def backward(ctx, dout, dstate):
+        q, k, v, log_gate, initial_state = ctx.saved_tensors
+        if dout is None:
+            dout = q.new_zeros(v.shape)
+        grads = _linattn.gated_linear_attention_backward(
+            _array(q), _array(k), _array(v), _array(log_gate), _array(dout), scale=ctx.scale, causal=ctx.causal,
+            initial_state=_array(initial_state), dstate=_array(dstate))
+        dq, dk, dv, dg, ds = (torch.from_numpy(g) for g in grads)
+        return dq, dk, dv, dg, (ds if initial_state is not None else None), None, None
+
+
+def gated_linear_attention(q, k, v, log_gate, *, scale=None, causal=True, initial_state=None, return_state=False):
+    """Gated (decayed) linear attention with autograd: S_t = diag(exp(g_t))·S_{t−1} + k_t v_tᵀ,
+    o_t = scale·S_tᵀ q_t (linattn.gated_linear_attention, docs/methods/gated.md).
+
+    q, k [B, H, n, d_k], v [B, H, n, d_v]; log_gate [B, H, n] (per head) or [B, H, n, d_k] (per
+    channel), values <= 0 (-inf: a reset); scale: d_k^-1/2 by default; initial_state
+    [B, H, d_k, d_v] continues a sequence; return_state=True returns (out, S_n). CPU tensors of
+    float32 or float64, all of one dtype. Gradients reach q, k, v, log_gate and initial_state."""
+    named = {"q": q, "k": k, "v": v, "log_gate": log_gate, "initial_state": initial_state}
+    for name, t in named.items():
+        if t is None and name == "initial_state":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError("%s: %s must be a torch.Tensor, got %s" % (_FN, name, type(t).__name__))
+        if t.device.type != "cpu":
+            raise TypeError("%s: %s is on %s; linattn runs on the CPU only (move it with .cpu())" % (_FN, name, t.device))
+        if t.dtype not in (torch.float32, torch.float64):
+            raise TypeError("%s: %s must be float32 or float64 (this kernel has no 16-bit path yet), got %s"
+                            % (_FN, name, t.dtype))
+        if t.dtype != q.dtype:
+            raise TypeError("%s: %s has dtype %s, q has %s" % (_FN, name, t.dtype, q.dtype))
+    if not isinstance(causal, bool):
+        raise TypeError("%s: causal must be a bool, got %r" % (_FN, causal))
+    out, state = _GatedLinearAttention.apply(q, k, v, log_gate, initial_state,
+                                             None if scale is None else float(scale), causal)
+    return (out, state) if return_state else out

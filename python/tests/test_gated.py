@@ -1,0 +1,108 @@
+"""linattn.gated_linear_attention (NumPy) and linattn.torch.gated_linear_attention (autograd)
+against the plain recurrence S_t = diag(exp(g_t))·S_{t−1} + k_t v_tᵀ, o_t = scale·S_tᵀ q_t
+written out here in float64, per-head and per-channel gates, with and without an initial
+state, sequences across chunk boundaries (64) and not multiples of them.
+
+Tolerance (float64): the kernel's error bound (tests/test_gated.cc) is about
+(2·(n + 2·d_k + 136)·u + 128·u·B)·Σ|terms|, below 1e-12 relative to Σ|terms| ≤ 10·|largest
+output| here; 1e-11 of the largest value leaves a margin and is far below a wrong decay (1e-3)."""
+
+import numpy as np
+import pytest
+import torch
+
+import linattn
+import linattn.torch as lt
+
+
+def recurrence(q, k, v, g, scale, s0=None):
+    b, h, n, dk = q.shape
+    dv = v.shape[-1]
+    out = np.zeros((b, h, n, dv))
+    state = np.zeros((b, h, dk, dv)) if s0 is None else s0.astype(np.float64).copy()
+    for t in range(n):
+        decay = np.exp(g[:, :, t] if g.ndim == 4 else g[:, :, t, None])  # [b, h, dk]
+        state = decay[..., None] * state + k[:, :, t, :, None] * v[:, :, t, None, :]
+        out[:, :, t] = scale * np.einsum("bhc,bhcd->bhd", q[:, :, t], state)
+    return out, state
+
+
+def inputs(n, dk, dv, per_channel, seed=0, batch=2, heads=3):
+    rng = np.random.default_rng(seed)
+    q, k = rng.standard_normal((2, batch, heads, n, dk))
+    v = rng.standard_normal((batch, heads, n, dv))
+    g = -rng.uniform(0.001, 2.0, (batch, heads, n, dk) if per_channel else (batch, heads, n))
+    s0 = rng.standard_normal((batch, heads, dk, dv))
+    return q, k, v, g, s0
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 150])
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_numpy_forward_and_state_equal_the_recurrence(n, per_channel, with_state):
+    q, k, v, g, s0 = inputs(n, 5, 7, per_channel, seed=n)
+    s0 = s0 if with_state else None
+    out, state = linattn.gated_linear_attention(q, k, v, g, initial_state=s0, return_state=True)
+    want, want_state = recurrence(q, k, v, g, 5 ** -0.5, s0)
+    assert np.abs(out - want).max() <= 1e-11 * np.abs(want).max()
+    assert np.abs(state - want_state).max() <= 1e-11 * np.abs(want_state).max()
+    only = linattn.gated_linear_attention(q, k, v, g, initial_state=s0, scale=0.3)
+    assert np.abs(only - want * 0.3 / 5 ** -0.5).max() <= 1e-11 * np.abs(want).max()
+
+
+def test_float32_follows_float64_and_resets_forget():
+    q, k, v, g, s0 = inputs(130, 8, 8, True, seed=3)
+    g[:, :, 70] = -np.inf  # a reset: nothing before position 70 reaches 70 and after
+    wide = linattn.gated_linear_attention(q, k, v, g)
+    narrow = linattn.gated_linear_attention(*(x.astype(np.float32) for x in (q, k, v, g)))
+    assert narrow.dtype == np.float32
+    # float32: the chain of ~n + 2·d_k + 136 roundings of 2^-24 each on Σ|terms| ≤ 10·max
+    assert np.abs(narrow - wide).max() <= 2 * (130 + 16 + 136) * 2.0 ** -24 * 10 * np.abs(wide).max()
+    after = linattn.gated_linear_attention(q[:, :, 70:], k[:, :, 70:], v[:, :, 70:], g[:, :, 70:])
+    assert np.abs(after - wide[:, :, 70:]).max() <= 1e-11 * np.abs(wide).max()
+
+
+def test_two_calls_over_a_split_equal_one_call():
+    q, k, v, g, s0 = inputs(150, 6, 4, False, seed=5)
+    whole, end = linattn.gated_linear_attention(q, k, v, g, initial_state=s0, return_state=True)
+    a, mid = linattn.gated_linear_attention(q[:, :, :77], k[:, :, :77], v[:, :, :77], g[:, :, :77], initial_state=s0,
+                                            return_state=True)
+    b, last = linattn.gated_linear_attention(q[:, :, 77:], k[:, :, 77:], v[:, :, 77:], g[:, :, 77:],
+                                             initial_state=mid, return_state=True)
+    assert np.abs(np.concatenate([a, b], axis=2) - whole).max() <= 1e-12 * np.abs(whole).max()
+    assert np.abs(last - end).max() <= 1e-12 * np.abs(end).max()
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_torch_gradients_of_every_input(per_channel):
+    # torch.autograd.gradcheck: central differences of the forward in float64 for q, k, v, the
+    # log-gates and the initial state, through the output and the returned state.
+    q, k, v, g, s0 = (torch.tensor(x, requires_grad=True) for x in inputs(70, 3, 2, per_channel, seed=7, batch=1,
+                                                                           heads=2))
+
+    def f(q, k, v, g, s0):
+        return lt.gated_linear_attention(q, k, v, g, initial_state=s0, return_state=True, scale=0.8)
+    assert torch.autograd.gradcheck(f, (q, k, v, g, s0))
+    out = lt.gated_linear_attention(q, k, v, g)  # no state: gradients through the output alone
+    out.sum().backward()
+    assert all(t.grad is not None for t in (q, k, v, g))
+
+
+def test_bad_input_is_refused_naming_the_argument():
+    q, k, v, g, s0 = inputs(8, 4, 3, False)
+    with pytest.raises(ValueError, match="log_gate must be <= 0"):
+        linattn.gated_linear_attention(q, k, v, -g)
+    with pytest.raises(ValueError, match="log_gate has shape"):
+        linattn.gated_linear_attention(q, k, v, g[:, :, :5])
+    with pytest.raises(ValueError, match="initial_state has shape"):
+        linattn.gated_linear_attention(q, k, v, g, initial_state=s0[:, :, :2])
+    with pytest.raises(ValueError, match="causal=false is not supported"):
+        linattn.gated_linear_attention(q, k, v, g, causal=False)
+    bad = q.copy()
+    bad[0, 0, 3, 1] = np.nan
+    with pytest.raises(ValueError, match="q holds a non-finite value"):
+        linattn.gated_linear_attention(bad, k, v, g)
+    with pytest.raises(TypeError, match="no 16-bit path yet"):
+        lt.gated_linear_attention(*(torch.tensor(x, dtype=torch.bfloat16) for x in (q, k, v, g)))
+    with pytest.raises(TypeError, match="log_gate must be a torch.Tensor"):
+        lt.gated_linear_attention(torch.tensor(q), torch.tensor(k), torch.tensor(v), g)
