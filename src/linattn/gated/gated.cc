@@ -26,6 +26,7 @@
 #include "linattn/core/blas.h"
 #include "linattn/core/error.h"
 #include "linattn/core/parallel.h"
+#include "linattn/core/simd.h"
 
 namespace linattn {
 namespace gated {
@@ -99,148 +100,209 @@ Dims check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, Te
   return d;
 }
 
-// One worker's scratch for one chunk.
+// One worker's scratch for one chunk, and the chunk's decays: the cumulative log-gates b
+// (float64; [L, w], w = d_k per channel, 1 per head) and the factors e^{b_j − b_i} of the
+// diagonal blocks (per channel: [L/16][136 pairs j >= i][d_k]; per head: the lower triangle of
+// [C, C]), made once per chunk and used by the scores and both weighings.
 template <class T>
 struct Scratch {
-  std::vector<double> b;     // [C, dk] cumulative log-gates
-  std::vector<T> gated_q;    // [C, dk] Q ⊙ e^{B}
-  std::vector<T> gated_k;    // [C, dk] K ⊙ e^{b_L − B}
-  std::vector<T> scores;     // [C, C] A (lower)
+  int64_t dk, w;
+  bool per_channel;
+  int64_t L = 0;
+  std::vector<double> b;            // [C, w]
+  std::vector<T> diag;              // the diagonal blocks' (per channel) or the chunk's (per head) decays
+  std::vector<T> factors;           // [C, dk] row factors
+  std::vector<T> zeros;             // exp_minus_columns' shift
+  std::vector<T> gated_q;           // [C, dk] Q ⊙ e^{B}
+  std::vector<T> gated_k;           // [C, dk] K ⊙ e^{b_L − B}
+  std::vector<T> scores;            // [C, C] A (lower)
   std::vector<T> block_a, block_b;  // [16, dk]
-  std::vector<T> work;       // [C, dk]
-  std::vector<T> dscores;    // [C, C]
-  std::vector<T> dk_state;   // [C, dk]
-  std::vector<T> g_next;     // [dk, dv]
-  explicit Scratch(const Dims& d, bool backward)
-      : b(kChunk * d.dk), gated_q(kChunk * d.dk), gated_k(kChunk * d.dk), scores(kChunk * kChunk),
-        block_a(kBlock * d.dk), block_b(kBlock * d.dk), work(kChunk * d.dk) {
+  std::vector<T> work;              // [C, dk]
+  std::vector<T> weights;           // [C, C] (per head: dA ⊙ D)
+  std::vector<T> dscores;           // [C, C]
+  std::vector<T> dk_state;          // [C, dk]
+  Scratch(const Dims& d, bool backward)
+      : dk(d.dk), w(d.per_channel ? d.dk : 1), per_channel(d.per_channel), b(kChunk * w),
+        diag(per_channel ? (kChunk / kBlock) * kPairs * d.dk : kChunk * kChunk), factors(kChunk * d.dk),
+        zeros(std::max<int64_t>(kChunk * kChunk, (kChunk / kBlock) * kPairs * d.dk)), gated_q(kChunk * d.dk),
+        gated_k(kChunk * d.dk), scores(kChunk * kChunk), block_a(kBlock * d.dk), block_b(kBlock * d.dk),
+        work(kChunk * d.dk), weights(kChunk * kChunk) {
     if (backward) {
       dscores.resize(kChunk * kChunk);
       dk_state.resize(kChunk * d.dk);
-      g_next.resize(d.dk * d.dv);
     }
   }
+  static constexpr int64_t kPairs = kBlock * (kBlock + 1) / 2;
+  static int64_t pair(int64_t j, int64_t i) { return j * (j + 1) / 2 + i; }  // in-block j >= i
+
+  // e^{x} in place for n values x <= 0 (Highway's vectorised exp).
+  void exp_in_place(T* x, int64_t n) {
+    simd::exp_minus_columns(x, 1, static_cast<size_t>(n), static_cast<size_t>(n), zeros.data());
+  }
+
+  // b of rows t0 .. t0+L−1 of task bh, and the diagonal decays.
+  void prepare(const Dims& d, TensorView<const T> log_gate, int64_t bh, int64_t t0, int64_t rows) {
+    L = rows;
+    for (int64_t j = 0; j < L; ++j)
+      for (int64_t c = 0; c < w; ++c) {
+        const double g = static_cast<double>(log_gate.data[(bh * d.n + t0 + j) * w + c]);
+        b[j * w + c] = (j ? b[(j - 1) * w + c] : 0.0) + std::max(g, kFloor);
+      }
+    if (per_channel) {
+      for (int64_t j0 = 0; j0 < L; j0 += kBlock) {
+        T* e = diag.data() + (j0 / kBlock) * kPairs * dk;
+        const int64_t rows_in = std::min(kBlock, L - j0);
+        for (int64_t j = 0; j < rows_in; ++j)
+          for (int64_t i = 0; i <= j; ++i)
+            for (int64_t c = 0; c < dk; ++c)
+              e[pair(j, i) * dk + c] = static_cast<T>(b[(j0 + j) * dk + c] - b[(j0 + i) * dk + c]);
+        exp_in_place(e, pair(rows_in - 1, rows_in - 1) * dk + dk);
+      }
+    } else {
+      for (int64_t j = 0; j < L; ++j) {
+        T* row = diag.data() + j * kChunk;
+        for (int64_t i = 0; i <= j; ++i) row[i] = static_cast<T>(b[j] - b[i]);
+        exp_in_place(row, j + 1);
+      }
+    }
+  }
+
+  // out[j, :] = x[j, :] ⊙ e^{sign·(b_{j0+j} − b_r)} for `rows` rows (r < 0: b_r = 0).
+  void scale_rows(const T* x, int64_t j0, int64_t rows, int64_t r, double sign, T* out) {
+    if (!per_channel) {
+      for (int64_t j = 0; j < rows; ++j) {
+        const T f = static_cast<T>(std::exp(sign * (b[j0 + j] - (r < 0 ? 0.0 : b[r]))));
+        for (int64_t c = 0; c < dk; ++c) out[j * dk + c] = x[j * dk + c] * f;
+      }
+      return;
+    }
+    for (int64_t j = 0; j < rows; ++j)
+      for (int64_t c = 0; c < dk; ++c)
+        factors[j * dk + c] = static_cast<T>(sign * (b[(j0 + j) * dk + c] - (r < 0 ? 0.0 : b[r * dk + c])));
+    exp_in_place(factors.data(), rows * dk);
+    for (int64_t i = 0; i < rows * dk; ++i) out[i] = x[i] * factors[i];
+  }
+
+  // e^{b_L − b_r}·(each channel's factor) for the state: factor c = e^{b_{L−1,c}} (r < 0).
+  double last_decay(int64_t c) const { return std::exp(b[(L - 1) * w + (per_channel ? c : 0)]); }
 };
-
-// b [L, dk] = cumulative log-gates of rows t0 .. t0+L−1 of task bh (per-head gates broadcast).
-template <class T>
-void cumulative_gates(const Dims& d, TensorView<const T> log_gate, int64_t bh, int64_t t0, int64_t L, double* b) {
-  for (int64_t j = 0; j < L; ++j) {
-    for (int64_t c = 0; c < d.dk; ++c) {
-      const double g = d.per_channel ? static_cast<double>(log_gate.data[(bh * d.n + t0 + j) * d.dk + c])
-                                     : static_cast<double>(log_gate.data[bh * d.n + t0 + j]);
-      const double prev = j ? b[(j - 1) * d.dk + c] : 0.0;
-      b[j * d.dk + c] = prev + std::max(g, kFloor);
-    }
-  }
-}
-
-// out[j, :] = x[j, :] ⊙ e^{sign·(b_j − ref)} for rows j of x (ld dk); ref per channel.
-template <class T>
-void scale_rows(const T* x, const double* b, const double* ref, int64_t rows, int64_t dk, double sign, T* out) {
-  for (int64_t j = 0; j < rows; ++j)
-    for (int64_t c = 0; c < dk; ++c)
-      out[j * dk + c] = static_cast<T>(static_cast<double>(x[j * dk + c]) *
-                                       std::exp(sign * (b[j * dk + c] - ref[c])));
-}
 
 // A [L, L] (ld kChunk), lower triangle with the diagonal: A[j,i] = Σ_c q_jc k_ic e^{b_jc − b_ic};
 // zero above.
 template <class T>
-void chunk_scores(const T* q, const T* k, const double* b, int64_t L, int64_t dk, Scratch<T>& s, T* a) {
+void chunk_scores(const T* q, const T* k, Scratch<T>& s, T* a) {
+  const int64_t L = s.L, dk = s.dk;
+  if (!s.per_channel) {  // A = (Q Kᵀ) ⊙ D
+    matmul<T>(mat(a, L, L, kChunk), mat(q, L, dk), mat(k, L, dk).t());
+    for (int64_t j = 0; j < L; ++j) {
+      for (int64_t i = 0; i <= j; ++i) a[j * kChunk + i] *= s.diag[j * kChunk + i];
+      std::fill(a + j * kChunk + j + 1, a + j * kChunk + L, T(0));
+    }
+    return;
+  }
   for (int64_t j0 = 0; j0 < L; j0 += kBlock) {
     const int64_t rows = std::min(kBlock, L - j0);
-    const double* ref = b + j0 * dk;  // the block's first row: i < r <= j for blocks below
-    if (j0 > 0) scale_rows(q + j0 * dk, b + j0 * dk, ref, rows, dk, 1.0, s.block_a.data());
+    if (j0 > 0) s.scale_rows(q + j0 * dk, j0, rows, j0, 1.0, s.block_a.data());  // referenced to row j0
     for (int64_t i0 = 0; i0 < j0; i0 += kBlock) {
-      scale_rows(k + i0 * dk, b + i0 * dk, ref, kBlock, dk, -1.0, s.block_b.data());
+      s.scale_rows(k + i0 * dk, i0, kBlock, j0, -1.0, s.block_b.data());
       matmul<T>(mat(a + j0 * kChunk + i0, rows, kBlock, kChunk), mat<const T>(s.block_a.data(), rows, dk),
                 mat<const T>(s.block_b.data(), kBlock, dk).t());
     }
-    for (int64_t j = j0; j < j0 + rows; ++j) {
-      for (int64_t i = j0; i <= j; ++i) {
-        double acc = 0.0;
-        for (int64_t c = 0; c < dk; ++c)
-          acc += static_cast<double>(q[j * dk + c]) * static_cast<double>(k[i * dk + c]) *
-                 std::exp(b[j * dk + c] - b[i * dk + c]);
-        a[j * kChunk + i] = static_cast<T>(acc);
+    const T* e = s.diag.data() + (j0 / kBlock) * Scratch<T>::kPairs * dk;
+    for (int64_t j = 0; j < rows; ++j) {
+      for (int64_t i = 0; i <= j; ++i) {
+        const T* qj = q + (j0 + j) * dk;
+        const T* ki = k + (j0 + i) * dk;
+        const T* eji = e + Scratch<T>::pair(j, i) * dk;
+        T acc = 0;
+        for (int64_t c = 0; c < dk; ++c) acc += qj[c] * ki[c] * eji[c];
+        a[(j0 + j) * kChunk + j0 + i] = acc;
       }
-      std::fill(a + j * kChunk + j + 1, a + j * kChunk + L, T(0));
+      std::fill(a + (j0 + j) * kChunk + j0 + j + 1, a + (j0 + j) * kChunk + L, T(0));
     }
   }
 }
 
 // y [L, dk] += Σ_{i<=j} w[j,i] x_i ⊙ e^{b_j − b_i} (w lower, ld kChunk).
 template <class T>
-void weigh_earlier(const T* w, const T* x, const double* b, int64_t L, int64_t dk, Scratch<T>& s, T* y) {
+void weigh_earlier(const T* w, const T* x, Scratch<T>& s, T* y) {
+  const int64_t L = s.L, dk = s.dk;
+  if (!s.per_channel) {  // y += (w ⊙ D) X
+    for (int64_t j = 0; j < L; ++j)
+      for (int64_t i = 0; i < L; ++i) s.weights[j * kChunk + i] = i <= j ? w[j * kChunk + i] * s.diag[j * kChunk + i] : T(0);
+    matmul<T>(mat(y, L, dk), mat<const T>(s.weights.data(), L, L, kChunk), mat(x, L, dk), T(1), T(1));
+    return;
+  }
   for (int64_t j0 = 0; j0 < L; j0 += kBlock) {
     const int64_t rows = std::min(kBlock, L - j0);
-    const double* ref = b + j0 * dk;
     if (j0 > 0) {
       std::fill(s.block_a.begin(), s.block_a.begin() + rows * dk, T(0));
       for (int64_t i0 = 0; i0 < j0; i0 += kBlock) {
-        scale_rows(x + i0 * dk, b + i0 * dk, ref, kBlock, dk, -1.0, s.block_b.data());
+        s.scale_rows(x + i0 * dk, i0, kBlock, j0, -1.0, s.block_b.data());
         matmul<T>(mat(s.block_a.data(), rows, dk), mat<const T>(w + j0 * kChunk + i0, rows, kBlock, kChunk),
                   mat<const T>(s.block_b.data(), kBlock, dk), T(1), T(1));
       }
-      for (int64_t j = 0; j < rows; ++j)
-        for (int64_t c = 0; c < dk; ++c)
-          y[(j0 + j) * dk + c] += static_cast<T>(static_cast<double>(s.block_a[j * dk + c]) *
-                                                 std::exp(b[(j0 + j) * dk + c] - ref[c]));
+      s.scale_rows(s.block_a.data(), j0, rows, j0, 1.0, s.block_b.data());
+      for (int64_t i = 0; i < rows * dk; ++i) y[j0 * dk + i] += s.block_b[i];
     }
-    for (int64_t j = j0; j < j0 + rows; ++j)
-      for (int64_t i = j0; i <= j; ++i) {
-        const double wji = static_cast<double>(w[j * kChunk + i]);
-        if (wji == 0.0) continue;
-        for (int64_t c = 0; c < dk; ++c)
-          y[j * dk + c] += static_cast<T>(wji * static_cast<double>(x[i * dk + c]) *
-                                          std::exp(b[j * dk + c] - b[i * dk + c]));
+    const T* e = s.diag.data() + (j0 / kBlock) * Scratch<T>::kPairs * dk;
+    for (int64_t j = 0; j < rows; ++j)
+      for (int64_t i = 0; i <= j; ++i) {
+        const T wji = w[(j0 + j) * kChunk + j0 + i];
+        if (wji == T(0)) continue;
+        const T* xi = x + (j0 + i) * dk;
+        const T* eji = e + Scratch<T>::pair(j, i) * dk;
+        T* yj = y + (j0 + j) * dk;
+        for (int64_t c = 0; c < dk; ++c) yj[c] += wji * xi[c] * eji[c];
       }
   }
 }
 
 // y [L, dk] += Σ_{j>=i} w[j,i] x_j ⊙ e^{b_j − b_i} (w lower, ld kChunk).
 template <class T>
-void weigh_later(const T* w, const T* x, const double* b, int64_t L, int64_t dk, Scratch<T>& s, T* y) {
+void weigh_later(const T* w, const T* x, Scratch<T>& s, T* y) {
+  const int64_t L = s.L, dk = s.dk;
+  if (!s.per_channel) {  // y += (w ⊙ D)ᵀ X
+    for (int64_t j = 0; j < L; ++j)
+      for (int64_t i = 0; i < L; ++i) s.weights[j * kChunk + i] = i <= j ? w[j * kChunk + i] * s.diag[j * kChunk + i] : T(0);
+    matmul<T>(mat(y, L, dk), mat<const T>(s.weights.data(), L, L, kChunk).t(), mat(x, L, dk), T(1), T(1));
+    return;
+  }
   for (int64_t i0 = 0; i0 < L; i0 += kBlock) {
     const int64_t cols = std::min(kBlock, L - i0);
     for (int64_t j0 = i0 + kBlock; j0 < L; j0 += kBlock) {
       const int64_t rows = std::min(kBlock, L - j0);
-      const double* ref = b + j0 * dk;
-      scale_rows(x + j0 * dk, b + j0 * dk, ref, rows, dk, 1.0, s.block_a.data());
+      s.scale_rows(x + j0 * dk, j0, rows, j0, 1.0, s.block_a.data());
       matmul<T>(mat(s.block_b.data(), cols, dk), mat<const T>(w + j0 * kChunk + i0, rows, cols, kChunk).t(),
                 mat<const T>(s.block_a.data(), rows, dk));
-      for (int64_t i = 0; i < cols; ++i)
-        for (int64_t c = 0; c < dk; ++c)
-          y[(i0 + i) * dk + c] += static_cast<T>(static_cast<double>(s.block_b[i * dk + c]) *
-                                                 std::exp(ref[c] - b[(i0 + i) * dk + c]));
+      s.scale_rows(s.block_b.data(), i0, cols, j0, -1.0, s.block_a.data());  // ⊙ e^{b_{j0} − b_i}
+      for (int64_t i = 0; i < cols * dk; ++i) y[i0 * dk + i] += s.block_a[i];
     }
-    for (int64_t i = i0; i < i0 + cols; ++i)
-      for (int64_t j = i; j < i0 + cols; ++j) {
-        const double wji = static_cast<double>(w[j * kChunk + i]);
-        if (wji == 0.0) continue;
-        for (int64_t c = 0; c < dk; ++c)
-          y[i * dk + c] += static_cast<T>(wji * static_cast<double>(x[j * dk + c]) *
-                                          std::exp(b[j * dk + c] - b[i * dk + c]));
+    const T* e = s.diag.data() + (i0 / kBlock) * Scratch<T>::kPairs * dk;
+    for (int64_t i = 0; i < cols; ++i)
+      for (int64_t j = i; j < cols; ++j) {
+        const T wji = w[(i0 + j) * kChunk + i0 + i];
+        if (wji == T(0)) continue;
+        const T* xj = x + (i0 + j) * dk;
+        const T* eji = e + Scratch<T>::pair(j, i) * dk;
+        T* yi = y + (i0 + i) * dk;
+        for (int64_t c = 0; c < dk; ++c) yi[c] += wji * xj[c] * eji[c];
       }
   }
 }
 
-// One chunk of the forward: out rows (written), and the state P advanced in place.
+// One chunk of the forward (s prepared): out rows (written), and the state P advanced in place.
 template <class T>
-void forward_chunk(const Dims& d, const T* q, const T* k, const T* v, const double* b, int64_t L, T* state,
-                   T* out, Scratch<T>& s) {
-  const int64_t dk = d.dk, dv = d.dv;
+void forward_chunk(const Dims& d, const T* q, const T* k, const T* v, T* state, T* out, Scratch<T>& s) {
+  const int64_t dk = d.dk, dv = d.dv, L = s.L;
   const T sc = static_cast<T>(d.scale);
-  std::vector<double> zero(static_cast<size_t>(dk), 0.0);
-  scale_rows(q, b, zero.data(), L, dk, 1.0, s.gated_q.data());  // Q ⊙ e^{B}
+  s.scale_rows(q, 0, L, -1, 1.0, s.gated_q.data());  // Q ⊙ e^{B}
   matmul<T>(mat(out, L, dv), mat<const T>(s.gated_q.data(), L, dk), mat<const T>(state, dk, dv), sc);
-  chunk_scores(q, k, b, L, dk, s, s.scores.data());
+  chunk_scores(q, k, s, s.scores.data());
   matmul<T>(mat(out, L, dv), mat<const T>(s.scores.data(), L, L, kChunk), mat<const T>(v, L, dv), sc, T(1));
-  const double* last = b + (L - 1) * dk;
-  scale_rows(k, b, last, L, dk, -1.0, s.gated_k.data());  // K ⊙ e^{b_L − B}
+  s.scale_rows(k, 0, L, L - 1, -1.0, s.gated_k.data());  // K ⊙ e^{b_L − B}
   for (int64_t c = 0; c < dk; ++c) {
-    const T decay = static_cast<T>(std::exp(last[c]));
+    const T decay = static_cast<T>(s.last_decay(c));
     for (int64_t e = 0; e < dv; ++e) state[c * dv + e] *= decay;
   }
   matmul<T>(mat(state, dk, dv), mat<const T>(s.gated_k.data(), L, dk).t(), mat<const T>(v, L, dv), T(1), T(1));
@@ -270,10 +332,9 @@ GatedLinearAttentionResult<T> gated_linear_attention(TensorView<const T> q, Tens
     for (int64_t t0 = 0; t0 < d.n; t0 += gated::kChunk) {
       interruption_point();
       const int64_t L = std::min(gated::kChunk, d.n - t0);
-      gated::cumulative_gates(d, log_gate, bh, t0, L, s.b.data());
+      s.prepare(d, log_gate, bh, t0, L);
       gated::forward_chunk(d, q.data + (bh * d.n + t0) * dk, k.data + (bh * d.n + t0) * dk,
-                           v.data + (bh * d.n + t0) * dv, s.b.data(), L, state,
-                           r.out.data() + (bh * d.n + t0) * dv, s);
+                           v.data + (bh * d.n + t0) * dv, state, r.out.data() + (bh * d.n + t0) * dv, s);
     }
   });
   return r;
@@ -324,42 +385,38 @@ GatedLinearAttentionGrads<T> gated_linear_attention_backward(
       interruption_point();
       const int64_t t0 = c * gated::kChunk, L = std::min(gated::kChunk, d.n - t0);
       std::copy(state.begin(), state.end(), start.begin() + c * dk * dv);
-      gated::cumulative_gates(d, log_gate, bh, t0, L, s.b.data());
-      gated::forward_chunk(d, qb + t0 * dk, kb + t0 * dk, vb + t0 * dv, s.b.data(), L, state.data(),
-                           out_chunk.data(), s);
+      s.prepare(d, log_gate, bh, t0, L);
+      gated::forward_chunk(d, qb + t0 * dk, kb + t0 * dk, vb + t0 * dv, state.data(), out_chunk.data(), s);
     }
     // G: the gradient of the state after the chunk being processed.
     std::vector<T> G(static_cast<size_t>(dk * dv), T(0));
     if (has_dstate) std::copy(dstate.data + bh * dk * dv, dstate.data + (bh + 1) * dk * dv, G.begin());
-    std::vector<double> zero(static_cast<size_t>(dk), 0.0), db(static_cast<size_t>(gated::kChunk * dk));
+    std::vector<double> db(static_cast<size_t>(gated::kChunk * dk));
     for (int64_t c = chunks - 1; c >= 0; --c) {
       interruption_point();
       const int64_t t0 = c * gated::kChunk, L = std::min(gated::kChunk, d.n - t0);
       const T *qc = qb + t0 * dk, *kc = kb + t0 * dk, *vc = vb + t0 * dv, *goc = gob + t0 * dv;
       T *dqc = dqb + t0 * dk, *dkc = dkb + t0 * dk, *dvc = dvb + t0 * dv;
       const T* P = start.data() + c * dk * dv;
-      const double* b = s.b.data();
-      gated::cumulative_gates(d, log_gate, bh, t0, L, s.b.data());
-      const double* last = b + (L - 1) * dk;
-      gated::chunk_scores(qc, kc, b, L, dk, s, s.scores.data());
+      s.prepare(d, log_gate, bh, t0, L);
+      gated::chunk_scores(qc, kc, s, s.scores.data());
       // dA = s·dO Vᵀ, lower
       matmul<T>(mat(s.dscores.data(), L, L, gated::kChunk), mat(goc, L, dv), mat(vc, L, dv).t(), sc);
       for (int64_t j = 0; j < L; ++j) std::fill(s.dscores.data() + j * gated::kChunk + j + 1,
                                                 s.dscores.data() + j * gated::kChunk + L, T(0));
       // dV = s·Aᵀ dO + K̂ G
-      gated::scale_rows(kc, b, last, L, dk, -1.0, s.gated_k.data());
+      s.scale_rows(kc, 0, L, L - 1, -1.0, s.gated_k.data());
       matmul<T>(mat(dvc, L, dv), mat<const T>(s.scores.data(), L, L, gated::kChunk).t(), mat(goc, L, dv), sc);
       matmul<T>(mat(dvc, L, dv), mat<const T>(s.gated_k.data(), L, dk), mat<const T>(G.data(), dk, dv), T(1), T(1));
       // dq = s·e^{B} ⊙ (dO Pᵀ) + intra
-      matmul<T>(mat(s.work.data(), L, dk), mat(goc, L, dv), mat(P, dk, dv).t());
-      gated::scale_rows(s.work.data(), b, zero.data(), L, dk, 1.0, dqc);
-      for (int64_t i = 0; i < L * dk; ++i) dqc[i] *= sc;
-      gated::weigh_earlier(s.dscores.data(), kc, b, L, dk, s, dqc);
+      matmul<T>(mat(s.work.data(), L, dk), mat(goc, L, dv), mat(P, dk, dv).t(), sc);
+      s.scale_rows(s.work.data(), 0, L, -1, 1.0, dqc);
+      gated::weigh_earlier(s.dscores.data(), kc, s, dqc);
       // dk = intra + (V Gᵀ) ⊙ e^{b_L − B}
       matmul<T>(mat(s.work.data(), L, dk), mat(vc, L, dv), mat<const T>(G.data(), dk, dv).t());
-      gated::scale_rows(s.work.data(), b, last, L, dk, -1.0, s.dk_state.data());
+      s.scale_rows(s.work.data(), 0, L, L - 1, -1.0, s.dk_state.data());
       std::copy(s.dk_state.begin(), s.dk_state.begin() + L * dk, dkc);
-      gated::weigh_later(s.dscores.data(), qc, b, L, dk, s, dkc);
+      gated::weigh_later(s.dscores.data(), qc, s, dkc);
       // db, then dg = the reverse cumulative sum of db (log-gates at the floor get none)
       for (int64_t j = 0; j < L; ++j)
         for (int64_t e = 0; e < dk; ++e)
@@ -371,7 +428,7 @@ GatedLinearAttentionGrads<T> gated_linear_attention_backward(
           extra += static_cast<double>(kc[i * dk + e]) * static_cast<double>(s.dk_state[i * dk + e]);
         double gp = 0.0;
         for (int64_t f = 0; f < dv; ++f) gp += static_cast<double>(G[e * dv + f]) * static_cast<double>(P[e * dv + f]);
-        db[(L - 1) * dk + e] += extra + std::exp(last[e]) * gp;
+        db[(L - 1) * dk + e] += extra + s.last_decay(e) * gp;
       }
       T* dgc = g.dlog_gate.data() + (bh * d.n + t0) * (d.per_channel ? dk : 1);
       for (int64_t e = 0; e < dk; ++e) {
@@ -388,9 +445,9 @@ GatedLinearAttentionGrads<T> gated_linear_attention_backward(
         }
       }
       // G ← diag(e^{b_L}) G + s·(Q ⊙ e^{B})ᵀ dO
-      gated::scale_rows(qc, b, zero.data(), L, dk, 1.0, s.gated_q.data());
+      s.scale_rows(qc, 0, L, -1, 1.0, s.gated_q.data());
       for (int64_t e = 0; e < dk; ++e) {
-        const T decay = static_cast<T>(std::exp(last[e]));
+        const T decay = static_cast<T>(s.last_decay(e));
         for (int64_t f = 0; f < dv; ++f) G[e * dv + f] *= decay;
       }
       matmul<T>(mat(G.data(), dk, dv), mat<const T>(s.gated_q.data(), L, dk).t(), mat(goc, L, dv), sc, T(1));
