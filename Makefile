@@ -13,7 +13,7 @@ CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$(PYTHON) -DLINATT
 PIP_INSTALL := $(PYTHON) -m pip install -q --disable-pip-version-check --no-build-isolation \
   --no-deps -Cbuild-dir=$(BUILD)/wheel -Cbuild.tool-args=-j$(JOBS)
 
-.PHONY: deps build build-cpp install-python stubs demo test test-cpp test-python test-sanitize stress-tests bench bench-hybrid precision accuracy models distributed linearize clean
+.PHONY: deps build build-cpp install-python stubs demo test test-cpp test-python test-sanitize stress-tests bench bench-hybrid bench-gated precision accuracy models distributed linearize clean
 
 deps:
 	@bash scripts/install-deps.sh
@@ -96,6 +96,11 @@ distributed: build
 # this command alone, as users run.
 bench-hybrid: build
 	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(PYTHON) bench/hybrid_lolcats.py --docs docs/methods/hybrid.md
+
+# Gated linear attention against PyTorch's recurrent and chunk forms (docs/methods/gated.md);
+# OPENBLAS_CORETYPE unset for this command alone, as users run.
+bench-gated: build
+	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(PYTHON) bench/gated.py --docs docs/methods/gated.md
 
 # docs/linearize.md: all-MiniLM-L6-v2 converted to linear attention (linattn.hf.linearize: Hedgehog's
 # maps, the window alone, the hybrid; attention_transfer, then finetune), against FAVOR+ distilled;

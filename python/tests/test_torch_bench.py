@@ -143,3 +143,28 @@ def test_lolcats_peers_compute_the_hybrid():
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert "| 40 |" in out.stdout
+
+
+def test_gated_peers_compute_gated_linear_attention():
+    # bench/gated.py: PyTorch's recurrent and chunk forms are the same function as linattn's
+    # gated linear attention, in float64 to 1e-12 (the script checks float32 at 1e-4 before
+    # timing); --quick runs the whole script.
+    import subprocess
+    import sys
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gated.py")
+    spec = importlib.util.spec_from_file_location("bench_gated", path)
+    bg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bg)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 150, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    for per_channel in (False, True):
+        gates = -0.5 * torch.rand((2, 3, 150, 8) if per_channel else (2, 3, 150), generator=g, dtype=torch.float64)
+        want = bg.ours(q, k, v, gates, 0.3)
+        forms = [bg.torch_recurrent] + ([] if per_channel else [bg.torch_chunk])
+        for fn in forms:
+            got = fn(q, k, v, gates, 0.3)
+            assert float((got - want).abs().max()) <= 1e-12 * float(want.abs().max()), (fn.__name__, per_channel)
+    out = subprocess.run([sys.executable, path, "--quick", "--threads", "1"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "| per channel | 70 |" in out.stdout
