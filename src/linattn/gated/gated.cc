@@ -48,6 +48,7 @@ struct Dims {
 template <class T>
 void check_finite(const char* fn, const char* name, TensorView<const T> x) {
   const int64_t size = x.size();
+  if (simd::all_finite(x.data, static_cast<size_t>(size))) return;  // vectorised; the index only when needed
   for (int64_t i = 0; i < size; ++i)
     require(std::isfinite(static_cast<double>(x.data[i])), fn, ": ", name, " holds a non-finite value at flat index ",
             i, " (", static_cast<double>(x.data[i]), ")");
@@ -82,7 +83,9 @@ Dims check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, Te
   check_finite(fn, "k", k);
   check_finite(fn, "v", v);
   const int64_t gates = log_gate.size();
-  for (int64_t i = 0; i < gates; ++i) {
+  bool gates_ok = true;  // a branch-free pass first (NaN fails <=), the index only when needed
+  for (int64_t i = 0; i < gates; ++i) gates_ok &= log_gate.data[i] <= T(0);
+  for (int64_t i = 0; i < gates && !gates_ok; ++i) {
     const double g = static_cast<double>(log_gate.data[i]);
     require(!std::isnan(g) && g <= 0.0, fn, ": log_gate must be <= 0 (or -inf) everywhere, got ", g,
             " at flat index ", i);
