@@ -102,7 +102,20 @@ def test_bad_input_is_refused_naming_the_argument():
     bad[0, 0, 3, 1] = np.nan
     with pytest.raises(ValueError, match="q holds a non-finite value"):
         linattn.gated_linear_attention(bad, k, v, g)
-    with pytest.raises(TypeError, match="no 16-bit path yet"):
-        lt.gated_linear_attention(*(torch.tensor(x, dtype=torch.bfloat16) for x in (q, k, v, g)))
+    with pytest.raises(TypeError, match="must be float32, float64, bfloat16 or float16"):
+        lt.gated_linear_attention(*(torch.tensor(x, dtype=torch.int64) for x in (q, k, v, g)))
+    with pytest.raises(TypeError, match="log_gate has dtype torch.float32, q has torch.float64"):
+        lt.gated_linear_attention(*(torch.tensor(x) for x in (q, k, v)), torch.tensor(g, dtype=torch.float32))
     with pytest.raises(TypeError, match="log_gate must be a torch.Tensor"):
         lt.gated_linear_attention(torch.tensor(q), torch.tensor(k), torch.tensor(v), g)
+
+
+def test_bfloat16_is_computed_in_float32_and_rounded_once():
+    q, k, v, g, s0 = inputs(90, 8, 8, True, seed=9)
+    low = [torch.tensor(x, dtype=torch.bfloat16, requires_grad=True) for x in (q, k, v, g)]
+    out, state = lt.gated_linear_attention(*low, return_state=True)
+    assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
+    want = lt.gated_linear_attention(*(x.detach().float() for x in low))  # the same rounded inputs
+    assert torch.equal(out, want.to(torch.bfloat16))
+    out.float().sum().backward()
+    assert all(x.grad is not None and x.grad.dtype == torch.bfloat16 for x in low)

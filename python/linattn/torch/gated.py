@@ -43,7 +43,9 @@ def gated_linear_attention(q, k, v, log_gate, *, scale=None, causal=True, initia
     q, k [B, H, n, d_k], v [B, H, n, d_v]; log_gate [B, H, n] (per head) or [B, H, n, d_k] (per
     channel), values <= 0 (-inf: a reset); scale: d_k^-1/2 by default; initial_state
     [B, H, d_k, d_v] continues a sequence; return_state=True returns (out, S_n). CPU tensors of
-    float32 or float64, all of one dtype. Gradients reach q, k, v, log_gate and initial_state."""
+    one dtype: float32 or float64, or bfloat16/float16 (computed in float32, the output rounded
+    once, the state float32; no 16-bit kernel yet). Gradients reach q, k, v, log_gate and
+    initial_state."""
     named = {"q": q, "k": k, "v": v, "log_gate": log_gate, "initial_state": initial_state}
     for name, t in named.items():
         if t is None and name == "initial_state":
@@ -52,13 +54,20 @@ def gated_linear_attention(q, k, v, log_gate, *, scale=None, causal=True, initia
             raise TypeError("%s: %s must be a torch.Tensor, got %s" % (_FN, name, type(t).__name__))
         if t.device.type != "cpu":
             raise TypeError("%s: %s is on %s; linattn runs on the CPU only (move it with .cpu())" % (_FN, name, t.device))
-        if t.dtype not in (torch.float32, torch.float64):
-            raise TypeError("%s: %s must be float32 or float64 (this kernel has no 16-bit path yet), got %s"
-                            % (_FN, name, t.dtype))
+        if t.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+            raise TypeError("%s: %s must be float32, float64, bfloat16 or float16, got %s" % (_FN, name, t.dtype))
         if t.dtype != q.dtype:
             raise TypeError("%s: %s has dtype %s, q has %s" % (_FN, name, t.dtype, q.dtype))
     if not isinstance(causal, bool):
         raise TypeError("%s: causal must be a bool, got %r" % (_FN, causal))
-    out, state = _GatedLinearAttention.apply(q, k, v, log_gate, initial_state,
-                                             None if scale is None else float(scale), causal)
+    if q.dtype in (torch.bfloat16, torch.float16):
+        # Computed in float32 and the output rounded once; the state stays float32 (as a decoding
+        # state accumulates). The casts are torch's, so gradients come back in the inputs' dtypes.
+        out, state = _GatedLinearAttention.apply(q.float(), k.float(), v.float(), log_gate.float(),
+                                                 None if initial_state is None else initial_state.float(),
+                                                 None if scale is None else float(scale), causal)
+        out = out.to(q.dtype)
+    else:
+        out, state = _GatedLinearAttention.apply(q, k, v, log_gate, initial_state,
+                                                 None if scale is None else float(scale), causal)
     return (out, state) if return_state else out
