@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <string>
 #include <vector>
 
@@ -89,7 +90,10 @@ void check_forward(const Case& c, int threads, uint64_t seed) {
           sum += std::min(std::fabs(gd[(h * c.n + t) * width + e]), 1000.0);
         largest_b = std::max(largest_b, sum);
       }
-  const double chain = 2.0 * static_cast<double>(c.n + 2 * c.dk + 2 * 64 + 8) * u + 2.0 * 64 * u64 * largest_b;
+  // + 2·104·u for float32: its exponents are rounded before exp (|x| <= 104 before e^x underflows)
+  const double exponent = std::is_same_v<T, float> ? 2.0 * 104 * u : 0.0;
+  const double chain =
+      2.0 * static_cast<double>(c.n + 2 * c.dk + 2 * 64 + 8) * u + 2.0 * 64 * u64 * largest_b + exponent;
   ASSERT_EQ(r.out.size(), static_cast<int64_t>(want.out.size()));
   for (int64_t i = 0; i < r.out.size(); ++i)
     ASSERT_LE(std::fabs(static_cast<double>(r.out[i]) - want.out[i]), chain * mag.out[i] + 1e-300) << "out " << i;
@@ -156,93 +160,155 @@ struct Loss {
   }
 };
 
+struct GradCase {
+  int64_t n, dk, dv;
+  bool per_channel;
+  const char* gates;
+  bool initial, with_dstate;
+};
+
 TEST(GatedLinearAttention, EveryGradientMatchesCentralDifferencesInFloat64) {
-  // Central differences with h = 1e−5 on a loss of size O(1): truncation h²·|L'''| ~ 1e−10 and
-  // cancellation u·|L|/h ~ 1e−11; the gradients agree to 1e−7 relative to the largest.
-  for (bool per_channel : {false, true})
-    for (const char* gates : {"mixed", "resets"}) {
-      SCOPED_TRACE(::testing::Message() << "per_channel=" << per_channel << " gates=" << gates);
-      const Case c{1, 2, 70, 3, 2, per_channel, true, gates};
-      Tensor<double> q = random_tensor<double>({1, 2, 70, 3}, 11), k = random_tensor<double>({1, 2, 70, 3}, 12);
-      Tensor<double> v = random_tensor<double>({1, 2, 70, 2}, 13), s0 = random_tensor<double>({1, 2, 3, 2}, 14);
-      Tensor<double> g = gates_for<double>(c, 15);
-      const Loss loss{random_tensor<double>({1, 2, 70, 2}, 16), random_tensor<double>({1, 2, 3, 2}, 17)};
-      const GatedLinearAttentionOptions opts{0.6, true};
-      const auto grads = gated_linear_attention_backward<double>(q, k, v, g, s0.view(), loss.w_out.view(),
-                                                                 loss.w_state.view(), opts);
-      struct Input {
-        const char* name;
-        Tensor<double>* x;
-        const Tensor<double>* grad;
-      };
-      for (const Input& in : {Input{"q", &q, &grads.dq}, Input{"k", &k, &grads.dk}, Input{"v", &v, &grads.dv},
-                              Input{"log_gate", &g, &grads.dlog_gate}, Input{"initial_state", &s0, &grads.dinitial_state}}) {
-        double largest = 0;
-        for (int64_t i = 0; i < in.grad->size(); ++i) largest = std::max(largest, std::fabs((*in.grad)[i]));
-        ASSERT_GT(largest, 0) << in.name;
-        for (int64_t i = 0; i < in.x->size(); ++i) {
-          const double saved = (*in.x)[i];
-          const bool gate = std::string(in.name) == "log_gate";
-          if (gate && !(saved > -1000.0)) {  // at the floor (or −inf): no gradient
-            ASSERT_EQ((*in.grad)[i], 0.0) << in.name << " " << i;
-            continue;
-          }
-          const double h = gate ? std::min(1e-5, -saved / 2) : 1e-5;
-          (*in.x)[i] = saved + h;
-          const double up = loss(gated_linear_attention<double>(q, k, v, g, s0.view(), opts));
-          (*in.x)[i] = saved - h;
-          const double down = loss(gated_linear_attention<double>(q, k, v, g, s0.view(), opts));
-          (*in.x)[i] = saved;
-          ASSERT_NEAR((*in.grad)[i], (up - down) / (2 * h), 1e-7 * largest + 1e-9) << in.name << " " << i;
+  // Central differences with h = 1e−5 on a loss of size O(1): truncation h²·|L‴| ~ 1e−10 and
+  // cancellation u·|L|/h ~ 1e−11; the gradients agree to 1e−7 relative to the largest. Sizes
+  // give a last chunk of 6 and of 37 rows (partial blocks of 16), d_k or d_v of 1, and calls
+  // without an initial state or without the state's gradient.
+  const GradCase cases[] = {{70, 3, 2, false, "mixed", true, true},   {70, 3, 2, true, "mixed", true, true},
+                            {70, 3, 2, false, "resets", true, true},  {70, 3, 2, true, "resets", true, true},
+                            {101, 2, 3, false, "mixed", false, true}, {101, 2, 3, true, "mixed", true, false},
+                            {37, 1, 4, true, "mixed", false, false},  {37, 4, 1, false, "resets", true, true}};
+  for (const GradCase& gc : cases) {
+    SCOPED_TRACE(::testing::Message() << "n=" << gc.n << " dk=" << gc.dk << " dv=" << gc.dv << " per_channel="
+                                      << gc.per_channel << " gates=" << gc.gates << " initial=" << gc.initial
+                                      << " dstate=" << gc.with_dstate);
+    const Case c{1, 2, gc.n, gc.dk, gc.dv, gc.per_channel, gc.initial, gc.gates};
+    Tensor<double> q = random_tensor<double>({1, 2, gc.n, gc.dk}, 11), k = random_tensor<double>({1, 2, gc.n, gc.dk}, 12);
+    Tensor<double> v = random_tensor<double>({1, 2, gc.n, gc.dv}, 13), s0 = random_tensor<double>({1, 2, gc.dk, gc.dv}, 14);
+    Tensor<double> g = gates_for<double>(c, 15);
+    Loss loss{random_tensor<double>({1, 2, gc.n, gc.dv}, 16), random_tensor<double>({1, 2, gc.dk, gc.dv}, 17)};
+    if (!gc.with_dstate) loss.w_state = Tensor<double>({1, 2, gc.dk, gc.dv});  // zeros: the state unused
+    const GatedLinearAttentionOptions opts{0.6, true};
+    auto init = [&] { return gc.initial ? s0.view() : TensorView<const double>{}; };
+    const auto grads = gated_linear_attention_backward<double>(
+        q, k, v, g, init(), loss.w_out.view(), gc.with_dstate ? loss.w_state.view() : TensorView<const double>{}, opts);
+    struct Input {
+      const char* name;
+      Tensor<double>* x;
+      const Tensor<double>* grad;
+    };
+    std::vector<Input> inputs = {{"q", &q, &grads.dq}, {"k", &k, &grads.dk}, {"v", &v, &grads.dv},
+                                 {"log_gate", &g, &grads.dlog_gate}};
+    if (gc.initial) inputs.push_back({"initial_state", &s0, &grads.dinitial_state});
+    for (const Input& in : inputs) {
+      double largest = 0;
+      for (int64_t i = 0; i < in.grad->size(); ++i) largest = std::max(largest, std::fabs((*in.grad)[i]));
+      ASSERT_GT(largest, 0) << in.name;
+      for (int64_t i = 0; i < in.x->size(); ++i) {
+        const double saved = (*in.x)[i];
+        const bool gate = std::string(in.name) == "log_gate";
+        if (gate && !(saved > -1000.0)) {  // at the floor (or −inf): no gradient
+          ASSERT_EQ((*in.grad)[i], 0.0) << in.name << " " << i;
+          continue;
         }
+        const double h = gate ? std::min(1e-5, -saved / 2) : 1e-5;
+        (*in.x)[i] = saved + h;
+        const double up = loss(gated_linear_attention<double>(q, k, v, g, init(), opts));
+        (*in.x)[i] = saved - h;
+        const double down = loss(gated_linear_attention<double>(q, k, v, g, init(), opts));
+        (*in.x)[i] = saved;
+        ASSERT_NEAR((*in.grad)[i], (up - down) / (2 * h), 1e-7 * largest + 1e-9) << in.name << " " << i;
       }
     }
+  }
+}
+
+TEST(GatedLinearAttention, AnEmptySequencePassesTheStatesGradientThrough) {
+  const Tensor<double> q({1, 2, 0, 4}), v({1, 2, 0, 3}), g({1, 2, 0}), dout({1, 2, 0, 3});
+  const auto s0 = random_tensor<double>({1, 2, 4, 3}, 1), ds = random_tensor<double>({1, 2, 4, 3}, 2);
+  const auto grads = gated_linear_attention_backward<double>(q, q, v, g, s0.view(), dout, ds.view());
+  for (int64_t i = 0; i < ds.size(); ++i) EXPECT_EQ(grads.dinitial_state[i], ds[i]);
 }
 
 TEST(GatedLinearAttention, Float32GradientsFollowFloat64) {
   // dq, dk, dv and dS_0 are sums of products of q, k, v, dout, dstate, S_0 and decays, as the
   // forward's values are: the chain bound applies with Σ|terms| = the float64 backward on
-  // absolute values. db_j = q_j ⊙ dq_j − k_j ⊙ dk_j (+ at the chunk's end two more sums of the
-  // same terms), and dg sums at most 64 of them: its bound is 2·64 times the largest
-  // |q|·Σ|dq terms| + |k|·Σ|dk terms|.
-  for (bool per_channel : {false, true}) {
-    const Case c{2, 2, 140, 12, 10, per_channel, true, "mixed"};
-    const auto q = random_tensor<double>({2, 2, 140, 12}, 21), k = random_tensor<double>({2, 2, 140, 12}, 22);
-    const auto v = random_tensor<double>({2, 2, 140, 10}, 23), s0 = random_tensor<double>({2, 2, 12, 10}, 24);
-    const auto g = gates_for<double>(c, 25);
-    const auto dout = random_tensor<double>({2, 2, 140, 10}, 26), dstate = random_tensor<double>({2, 2, 12, 10}, 27);
-    auto absolute = [](const Tensor<double>& x) {
-      Tensor<double> y(x.shape());
-      for (int64_t i = 0; i < x.size(); ++i) y[i] = std::fabs(x[i]);
-      return y;
-    };
-    const auto wide = gated_linear_attention_backward<double>(q, k, v, g, s0.view(), dout.view(), dstate.view());
-    const auto mag = gated_linear_attention_backward<double>(absolute(q), absolute(k), absolute(v), g,
-                                                             absolute(s0).view(), absolute(dout).view(),
-                                                             absolute(dstate).view());
-    double gate_scale = 0;
-    for (int64_t i = 0; i < q.size(); ++i)
-      gate_scale = std::max(gate_scale, std::fabs(q[i]) * mag.dq[i] + std::fabs(k[i]) * mag.dk[i]);
-    const double u = std::numeric_limits<float>::epsilon() / 2;
-    const double chain = 2.0 * (140 + 2 * 12 + 2 * 64 + 8) * u;
-    for (int threads : {1, 3, 16}) {
-      testing::ScopedThreads scoped(threads);
-      const auto narrow = gated_linear_attention_backward<float>(
-          testing::cast<float>(q), testing::cast<float>(k), testing::cast<float>(v), testing::cast<float>(g),
-          testing::cast<float>(s0).view(), testing::cast<float>(dout).view(), testing::cast<float>(dstate).view());
-      auto compare = [&](const char* name, const Tensor<double>& a, const Tensor<float>& b, const Tensor<double>* m,
-                         double flat) {
-        for (int64_t i = 0; i < a.size(); ++i)
-          ASSERT_LE(std::fabs(a[i] - static_cast<double>(b[i])), chain * (m ? (*m)[i] : flat) + 1e-30)
-              << name << " " << i << " threads " << threads;
+  // absolute values (mag). The gates' gradient is a reverse sum over the chunk of
+  // db_j = q_j ⊙ dq_j − k_j ⊙ dk_j, plus at the chunk's end Σ_i k_i ⊙ dk^{state}_i (at most
+  // Σ_i |k_i|·mag.dk_i) and e^{b_L} ⊙ Σ_f G·P, of magnitude at most Σ_f |G|·|P| with |P| the
+  // absolute forward's state at the chunk's start and |G| the absolute backward's initial-state
+  // gradient of the rest of the sequence. So, per element, the chain bound times
+  // Σ_{j>=t in the chunk} (|q_j|·mag.dq_j + |k_j|·mag.dk_j) + Σ_{chunk} |k|·mag.dk + Σ_f |G||P|
+  // (summed over the channels for a per-head gate).
+  for (bool per_channel : {false, true})
+    for (const char* gates : {"mixed", "resets"}) {
+      SCOPED_TRACE(::testing::Message() << "per_channel=" << per_channel << " gates=" << gates);
+      const int64_t B = 2, H = 2, n = 140, dk = 12, dv = 10, bh = B * H;
+      const Case c{B, H, n, dk, dv, per_channel, true, gates};
+      const auto q = random_tensor<double>({B, H, n, dk}, 21), k = random_tensor<double>({B, H, n, dk}, 22);
+      const auto v = random_tensor<double>({B, H, n, dv}, 23), s0 = random_tensor<double>({B, H, dk, dv}, 24);
+      const auto g = gates_for<double>(c, 25);
+      const auto dout = random_tensor<double>({B, H, n, dv}, 26), dstate = random_tensor<double>({B, H, dk, dv}, 27);
+      auto absolute = [](const Tensor<double>& x) {
+        Tensor<double> y(x.shape());
+        for (int64_t i = 0; i < x.size(); ++i) y[i] = std::fabs(x[i]);
+        return y;
       };
-      compare("dq", wide.dq, narrow.dq, &mag.dq, 0);
-      compare("dk", wide.dk, narrow.dk, &mag.dk, 0);
-      compare("dv", wide.dv, narrow.dv, &mag.dv, 0);
-      compare("dinitial_state", wide.dinitial_state, narrow.dinitial_state, &mag.dinitial_state, 0);
-      compare("dlog_gate", wide.dlog_gate, narrow.dlog_gate, nullptr, 2 * 64 * gate_scale * (per_channel ? 1 : 12));
+      auto rows = [&](const Tensor<double>& x, int64_t from, int64_t to) {  // positions [from, to)
+        const int64_t inner = x.rank() == 4 ? x.dim(3) : 1;
+        Shape shape = x.shape();
+        shape[2] = to - from;
+        Tensor<double> y(shape);
+        for (int64_t h = 0; h < bh; ++h)
+          for (int64_t t = from; t < to; ++t)
+            for (int64_t e = 0; e < inner; ++e) y[(h * (to - from) + t - from) * inner + e] = x[(h * n + t) * inner + e];
+        return y;
+      };
+      const auto wide = gated_linear_attention_backward<double>(q, k, v, g, s0.view(), dout.view(), dstate.view());
+      const auto aq = absolute(q), ak = absolute(k), av = absolute(v), as0 = absolute(s0), ado = absolute(dout),
+                 ads = absolute(dstate);
+      const auto mag = gated_linear_attention_backward<double>(aq, ak, av, g, as0.view(), ado.view(), ads.view());
+      const int64_t width = per_channel ? dk : 1;
+      Tensor<double> bound({B, H, n, width});  // Σ|terms| of each gate gradient
+      for (int64_t t0 = 0; t0 < n; t0 += 64) {
+        const int64_t t1 = std::min<int64_t>(t0 + 64, n);
+        const auto P = gated_linear_attention<double>(rows(aq, 0, t0), rows(ak, 0, t0), rows(av, 0, t0),
+                                                      rows(g, 0, t0), as0.view());  // |state| at the chunk's start
+        const auto rest = gated_linear_attention_backward<double>(  // |G| after the chunk
+            rows(aq, t1, n), rows(ak, t1, n), rows(av, t1, n), rows(g, t1, n), P.state.view(), rows(ado, t1, n),
+            ads.view());
+        for (int64_t h = 0; h < bh; ++h)
+          for (int64_t e = 0; e < dk; ++e) {
+            double end = 0;
+            for (int64_t f = 0; f < dv; ++f)
+              end += rest.dinitial_state[(h * dk + e) * dv + f] * P.state[(h * dk + e) * dv + f];
+            for (int64_t t = t0; t < t1; ++t) end += ak[(h * n + t) * dk + e] * mag.dk[(h * n + t) * dk + e];
+            double acc = end;
+            for (int64_t t = t1 - 1; t >= t0; --t) {
+              const int64_t i = (h * n + t) * dk + e;
+              acc += aq[i] * mag.dq[i] + ak[i] * mag.dk[i];
+              bound[(h * n + t) * width + (per_channel ? e : 0)] += acc;
+            }
+          }
+      }
+      const double u = std::numeric_limits<float>::epsilon() / 2;
+      // + 2·104·u: a float32 exponent is rounded before exp (|x| <= 104 before e^x underflows)
+      const double chain = 2.0 * (n + 2 * dk + 2 * 64 + 8 + 104) * u;
+      for (int threads : {1, 3, 16}) {
+        testing::ScopedThreads scoped(threads);
+        const auto narrow = gated_linear_attention_backward<float>(
+            testing::cast<float>(q), testing::cast<float>(k), testing::cast<float>(v), testing::cast<float>(g),
+            testing::cast<float>(s0).view(), testing::cast<float>(dout).view(), testing::cast<float>(dstate).view());
+        auto compare = [&](const char* name, const Tensor<double>& a, const Tensor<float>& b, const Tensor<double>& m) {
+          for (int64_t i = 0; i < a.size(); ++i)
+            ASSERT_LE(std::fabs(a[i] - static_cast<double>(b[i])), chain * m[i] + 1e-30)
+                << name << " " << i << " threads " << threads;
+        };
+        compare("dq", wide.dq, narrow.dq, mag.dq);
+        compare("dk", wide.dk, narrow.dk, mag.dk);
+        compare("dv", wide.dv, narrow.dv, mag.dv);
+        compare("dinitial_state", wide.dinitial_state, narrow.dinitial_state, mag.dinitial_state);
+        compare("dlog_gate", wide.dlog_gate, narrow.dlog_gate, bound);
+      }
     }
-  }
 }
 
 TEST(GatedLinearAttention, BadInputIsAnErrorNamingTheArgument) {
@@ -267,6 +333,10 @@ TEST(GatedLinearAttention, BadInputIsAnErrorNamingTheArgument) {
   Tensor<float> bad_q = random_tensor<float>({1, 2, 8, 4}, 4);
   bad_q[9] = std::numeric_limits<float>::infinity();
   fails([&] { gated_linear_attention<float>(bad_q, q, v, g, {}); }, "q holds a non-finite value");
+  fails([&] { gated_linear_attention<float>(q, bad_q, v, g, {}); }, "k holds a non-finite value");
+  Tensor<float> bad_v = random_tensor<float>({1, 2, 8, 3}, 8);
+  bad_v[4] = std::numeric_limits<float>::quiet_NaN();
+  fails([&] { gated_linear_attention<float>(q, q, bad_v, g, {}); }, "v holds a non-finite value");
   fails([&] { gated_linear_attention<float>(q, random_tensor<float>({1, 2, 8, 5}, 5), v, g, {}); }, "k has shape");
   fails([&] { gated_linear_attention<float>(q, q, v, g, random_tensor<float>({1, 2, 3, 4}, 6).view()); },
         "initial_state has shape");

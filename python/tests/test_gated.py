@@ -27,6 +27,16 @@ def recurrence(q, k, v, g, scale, s0=None):
     return out, state
 
 
+def torch_recurrence(q, k, v, g, scale):
+    s = q.new_zeros(q.shape[0], q.shape[1], q.shape[3], v.shape[3])
+    outs = []
+    for t in range(q.shape[2]):
+        decay = torch.exp(g[:, :, t] if g.dim() == 4 else g[:, :, t, None])
+        s = decay[..., None] * s + k[:, :, t, :, None] * v[:, :, t, None, :]
+        outs.append(scale * torch.einsum("bhc,bhcd->bhd", q[:, :, t], s))
+    return torch.stack(outs, 2)
+
+
 def inputs(n, dk, dv, per_channel, seed=0, batch=2, heads=3):
     rng = np.random.default_rng(seed)
     q, k = rng.standard_normal((2, batch, heads, n, dk))
@@ -83,9 +93,18 @@ def test_torch_gradients_of_every_input(per_channel):
     def f(q, k, v, g, s0):
         return lt.gated_linear_attention(q, k, v, g, initial_state=s0, return_state=True, scale=0.8)
     assert torch.autograd.gradcheck(f, (q, k, v, g, s0))
-    out = lt.gated_linear_attention(q, k, v, g)  # no state: gradients through the output alone
-    out.sum().backward()
-    assert all(t.grad is not None for t in (q, k, v, g))
+    # No state: gradients through the output alone, against torch's autograd of the recurrence
+    # (an independent derivation), and no second derivative (the backward is C++'s).
+    w = torch.randn(1, 2, 70, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    (lt.gated_linear_attention(q, k, v, g) * w).sum().backward()
+    leaves = [x.detach().requires_grad_() for x in (q, k, v, g)]
+    (torch_recurrence(*leaves, 3 ** -0.5) * w).sum().backward()
+    for ours, theirs in zip((q, k, v, g), leaves):
+        assert torch.allclose(ours.grad, theirs.grad, rtol=1e-10, atol=1e-12)
+    out = lt.gated_linear_attention(q, k, v, g)
+    (grad_q,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError):
+        grad_q.sum().backward()
 
 
 def test_bad_input_is_refused_naming_the_argument():
@@ -117,5 +136,14 @@ def test_bfloat16_is_computed_in_float32_and_rounded_once():
     assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
     want = lt.gated_linear_attention(*(x.detach().float() for x in low))  # the same rounded inputs
     assert torch.equal(out, want.to(torch.bfloat16))
-    out.float().sum().backward()
-    assert all(x.grad is not None and x.grad.dtype == torch.bfloat16 for x in low)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    (out.float() * w).sum().backward()
+    wide = [x.detach().float().requires_grad_() for x in low]
+    # The bfloat16 output's gradient is w rounded to bfloat16: the same dout on both sides.
+    (lt.gated_linear_attention(*wide) * w.to(torch.bfloat16).float()).sum().backward()
+    for narrow, full in zip(low, wide):  # float32's gradient, rounded once to bfloat16
+        assert narrow.grad.dtype == torch.bfloat16 and torch.equal(narrow.grad, full.grad.to(torch.bfloat16))
+    # The float32 state a 16-bit call returns continues the sequence.
+    more = [torch.tensor(x, dtype=torch.bfloat16) for x in inputs(20, 8, 8, True, seed=10)[:4]]
+    nxt = lt.gated_linear_attention(*more, initial_state=state.detach())
+    assert nxt.dtype == torch.bfloat16 and torch.isfinite(nxt.float()).all()

@@ -2,6 +2,7 @@
 autograd, state in and state out. The formulas live in C++; this file passes tensors."""
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .. import _linattn
 
@@ -17,6 +18,7 @@ def _array(t):
 class _GatedLinearAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, log_gate, initial_state, scale, causal):
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None
         out, state = _linattn.gated_linear_attention(_array(q), _array(k), _array(v), _array(log_gate), scale=scale,
                                                      causal=causal, initial_state=_array(initial_state),
                                                      return_state=True)
@@ -25,6 +27,7 @@ class _GatedLinearAttention(torch.autograd.Function):
         return torch.from_numpy(out), torch.from_numpy(state)
 
     @staticmethod
+    @once_differentiable  # the gradients are computed in C++: no graph for a second derivative
     def backward(ctx, dout, dstate):
         q, k, v, log_gate, initial_state = ctx.saved_tensors
         if dout is None:
@@ -44,7 +47,7 @@ def gated_linear_attention(q, k, v, log_gate, *, scale=None, causal=True, initia
     channel), values <= 0 (-inf: a reset); scale: d_k^-1/2 by default; initial_state
     [B, H, d_k, d_v] continues a sequence; return_state=True returns (out, S_n). CPU tensors of
     one dtype: float32 or float64, or bfloat16/float16 (computed in float32, the output rounded
-    once, the state float32; no 16-bit kernel yet). Gradients reach q, k, v, log_gate and
+    once, the state float32, and a float32 initial_state accepted; no 16-bit kernel yet). Gradients reach q, k, v, log_gate and
     initial_state."""
     named = {"q": q, "k": k, "v": v, "log_gate": log_gate, "initial_state": initial_state}
     for name, t in named.items():
@@ -56,7 +59,10 @@ def gated_linear_attention(q, k, v, log_gate, *, scale=None, causal=True, initia
             raise TypeError("%s: %s is on %s; linattn runs on the CPU only (move it with .cpu())" % (_FN, name, t.device))
         if t.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
             raise TypeError("%s: %s must be float32, float64, bfloat16 or float16, got %s" % (_FN, name, t.dtype))
-        if t.dtype != q.dtype:
+        # A 16-bit call's state is float32 (what return_state gives): it may come back as it is.
+        state_ok = name == "initial_state" and t.dtype == torch.float32 and q.dtype in (torch.bfloat16,
+                                                                                         torch.float16)
+        if t.dtype != q.dtype and not state_ok:
             raise TypeError("%s: %s has dtype %s, q has %s" % (_FN, name, t.dtype, q.dtype))
     if not isinstance(causal, bool):
         raise TypeError("%s: causal must be a bool, got %r" % (_FN, causal))

@@ -433,18 +433,22 @@ GatedLinearAttentionGrads<T> gated_linear_attention_backward(
         for (int64_t f = 0; f < dv; ++f) gp += static_cast<double>(G[e * dv + f]) * static_cast<double>(P[e * dv + f]);
         db[(L - 1) * dk + e] += extra + s.last_decay(e) * gp;
       }
-      T* dgc = g.dlog_gate.data() + (bh * d.n + t0) * (d.per_channel ? dk : 1);
-      for (int64_t e = 0; e < dk; ++e) {
+      // Per head: db summed over the channels first (float64), one reverse sum, one rounding.
+      const int64_t width = d.per_channel ? dk : 1;
+      if (!d.per_channel)
+        for (int64_t j = 0; j < L; ++j) {
+          double row = 0.0;
+          for (int64_t e = 0; e < dk; ++e) row += db[j * dk + e];
+          db[j] = row;
+        }
+      T* dgc = g.dlog_gate.data() + (bh * d.n + t0) * width;
+      for (int64_t e = 0; e < width; ++e) {
         double acc = 0.0;
         for (int64_t j = L - 1; j >= 0; --j) {
-          acc += db[j * dk + e];
-          const double gate = d.per_channel ? static_cast<double>(log_gate.data[(bh * d.n + t0 + j) * dk + e])
-                                            : static_cast<double>(log_gate.data[bh * d.n + t0 + j]);
-          if (gate < gated::kFloor) continue;  // acts as the floor: no gradient
-          if (d.per_channel)
-            dgc[j * dk + e] = static_cast<T>(acc);
-          else
-            dgc[j] += static_cast<T>(acc);
+          acc += db[j * width + e];
+          const double gate = static_cast<double>(log_gate.data[(bh * d.n + t0 + j) * width + e]);
+          // At or below the floor the log-gate acts as −1000: e^{−1000}·(…) = 0, no gradient.
+          dgc[j * width + e] = gate <= gated::kFloor ? T(0) : static_cast<T>(acc);
         }
       }
       // G ← diag(e^{b_L}) G + s·(Q ⊙ e^{B})ᵀ dO
