@@ -66,24 +66,6 @@ def ours(q, k, v, g, scale):
     return lt.gated_linear_attention(q, k, v, g, scale=scale)
 
 
-def cpu_features():
-    flags = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"]
-    return ", ".join(f for f in wanted if f in flags) or "unknown"
-
-
-def median_seconds(fn, n):
-    fn()
-    return torch_bench.time_runs(fn, n)[0]
-
-
 def run(a):
     torch.set_num_threads(a.threads)
     linattn.set_num_threads(a.threads)
@@ -117,12 +99,13 @@ def run(a):
                     out = fn(*leaves, scale)
                     out.backward(torch.ones_like(out))
 
-                rows.append({"per_channel": per_channel, "n": n, "peer": name, "fwd": median_seconds(fwd, n),
-                             "bwd": median_seconds(fwd_bwd, n)})
+                rows.append({"per_channel": per_channel, "n": n, "peer": name,
+                             "fwd": torch_bench.warm_median_seconds(fwd, n),
+                             "bwd": torch_bench.warm_median_seconds(fwd_bwd, n)})
                 print(rows[-1], flush=True)
     peak = linattn.measure_peak_rates(a.threads)["float32_fma_gflops"]
     return {"rows": rows, "args": vars(a), "torch": torch.__version__, "build": linattn.build_info(),
-            "cpu": platform.processor() or platform.machine(), "features": cpu_features(), "peak": peak,
+            "cpu": platform.processor() or platform.machine(), "features": torch_bench.cpu_features(), "peak": peak,
             "coretype": os.environ.get("OPENBLAS_CORETYPE")}
 
 

@@ -80,25 +80,6 @@ def ours(q, k, fq, fk, v, gate, window, eps):
 PEERS = {"linattn": ours, "lolcats linear (cumsum)": lolcats_linear, "lolcats quadratic": lolcats_quadratic}
 
 
-def median_seconds(fn, n):
-    """One warm-up, then torch_bench's timing (the one `linattn bench` gives the peers)."""
-    fn()
-    return torch_bench.time_runs(fn, n)[0]
-
-
-def cpu_features():
-    flags = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"]
-    return ", ".join(f for f in wanted if f in flags) or "unknown"
-
-
 def run(a):
     torch.set_num_threads(a.threads)
     linattn.set_num_threads(a.threads)
@@ -137,13 +118,13 @@ def run(a):
                 out = fn(*leaves[:5], leaves[5], w, 1e-6)
                 out.backward(torch.ones_like(out))
 
-            rows.append({"n": n, "peer": name, "fwd": median_seconds(fwd, n), "bwd": median_seconds(fwd_bwd, n)})
+            rows.append({"n": n, "peer": name, "fwd": torch_bench.warm_median_seconds(fwd, n), "bwd": torch_bench.warm_median_seconds(fwd_bwd, n)})
         print(rows[-3:], flush=True)
     flops = {n: 4.0 * a.batch * a.heads * n * (a.window * a.head_dim + a.features * (a.head_dim + 1))
              for n in a.lengths}
     return {"rows": rows, "flops": flops, "args": vars(a), "torch": torch.__version__,
             "build": linattn.build_info(), "cpu": platform.processor() or platform.machine(),
-            "features": cpu_features(), "coretype": os.environ.get("OPENBLAS_CORETYPE")}
+            "features": torch_bench.cpu_features(), "coretype": os.environ.get("OPENBLAS_CORETYPE")}
 
 
 def report(r, command):

@@ -353,3 +353,25 @@ if __name__ == "__main__":
         measure_memory(sys.argv[2], int(sys.argv[3]), sys.argv[4])
     else:
         main(sys.argv[1], sys.argv[2])
+
+
+def warm_median_seconds(fn, n):
+    """One warm-up, then time_runs' median (the timing `linattn bench` gives the peers)."""
+    fn()
+    return time_runs(fn, n)[0]
+
+
+def cpu_features():
+    """The CPU's vector features that decide linattn's paths, from /proc/cpuinfo."""
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"]
+    return ", ".join(f for f in wanted if f in flags) or "unknown"
+

@@ -120,16 +120,22 @@ def test_every_method_has_a_peer_and_exact_attention_has_sdpa():
     assert tb.peers_of("nystrom m=64", True) == []  # no causal form, as in linattn
 
 
+def bench_script(name):
+    """(path, module) of bench/<name>.py, loaded as a module."""
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", name + ".py")
+    spec = importlib.util.spec_from_file_location("bench_" + name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return path, module
+
+
 def test_lolcats_peers_compute_the_hybrid():
     # bench/hybrid_lolcats.py: LoLCATs' linear (cumsum) and quadratic forms are the same function
     # as linattn's causal hybrid on given features, in float64 to 1e-12 (the script itself
     # checks float32 at 1e-4 before timing); --quick runs the whole script.
     import subprocess
     import sys
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "hybrid_lolcats.py")
-    spec_h = importlib.util.spec_from_file_location("hybrid_lolcats", path)
-    hl = importlib.util.module_from_spec(spec_h)
-    spec_h.loader.exec_module(hl)
+    path, hl = bench_script("hybrid_lolcats")
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 29, 8, generator=g, dtype=torch.float64) for _ in range(3))
     fq, fk = (torch.rand(2, 3, 29, 6, generator=g, dtype=torch.float64) for _ in range(2))
@@ -151,10 +157,7 @@ def test_gated_peers_compute_gated_linear_attention():
     # timing); --quick runs the whole script.
     import subprocess
     import sys
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gated.py")
-    spec = importlib.util.spec_from_file_location("bench_gated", path)
-    bg = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bg)
+    path, bg = bench_script("gated")
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 150, 8, generator=g, dtype=torch.float64) for _ in range(3))
     for per_channel in (False, True):
