@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <string>
@@ -116,6 +117,41 @@ TEST(GatedLinearAttention, ForwardMatchesTheRecurrenceInFloat64AndFloat32) {
       check_forward<double>(c, threads, seed);
       check_forward<float>(c, threads, seed);
       seed += 10;
+    }
+}
+
+TEST(GatedLinearAttention, EveryThreadCountGivesTheSameBits) {
+  // One (batch, head) per task: 1 to 16 threads, above and below batch·heads (1 to 3), give
+  // the same outputs, state and gradients bit for bit.
+  for (int64_t heads : {1, 3})
+    for (bool per_channel : {false, true}) {
+      const Case c{1, heads, 150, 8, 6, per_channel, true, "resets"};
+      const auto q = random_tensor<float>({1, heads, 150, 8}, 1), k = random_tensor<float>({1, heads, 150, 8}, 2);
+      const auto v = random_tensor<float>({1, heads, 150, 6}, 3), s0 = random_tensor<float>({1, heads, 8, 6}, 4);
+      const auto dout = random_tensor<float>({1, heads, 150, 6}, 5);
+      const auto g = gates_for<float>(c, 6);
+      GatedLinearAttentionResult<float> first;
+      GatedLinearAttentionGrads<float> first_grads;
+      for (int threads : {1, 3, 8, 16}) {
+        testing::ScopedThreads scoped(threads);
+        auto r = gated_linear_attention<float>(q, k, v, g, s0.view());
+        auto gr = gated_linear_attention_backward<float>(q, k, v, g, s0.view(), dout, {});
+        if (threads == 1) {
+          first = std::move(r);
+          first_grads = std::move(gr);
+          continue;
+        }
+        auto same = [&](const char* name, const Tensor<float>& a, const Tensor<float>& b) {
+          ASSERT_EQ(0, std::memcmp(a.data(), b.data(), sizeof(float) * a.size())) << name << " threads " << threads;
+        };
+        same("out", first.out, r.out);
+        same("state", first.state, r.state);
+        same("dq", first_grads.dq, gr.dq);
+        same("dk", first_grads.dk, gr.dk);
+        same("dv", first_grads.dv, gr.dv);
+        same("dlog_gate", first_grads.dlog_gate, gr.dlog_gate);
+        same("dinitial_state", first_grads.dinitial_state, gr.dinitial_state);
+      }
     }
 }
 

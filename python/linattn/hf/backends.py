@@ -9,7 +9,7 @@ one place, create_learned (called by set_options, hence by linearize and from_pr
 never by a forward: a forward finds them (learned_tensor) or raises, and casts a tensor whose
 dtype differs from the activations' (autocast, a bfloat16 forward) without replacing it."""
 
-import math as _math
+import functools as _functools
 import threading as _threading
 
 import numpy as _np
@@ -216,20 +216,18 @@ class Hedgehog(Backend):
                          lambda factory: HedgehogFeatureMap(h, d, f, init=user["init"], **factory))
         return out
 
-    def maps(self, module, user, like):
-        """(weight, bias) of the query map and of the key map, in like's dtype."""
-        return [(m.weight.to(like.dtype), m.bias.to(like.dtype))
-                for m in (learned_tensor(module, self, user, side, like, cast=False) for side in ("hedgehog_q",
-                                                                                                   "hedgehog_k"))]
+    def map(self, module, user, side, like):
+        """(weight, bias) of the query map (side "query") or the key map, in like's dtype."""
+        m = learned_tensor(module, self, user, "hedgehog_q" if side == "query" else "hedgehog_k", like, cast=False)
+        return m.weight.to(like.dtype), m.bias.to(like.dtype)
 
     def features(self, module, user, x, side):
         """Hedgehog's features of x (side "query" or "key") with the module's map, in x's dtype."""
         from ..torch.feature_maps import hedgehog_features
-        weight, bias = self.maps(module, user, x)[0 if side == "query" else 1]
-        return hedgehog_features(x, weight, bias)
+        return hedgehog_features(x, *self.map(module, user, side, x))
 
     def options(self, module, query, user):
-        (qw, qb), (kw, kb) = self.maps(module, user, query)
+        (qw, qb), (kw, kb) = (self.map(module, user, side, query) for side in ("query", "key"))
         return dict(self.fixed, query_weight=qw, query_bias=qb, key_weight=kw, key_bias=kb)
 
     def hybrid_features(self, module, query, key, user):
@@ -293,13 +291,20 @@ def mask(*args, **kwargs):
     never left out for several queries against more keys: sdpa then relies on torch's top-left
     aligned is_causal (a static cache's prefill against its empty slots), while linattn aligns
     causal masks bottom-right, so it needs the mask to see which slots are empty."""
-    from transformers.masking_utils import sdpa_mask
-    import inspect
-    bound = inspect.signature(sdpa_mask).bind(*args, **kwargs)
+    sdpa_mask, signature = _sdpa_mask()
+    bound = signature.bind(*args, **kwargs)
     q_length, kv_length = bound.arguments["q_length"], bound.arguments["kv_length"]
     if q_length not in (1, kv_length):
         bound.arguments["allow_is_causal_skip"] = False
     return sdpa_mask(*bound.args, **bound.kwargs)
+
+
+@_functools.lru_cache(maxsize=None)
+def _sdpa_mask():
+    """transformers' sdpa_mask and its signature, looked up once (mask runs at every forward)."""
+    import inspect
+    from transformers.masking_utils import sdpa_mask
+    return sdpa_mask, inspect.signature(sdpa_mask)
 
 
 def install_atomic_config_save():
@@ -407,7 +412,7 @@ def attention_function(name):
         # and its window is then the last keys that exist), and for several when the mask is
         # a causal mask only on the keys before them (a static cache's prompt against its
         # empty slots: causal masks align bottom-right on the keys that exist).
-        used = _masks.used_keys(attention_mask, n_k)
+        used = _masks.used_keys(name, attention_mask, n_k)
         if used < n_k and (n_q == 1 or (used >= n_q and not _masks.fits(name, attention_mask, query.shape[0], n_q,
                                                                           n_k, mask_causal))):
             key, value, attention_mask = key[:, :, :used], value[:, :, :used], attention_mask[..., :used]

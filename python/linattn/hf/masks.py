@@ -53,14 +53,14 @@ def keep_of(name, mask):
     raise ValueError("%s: attention mask of dtype %s; expected bool or floating" % (name, mask.dtype))
 
 
-def used_keys(mask, n_k):
+def used_keys(name, mask, n_k):
     """The number of key slots before the first one that every query of every row masks and
     after which all are masked: a static cache's empty slots at the end (n_k when none, or no
     mask). Those slots hold no token, and dropping them lets causal masks align bottom-right."""
-    if not isinstance(mask, _torch.Tensor) or mask.dim() != 4:
+    if not isinstance(mask, _torch.Tensor) or mask.dim() != 4 or not (mask.dtype == _torch.bool or
+                                                                      mask.dtype.is_floating_point):
         return n_k  # key_lengths raises for it
-    mask = mask[..., :n_k]
-    keep = mask if mask.dtype == _torch.bool else (mask == 0)
+    keep = keep_of(name, mask[..., :n_k])
     kept = keep.flatten(0, 2).any(dim=0)  # [n_k]: a key some query attends
     if bool(kept[-1]) if kept.numel() else True:
         return n_k

@@ -176,7 +176,7 @@ class MultiheadAttention(torch.nn.Module):
         if features is not None and features not in _FEATURE_KINDS:
             raise ValueError("MultiheadAttention: features must be one of %s, got %r" % (", ".join(_FEATURE_KINDS), features))
         self.features = features if features is not None else "orthogonal"
-        if self.feature_redraw_interval is not None and (registered != "favor" or int(self.feature_redraw_interval) < 1):
+        if self.feature_redraw_interval is not None and registered != "favor":  # count() checked it is >= 1
             raise ValueError("MultiheadAttention: feature_redraw_interval is for method 'favor', an integer >= 1")
         if (s_proj is not None or max_seq_len is not None) and registered != "linformer":
             raise TypeError("MultiheadAttention: s_proj and max_seq_len are options of method 'linformer' only")
@@ -201,10 +201,8 @@ class MultiheadAttention(torch.nn.Module):
             self.e = torch.nn.Parameter(torch.from_numpy(e).to(**factory))
             self.f = torch.nn.Parameter(torch.from_numpy(f).to(**factory))
         self.conv_weight = None
-        if kernel_size is not None:
-            k = int(kernel_size)
-            if k < 1:
-                raise ValueError("MultiheadAttention: the convolution's kernel size must be >= 1, got %d" % k)
+        if kernel_size is not None:  # count() checked it is an integer >= 1
+            k = kernel_size
             self.conv_weight = torch.nn.Parameter(torch.empty((num_heads, k), **factory))
             torch.nn.init.uniform_(self.conv_weight, -1 / math.sqrt(k), 1 / math.sqrt(k))
 
@@ -303,7 +301,7 @@ class MultiheadAttention(torch.nn.Module):
             key_lengths = _lengths_of_mask(key_padding_mask, key.shape[:2])
         if self.training and self.feature_redraw_interval is not None:
             self._forwards += 1
-            if self._forwards % int(self.feature_redraw_interval) == 0:
+            if self._forwards % self.feature_redraw_interval == 0:
                 self.redraw_features()
         q, k, v = (self._heads(x) for x in self._project(query, key, value))
         if self._registered == "hedgehog":

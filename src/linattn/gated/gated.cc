@@ -186,7 +186,7 @@ struct Scratch {
     for (int64_t i = 0; i < rows * dk; ++i) out[i] = x[i] * factors[i];
   }
 
-  // e^{b_L − b_r}·(each channel's factor) for the state: factor c = e^{b_{L−1,c}} (r < 0).
+  // The state's decay over the chunk in channel c: e^{b_{L−1,c}}.
   double last_decay(int64_t c) const { return std::exp(b[(L - 1) * w + (per_channel ? c : 0)]); }
 };
 
