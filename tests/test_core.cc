@@ -679,5 +679,98 @@ TEST(Memory, WorkspaceIsCountedAndReleased) {
   EXPECT_EQ(workspace_stats().peak_bytes - before, 4080);
 }
 
+// Gated linear attention's Highway kernels (simd.h) against plain float64 loops, on every SIMD
+// target, odd widths and every block height: products of m roundings within γ_m of the exact
+// value times the sum of the terms' magnitudes (Higham 3.1).
+template <class T>
+void check_gated_kernels() {
+  auto pair = [](size_t j, size_t i) { return j * (j + 1) / 2 + i; };
+  testing::for_each_simd_target([&](int64_t) {
+    for (size_t dim : {size_t{1}, size_t{5}, size_t{17}, size_t{64}})
+      for (size_t rows : {size_t{1}, size_t{7}, size_t{16}}) {
+        SCOPED_TRACE(::testing::Message() << "dim " << dim << " rows " << rows);
+        std::vector<T> a(rows * dim), q(rows * dim), k(rows * dim), x(rows * dim), w(rows * 20), f(dim);
+        fill_normal(q.data(), int64_t(q.size()), 3 + dim + rows);
+        fill_normal(k.data(), int64_t(k.size()), 5 + dim + rows);
+        fill_normal(x.data(), int64_t(x.size()), 7 + dim + rows);
+        fill_normal(w.data(), int64_t(w.size()), 11 + dim + rows);
+        fill_normal(f.data(), int64_t(f.size()), 13 + dim + rows);
+        fill_normal(a.data(), int64_t(a.size()), 17 + dim + rows);
+        for (T& v : a) v = T(std::exp(-std::abs(double(v))));  // factors in (0, 1]
+        std::vector<T> e(pair(rows, 0) * dim);
+        simd::decay_pairs(a.data(), rows, dim, e.data());
+        std::vector<double> exact(e.size());
+        for (size_t j = 0; j < rows; ++j)
+          for (size_t i = 0; i <= j; ++i)
+            for (size_t c = 0; c < dim; ++c) {
+              double p = 1;
+              for (size_t t = i + 1; t <= j; ++t) p *= double(a[t * dim + c]);
+              exact[pair(j, i) * dim + c] = p;
+              ASSERT_NEAR(double(e[pair(j, i) * dim + c]), p, gamma<T>(double(j - i)) * p + 1e-300) << j << " " << i;
+            }
+        // dots: 2 products and dim − 1 additions a term
+        std::vector<T> out(rows * 20, T(-7));
+        simd::decayed_dots(q.data(), k.data(), e.data(), rows, dim, out.data(), 20);
+        for (size_t j = 0; j < rows; ++j)
+          for (size_t i = 0; i <= j; ++i) {
+            double want = 0, mag = 0;
+            for (size_t c = 0; c < dim; ++c) {
+              const double t = double(q[j * dim + c]) * double(k[i * dim + c]) * double(e[pair(j, i) * dim + c]);
+              want += t, mag += std::abs(t);
+            }
+            EXPECT_NEAR(double(out[j * 20 + i]), want, gamma<T>(double(dim + 2)) * mag) << j << " " << i;
+          }
+        for (size_t j = 0; j < rows; ++j)  // above the diagonal: untouched
+          for (size_t i = j + 1; i < rows; ++i) EXPECT_EQ(out[j * 20 + i], T(-7));
+        for (const bool later : {false, true}) {
+          std::vector<T> y = x;
+          simd::decayed_weigh(w.data(), 20, q.data(), e.data(), rows, dim, y.data(), later);
+          for (size_t r = 0; r < rows; ++r)
+            for (size_t c = 0; c < dim; ++c) {
+              double want = double(x[r * dim + c]), mag = std::abs(want);
+              for (size_t o = later ? r : 0; o <= (later ? rows - 1 : r); ++o) {
+                const size_t j = later ? o : r, i = later ? r : o;
+                const double t = double(w[j * 20 + i]) * double(q[o * dim + c]) * double(e[pair(j, i) * dim + c]);
+                want += t, mag += std::abs(t);
+              }
+              EXPECT_NEAR(double(y[r * dim + c]), want, gamma<T>(double(rows + 2)) * mag) << later << " " << r;
+            }
+        }
+        std::vector<T> prod(rows * (dim + 3), T(1));
+        simd::multiply(q.data(), k.data(), rows, dim, prod.data(), dim + 3, true);
+        std::vector<T> cols(rows * dim);
+        simd::scale_columns(q.data(), rows, dim, f.data(), cols.data(), false);
+        for (size_t r = 0; r < rows; ++r)
+          for (size_t c = 0; c < dim; ++c) {
+            const double p = double(q[r * dim + c]) * double(k[r * dim + c]);
+            EXPECT_NEAR(double(prod[r * (dim + 3) + c]), 1 + p, gamma<T>(2) * (1 + std::abs(p)));
+            EXPECT_EQ(cols[r * dim + c], T(q[r * dim + c] * f[c]));
+          }
+        // floored cumulative sums in float64: exact up to float64's own rounding; NaN stays
+        std::vector<T> g(rows * dim), floored(rows * dim);
+        for (size_t i = 0; i < g.size(); ++i) g[i] = T(-std::abs(double(w[i % w.size()])) * (i % 5 == 0 ? 2000 : 1));
+        g[g.size() / 2] = std::numeric_limits<T>::quiet_NaN();
+        std::vector<double> b(rows * dim);
+        simd::floored_cumsum(g.data(), rows, dim, -1000.0, b.data(), floored.data());
+        for (size_t c = 0; c < dim; ++c) {
+          double sum = 0;
+          for (size_t j = 0; j < rows; ++j) {
+            const double x = double(g[j * dim + c]);
+            const double fl = std::isnan(x) ? x : std::max(x, -1000.0);
+            sum += fl;
+            if (std::isnan(sum)) {
+              EXPECT_TRUE(std::isnan(b[j * dim + c]));
+            } else {
+              EXPECT_NEAR(b[j * dim + c], sum, 1e-12 * std::abs(sum));
+              EXPECT_EQ(double(floored[j * dim + c]), fl);
+            }
+          }
+        }
+      }
+  });
+}
+TEST(Simd, FloatGatedKernelsMatchLoops) { check_gated_kernels<float>(); }
+TEST(Simd, DoubleGatedKernelsMatchLoops) { check_gated_kernels<double>(); }
+
 }  // namespace
 }  // namespace linattn

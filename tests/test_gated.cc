@@ -7,7 +7,9 @@
 // most γ_m·Σ|terms| (Higham, 3.1), m the longest chain of roundings one term goes through:
 // the state carries a term through every chunk (≤ n additions), its product with q adds d_k,
 // the intra-chunk products 64 + d_k, and each factor's rounding (e^x, the scaled operands) a
-// few more. The decay factors e^{b_j − b_i} come from cumulative sums b (float64) of at most 64
+// few more (8). Per channel, a diagonal block's factor e^{b_j − b_i} is a product of at most 15
+// per-step factors e^{g_t}, each within 1 ulp (Highway's Exp), and the rows' factors two such
+// products: at most 2·16 roundings more, counted in the 8 + 2·16 = 40 below. The decay factors e^{b_j − b_i} come from cumulative sums b (float64) of at most 64
 // log-gates: b_j − b_i is off by at most 2·64·u₆₄·max|b|, and e^x by as much relative, which
 // matters after a reset (a log-gate at the floor, −1000, makes |b| large while the factors
 // after it are O(1)). So |fast − exact| ≤ (2·(n + 2·d_k + 2·64 + 8)·u + 2·64·u₆₄·B)·Σ|terms|,
@@ -54,6 +56,13 @@ Tensor<T> gates_for(const Case& c, uint64_t seed) {
 }
 
 template <class T>
+Tensor<T> copy_of(const Tensor<T>& t) {
+  Tensor<T> c(t.shape());
+  std::copy(t.data(), t.data() + t.size(), c.data());
+  return c;
+}
+
+template <class T>
 std::vector<double> widen(const Tensor<T>& t) {
   std::vector<double> out(static_cast<size_t>(t.size()));
   for (int64_t i = 0; i < t.size(); ++i) out[i] = static_cast<double>(t[i]);
@@ -94,7 +103,7 @@ void check_forward(const Case& c, int threads, uint64_t seed) {
   // + 2·104·u for float32: its exponents are rounded before exp (|x| <= 104 before e^x underflows)
   const double exponent = std::is_same_v<T, float> ? 2.0 * 104 * u : 0.0;
   const double chain =
-      2.0 * static_cast<double>(c.n + 2 * c.dk + 2 * 64 + 8) * u + 2.0 * 64 * u64 * largest_b + exponent;
+      2.0 * static_cast<double>(c.n + 2 * c.dk + 2 * 64 + 40) * u + 2.0 * 64 * u64 * largest_b + exponent;
   ASSERT_EQ(r.out.size(), static_cast<int64_t>(want.out.size()));
   for (int64_t i = 0; i < r.out.size(); ++i)
     ASSERT_LE(std::fabs(static_cast<double>(r.out[i]) - want.out[i]), chain * mag.out[i] + 1e-300) << "out " << i;
@@ -118,6 +127,19 @@ TEST(GatedLinearAttention, ForwardMatchesTheRecurrenceInFloat64AndFloat32) {
       check_forward<float>(c, threads, seed);
       seed += 10;
     }
+}
+
+// The diagonal blocks' and the rows' factors run on Highway (simd::decay_pairs, decayed_dots,
+// decayed_weigh, multiply): every instruction set this CPU has, against the same bound.
+TEST(GatedLinearAttention, EverySimdTargetMatchesTheRecurrence) {
+  uint64_t seed = 700;
+  testing::for_each_simd_target([&](int64_t) {
+    for (const Case& c : {Case{1, 2, 130, 17, 9, true, true, "mixed"}, Case{1, 1, 97, 5, 3, false, false, "resets"}}) {
+      check_forward<double>(c, 2, seed);
+      check_forward<float>(c, 2, seed);
+      seed += 10;
+    }
+  });
 }
 
 TEST(GatedLinearAttention, EveryThreadCountGivesTheSameBits) {
@@ -368,11 +390,11 @@ TEST(GatedLinearAttention, BadInputIsAnErrorNamingTheArgument) {
   fails([&] { gated_linear_attention<float>(q, q, v, nan, {}); }, "log_gate must be <= 0");
   Tensor<float> bad_q = random_tensor<float>({1, 2, 8, 4}, 4);
   bad_q[9] = std::numeric_limits<float>::infinity();
-  fails([&] { gated_linear_attention<float>(bad_q, q, v, g, {}); }, "q holds a non-finite value");
-  fails([&] { gated_linear_attention<float>(q, bad_q, v, g, {}); }, "k holds a non-finite value");
+  fails([&] { gated_linear_attention<float>(bad_q, q, v, g, {}); }, "q has a non-finite value");
+  fails([&] { gated_linear_attention<float>(q, bad_q, v, g, {}); }, "k has a non-finite value");
   Tensor<float> bad_v = random_tensor<float>({1, 2, 8, 3}, 8);
   bad_v[4] = std::numeric_limits<float>::quiet_NaN();
-  fails([&] { gated_linear_attention<float>(q, q, bad_v, g, {}); }, "v holds a non-finite value");
+  fails([&] { gated_linear_attention<float>(q, q, bad_v, g, {}); }, "v has a non-finite value");
   fails([&] { gated_linear_attention<float>(q, random_tensor<float>({1, 2, 8, 5}, 5), v, g, {}); }, "k has shape");
   fails([&] { gated_linear_attention<float>(q, q, v, g, random_tensor<float>({1, 2, 3, 4}, 6).view()); },
         "initial_state has shape");
@@ -381,6 +403,92 @@ TEST(GatedLinearAttention, BadInputIsAnErrorNamingTheArgument) {
         "scale must be finite");
   fails([&] { gated_linear_attention_backward<float>(q, q, v, g, {}, random_tensor<float>({1, 2, 8, 4}, 7), {}); },
         "dout has shape");
+}
+
+// The checks ride on the computation (src/linattn/gated/gated.cc): a non-finite value anywhere
+// in any input, in either gate form, forward or backward, is an error naming that input, and so
+// is a bad log-gate in any chunk.
+TEST(GatedLinearAttention, ANonFiniteInputAnywhereIsNamed) {
+  const int64_t B = 2, H = 2, n = 150, dk = 5, dv = 3;
+  const double bad_values[] = {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity(),
+                               -std::numeric_limits<double>::infinity()};
+  uint64_t seed = 900;
+  for (const bool per_channel : {false, true}) {
+    const auto q = random_tensor<double>({B, H, n, dk}, seed), k = random_tensor<double>({B, H, n, dk}, seed + 1);
+    const auto v = random_tensor<double>({B, H, n, dv}, seed + 2), s0 = random_tensor<double>({B, H, dk, dv}, seed + 3);
+    const auto dout = random_tensor<double>({B, H, n, dv}, seed + 4), ds = random_tensor<double>({B, H, dk, dv}, seed + 5);
+    Tensor<double> g = random_tensor<double>(per_channel ? Shape{B, H, n, dk} : Shape{B, H, n}, seed + 6);
+    for (int64_t i = 0; i < g.size(); ++i) g[i] = -std::fabs(g[i]);
+    struct Arg {
+      const char* name;
+      const Tensor<double>* tensor;
+    };
+    for (const Arg& a : {Arg{"q", &q}, Arg{"k", &k}, Arg{"v", &v}, Arg{"initial_state", &s0}, Arg{"dout", &dout},
+                         Arg{"dstate", &ds}})
+      for (int trial = 0; trial < 6; ++trial) {
+        Tensor<double> bad = copy_of(*a.tensor);
+        const int64_t at = static_cast<int64_t>((seed * 2654435761u + trial * 40503u) % static_cast<uint64_t>(bad.size()));
+        bad[at] = bad_values[trial % 3];
+        auto pick = [&](const Tensor<double>& t) { return &t == a.tensor ? bad.view() : t.view(); };
+        const std::string want = std::string(a.name) + " has a non-finite value";
+        SCOPED_TRACE(want + " at " + std::to_string(at) + (per_channel ? " per channel" : " per head"));
+        const bool backward_only = a.tensor == &dout || a.tensor == &ds;
+        if (!backward_only) {
+          try {
+            gated_linear_attention<double>(pick(q), pick(k), pick(v), g, pick(s0));
+            ADD_FAILURE() << "no error";
+          } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+          }
+        }
+        try {
+          gated_linear_attention_backward<double>(pick(q), pick(k), pick(v), g, pick(s0), pick(dout), pick(ds));
+          ADD_FAILURE() << "no error";
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+        }
+        ++seed;
+      }
+    for (int trial = 0; trial < 4; ++trial) {  // a bad log-gate in any chunk
+      Tensor<double> bad = copy_of(g);
+      const int64_t at = static_cast<int64_t>((seed * 2654435761u) % static_cast<uint64_t>(bad.size()));
+      bad[at] = trial % 2 ? 1e-3 : std::numeric_limits<double>::quiet_NaN();
+      for (const bool backward : {false, true})
+        try {
+          if (backward)
+            gated_linear_attention_backward<double>(q, k, v, bad, s0.view(), dout.view(), ds.view());
+          else
+            gated_linear_attention<double>(q, k, v, bad, s0.view());
+          ADD_FAILURE() << "no error for a log-gate at " << at;
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("log_gate must be <= 0"), std::string::npos) << e.what();
+        }
+      ++seed;
+    }
+  }
+}
+
+// With scale = 0 no q reaches a result, so the inputs are scanned before; finite inputs whose
+// products leave float32's range are an error saying so, never a silent inf.
+TEST(GatedLinearAttention, ZeroScaleStillChecksAndOverflowIsAnError) {
+  auto q = random_tensor<float>({1, 1, 70, 4}, 1);
+  const auto v = random_tensor<float>({1, 1, 70, 3}, 2);
+  const Tensor<float> g({1, 1, 70});
+  Tensor<float> bad_q = copy_of(q);
+  bad_q[200] = std::numeric_limits<float>::quiet_NaN();
+  try {
+    gated_linear_attention<float>(bad_q, q, v, g, {}, {0.0, true});
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("q has a non-finite value"), std::string::npos) << e.what();
+  }
+  for (int64_t i = 0; i < q.size(); ++i) q[i] = 1e20f;
+  try {
+    gated_linear_attention<float>(q, q, v, g, {});
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("overflows float32"), std::string::npos) << e.what();
+  }
 }
 
 TEST(GatedLinearAttention, AnEmptySequenceHandsBackTheInitialState) {

@@ -119,7 +119,7 @@ def test_bad_input_is_refused_naming_the_argument():
         linattn.gated_linear_attention(q, k, v, g, causal=False)
     bad = q.copy()
     bad[0, 0, 3, 1] = np.nan
-    with pytest.raises(ValueError, match="q holds a non-finite value"):
+    with pytest.raises(ValueError, match="q has a non-finite value"):
         linattn.gated_linear_attention(bad, k, v, g)
     with pytest.raises(TypeError, match="must be float32, float64, bfloat16 or float16"):
         lt.gated_linear_attention(*(torch.tensor(x, dtype=torch.int64) for x in (q, k, v, g)))

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
@@ -473,6 +474,203 @@ T FiniteMaxAbs(const T* x, size_t n) {
   return hn::GetLane(hn::MaxOfLanes(d, m));
 }
 
+// Decay products of gated linear attention's diagonal blocks (src/linattn/gated/gated.cc). A
+// block of `rows` rows keeps its pairs (j, i), i <= j, packed row after row at j(j+1)/2 + i,
+// `dim` values each (one per channel).
+HWY_INLINE size_t Pair(size_t j, size_t i) { return j * (j + 1) / 2 + i; }
+
+// e[pair(j, i)] = Π_{i < t <= j} a[t] (1 for i = j), from the row before: one multiply a value.
+template <class T>
+void DecayPairs(const T* a, size_t rows, size_t dim, T* e) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  for (size_t j = 0; j < rows; ++j) {
+    T* row = e + Pair(j, 0) * dim;
+    if (j > 0) {
+      const T* prev = e + Pair(j - 1, 0) * dim;
+      const T* aj = a + j * dim;
+      for (size_t i = 0; i < j; ++i) {
+        size_t c = 0;
+        for (; c + N <= dim; c += N)
+          hn::StoreU(hn::Mul(hn::LoadU(d, prev + i * dim + c), hn::LoadU(d, aj + c)), d, row + i * dim + c);
+        if (c < dim)
+          StoreTail(d, hn::Mul(LoadTail(d, prev + i * dim + c, dim - c), LoadTail(d, aj + c, dim - c)),
+                    row + i * dim + c, dim - c);
+      }
+    }
+    std::fill(row + j * dim, row + (j + 1) * dim, T(1));
+  }
+}
+
+// out[j·ld + i] = Σ_c q[j][c]·k[i][c]·e[pair(j, i)][c] for i <= j < rows.
+template <class T>
+void DecayedDots(const T* q, const T* k, const T* e, size_t rows, size_t dim, T* out, size_t ld) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  for (size_t j = 0; j < rows; ++j)
+    for (size_t i = 0; i <= j; ++i) {
+      const T* qj = q + j * dim;
+      const T* ki = k + i * dim;
+      const T* eji = e + Pair(j, i) * dim;
+      auto acc = hn::Zero(d);
+      size_t c = 0;
+      for (; c + N <= dim; c += N)
+        acc = hn::MulAdd(hn::Mul(hn::LoadU(d, qj + c), hn::LoadU(d, ki + c)), hn::LoadU(d, eji + c), acc);
+      if (c < dim)
+        acc = hn::MulAdd(hn::Mul(LoadTail(d, qj + c, dim - c), LoadTail(d, ki + c, dim - c)),
+                         LoadTail(d, eji + c, dim - c), acc);
+      out[j * ld + i] = hn::GetLane(hn::SumOfLanes(d, acc));
+    }
+}
+
+// y[j] += Σ_{i <= j} w[j·ldw + i]·x[i] ⊙ e[pair(j, i)] (later: false), or
+// y[i] += Σ_{j >= i} w[j·ldw + i]·x[j] ⊙ e[pair(j, i)] (later: true).
+template <class T>
+void DecayedWeigh(const T* w, size_t ldw, const T* x, const T* e, size_t rows, size_t dim, T* y, bool later) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  for (size_t r = 0; r < rows; ++r) {
+    const size_t first = later ? r : 0, last = later ? rows - 1 : r;
+    for (size_t c = 0; c < dim; c += N) {
+      const size_t count = std::min(N, dim - c);
+      auto acc = count == N ? hn::LoadU(d, y + r * dim + c) : LoadTail(d, y + r * dim + c, count);
+      for (size_t o = first; o <= last; ++o) {
+        const size_t j = later ? o : r, i = later ? r : o;
+        const auto weight = hn::Set(d, w[j * ldw + i]);
+        const T* xo = x + o * dim + c;
+        const T* eji = e + Pair(j, i) * dim + c;
+        const auto xv = count == N ? hn::LoadU(d, xo) : LoadTail(d, xo, count);
+        const auto ev = count == N ? hn::LoadU(d, eji) : LoadTail(d, eji, count);
+        acc = hn::MulAdd(hn::Mul(weight, xv), ev, acc);
+      }
+      if (count == N)
+        hn::StoreU(acc, d, y + r * dim + c);
+      else
+        StoreTail(d, acc, y + r * dim + c, count);
+    }
+  }
+}
+
+// out[r·ld_out + c] = a[r·cols + c]·b[r·cols + c] (accumulate: +=).
+template <class T>
+void Multiply(const T* a, const T* b, size_t rows, size_t cols, T* out, size_t ld_out, bool accumulate) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  for (size_t r = 0; r < rows; ++r) {
+    const T* ar = a + r * cols;
+    const T* br = b + r * cols;
+    T* o = out + r * ld_out;
+    size_t c = 0;
+    for (; c + N <= cols; c += N) {
+      const auto p = hn::Mul(hn::LoadU(d, ar + c), hn::LoadU(d, br + c));
+      hn::StoreU(accumulate ? hn::Add(hn::LoadU(d, o + c), p) : p, d, o + c);
+    }
+    if (c < cols) {
+      const size_t n = cols - c;
+      const auto p = hn::Mul(LoadTail(d, ar + c, n), LoadTail(d, br + c, n));
+      StoreTail(d, accumulate ? hn::Add(LoadTail(d, o + c, n), p) : p, o + c, n);
+    }
+  }
+}
+
+// y[r][c] = x[r][c]·f[c] (accumulate: +=), x and y rows of `cols` values.
+template <class T>
+void ScaleColumns(const T* x, size_t rows, size_t cols, const T* f, T* y, bool accumulate) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  for (size_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * cols;
+    T* yr = y + r * cols;
+    size_t c = 0;
+    for (; c + N <= cols; c += N) {
+      const auto p = hn::Mul(hn::LoadU(d, xr + c), hn::LoadU(d, f + c));
+      hn::StoreU(accumulate ? hn::Add(hn::LoadU(d, yr + c), p) : p, d, yr + c);
+    }
+    if (c < cols) {
+      const size_t n = cols - c;
+      const auto p = hn::Mul(LoadTail(d, xr + c, n), LoadTail(d, f + c, n));
+      StoreTail(d, accumulate ? hn::Add(LoadTail(d, yr + c, n), p) : p, yr + c, n);
+    }
+  }
+}
+
+void DecayPairsF32(const float* a, size_t r, size_t m, float* e) { DecayPairs(a, r, m, e); }
+void DecayPairsF64(const double* a, size_t r, size_t m, double* e) { DecayPairs(a, r, m, e); }
+void DecayedDotsF32(const float* q, const float* k, const float* e, size_t r, size_t m, float* o, size_t ld) {
+  DecayedDots(q, k, e, r, m, o, ld);
+}
+void DecayedDotsF64(const double* q, const double* k, const double* e, size_t r, size_t m, double* o, size_t ld) {
+  DecayedDots(q, k, e, r, m, o, ld);
+}
+void DecayedWeighF32(const float* w, size_t ldw, const float* x, const float* e, size_t r, size_t m, float* y,
+                     bool later) {
+  DecayedWeigh(w, ldw, x, e, r, m, y, later);
+}
+void DecayedWeighF64(const double* w, size_t ldw, const double* x, const double* e, size_t r, size_t m, double* y,
+                     bool later) {
+  DecayedWeigh(w, ldw, x, e, r, m, y, later);
+}
+void MultiplyF32(const float* a, const float* b, size_t r, size_t c, float* o, size_t ld, bool acc) {
+  Multiply(a, b, r, c, o, ld, acc);
+}
+void MultiplyF64(const double* a, const double* b, size_t r, size_t c, double* o, size_t ld, bool acc) {
+  Multiply(a, b, r, c, o, ld, acc);
+}
+void ScaleColumnsF32(const float* x, size_t r, size_t c, const float* f, float* y, bool acc) {
+  ScaleColumns(x, r, c, f, y, acc);
+}
+void ScaleColumnsF64(const double* x, size_t r, size_t c, const double* f, double* y, bool acc) {
+  ScaleColumns(x, r, c, f, y, acc);
+}
+
+// b[j][c] = Σ_{t <= j} max(g[t][c], floor) in float64 (NaN stays NaN), rows of `width` values;
+// and, where `floored` is not null, floored[j][c] = max(g[j][c], floor) in T.
+template <class T>
+void FlooredCumsum(const T* g, size_t rows, size_t width, double floor, double* b, T* floored) {
+  const hn::ScalableTag<double> d;
+  const hn::Rebind<T, decltype(d)> dt;
+  const size_t N = hn::Lanes(d);
+  const auto lo = hn::Set(d, floor);
+  for (size_t j = 0; j < rows; ++j) {
+    const T* gj = g + j * width;
+    double* bj = b + j * width;
+    size_t c = 0;
+    for (; c < width; c += N) {
+      const size_t count = std::min(N, width - c);
+      const auto raw = count == N ? hn::LoadU(dt, gj + c) : LoadTail(dt, gj + c, count);
+      // IfThenElse on x < floor keeps NaN (Max might not)
+      hn::Vec<decltype(d)> x;
+      if constexpr (std::is_same_v<T, double>)
+        x = raw;
+      else
+        x = hn::PromoteTo(d, raw);
+      x = hn::IfThenElse(hn::Lt(x, lo), lo, x);
+      if (floored) {
+        hn::Vec<decltype(dt)> narrow;
+        if constexpr (std::is_same_v<T, double>)
+          narrow = x;
+        else
+          narrow = hn::DemoteTo(dt, x);
+        if (count == N)
+          hn::StoreU(narrow, dt, floored + j * width + c);
+        else
+          StoreTail(dt, narrow, floored + j * width + c, count);
+      }
+      if (j > 0) x = hn::Add(x, count == N ? hn::LoadU(d, bj - width + c) : LoadTail(d, bj - width + c, count));
+      if (count == N)
+        hn::StoreU(x, d, bj + c);
+      else
+        StoreTail(d, x, bj + c, count);
+    }
+  }
+}
+void FlooredCumsumF32(const float* g, size_t r, size_t w, double f, double* b, float* o) {
+  FlooredCumsum(g, r, w, f, b, o);
+}
+void FlooredCumsumF64(const double* g, size_t r, size_t w, double f, double* b, double* o) {
+  FlooredCumsum(g, r, w, f, b, o);
+}
+
 // HWY_EXPORT needs one non-template name per function and type.
 void ColumnMaxF32(const float* x, size_t r, size_t c, size_t ld, float* m) { ColumnMax(x, r, c, ld, m); }
 void ColumnMaxF64(const double* x, size_t r, size_t c, size_t ld, double* m) { ColumnMax(x, r, c, ld, m); }
@@ -878,6 +1076,18 @@ HWY_EXPORT(SoftmaxGradF32);
 HWY_EXPORT(SoftmaxGradF64);
 HWY_EXPORT(SumF32);
 HWY_EXPORT(SumF64);
+HWY_EXPORT(DecayPairsF32);
+HWY_EXPORT(DecayPairsF64);
+HWY_EXPORT(DecayedDotsF32);
+HWY_EXPORT(DecayedDotsF64);
+HWY_EXPORT(DecayedWeighF32);
+HWY_EXPORT(DecayedWeighF64);
+HWY_EXPORT(MultiplyF32);
+HWY_EXPORT(MultiplyF64);
+HWY_EXPORT(ScaleColumnsF32);
+HWY_EXPORT(ScaleColumnsF64);
+HWY_EXPORT(FlooredCumsumF32);
+HWY_EXPORT(FlooredCumsumF64);
 HWY_EXPORT(DotF32);
 HWY_EXPORT(DotF64);
 HWY_EXPORT(CurrentTarget);
@@ -998,6 +1208,44 @@ void softmax_grad(double* ds, const double* p, const double* dp, size_t n, doubl
 }
 float sum(const float* x, size_t n) { return HWY_DYNAMIC_DISPATCH(SumF32)(x, n); }
 double sum(const double* x, size_t n) { return HWY_DYNAMIC_DISPATCH(SumF64)(x, n); }
+void decay_pairs(const float* a, size_t rows, size_t dim, float* e) { HWY_DYNAMIC_DISPATCH(DecayPairsF32)(a, rows, dim, e); }
+void decay_pairs(const double* a, size_t rows, size_t dim, double* e) {
+  HWY_DYNAMIC_DISPATCH(DecayPairsF64)(a, rows, dim, e);
+}
+void decayed_dots(const float* q, const float* k, const float* e, size_t rows, size_t dim, float* out, size_t ld) {
+  HWY_DYNAMIC_DISPATCH(DecayedDotsF32)(q, k, e, rows, dim, out, ld);
+}
+void decayed_dots(const double* q, const double* k, const double* e, size_t rows, size_t dim, double* out,
+                  size_t ld) {
+  HWY_DYNAMIC_DISPATCH(DecayedDotsF64)(q, k, e, rows, dim, out, ld);
+}
+void decayed_weigh(const float* w, size_t ldw, const float* x, const float* e, size_t rows, size_t dim, float* y,
+                   bool later) {
+  HWY_DYNAMIC_DISPATCH(DecayedWeighF32)(w, ldw, x, e, rows, dim, y, later);
+}
+void decayed_weigh(const double* w, size_t ldw, const double* x, const double* e, size_t rows, size_t dim,
+                   double* y, bool later) {
+  HWY_DYNAMIC_DISPATCH(DecayedWeighF64)(w, ldw, x, e, rows, dim, y, later);
+}
+void multiply(const float* a, const float* b, size_t rows, size_t cols, float* out, size_t ld_out, bool accumulate) {
+  HWY_DYNAMIC_DISPATCH(MultiplyF32)(a, b, rows, cols, out, ld_out, accumulate);
+}
+void multiply(const double* a, const double* b, size_t rows, size_t cols, double* out, size_t ld_out,
+              bool accumulate) {
+  HWY_DYNAMIC_DISPATCH(MultiplyF64)(a, b, rows, cols, out, ld_out, accumulate);
+}
+void scale_columns(const float* x, size_t rows, size_t cols, const float* f, float* y, bool accumulate) {
+  HWY_DYNAMIC_DISPATCH(ScaleColumnsF32)(x, rows, cols, f, y, accumulate);
+}
+void scale_columns(const double* x, size_t rows, size_t cols, const double* f, double* y, bool accumulate) {
+  HWY_DYNAMIC_DISPATCH(ScaleColumnsF64)(x, rows, cols, f, y, accumulate);
+}
+void floored_cumsum(const float* g, size_t rows, size_t width, double floor, double* b, float* floored) {
+  HWY_DYNAMIC_DISPATCH(FlooredCumsumF32)(g, rows, width, floor, b, floored);
+}
+void floored_cumsum(const double* g, size_t rows, size_t width, double floor, double* b, double* floored) {
+  HWY_DYNAMIC_DISPATCH(FlooredCumsumF64)(g, rows, width, floor, b, floored);
+}
 float dot(const float* a, const float* b, size_t n) { return HWY_DYNAMIC_DISPATCH(DotF32)(a, b, n); }
 double dot(const double* a, const double* b, size_t n) {
   return HWY_DYNAMIC_DISPATCH(DotF64)(a, b, n);

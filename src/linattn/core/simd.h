@@ -157,6 +157,33 @@ int64_t online_softmax_step(const float* s, size_t ld_s, size_t rows, const int6
 int64_t finish_rows(float* o, size_t ld_o, size_t rows, size_t cols, const float* l, bfloat16* out, size_t ld_out);
 int64_t finish_rows(float* o, size_t ld_o, size_t rows, size_t cols, const float* l, float* out, size_t ld_out);
 
+// Gated linear attention's decays (src/linattn/gated/gated.cc). A diagonal block of `rows` rows
+// keeps its pairs (j, i), i <= j, packed row after row at j(j+1)/2 + i, `dim` values each.
+// e[pair(j, i)] = Π_{i < t <= j} a[t] (1 for i = j), a [rows, dim] the per-step factors.
+// b[j][c] = Σ_{t <= j} max(g[t][c], floor) in float64 (a NaN g stays NaN), rows of `width`
+// values; and, where `floored` is not null, floored[j][c] = max(g[j][c], floor).
+void floored_cumsum(const float* g, size_t rows, size_t width, double floor, double* b, float* floored);
+void floored_cumsum(const double* g, size_t rows, size_t width, double floor, double* b, double* floored);
+void decay_pairs(const float* a, size_t rows, size_t dim, float* e);
+void decay_pairs(const double* a, size_t rows, size_t dim, double* e);
+// out[j·ld + i] = Σ_c q[j][c]·k[i][c]·e[pair(j, i)][c] for i <= j < rows.
+void decayed_dots(const float* q, const float* k, const float* e, size_t rows, size_t dim, float* out, size_t ld);
+void decayed_dots(const double* q, const double* k, const double* e, size_t rows, size_t dim, double* out,
+                  size_t ld);
+// later false: y[j] += Σ_{i <= j} w[j·ldw + i]·x[i] ⊙ e[pair(j, i)];
+// later true:  y[i] += Σ_{j >= i} w[j·ldw + i]·x[j] ⊙ e[pair(j, i)].
+void decayed_weigh(const float* w, size_t ldw, const float* x, const float* e, size_t rows, size_t dim, float* y,
+                   bool later);
+void decayed_weigh(const double* w, size_t ldw, const double* x, const double* e, size_t rows, size_t dim,
+                   double* y, bool later);
+// out[r·ld_out + c] (=, or += with accumulate) a[r·cols + c]·b[r·cols + c].
+void multiply(const float* a, const float* b, size_t rows, size_t cols, float* out, size_t ld_out, bool accumulate);
+void multiply(const double* a, const double* b, size_t rows, size_t cols, double* out, size_t ld_out,
+              bool accumulate);
+// y[r][c] (=, or += with accumulate) x[r][c]·f[c], rows of `cols` values.
+void scale_columns(const float* x, size_t rows, size_t cols, const float* f, float* y, bool accumulate);
+void scale_columns(const double* x, size_t rows, size_t cols, const double* f, double* y, bool accumulate);
+
 // A register-only loop of fused multiply-adds on float vectors, what the benchmarks measure
 // the FMA peak with: `iterations` rounds of fma_loop_flops_per_iteration() FLOPs.
 float fma_loop(size_t iterations, float seed);

@@ -4,10 +4,15 @@
 // cumulative log-gates b_j = Σ_{i<=j} g_i per channel (in float64, from the chunk's start):
 //   o_j = s·(q_j ⊙ e^{b_j})ᵀ P + s·Σ_{i<=j} A[j,i] v_i,   A[j,i] = Σ_c q_jc k_ic e^{b_jc − b_ic}
 //   P'  = diag(e^{b_L})·P + Σ_i (k_i ⊙ e^{b_L − b_i}) v_iᵀ
-// Every exponent used is <= 0, so no factor exceeds 1: A's blocks of 16×16 below the diagonal
-// are products Q̂_J K̂_Iᵀ with Q̂_J = Q_J ⊙ e^{B_J − b_r}, K̂_I = K_I ⊙ e^{b_r − B_I} referenced to
-// the block's first row r (GLA's secondary chunking); the diagonal blocks are summed term by
-// term. A per-head gate is the per-channel one with every channel alike.
+// so the outputs are one product [Q ⊙ e^{B} | A]·[P ; V]. Every factor used is <= 1 (no
+// exponent above 0), so none overflows:
+// - per head, A = (Q Kᵀ) ⊙ D with D[j,i] = e^{b_j − b_i} below the diagonal, 0 above;
+// - per channel (GLA's secondary chunking), blocks of 16 rows: for block J after block I,
+//   e^{b_j − b_i} = e^{b_j − b_{r_J}} · e^{b_{r_J} − b_{e_I}} · e^{b_{e_I} − b_i} (r_J: J's first
+//   row, e_I: I's last), so A_JI is a product of Q_J and K_I scaled by these three factors; a
+//   diagonal block is summed term by term with its pairs' factors e^{b_j − b_i} = Π_{i<t<=j} e^{g_t}
+//   (products of at most 15 per-step factors, simd::decay_pairs), which also give the blocks'
+//   row factors to their first and last rows.
 //
 // Backward (G: the gradient of the state after the chunk, dS_n for the last):
 //   dA = s·dO Vᵀ (lower), dV = s·Aᵀ dO + K̂ G, K̂ = K ⊙ e^{b_L − B}
@@ -17,12 +22,23 @@
 //          + e^{b_L} ⊙ rowsum(G ⊙ P);  dg_t = Σ_{j>=t} db_j (in the chunk)
 //   G ← diag(e^{b_L}) G + s·(Q ⊙ e^{B})ᵀ dO, and dS_0 = G after the first chunk.
 // The states at the chunks' starts are kept from a forward pass over the task's chunks.
+//
+// Input checks ride on the computation (a separate pass over q, k, v cost 9% of the forward):
+// the log-gates are checked where the chunks read them, and every result block is checked
+// finite while in cache. A non-finite input always reaches a result (x·0 = NaN for x = ±inf or
+// NaN, and every input is multiplied into some output, state or gradient), so a non-finite
+// result leads to a scan of the inputs for the error that names the argument; finite inputs
+// with a non-finite result are an overflow, said so. With scale = 0 no q reaches a result:
+// then the inputs are scanned first.
 #include "linattn/gated.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <limits>
 #include <vector>
 
+#include "linattn/core/attention_args.h"
 #include "linattn/core/blas.h"
 #include "linattn/core/error.h"
 #include "linattn/core/parallel.h"
@@ -33,6 +49,8 @@ namespace gated {
 
 constexpr int64_t kChunk = 64;
 constexpr int64_t kBlock = 16;
+constexpr int64_t kBlocks = kChunk / kBlock;
+constexpr int64_t kPairs = kBlock * (kBlock + 1) / 2;
 // Log-gates below this act as it: e^{−1000} is 0 in float64, and chunk sums of at most 64 such
 // values keep their differences exact to ~1e−11.
 constexpr double kFloor = -1000.0;
@@ -43,33 +61,61 @@ struct Dims {
   bool has_state;
   double scale;
   int64_t bh() const { return batch * heads; }
+  int64_t width() const { return per_channel ? dk : 1; }  // log-gates per position
 };
 
+// The arguments of a call, for the scan that names a bad one.
 template <class T>
-void check_finite(const char* fn, const char* name, TensorView<const T> x) {
-  const int64_t size = x.size();
-  if (simd::all_finite(x.data, static_cast<size_t>(size))) return;  // vectorised; the index only when needed
-  for (int64_t i = 0; i < size; ++i)
-    require(std::isfinite(static_cast<double>(x.data[i])), fn, ": ", name, " holds a non-finite value at flat index ",
-            i, " (", static_cast<double>(x.data[i]), ")");
-}
+struct Inputs {
+  TensorView<const T> q, k, v, log_gate, initial_state, dout, dstate;
+};
 
 template <class T>
 void check_shape(const char* fn, const char* name, TensorView<const T> x, const Shape& want) {
   require(x.shape == want, fn, ": ", name, " has shape ", shape_string(x.shape), "; expected ", shape_string(want));
 }
 
+// Every log-gate <= 0 (−inf allowed), never NaN or positive; the first bad one named.
 template <class T>
-Dims check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
-                TensorView<const T> log_gate, TensorView<const T> initial_state,
-                const GatedLinearAttentionOptions& opts) {
+void check_gates(const char* fn, TensorView<const T> log_gate) {
+  for (int64_t i = 0; i < log_gate.size(); ++i) {
+    const double g = static_cast<double>(log_gate.data[i]);
+    require(!std::isnan(g) && g <= 0.0, fn, ": log_gate must be <= 0 (or -inf) everywhere, got ", g,
+            " at flat index ", i);
+  }
+}
+
+// Every input scanned, in the order of the arguments: the error naming the first bad one.
+template <class T>
+void check_inputs(const char* fn, const Dims& d, const Inputs<T>& in) {
+  check_same_shape_finite(fn, "q", in.q, in.q.shape);
+  check_same_shape_finite(fn, "k", in.k, in.q.shape);
+  check_same_shape_finite(fn, "v", in.v, in.v.shape);
+  check_gates(fn, in.log_gate);
+  if (d.has_state) check_same_shape_finite(fn, "initial_state", in.initial_state, in.initial_state.shape);
+  if (in.dout.data) check_same_shape_finite(fn, "dout", in.dout, in.dout.shape);
+  if (in.dstate.data) check_same_shape_finite(fn, "dstate", in.dstate, in.dstate.shape);
+}
+
+// After a computation that found a non-finite result or a bad log-gate: the error naming the
+// input, else the overflow.
+template <class T>
+[[noreturn]] void fail_on_results(const char* fn, const Dims& d, const Inputs<T>& in) {
+  check_inputs(fn, d, in);
+  fail(fn, ": a result overflows ", dtype_name<T>(),
+       ": the inputs are finite but their products exceed its range; scale them down or use float64");
+}
+
+template <class T>
+Dims check_args(const char* fn, const Inputs<T>& in, const GatedLinearAttentionOptions& opts) {
   require(opts.causal, fn, ": causal=false is not supported: the gates decay the state along the sequence, so "
           "each output reads the state at its own position");
+  const TensorView<const T>&q = in.q, &v = in.v, &log_gate = in.log_gate;
   require(q.rank() == 4, fn, ": q must be [batch, heads, seq, d_k], got shape ", shape_string(q.shape));
   require(v.rank() == 4, fn, ": v must be [batch, heads, seq, d_v], got shape ", shape_string(v.shape));
-  Dims d{q.dim(0), q.dim(1), q.dim(2), q.dim(3), v.dim(3), false, initial_state.data != nullptr, 0.0};
+  Dims d{q.dim(0), q.dim(1), q.dim(2), q.dim(3), v.dim(3), false, in.initial_state.data != nullptr, 0.0};
   require(d.dk >= 1 && d.dv >= 1, fn, ": head dimensions must be >= 1, got d_k = ", d.dk, ", d_v = ", d.dv);
-  check_shape(fn, "k", k, q.shape);
+  check_shape(fn, "k", in.k, q.shape);
   check_shape(fn, "v", v, {d.batch, d.heads, d.n, d.dv});
   if (log_gate.rank() == 4) {
     check_shape(fn, "log_gate", log_gate, q.shape);
@@ -79,236 +125,271 @@ Dims check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, Te
             shape_string(log_gate.shape), "; expected [batch, heads, seq] = ",
             shape_string({d.batch, d.heads, d.n}), " (per head) or ", shape_string(q.shape), " (per channel)");
   }
-  check_finite(fn, "q", q);
-  check_finite(fn, "k", k);
-  check_finite(fn, "v", v);
-  const int64_t gates = log_gate.size();
-  bool gates_ok = true;  // a branch-free pass first (NaN fails <=), the index only when needed
-  for (int64_t i = 0; i < gates; ++i) gates_ok &= log_gate.data[i] <= T(0);
-  for (int64_t i = 0; i < gates && !gates_ok; ++i) {
-    const double g = static_cast<double>(log_gate.data[i]);
-    require(!std::isnan(g) && g <= 0.0, fn, ": log_gate must be <= 0 (or -inf) everywhere, got ", g,
-            " at flat index ", i);
-  }
-  if (d.has_state) {
-    check_shape(fn, "initial_state", initial_state, {d.batch, d.heads, d.dk, d.dv});
-    check_finite(fn, "initial_state", initial_state);
-  }
+  if (d.has_state) check_shape(fn, "initial_state", in.initial_state, {d.batch, d.heads, d.dk, d.dv});
+  if (in.dout.data) check_shape(fn, "dout", in.dout, {d.batch, d.heads, d.n, d.dv});
+  if (in.dstate.data) check_shape(fn, "dstate", in.dstate, {d.batch, d.heads, d.dk, d.dv});
   if (opts.scale) {
     require(std::isfinite(*opts.scale), fn, ": scale must be finite, got ", *opts.scale);
     d.scale = *opts.scale;
   } else {
     d.scale = 1.0 / std::sqrt(static_cast<double>(d.dk));
   }
+  if (static_cast<T>(d.scale) == T(0)) check_inputs(fn, d, in);  // no q reaches a result
   return d;
 }
 
-// One worker's scratch for one chunk, and the chunk's decays: the cumulative log-gates b
-// (float64; [L, w], w = d_k per channel, 1 per head) and the factors e^{b_j − b_i} of the
-// diagonal blocks (per channel: [L/16][136 pairs j >= i][d_k]; per head: the lower triangle of
-// [C, C]), made once per chunk and used by the scores and both weighings.
+// One worker's scratch for one chunk, and the chunk's decays (made once per chunk, used by the
+// scores, the outputs and both weighings):
+// - b: the cumulative log-gates (float64; [L, w], w = d_k per channel, 1 per head);
+// - from_start [L, w] = e^{b_j} and to_end [L, w] = e^{b_{L−1} − b_j};
+// - per head: D [L, L] (ld C); per channel: the per-step factors a = e^{g} [L, d_k], each
+//   block's pairs (simd::decay_pairs), its rows' factors to the block's first row, and
+//   between[J][I] = e^{b_{r_J} − b_{e_I}} for blocks J > I.
 template <class T>
 struct Scratch {
   int64_t dk, w;
   bool per_channel;
   int64_t L = 0;
-  std::vector<double> b;            // [C, w]
-  std::vector<T> diag;              // the diagonal blocks' (per channel) or the chunk's (per head) decays
-  std::vector<T> factors;           // [C, dk] row factors
-  std::vector<T> zeros;             // exp_minus_columns' shift
-  std::vector<T> gated_q;           // [C, dk] Q ⊙ e^{B}
-  std::vector<T> gated_k;           // [C, dk] K ⊙ e^{b_L − B}
-  std::vector<T> scores;            // [C, C] A (lower)
-  std::vector<T> block_a, block_b;  // [16, dk]
-  std::vector<T> work;              // [C, dk]
-  std::vector<T> weights;           // [C, C] (per head: dA ⊙ D)
-  std::vector<T> dscores;           // [C, C]
-  std::vector<T> dk_state;          // [C, dk]
+  bool gates_ok = true;   // every log-gate read so far was <= 0
+  bool finite = true;     // every result written so far was finite
+  std::vector<double> b;  // [C, w]
+  std::vector<T> from_start, to_end;  // [C, w]
+  std::vector<T> diag;                // per head: D [C, C]
+  std::vector<T> steps;               // per channel: a [C, dk]
+  std::vector<T> pairs;               // per channel: [kBlocks][kPairs][dk]
+  std::vector<T> to_first;            // per channel: [C, dk], e^{b_j − b_{r_J}}
+  std::vector<T> between;             // per channel: [kBlocks][kBlocks][dk]
+  std::vector<T> zeros;               // exp_minus_columns' shift
+  int64_t lhs_ld;                     // dk + C
+  std::vector<T> lhs;                 // [C, dk + C]: [Q ⊙ e^{B} | A], the left operand of the outputs
+  std::vector<T> rhs;                 // [dk + C, dv]: [P ; V], the state P on top for the whole task
+  std::vector<T> kt;                  // per head: Kᵀ [dk, C] (a plain product is faster than one with Bᵀ)
+  std::vector<T> scaled;              // [C, dk] a chunk's rows scaled to a reference row
+  std::vector<T> gated_k;             // [C, dk] K ⊙ e^{b_L − B}
+  std::vector<T> block_a, block_b;    // [16, dk]
+  std::vector<T> scores;              // [C, C] A (lower), backward
+  std::vector<T> dscores;             // [C, C] dA, backward
+  std::vector<T> work;                // [C, dk]
+  std::vector<T> weights;             // [C, C] (per head: dA ⊙ D)
+  std::vector<T> dk_state;            // [C, dk]
   Scratch(const Dims& d, bool backward)
-      : dk(d.dk), w(d.per_channel ? d.dk : 1), per_channel(d.per_channel), b(kChunk * w),
-        diag(per_channel ? (kChunk / kBlock) * kPairs * d.dk : kChunk * kChunk), factors(kChunk * d.dk),
-        zeros(std::max<int64_t>(kChunk * kChunk, (kChunk / kBlock) * kPairs * d.dk)), gated_q(kChunk * d.dk),
-        gated_k(kChunk * d.dk), scores(kChunk * kChunk), block_a(kBlock * d.dk), block_b(kBlock * d.dk),
-        work(kChunk * d.dk), weights(kChunk * kChunk) {
+      : dk(d.dk), w(d.width()), per_channel(d.per_channel), b(kChunk * w), from_start(kChunk * w),
+        to_end(kChunk * w), zeros(kChunk * std::max(kChunk, d.dk), T(0)), lhs_ld(d.dk + kChunk),
+        lhs(kChunk * (d.dk + kChunk)), rhs((d.dk + kChunk) * d.dv), scaled(kChunk * d.dk), gated_k(kChunk * d.dk),
+        block_a(std::max(kBlock, 2 * kBlocks) * d.dk), block_b(kBlock * d.dk) {
+    if (per_channel) {
+      steps.resize(kChunk * dk);
+      pairs.resize(kBlocks * kPairs * dk);
+      to_first.resize(kChunk * dk);
+      between.resize(kBlocks * kBlocks * dk);
+    } else {
+      diag.resize(kChunk * kChunk);
+      kt.resize(d.dk * kChunk);
+    }
     if (backward) {
+      scores.resize(kChunk * kChunk);
       dscores.resize(kChunk * kChunk);
+      work.resize(kChunk * std::max(d.dk, d.dv));
+      weights.resize(kChunk * kChunk);
       dk_state.resize(kChunk * d.dk);
     }
   }
-  static constexpr int64_t kPairs = kBlock * (kBlock + 1) / 2;
-  static int64_t pair(int64_t j, int64_t i) { return j * (j + 1) / 2 + i; }  // in-block j >= i
 
-  // e^{x} in place for n values x <= 0 (Highway's vectorised exp).
-  void exp_in_place(T* x, int64_t n) {
-    simd::exp_minus_columns(x, 1, static_cast<size_t>(n), static_cast<size_t>(n), zeros.data());
+  // e^{x} in place for `rows` rows of `cols` values x <= 0, ld apart (Highway's vectorised exp).
+  void exp_in_place(T* x, int64_t rows, int64_t cols, int64_t ld) {
+    simd::exp_minus_columns(x, static_cast<size_t>(rows), static_cast<size_t>(cols), static_cast<size_t>(ld),
+                            zeros.data());
   }
+  const T* block_pairs(int64_t J) const { return pairs.data() + J * kPairs * dk; }
+  // Rows of block J scaled to its last row, e^{b_{e_J} − b_i}: the last row of its pairs.
+  const T* to_last(int64_t J, int64_t rows) const { return block_pairs(J) + (rows - 1) * rows / 2 * dk; }
+  const T* between_blocks(int64_t J, int64_t I) const { return between.data() + (J * kBlocks + I) * dk; }
 
-  // b of rows t0 .. t0+L−1 of task bh, and the diagonal decays.
+  // The decays of rows t0 .. t0+L−1 of task bh.
   void prepare(const Dims& d, TensorView<const T> log_gate, int64_t bh, int64_t t0, int64_t rows) {
     L = rows;
-    for (int64_t j = 0; j < L; ++j)
-      for (int64_t c = 0; c < w; ++c) {
-        const double g = static_cast<double>(log_gate.data[(bh * d.n + t0 + j) * w + c]);
-        b[j * w + c] = (j ? b[(j - 1) * w + c] : 0.0) + std::max(g, kFloor);
+    const T* g = log_gate.data + (bh * d.n + t0) * w;
+    int bad = 0;  // an integer count, which the compiler vectorises
+    for (int64_t i = 0; i < L * w; ++i) bad += !(g[i] <= T(0));  // NaN fails too
+    gates_ok = gates_ok && bad == 0;
+    simd::floored_cumsum(g, static_cast<size_t>(L), static_cast<size_t>(w), kFloor, b.data(),
+                         per_channel ? steps.data() : nullptr);
+    if (!per_channel) {
+      for (int64_t j = 0; j < L; ++j) {
+        from_start[j] = static_cast<T>(b[j]);
+        to_end[j] = static_cast<T>(b[L - 1] - b[j]);
       }
-    if (per_channel) {
-      for (int64_t j0 = 0; j0 < L; j0 += kBlock) {
-        T* e = diag.data() + (j0 / kBlock) * kPairs * dk;
-        const int64_t rows_in = std::min(kBlock, L - j0);
-        for (int64_t j = 0; j < rows_in; ++j)
-          for (int64_t i = 0; i <= j; ++i)
-            for (int64_t c = 0; c < dk; ++c)
-              e[pair(j, i) * dk + c] = static_cast<T>(b[(j0 + j) * dk + c] - b[(j0 + i) * dk + c]);
-        exp_in_place(e, pair(rows_in - 1, rows_in - 1) * dk + dk);
-      }
-    } else {
+      exp_in_place(from_start.data(), 1, L, L);
+      exp_in_place(to_end.data(), 1, L, L);
+      // D: e^{b_j − b_i} on and below the diagonal, e^{−inf} = 0 above
+      const T above = -std::numeric_limits<T>::infinity();
       for (int64_t j = 0; j < L; ++j) {
         T* row = diag.data() + j * kChunk;
-        for (int64_t i = 0; i <= j; ++i) row[i] = static_cast<T>(b[j] - b[i]);
-        exp_in_place(row, j + 1);
+        for (int64_t i = 0; i < L; ++i) row[i] = i <= j ? static_cast<T>(b[j] - b[i]) : above;
       }
-    }
-  }
-
-  // out[j, :] = x[j, :] ⊙ e^{sign·(b_{j0+j} − b_r)} for `rows` rows (r < 0: b_r = 0).
-  void scale_rows(const T* x, int64_t j0, int64_t rows, int64_t r, double sign, T* out) {
-    if (!per_channel) {
-      for (int64_t j = 0; j < rows; ++j) {
-        const T f = static_cast<T>(std::exp(sign * (b[j0 + j] - (r < 0 ? 0.0 : b[r]))));
-        for (int64_t c = 0; c < dk; ++c) out[j * dk + c] = x[j * dk + c] * f;
-      }
+      exp_in_place(diag.data(), L, L, kChunk);
       return;
     }
-    for (int64_t j = 0; j < rows; ++j)
-      for (int64_t c = 0; c < dk; ++c)
-        factors[j * dk + c] = static_cast<T>(sign * (b[(j0 + j) * dk + c] - (r < 0 ? 0.0 : b[r * dk + c])));
-    exp_in_place(factors.data(), rows * dk);
-    for (int64_t i = 0; i < rows * dk; ++i) out[i] = x[i] * factors[i];
+    // Per channel, the exponentials are the per-step factors e^{g} and, per block, e^{b_{r_J}}
+    // (to the block's first row from the chunk's start), e^{b_{L−1} − b_{e_J}} (from its last
+    // row to the chunk's end) and between[J][I]; every other factor is a product of these.
+    exp_in_place(steps.data(), 1, L * dk, L * dk);
+    const int64_t blocks = (L + kBlock - 1) / kBlock;
+    T* edges = block_a.data();  // [2 · blocks, dk]: e^{b_{r_J}}, then e^{b_{L−1} − b_{e_J}}
+    for (int64_t J = 0; J < blocks; ++J) {
+      const int64_t r = J * kBlock, e = std::min(L, r + kBlock) - 1;
+      for (int64_t c = 0; c < dk; ++c) {
+        edges[J * dk + c] = static_cast<T>(b[r * dk + c]);
+        edges[(blocks + J) * dk + c] = static_cast<T>(b[(L - 1) * dk + c] - b[e * dk + c]);
+      }
+      for (int64_t I = 0; I < J; ++I) {
+        T* f = between.data() + (J * kBlocks + I) * dk;
+        const int64_t last = I * kBlock + kBlock - 1;
+        for (int64_t c = 0; c < dk; ++c) f[c] = static_cast<T>(b[r * dk + c] - b[last * dk + c]);
+      }
+    }
+    exp_in_place(edges, 1, 2 * blocks * dk, 2 * blocks * dk);
+    exp_in_place(between.data(), 1, kBlocks * kBlocks * dk, kBlocks * kBlocks * dk);
+    for (int64_t J = 0; J < blocks; ++J) {
+      const int64_t r = J * kBlock, n = std::min(kBlock, L - r);
+      simd::decay_pairs(steps.data() + r * dk, static_cast<size_t>(n), static_cast<size_t>(dk), pairs.data() + J * kPairs * dk);
+      for (int64_t j = 0; j < n; ++j)  // e^{b_j − b_r}: the pair (j, 0)
+        std::copy(block_pairs(J) + j * (j + 1) / 2 * dk, block_pairs(J) + (j * (j + 1) / 2 + 1) * dk,
+                  to_first.data() + (r + j) * dk);
+      // e^{b_j} = e^{b_r}·e^{b_j − b_r}, e^{b_{L−1} − b_j} = e^{b_{L−1} − b_e}·e^{b_e − b_j}
+      for (int64_t j = 0; j < n; ++j) {
+        simd::multiply(to_first.data() + (r + j) * dk, edges + J * dk, 1, static_cast<size_t>(dk),
+                       from_start.data() + (r + j) * dk, static_cast<size_t>(dk), false);
+        simd::multiply(to_last(J, n) + j * dk, edges + (blocks + J) * dk, 1, static_cast<size_t>(dk),
+                       to_end.data() + (r + j) * dk, static_cast<size_t>(dk), false);
+      }
+    }
   }
 
-  // The state's decay over the chunk in channel c: e^{b_{L−1,c}}.
-  double last_decay(int64_t c) const { return std::exp(b[(L - 1) * w + (per_channel ? c : 0)]); }
+  // out [L, dk] (ld ld_out) = x ⊙ e^{B} (from the chunk's start) or x ⊙ e^{b_L − B} (to its end).
+  void from_chunk_start(const T* x, T* out, int64_t ld_out) const { scale(x, from_start.data(), out, ld_out); }
+  void to_chunk_end(const T* x, T* out, int64_t ld_out) const { scale(x, to_end.data(), out, ld_out); }
+  void scale(const T* x, const T* factors, T* out, int64_t ld_out) const {
+    if (per_channel)
+      simd::multiply(x, factors, static_cast<size_t>(L), static_cast<size_t>(dk), out, static_cast<size_t>(ld_out), false);
+    else
+      simd::scale_rows(x, static_cast<size_t>(dk), static_cast<size_t>(L), static_cast<size_t>(dk), factors, out,
+                       static_cast<size_t>(ld_out));
+  }
+  // x [dk, cols] (rows = channels) ⊙= e^{b_L} per channel: the state's (or G's) decay over the chunk.
+  void decay_over_chunk(T* x, int64_t cols) const {
+    const T* last = from_start.data() + (L - 1) * w;
+    if (per_channel)
+      simd::scale_rows(x, static_cast<size_t>(cols), static_cast<size_t>(dk), static_cast<size_t>(cols), last, x,
+                       static_cast<size_t>(cols));
+    else
+      simd::scale(x, static_cast<size_t>(dk * cols), last[0]);
+  }
 };
 
-// A [L, L] (ld kChunk), lower triangle with the diagonal: A[j,i] = Σ_c q_jc k_ic e^{b_jc − b_ic};
+// A [L, L] (ld lda), lower triangle with the diagonal: A[j,i] = Σ_c q_jc k_ic e^{b_jc − b_ic};
 // zero above.
 template <class T>
-void chunk_scores(const T* q, const T* k, Scratch<T>& s, T* a) {
+void chunk_scores(const T* q, const T* k, Scratch<T>& s, T* a, int64_t lda) {
   const int64_t L = s.L, dk = s.dk;
-  if (!s.per_channel) {  // A = (Q Kᵀ) ⊙ D
-    matmul<T>(mat(a, L, L, kChunk), mat(q, L, dk), mat(k, L, dk).t());
-    for (int64_t j = 0; j < L; ++j) {
-      for (int64_t i = 0; i <= j; ++i) a[j * kChunk + i] *= s.diag[j * kChunk + i];
-      std::fill(a + j * kChunk + j + 1, a + j * kChunk + L, T(0));
-    }
-    return;
-  }
-  for (int64_t j0 = 0; j0 < L; j0 += kBlock) {
-    const int64_t rows = std::min(kBlock, L - j0);
-    if (j0 > 0) s.scale_rows(q + j0 * dk, j0, rows, j0, 1.0, s.block_a.data());  // referenced to row j0
-    for (int64_t i0 = 0; i0 < j0; i0 += kBlock) {
-      s.scale_rows(k + i0 * dk, i0, kBlock, j0, -1.0, s.block_b.data());
-      matmul<T>(mat(a + j0 * kChunk + i0, rows, kBlock, kChunk), mat<const T>(s.block_a.data(), rows, dk),
-                mat<const T>(s.block_b.data(), kBlock, dk).t());
-    }
-    const T* e = s.diag.data() + (j0 / kBlock) * Scratch<T>::kPairs * dk;
-    for (int64_t j = 0; j < rows; ++j) {
-      for (int64_t i = 0; i <= j; ++i) {
-        const T* qj = q + (j0 + j) * dk;
-        const T* ki = k + (j0 + i) * dk;
-        const T* eji = e + Scratch<T>::pair(j, i) * dk;
-        T acc = 0;
-        for (int64_t c = 0; c < dk; ++c) acc += qj[c] * ki[c] * eji[c];
-        a[(j0 + j) * kChunk + j0 + i] = acc;
-      }
-      std::fill(a + (j0 + j) * kChunk + j0 + j + 1, a + (j0 + j) * kChunk + L, T(0));
-    }
-  }
-}
-
-// y [L, dk] += Σ_{i<=j} w[j,i] x_i ⊙ e^{b_j − b_i} (w lower, ld kChunk).
-template <class T>
-void weigh_earlier(const T* w, const T* x, Scratch<T>& s, T* y) {
-  const int64_t L = s.L, dk = s.dk;
-  if (!s.per_channel) {  // y += (w ⊙ D) X
+  if (!s.per_channel) {  // A = (Q Kᵀ) ⊙ D, D zero above the diagonal
+    for (int64_t i = 0; i < L; ++i)
+      for (int64_t c = 0; c < dk; ++c) s.kt[c * kChunk + i] = k[i * dk + c];
+    matmul<T>(mat(a, L, L, lda), mat(q, L, dk), mat<const T>(s.kt.data(), dk, L, kChunk));
     for (int64_t j = 0; j < L; ++j)
-      for (int64_t i = 0; i < L; ++i) s.weights[j * kChunk + i] = i <= j ? w[j * kChunk + i] * s.diag[j * kChunk + i] : T(0);
-    matmul<T>(mat(y, L, dk), mat<const T>(s.weights.data(), L, L, kChunk), mat(x, L, dk), T(1), T(1));
+      simd::multiply(a + j * lda, s.diag.data() + j * kChunk, 1, static_cast<size_t>(L), a + j * lda,
+                     static_cast<size_t>(L), false);
     return;
   }
-  for (int64_t j0 = 0; j0 < L; j0 += kBlock) {
-    const int64_t rows = std::min(kBlock, L - j0);
-    if (j0 > 0) {
-      std::fill(s.block_a.begin(), s.block_a.begin() + rows * dk, T(0));
-      for (int64_t i0 = 0; i0 < j0; i0 += kBlock) {
-        s.scale_rows(x + i0 * dk, i0, kBlock, j0, -1.0, s.block_b.data());
-        matmul<T>(mat(s.block_a.data(), rows, dk), mat<const T>(w + j0 * kChunk + i0, rows, kBlock, kChunk),
-                  mat<const T>(s.block_b.data(), kBlock, dk), T(1), T(1));
-      }
-      s.scale_rows(s.block_a.data(), j0, rows, j0, 1.0, s.block_b.data());
-      for (int64_t i = 0; i < rows * dk; ++i) y[j0 * dk + i] += s.block_b[i];
+  // K̃ = each block's K scaled to the block's last row
+  for (int64_t I = 0; I * kBlock < L; ++I) {
+    const int64_t r = I * kBlock, n = std::min(kBlock, L - r);
+    simd::multiply(k + r * dk, s.to_last(I, n), static_cast<size_t>(n), static_cast<size_t>(dk),
+                   s.scaled.data() + r * dk, static_cast<size_t>(dk), false);
+  }
+  for (int64_t J = 0; J * kBlock < L; ++J) {
+    const int64_t r = J * kBlock, n = std::min(kBlock, L - r);
+    if (J > 0)  // Q̂_J = Q_J scaled to the block's first row
+      simd::multiply(q + r * dk, s.to_first.data() + r * dk, static_cast<size_t>(n), static_cast<size_t>(dk),
+                     s.block_a.data(), static_cast<size_t>(dk), false);
+    for (int64_t I = 0; I < J; ++I) {  // A_JI = (Q̂_J ⊙ e^{b_{r_J} − b_{e_I}}) K̃_Iᵀ
+      simd::scale_columns(s.block_a.data(), static_cast<size_t>(n), static_cast<size_t>(dk), s.between_blocks(J, I),
+                          s.block_b.data(), false);
+      matmul<T>(mat(a + r * lda + I * kBlock, n, kBlock, lda), mat<const T>(s.block_b.data(), n, dk),
+                mat<const T>(s.scaled.data() + I * kBlock * dk, kBlock, dk).t());
     }
-    const T* e = s.diag.data() + (j0 / kBlock) * Scratch<T>::kPairs * dk;
-    for (int64_t j = 0; j < rows; ++j)
-      for (int64_t i = 0; i <= j; ++i) {
-        const T wji = w[(j0 + j) * kChunk + j0 + i];
-        if (wji == T(0)) continue;
-        const T* xi = x + (j0 + i) * dk;
-        const T* eji = e + Scratch<T>::pair(j, i) * dk;
-        T* yj = y + (j0 + j) * dk;
-        for (int64_t c = 0; c < dk; ++c) yj[c] += wji * xi[c] * eji[c];
-      }
+    simd::decayed_dots(q + r * dk, k + r * dk, s.block_pairs(J), static_cast<size_t>(n), static_cast<size_t>(dk),
+                       a + r * lda + r, static_cast<size_t>(lda));
+    for (int64_t j = 0; j < n; ++j) std::fill(a + (r + j) * lda + r + j + 1, a + (r + j) * lda + L, T(0));
   }
 }
 
-// y [L, dk] += Σ_{j>=i} w[j,i] x_j ⊙ e^{b_j − b_i} (w lower, ld kChunk).
+// y [L, dk] += Σ_{i<=j} w[j,i] x_i ⊙ e^{b_j − b_i} (later false), or
+// y [L, dk] += Σ_{j>=i} w[j,i] x_j ⊙ e^{b_j − b_i} (later true); w lower, ld kChunk.
 template <class T>
-void weigh_later(const T* w, const T* x, Scratch<T>& s, T* y) {
+void weigh(const T* w, const T* x, Scratch<T>& s, T* y, bool later) {
   const int64_t L = s.L, dk = s.dk;
-  if (!s.per_channel) {  // y += (w ⊙ D)ᵀ X
+  if (!s.per_channel) {  // y += (w ⊙ D) X, or (w ⊙ D)ᵀ X
     for (int64_t j = 0; j < L; ++j)
-      for (int64_t i = 0; i < L; ++i) s.weights[j * kChunk + i] = i <= j ? w[j * kChunk + i] * s.diag[j * kChunk + i] : T(0);
-    matmul<T>(mat(y, L, dk), mat<const T>(s.weights.data(), L, L, kChunk).t(), mat(x, L, dk), T(1), T(1));
+      simd::multiply(w + j * kChunk, s.diag.data() + j * kChunk, 1, static_cast<size_t>(L),
+                     s.weights.data() + j * kChunk, static_cast<size_t>(L), false);
+    const Mat<const T> weights = mat<const T>(s.weights.data(), L, L, kChunk);
+    matmul<T>(mat(y, L, dk), later ? weights.t() : weights, mat(x, L, dk), T(1), T(1));
     return;
   }
-  for (int64_t i0 = 0; i0 < L; i0 += kBlock) {
-    const int64_t cols = std::min(kBlock, L - i0);
-    for (int64_t j0 = i0 + kBlock; j0 < L; j0 += kBlock) {
-      const int64_t rows = std::min(kBlock, L - j0);
-      s.scale_rows(x + j0 * dk, j0, rows, j0, 1.0, s.block_a.data());
-      matmul<T>(mat(s.block_b.data(), cols, dk), mat<const T>(w + j0 * kChunk + i0, rows, cols, kChunk).t(),
-                mat<const T>(s.block_a.data(), rows, dk));
-      s.scale_rows(s.block_b.data(), i0, cols, j0, -1.0, s.block_a.data());  // ⊙ e^{b_{j0} − b_i}
-      for (int64_t i = 0; i < cols * dk; ++i) y[i0 * dk + i] += s.block_a[i];
+  // Between blocks J > I: e^{b_j − b_i} = e^{b_j − b_{r_J}}·e^{b_{r_J} − b_{e_I}}·e^{b_{e_I} − b_i}.
+  // X scaled to its blocks' last rows (earlier) or first rows (later), once.
+  for (int64_t B = 0; B * kBlock < L; ++B) {
+    const int64_t r = B * kBlock, n = std::min(kBlock, L - r);
+    simd::multiply(x + r * dk, later ? s.to_first.data() + r * dk : s.to_last(B, n), static_cast<size_t>(n),
+                   static_cast<size_t>(dk), s.scaled.data() + r * dk, static_cast<size_t>(dk), false);
+  }
+  for (int64_t R = 0; R * kBlock < L; ++R) {  // the block of rows of y
+    const int64_t r = R * kBlock, n = std::min(kBlock, L - r);
+    bool any = false;
+    const int64_t first = later ? R + 1 : 0, end = later ? (L + kBlock - 1) / kBlock : R;
+    for (int64_t O = first; O < end; ++O) {  // the other block
+      const int64_t ro = O * kBlock, no = std::min(kBlock, L - ro);
+      if (later)  // Σ_j w[j,i] x̂_j: w_ORᵀ X̂_O
+        matmul<T>(mat(s.block_b.data(), n, dk), mat<const T>(w + ro * kChunk + r, no, n, kChunk).t(),
+                  mat<const T>(s.scaled.data() + ro * dk, no, dk));
+      else  // Σ_i w[j,i] x̃_i: w_RO X̃_O
+        matmul<T>(mat(s.block_b.data(), n, dk), mat<const T>(w + r * kChunk + ro, n, no, kChunk),
+                  mat<const T>(s.scaled.data() + ro * dk, no, dk));
+      simd::scale_columns(s.block_b.data(), static_cast<size_t>(n), static_cast<size_t>(dk),
+                          later ? s.between_blocks(O, R) : s.between_blocks(R, O), s.block_a.data(), any);
+      any = true;
     }
-    const T* e = s.diag.data() + (i0 / kBlock) * Scratch<T>::kPairs * dk;
-    for (int64_t i = 0; i < cols; ++i)
-      for (int64_t j = i; j < cols; ++j) {
-        const T wji = w[(i0 + j) * kChunk + i0 + i];
-        if (wji == T(0)) continue;
-        const T* xj = x + (i0 + j) * dk;
-        const T* eji = e + Scratch<T>::pair(j, i) * dk;
-        T* yi = y + (i0 + i) * dk;
-        for (int64_t c = 0; c < dk; ++c) yi[c] += wji * xj[c] * eji[c];
-      }
+    if (any)  // y_R += acc ⊙ (its rows' factors to the block's last row (later) or from its first)
+      simd::multiply(s.block_a.data(), later ? s.to_last(R, n) : s.to_first.data() + r * dk, static_cast<size_t>(n),
+                     static_cast<size_t>(dk), y + r * dk, static_cast<size_t>(dk), true);
+    simd::decayed_weigh(w + r * kChunk + r, kChunk, x + r * dk, s.block_pairs(R), static_cast<size_t>(n),
+                        static_cast<size_t>(dk), y + r * dk, later);
   }
 }
 
-// One chunk of the forward (s prepared): out rows (written), and the state P advanced in place.
+// One chunk of the forward (s prepared), with the state P in the top d_k rows of s.rhs: out rows
+// (written) = s·[Q ⊙ e^{B} | A]·[P ; V] (one product), and P advanced in place.
 template <class T>
-void forward_chunk(const Dims& d, const T* q, const T* k, const T* v, T* state, T* out, Scratch<T>& s) {
-  const int64_t dk = d.dk, dv = d.dv, L = s.L;
-  const T sc = static_cast<T>(d.scale);
-  s.scale_rows(q, 0, L, -1, 1.0, s.gated_q.data());  // Q ⊙ e^{B}
-  matmul<T>(mat(out, L, dv), mat<const T>(s.gated_q.data(), L, dk), mat<const T>(state, dk, dv), sc);
-  chunk_scores(q, k, s, s.scores.data());
-  matmul<T>(mat(out, L, dv), mat<const T>(s.scores.data(), L, L, kChunk), mat<const T>(v, L, dv), sc, T(1));
-  s.scale_rows(k, 0, L, L - 1, -1.0, s.gated_k.data());  // K ⊙ e^{b_L − B}
-  for (int64_t c = 0; c < dk; ++c) {
-    const T decay = static_cast<T>(s.last_decay(c));
-    for (int64_t e = 0; e < dv; ++e) state[c * dv + e] *= decay;
-  }
-  matmul<T>(mat(state, dk, dv), mat<const T>(s.gated_k.data(), L, dk).t(), mat<const T>(v, L, dv), T(1), T(1));
+void forward_chunk(const Dims& d, const T* q, const T* k, const T* v, T* out, Scratch<T>& s) {
+  const int64_t dk = d.dk, dv = d.dv, L = s.L, ld = s.lhs_ld;
+  T* state = s.rhs.data();
+  s.from_chunk_start(q, s.lhs.data(), ld);
+  chunk_scores(q, k, s, s.lhs.data() + dk, ld);
+  std::copy(v, v + L * dv, state + dk * dv);
+  matmul<T>(mat(out, L, dv), mat<const T>(s.lhs.data(), L, dk + L, ld), mat<const T>(state, dk + L, dv),
+            static_cast<T>(d.scale));
+  s.finite = s.finite && simd::all_finite(out, static_cast<size_t>(L * dv));
+  s.to_chunk_end(k, s.gated_k.data(), dk);
+  s.decay_over_chunk(state, dv);
+  matmul<T>(mat(state, dk, dv), mat<const T>(s.gated_k.data(), L, dk).t(), mat(v, L, dv), T(1), T(1));
+}
+
+template <class T>
+bool all_workers(PerWorker<Scratch<T>>& scratch, bool Scratch<T>::*flag) {
+  for (int w = 0; w < scratch.size(); ++w)
+    if (!(scratch[w].*flag)) return false;
+  return true;
 }
 
 }  // namespace gated
@@ -319,7 +400,8 @@ GatedLinearAttentionResult<T> gated_linear_attention(TensorView<const T> q, Tens
                                                      TensorView<const T> initial_state,
                                                      const GatedLinearAttentionOptions& opts) {
   const char* fn = "gated_linear_attention";
-  const gated::Dims d = gated::check_args(fn, q, k, v, log_gate, initial_state, opts);
+  const gated::Inputs<T> in{q, k, v, log_gate, initial_state, {}, {}};
+  const gated::Dims d = gated::check_args(fn, in, opts);
   GatedLinearAttentionResult<T> r{Tensor<T>({d.batch, d.heads, d.n, d.dv}, false, Init::Uninitialized),
                                   Tensor<T>({d.batch, d.heads, d.dk, d.dv}, false, Init::Uninitialized)};
   const int64_t dk = d.dk, dv = d.dv;
@@ -327,7 +409,7 @@ GatedLinearAttentionResult<T> gated_linear_attention(TensorView<const T> q, Tens
   PerWorker<gated::Scratch<T>> scratch(loop, [&] { return gated::Scratch<T>(d, false); });
   loop.run([&](int64_t bh, int worker) {
     gated::Scratch<T>& s = scratch[worker];
-    T* state = r.state.data() + bh * dk * dv;
+    T* state = s.rhs.data();
     if (d.has_state)
       std::copy(initial_state.data + bh * dk * dv, initial_state.data + (bh + 1) * dk * dv, state);
     else
@@ -337,9 +419,13 @@ GatedLinearAttentionResult<T> gated_linear_attention(TensorView<const T> q, Tens
       const int64_t L = std::min(gated::kChunk, d.n - t0);
       s.prepare(d, log_gate, bh, t0, L);
       gated::forward_chunk(d, q.data + (bh * d.n + t0) * dk, k.data + (bh * d.n + t0) * dk,
-                           v.data + (bh * d.n + t0) * dv, state, r.out.data() + (bh * d.n + t0) * dv, s);
+                           v.data + (bh * d.n + t0) * dv, r.out.data() + (bh * d.n + t0) * dv, s);
     }
+    s.finite = s.finite && simd::all_finite(state, static_cast<size_t>(dk * dv));
+    std::copy(state, state + dk * dv, r.state.data() + bh * dk * dv);
   });
+  if (!gated::all_workers(scratch, &gated::Scratch<T>::gates_ok) || !gated::all_workers(scratch, &gated::Scratch<T>::finite))
+    gated::fail_on_results(fn, d, in);
   return r;
 }
 
@@ -349,15 +435,11 @@ GatedLinearAttentionGrads<T> gated_linear_attention_backward(
     TensorView<const T> initial_state, TensorView<const T> dout, TensorView<const T> dstate,
     const GatedLinearAttentionOptions& opts) {
   const char* fn = "gated_linear_attention_backward";
-  const gated::Dims d = gated::check_args(fn, q, k, v, log_gate, initial_state, opts);
+  const gated::Inputs<T> in{q, k, v, log_gate, initial_state, dout, dstate};
+  const gated::Dims d = gated::check_args(fn, in, opts);
   gated::check_shape(fn, "dout", dout, {d.batch, d.heads, d.n, d.dv});
-  gated::check_finite(fn, "dout", dout);
   const bool has_dstate = dstate.data != nullptr;
-  if (has_dstate) {
-    gated::check_shape(fn, "dstate", dstate, {d.batch, d.heads, d.dk, d.dv});
-    gated::check_finite(fn, "dstate", dstate);
-  }
-  const int64_t dk = d.dk, dv = d.dv;
+  const int64_t dk = d.dk, dv = d.dv, width = d.width();
   const int64_t chunks = (d.n + gated::kChunk - 1) / gated::kChunk;
   GatedLinearAttentionGrads<T> g{Tensor<T>(q.shape, false, Init::Uninitialized),
                                  Tensor<T>(k.shape, false, Init::Uninitialized),
@@ -380,16 +462,18 @@ GatedLinearAttentionGrads<T> gated_linear_attention_backward(
     T* dkb = g.dk.data() + bh * d.n * dk;
     T* dvb = g.dv.data() + bh * d.n * dv;
     // Forward over the chunks for their starting states (the outputs are not needed: work).
-    std::vector<T> state(static_cast<size_t>(dk * dv));
+    T* state = s.rhs.data();
     if (d.has_state)
-      std::copy(initial_state.data + bh * dk * dv, initial_state.data + (bh + 1) * dk * dv, state.begin());
+      std::copy(initial_state.data + bh * dk * dv, initial_state.data + (bh + 1) * dk * dv, state);
+    else
+      std::fill(state, state + dk * dv, T(0));
     std::vector<T> out_chunk(static_cast<size_t>(gated::kChunk * dv));
     for (int64_t c = 0; c < chunks; ++c) {
       interruption_point();
       const int64_t t0 = c * gated::kChunk, L = std::min(gated::kChunk, d.n - t0);
-      std::copy(state.begin(), state.end(), start.begin() + c * dk * dv);
+      std::copy(state, state + dk * dv, start.begin() + c * dk * dv);
       s.prepare(d, log_gate, bh, t0, L);
-      gated::forward_chunk(d, qb + t0 * dk, kb + t0 * dk, vb + t0 * dv, state.data(), out_chunk.data(), s);
+      gated::forward_chunk(d, qb + t0 * dk, kb + t0 * dk, vb + t0 * dv, out_chunk.data(), s);
     }
     // G: the gradient of the state after the chunk being processed.
     std::vector<T> G(static_cast<size_t>(dk * dv), T(0));
@@ -402,24 +486,26 @@ GatedLinearAttentionGrads<T> gated_linear_attention_backward(
       T *dqc = dqb + t0 * dk, *dkc = dkb + t0 * dk, *dvc = dvb + t0 * dv;
       const T* P = start.data() + c * dk * dv;
       s.prepare(d, log_gate, bh, t0, L);
-      gated::chunk_scores(qc, kc, s, s.scores.data());
+      gated::chunk_scores(qc, kc, s, s.scores.data(), gated::kChunk);
       // dA = s·dO Vᵀ, lower
       matmul<T>(mat(s.dscores.data(), L, L, gated::kChunk), mat(goc, L, dv), mat(vc, L, dv).t(), sc);
       for (int64_t j = 0; j < L; ++j) std::fill(s.dscores.data() + j * gated::kChunk + j + 1,
                                                 s.dscores.data() + j * gated::kChunk + L, T(0));
       // dV = s·Aᵀ dO + K̂ G
-      s.scale_rows(kc, 0, L, L - 1, -1.0, s.gated_k.data());
+      s.to_chunk_end(kc, s.gated_k.data(), dk);
       matmul<T>(mat(dvc, L, dv), mat<const T>(s.scores.data(), L, L, gated::kChunk).t(), mat(goc, L, dv), sc);
       matmul<T>(mat(dvc, L, dv), mat<const T>(s.gated_k.data(), L, dk), mat<const T>(G.data(), dk, dv), T(1), T(1));
       // dq = s·e^{B} ⊙ (dO Pᵀ) + intra
       matmul<T>(mat(s.work.data(), L, dk), mat(goc, L, dv), mat(P, dk, dv).t(), sc);
-      s.scale_rows(s.work.data(), 0, L, -1, 1.0, dqc);
-      gated::weigh_earlier(s.dscores.data(), kc, s, dqc);
+      s.from_chunk_start(s.work.data(), dqc, dk);
+      gated::weigh(s.dscores.data(), kc, s, dqc, false);
       // dk = intra + (V Gᵀ) ⊙ e^{b_L − B}
       matmul<T>(mat(s.work.data(), L, dk), mat(vc, L, dv), mat<const T>(G.data(), dk, dv).t());
-      s.scale_rows(s.work.data(), 0, L, L - 1, -1.0, s.dk_state.data());
+      s.to_chunk_end(s.work.data(), s.dk_state.data(), dk);
       std::copy(s.dk_state.begin(), s.dk_state.begin() + L * dk, dkc);
-      gated::weigh_later(s.dscores.data(), qc, s, dkc);
+      gated::weigh(s.dscores.data(), qc, s, dkc, true);
+      s.finite = s.finite && simd::all_finite(dqc, static_cast<size_t>(L * dk)) &&
+                 simd::all_finite(dkc, static_cast<size_t>(L * dk)) && simd::all_finite(dvc, static_cast<size_t>(L * dv));
       // db, then dg = the reverse cumulative sum of db (log-gates at the floor get none)
       for (int64_t j = 0; j < L; ++j)
         for (int64_t e = 0; e < dk; ++e)
@@ -431,10 +517,9 @@ GatedLinearAttentionGrads<T> gated_linear_attention_backward(
           extra += static_cast<double>(kc[i * dk + e]) * static_cast<double>(s.dk_state[i * dk + e]);
         double gp = 0.0;
         for (int64_t f = 0; f < dv; ++f) gp += static_cast<double>(G[e * dv + f]) * static_cast<double>(P[e * dv + f]);
-        db[(L - 1) * dk + e] += extra + s.last_decay(e) * gp;
+        db[(L - 1) * dk + e] += extra + std::exp(s.b[(L - 1) * width + (d.per_channel ? e : 0)]) * gp;
       }
       // Per head: db summed over the channels first (float64), one reverse sum, one rounding.
-      const int64_t width = d.per_channel ? dk : 1;
       if (!d.per_channel)
         for (int64_t j = 0; j < L; ++j) {
           double row = 0.0;
@@ -451,16 +536,17 @@ GatedLinearAttentionGrads<T> gated_linear_attention_backward(
           dgc[j * width + e] = gate <= gated::kFloor ? T(0) : static_cast<T>(acc);
         }
       }
+      s.finite = s.finite && simd::all_finite(dgc, static_cast<size_t>(L * width));
       // G ← diag(e^{b_L}) G + s·(Q ⊙ e^{B})ᵀ dO
-      s.scale_rows(qc, 0, L, -1, 1.0, s.gated_q.data());
-      for (int64_t e = 0; e < dk; ++e) {
-        const T decay = static_cast<T>(s.last_decay(e));
-        for (int64_t f = 0; f < dv; ++f) G[e * dv + f] *= decay;
-      }
-      matmul<T>(mat(G.data(), dk, dv), mat<const T>(s.gated_q.data(), L, dk).t(), mat(goc, L, dv), sc, T(1));
+      s.from_chunk_start(qc, s.scaled.data(), dk);
+      s.decay_over_chunk(G.data(), dv);
+      matmul<T>(mat(G.data(), dk, dv), mat<const T>(s.scaled.data(), L, dk).t(), mat(goc, L, dv), sc, T(1));
     }
+    s.finite = s.finite && simd::all_finite(G.data(), G.size());
     std::copy(G.begin(), G.end(), g.dinitial_state.data() + bh * dk * dv);
   });
+  if (!gated::all_workers(scratch, &gated::Scratch<T>::gates_ok) || !gated::all_workers(scratch, &gated::Scratch<T>::finite))
+    gated::fail_on_results(fn, d, in);
   return g;
 }
 
