@@ -1,10 +1,13 @@
 """Gated linear attention (linattn.torch.gated_linear_attention, causal, float32) against the
-PyTorch forms a user without a CPU kernel runs, on the same inputs and threads:
+PyTorch forms a user without a CPU kernel runs: flash-linear-attention's own naive PyTorch
+functions (fla-core, pinned in requirements/torch.txt; its Triton kernels do not run on a CPU),
+on the same inputs (in fla's [batch, seq, heads, dim] layout, made contiguous before timing) and
+threads:
 
-- "torch recurrent": the recurrence one position at a time (fla's naive_recurrent_gla form:
-  S = exp(g_t)·S + k_t v_tᵀ, o_t = scale·S_tᵀ q_t), per-head or per-channel gates;
-- "torch chunk": the chunk form with the decay matrix, as fla's naive chunk of simple GLA
-  (per-head gates only): A = (Q Kᵀ) ⊙ exp(b_j − b_i) within chunks of 64, the state between.
+- "fla recurrent": the recurrence one position at a time, `naive_recurrent_simple_gla` (per-head
+  gates) and `naive_recurrent_gla` (per-channel gates);
+- "fla chunk": `naive_chunk_simple_gla`, the chunk form with the decay matrix (chunks of 64, the
+  state between them); fla has no naive chunk form for per-channel gates.
 
 Forward, and forward + backward (gradients of q, k, v and the gates). Timing: one warm-up, then
 the median of at least 5 runs and 1 s (bench/torch_bench.py's time_runs). All forms agree before
@@ -34,36 +37,49 @@ import measured_section  # noqa: E402
 import torch_bench  # noqa: E402
 
 
-def torch_recurrent(q, k, v, g, scale):
-    b, h, n, dk = q.shape
-    s = q.new_zeros(b, h, dk, v.shape[-1])
-    outs = []
-    for t in range(n):
-        decay = torch.exp(g[:, :, t] if g.dim() == 4 else g[:, :, t, None])
-        s = decay[..., None] * s + k[:, :, t, :, None] * v[:, :, t, None, :]
-        outs.append(scale * torch.einsum("bhc,bhcd->bhd", q[:, :, t], s))
-    return torch.stack(outs, 2)
+def fla_functions():
+    import warnings
+    with warnings.catch_warnings():  # "Triton is not supported on current platform, roll back to CPU."
+        warnings.simplefilter("ignore")
+        from fla.ops.gla.naive import naive_recurrent_gla
+        from fla.ops.simple_gla.naive import naive_chunk_simple_gla, naive_recurrent_simple_gla
+    return naive_recurrent_gla, naive_chunk_simple_gla, naive_recurrent_simple_gla
 
 
-def torch_chunk(q, k, v, g, scale, chunk=64):
-    """Per-head gates: within a chunk A = (Q Kᵀ) ⊙ exp(b_j − b_i) (j >= i), between chunks the state."""
-    b, h, n, dk = q.shape
-    s = q.new_zeros(b, h, dk, v.shape[-1])
-    outs = []
-    for t0 in range(0, n, chunk):
-        qc, kc, vc, gc = q[:, :, t0:t0 + chunk], k[:, :, t0:t0 + chunk], v[:, :, t0:t0 + chunk], g[:, :, t0:t0 + chunk]
-        bc = gc.cumsum(-1)  # [b, h, L]
-        L = bc.shape[-1]
-        mask = torch.ones(L, L, dtype=torch.bool).tril()
-        decay = torch.exp((bc[..., :, None] - bc[..., None, :]).masked_fill(~mask, float("-inf")))
-        a = (qc @ kc.transpose(-1, -2)) * decay
-        outs.append(scale * (a @ vc + (qc * torch.exp(bc)[..., None]) @ s))
-        s = torch.exp(bc[..., -1])[..., None, None] * s + (kc * torch.exp(bc[..., -1:] - bc)[..., None]).transpose(-1, -2) @ vc
-    return torch.cat(outs, 2)
+def fla_version():
+    from importlib.metadata import version
+    return version("fla-core")
 
 
-def ours(q, k, v, g, scale):
-    return lt.gated_linear_attention(q, k, v, g, scale=scale)
+def peers_for(per_channel):
+    """name -> (to_layout, call): to_layout makes the peer's inputs from ours ([B, H, n, d]);
+    call(q, k, v, g, scale) returns the output in our layout."""
+    recurrent_gla, chunk_simple_gla, recurrent_simple_gla = fla_functions()
+
+    def ours_layout(q, k, v, g):
+        return q, k, v, g
+
+    def fla_layout(q, k, v, g):  # [B, T, H, ...], contiguous
+        return tuple(x.transpose(1, 2).contiguous() for x in (q, k, v, g))
+
+    def linattn_call(q, k, v, g, scale):
+        return lt.gated_linear_attention(q, k, v, g, scale=scale)
+
+    def recurrent_call(q, k, v, g, scale):
+        if per_channel:  # its scale is d_k^-1/2, the one measured here
+            o, _ = recurrent_gla(q, k, v, g)
+        else:
+            o, _ = recurrent_simple_gla(q, k, v, g, scale=scale, output_final_state=False)
+        return o.transpose(1, 2)
+
+    def chunk_call(q, k, v, g, scale):
+        o, _ = chunk_simple_gla(q, k, v, g, scale=scale)
+        return o.transpose(1, 2)
+
+    peers = {"linattn": (ours_layout, linattn_call), "fla recurrent": (fla_layout, recurrent_call)}
+    if not per_channel:
+        peers["fla chunk"] = (fla_layout, chunk_call)
+    return peers
 
 
 def run(a):
@@ -71,27 +87,25 @@ def run(a):
     linattn.set_num_threads(a.threads)
     rows = []
     for per_channel in (False, True):
-        peers = {"linattn": ours, "torch recurrent": torch_recurrent}
-        if not per_channel:
-            peers["torch chunk"] = torch_chunk
         for n in a.lengths:
             gen = torch.Generator().manual_seed(n)
             B, H, d = a.batch, a.heads, a.head_dim
             q, k, v = (torch.randn(B, H, n, d, generator=gen) for _ in range(3))
             g = -0.1 * torch.rand((B, H, n, d) if per_channel else (B, H, n), generator=gen)
             scale = d ** -0.5
-            want = ours(q, k, v, g, scale)
-            for name, fn in peers.items():
+            want = lt.gated_linear_attention(q, k, v, g, scale=scale)
+            for name, (to_layout, fn) in peers_for(per_channel).items():
+                inputs = to_layout(q, k, v, g)
                 with torch.no_grad():
-                    got = fn(q, k, v, g, scale)
+                    got = fn(*inputs, scale)
                 err = float((got - want).abs().max() / want.abs().max())
                 if err > 1e-4:
                     raise SystemExit("%s disagrees with linattn at n = %d: relative error %.3g" % (name, n, err))
-                leaves = [x.detach().requires_grad_() for x in (q, k, v, g)]
+                leaves = [x.detach().requires_grad_() for x in inputs]
 
                 def fwd():
                     with torch.no_grad():
-                        fn(q, k, v, g, scale)
+                        fn(*inputs, scale)
 
                 def fwd_bwd():
                     for x in leaves:
@@ -105,7 +119,7 @@ def run(a):
                 print(rows[-1], flush=True)
     peak = linattn.measure_peak_rates(a.threads)["float32_fma_gflops"]
     return {"rows": rows, "args": vars(a), "torch": torch.__version__, "build": linattn.build_info(),
-            "cpu": platform.processor() or platform.machine(), "features": torch_bench.cpu_features(), "peak": peak,
+            "cpu": platform.processor() or platform.machine(), "features": torch_bench.cpu_features(), "peak": peak, "fla": fla_version(),
             "coretype": os.environ.get("OPENBLAS_CORETYPE")}
 
 
@@ -114,13 +128,13 @@ def report(r, command):
     d = a["head_dim"]
     lines = ["",
              "Measured with `%s` on %d thread(s): batch %d, %d heads, d_k = d_v = %d, causal, float32, log-gates "
-             "uniform in [−0.1, 0]; torch %s; CPU features: %s; linattn: %s; OPENBLAS_CORETYPE %s; float32 FMA "
+             "uniform in [−0.1, 0]; torch %s, fla-core %s; CPU features: %s; linattn: %s; OPENBLAS_CORETYPE %s; float32 FMA "
              "peak %.0f GFLOP/s (measured). Medians after a warm-up (at least 5 runs and 1 s). GFLOP/s: the "
              "chunk algorithm's forward count over linattn's forward time."
-             % (command, a["threads"], a["batch"], a["heads"], d, r["torch"], r["features"], r["build"],
+             % (command, a["threads"], a["batch"], a["heads"], d, r["torch"], r["fla"], r["features"], r["build"],
                 r["coretype"] or "unset", r["peak"]), "",
-             "| gates | n | linattn fwd | GFLOP/s (% of peak) | torch recurrent fwd | torch chunk fwd | "
-             "linattn fwd+bwd | torch recurrent fwd+bwd | torch chunk fwd+bwd |",
+             "| gates | n | linattn fwd | GFLOP/s (% of peak) | fla recurrent fwd | fla chunk fwd | "
+             "linattn fwd+bwd | fla recurrent fwd+bwd | fla chunk fwd+bwd |",
              "|---|---|---|---|---|---|---|---|---|"]
     by = {(row["per_channel"], row["n"], row["peer"]): row for row in r["rows"]}
 
@@ -137,8 +151,8 @@ def report(r, command):
             gf = flops / by[(pc, n, "linattn")]["fwd"] / 1e9
             lines.append("| %s | %d | %s | %.1f (%.0f%%) | %s | %s | %s | %s | %s |" % (
                 "per channel" if pc else "per head", n, cell(pc, n, "linattn", "fwd"), gf, 100 * gf / r["peak"],
-                cell(pc, n, "torch recurrent", "fwd"), cell(pc, n, "torch chunk", "fwd"), cell(pc, n, "linattn", "bwd"),
-                cell(pc, n, "torch recurrent", "bwd"), cell(pc, n, "torch chunk", "bwd")))
+                cell(pc, n, "fla recurrent", "fwd"), cell(pc, n, "fla chunk", "fwd"), cell(pc, n, "linattn", "bwd"),
+                cell(pc, n, "fla recurrent", "bwd"), cell(pc, n, "fla chunk", "bwd")))
     lines += ["", "(×: the peer's time over linattn's; –: no such form.)", ""]
     return "\n".join(lines)
 

@@ -205,8 +205,10 @@ struct Scratch {
   const T* to_last(int64_t J, int64_t rows) const { return block_pairs(J) + (rows - 1) * rows / 2 * dk; }
   const T* between_blocks(int64_t J, int64_t I) const { return between.data() + (J * kBlocks + I) * dk; }
 
-  // The decays of rows t0 .. t0+L−1 of task bh.
-  void prepare(const Dims& d, TensorView<const T> log_gate, int64_t bh, int64_t t0, int64_t rows) {
+  // The decays of rows t0 .. t0+L−1 of task bh; with state_only just b, from_start and to_end
+  // (what advance_state needs).
+  void prepare(const Dims& d, TensorView<const T> log_gate, int64_t bh, int64_t t0, int64_t rows,
+               bool state_only = false) {
     L = rows;
     const T* g = log_gate.data + (bh * d.n + t0) * w;
     int bad = 0;  // an integer count, which the compiler vectorises
@@ -214,6 +216,16 @@ struct Scratch {
     gates_ok = gates_ok && bad == 0;
     simd::floored_cumsum(g, static_cast<size_t>(L), static_cast<size_t>(w), kFloor, b.data(),
                          per_channel ? steps.data() : nullptr);
+    if (state_only && per_channel) {
+      for (int64_t j = 0; j < L; ++j)
+        for (int64_t c = 0; c < dk; ++c) {
+          from_start[j * dk + c] = static_cast<T>(b[j * dk + c]);
+          to_end[j * dk + c] = static_cast<T>(b[(L - 1) * dk + c] - b[j * dk + c]);
+        }
+      exp_in_place(from_start.data(), 1, L * dk, L * dk);
+      exp_in_place(to_end.data(), 1, L * dk, L * dk);
+      return;
+    }
     if (!per_channel) {
       for (int64_t j = 0; j < L; ++j) {
         from_start[j] = static_cast<T>(b[j]);
@@ -221,6 +233,7 @@ struct Scratch {
       }
       exp_in_place(from_start.data(), 1, L, L);
       exp_in_place(to_end.data(), 1, L, L);
+      if (state_only) return;
       // D: e^{b_j − b_i} on and below the diagonal, e^{−inf} = 0 above
       const T above = -std::numeric_limits<T>::infinity();
       for (int64_t j = 0; j < L; ++j) {
@@ -368,6 +381,16 @@ void weigh(const T* w, const T* x, Scratch<T>& s, T* y, bool later) {
   }
 }
 
+// The state over one chunk (s prepared, P in the top d_k rows of s.rhs):
+// P ← diag(e^{b_L}) P + (K ⊙ e^{b_L − B})ᵀ V.
+template <class T>
+void advance_state(const Dims& d, const T* k, const T* v, Scratch<T>& s) {
+  T* state = s.rhs.data();
+  s.to_chunk_end(k, s.gated_k.data(), d.dk);
+  s.decay_over_chunk(state, d.dv);
+  matmul<T>(mat(state, d.dk, d.dv), mat<const T>(s.gated_k.data(), s.L, d.dk).t(), mat(v, s.L, d.dv), T(1), T(1));
+}
+
 // One chunk of the forward (s prepared), with the state P in the top d_k rows of s.rhs: out rows
 // (written) = s·[Q ⊙ e^{B} | A]·[P ; V] (one product), and P advanced in place.
 template <class T>
@@ -380,9 +403,7 @@ void forward_chunk(const Dims& d, const T* q, const T* k, const T* v, T* out, Sc
   matmul<T>(mat(out, L, dv), mat<const T>(s.lhs.data(), L, dk + L, ld), mat<const T>(state, dk + L, dv),
             static_cast<T>(d.scale));
   s.finite = s.finite && simd::all_finite(out, static_cast<size_t>(L * dv));
-  s.to_chunk_end(k, s.gated_k.data(), dk);
-  s.decay_over_chunk(state, dv);
-  matmul<T>(mat(state, dk, dv), mat<const T>(s.gated_k.data(), L, dk).t(), mat(v, L, dv), T(1), T(1));
+  advance_state(d, k, v, s);
 }
 
 template <class T>
@@ -461,19 +482,18 @@ GatedLinearAttentionGrads<T> gated_linear_attention_backward(
     T* dqb = g.dq.data() + bh * d.n * dk;
     T* dkb = g.dk.data() + bh * d.n * dk;
     T* dvb = g.dv.data() + bh * d.n * dv;
-    // Forward over the chunks for their starting states (the outputs are not needed: work).
+    // The states at the chunks' starts (the state's recurrence alone, not the outputs).
     T* state = s.rhs.data();
     if (d.has_state)
       std::copy(initial_state.data + bh * dk * dv, initial_state.data + (bh + 1) * dk * dv, state);
     else
       std::fill(state, state + dk * dv, T(0));
-    std::vector<T> out_chunk(static_cast<size_t>(gated::kChunk * dv));
     for (int64_t c = 0; c < chunks; ++c) {
       interruption_point();
       const int64_t t0 = c * gated::kChunk, L = std::min(gated::kChunk, d.n - t0);
       std::copy(state, state + dk * dv, start.begin() + c * dk * dv);
-      s.prepare(d, log_gate, bh, t0, L);
-      gated::forward_chunk(d, qb + t0 * dk, kb + t0 * dk, vb + t0 * dv, out_chunk.data(), s);
+      s.prepare(d, log_gate, bh, t0, L, /*state_only=*/true);
+      gated::advance_state(d, kb + t0 * dk, vb + t0 * dv, s);
     }
     // G: the gradient of the state after the chunk being processed.
     std::vector<T> G(static_cast<size_t>(dk * dv), T(0));
