@@ -635,6 +635,10 @@ py::object gated_linear_attention_py(const py::object& q, const py::object& k, c
                                      const py::object& log_gate, const py::object& scale, bool causal,
                                      const py::object& initial_state, bool return_state) {
   GatedArgs a("gated_linear_attention", scale, causal);
+  if (return_state && !causal)
+    throw py::value_error(
+        "gated_linear_attention: return_state=True needs causal=True: the non-causal form reads the whole "
+        "sequence and has no final state");
   a.add("q", q).add("k", k).add("v", v).add("log_gate", log_gate).add("initial_state", initial_state);
   return by_dtype(a.dtype(), [&](auto tag) -> py::object {
     using T = decltype(tag);
@@ -1006,7 +1010,10 @@ PYBIND11_MODULE(_linattn, m) {
 q, k [B, H, n, d_k], v [B, H, n, d_v] (float32 or float64); log_gate g [B, H, n] (per head) or
 [B, H, n, d_k] (per channel), values <= 0 (-inf: a reset); scale default d_k^-1/2; no
 normaliser. initial_state [B, H, d_k, d_v] continues a sequence (two calls over a split equal
-one call); return_state=True returns (out, S_n). causal must be True. Chunked (64 positions).)doc");
+one call); return_state=True returns (out, S_n). Chunked (64 positions). causal=False: every
+output reads every position, decayed both ways: o_t = scale·Σ_s (q_t ⊙ e_ts)ᵀ k_s v_s with e_ts
+= Π exp(g_u) over min(s,t) < u <= max(s,t); no state (initial_state and return_state need
+causal=True).)doc");
   m.def("gated_linear_attention_backward", &gated_linear_attention_backward_py, py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("log_gate"), py::arg("dout"), py::kw_only(), py::arg("scale") = py::none(),
         py::arg("causal") = true, py::arg("initial_state") = py::none(), py::arg("dstate") = py::none(),

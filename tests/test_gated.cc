@@ -279,6 +279,98 @@ TEST(GatedLinearAttention, EveryGradientMatchesCentralDifferencesInFloat64) {
   }
 }
 
+// causal = false: the causal form plus its mirror (src/linattn/gated/gated.cc), against the
+// O(n²) definition (reference::gated_linear_attention_noncausal). Each half is within the chain
+// bound of its own terms' magnitudes (the terms s <= t, and s >= t); together they count the
+// diagonal twice and subtract it once (a product of d_k + 2 roundings, < the chain's count):
+// |fast − exact| <= chain·(Σ|terms| + 2·|diagonal|) <= 3·chain·Σ|terms|.
+TEST(GatedLinearAttention, NonCausalMatchesItsDefinition) {
+  uint64_t seed = 1300;
+  for (const Case& c : {Case{2, 2, 150, 5, 3, false, false, "mixed"}, Case{1, 2, 130, 17, 9, true, false, "mixed"},
+                        Case{1, 1, 97, 4, 6, true, false, "resets"}, Case{1, 2, 64, 3, 2, false, false, "resets"},
+                        Case{1, 1, 1, 2, 2, true, false, "near0"}})
+    for (int threads : {1, 3}) {
+      testing::ScopedThreads scoped(threads);
+      const auto q = random_tensor<double>({c.batch, c.heads, c.n, c.dk}, seed);
+      const auto k = random_tensor<double>({c.batch, c.heads, c.n, c.dk}, seed + 1);
+      const auto v = random_tensor<double>({c.batch, c.heads, c.n, c.dv}, seed + 2);
+      const auto g = gates_for<double>(c, seed + 3);
+      const auto qd = widen(q), kd = widen(k), vd = widen(v), gd = widen(g);
+      const int64_t bh = c.batch * c.heads;
+      const auto want = reference::gated_linear_attention_noncausal(qd.data(), kd.data(), vd.data(), gd.data(), bh,
+                                                                    c.n, c.dk, c.dv, c.per_channel, 0.7);
+      const auto mag = reference::gated_linear_attention_noncausal(qd.data(), kd.data(), vd.data(), gd.data(), bh,
+                                                                   c.n, c.dk, c.dv, c.per_channel, 0.7, true);
+      double largest_b = 0;
+      for (int64_t i = 0; i < g.size(); ++i) largest_b = std::max(largest_b, std::fabs(gd[i]));
+      largest_b = std::min(largest_b, 1000.0) * 64;
+      for (const bool as_float : {false, true}) {
+        const double u = as_float ? std::numeric_limits<float>::epsilon() / 2 : std::numeric_limits<double>::epsilon() / 2;
+        const double chain = 2.0 * static_cast<double>(c.n + 2 * c.dk + 2 * 64 + 40) * u +
+                             2.0 * 64 * (std::numeric_limits<double>::epsilon() / 2) * largest_b +
+                             (as_float ? 2.0 * 104 * u : 0.0);
+        std::vector<double> got;
+        if (as_float)
+          got = widen(gated_linear_attention<float>(testing::cast<float>(q), testing::cast<float>(k),
+                                                    testing::cast<float>(v), testing::cast<float>(g), {},
+                                                    {0.7, false}).out);
+        else
+          got = widen(gated_linear_attention<double>(q, k, v, g, {}, {0.7, false}).out);
+        ASSERT_EQ(got.size(), want.size());
+        for (size_t i = 0; i < got.size(); ++i)
+          ASSERT_LE(std::fabs(got[i] - want[i]), 3 * chain * mag[i] + 1e-300)
+              << "out " << i << " n " << c.n << " float " << as_float << " threads " << threads;
+      }
+      seed += 10;
+    }
+}
+
+TEST(GatedLinearAttention, NonCausalGradientsMatchCentralDifferences) {
+  // As EveryGradientMatchesCentralDifferencesInFloat64: h = 1e−5, agreement to 1e−7 of the largest.
+  for (const bool per_channel : {false, true})
+    for (const char* gates : {"mixed", "resets"}) {
+      SCOPED_TRACE(::testing::Message() << "per_channel " << per_channel << " gates " << gates);
+      const Case c{1, 2, 70, 3, 2, per_channel, false, gates};
+      Tensor<double> q = random_tensor<double>({1, 2, 70, 3}, 21), k = random_tensor<double>({1, 2, 70, 3}, 22);
+      Tensor<double> v = random_tensor<double>({1, 2, 70, 2}, 23), g = gates_for<double>(c, 24);
+      const Tensor<double> w = random_tensor<double>({1, 2, 70, 2}, 25);
+      const GatedLinearAttentionOptions opts{0.6, false};
+      auto loss = [&] {
+        const auto r = gated_linear_attention<double>(q, k, v, g, {}, opts);
+        double l = 0;
+        for (int64_t i = 0; i < w.size(); ++i) l += w[i] * r.out[i];
+        return l;
+      };
+      const auto grads = gated_linear_attention_backward<double>(q, k, v, g, {}, w, {}, opts);
+      struct Input {
+        const char* name;
+        Tensor<double>* x;
+        const Tensor<double>* grad;
+      };
+      for (const Input& in : {Input{"q", &q, &grads.dq}, Input{"k", &k, &grads.dk}, Input{"v", &v, &grads.dv},
+                              Input{"log_gate", &g, &grads.dlog_gate}}) {
+        double largest = 0;
+        for (int64_t i = 0; i < in.grad->size(); ++i) largest = std::max(largest, std::fabs((*in.grad)[i]));
+        ASSERT_GT(largest, 0) << in.name;
+        for (int64_t i = 0; i < in.x->size(); ++i) {
+          const double saved = (*in.x)[i];
+          const bool gate = std::string(in.name) == "log_gate";
+          if (gate && !(saved > -1000.0)) {
+            ASSERT_EQ((*in.grad)[i], 0.0) << in.name << " " << i;
+            continue;
+          }
+          const double h = gate ? std::min(1e-5, -saved / 2) : 1e-5;
+          (*in.x)[i] = saved + h;
+          const double up = loss();
+          (*in.x)[i] = saved - h;
+          const double down = loss();
+          (*in.x)[i] = saved;
+          ASSERT_NEAR((*in.grad)[i], (up - down) / (2 * h), 1e-7 * largest + 1e-9) << in.name << " " << i;
+        }
+      }
+    }
+}
+
 TEST(GatedLinearAttention, AnEmptySequencePassesTheStatesGradientThrough) {
   const Tensor<double> q({1, 2, 0, 4}), v({1, 2, 0, 3}), g({1, 2, 0}), dout({1, 2, 0, 3});
   const auto s0 = random_tensor<double>({1, 2, 4, 3}, 1), ds = random_tensor<double>({1, 2, 4, 3}, 2);
@@ -398,7 +490,11 @@ TEST(GatedLinearAttention, BadInputIsAnErrorNamingTheArgument) {
   fails([&] { gated_linear_attention<float>(q, random_tensor<float>({1, 2, 8, 5}, 5), v, g, {}); }, "k has shape");
   fails([&] { gated_linear_attention<float>(q, q, v, g, random_tensor<float>({1, 2, 3, 4}, 6).view()); },
         "initial_state has shape");
-  fails([&] { gated_linear_attention<float>(q, q, v, g, {}, {std::nullopt, false}); }, "causal=false");
+  fails([&] { gated_linear_attention<float>(q, q, v, g, random_tensor<float>({1, 2, 4, 3}, 9).view(), {std::nullopt, false}); },
+        "initial_state must be None with causal=false");
+  fails([&] { gated_linear_attention_backward<float>(q, q, v, g, {}, v, random_tensor<float>({1, 2, 4, 3}, 9).view(),
+                                                     {std::nullopt, false}); },
+        "dstate must be None with causal=false");
   fails([&] { gated_linear_attention<float>(q, q, v, g, {}, {std::numeric_limits<double>::infinity(), true}); },
         "scale must be finite");
   fails([&] { gated_linear_attention_backward<float>(q, q, v, g, {}, random_tensor<float>({1, 2, 8, 4}, 7), {}); },

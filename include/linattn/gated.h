@@ -6,6 +6,12 @@
 // outputs). Computed in chunks of 64 positions: the intra-chunk part as small products with the
 // decay matrix (sub-blocks of 16 referenced to a point between them, so no factor exceeds 1),
 // the inter-chunk part as a product with the state.
+//
+// causal = false: every output reads every position, decayed both ways,
+//   o_t = scale · Σ_s (q_t ⊙ e_ts)ᵀ k_s v_s,  e_ts = Π_{min(s,t) < u <= max(s,t)} exp(g_u)
+// (RetNet's bidirectional γ^{|t−s|} for a constant gate; Hydra's two scans with shared gates):
+// the causal form plus the causal form of the reversed sequence, the diagonal counted once.
+// It has no state: initial_state and dstate must be empty, and the result's state is empty.
 #pragma once
 
 #include <optional>
@@ -16,13 +22,13 @@ namespace linattn {
 
 struct GatedLinearAttentionOptions {
   std::optional<double> scale;  // None: 1/sqrt(d_k); finite otherwise
-  bool causal = true;           // must be true: the gates decay the state along the sequence
+  bool causal = true;           // false: decayed both ways (above); no state in or out
 };
 
 template <class T>
 struct GatedLinearAttentionResult {
   Tensor<T> out;    // [B, H, n, d_v]
-  Tensor<T> state;  // S_n [B, H, d_k, d_v]
+  Tensor<T> state;  // S_n [B, H, d_k, d_v]; empty (shape [0]) when causal is false
 };
 
 template <class T>

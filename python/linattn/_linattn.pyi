@@ -80,7 +80,10 @@ def gated_linear_attention(q: typing.Any, k: typing.Any, v: typing.Any, log_gate
     q, k [B, H, n, d_k], v [B, H, n, d_v] (float32 or float64); log_gate g [B, H, n] (per head) or
     [B, H, n, d_k] (per channel), values <= 0 (-inf: a reset); scale default d_k^-1/2; no
     normaliser. initial_state [B, H, d_k, d_v] continues a sequence (two calls over a split equal
-    one call); return_state=True returns (out, S_n). causal must be True. Chunked (64 positions).
+    one call); return_state=True returns (out, S_n). Chunked (64 positions). causal=False: every
+    output reads every position, decayed both ways: o_t = scale·Σ_s (q_t ⊙ e_ts)ᵀ k_s v_s with e_ts
+    = Π exp(g_u) over min(s,t) < u <= max(s,t); no state (initial_state and return_state need
+    causal=True).
     """
 def gated_linear_attention_backward(q: typing.Any, k: typing.Any, v: typing.Any, log_gate: typing.Any, dout: typing.Any, *, scale: typing.Any = None, causal: bool = True, initial_state: typing.Any = None, dstate: typing.Any = None) -> tuple:
     """

@@ -115,8 +115,15 @@ def test_bad_input_is_refused_naming_the_argument():
         linattn.gated_linear_attention(q, k, v, g[:, :, :5])
     with pytest.raises(ValueError, match="initial_state has shape"):
         linattn.gated_linear_attention(q, k, v, g, initial_state=s0[:, :, :2])
-    with pytest.raises(ValueError, match="causal=false is not supported"):
-        linattn.gated_linear_attention(q, k, v, g, causal=False)
+    with pytest.raises(ValueError, match="initial_state must be None with causal=false"):
+        linattn.gated_linear_attention(q, k, v, g, causal=False, initial_state=s0)
+    with pytest.raises(ValueError, match="return_state=True needs causal=True"):
+        linattn.gated_linear_attention(q, k, v, g, causal=False, return_state=True)
+    t = [torch.tensor(x) for x in (q, k, v, g, s0)]
+    with pytest.raises(ValueError, match="return_state=True needs causal=True"):
+        lt.gated_linear_attention(*t[:4], causal=False, return_state=True)
+    with pytest.raises(ValueError, match="initial_state needs causal=True"):
+        lt.gated_linear_attention(*t[:4], causal=False, initial_state=t[4])
     bad = q.copy()
     bad[0, 0, 3, 1] = np.nan
     with pytest.raises(ValueError, match="q has a non-finite value"):
@@ -147,3 +154,49 @@ def test_bfloat16_is_computed_in_float32_and_rounded_once():
     more = [torch.tensor(x, dtype=torch.bfloat16) for x in inputs(20, 8, 8, True, seed=10)[:4]]
     nxt = lt.gated_linear_attention(*more, initial_state=state.detach())
     assert nxt.dtype == torch.bfloat16 and torch.isfinite(nxt.float()).all()
+
+
+def bidirectional(q, k, v, g, scale):
+    """The non-causal form by its definition: o_t = scale·Σ_s Σ_c q_tc k_sc e_ts,c v_s with
+    e_ts = Π exp(g_u) over min(s,t) < u <= max(s,t), in float64."""
+    b, h, n, dk = q.shape
+    gc = g if g.ndim == 4 else np.repeat(g[..., None], dk, -1)
+    cum = np.concatenate([np.zeros((b, h, 1, dk)), np.cumsum(gc, 2)], 2)  # cum[t + 1] = Σ_{u<=t} g_u
+    out = np.zeros((b, h, n, v.shape[-1]))
+    for t in range(n):
+        # e_ts = exp(|cum[t+1] − cum[s+1]|-signed sum): Σ_{min<u<=max} g_u = −|cum[t+1] − cum[s+1]|
+        e = np.exp(-np.abs(cum[:, :, t + 1, None, :] - cum[:, :, 1:, :]))  # [b, h, n, dk]
+        w = np.einsum("bhc,bhsc->bhs", q[:, :, t], k * e)
+        out[:, :, t] = scale * np.einsum("bhs,bhsd->bhd", w, v)
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 64, 130])
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_noncausal_equals_its_definition_with_gradients(n, per_channel):
+    q, k, v, g, _ = inputs(n, 5, 4, per_channel, seed=7 + n)
+    g = g / 8  # gates in (−0.25, 0]: decays that reach across the sequence
+    out = linattn.gated_linear_attention(q, k, v, g, causal=False, scale=0.4)
+    want = bidirectional(q, k, v, g, 0.4)
+    assert np.abs(out - want).max() <= 1e-11 * np.abs(want).max()
+    # reversing the sequence (and the gates, shifted by one) gives the same outputs reversed
+    rg = np.concatenate([np.zeros_like(g[:, :, :1]), g[:, :, :0:-1]], 2)
+    rev = linattn.gated_linear_attention(q[:, :, ::-1].copy(), k[:, :, ::-1].copy(), v[:, :, ::-1].copy(),
+                                         rg, causal=False, scale=0.4)
+    assert np.abs(rev[:, :, ::-1] - out).max() <= 1e-11 * np.abs(want).max()
+    t = [torch.tensor(x, requires_grad=True) for x in (q, k, v, g)]
+    o = lt.gated_linear_attention(*t, causal=False, scale=0.4)
+    assert o.shape == out.shape and torch.allclose(o.detach(), torch.tensor(out), rtol=0, atol=1e-13)
+    w = torch.randn(o.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    (o * w).sum().backward()
+    for i, x in enumerate(t):  # against central differences of the definition (a few entries each)
+        flat = x.detach().numpy().reshape(-1)
+        for j in np.random.default_rng(i).choice(flat.size, 4, replace=False):
+            args = [y.detach().numpy().copy() for y in t]
+            h = 1e-6
+            args[i].reshape(-1)[j] += h
+            up = (bidirectional(*args, 0.4) * w.numpy()).sum()
+            args[i].reshape(-1)[j] -= 2 * h
+            down = (bidirectional(*args, 0.4) * w.numpy()).sum()
+            fd = (up - down) / (2 * h)
+            assert abs(x.grad.reshape(-1)[j].item() - fd) <= 1e-6 * max(1.0, abs(fd)), (i, j)

@@ -19,9 +19,10 @@ class _GatedLinearAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, log_gate, initial_state, scale, causal):
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None
-        out, state = _linattn.gated_linear_attention(_array(q), _array(k), _array(v), _array(log_gate), scale=scale,
-                                                     causal=causal, initial_state=_array(initial_state),
-                                                     return_state=True)
+        result = _linattn.gated_linear_attention(_array(q), _array(k), _array(v), _array(log_gate), scale=scale,
+                                                 causal=causal, initial_state=_array(initial_state),
+                                                 return_state=causal)
+        out, state = result if causal else (result, q.new_zeros(0).numpy())  # non-causal: no state
         ctx.save_for_backward(q, k, v, log_gate, initial_state)
         ctx.scale, ctx.causal = scale, causal
         return torch.from_numpy(out), torch.from_numpy(state)
@@ -34,8 +35,8 @@ class _GatedLinearAttention(torch.autograd.Function):
             dout = q.new_zeros(v.shape)
         grads = _linattn.gated_linear_attention_backward(
             _array(q), _array(k), _array(v), _array(log_gate), _array(dout), scale=ctx.scale, causal=ctx.causal,
-            initial_state=_array(initial_state), dstate=_array(dstate))
-        dq, dk, dv, dg, ds = (torch.from_numpy(g) for g in grads)
+            initial_state=_array(initial_state), dstate=_array(dstate) if ctx.causal else None)
+        dq, dk, dv, dg, ds = (torch.from_numpy(g) for g in grads)  # ds: zeros without an initial state
         return dq, dk, dv, dg, (ds if initial_state is not None else None), None, None
 
 
@@ -45,7 +46,9 @@ def gated_linear_attention(q, k, v, log_gate, *, scale=None, causal=True, initia
 
     q, k [B, H, n, d_k], v [B, H, n, d_v]; log_gate [B, H, n] (per head) or [B, H, n, d_k] (per
     channel), values <= 0 (-inf: a reset); scale: d_k^-1/2 by default; initial_state
-    [B, H, d_k, d_v] continues a sequence; return_state=True returns (out, S_n). CPU tensors of
+    [B, H, d_k, d_v] continues a sequence; return_state=True returns (out, S_n). causal=False:
+    every output reads every position, decayed both ways (o_t = scale·Σ_s (q_t ⊙ e_ts)ᵀ k_s v_s,
+    e_ts = Π exp(g_u) over min(s,t) < u <= max(s,t)), with no state in or out. CPU tensors of
     one dtype: float32 or float64, or bfloat16/float16 (computed in float32, the output rounded
     once, the state float32, and a float32 initial_state accepted; no 16-bit kernel yet). Gradients reach q, k, v, log_gate and
     initial_state."""
@@ -66,6 +69,9 @@ def gated_linear_attention(q, k, v, log_gate, *, scale=None, causal=True, initia
             raise TypeError("%s: %s has dtype %s, q has %s" % (_FN, name, t.dtype, q.dtype))
     if not isinstance(causal, bool):
         raise TypeError("%s: causal must be a bool, got %r" % (_FN, causal))
+    if not causal and (initial_state is not None or return_state):
+        raise ValueError("%s: %s needs causal=True: the non-causal form reads the whole sequence and has no state"
+                         % (_FN, "initial_state" if initial_state is not None else "return_state=True"))
     if q.dtype in (torch.bfloat16, torch.float16):
         # Computed in float32 and the output rounded once; the state stays float32 (as a decoding
         # state accumulates). The casts are torch's, so gradients come back in the inputs' dtypes.

@@ -42,6 +42,7 @@
 #include "linattn/core/blas.h"
 #include "linattn/core/error.h"
 #include "linattn/core/parallel.h"
+#include "linattn/core/range.h"
 #include "linattn/core/simd.h"
 
 namespace linattn {
@@ -108,8 +109,11 @@ template <class T>
 
 template <class T>
 Dims check_args(const char* fn, const Inputs<T>& in, const GatedLinearAttentionOptions& opts) {
-  require(opts.causal, fn, ": causal=false is not supported: the gates decay the state along the sequence, so "
-          "each output reads the state at its own position");
+  require(opts.causal || in.initial_state.data == nullptr, fn,
+          ": initial_state must be None with causal=false: the non-causal form reads the whole sequence and has "
+          "no state to continue");
+  require(opts.causal || in.dstate.data == nullptr, fn,
+          ": dstate must be None with causal=false: the non-causal form returns no state");
   const TensorView<const T>&q = in.q, &v = in.v, &log_gate = in.log_gate;
   require(q.rank() == 4, fn, ": q must be [batch, heads, seq, d_k], got shape ", shape_string(q.shape));
   require(v.rank() == 4, fn, ": v must be [batch, heads, seq, d_v], got shape ", shape_string(v.shape));
@@ -415,65 +419,61 @@ bool all_workers(PerWorker<Scratch<T>>& scratch, bool Scratch<T>::*flag) {
 
 }  // namespace gated
 
+namespace gated {
+
+// The causal form on `in` (checked: d); a failure is explained on `report` (the caller's
+// inputs, of which `in` may be a reversed copy).
 template <class T>
-GatedLinearAttentionResult<T> gated_linear_attention(TensorView<const T> q, TensorView<const T> k,
-                                                     TensorView<const T> v, TensorView<const T> log_gate,
-                                                     TensorView<const T> initial_state,
-                                                     const GatedLinearAttentionOptions& opts) {
-  const char* fn = "gated_linear_attention";
-  const gated::Inputs<T> in{q, k, v, log_gate, initial_state, {}, {}};
-  const gated::Dims d = gated::check_args(fn, in, opts);
+GatedLinearAttentionResult<T> causal_forward(const char* fn, const Inputs<T>& in, const Dims& d,
+                                             const Inputs<T>& report) {
+  const TensorView<const T>&q = in.q, &k = in.k, &v = in.v, &log_gate = in.log_gate, &initial_state = in.initial_state;
   GatedLinearAttentionResult<T> r{Tensor<T>({d.batch, d.heads, d.n, d.dv}, false, Init::Uninitialized),
                                   Tensor<T>({d.batch, d.heads, d.dk, d.dv}, false, Init::Uninitialized)};
   const int64_t dk = d.dk, dv = d.dv;
   const ParallelLoop loop(d.bh());
-  PerWorker<gated::Scratch<T>> scratch(loop, [&] { return gated::Scratch<T>(d, false); });
+  PerWorker<Scratch<T>> scratch(loop, [&] { return Scratch<T>(d, false); });
   loop.run([&](int64_t bh, int worker) {
-    gated::Scratch<T>& s = scratch[worker];
+    Scratch<T>& s = scratch[worker];
     T* state = s.rhs.data();
     if (d.has_state)
       std::copy(initial_state.data + bh * dk * dv, initial_state.data + (bh + 1) * dk * dv, state);
     else
       std::fill(state, state + dk * dv, T(0));
-    for (int64_t t0 = 0; t0 < d.n; t0 += gated::kChunk) {
+    for (int64_t t0 = 0; t0 < d.n; t0 += kChunk) {
       interruption_point();
-      const int64_t L = std::min(gated::kChunk, d.n - t0);
+      const int64_t L = std::min(kChunk, d.n - t0);
       s.prepare(d, log_gate, bh, t0, L);
-      gated::forward_chunk(d, q.data + (bh * d.n + t0) * dk, k.data + (bh * d.n + t0) * dk,
+      forward_chunk(d, q.data + (bh * d.n + t0) * dk, k.data + (bh * d.n + t0) * dk,
                            v.data + (bh * d.n + t0) * dv, r.out.data() + (bh * d.n + t0) * dv, s);
     }
     s.finite = s.finite && simd::all_finite(state, static_cast<size_t>(dk * dv));
     std::copy(state, state + dk * dv, r.state.data() + bh * dk * dv);
   });
-  if (!gated::all_workers(scratch, &gated::Scratch<T>::gates_ok) || !gated::all_workers(scratch, &gated::Scratch<T>::finite))
-    gated::fail_on_results(fn, d, in);
+  if (!all_workers(scratch, &Scratch<T>::gates_ok) || !all_workers(scratch, &Scratch<T>::finite))
+    fail_on_results(fn, d, report);
   return r;
 }
 
 template <class T>
-GatedLinearAttentionGrads<T> gated_linear_attention_backward(
-    TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<const T> log_gate,
-    TensorView<const T> initial_state, TensorView<const T> dout, TensorView<const T> dstate,
-    const GatedLinearAttentionOptions& opts) {
-  const char* fn = "gated_linear_attention_backward";
-  const gated::Inputs<T> in{q, k, v, log_gate, initial_state, dout, dstate};
-  const gated::Dims d = gated::check_args(fn, in, opts);
-  gated::check_shape(fn, "dout", dout, {d.batch, d.heads, d.n, d.dv});
+GatedLinearAttentionGrads<T> causal_backward(const char* fn, const Inputs<T>& in, const Dims& d,
+                                             const Inputs<T>& report) {
+  const TensorView<const T>&q = in.q, &k = in.k, &v = in.v, &log_gate = in.log_gate, &initial_state = in.initial_state,
+                          &dout = in.dout, &dstate = in.dstate;
   const bool has_dstate = dstate.data != nullptr;
   const int64_t dk = d.dk, dv = d.dv, width = d.width();
-  const int64_t chunks = (d.n + gated::kChunk - 1) / gated::kChunk;
+  const int64_t chunks = (d.n + kChunk - 1) / kChunk;
   GatedLinearAttentionGrads<T> g{Tensor<T>(q.shape, false, Init::Uninitialized),
                                  Tensor<T>(k.shape, false, Init::Uninitialized),
                                  Tensor<T>(v.shape, false, Init::Uninitialized),
                                  Tensor<T>(log_gate.shape, false, Init::Zero),
                                  Tensor<T>({d.batch, d.heads, dk, dv}, false, Init::Uninitialized)};
   const ParallelLoop loop(d.bh());
-  PerWorker<gated::Scratch<T>> scratch(loop, [&] { return gated::Scratch<T>(d, true); });
+  PerWorker<Scratch<T>> scratch(loop, [&] { return Scratch<T>(d, true); });
   // The states at every chunk's start, per worker (a task's chunks, one task at a time).
   PerWorker<std::vector<T>> starts(loop, [&] { return std::vector<T>(static_cast<size_t>(chunks * dk * dv)); });
   const T sc = static_cast<T>(d.scale);
   loop.run([&](int64_t bh, int worker) {
-    gated::Scratch<T>& s = scratch[worker];
+    Scratch<T>& s = scratch[worker];
     std::vector<T>& start = starts[worker];
     const T* qb = q.data + bh * d.n * dk;
     const T* kb = k.data + bh * d.n * dk;
@@ -490,40 +490,40 @@ GatedLinearAttentionGrads<T> gated_linear_attention_backward(
       std::fill(state, state + dk * dv, T(0));
     for (int64_t c = 0; c < chunks; ++c) {
       interruption_point();
-      const int64_t t0 = c * gated::kChunk, L = std::min(gated::kChunk, d.n - t0);
+      const int64_t t0 = c * kChunk, L = std::min(kChunk, d.n - t0);
       std::copy(state, state + dk * dv, start.begin() + c * dk * dv);
       s.prepare(d, log_gate, bh, t0, L, /*state_only=*/true);
-      gated::advance_state(d, kb + t0 * dk, vb + t0 * dv, s);
+      advance_state(d, kb + t0 * dk, vb + t0 * dv, s);
     }
     // G: the gradient of the state after the chunk being processed.
     std::vector<T> G(static_cast<size_t>(dk * dv), T(0));
     if (has_dstate) std::copy(dstate.data + bh * dk * dv, dstate.data + (bh + 1) * dk * dv, G.begin());
-    std::vector<double> db(static_cast<size_t>(gated::kChunk * dk));
+    std::vector<double> db(static_cast<size_t>(kChunk * dk));
     for (int64_t c = chunks - 1; c >= 0; --c) {
       interruption_point();
-      const int64_t t0 = c * gated::kChunk, L = std::min(gated::kChunk, d.n - t0);
+      const int64_t t0 = c * kChunk, L = std::min(kChunk, d.n - t0);
       const T *qc = qb + t0 * dk, *kc = kb + t0 * dk, *vc = vb + t0 * dv, *goc = gob + t0 * dv;
       T *dqc = dqb + t0 * dk, *dkc = dkb + t0 * dk, *dvc = dvb + t0 * dv;
       const T* P = start.data() + c * dk * dv;
       s.prepare(d, log_gate, bh, t0, L);
-      gated::chunk_scores(qc, kc, s, s.scores.data(), gated::kChunk);
+      chunk_scores(qc, kc, s, s.scores.data(), kChunk);
       // dA = s·dO Vᵀ, lower
-      matmul<T>(mat(s.dscores.data(), L, L, gated::kChunk), mat(goc, L, dv), mat(vc, L, dv).t(), sc);
-      for (int64_t j = 0; j < L; ++j) std::fill(s.dscores.data() + j * gated::kChunk + j + 1,
-                                                s.dscores.data() + j * gated::kChunk + L, T(0));
+      matmul<T>(mat(s.dscores.data(), L, L, kChunk), mat(goc, L, dv), mat(vc, L, dv).t(), sc);
+      for (int64_t j = 0; j < L; ++j) std::fill(s.dscores.data() + j * kChunk + j + 1,
+                                                s.dscores.data() + j * kChunk + L, T(0));
       // dV = s·Aᵀ dO + K̂ G
       s.to_chunk_end(kc, s.gated_k.data(), dk);
-      matmul<T>(mat(dvc, L, dv), mat<const T>(s.scores.data(), L, L, gated::kChunk).t(), mat(goc, L, dv), sc);
+      matmul<T>(mat(dvc, L, dv), mat<const T>(s.scores.data(), L, L, kChunk).t(), mat(goc, L, dv), sc);
       matmul<T>(mat(dvc, L, dv), mat<const T>(s.gated_k.data(), L, dk), mat<const T>(G.data(), dk, dv), T(1), T(1));
       // dq = s·e^{B} ⊙ (dO Pᵀ) + intra
       matmul<T>(mat(s.work.data(), L, dk), mat(goc, L, dv), mat(P, dk, dv).t(), sc);
       s.from_chunk_start(s.work.data(), dqc, dk);
-      gated::weigh(s.dscores.data(), kc, s, dqc, false);
+      weigh(s.dscores.data(), kc, s, dqc, false);
       // dk = intra + (V Gᵀ) ⊙ e^{b_L − B}
       matmul<T>(mat(s.work.data(), L, dk), mat(vc, L, dv), mat<const T>(G.data(), dk, dv).t());
       s.to_chunk_end(s.work.data(), s.dk_state.data(), dk);
       std::copy(s.dk_state.begin(), s.dk_state.begin() + L * dk, dkc);
-      gated::weigh(s.dscores.data(), qc, s, dkc, true);
+      weigh(s.dscores.data(), qc, s, dkc, true);
       s.finite = s.finite && simd::all_finite(dqc, static_cast<size_t>(L * dk)) &&
                  simd::all_finite(dkc, static_cast<size_t>(L * dk)) && simd::all_finite(dvc, static_cast<size_t>(L * dv));
       // db, then dg = the reverse cumulative sum of db (log-gates at the floor get none)
@@ -553,7 +553,7 @@ GatedLinearAttentionGrads<T> gated_linear_attention_backward(
           acc += db[j * width + e];
           const double gate = static_cast<double>(log_gate.data[(bh * d.n + t0 + j) * width + e]);
           // At or below the floor the log-gate acts as −1000: e^{−1000}·(…) = 0, no gradient.
-          dgc[j * width + e] = gate <= gated::kFloor ? T(0) : static_cast<T>(acc);
+          dgc[j * width + e] = gate <= kFloor ? T(0) : static_cast<T>(acc);
         }
       }
       s.finite = s.finite && simd::all_finite(dgc, static_cast<size_t>(L * width));
@@ -565,9 +565,145 @@ GatedLinearAttentionGrads<T> gated_linear_attention_backward(
     s.finite = s.finite && simd::all_finite(G.data(), G.size());
     std::copy(G.begin(), G.end(), g.dinitial_state.data() + bh * dk * dv);
   });
-  if (!gated::all_workers(scratch, &gated::Scratch<T>::gates_ok) || !gated::all_workers(scratch, &gated::Scratch<T>::finite))
-    gated::fail_on_results(fn, d, in);
+  if (!all_workers(scratch, &Scratch<T>::gates_ok) || !all_workers(scratch, &Scratch<T>::finite))
+    fail_on_results(fn, d, report);
   return g;
+}
+
+// The non-causal form is the causal one plus its mirror, the diagonal counted once:
+//   o_t = s·Σ_s (q_t ⊙ e_ts)ᵀ k_s v_s,  e_ts = Π_{min(s,t) < u <= max(s,t)} e^{g_u}
+// (the decay between two positions is the product of the gates after the earlier one up to the
+// later one, both ways: RetNet's bidirectional γ^{|t−s|} for a constant gate). The mirror is
+// the causal form on the sequence reversed with the gates g'_i = g_{n−i} (g'_0 = 0, unused):
+// between reversed positions s' < t' it decays by Π_{s' < u' <= t'} e^{g_{n−u'}}, the gates of
+// the original positions t .. s−1 shifted by one, i.e. t+1 .. s.
+template <class T>
+struct Mirror {
+  Tensor<T> q, k, v, log_gate, dout;
+  Inputs<T> inputs() const { return {q.view(), k.view(), v.view(), log_gate.view(), {}, dout.view(), {}}; }
+};
+
+// rows reversed in each of `tasks` runs of n rows of `width` values; shift: row i of the result
+// is row n − i of x (row 0 zero), else row n − 1 − i.
+template <class T>
+Tensor<T> reversed(TensorView<const T> x, int64_t tasks, int64_t n, int64_t width, bool shift) {
+  Tensor<T> r(x.shape, false, Init::Uninitialized);
+  parallel_for(tasks, [&](int64_t t) {
+    const T* src = x.data + t * n * width;
+    T* dst = r.data() + t * n * width;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t from = shift ? n - i : n - 1 - i;
+      if (from >= n)
+        std::fill(dst + i * width, dst + (i + 1) * width, T(0));
+      else
+        std::copy(src + from * width, src + (from + 1) * width, dst + i * width);
+    }
+  });
+  return r;
+}
+
+template <class T>
+Mirror<T> mirror(const Inputs<T>& in, const Dims& d) {
+  const int64_t tasks = d.bh();
+  Mirror<T> m{reversed(in.q, tasks, d.n, d.dk, false), reversed(in.k, tasks, d.n, d.dk, false),
+              reversed(in.v, tasks, d.n, d.dv, false), reversed(in.log_gate, tasks, d.n, d.width(), true), {}};
+  if (in.dout.data) m.dout = reversed(in.dout, tasks, d.n, d.dv, false);
+  return m;
+}
+
+// x[t] += y[n − 1 − t] for every task's rows.
+template <class T>
+void add_reversed(Tensor<T>& x, const Tensor<T>& y, int64_t tasks, int64_t n, int64_t width) {
+  parallel_for(tasks, [&](int64_t t) {
+    T* dst = x.data() + t * n * width;
+    const T* src = y.data() + t * n * width;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t c = 0; c < width; ++c) dst[i * width + c] += src[(n - 1 - i) * width + c];
+  });
+}
+
+template <class T>
+GatedLinearAttentionResult<T> noncausal_forward(const char* fn, const Inputs<T>& in, const Dims& d) {
+  GatedLinearAttentionResult<T> r = causal_forward(fn, in, d, in);
+  const Mirror<T> m = mirror(in, d);
+  const GatedLinearAttentionResult<T> back = causal_forward(fn, m.inputs(), d, in);
+  add_reversed(r.out, back.out, d.bh(), d.n, d.dv);
+  parallel_for(d.bh(), [&](int64_t bh) {  // − s·(q_t·k_t) v_t: the diagonal, in both
+    for (int64_t t = 0; t < d.n; ++t) {
+      const T* qt = in.q.data + (bh * d.n + t) * d.dk;
+      const T* kt = in.k.data + (bh * d.n + t) * d.dk;
+      double dot = 0;
+      for (int64_t c = 0; c < d.dk; ++c) dot += static_cast<double>(qt[c]) * static_cast<double>(kt[c]);
+      const T w = static_cast<T>(d.scale * dot);
+      const T* vt = in.v.data + (bh * d.n + t) * d.dv;
+      T* ot = r.out.data() + (bh * d.n + t) * d.dv;
+      for (int64_t e = 0; e < d.dv; ++e) ot[e] -= w * vt[e];
+    }
+  });
+  check_result_finite(fn, "out", r.out);
+  r.state = Tensor<T>(Shape{0}, false, Init::Zero);  // no state: the form reads the whole sequence
+  return r;
+}
+
+template <class T>
+GatedLinearAttentionGrads<T> noncausal_backward(const char* fn, const Inputs<T>& in, const Dims& d) {
+  GatedLinearAttentionGrads<T> g = causal_backward(fn, in, d, in);
+  const Mirror<T> m = mirror(in, d);
+  const GatedLinearAttentionGrads<T> back = causal_backward(fn, m.inputs(), d, in);
+  const int64_t tasks = d.bh(), n = d.n, w = d.width();
+  add_reversed(g.dq, back.dq, tasks, n, d.dk);
+  add_reversed(g.dk, back.dk, tasks, n, d.dk);
+  add_reversed(g.dv, back.dv, tasks, n, d.dv);
+  parallel_for(tasks, [&](int64_t bh) {
+    // g'_i = g_{n−i}: dg_j += dg'_{n−j} for j >= 1
+    T* dg = g.dlog_gate.data() + bh * n * w;
+    const T* dgm = back.dlog_gate.data() + bh * n * w;
+    for (int64_t j = 1; j < n; ++j)
+      for (int64_t c = 0; c < w; ++c) dg[j * w + c] += dgm[(n - j) * w + c];
+    // the diagonal's − s·(q_t·k_t)(v_t·do_t)
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t qi = (bh * n + t) * d.dk, vi = (bh * n + t) * d.dv;
+      double qk = 0, vo = 0;
+      for (int64_t c = 0; c < d.dk; ++c) qk += static_cast<double>(in.q.data[qi + c]) * static_cast<double>(in.k.data[qi + c]);
+      for (int64_t e = 0; e < d.dv; ++e) vo += static_cast<double>(in.v.data[vi + e]) * static_cast<double>(in.dout.data[vi + e]);
+      const T a = static_cast<T>(d.scale * vo), b = static_cast<T>(d.scale * qk);
+      for (int64_t c = 0; c < d.dk; ++c) {
+        g.dq.data()[qi + c] -= a * in.k.data[qi + c];
+        g.dk.data()[qi + c] -= a * in.q.data[qi + c];
+      }
+      for (int64_t e = 0; e < d.dv; ++e) g.dv.data()[vi + e] -= b * in.dout.data[vi + e];
+    }
+  });
+  check_result_finite(fn, "dq", g.dq);
+  check_result_finite(fn, "dk", g.dk);
+  check_result_finite(fn, "dv", g.dv);
+  check_result_finite(fn, "dlog_gate", g.dlog_gate);
+  return g;
+}
+
+}  // namespace gated
+
+template <class T>
+GatedLinearAttentionResult<T> gated_linear_attention(TensorView<const T> q, TensorView<const T> k,
+                                                     TensorView<const T> v, TensorView<const T> log_gate,
+                                                     TensorView<const T> initial_state,
+                                                     const GatedLinearAttentionOptions& opts) {
+  const char* fn = "gated_linear_attention";
+  const gated::Inputs<T> in{q, k, v, log_gate, initial_state, {}, {}};
+  const gated::Dims d = gated::check_args(fn, in, opts);
+  return opts.causal ? gated::causal_forward(fn, in, d, in) : gated::noncausal_forward(fn, in, d);
+}
+
+template <class T>
+GatedLinearAttentionGrads<T> gated_linear_attention_backward(
+    TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<const T> log_gate,
+    TensorView<const T> initial_state, TensorView<const T> dout, TensorView<const T> dstate,
+    const GatedLinearAttentionOptions& opts) {
+  const char* fn = "gated_linear_attention_backward";
+  const gated::Inputs<T> in{q, k, v, log_gate, initial_state, dout, dstate};
+  const gated::Dims d = gated::check_args(fn, in, opts);
+  gated::check_shape(fn, "dout", dout, {d.batch, d.heads, d.n, d.dv});
+  return opts.causal ? gated::causal_backward(fn, in, d, in) : gated::noncausal_backward(fn, in, d);
 }
 
 #define LINATTN_INSTANTIATE(T)                                                                          \

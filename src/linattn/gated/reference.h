@@ -20,5 +20,11 @@ GatedOutputs gated_linear_attention(const double* q, const double* k, const doub
                                     const double* initial_state, int64_t bh, int64_t n, int64_t dk, int64_t dv,
                                     bool per_channel, double scale, bool absolute = false);
 
+// The non-causal form, by its definition (O(n²)): o_t = s·Σ_s Σ_c q_tc k_sc e_ts,c v_s with
+// e_ts = Π_{min(s,t) < u <= max(s,t)} exp(g_u) per channel (per head: the same for every c).
+std::vector<double> gated_linear_attention_noncausal(const double* q, const double* k, const double* v,
+                                                     const double* log_gate, int64_t bh, int64_t n, int64_t dk,
+                                                     int64_t dv, bool per_channel, double scale, bool absolute = false);
+
 }  // namespace reference
 }  // namespace linattn
