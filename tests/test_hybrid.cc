@@ -28,12 +28,13 @@ struct Case {
   bool gate;
   bool lengths;
   int64_t n_q, n_k;
+  int64_t sinks = 0;  // causal only
 };
 
 std::string name(const Case& c) {
   return std::string(c.causal ? "causal" : "full") + " w=" + std::to_string(c.window) + " " + c.map +
          (c.gate ? " gate" : "") + (c.lengths ? " key_lengths" : "") + " n_q=" + std::to_string(c.n_q) +
-         " n_k=" + std::to_string(c.n_k);
+         " n_k=" + std::to_string(c.n_k) + (c.sinks ? " sinks=" + std::to_string(c.sinks) : "");
 }
 
 // Inputs of one case, in double (the reference's) with float copies.
@@ -59,6 +60,7 @@ struct Inputs {
       for (int64_t i = 0; i < f->size(); ++i) (*f)[i] = std::abs((*f)[i]);
     opts.causal = c.causal;
     opts.window = c.window;
+    opts.sinks = c.sinks;
     opts.feature_map = favor ? "favor" : c.map;
     if (c.map == "favor-hyperbolic") opts.kernel = "hyperbolic";
     if (c.lengths) opts.key_lengths = std::vector<int64_t>{c.n_k, std::max<int64_t>(c.n_k - 7, 0)};
@@ -97,6 +99,14 @@ std::vector<Case> cases() {
   out.push_back({true, 4, "favor", true, true, 30, 17});
   out.push_back({true, 4, "elu", true, true, 30, 17});  // causal n_q > n_k: early rows see nothing
   out.push_back({false, 100, "given", true, false, 19, 19});  // the window covers everything
+  // Attention sinks: fewer, as many and more than the window, with masks, n_q < n_k and > n_k.
+  for (int64_t sinks : {1, 4, 30})
+    for (int64_t w : {0, 1, 3})
+      for (const char* map : {"elu", "given", "favor"}) {
+        out.push_back({true, w, map, w == 1, false, 23, 23, sinks});
+        out.push_back({true, w, map, true, true, 17, 30, sinks});
+      }
+  out.push_back({true, 2, "relu", true, true, 30, 17, 3});
   return out;
 }
 
@@ -227,7 +237,8 @@ TEST(HybridGradients, ReferenceMatchesFiniteDifferences) {
   for (const Case& c : {Case{true, 3, "elu", true, true, 9, 11}, Case{false, 2, "relu", true, true, 10, 10},
                         Case{false, 2, "given", true, true, 8, 12}, Case{true, 4, "given", true, false, 9, 9},
                         Case{true, 3, "favor", true, true, 9, 11}, Case{false, 2, "favor-hyperbolic", true, true, 10, 10},
-                        Case{false, 1, "favor", false, false, 8, 12}}) {
+                        Case{false, 1, "favor", false, false, 8, 12}, Case{true, 2, "elu", true, true, 9, 11, 3},
+                        Case{true, 0, "given", true, false, 9, 9, 2}, Case{true, 3, "favor", true, true, 9, 11, 2}}) {
     SCOPED_TRACE(name(c));
     Inputs x(c, 7);
     const Tensor<double> G = random_tensor<double>({Inputs::B, Inputs::H, c.n_q, Inputs::dv}, 99);
@@ -348,6 +359,21 @@ TEST(Hybrid, FavorEndsAreFavorAndSoftmax) {
     }
 }
 
+// Sinks that cover every key make the causal hybrid exact softmax attention (γ = 1): the linear
+// part holds nothing; and with window 0 and one sink, the first key is exact for every row.
+TEST(Hybrid, SinksOverEveryKeyAreSoftmax) {
+  for (const char* map : {"elu", "favor"}) {
+    const Case c{true, 2, map, false, true, 17, 30, 30};
+    Inputs x(c, 5);
+    const Tensor<double> got = hybrid_attention<double>(x.q, x.k, x.v, x.inputs(), x.opts);
+    AttentionOptions so;
+    so.causal = true;
+    so.key_lengths = x.opts.key_lengths;
+    const Tensor<double> want = softmax_attention<double>(x.q, x.k, x.v, so).out;
+    for (int64_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-6 * (1 + std::abs(want[i]))) << map << " " << i;
+  }
+}
+
 TEST(Hybrid, BadInputIsAnErrorNamingIt) {
   const Case c{true, 2, "given", true, false, 6, 6};
   Inputs x(c, 1);
@@ -361,6 +387,12 @@ TEST(Hybrid, BadInputIsAnErrorNamingIt) {
   HybridAttentionOptions o = x.opts;
   o.window = -1;
   EXPECT_TRUE(has(err(x.inputs(), o), "window must be >= 0"));
+  o.window = 2;
+  o.sinks = -1;
+  EXPECT_TRUE(has(err(x.inputs(), o), "sinks must be >= 0"));
+  o.sinks = 2;
+  o.causal = false;
+  EXPECT_TRUE(has(err(x.inputs(), o), "sinks = 2 needs causal=true"));
   o = x.opts;
   o.feature_map = "cosine";
   EXPECT_TRUE(has(err(x.inputs(), o), "feature_map must be 'elu', 'relu', 'given' or 'favor'"));

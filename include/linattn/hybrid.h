@@ -7,8 +7,9 @@
 // With FAVOR's features, which estimate e^{s_ij}, the window is not shifted (M_i = 0 above): the
 // estimator of softmax with exact weights inside the window. It is computed with every term
 // shifted by a per-row R_i and eps by e^{−R_i}, which changes nothing but the range.
-// W(i): causal, the last `window` keys query i sees (its own included); not causal, the keys with
-// |p_i − j| <= window (p_i = i + n_k − n_q, the query's position). window = 0: no window, plain
+// W(i): causal, the last `window` keys query i sees (its own included), and the first `sinks`
+// keys (StreamingLLM's attention sinks: LLMs put much of their attention on the first tokens);
+// not causal, the keys with |p_i − j| <= window (p_i = i + n_k − n_q, the query's position). window = 0: no window, plain
 // linear attention. O(n·(w + m')·d) time, O(n) memory (docs/methods/hybrid.md).
 #pragma once
 
@@ -22,6 +23,9 @@ namespace linattn {
 
 struct HybridAttentionOptions : AttentionOptions {
   int64_t window = 64;
+  // Causal only: the first `sinks` keys are in every query's exact part (once it sees them),
+  // whatever the window. 0: none.
+  int64_t sinks = 0;
   // "elu" (elu(x)+1) or "relu" of q and k; "given": query_features and key_features are the
   // features (non-negative, from a map of the caller's: Hedgehog's); "favor": FAVOR+'s random
   // features of q and k with the `projection` input, which estimate e^{s_ij} itself, so the

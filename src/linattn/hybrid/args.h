@@ -19,6 +19,7 @@ Call<T> call_from(const MethodArgs<T>& a) {
   Call<T> c;
   r.read_common(c.opts);
   r.read("window", c.opts.window);
+  r.read("sinks", c.opts.sinks);
   r.read("feature_map", c.opts.feature_map);
   r.read("kernel", c.opts.kernel);
   r.read("eps", c.opts.eps);

@@ -62,6 +62,9 @@ Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, T
   s.scale = resolve_scale(fn, opts, s.d.head_dim);
   const AttentionDims& d = s.d;
   require(opts.window >= 0, fn, ": window must be >= 0 (0: no window, plain linear attention), got ", opts.window);
+  require(opts.sinks >= 0, fn, ": sinks must be >= 0 (0: none), got ", opts.sinks);
+  require(opts.sinks == 0 || opts.causal, fn, ": sinks = ", opts.sinks,
+          " needs causal=true: attention sinks are the first keys of a causal sequence");
   require(std::isfinite(opts.eps) && opts.eps >= 0, fn, ": eps must be finite and >= 0, got ", opts.eps);
   if (opts.feature_map == "elu") {
     s.map = Map::Elu;
@@ -149,7 +152,7 @@ struct Scratch {
     fk = Buffer<T>(own || favor ? nk * m : 0, true, Init::Uninitialized);
     state = Buffer<T>(m * dv);
     z = Buffer<T>(m);
-    scores = Buffer<T>(std::min<int64_t>(2 * s.opts.window + 1, std::max<int64_t>(nk, 1)), true, Init::Uninitialized);
+    scores = Buffer<T>(std::min<int64_t>(2 * s.opts.window + 1 + s.opts.sinks, std::max<int64_t>(nk, 1)), true, Init::Uninitialized);
     den = Buffer<T>(nq, true, Init::Uninitialized);
     shift = Buffer<T>(nq, true, Init::Uninitialized);
     row = Buffer<T>(favor ? m : 0, true, Init::Uninitialized);
@@ -295,8 +298,9 @@ const T* query_features(const Setup& s, const Item<T>& it, int64_t i, Scratch<T>
   return s.map == Map::Favor ? query_meeting_state(s, it, i, w, num, den, forward) : it.fq + i * s.features;
 }
 
-// Window scores of row i over keys [r.window_begin, r.window_end) into w.scores, replaced by
-// e_ij = exp(s_ij − M_i); returns Σ e, the offset of the maximum (the first one) and M_i.
+// Scores of row i over its exact keys (r.exact_key(j), j < r.exact_count(): the sinks, then the
+// window) into w.scores, replaced by e_ij = exp(s_ij − M_i); returns Σ e, the offset of the
+// maximum (the first one) and M_i.
 template <class T>
 struct WindowWeights {
   T sum;
@@ -306,14 +310,20 @@ struct WindowWeights {
 
 template <class T>
 WindowWeights<T> window_weights(const Setup& s, const Item<T>& it, int64_t i, const RowKeys& r, Scratch<T>& w) {
-  const int64_t d = s.d.head_dim, count = r.window_end - r.window_begin;
+  const int64_t d = s.d.head_dim, count = r.exact_count();
   T* e = w.scores.data();
   const T sc = static_cast<T>(s.scale);
   for (int64_t j = 0; j < count; ++j)
-    e[j] = sc * simd::dot(it.q + i * d, it.k + (r.window_begin + j) * d, static_cast<size_t>(d));
+    e[j] = sc * simd::dot(it.q + i * d, it.k + r.exact_key(j) * d, static_cast<size_t>(d));
   const int64_t top = std::max_element(e, e + count) - e;
   const T M = e[top];
   return {simd::exp_shifted_sum(e, static_cast<size_t>(count), M), top, M};
+}
+
+// The first key a linear prefix can hold: the keys before it are sinks (exact for every row).
+template <class T>
+int64_t first_linear_key(const Setup& s, const Item<T>& it) {
+  return std::min(s.opts.sinks, it.L);
 }
 
 // num [n_q, dv], den [n_q] (without eps) and w.shift [n_q] of one item: the window (weights
@@ -328,13 +338,13 @@ void forward_item(const Setup& s, const Item<T>& it, T* num, T* den, Scratch<T>&
   std::fill(w.shift.data(), w.shift.data() + nq, -std::numeric_limits<T>::infinity());
   for (int64_t i = 0; i < nq; ++i) {  // window
     const RowKeys r = row_keys(s, i, it.L);
-    if (r.window_end == r.window_begin) continue;
+    if (r.exact_count() == 0) continue;
     const WindowWeights<T> ww = window_weights(s, it, i, r, w);
     const T* e = w.scores.data();
     T* o = num + i * dv;
-    for (int64_t j = 0; j < r.window_end - r.window_begin; ++j) {
+    for (int64_t j = 0; j < r.exact_count(); ++j) {
       const T a = it.gamma * e[j];
-      const T* vj = it.v + (r.window_begin + j) * dv;
+      const T* vj = it.v + r.exact_key(j) * dv;
       for (int64_t t = 0; t < dv; ++t) o[t] += a * vj[t];
     }
     den[i] = it.gamma * ww.sum;
@@ -342,11 +352,12 @@ void forward_item(const Setup& s, const Item<T>& it, T* num, T* den, Scratch<T>&
   }
   const int64_t m = s.features;
   clear_state(w, s);
-  for (int64_t i = 0, pos = 0; i < nq; ++i) {  // linear prefix
+  const int64_t first = first_linear_key(s, it);
+  for (int64_t i = 0, pos = first; i < nq; ++i) {  // linear prefix (after the sinks)
     const RowKeys r = row_keys(s, i, it.L);
     for (; pos < r.window_begin; ++pos)
       add_outer(w.state.data(), w.z.data(), key_entering(s, it, pos, w), it.v + pos * dv, T(1), m, dv);
-    if (pos > 0) apply_state(w.state.data(), w.z.data(), query_features(s, it, i, w, num, den, true), m, dv,
+    if (pos > first) apply_state(w.state.data(), w.z.data(), query_features(s, it, i, w, num, den, true), m, dv,
                              num + i * dv, den + i);
   }
   if (!s.opts.causal && s.opts.window > 0) {  // linear suffix
@@ -490,12 +501,13 @@ AttentionGrads<T> hybrid_attention_backward(TensorView<const T> q, TensorView<co
       }
     };
     hybrid::clear_state(w, s);
-    for (int64_t i = 0, pos = 0; i < nq; ++i) {
+    const int64_t first = hybrid::first_linear_key(s, it);
+    for (int64_t i = 0, pos = first; i < nq; ++i) {
       const hybrid::RowKeys r = hybrid::row_keys(s, i, it.L);
       for (; pos < r.window_begin; ++pos)
         hybrid::add_outer(w.state.data(), w.z.data(), hybrid::key_entering(s, it, pos, w), it.v + pos * dv, T(1), m,
                           dv);
-      if (pos > 0) pull(i);
+      if (pos > first) pull(i);
     }
     // [R | ρ] = Σ φ(q_i) ⊗ [g_i | c_i] over the queries that hold key j: dφ(k_j) = R v_j + ρ,
     // dv_j += Rᵀ φ(k_j).
@@ -513,7 +525,7 @@ AttentionGrads<T> hybrid_attention_backward(TensorView<const T> q, TensorView<co
       }
     };
     hybrid::clear_state(w, s);
-    for (int64_t j = it.L - 1, i0 = nq; j >= 0; --j) {  // queries with window_begin > j: a suffix
+    for (int64_t j = it.L - 1, i0 = nq; j >= first; --j) {  // queries with window_begin > j: a suffix
       while (i0 > 0 && hybrid::row_keys(s, i0 - 1, it.L).window_begin > j) {
         --i0;
         hybrid::add_outer(w.state.data(), w.z.data(), hybrid::query_entering(s, it, i0, w), g + i0 * dv, c[i0], m,
@@ -561,14 +573,14 @@ AttentionGrads<T> hybrid_attention_backward(TensorView<const T> q, TensorView<co
     double dgam = 0;
     for (int64_t i = 0; i < nq; ++i) {
       const hybrid::RowKeys r = hybrid::row_keys(s, i, it.L);
-      const int64_t count = r.window_end - r.window_begin;
+      const int64_t count = r.exact_count();
       if (count == 0) continue;
       const hybrid::WindowWeights<T> ww = hybrid::window_weights(s, it, i, r, w);
       const T unshift = favor ? std::exp(ww.max_score - w.shift[i]) : T(1);  // e^{M_i − R_i} <= 1
       T* e = w.scores.data();  // becomes ds_ij
       T shift = 0;
       for (int64_t j = 0; j < count; ++j) {
-        const int64_t key = r.window_begin + j;
+        const int64_t key = r.exact_key(j);
         const T gv = simd::dot(g + i * dv, it.v + key * dv, static_cast<size_t>(dv));
         const T ej = e[j] * unshift;
         const T a = it.gamma * ej;
@@ -579,7 +591,7 @@ AttentionGrads<T> hybrid_attention_backward(TensorView<const T> q, TensorView<co
       }
       if (!favor) e[ww.top] += shift;  // ∂M_i: the maximum's score carries −Σ_j ds_ij
       for (int64_t j = 0; j < count; ++j) {
-        const int64_t key = r.window_begin + j;
+        const int64_t key = r.exact_key(j);
         const T a = sc * e[j];
         for (int64_t t = 0; t < hd; ++t) {
           dq[i * hd + t] += a * it.k[key * hd + t];

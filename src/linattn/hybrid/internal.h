@@ -34,20 +34,24 @@ template <class T>
 Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                  const HybridInputs<T>& in, const HybridAttentionOptions& opts);
 
-// The keys query i of an item with L visible keys sees, as three boundaries: the linear prefix
-// [0, window_begin), the window [window_begin, window_end) and the linear suffix
-// [suffix_begin, L) (not causal only; empty otherwise). Each is non-decreasing in i, which is
-// what lets the states be swept once forwards and once backwards.
+// The keys query i of an item with L visible keys sees, as boundaries: the sinks [0, sink_end)
+// (exact, causal only), the linear prefix [sink_end, window_begin), the window
+// [window_begin, window_end) and the linear suffix [suffix_begin, L) (not causal only; empty
+// otherwise). Each is non-decreasing in i, which is what lets the states be swept once forwards
+// and once backwards. The exact part is the sinks and the window: exact_count() keys, the j-th
+// of them exact_key(j).
 struct RowKeys {
-  int64_t window_begin, window_end, suffix_begin;
+  int64_t window_begin, window_end, suffix_begin, sink_end = 0;
+  int64_t exact_count() const { return sink_end + window_end - window_begin; }
+  int64_t exact_key(int64_t j) const { return j < sink_end ? j : window_begin + (j - sink_end); }
 };
 
 inline RowKeys row_keys(const Setup& s, int64_t i, int64_t L) {
   const int64_t p = i + s.d.n_k - s.d.n_q, w = s.opts.window;
   auto clamp = [L](int64_t x) { return std::clamp<int64_t>(x, 0, L); };
   if (s.opts.causal) {
-    const int64_t end = clamp(p + 1);
-    return {clamp(p + 1 - w), end, L};
+    const int64_t end = clamp(p + 1), begin = clamp(p + 1 - w);
+    return {begin, end, L, std::min(begin, clamp(s.opts.sinks))};
   }
   if (w == 0) return {L, L, L};
   const int64_t end = clamp(p + w + 1);

@@ -129,7 +129,7 @@ Row row(const Setup& s, TensorView<const double> q, TensorView<const double> k, 
   std::vector<double> score(static_cast<size_t>(visible));
   double M = -INFINITY;
   for (int64_t j = 0; j < visible; ++j) {
-    const bool win = w > 0 && (s.opts.causal ? j > p - w : std::abs(p - j) <= w);
+    const bool win = (w > 0 && (s.opts.causal ? j > p - w : std::abs(p - j) <= w)) || j < s.opts.sinks;
     r.in_window.push_back(win);
     double dot = 0;
     for (int64_t t = 0; t < s.d.head_dim; ++t) dot += q.row(bh, i)[t] * k.row(bh, j)[t];

@@ -39,6 +39,8 @@ MethodInfo describe_hybrid() {
       tensor_input("window_gate", false, true, "[heads]: the window term is scaled by sigmoid(window_gate); None: 1"),
       int_option("window", defaults.window,
                  "causal: the last `window` keys (the query's own included); not causal: |i - j| <= window; 0: none"),
+      int_option("sinks", defaults.sinks,
+                 "causal only: the first `sinks` keys are in every query's exact part (attention sinks); 0: none"),
       tensor_input("projection", false, false,
                    "ω [num_features, head_dim] from random_features (feature_map='favor'; not differentiated)"),
       string_option("feature_map", defaults.feature_map, {"elu", "relu", "given", "favor"},
@@ -60,7 +62,7 @@ MethodInfo describe_hybrid() {
   // (twice not causal: prefix and suffix). The backward: about 2.5 times that.
   m.flops = [](const AttentionShape& s, const MethodArgs<float>& a, bool backward) {
     const auto c = hybrid::call_from(a);
-    const double W = static_cast<double>(c.opts.causal ? c.opts.window : 2 * c.opts.window + 1);
+    const double W = static_cast<double>(c.opts.causal ? c.opts.window + c.opts.sinks : 2 * c.opts.window + 1);
     const auto f = a.tensors.find("query_features");
     const auto w = a.tensors.find("projection");
     const double mf = f != a.tensors.end()   ? static_cast<double>(f->second.dim(3))
