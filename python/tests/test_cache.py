@@ -19,7 +19,10 @@ CASES = [("linattn_elu", {}), ("linattn_elu", {"window": 5}), ("linattn_relu", {
          ("linattn_focused", {"dwc_kernel_size": 3}), ("linattn_focused", {"focus_power": 40.0, "eps": 1e-3}), ("linattn_favor", {}), ("linattn_favor", {"kernel": "hyperbolic"}),
          ("linattn_favor", {"kernel": "trig"}), ("linattn_favor", {"window": 5}),
          ("linattn_favor", {"window": 4, "kernel": "hyperbolic"}), ("linattn_hedgehog", {"feature_dim": 4}),
-         ("linattn_hedgehog", {"feature_dim": 4, "window": 5}), ("linattn_window", {"window": 4})]
+         ("linattn_hedgehog", {"feature_dim": 4, "window": 5}), ("linattn_window", {"window": 4}),
+         # attention sinks: the first tokens stay exact once they leave the window
+         ("linattn_elu", {"window": 5, "sinks": 3}), ("linattn_favor", {"window": 4, "sinks": 2}),
+         ("linattn_hedgehog", {"feature_dim": 4, "window": 3, "sinks": 4}), ("linattn_window", {"window": 4, "sinks": 3})]
 # float32 logits of a 2-layer model: each path rounds differently (C++ kernels against torch
 # ops), a few ulps of every term; 2^-14 of the largest logit is ~100× that and far below a
 # wrong state's error (a token missing from the state moves logits by ~1e-2 relative).
@@ -495,3 +498,26 @@ def test_right_padded_prompts_given_as_embeddings_too():
     for r, length in enumerate(lengths):
         alone = model.generate(ids[r:r + 1, :length], max_new_tokens=4, do_sample=False)
         assert torch.equal(out[r, -4:], alone[0, length:])
+
+
+def test_sinks_keep_the_first_tokens_exact_and_are_checked():
+    # The same weights with and without sinks: equal logits while the window holds every token,
+    # different after (without sinks, the first tokens go to the linear part).
+    with_sinks, without = model_on("linattn_elu", {"window": 3, "sinks": 2}), model_on("linattn_elu", {"window": 3})
+    without.load_state_dict(with_sinks.state_dict())
+    ids = ids_of(1, 16)
+    with torch.no_grad():
+        a, b = with_sinks(ids).logits, without(ids).logits
+    assert (a[:, :3] - b[:, :3]).abs().max() <= TOL * b.abs().max()  # positions 0-2: the window of 3 holds all
+    assert ((a[:, 3:] - b[:, 3:]).abs().amax(-1) > 1e-3 * b.abs().max()).all()
+    model = model_on("linattn_elu", {})
+    with pytest.raises(ValueError, match="sinks=2 needs window >= 1"):
+        lh.set_options(model, sinks=2)
+    with pytest.raises(ValueError, match="sinks must be an integer >= 0"):
+        lh.set_options(model, window=2, sinks=-1)
+    fresh = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+    with pytest.raises(ValueError, match="sinks=4 needs window >= 1"):
+        lh.linearize(fresh, feature_map="elu", sinks=4)
+    assert fresh.config._attn_implementation != "linattn_elu"  # nothing changed
+    lh.linearize(fresh, feature_map="elu", window=2, sinks=4)
+    assert fresh.config.linattn_options["sinks"] == 4

@@ -52,6 +52,7 @@ _OPTION_CHECKS = {
     "conv_kernel_size": _optional(lambda fn, k, v: _options.integer(fn, k, v, 1)),
     "eps": lambda fn, k, v: _options.real(fn, k, v, minimum=0.0),
     "focus_power": lambda fn, k, v: _options.real(fn, k, v, minimum=1.0, maximum=1000.0),  # the C++ map's range
+    "sinks": lambda fn, k, v: _options.integer(fn, k, v, 0),
     "features": lambda fn, k, v: _options.choice(fn, k, v, FEATURE_KINDS),
     "kernel": lambda fn, k, v: _options.choice(fn, k, v, KERNELS),
     "pinv": lambda fn, k, v: _options.choice(fn, k, v, ("iterative", "exact")),
@@ -247,7 +248,7 @@ class Window(Backend):
                 "key_features": key.new_zeros((b, h, n_k, 1))}
 
 
-_WINDOWED = {"eps": 1e-6, "window": 0}
+_WINDOWED = {"eps": 1e-6, "window": 0, "sinks": 0}
 BACKENDS = {b.name: b for b in (
     Backend("linattn_softmax", "softmax_attention"),
     Kernelized("linattn_elu", "linear_attention", {"feature_map": "elu"}, _WINDOWED),
@@ -255,13 +256,15 @@ BACKENDS = {b.name: b for b in (
     Kernelized("linattn_focused", "linear_attention", {"feature_map": "focused"},
                {"eps": 1e-6, "focus_power": 3.0, "dwc_kernel_size": None}),
     Favor("linattn_favor", "favor_attention", {}, {"num_features": 256, "features": "orthogonal",
-                                                   "kernel": "positive", "seed": 0, "window": 0}),
+                                                   "kernel": "positive", "seed": 0, "window": 0,
+                                                   "sinks": 0}),
     Nystrom("linattn_nystrom", "nystrom_attention", {}, {"num_landmarks": 64, "pinv_iterations": 6,
                                                          "pinv": "iterative", "conv_kernel_size": None}),
     Linformer("linattn_linformer", "linformer_attention", {}, {"s_proj": 256, "max_seq_len": None, "init": "pool"}),
     Backend("linattn_efficient", "efficient_attention"),
-    Hedgehog("linattn_hedgehog", "hedgehog_attention", {}, {"feature_dim": 32, "init": "identity", "window": 0}),
-    Window("linattn_window", "hybrid_attention", {}, {"window": 64}),
+    Hedgehog("linattn_hedgehog", "hedgehog_attention", {}, {"feature_dim": 32, "init": "identity", "window": 0,
+                                                              "sinks": 0}),
+    Window("linattn_window", "hybrid_attention", {}, {"window": 64, "sinks": 0}),
 )}
 
 
@@ -480,6 +483,9 @@ def checked(name, given, config, fn="linattn.hf"):
             o[k] = _options.choice(fn, k, o[k], b.inits)
         else:
             o[k] = _OPTION_CHECKS[k](fn, k, o[k])
+    if o.get("sinks") and not o.get("window"):
+        raise ValueError("%s: sinks=%d needs window >= 1: the sink tokens join the window's exact softmax (the "
+                         "sliding-window hybrid)" % (fn, o["sinks"]))
     b.check(o, config)
     return o
 
@@ -662,10 +668,13 @@ def window_gate(module, b, user, like):
 def hybrid(module, b, query, key, value, key_lengths, causal, scaling, user):
     """The sliding-window hybrid (linattn.torch.hybrid_attention) with backend b's features as
     its linear part: exact softmax over the last `window` keys (causal; |i - j| <= window
-    otherwise), the feature map beyond, one normaliser, and the learned window gate
-    (linattn_window: nothing beyond the window, no gate). Causal holds for one new query against
-    a cache too: its window is the last `window` keys, as in training."""
+    otherwise) and the first `sinks` keys (causal only), the feature map beyond, one normaliser,
+    and the learned window gate (linattn_window: nothing beyond the window, no gate). Causal holds
+    for one new query against a cache too: its window is the last `window` keys, as in training,
+    and its sinks the cache's first keys."""
     options = {"window": int(user["window"]), "causal": causal, "key_lengths": key_lengths, "scale": scaling}
+    if user.get("sinks"):
+        options["sinks"] = int(user["sinks"])
     if not isinstance(b, Window):
         options["window_gate"] = window_gate(module, b, user, query)
     options.update(b.hybrid_features(module, query, key, user))

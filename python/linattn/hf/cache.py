@@ -59,7 +59,8 @@ class LinattnCacheLayer(CacheLayerMixin):
     """One decoder layer's recurrent state: `linear` (a linattn.torch.recurrent.LinearState or
     None before the prompt), `window_keys` / `window_values` [B, H, w, d] (the last w tokens'
     keys and values, newest last) with `window_valid` [B, w] (False: a slot no token has filled
-    yet), `conv_values` [B, H, K − 1, d_v] (a depthwise convolution's past values, zeros before
+    yet), `sink_keys` / `sink_values` [B, H, s, d] and `sink_valid` [B, s] (the first s tokens,
+    once they have left the window: attention sinks), `conv_values` [B, H, K − 1, d_v] (a depthwise convolution's past values, zeros before
     the first tokens), `tokens` (the positions seen, padding included: what transformers counts)
     and `counts` [B] (the tokens of each row, padding excluded)."""
 
@@ -76,6 +77,7 @@ class LinattnCacheLayer(CacheLayerMixin):
         self.tokens = 0
         self.linear = self.counts = None
         self.window_keys = self.window_values = self.window_valid = self.conv_values = None
+        self.sink_keys = self.sink_values = self.sink_valid = None
         self.is_initialized = False
 
     def lazy_initialization(self, key_states, value_states):
@@ -100,7 +102,8 @@ class LinattnCacheLayer(CacheLayerMixin):
         pass
 
     def _tensors(self):
-        return ("counts", "window_keys", "window_values", "window_valid", "conv_values")
+        return ("counts", "window_keys", "window_values", "window_valid", "sink_keys", "sink_values", "sink_valid",
+                "conv_values")
 
     def _map(self, fn):
         if self.linear is not None:
@@ -393,6 +396,7 @@ def attend(name, layer, module, b, user, query, key, value, attention_mask, scal
     valid = token_validity(name, attention_mask, batch, n, layer)
     fmap = _Map(module, b, user, query, scaling)
     window = int(user.get("window") or 0)
+    sinks = int(user.get("sinks") or 0) if window else 0
     if not decoding:  # the prompt: the backend's own forward (with autograd when enabled)
         if valid is None:
             out = forward_on(query, key, value)
@@ -407,11 +411,11 @@ def attend(name, layer, module, b, user, query, key, value, attention_mask, scal
                 rows.append(row)
             out = torch.cat(rows, dim=0)
         with torch.no_grad():
-            _fill(layer, fmap, module, user, key.detach(), value.detach(), window, valid)
+            _fill(layer, fmap, module, user, key.detach(), value.detach(), window, sinks, valid)
         return out
     with torch.no_grad():
         outs = [_step(layer, fmap, module, b, user, query[:, :, t:t + 1], key[:, :, t:t + 1], value[:, :, t:t + 1],
-                      window, None if valid is None else valid[:, t]) for t in range(n)]
+                      window, sinks, None if valid is None else valid[:, t]) for t in range(n)]
     # A bfloat16/float16 model's state and sums are float32 (recurrent.py); the output is rounded once.
     return torch.cat(outs, dim=2).to(query.dtype)
 
@@ -424,16 +428,27 @@ def _last_slots(valid, size):
     return rows, positions, size - 1 - after[rows, positions]
 
 
-def _fill(layer, fmap, module, user, key, value, window, valid):
+def _fill(layer, fmap, module, user, key, value, window, sinks, valid):
     """The state after the prompt: per row, its tokens before its last `window` enter the
-    linear state; the last `window` tokens' keys and values fill the window's slots (the
-    newest last); a convolution keeps the last K − 1 values. Padded positions go nowhere."""
+    linear state, except its first `sinks` tokens, which fill the sink slots; the last `window`
+    tokens' keys and values fill the window's slots (the newest last); a convolution keeps the
+    last K − 1 values. Padded positions go nowhere."""
     batch, heads, n, head_dim = key.shape
     valid = torch.ones((batch, n), dtype=torch.bool, device=key.device) if valid is None else valid
     after = valid.flip(1).cumsum(1).flip(1) - valid.long()
+    before = valid.cumsum(1) - valid.long()  # each token's place in its row
     state = _recurrent.empty_state(batch, heads, fmap.dim(head_dim), value.shape[-1], log_form=fmap.log_form,
                                    like=value)
-    layer.linear = fmap.enter(state, key, value, mask=valid & (after >= window))
+    layer.linear = fmap.enter(state, key, value, mask=valid & (after >= window) & (before >= sinks))
+    if sinks:
+        layer.sink_keys = key.new_zeros((batch, heads, sinks, head_dim))
+        layer.sink_values = value.new_zeros((batch, heads, sinks, value.shape[-1]))
+        layer.sink_valid = torch.zeros((batch, sinks), dtype=torch.bool, device=key.device)
+        rows, positions = (valid & (after >= window) & (before < sinks)).nonzero(as_tuple=True)
+        slots = before[rows, positions]
+        layer.sink_keys[rows, :, slots] = key[rows, :, positions]
+        layer.sink_values[rows, :, slots] = value[rows, :, positions]
+        layer.sink_valid[rows, slots] = True
     if window:
         rows, positions, slots = _last_slots(valid, window)
         layer.window_keys = key.new_zeros((batch, heads, window, head_dim))
@@ -453,7 +468,7 @@ def _fill(layer, fmap, module, user, key, value, window, valid):
     layer.tokens = n
 
 
-def _step(layer, fmap, module, b, user, q, k, v, window, valid):
+def _step(layer, fmap, module, b, user, q, k, v, window, sinks, valid):
     """One position q, k, v [B, H, 1, d] -> its output [B, H, 1, d_v], the row of the backend's
     causal forward for the newest token; the layer advances by it in the rows where valid [B]
     (None: all) says it is a token (elsewhere the state stays and the output is 0)."""
@@ -468,19 +483,32 @@ def _step(layer, fmap, module, b, user, q, k, v, window, valid):
         # A zero denominator (trig features can cancel) gives 0, as favor_attention does.
         out = torch.where(den[..., None] != 0, num / torch.where(den != 0, den, 1)[..., None], 0)
     else:
-        # The oldest slot's token (if it holds one) leaves the window for the linear state.
+        # The oldest slot's token (if it holds one) leaves the window: for the sink slots when it
+        # is one of its row's first `sinks` tokens, else for the linear state.
+        leaving = layer.window_valid[:, 0] & advance
+        place = layer.counts - window  # the leaving token's place in its row
+        to_sink = leaving & (place < sinks)
         layer.linear = fmap.enter(layer.linear, layer.window_keys[:, :, :1], layer.window_values[:, :, :1],
-                                  mask=(layer.window_valid[:, 0] & advance)[:, None])
+                                  mask=(leaving & ~to_sink)[:, None])
+        if sinks:
+            at = to_sink[:, None] & (torch.arange(sinks, device=q.device)[None, :] == place[:, None])  # [B, s]
+            layer.sink_keys = torch.where(at[:, None, :, None], layer.window_keys[:, :, :1], layer.sink_keys)
+            layer.sink_values = torch.where(at[:, None, :, None], layer.window_values[:, :, :1], layer.sink_values)
+            layer.sink_valid = layer.sink_valid | at
         moved = advance[:, None, None, None]
         layer.window_keys = torch.where(moved, torch.cat([layer.window_keys[:, :, 1:], k], dim=2), layer.window_keys)
         layer.window_values = torch.where(moved, torch.cat([layer.window_values[:, :, 1:], v], dim=2),
                                           layer.window_values)
         layer.window_valid = torch.where(advance[:, None], torch.cat([layer.window_valid[:, 1:], advance[:, None]], 1),
                                          layer.window_valid)
-        # The window's scores and sums in float32 for a 16-bit model (the state already is).
-        keys, values = _wide(layer.window_keys), _wide(layer.window_values)
+        # The window's (and sinks') scores and sums in float32 for a 16-bit model (the state already is).
+        keys, values, exact = layer.window_keys, layer.window_values, layer.window_valid
+        if sinks:
+            keys, values = torch.cat([layer.sink_keys, keys], dim=2), torch.cat([layer.sink_values, values], dim=2)
+            exact = torch.cat([layer.sink_valid, exact], dim=1)
+        keys, values = _wide(keys), _wide(values)
         scores = torch.einsum("bhd,bhjd->bhj", _wide(q[:, :, 0]), keys) * fmap.scale
-        scores = scores.masked_fill(~layer.window_valid[:, None, :], float("-inf"))
+        scores = scores.masked_fill(~exact[:, None, :], float("-inf"))
         top = scores.amax(dim=-1)
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row with no token yet
         if isinstance(b, _backends.Window):

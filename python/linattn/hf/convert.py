@@ -17,7 +17,7 @@ _CONVERSIONS = {"hedgehog": "linattn_hedgehog", "elu": "linattn_elu", "relu": "l
                 "none": "linattn_window"}
 
 
-def linearize(model, feature_map="hedgehog", window=0, feature_dim=32, init="identity"):
+def linearize(model, feature_map="hedgehog", window=0, feature_dim=32, init="identity", sinks=0):
     """Switches every attention layer of a transformers model to linear attention with learned
     feature maps, adds their parameters, and freezes everything else: the first step of
     converting a pretrained softmax model (then attention_transfer).
@@ -30,6 +30,9 @@ def linearize(model, feature_map="hedgehog", window=0, feature_dim=32, init="ide
     window: 0, plain linear attention; w > 0, the sliding-window hybrid: exact softmax over the
     last w keys (causal models; |i - j| <= w in encoders) with the map beyond it and one
     normaliser, and a learned gate g per head (γ = sigmoid(g) scales the window; g = 0 at first).
+    sinks: s > 0 (causal models, window >= 1): the first s tokens join every query's exact window
+    (StreamingLLM's attention sinks; LLMs put much of their attention on them), in training,
+    prefill and LinattnCache alike.
     feature_dim: f, m' = 2f features per head (hedgehog); m = f random features (favor); unused by
     elu, relu and none (their feature count is head_dim, or none). init: "identity" (W = the identity's
     first f columns, b = 0) or "random" (hedgehog). The model's other parameters get
@@ -44,12 +47,19 @@ def linearize(model, feature_map="hedgehog", window=0, feature_dim=32, init="ide
     if feature_map == "none" and window < 1:
         raise ValueError("%s: feature_map='none' keeps only the window, so window must be >= 1, got %r"
                          % (fn, window))
+    sinks = _options.integer(fn, "sinks", sinks, 0)
+    if sinks and window < 1:
+        raise ValueError("%s: sinks=%d needs window >= 1: the sink tokens join the window's exact softmax"
+                         % (fn, sinks))
     feature_dim = _options.integer(fn, "feature_dim", feature_dim, 1)
     init = _options.choice(fn, "init", init, ("identity", "random"))
     modules = attention_modules(model)
     if not modules:
         raise ValueError("%s: found no attention module (a module with config, is_causal and layer_idx attributes) "
                          "in %s" % (fn, type(model).__name__))
+    if sinks and not all(getattr(m, "is_causal", False) for m in modules):
+        raise ValueError("%s: sinks=%d needs a causal model: attention sinks are the first tokens of a causal "
+                         "sequence" % (fn, sinks))
     name = _CONVERSIONS[feature_map]
     saved = {"implementation": model.config._attn_implementation,
              "options": getattr(model.config, "linattn_options", None),
@@ -65,6 +75,8 @@ def linearize(model, feature_map="hedgehog", window=0, feature_dim=32, init="ide
         for p in model.parameters():
             p.requires_grad_(False)
         options = {"window": window}
+        if sinks:
+            options["sinks"] = sinks
         if feature_map == "hedgehog":
             options.update(feature_dim=feature_dim, init=init)
         elif feature_map == "favor":
