@@ -204,30 +204,36 @@ def run(a):
     train_texts = [tok.decode(row) for row in chunks]
     ids = held_out_ids(tok, max(a.lengths) * a.windows + 10)
     top = teacher_argmax(base)
+    select = 1024 if 1024 in a.lengths else a.lengths[0]  # the length that picks the best, and of the agreement
     rows = {}
 
     def evaluate(label, model, extra):
         row = dict(extra)
         for n in a.lengths:
             count = max(1, a.windows * max(a.lengths) // n // 4) if n < max(a.lengths) else a.windows
-            ppl, agree = perplexity(model, ids, n, count, top if label != "teacher" and n == 1024 else None)
+            ppl, agree = perplexity(model, ids, n, count, top if label != "teacher" and n == select else None)
             row["ppl_%d" % n] = ppl
             if agree is not None:
-                row["agree_1024"] = agree
+                row["agreement"] = agree
             print(label, n, round(ppl, 2), agree, flush=True)
         rows[label] = row
 
     evaluate("teacher", base, {"seconds": 0, "tokens": 0})
     configs = [("window + sinks, zero-shot", "none", {"window": a.window, "sinks": a.sinks})]
     for fmap in a.maps:
-        configs.append(("%s + window + sinks, stage 1" % fmap, fmap,
-                        {"window": a.window, "sinks": a.sinks, "feature_dim": a.feature_dim}))
+        for decay in a.decays:
+            options = {"window": a.window, "sinks": a.sinks, "feature_dim": a.feature_dim}
+            label = "%s + window + sinks" % fmap
+            if decay != "none":
+                options["decay"] = decay if decay == "retnet" else float(decay)
+                label += " + decay %s" % decay
+            configs.append((label + ", stage 1", fmap, options))
     best, best_ppl = None, math.inf
     for label, fmap, options in configs:
         model, seconds, seen = convert(base, tok, train_texts, a, fmap, options)
         evaluate(label, model, {"seconds": seconds, "tokens": seen, "options": options, "feature_map": fmap})
-        if fmap != "none" and rows[label]["ppl_1024"] < best_ppl:
-            best, best_ppl = (label, model), rows[label]["ppl_1024"]
+        if fmap != "none" and rows[label]["ppl_%d" % select] < best_ppl:
+            best, best_ppl = (label, model), rows[label]["ppl_%d" % select]
         elif fmap == "none":
             window_model = model
     generation_rows = []
@@ -251,8 +257,8 @@ def run(a):
         best[1].save_pretrained(target)
         tok.save_pretrained(target)
     return {"rows": rows, "generation": generation_rows, "passkey": keys, "args": vars(a),
-            "best": best[0] if best else None, "torch": torch.__version__, "transformers": transformers.__version__,
-            "build": linattn.build_info(), "cpu": linattn.cpu_features() if hasattr(linattn, "cpu_features") else ""}
+            "best": best[0] if best else None, "select": select, "torch": torch.__version__, "transformers": transformers.__version__,
+            "build": linattn.build_info()}
 
 
 def report(r, command):
@@ -261,16 +267,17 @@ def report(r, command):
     lines = ["", "Measured with `%s` on %d threads: torch %s, transformers %s. Held-out text: the standard "
              "library's own .py files; training: pydoc_data.topics and the .venv packages' descriptions, %d steps of "
              "%d × %d tokens. Perplexity over every position of windows of n held-out tokens; agreement: the share of "
-             "positions at n = 1024 whose greedy next token is the teacher's."
-             % (command, a["threads"], r["torch"], r["transformers"], a["steps"], a["batch"], a["train_length"]), "",
-             "| model | " + " | ".join("ppl at %d" % n for n in a["lengths"]) + " | agreement at 1k | conversion | "
+             "positions at n = %d whose greedy next token is the teacher's."
+             % (command, a["threads"], r["torch"], r["transformers"], a["steps"], a["batch"], a["train_length"],
+                r["select"]), "",
+             "| model | " + " | ".join("ppl at %d" % n for n in a["lengths"]) + " | agreement | conversion | "
              "tokens seen |", "|---|" + "---|" * (len(a["lengths"]) + 3)]
     for label, row in r["rows"].items():
         cells = []
         for n in a["lengths"]:
             p = row["ppl_%d" % n]
             cells.append("%.1f" % p if label == "teacher" else "%.1f (%+.0f%%)" % (p, 100 * (p / t["ppl_%d" % n] - 1)))
-        agree = row.get("agree_1024")
+        agree = row.get("agreement")
         lines.append("| %s | %s | %s | %s | %s |" % (label, " | ".join(cells), "–" if agree is None else "%.1f%%" % (100 * agree),
                                                       "%.0f s" % row["seconds"] if row["seconds"] else "–",
                                                       "{:,}".format(row["tokens"]) if row["tokens"] else "–"))
@@ -303,6 +310,8 @@ def main(argv=None):
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--maps", nargs="*", default=["hedgehog"])
+    ap.add_argument("--decays", nargs="+", default=["none", "retnet"],
+                    help="the linear part's decay of each conversion: none, retnet, or a log-decay <= 0")
     ap.add_argument("--feature-dim", type=int, default=32)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, default=2)

@@ -29,20 +29,22 @@ struct Case {
   bool lengths;
   int64_t n_q, n_k;
   int64_t sinks = 0;  // causal only
+  bool decay = false;  // causal only: log_decay per head
 };
 
 std::string name(const Case& c) {
   return std::string(c.causal ? "causal" : "full") + " w=" + std::to_string(c.window) + " " + c.map +
          (c.gate ? " gate" : "") + (c.lengths ? " key_lengths" : "") + " n_q=" + std::to_string(c.n_q) +
-         " n_k=" + std::to_string(c.n_k) + (c.sinks ? " sinks=" + std::to_string(c.sinks) : "");
+         " n_k=" + std::to_string(c.n_k) + (c.sinks ? " sinks=" + std::to_string(c.sinks) : "") +
+         (c.decay ? " decay" : "");
 }
 
 // Inputs of one case, in double (the reference's) with float copies.
 struct Inputs {
   static constexpr int64_t B = 2, H = 3, d = 5, dv = 4, m = 6, num_features = 4;
-  Tensor<double> q, k, v, dout, fq, fk, gate, projection;
+  Tensor<double> q, k, v, dout, fq, fk, gate, projection, log_decay;
   HybridAttentionOptions opts;
-  bool given, gated, favor;
+  bool given, gated, favor, decayed;
 
   Inputs(const Case& c, uint64_t seed, double q_sigma = 1.0)
       : q(random_tensor<double>({B, H, c.n_q, d}, seed, q_sigma)),
@@ -53,9 +55,11 @@ struct Inputs {
         fk(random_tensor<double>({B, H, c.n_k, m}, seed + 5)),
         gate(random_tensor<double>({H}, seed + 6)),
         projection(random_tensor<double>({num_features, d}, seed + 7)),
+        log_decay(Shape{H}),
         given(c.map == "given"),
         gated(c.gate),
-        favor(c.map.rfind("favor", 0) == 0) {
+        favor(c.map.rfind("favor", 0) == 0), decayed(c.decay) {
+    for (int64_t h = 0; h < H; ++h) log_decay[h] = -0.05 * static_cast<double>(h * h) - 0.01;  // 0.01 .. 0.21 a step
     for (Tensor<double>* f : {&fq, &fk})  // non-negative features
       for (int64_t i = 0; i < f->size(); ++i) (*f)[i] = std::abs((*f)[i]);
     opts.causal = c.causal;
@@ -67,17 +71,18 @@ struct Inputs {
   }
   template <class T>
   HybridInputs<T> inputs(const Tensor<T>& fq_t, const Tensor<T>& fk_t, const Tensor<T>& gate_t,
-                         const Tensor<T>& projection_t) const {
+                         const Tensor<T>& projection_t, const Tensor<T>& decay_t) const {
     HybridInputs<T> in;
+    if (decayed) in.log_decay = decay_t.view();
     if (given) in.query_features = fq_t.view(), in.key_features = fk_t.view();
     if (gated) in.window_gate = gate_t.view();
     if (favor) in.projection = projection_t.view();
     return in;
   }
-  HybridInputs<double> inputs() const { return inputs<double>(fq, fk, gate, projection); }
+  HybridInputs<double> inputs() const { return inputs<double>(fq, fk, gate, projection, log_decay); }
   template <class T>
   void round_to() {
-    for (Tensor<double>* t : {&q, &k, &v, &dout, &fq, &fk, &gate, &projection})
+    for (Tensor<double>* t : {&q, &k, &v, &dout, &fq, &fk, &gate, &projection, &log_decay})
       for (int64_t i = 0; i < t->size(); ++i) (*t)[i] = static_cast<double>(static_cast<T>((*t)[i]));
   }
 };
@@ -107,6 +112,12 @@ std::vector<Case> cases() {
         out.push_back({true, w, map, true, true, 17, 30, sinks});
       }
   out.push_back({true, 2, "relu", true, true, 30, 17, 3});
+  // The linear part decayed (log_decay), with and without sinks, every map.
+  for (const char* map : {"elu", "relu", "given", "favor", "favor-hyperbolic"})
+    for (int64_t w : {0, 3}) {
+      out.push_back({true, w, map, w > 0, false, 23, 23, 0, true});
+      out.push_back({true, w, map, true, true, 17, 30, w > 0 ? 2 : 0, true});
+    }
   return out;
 }
 
@@ -168,14 +179,15 @@ void compare(const Case& c, int threads) {
   Inputs x(c, 100 + static_cast<uint64_t>(c.window) * 7 + c.n_q);
   x.round_to<T>();  // the T inputs are exactly the reference's
   const Tensor<T> q = cast<T>(x.q), k = cast<T>(x.k), v = cast<T>(x.v), dout = cast<T>(x.dout), fq = cast<T>(x.fq),
-                  fk = cast<T>(x.fk), gate = cast<T>(x.gate), projection = cast<T>(x.projection);
+                  fk = cast<T>(x.fk), gate = cast<T>(x.gate), projection = cast<T>(x.projection),
+                  log_decay = cast<T>(x.log_decay);
   const auto in_y = x.inputs();
   const Tensor<double> want_t = reference::hybrid_attention(x.q, x.k, x.v, in_y, x.opts);
   const Tensor<double> mag = reference::hybrid_attention(x.q, x.k, x.v, in_y, x.opts, true);
   const AttentionGrads<double> gwant_t = reference::hybrid_attention_backward(x.q, x.k, x.v, x.dout, in_y, x.opts);
   const AttentionGrads<double> gmag = reference::hybrid_attention_backward(x.q, x.k, x.v, x.dout, in_y, x.opts, true);
   const double eps = epsilon<T>(x, c, 1 / std::sqrt(static_cast<double>(Inputs::d)));
-  const auto in = x.inputs<T>(fq, fk, gate, projection);
+  const auto in = x.inputs<T>(fq, fk, gate, projection, log_decay);
   testing::expect_within(hybrid_attention<T>(q, k, v, in, x.opts), want_t, bound_of(mag, eps), "out");
   const AttentionGrads<T> g = hybrid_attention_backward<T>(q, k, v, dout, in, x.opts);
   testing::expect_within(g.dq, gwant_t.dq, bound_of(gmag.dq, eps), "dq");
@@ -238,7 +250,9 @@ TEST(HybridGradients, ReferenceMatchesFiniteDifferences) {
                         Case{false, 2, "given", true, true, 8, 12}, Case{true, 4, "given", true, false, 9, 9},
                         Case{true, 3, "favor", true, true, 9, 11}, Case{false, 2, "favor-hyperbolic", true, true, 10, 10},
                         Case{false, 1, "favor", false, false, 8, 12}, Case{true, 2, "elu", true, true, 9, 11, 3},
-                        Case{true, 0, "given", true, false, 9, 9, 2}, Case{true, 3, "favor", true, true, 9, 11, 2}}) {
+                        Case{true, 0, "given", true, false, 9, 9, 2}, Case{true, 3, "favor", true, true, 9, 11, 2},
+                        Case{true, 2, "elu", true, true, 9, 11, 2, true}, Case{true, 1, "favor", false, false, 9, 9, 0, true},
+                        Case{true, 0, "given", true, true, 9, 11, 0, true}}) {
     SCOPED_TRACE(name(c));
     Inputs x(c, 7);
     const Tensor<double> G = random_tensor<double>({Inputs::B, Inputs::H, c.n_q, Inputs::dv}, 99);
@@ -293,8 +307,9 @@ TEST(Hybrid, AnyFiniteLogitIsSafe) {
       const auto in_y = x.inputs();
       const Tensor<double> want = reference::hybrid_attention(x.q, x.k, x.v, in_y, x.opts);
       const Tensor<float> q = cast<float>(x.q), k = cast<float>(x.k), v = cast<float>(x.v), fq = cast<float>(x.fq),
-                          fk = cast<float>(x.fk), gate = cast<float>(x.gate), projection = cast<float>(x.projection);
-      const auto in = x.inputs<float>(fq, fk, gate, projection);
+                          fk = cast<float>(x.fk), gate = cast<float>(x.gate), projection = cast<float>(x.projection),
+                          decay = cast<float>(x.log_decay);
+      const auto in = x.inputs<float>(fq, fk, gate, projection, decay);
       const Tensor<float> got = hybrid_attention<float>(q, k, v, in, x.opts);
       for (int64_t i = 0; i < got.size(); ++i) {
         ASSERT_TRUE(std::isfinite(got[i])) << i;
@@ -393,6 +408,17 @@ TEST(Hybrid, BadInputIsAnErrorNamingIt) {
   o.sinks = 2;
   o.causal = false;
   EXPECT_TRUE(has(err(x.inputs(), o), "sinks = 2 needs causal=true"));
+  o.sinks = 0;
+  Tensor<double> decay({3});
+  HybridInputs<double> decayed = x.inputs();
+  decayed.log_decay = decay.view();
+  EXPECT_TRUE(has(err(decayed, o), "log_decay needs causal=true"));
+  o.causal = true;
+  decay[1] = 0.5;
+  EXPECT_TRUE(has(err(decayed, o), "log_decay must be finite and <= 0, got 0.5 at head 1"));
+  Tensor<double> two({2});
+  decayed.log_decay = two.view();
+  EXPECT_TRUE(has(err(decayed, o), "log_decay has shape [2]; expected [3]"));
   o = x.opts;
   o.feature_map = "cosine";
   EXPECT_TRUE(has(err(x.inputs(), o), "feature_map must be 'elu', 'relu', 'given' or 'favor'"));

@@ -11,6 +11,9 @@
 // keys (StreamingLLM's attention sinks: LLMs put much of their attention on the first tokens);
 // not causal, the keys with |p_i − j| <= window (p_i = i + n_k − n_q, the query's position). window = 0: no window, plain
 // linear attention. O(n·(w + m')·d) time, O(n) memory (docs/methods/hybrid.md).
+// log_decay λ [H] (causal only, each ≤ 0): the linear part's term of key j in row i is weighed
+// by e^{λ_h·(p_i − j)}, so its share stops growing with position (RetNet's decay on the linear
+// part, as Liger and Lizard convert LLMs); the window and the sinks are not decayed.
 #pragma once
 
 #include <optional>
@@ -39,10 +42,11 @@ struct HybridAttentionOptions : AttentionOptions {
 
 // The tensors besides q, k, v: the features when feature_map == "given" ([B,H,n_q,m'] and
 // [B,H,n_k,m']), FAVOR's projection ω [m, head_dim] when feature_map == "favor" (from
-// random_features; not differentiated), and the window gate g [H] (absent: γ = 1).
+// random_features; not differentiated), the window gate g [H] (absent: γ = 1), and the linear
+// part's per-head log-decay λ [H] (absent: none; not differentiated).
 template <class T>
 struct HybridInputs {
-  std::optional<TensorView<const T>> query_features, key_features, window_gate, projection;
+  std::optional<TensorView<const T>> query_features, key_features, window_gate, projection, log_decay;
 };
 
 // q [B,H,n_q,d], k [B,H,n_k,d], v [B,H,n_k,d_v] -> out [B,H,n_q,d_v].

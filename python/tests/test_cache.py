@@ -22,7 +22,10 @@ CASES = [("linattn_elu", {}), ("linattn_elu", {"window": 5}), ("linattn_relu", {
          ("linattn_hedgehog", {"feature_dim": 4, "window": 5}), ("linattn_window", {"window": 4}),
          # attention sinks: the first tokens stay exact once they leave the window
          ("linattn_elu", {"window": 5, "sinks": 3}), ("linattn_favor", {"window": 4, "sinks": 2}),
-         ("linattn_hedgehog", {"feature_dim": 4, "window": 3, "sinks": 4}), ("linattn_window", {"window": 4, "sinks": 3})]
+         ("linattn_hedgehog", {"feature_dim": 4, "window": 3, "sinks": 4}), ("linattn_window", {"window": 4, "sinks": 3}),
+         # the linear part decayed: RetNet's per-head decays, or one log-decay for all heads
+         ("linattn_elu", {"window": 3, "sinks": 2, "decay": "retnet"}), ("linattn_favor", {"window": 4, "decay": -0.3}),
+         ("linattn_hedgehog", {"feature_dim": 4, "window": 3, "decay": -0.1})]
 # float32 logits of a 2-layer model: each path rounds differently (C++ kernels against torch
 # ops), a few ulps of every term; 2^-14 of the largest logit is ~100× that and far below a
 # wrong state's error (a token missing from the state moves logits by ~1e-2 relative).

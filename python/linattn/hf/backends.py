@@ -10,6 +10,7 @@ never by a forward: a forward finds them (learned_tensor) or raises, and casts a
 dtype differs from the activations' (autocast, a bfloat16 forward) without replacing it."""
 
 import functools as _functools
+import math
 import threading as _threading
 
 import numpy as _np
@@ -34,6 +35,27 @@ _NO_CAUSAL_FORM = {"nystrom_attention": "its landmarks are means over segments o
                    "efficient_attention": "it normalises keys over all positions"}
 
 
+def _decay_option(fn, name, value):
+    """The linear part's decay: None (none), "retnet" (RetNet's per-head γ_h = 1 − 2^(−5−h·10/H):
+    half-lives of about 22 tokens to 10k), or one log-decay λ <= 0 per position for every head."""
+    if value is None or value == "retnet":
+        return value
+    if isinstance(value, str):
+        raise ValueError("%s: %s must be None, 'retnet' or a number <= 0 (a log-decay per position), got %r"
+                         % (fn, name, value))
+    return _options.real(fn, name, value, maximum=0.0)
+
+
+def log_decay(user, heads):
+    """The hybrid's log_decay [heads] (a list of floats) for the option `decay`, or None."""
+    decay = user.get("decay")
+    if decay is None:
+        return None
+    if decay == "retnet":
+        return [math.log1p(-2.0 ** (-5.0 - 10.0 * h / max(heads - 1, 1))) for h in range(heads)]
+    return [float(decay)] * heads
+
+
 def _optional(check):
     return lambda fn, name, value: None if value is None else check(fn, name, value)
 
@@ -53,6 +75,7 @@ _OPTION_CHECKS = {
     "eps": lambda fn, k, v: _options.real(fn, k, v, minimum=0.0),
     "focus_power": lambda fn, k, v: _options.real(fn, k, v, minimum=1.0, maximum=1000.0),  # the C++ map's range
     "sinks": lambda fn, k, v: _options.integer(fn, k, v, 0),
+    "decay": lambda fn, k, v: _decay_option(fn, k, v),
     "features": lambda fn, k, v: _options.choice(fn, k, v, FEATURE_KINDS),
     "kernel": lambda fn, k, v: _options.choice(fn, k, v, KERNELS),
     "pinv": lambda fn, k, v: _options.choice(fn, k, v, ("iterative", "exact")),
@@ -248,7 +271,7 @@ class Window(Backend):
                 "key_features": key.new_zeros((b, h, n_k, 1))}
 
 
-_WINDOWED = {"eps": 1e-6, "window": 0, "sinks": 0}
+_WINDOWED = {"eps": 1e-6, "window": 0, "sinks": 0, "decay": None}
 BACKENDS = {b.name: b for b in (
     Backend("linattn_softmax", "softmax_attention"),
     Kernelized("linattn_elu", "linear_attention", {"feature_map": "elu"}, _WINDOWED),
@@ -257,13 +280,13 @@ BACKENDS = {b.name: b for b in (
                {"eps": 1e-6, "focus_power": 3.0, "dwc_kernel_size": None}),
     Favor("linattn_favor", "favor_attention", {}, {"num_features": 256, "features": "orthogonal",
                                                    "kernel": "positive", "seed": 0, "window": 0,
-                                                   "sinks": 0}),
+                                                   "sinks": 0, "decay": None}),
     Nystrom("linattn_nystrom", "nystrom_attention", {}, {"num_landmarks": 64, "pinv_iterations": 6,
                                                          "pinv": "iterative", "conv_kernel_size": None}),
     Linformer("linattn_linformer", "linformer_attention", {}, {"s_proj": 256, "max_seq_len": None, "init": "pool"}),
     Backend("linattn_efficient", "efficient_attention"),
     Hedgehog("linattn_hedgehog", "hedgehog_attention", {}, {"feature_dim": 32, "init": "identity", "window": 0,
-                                                              "sinks": 0}),
+                                                              "sinks": 0, "decay": None}),
     Window("linattn_window", "hybrid_attention", {}, {"window": 64, "sinks": 0}),
 )}
 
@@ -483,6 +506,9 @@ def checked(name, given, config, fn="linattn.hf"):
             o[k] = _options.choice(fn, k, o[k], b.inits)
         else:
             o[k] = _OPTION_CHECKS[k](fn, k, o[k])
+    if o.get("decay") is not None and not o.get("window"):
+        raise ValueError("%s: decay=%r needs window >= 1: it decays the linear part of the sliding-window hybrid"
+                         % (fn, o["decay"]))
     if o.get("sinks") and not o.get("window"):
         raise ValueError("%s: sinks=%d needs window >= 1: the sink tokens join the window's exact softmax (the "
                          "sliding-window hybrid)" % (fn, o["sinks"]))
@@ -675,6 +701,9 @@ def hybrid(module, b, query, key, value, key_lengths, causal, scaling, user):
     options = {"window": int(user["window"]), "causal": causal, "key_lengths": key_lengths, "scale": scaling}
     if user.get("sinks"):
         options["sinks"] = int(user["sinks"])
+    decays = log_decay(user, query.shape[1])
+    if decays is not None:
+        options["log_decay"] = _torch.tensor(decays, dtype=query.dtype, device=query.device)
     if not isinstance(b, Window):
         options["window_gate"] = window_gate(module, b, user, query)
     options.update(b.hybrid_features(module, query, key, user))

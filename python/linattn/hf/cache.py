@@ -313,12 +313,18 @@ class _Map:
         factors = torch.cat([torch.sin(u), torch.cos(u)], dim=-1)
         return (h if norm else torch.zeros_like(h)).expand_as(factors), factors
 
-    def enter(self, state, keys, values, mask=None):
-        """keys, values [B, H, n, d] enter the state where mask [B, n] is True (all: None)."""
+    def enter(self, state, keys, values, mask=None, log_weight=None):
+        """keys, values [B, H, n, d] enter the state where mask [B, n] is True (all: None), each
+        term weighed by e^{log_weight} ([B, H, n]; None: 1), the decay of its distance."""
         if self.log_form:
             logits, factors = self.logits(keys, "key")
+            if log_weight is not None:
+                logits = logits + log_weight[..., None].to(logits.dtype)
             return _recurrent.enter(state, values, logits=logits, factors=factors, mask=mask)
-        return _recurrent.enter(state, values, features=self.plain(keys, "key"), mask=mask)
+        features = self.plain(keys, "key")
+        if log_weight is not None:
+            features = features * torch.exp(log_weight[..., None].to(features.dtype))
+        return _recurrent.enter(state, values, features=features, mask=mask)
 
     def read(self, state, q, with_norm):
         """q [B, H, 1, d] against the state: linattn.torch.recurrent.read."""
@@ -397,6 +403,8 @@ def attend(name, layer, module, b, user, query, key, value, attention_mask, scal
     fmap = _Map(module, b, user, query, scaling)
     window = int(user.get("window") or 0)
     sinks = int(user.get("sinks") or 0) if window else 0
+    decays = _backends.log_decay(user, query.shape[1]) if window else None
+    decay = None if decays is None else torch.tensor(decays, dtype=torch.float64, device=query.device)  # λ [H]
     if not decoding:  # the prompt: the backend's own forward (with autograd when enabled)
         if valid is None:
             out = forward_on(query, key, value)
@@ -411,11 +419,11 @@ def attend(name, layer, module, b, user, query, key, value, attention_mask, scal
                 rows.append(row)
             out = torch.cat(rows, dim=0)
         with torch.no_grad():
-            _fill(layer, fmap, module, user, key.detach(), value.detach(), window, sinks, valid)
+            _fill(layer, fmap, module, user, key.detach(), value.detach(), window, sinks, decay, valid)
         return out
     with torch.no_grad():
         outs = [_step(layer, fmap, module, b, user, query[:, :, t:t + 1], key[:, :, t:t + 1], value[:, :, t:t + 1],
-                      window, sinks, None if valid is None else valid[:, t]) for t in range(n)]
+                      window, sinks, decay, None if valid is None else valid[:, t]) for t in range(n)]
     # A bfloat16/float16 model's state and sums are float32 (recurrent.py); the output is rounded once.
     return torch.cat(outs, dim=2).to(query.dtype)
 
@@ -428,18 +436,21 @@ def _last_slots(valid, size):
     return rows, positions, size - 1 - after[rows, positions]
 
 
-def _fill(layer, fmap, module, user, key, value, window, sinks, valid):
+def _fill(layer, fmap, module, user, key, value, window, sinks, decay, valid):
     """The state after the prompt: per row, its tokens before its last `window` enter the
     linear state, except its first `sinks` tokens, which fill the sink slots; the last `window`
     tokens' keys and values fill the window's slots (the newest last); a convolution keeps the
-    last K − 1 values. Padded positions go nowhere."""
+    last K − 1 values. Padded positions go nowhere. With decay λ [H], a token entering the state
+    is weighed by e^{λ·(tokens after it)}: the state is the last token's."""
     batch, heads, n, head_dim = key.shape
     valid = torch.ones((batch, n), dtype=torch.bool, device=key.device) if valid is None else valid
     after = valid.flip(1).cumsum(1).flip(1) - valid.long()
     before = valid.cumsum(1) - valid.long()  # each token's place in its row
     state = _recurrent.empty_state(batch, heads, fmap.dim(head_dim), value.shape[-1], log_form=fmap.log_form,
                                    like=value)
-    layer.linear = fmap.enter(state, key, value, mask=valid & (after >= window) & (before >= sinks))
+    log_weight = None if decay is None else decay[None, :, None] * after[:, None, :].to(decay.dtype)
+    layer.linear = fmap.enter(state, key, value, mask=valid & (after >= window) & (before >= sinks),
+                              log_weight=log_weight)
     if sinks:
         layer.sink_keys = key.new_zeros((batch, heads, sinks, head_dim))
         layer.sink_values = value.new_zeros((batch, heads, sinks, value.shape[-1]))
@@ -468,7 +479,7 @@ def _fill(layer, fmap, module, user, key, value, window, sinks, valid):
     layer.tokens = n
 
 
-def _step(layer, fmap, module, b, user, q, k, v, window, sinks, valid):
+def _step(layer, fmap, module, b, user, q, k, v, window, sinks, decay, valid):
     """One position q, k, v [B, H, 1, d] -> its output [B, H, 1, d_v], the row of the backend's
     causal forward for the newest token; the layer advances by it in the rows where valid [B]
     (None: all) says it is a token (elsewhere the state stays and the output is 0)."""
@@ -488,8 +499,15 @@ def _step(layer, fmap, module, b, user, q, k, v, window, sinks, valid):
         leaving = layer.window_valid[:, 0] & advance
         place = layer.counts - window  # the leaving token's place in its row
         to_sink = leaving & (place < sinks)
+        log_weight = None
+        if decay is not None:  # one position on: the state decays by e^{λ}; the leaving token is `window` back
+            step = torch.where(advance[:, None], torch.exp(decay)[None, :], torch.ones_like(decay)[None, :])
+            step = step.to(layer.linear.sums.dtype)
+            layer.linear = layer.linear._replace(sums=layer.linear.sums * step[..., None, None],
+                                                 normaliser=layer.linear.normaliser * step[..., None])
+            log_weight = (decay * window)[None, :, None].expand(q.shape[0], -1, 1)
         layer.linear = fmap.enter(layer.linear, layer.window_keys[:, :, :1], layer.window_values[:, :, :1],
-                                  mask=(leaving & ~to_sink)[:, None])
+                                  mask=(leaving & ~to_sink)[:, None], log_weight=log_weight)
         if sinks:
             at = to_sink[:, None] & (torch.arange(sinks, device=q.device)[None, :] == place[:, None])  # [B, s]
             layer.sink_keys = torch.where(at[:, None, :, None], layer.window_keys[:, :, :1], layer.sink_keys)

@@ -8,7 +8,7 @@ import numpy as _np
 import torch as _torch
 
 from .. import _options
-from .backends import (BACKENDS, PREFIX, attention_modules, create_learned, learned_parameters,  # noqa: F401
+from .backends import (BACKENDS, PREFIX, _decay_option, attention_modules, create_learned, learned_parameters,  # noqa: F401
                        register)
 
 # linearize's feature_map -> the backend it switches to. "none": the window alone (exact softmax
@@ -17,7 +17,7 @@ _CONVERSIONS = {"hedgehog": "linattn_hedgehog", "elu": "linattn_elu", "relu": "l
                 "none": "linattn_window"}
 
 
-def linearize(model, feature_map="hedgehog", window=0, feature_dim=32, init="identity", sinks=0):
+def linearize(model, feature_map="hedgehog", window=0, feature_dim=32, init="identity", sinks=0, decay=None):
     """Switches every attention layer of a transformers model to linear attention with learned
     feature maps, adds their parameters, and freezes everything else: the first step of
     converting a pretrained softmax model (then attention_transfer).
@@ -33,6 +33,9 @@ def linearize(model, feature_map="hedgehog", window=0, feature_dim=32, init="ide
     sinks: s > 0 (causal models, window >= 1): the first s tokens join every query's exact window
     (StreamingLLM's attention sinks; LLMs put much of their attention on them), in training,
     prefill and LinattnCache alike.
+    decay: None, "retnet" (per-head γ_h = 1 − 2^(−5−10h/(H−1)), half-lives of ~22 to ~10k tokens)
+    or a log-decay λ <= 0 for every head (causal models, window >= 1): the linear part's key j
+    weighs e^{λ(i − j)} in row i, so its share stops growing with the position.
     feature_dim: f, m' = 2f features per head (hedgehog); m = f random features (favor); unused by
     elu, relu and none (their feature count is head_dim, or none). init: "identity" (W = the identity's
     first f columns, b = 0) or "random" (hedgehog). The model's other parameters get
@@ -48,6 +51,10 @@ def linearize(model, feature_map="hedgehog", window=0, feature_dim=32, init="ide
         raise ValueError("%s: feature_map='none' keeps only the window, so window must be >= 1, got %r"
                          % (fn, window))
     sinks = _options.integer(fn, "sinks", sinks, 0)
+    decay = _decay_option(fn, "decay", decay)
+    if decay is not None and window < 1:
+        raise ValueError("%s: decay=%r needs window >= 1: it decays the linear part of the sliding-window hybrid"
+                         % (fn, decay))
     if sinks and window < 1:
         raise ValueError("%s: sinks=%d needs window >= 1: the sink tokens join the window's exact softmax"
                          % (fn, sinks))
@@ -60,6 +67,8 @@ def linearize(model, feature_map="hedgehog", window=0, feature_dim=32, init="ide
     if sinks and not all(getattr(m, "is_causal", False) for m in modules):
         raise ValueError("%s: sinks=%d needs a causal model: attention sinks are the first tokens of a causal "
                          "sequence" % (fn, sinks))
+    if decay is not None and not all(getattr(m, "is_causal", False) for m in modules):
+        raise ValueError("%s: decay=%r needs a causal model: the decay runs along the sequence" % (fn, decay))
     name = _CONVERSIONS[feature_map]
     saved = {"implementation": model.config._attn_implementation,
              "options": getattr(model.config, "linattn_options", None),
@@ -77,6 +86,8 @@ def linearize(model, feature_map="hedgehog", window=0, feature_dim=32, init="ide
         options = {"window": window}
         if sinks:
             options["sinks"] = sinks
+        if decay is not None:
+            options["decay"] = decay
         if feature_map == "hedgehog":
             options.update(feature_dim=feature_dim, init=init)
         elif feature_map == "favor":

@@ -27,6 +27,7 @@ Call<T> call_from(const MethodArgs<T>& a) {
   c.in.key_features = r.tensor("key_features");
   c.in.window_gate = r.tensor("window_gate");
   c.in.projection = r.tensor("projection");
+  c.in.log_decay = r.tensor("log_decay");
   return c;
 }
 

@@ -128,6 +128,17 @@ Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, T
     check_finite(fn, "window_gate", g);
     for (int64_t h = 0; h < d.heads; ++h) s.gamma[static_cast<size_t>(h)] = sigmoid(static_cast<double>(g.data[h]));
   }
+  if (in.log_decay) {
+    const TensorView<const T> l = *in.log_decay;
+    require(opts.causal, fn, ": log_decay needs causal=true (the decay runs along the sequence)");
+    require(l.rank() == 1 && l.dim(0) == d.heads, fn, ": log_decay has shape ", shape_string(l.shape),
+            "; expected [", d.heads, "] (one decay per head)");
+    for (int64_t h = 0; h < d.heads; ++h) {
+      const double x = static_cast<double>(l.data[h]);
+      require(std::isfinite(x) && x <= 0, fn, ": log_decay must be finite and <= 0, got ", x, " at head ", h);
+      s.log_decay.push_back(x);
+    }
+  }
   // Every score and every linear weight, and their sums over n_k keys, stay inside the dtype
   // (with room for the sums): |s_ij| <= |scale|·d·max|q|·max|k|, φ(q)·φ(k) <= m'·max φ(q)·max φ(k).
   const double room = static_cast<double>(std::numeric_limits<T>::max()) / 16;
@@ -180,6 +191,10 @@ struct Item {
   const T *q, *k, *v, *fq, *fk;
   T gamma;
   int64_t L;
+  double log_decay = 0;  // λ of the item's head (0: no decay)
+  bool decayed() const { return log_decay < 0; }
+  // e^{λ·distance}: the weight of a linear term `distance` positions back
+  T decay(int64_t distance) const { return static_cast<T>(std::exp(log_decay * static_cast<double>(distance))); }
 };
 
 template <class T>
@@ -187,6 +202,7 @@ Item<T> item(const char* fn, const Setup& s, const FeatureMap<T>* favor, TensorV
              TensorView<const T> v, const HybridInputs<T>& in, const KeyMask& mask, int64_t bh, Scratch<T>& w) {
   Item<T> it{q.row(bh, 0), k.row(bh, 0), v.row(bh, 0), nullptr, nullptr,
              static_cast<T>(s.gamma[static_cast<size_t>(bh % s.d.heads)]), mask.key_length(bh / s.d.heads)};
+  if (!s.log_decay.empty()) it.log_decay = s.log_decay[static_cast<size_t>(bh % s.d.heads)];
   if (s.map == Map::Given) {
     it.fq = in.query_features->row(bh, 0);
     it.fk = in.key_features->row(bh, 0);
@@ -212,11 +228,11 @@ Item<T> item(const char* fn, const Setup& s, const FeatureMap<T>* favor, TensorV
   return it;
 }
 
-// [S | z] += a ⊗ [b | b_last] (m × dv, and a column): keys add [v_j | 1], queries [g_i | c_i].
+// [S | z] += weight·a ⊗ [b | b_last] (m × dv, and a column): keys add [v_j | 1], queries [g_i | c_i].
 template <class T>
-void add_outer(T* S, T* z, const T* a, const T* b, T b_last, int64_t m, int64_t dv) {
+void add_outer(T* S, T* z, const T* a, const T* b, T b_last, int64_t m, int64_t dv, T weight = T(1)) {
   for (int64_t c = 0; c < m; ++c) {
-    const T ac = a[c];
+    const T ac = weight * a[c];
     T* row = S + c * dv;
     for (int64_t t = 0; t < dv; ++t) row[t] += ac * b[t];
     z[c] += ac * b_last;
@@ -232,6 +248,13 @@ void apply_state(const T* S, const T* z, const T* f, int64_t m, int64_t dv, T* n
     for (int64_t t = 0; t < dv; ++t) num[t] += fc * row[t];
     *den += fc * z[c];
   }
+}
+
+// [S | z] *= factor: the state one position further on (a decay step).
+template <class T>
+void scale_state(Scratch<T>& w, const Setup& s, T factor) {
+  simd::scale(w.state.data(), static_cast<size_t>(s.features * s.d.value_dim), factor);
+  simd::scale(w.z.data(), static_cast<size_t>(s.features), factor);
 }
 
 template <class T>
@@ -353,10 +376,13 @@ void forward_item(const Setup& s, const Item<T>& it, T* num, T* den, Scratch<T>&
   const int64_t m = s.features;
   clear_state(w, s);
   const int64_t first = first_linear_key(s, it);
-  for (int64_t i = 0, pos = first; i < nq; ++i) {  // linear prefix (after the sinks)
+  const int64_t offset = s.d.n_k - s.d.n_q;  // p_i = i + offset
+  for (int64_t i = 0, pos = first; i < nq; ++i) {  // linear prefix (after the sinks), decayed by e^{λ(p_i − j)}
     const RowKeys r = row_keys(s, i, it.L);
+    if (it.decayed() && i > 0 && pos > first) scale_state(w, s, it.decay(1));
     for (; pos < r.window_begin; ++pos)
-      add_outer(w.state.data(), w.z.data(), key_entering(s, it, pos, w), it.v + pos * dv, T(1), m, dv);
+      add_outer(w.state.data(), w.z.data(), key_entering(s, it, pos, w), it.v + pos * dv, T(1), m, dv,
+                it.decay(i + offset - pos));
     if (pos > first) apply_state(w.state.data(), w.z.data(), query_features(s, it, i, w, num, den, true), m, dv,
                              num + i * dv, den + i);
   }
@@ -502,11 +528,13 @@ AttentionGrads<T> hybrid_attention_backward(TensorView<const T> q, TensorView<co
     };
     hybrid::clear_state(w, s);
     const int64_t first = hybrid::first_linear_key(s, it);
+    const int64_t offset = d.n_k - d.n_q;  // p_i = i + offset
     for (int64_t i = 0, pos = first; i < nq; ++i) {
       const hybrid::RowKeys r = hybrid::row_keys(s, i, it.L);
+      if (it.decayed() && i > 0 && pos > first) hybrid::scale_state(w, s, it.decay(1));
       for (; pos < r.window_begin; ++pos)
         hybrid::add_outer(w.state.data(), w.z.data(), hybrid::key_entering(s, it, pos, w), it.v + pos * dv, T(1), m,
-                          dv);
+                          dv, it.decay(i + offset - pos));
       if (pos > first) pull(i);
     }
     // [R | ρ] = Σ φ(q_i) ⊗ [g_i | c_i] over the queries that hold key j: dφ(k_j) = R v_j + ρ,
@@ -525,11 +553,13 @@ AttentionGrads<T> hybrid_attention_backward(TensorView<const T> q, TensorView<co
       }
     };
     hybrid::clear_state(w, s);
+    // Decayed: the query's term weighed by e^{λ(p_i − j)}, one factor e^{λ} more at each key back.
     for (int64_t j = it.L - 1, i0 = nq; j >= first; --j) {  // queries with window_begin > j: a suffix
+      if (it.decayed() && i0 < nq) hybrid::scale_state(w, s, it.decay(1));
       while (i0 > 0 && hybrid::row_keys(s, i0 - 1, it.L).window_begin > j) {
         --i0;
         hybrid::add_outer(w.state.data(), w.z.data(), hybrid::query_entering(s, it, i0, w), g + i0 * dv, c[i0], m,
-                          dv);
+                          dv, it.decay(i0 + offset - j));
       }
       if (i0 < nq) push(j);
     }

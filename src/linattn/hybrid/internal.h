@@ -25,6 +25,7 @@ struct Setup {
   int64_t features = 0;        // m'
   FeatureMapKind favor_kind = FeatureMapKind::FavorPositive;  // Map::Favor: positive or hyperbolic
   std::vector<double> gamma;   // [heads]: sigmoid(window_gate), or 1
+  std::vector<double> log_decay;  // [heads]: λ_h, the linear part's decay per position; empty: none
   double feature_max_q = 0, feature_max_k = 0;  // largest feature of a query / a visible key
 };
 

@@ -20,6 +20,7 @@ using hybrid::Setup;
 struct Row {
   std::vector<double> weight;  // per visible key j < visible
   std::vector<char> in_window;
+  std::vector<double> log_decay;  // per visible key: λ·(p − j) outside the window (the linear part), else 0
   std::vector<double> expo;    // e^{s−M} inside the window, 0 outside (FAVOR: e^{s−R})
   std::vector<double> fq;     // φ(q_i); FAVOR: its logits L_q
   std::vector<std::vector<double>> share;  // FAVOR, outside the window: e^{L_q,r + L_k,jr − R}/m'
@@ -96,7 +97,7 @@ Row favor_row(const Setup& s, Row r, const std::vector<double>& score, const std
       for (int64_t c = 0; c < s.features; ++c) top = std::max(top, r.fq[static_cast<size_t>(c)] + fks[static_cast<size_t>(j)][static_cast<size_t>(c)]);
       for (int64_t c = 0; c < s.features; ++c)
         sum += std::exp(r.fq[static_cast<size_t>(c)] + fks[static_cast<size_t>(j)][static_cast<size_t>(c)] - top);
-      lw = top + std::log(sum / static_cast<double>(s.features));
+      lw = top + std::log(sum / static_cast<double>(s.features)) + r.log_decay[static_cast<size_t>(j)];
     }
     logw[static_cast<size_t>(j)] = lw;
     R = std::max(R, lw);
@@ -112,7 +113,8 @@ Row favor_row(const Setup& s, Row r, const std::vector<double>& score, const std
     std::vector<double> sh;
     if (!win)
       for (int64_t c = 0; c < s.features; ++c)
-        sh.push_back(std::exp(r.fq[static_cast<size_t>(c)] + fks[static_cast<size_t>(j)][static_cast<size_t>(c)] - R) /
+        sh.push_back(std::exp(r.fq[static_cast<size_t>(c)] + fks[static_cast<size_t>(j)][static_cast<size_t>(c)] +
+                              r.log_decay[static_cast<size_t>(j)] - R) /
                      static_cast<double>(s.features));
     r.share.push_back(std::move(sh));
   }
@@ -131,6 +133,8 @@ Row row(const Setup& s, TensorView<const double> q, TensorView<const double> k, 
   for (int64_t j = 0; j < visible; ++j) {
     const bool win = (w > 0 && (s.opts.causal ? j > p - w : std::abs(p - j) <= w)) || j < s.opts.sinks;
     r.in_window.push_back(win);
+    const double lambda = s.log_decay.empty() ? 0.0 : s.log_decay[static_cast<size_t>(bh % s.d.heads)];
+    r.log_decay.push_back(win ? 0.0 : lambda * static_cast<double>(p - j));
     double dot = 0;
     for (int64_t t = 0; t < s.d.head_dim; ++t) dot += q.row(bh, i)[t] * k.row(bh, j)[t];
     score[static_cast<size_t>(j)] = s.scale * dot;
@@ -147,6 +151,7 @@ Row row(const Setup& s, TensorView<const double> q, TensorView<const double> k, 
       r.expo.push_back(0);
       const std::vector<double>& fk = fks[static_cast<size_t>(j)];
       for (int64_t c = 0; c < s.features; ++c) wt += r.fq[static_cast<size_t>(c)] * fk[static_cast<size_t>(c)];
+      wt *= std::exp(r.log_decay[static_cast<size_t>(j)]);
     }
     r.weight.push_back(wt);
     r.den += wt;
@@ -224,11 +229,12 @@ AttentionGrads<double> hybrid_attention_backward(TensorView<const double> q, Ten
             dfq_all.data()[(bh * d.n_q + i) * s.features + c] += a;
             dfk_all.data()[(bh * d.n_k + key) * s.features + c] += a;
           }
-        } else {  // weight = φ(q_i)·φ(k_j)
+        } else {  // weight = e^{λ(p − j)}·φ(q_i)·φ(k_j)
           const std::vector<double>& fk = fks[static_cast<size_t>(key)];
+          const double dwd = dw * std::exp(r.log_decay[j]);
           for (int64_t c = 0; c < s.features; ++c) {
-            dfq_all.data()[(bh * d.n_q + i) * s.features + c] += dw * fk[static_cast<size_t>(c)];
-            dfk_all.data()[(bh * d.n_k + key) * s.features + c] += dw * r.fq[static_cast<size_t>(c)];
+            dfq_all.data()[(bh * d.n_q + i) * s.features + c] += dwd * fk[static_cast<size_t>(c)];
+            dfk_all.data()[(bh * d.n_k + key) * s.features + c] += dwd * r.fq[static_cast<size_t>(c)];
           }
         }
       }

@@ -39,6 +39,9 @@ MethodInfo describe_hybrid() {
       tensor_input("window_gate", false, true, "[heads]: the window term is scaled by sigmoid(window_gate); None: 1"),
       int_option("window", defaults.window,
                  "causal: the last `window` keys (the query's own included); not causal: |i - j| <= window; 0: none"),
+      tensor_input("log_decay", false, false,
+                   "[heads] λ_h <= 0 (causal only; not differentiated): the linear part's key j weighed by "
+                   "e^{λ_h (i - j)} in row i; None: no decay"),
       int_option("sinks", defaults.sinks,
                  "causal only: the first `sinks` keys are in every query's exact part (attention sinks); 0: none"),
       tensor_input("projection", false, false,

@@ -355,21 +355,23 @@ _HYBRID_MAPS = ("elu", "relu", "given", "favor")
 
 
 def hybrid_attention(q, k, v, *, query_features=None, key_features=None, window_gate=None,
-                     window=_option_default("hybrid_attention", "window"), sinks=0, projection=None,
+                     window=_option_default("hybrid_attention", "window"), log_decay=None, sinks=0,
+                     projection=None,
                      feature_map=_option_default("hybrid_attention", "feature_map"),
                      kernel=_option_default("hybrid_attention", "kernel"), causal=False, key_lengths=None,
                      scale=None, eps=_option_default("hybrid_attention", "eps"), group=None, layout="contiguous"):
     """The sliding-window + linear hybrid (linattn.torch.hybrid_attention): the linear part
     over the keys outside each window through the states of the other segments, and a halo of
     the neighbouring ranks' rows for the windows near a rank's edge. query_features and key_features (feature_map="given") are this rank's
-    rows [B, H, n_local, m']; window_gate [H] is shared. sinks must be 0: attention sinks are not
-    in the distributed hybrid yet (the first rank's first keys would have to reach every rank).
+    rows [B, H, n_local, m']; window_gate [H] is shared. sinks must be 0 and log_decay None: attention
+    sinks and the decayed linear part are not in the distributed hybrid yet (the first rank's
+    first keys would have to reach every rank; the segments' states would need their decays).
     See the module's documentation."""
     holder = {}
-    if sinks != 0:
-        raise ValueError("linattn.torch.distributed.hybrid_attention: sinks=%r is not supported yet (0 only): the "
-                         "first rank's first keys would have to join every rank's windows; use "
-                         "linattn.torch.hybrid_attention on one process" % (sinks,))
+    if sinks != 0 or log_decay is not None:
+        raise ValueError("linattn.torch.distributed.hybrid_attention: %s is not supported yet (sinks=0 and "
+                         "log_decay=None only); use linattn.torch.hybrid_attention on one process"
+                         % ("sinks=%r" % (sinks,) if sinks != 0 else "log_decay"))
 
     def check(fn, q, k, v, top):
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
