@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ import linattn.hf as lh  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import charlm  # noqa: E402  (text: Python's documentation topics, characters, 90% / 10% split)
 import measured_section  # noqa: E402
+from lm_generation import generation  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -154,34 +154,6 @@ def convert(a, original, tok, texts, feature_map, window):
 
 
 # ---- generation --------------------------------------------------------------------------------
-
-def cache_bytes(cache):
-    if isinstance(cache, lh.LinattnCache):
-        return cache.nbytes
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
-               if t is not None)
-
-
-@torch.no_grad()
-def generation(model, make_cache, context, new_tokens, val):
-    """Prefill `context` characters of validation text (cycled), then decode new_tokens
-    greedily one at a time, as generate() does: (median seconds per token, cache bytes after
-    the context, seconds of the prefill)."""
-    reps = context // len(val) + 1
-    ids = val.repeat(reps)[:context][None]
-    cache = make_cache(model)
-    t0 = time.perf_counter()
-    logits = model(ids, past_key_values=cache, use_cache=True).logits[:, -1]
-    prefill = time.perf_counter() - t0
-    size = cache_bytes(cache)
-    times = []
-    for _ in range(new_tokens):
-        nxt = logits.argmax(-1, keepdim=True)
-        t0 = time.perf_counter()
-        logits = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1]
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:] if len(times) > 4 else times), size, prefill
-
 
 def plots(r, img_dir):
     import matplotlib

@@ -23,7 +23,6 @@ import importlib.util
 import json
 import math
 import os
-import statistics
 import sys
 import sysconfig
 import time
@@ -40,6 +39,7 @@ import linattn.hf as lh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import measured_section  # noqa: E402
+from lm_generation import generation  # noqa: E402
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -136,32 +136,6 @@ def teacher_argmax(model):
     return top
 
 
-def cache_bytes(cache):
-    if isinstance(cache, lh.LinattnCache):
-        return cache.nbytes
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
-               if t is not None)
-
-
-@torch.no_grad()
-def generation(model, make_cache, ids, context, new_tokens):
-    """Prefill `context` held-out tokens (cycled), then `new_tokens` greedy steps: (median
-    seconds per token, cache bytes, prefill seconds)."""
-    x = ids.repeat(context // len(ids) + 1)[:context][None]
-    cache = make_cache(model)
-    t0 = time.perf_counter()
-    logits = model(x, past_key_values=cache, use_cache=True).logits[:, -1]
-    prefill = time.perf_counter() - t0
-    size = cache_bytes(cache)
-    times = []
-    for _ in range(new_tokens):
-        nxt = logits.argmax(-1, keepdim=True)
-        t0 = time.perf_counter()
-        logits = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1]
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:]), size, prefill
-
-
 @torch.no_grad()
 def passkey(model, tok, ids, length, depth, key=73915):
     """Greedy answer after a number hidden at `depth` (0..1) of `length` tokens of held-out text:
@@ -243,7 +217,7 @@ def run(a):
         for context in a.contexts:
             if label.startswith("teacher") and context > 8192:
                 continue  # beyond its 8192 positions
-            per_token, size, prefill = generation(model, make, ids, context, a.new_tokens)
+            per_token, size, prefill = generation(model, make, context, a.new_tokens, ids)
             generation_rows.append({"model": label, "context": context, "ms_per_token": 1e3 * per_token,
                                     "cache_mib": size / 2 ** 20, "prefill_s": prefill})
             print(generation_rows[-1], flush=True)
@@ -320,7 +294,11 @@ def main(argv=None):
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
     ap.add_argument("--new-tokens", type=int, default=12)
     ap.add_argument("--passkey-lengths", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--quick", action="store_true", help="tiny settings (the test's)")
     a = ap.parse_args(argv)
+    if a.quick:
+        a.lengths, a.steps, a.batch, a.train_length, a.decays = [128, 256], 2, 1, 128, ["retnet"]
+        a.contexts, a.new_tokens, a.passkey_lengths = [128], 5, [128]
     r = run(a)
     (Path(a.out) / "smollm2.json").write_text(json.dumps(r, indent=1, default=str))
     args = " ".join(sys.argv[1:] if argv is None else argv)

