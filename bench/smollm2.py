@@ -268,8 +268,8 @@ def report(r, command):
     for (model, n), found in by.items():
         lines.append("| %s | %d | %s |" % (model, n, " | ".join("yes" if found[d] else "no" for d in (0.1, 0.5, 0.9))))
     if r["best"]:
-        lines += ["", "Saved: %s, to out/smollm2/converted (linattn.hf.from_pretrained(AutoModelForCausalLM, path))."
-                  % r["best"]]
+        lines += ["", "Saved: %s, to %s/converted (linattn.hf.from_pretrained(AutoModelForCausalLM, path))."
+                  % (r["best"], a["out"])]
     lines.append("")
     return "\n".join(lines)
 
@@ -284,7 +284,7 @@ def main(argv=None):
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--maps", nargs="*", default=["hedgehog"])
-    ap.add_argument("--decays", nargs="+", default=["none", "retnet"],
+    ap.add_argument("--decays", nargs="+", default=["none", "retnet", "-0.05"],
                     help="the linear part's decay of each conversion: none, retnet, or a log-decay <= 0")
     ap.add_argument("--feature-dim", type=int, default=32)
     ap.add_argument("--steps", type=int, default=40)
