@@ -349,6 +349,25 @@ int64_t first_linear_key(const Setup& s, const Item<T>& it) {
   return std::min(s.opts.sinks, it.L);
 }
 
+// The linear prefix's sweep: the state [S | z] (cleared first) holds, at row i, the keys
+// [first, window_begin_i) after the sinks, each weighed by e^{λ(p_i − j)} when decayed (the state
+// times e^{λ} a row, each key weighed as it enters); on_row(i) is called for every row whose
+// state holds any key. The forward reads it (apply_state), the backward pulls dφ(q_i) from it.
+template <class T, class OnRow>
+void sweep_prefix(const Setup& s, const Item<T>& it, Scratch<T>& w, OnRow on_row) {
+  const int64_t m = s.features, dv = s.d.value_dim, offset = s.d.n_k - s.d.n_q;  // p_i = i + offset
+  const int64_t first = first_linear_key(s, it);
+  clear_state(w, s);
+  for (int64_t i = 0, pos = first; i < s.d.n_q; ++i) {
+    const RowKeys r = row_keys(s, i, it.L);
+    if (it.decayed() && i > 0 && pos > first) scale_state(w, s, it.decay(1));
+    for (; pos < r.window_begin; ++pos)
+      add_outer(w.state.data(), w.z.data(), key_entering(s, it, pos, w), it.v + pos * dv, T(1), m, dv,
+                it.decay(i + offset - pos));
+    if (pos > first) on_row(i);
+  }
+}
+
 // num [n_q, dv], den [n_q] (without eps) and w.shift [n_q] of one item: the window (weights
 // e^{s − M_i}, shift M_i, −inf without one), then the linear prefix and, not causal, suffix.
 // FAVOR: the linear terms raise each row's shift to R_i as they arrive (query_meeting_state);
@@ -374,18 +393,9 @@ void forward_item(const Setup& s, const Item<T>& it, T* num, T* den, Scratch<T>&
     w.shift[i] = ww.max_score;
   }
   const int64_t m = s.features;
-  clear_state(w, s);
-  const int64_t first = first_linear_key(s, it);
-  const int64_t offset = s.d.n_k - s.d.n_q;  // p_i = i + offset
-  for (int64_t i = 0, pos = first; i < nq; ++i) {  // linear prefix (after the sinks), decayed by e^{λ(p_i − j)}
-    const RowKeys r = row_keys(s, i, it.L);
-    if (it.decayed() && i > 0 && pos > first) scale_state(w, s, it.decay(1));
-    for (; pos < r.window_begin; ++pos)
-      add_outer(w.state.data(), w.z.data(), key_entering(s, it, pos, w), it.v + pos * dv, T(1), m, dv,
-                it.decay(i + offset - pos));
-    if (pos > first) apply_state(w.state.data(), w.z.data(), query_features(s, it, i, w, num, den, true), m, dv,
-                             num + i * dv, den + i);
-  }
+  sweep_prefix(s, it, w, [&](int64_t i) {
+    apply_state(w.state.data(), w.z.data(), query_features(s, it, i, w, num, den, true), m, dv, num + i * dv, den + i);
+  });
   if (!s.opts.causal && s.opts.window > 0) {  // linear suffix
     clear_state(w, s);
     for (int64_t i = nq - 1, pos = it.L; i >= 0; --i) {
@@ -526,17 +536,8 @@ AttentionGrads<T> hybrid_attention_backward(TensorView<const T> q, TensorView<co
         dfq[i * m + f] += favor ? fq[f] * acc : acc;
       }
     };
-    hybrid::clear_state(w, s);
-    const int64_t first = hybrid::first_linear_key(s, it);
-    const int64_t offset = d.n_k - d.n_q;  // p_i = i + offset
-    for (int64_t i = 0, pos = first; i < nq; ++i) {
-      const hybrid::RowKeys r = hybrid::row_keys(s, i, it.L);
-      if (it.decayed() && i > 0 && pos > first) hybrid::scale_state(w, s, it.decay(1));
-      for (; pos < r.window_begin; ++pos)
-        hybrid::add_outer(w.state.data(), w.z.data(), hybrid::key_entering(s, it, pos, w), it.v + pos * dv, T(1), m,
-                          dv, it.decay(i + offset - pos));
-      if (pos > first) pull(i);
-    }
+    hybrid::sweep_prefix(s, it, w, pull);
+    const int64_t first = hybrid::first_linear_key(s, it), offset = d.n_k - d.n_q;  // p_i = i + offset
     // [R | ρ] = Σ φ(q_i) ⊗ [g_i | c_i] over the queries that hold key j: dφ(k_j) = R v_j + ρ,
     // dv_j += Rᵀ φ(k_j).
     auto push = [&](int64_t j) {
