@@ -318,13 +318,8 @@ class _Map:
         term weighed by e^{log_weight} ([B, H, n]; None: 1), the decay of its distance."""
         if self.log_form:
             logits, factors = self.logits(keys, "key")
-            if log_weight is not None:
-                logits = logits + log_weight[..., None].to(logits.dtype)
-            return _recurrent.enter(state, values, logits=logits, factors=factors, mask=mask)
-        features = self.plain(keys, "key")
-        if log_weight is not None:
-            features = features * torch.exp(log_weight[..., None].to(features.dtype))
-        return _recurrent.enter(state, values, features=features, mask=mask)
+            return _recurrent.enter(state, values, logits=logits, factors=factors, mask=mask, log_weight=log_weight)
+        return _recurrent.enter(state, values, features=self.plain(keys, "key"), mask=mask, log_weight=log_weight)
 
     def read(self, state, q, with_norm):
         """q [B, H, 1, d] against the state: linattn.torch.recurrent.read."""
@@ -502,9 +497,7 @@ def _step(layer, fmap, module, b, user, q, k, v, window, sinks, decay, valid):
         log_weight = None
         if decay is not None:  # one position on: the state decays by e^{λ}; the leaving token is `window` back
             step = torch.where(advance[:, None], torch.exp(decay)[None, :], torch.ones_like(decay)[None, :])
-            step = step.to(layer.linear.sums.dtype)
-            layer.linear = layer.linear._replace(sums=layer.linear.sums * step[..., None, None],
-                                                 normaliser=layer.linear.normaliser * step[..., None])
+            layer.linear = _recurrent.decay(layer.linear, step)
             log_weight = (decay * window)[None, :, None].expand(q.shape[0], -1, 1)
         layer.linear = fmap.enter(layer.linear, layer.window_keys[:, :, :1], layer.window_values[:, :, :1],
                                   mask=(leaving & ~to_sink)[:, None], log_weight=log_weight)

@@ -24,7 +24,7 @@ import torch
 
 from ._ops import accumulator_dtype
 
-__all__ = ["LinearState", "empty_state", "enter", "read"]
+__all__ = ["LinearState", "empty_state", "enter", "read", "decay"]
 
 
 class LinearState(NamedTuple):
@@ -49,15 +49,23 @@ def empty_state(batch, heads, features, value_dim, *, log_form, like):
                        shift)
 
 
-def enter(state, values, features=None, logits=None, factors=None, mask=None):
+def enter(state, values, features=None, logits=None, factors=None, mask=None, log_weight=None):
     """The state after keys j = 1..n enter it: values [B, H, n, d_v] with their plain features
     [B, H, n, m'] or (log form) their logits L [B, H, n, m'] and, for FAVOR's trig map, factors
     s [B, H, n, m'] (φ = s·e^{L}; None means 1). mask [B, n] (bool, optional): only the keys
-    where it is True enter (padding stays out; φ(0) ≠ 0, so zeroing the inputs would not do)."""
+    where it is True enter (padding stays out; φ(0) ≠ 0, so zeroing the inputs would not do).
+    log_weight [B, H, n] (optional): each key's term weighed by e^{log_weight} (a decay of its
+    distance to the query that reads the state next)."""
     if values.shape[2] == 0:
         return state
     dtype = state.sums.dtype
     values, features, logits, factors = (None if t is None else t.to(dtype) for t in (values, features, logits, factors))
+    if log_weight is not None:  # a factor of φ: a product with the features, a sum with the logits
+        log_weight = log_weight.to(dtype)[..., None]
+        if features is not None:
+            features = features * torch.exp(log_weight)
+        else:
+            logits = logits + log_weight
     if mask is not None:  # where, not a product: whatever a masked position holds, inf or NaN, stays out
         keep = mask[:, None, :, None]
         values = torch.where(keep, values, torch.zeros((), dtype=dtype, device=values.device))
@@ -81,6 +89,12 @@ def enter(state, values, features=None, logits=None, factors=None, mask=None):
         weights = weights * factors
     return LinearState(state.sums * decay[..., None] + torch.einsum("bhnm,bhnd->bhmd", weights, values),
                        state.normaliser * decay + weights.sum(dim=2), shift)
+
+
+def decay(state, factor):
+    """The state with every term times factor [B, H] (a decay step: e^{λ} per position)."""
+    factor = factor.to(state.sums.dtype)
+    return LinearState(state.sums * factor[..., None, None], state.normaliser * factor[..., None], state.shift)
 
 
 def read(state, features=None, logits=None, factors=None):
