@@ -117,7 +117,7 @@ def training_ids(tok, texts, length, count, seed):
 @torch.no_grad()
 def perplexity(model, ids, length, count, reference=None):
     """exp(mean next-token loss) over `count` disjoint windows of `length` held-out tokens, and
-    the share of positions whose argmax equals `reference`'s (the teacher's) argmax."""
+    the share of positions whose argmax equals reference(length, c, window)'s (the teacher's)."""
     nll, tokens, agree = 0.0, 0, 0
     for c in range(count):
         x = ids[c * length:(c + 1) * length][None]
@@ -125,14 +125,20 @@ def perplexity(model, ids, length, count, reference=None):
         nll += torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").item()
         tokens += length - 1
         if reference is not None:
-            agree += (logits.argmax(-1) == reference(x)).sum().item()
+            agree += (logits.argmax(-1) == reference(length, c, x)).sum().item()
     return math.exp(nll / tokens), (agree / tokens if reference is not None else None)
 
 
 def teacher_argmax(model):
+    """The teacher's greedy next tokens of window c of `length` tokens, computed once per window
+    (every converted model is compared on the same windows)."""
+    seen = {}
+
     @torch.no_grad()
-    def top(x):
-        return model(x).logits[0, :-1].argmax(-1)
+    def top(length, c, x):
+        if (length, c) not in seen:
+            seen[(length, c)] = model(x).logits[0, :-1].argmax(-1)
+        return seen[(length, c)]
     return top
 
 

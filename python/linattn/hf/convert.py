@@ -64,10 +64,11 @@ def linearize(model, feature_map="hedgehog", window=0, feature_dim=32, init="ide
     if not modules:
         raise ValueError("%s: found no attention module (a module with config, is_causal and layer_idx attributes) "
                          "in %s" % (fn, type(model).__name__))
-    if sinks and not all(getattr(m, "is_causal", False) for m in modules):
+    causal = all(getattr(m, "is_causal", False) for m in modules)
+    if sinks and not causal:
         raise ValueError("%s: sinks=%d needs a causal model: attention sinks are the first tokens of a causal "
                          "sequence" % (fn, sinks))
-    if decay is not None and not all(getattr(m, "is_causal", False) for m in modules):
+    if decay is not None and not causal:
         raise ValueError("%s: decay=%r needs a causal model: the decay runs along the sequence" % (fn, decay))
     name = _CONVERSIONS[feature_map]
     saved = {"implementation": model.config._attn_implementation,
