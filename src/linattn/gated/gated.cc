@@ -33,7 +33,6 @@
 #include "linattn/gated.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
