@@ -397,6 +397,65 @@ def test_finetune_bad_input_and_failure_restore(minilm):
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
+def test_finetune_keeps_stage_one_when_stage_two_is_worse(minilm):
+    # lr = 1 ruins the LoRA adapters: the held-out loss rises (or is not finite), so every
+    # parameter comes back exactly, with a warning; a good run (lr 1e-3) keeps its changes.
+    path, tok = minilm
+    teacher = load(path).eval()
+    model = lh.linearize(load(path), feature_map="hedgehog", window=2, feature_dim=4)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loss_before = lh.distillation_loss(model, teacher, tok, TEXTS[-1:], max_length=64)
+    with pytest.warns(UserWarning, match="put back as it was"):
+        lh.finetune(model, teacher, tok, TEXTS, steps=4, lr=1.0, batch_size=2, max_length=64, lora=True,
+                    progress=False)
+    assert [n for n, _ in model.named_parameters()] == list(before)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert lh.distillation_loss(model, teacher, tok, TEXTS[-1:], max_length=64) == loss_before
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # kept: no warning
+        lh.finetune(model, teacher, tok, TEXTS, steps=8, lr=1e-3, batch_size=4, max_length=64, lora=True,
+                    held_out=TEXTS[:2], progress=False)
+    assert lh.distillation_loss(model, teacher, tok, TEXTS[:2], max_length=64) < \
+        lh.distillation_loss(lh.linearize(load(path), feature_map="hedgehog", window=2, feature_dim=4), teacher, tok,
+                             TEXTS[:2], max_length=64)
+    with pytest.raises(ValueError, match="held_out must be a non-empty list of strings"):
+        lh.finetune(model, teacher, tok, TEXTS, steps=1, held_out=[])
+    with pytest.raises(ValueError, match="held_out must be a non-empty list of strings"):
+        lh.finetune(model, teacher, tok, TEXTS, steps=1, held_out="one text")
+
+
+def test_distillation_loss_is_zero_for_the_teacher_and_checks_its_input(minilm):
+    path, tok = minilm
+    teacher = load(path).eval()
+    assert lh.distillation_loss(load(path), teacher, tok, TEXTS, batch_size=2) == pytest.approx(0.0, abs=1e-10)
+    model = lh.linearize(load(path), feature_map="hedgehog", window=2, feature_dim=4)
+    assert lh.distillation_loss(model, teacher, tok, TEXTS, batch_size=2) > 1e-4
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+        lh.distillation_loss(model, teacher, tok, TEXTS, batch_size=0)
+    with pytest.raises(ValueError, match="texts must be a non-empty list of strings"):
+        lh.distillation_loss(model, teacher, tok, [])
+
+
+def test_training_length_defaults_to_what_the_model_allows(minilm):
+    # max_length=None: the model's max_position_embeddings (MiniLM: 512), capped by a tokenizer
+    # limit; a model that names neither needs max_length.
+    from linattn.hf.convert import _training_length
+    path, tok = minilm
+    model = load(path)
+    assert _training_length("f", model, tok, None) == 512
+    assert _training_length("f", model, tok, 100) == 100
+
+    class Unbounded:
+        model_max_length = int(1e30)
+    assert _training_length("f", model, Unbounded(), None) == 512
+    import types
+    with pytest.raises(ValueError, match="pass max_length"):
+        _training_length("f", types.SimpleNamespace(config=types.SimpleNamespace()), Unbounded(), None)
+    with pytest.raises(ValueError, match="max_length must be an integer >= 1"):
+        _training_length("f", model, tok, 0)
+
+
 def test_example_linearize_minilm_runs():
     import importlib.util
     from pathlib import Path

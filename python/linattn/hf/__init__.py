@@ -75,11 +75,12 @@ Attention weights are not returned (output_attentions gives None).
 
 The package: backends.py (BACKENDS, one Backend object per name, the attention function,
 options), masks.py (attention masks -> key_lengths), convert.py (linearize, attention_transfer,
-finetune, from_pretrained), cache.py (LinattnCache, generation in constant memory)."""
+finetune, distillation_loss, from_pretrained), cache.py (LinattnCache, generation in constant memory)."""
 
 from .backends import (BACKENDS, Backend, attention_function, attention_modules, options_of, register,  # noqa: F401
                        remove_learned, set_options)
-from .convert import attention_transfer, finetune, from_pretrained, learned_parameters, linearize  # noqa: F401
+from .convert import (attention_transfer, distillation_loss, finetune, from_pretrained, learned_parameters,  # noqa: F401
+                      linearize)
 from . import backends, convert, masks  # noqa: F401
 
 
@@ -96,5 +97,5 @@ def __getattr__(attr):
     raise AttributeError("module 'linattn.hf' has no attribute %r" % attr)
 
 
-__all__ = ["BACKENDS", "LinattnCache", "Backend", "attention_function", "attention_modules", "attention_transfer", "finetune",
-           "from_pretrained", "learned_parameters", "linearize", "options_of", "register", "remove_learned", "set_options"]
+__all__ = ["BACKENDS", "LinattnCache", "Backend", "attention_function", "attention_modules", "attention_transfer",
+           "distillation_loss", "finetune", "from_pretrained", "learned_parameters", "linearize", "options_of", "register", "remove_learned", "set_options"]

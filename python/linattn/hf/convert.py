@@ -176,7 +176,7 @@ def _checkpoint_tensors(path, names):
     return out
 
 
-def attention_transfer(model, tokenizer, texts, steps=300, lr=1e-2, batch_size=8, max_length=128, seed=0,
+def attention_transfer(model, tokenizer, texts, steps=300, lr=1e-2, batch_size=8, max_length=None, seed=0,
                        progress=True):
     """Stage 1 of a conversion (LoLCATs' attention transfer): trains only the parameters that
     linearize() added, so that each layer's linear-attention output matches the softmax output
@@ -186,7 +186,10 @@ def attention_transfer(model, tokenizer, texts, steps=300, lr=1e-2, batch_size=8
 
     texts: a list of strings, cycled through in a shuffled order (seed); each step tokenizes
     batch_size of them (right padding, truncated to max_length) and takes one Adam step (lr)
-    on the sum over layers of the mean squared error over valid queries. The model runs in
+    on the sum over layers of the mean squared error over valid queries. max_length: None (the
+    default) trains at the longest length the texts and the model allow: each batch is as long
+    as its longest text, up to the model's max_position_embeddings (and the tokenizer's
+    model_max_length); long texts teach the maps the sums they meet at long context. The model runs in
     eval mode (no dropout) with gradients on, and is left in the mode it was in. progress:
     a tqdm bar. Returns the per-layer losses: losses[layer][step]."""
     fn = "linattn.hf.attention_transfer"
@@ -199,8 +202,8 @@ def attention_transfer(model, tokenizer, texts, steps=300, lr=1e-2, batch_size=8
         raise ValueError("%s: the model's backend %s with options %r learns nothing (no feature map, window gate or "
                          "convolution), so there is nothing to train; linearize with feature_map='hedgehog', or with "
                          "window > 0 for a learned gate" % (fn, name, getattr(model.config, "linattn_options", None)))
-    steps, batch_size, max_length, lr = _check_training(fn, texts, steps=steps, batch_size=batch_size,
-                                                        max_length=max_length, lr=lr)
+    steps, batch_size, lr = _check_training(fn, texts, steps=steps, batch_size=batch_size, lr=lr)
+    max_length = _training_length(fn, model, tokenizer, max_length)
     modules = attention_modules(model)
     optimizer = _torch.optim.Adam(params, lr=lr)
     losses = [[] for _ in modules]
@@ -245,9 +248,75 @@ def _check_training(fn, texts, lr, **counts):
     strings. ValueError naming fn and the argument otherwise."""
     values = [_options.integer(fn, arg, value, 1) for arg, value in counts.items()]
     values.append(_options.real(fn, "lr", lr, above=0.0))
-    if isinstance(texts, str) or not len(texts) or not all(isinstance(t, str) for t in texts):
-        raise ValueError("%s: texts must be a non-empty list of strings" % fn)
+    _check_texts(fn, "texts", texts)
     return values
+
+
+def _check_texts(fn, arg, texts):
+    if isinstance(texts, str) or not len(texts) or not all(isinstance(t, str) for t in texts):
+        raise ValueError("%s: %s must be a non-empty list of strings" % (fn, arg))
+
+
+def _training_length(fn, model, tokenizer, max_length):
+    """max_length as an integer >= 1; None: the longest the model allows (its config's
+    max_position_embeddings, and the tokenizer's model_max_length when that is a real limit)."""
+    if max_length is not None:
+        return _options.integer(fn, "max_length", max_length, 1)
+    limits = [getattr(model.config, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)]
+    limits = [int(n) for n in limits if isinstance(n, int) and 0 < n < 10 ** 7]  # transformers' "no limit" is ~1e30
+    if not limits:
+        raise ValueError("%s: max_length=None takes the model's max_position_embeddings, which neither its config "
+                         "nor the tokenizer gives; pass max_length" % fn)
+    return min(limits)
+
+
+def _distillation(out, target, valid):
+    """Stage 2's loss of the model's outputs `out` against the teacher's `target` over the valid
+    tokens: KL(teacher ‖ model) of the next-token distributions (causal LMs), or the squared
+    error of the last hidden states relative to the teacher's mean square (encoders)."""
+    if getattr(out, "logits", None) is not None:
+        return _torch.nn.functional.kl_div(_torch.log_softmax(out.logits[valid].float(), -1),
+                                           _torch.log_softmax(target.logits[valid].float(), -1),
+                                           log_target=True, reduction="batchmean")
+    h, t = out.last_hidden_state[valid], target.last_hidden_state[valid]
+    return (h - t).pow(2).mean() / t.pow(2).mean()
+
+
+@_torch.no_grad()
+def distillation_loss(model, teacher, tokenizer, texts, batch_size=8, max_length=None):
+    """The distillation loss that finetune() minimises, of `model` against `teacher` on `texts`
+    (each text once, in order, batch_size at a time, right padding, truncated to max_length as in
+    finetune), averaged over the texts' valid tokens. Both models run in eval mode and are left in
+    their modes. The measure finetune uses to keep the better of stages 1 and 2."""
+    fn = "linattn.hf.distillation_loss"
+    batch_size = _options.integer(fn, "batch_size", batch_size, 1)
+    _check_texts(fn, "texts", texts)
+    max_length = _training_length(fn, model, tokenizer, max_length)
+    return _held_out_loss(model, teacher, tokenizer, texts, batch_size, max_length)
+
+
+def _held_out_loss(model, teacher, tokenizer, texts, batch_size, max_length):
+    device = next(model.parameters()).device
+    modes, side = (model.training, teacher.training), getattr(tokenizer, "padding_side", "right")
+    total, tokens = 0.0, 0
+    try:
+        model.eval()
+        teacher.eval()
+        tokenizer.padding_side = "right"
+        with _torch.no_grad():
+            for i in range(0, len(texts), batch_size):
+                batch = tokenizer(list(texts[i:i + batch_size]), padding=True, truncation=True, max_length=max_length,
+                                  return_tensors="pt")
+                batch = {k: v.to(device) for k, v in batch.items()}
+                valid = batch["attention_mask"].bool()
+                count = int(valid.sum())
+                total += float(_distillation(model(**batch), teacher(**batch), valid)) * count
+                tokens += count
+    finally:
+        tokenizer.padding_side = side
+        model.train(modes[0])
+        teacher.train(modes[1])
+    return total / max(tokens, 1)
 
 
 def _batches(tokenizer, texts, steps, batch_size, max_length, seed, device):
@@ -260,8 +329,8 @@ def _batches(tokenizer, texts, steps, batch_size, max_length, seed, device):
         yield {k: v.to(device) for k, v in batch.items()}
 
 
-def finetune(model, teacher, tokenizer, texts, steps=100, lr=1e-4, batch_size=8, max_length=128, lora=None,
-             lora_rank=8, lora_alpha=16, target_modules=None, train=(), seed=0, progress=True):
+def finetune(model, teacher, tokenizer, texts, steps=100, lr=1e-4, batch_size=8, max_length=None, lora=None,
+             lora_rank=8, lora_alpha=16, target_modules=None, train=(), seed=0, progress=True, held_out=None):
     """Stage 2 of a conversion (optional, after attention_transfer): distillation of the
     linearized model against the original, end to end. Each step tokenizes batch_size texts
     (right padding, truncated to max_length), runs the teacher (no gradient) and the model, and
@@ -275,8 +344,14 @@ def finetune(model, teacher, tokenizer, texts, steps=100, lr=1e-4, batch_size=8,
     one of `train`. LoRA adapters are merged into the weights at the end, so the model saves
     and loads as any other (save_pretrained, from_pretrained). teacher: the original model (a
     second copy), left untouched. The model runs in eval mode (no dropout) with gradients on
-    and is left in its mode; on failure it is restored as it was. Returns the losses, one per
-    step."""
+    and is left in its mode; on failure it is restored as it was. max_length: None (the default),
+    the longest the texts and the model allow, as in attention_transfer.
+
+    Stage 2 never leaves the model worse than it found it: the distillation loss on `held_out`
+    texts (distillation_loss) is measured before and after, and when it did not go down, every
+    parameter is put back as it was (a UserWarning says so). held_out: None (the default) holds
+    out the last of `texts` and every tenth before it, which are then not trained on (a single
+    text is both trained and measured on); or a non-empty list of strings. Returns the training losses, one per step."""
     fn = "linattn.hf.finetune"
     name = getattr(model.config, "_attn_implementation", None)
     if name not in BACKENDS or name == "linattn_softmax":
@@ -284,8 +359,15 @@ def finetune(model, teacher, tokenizer, texts, steps=100, lr=1e-4, batch_size=8,
                          "...) and attention_transfer first" % (fn, name))
     if teacher is model or not isinstance(teacher, _torch.nn.Module):
         raise ValueError("%s: teacher must be the original model, a separate torch module" % fn)
-    steps, batch_size, max_length, lora_rank, lr = _check_training(fn, texts, steps=steps, batch_size=batch_size,
-                                                                   max_length=max_length, lora_rank=lora_rank, lr=lr)
+    steps, batch_size, lora_rank, lr = _check_training(fn, texts, steps=steps, batch_size=batch_size,
+                                                       lora_rank=lora_rank, lr=lr)
+    max_length = _training_length(fn, model, tokenizer, max_length)
+    if held_out is None:
+        kept = set(range(len(texts) - 1, -1, -10)) if len(texts) > 1 else set()  # the last, and every tenth before
+        held_out = [texts[i] for i in sorted(kept)] or list(texts)
+        texts = [t for i, t in enumerate(texts) if i not in kept]
+    else:
+        _check_texts(fn, "held_out", held_out)
     if isinstance(train, str) or not all(isinstance(t, str) for t in train):
         raise ValueError("%s: train must be a list of parameter-name parts, got %r" % (fn, train))
     try:
@@ -307,7 +389,8 @@ def finetune(model, teacher, tokenizer, texts, steps=100, lr=1e-4, batch_size=8,
     missing = [t for t in train if not any(t in n for n in named)]
     if missing:
         raise ValueError("%s: no parameter name contains %s" % (fn, ", ".join(map(repr, missing))))
-    snapshot = {n: p.detach().clone() for n, p in named.items() if n in chosen or p.requires_grad}
+    learned = {id(p) for p in learned_parameters(model)}
+    snapshot = {n: p.detach().clone() for n, p in named.items() if n in chosen or p.requires_grad or id(p) in learned}
     injected = False
     was_training, side = model.training, getattr(tokenizer, "padding_side", "right")
     try:
@@ -317,6 +400,9 @@ def finetune(model, teacher, tokenizer, texts, steps=100, lr=1e-4, batch_size=8,
             peft.inject_adapter_in_model(peft.LoraConfig(r=int(lora_rank), lora_alpha=lora_alpha, lora_dropout=0.0,
                                                          target_modules=list(target_modules), bias="none"), model)
             injected = True
+            for n, p in model.named_parameters():  # the weights LoRA will merge into, under their own names
+                if ".base_layer." in n:
+                    snapshot.setdefault(n.replace(".base_layer.", "."), p.detach().clone())
         for n, p in model.named_parameters():
             p.requires_grad_("lora_" in n or n in chosen)
         for p in learned_parameters(model):
@@ -325,6 +411,7 @@ def finetune(model, teacher, tokenizer, texts, steps=100, lr=1e-4, batch_size=8,
         optimizer = _torch.optim.Adam(params, lr=lr)
         device = next(model.parameters()).device
         losses = []
+        before = _held_out_loss(model, teacher, tokenizer, held_out, batch_size, max_length)
         from tqdm.auto import tqdm
         bar = tqdm(total=steps, desc="distillation", disable=not progress)
         model.eval()
@@ -335,14 +422,7 @@ def finetune(model, teacher, tokenizer, texts, steps=100, lr=1e-4, batch_size=8,
                 with _torch.no_grad():
                     target = teacher(**batch)
                 out = model(**batch)
-                valid = batch["attention_mask"].bool()
-                if getattr(out, "logits", None) is not None:
-                    loss = _torch.nn.functional.kl_div(_torch.log_softmax(out.logits[valid].float(), -1),
-                                                       _torch.log_softmax(target.logits[valid].float(), -1),
-                                                       log_target=True, reduction="batchmean")
-                else:
-                    h, t = out.last_hidden_state[valid], target.last_hidden_state[valid]
-                    loss = (h - t).pow(2).mean() / t.pow(2).mean()
+                loss = _distillation(out, target, batch["attention_mask"].bool())
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
@@ -352,13 +432,17 @@ def finetune(model, teacher, tokenizer, texts, steps=100, lr=1e-4, batch_size=8,
         bar.close()
         if injected:
             _merge_lora(model, merge=True)
+            injected = False
+        after = _held_out_loss(model, teacher, tokenizer, held_out, batch_size, max_length)
+        if not after < before:
+            import warnings
+            _restore(model, snapshot)
+            warnings.warn("%s: stage 2 raised the held-out distillation loss (%.4g -> %.4g), so the model is put back "
+                          "as it was before finetune" % (fn, before, after), UserWarning, stacklevel=2)
     except BaseException:
         if injected:
             _merge_lora(model, merge=False)
-        with _torch.no_grad():
-            for n, p in model.named_parameters():
-                if n in snapshot:
-                    p.copy_(snapshot[n])
+        _restore(model, snapshot)
         raise
     finally:
         tokenizer.padding_side = side
@@ -368,10 +452,19 @@ def finetune(model, teacher, tokenizer, texts, steps=100, lr=1e-4, batch_size=8,
     return losses
 
 
+@_torch.no_grad()
+def _restore(model, snapshot):
+    for n, p in model.named_parameters():
+        if n in snapshot:
+            p.copy_(snapshot[n])
+
+
 def _merge_lora(model, merge):
     """Replaces every peft LoRA layer of the model by its base layer: with the adapter merged
-    into the weights (merge=True), or dropped (a failed fine-tune)."""
+    into the weights (merge=True), or dropped (a failed fine-tune); and drops the peft_config
+    that peft's injection leaves on the model (a second finetune would warn of two adapters)."""
     from peft.tuners.lora import LoraLayer
+    model.__dict__.pop("peft_config", None)
     for name, module in list(model.named_modules()):
         if isinstance(module, LoraLayer):
             if merge:
