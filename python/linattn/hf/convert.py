@@ -4,6 +4,8 @@ rest; attention_transfer() (stage 1) fits each layer's maps to the softmax outpu
 layer on the same q, k, v; finetune() (stage 2, optional) distils the whole model against the
 original, with LoRA through peft; from_pretrained() loads a converted model with its maps."""
 
+import warnings as _warnings
+
 import numpy as _np
 import torch as _torch
 
@@ -282,7 +284,6 @@ def _distillation(out, target, valid):
     return (h - t).pow(2).mean() / t.pow(2).mean()
 
 
-@_torch.no_grad()
 def distillation_loss(model, teacher, tokenizer, texts, batch_size=8, max_length=None):
     """The distillation loss that finetune() minimises, of `model` against `teacher` on `texts`
     (each text once, in order, batch_size at a time, right padding, truncated to max_length as in
@@ -296,6 +297,7 @@ def distillation_loss(model, teacher, tokenizer, texts, batch_size=8, max_length
 
 
 def _held_out_loss(model, teacher, tokenizer, texts, batch_size, max_length):
+    """distillation_loss on checked arguments (finetune's measure before and after)."""
     device = next(model.parameters()).device
     modes, side = (model.training, teacher.training), getattr(tokenizer, "padding_side", "right")
     total, tokens = 0.0, 0
@@ -305,9 +307,7 @@ def _held_out_loss(model, teacher, tokenizer, texts, batch_size, max_length):
         tokenizer.padding_side = "right"
         with _torch.no_grad():
             for i in range(0, len(texts), batch_size):
-                batch = tokenizer(list(texts[i:i + batch_size]), padding=True, truncation=True, max_length=max_length,
-                                  return_tensors="pt")
-                batch = {k: v.to(device) for k, v in batch.items()}
+                batch = _tokenized(tokenizer, list(texts[i:i + batch_size]), max_length, device)
                 valid = batch["attention_mask"].bool()
                 count = int(valid.sum())
                 total += float(_distillation(model(**batch), teacher(**batch), valid)) * count
@@ -325,8 +325,13 @@ def _batches(tokenizer, texts, steps, batch_size, max_length, seed, device):
     order = _np.random.default_rng(seed).permutation(len(texts))
     for step in range(steps):
         pick = [texts[order[(step * batch_size + i) % len(texts)]] for i in range(batch_size)]
-        batch = tokenizer(pick, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-        yield {k: v.to(device) for k, v in batch.items()}
+        yield _tokenized(tokenizer, pick, max_length, device)
+
+
+def _tokenized(tokenizer, texts, max_length, device):
+    """One batch of texts, padded (the caller sets the side) and truncated to max_length, on device."""
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    return {k: v.to(device) for k, v in batch.items()}
 
 
 def finetune(model, teacher, tokenizer, texts, steps=100, lr=1e-4, batch_size=8, max_length=None, lora=None,
@@ -351,7 +356,8 @@ def finetune(model, teacher, tokenizer, texts, steps=100, lr=1e-4, batch_size=8,
     texts (distillation_loss) is measured before and after, and when it did not go down, every
     parameter is put back as it was (a UserWarning says so). held_out: None (the default) holds
     out the last of `texts` and every tenth before it, which are then not trained on (a single
-    text is both trained and measured on); or a non-empty list of strings. Returns the training losses, one per step."""
+    text is both trained and measured on); or a non-empty list of strings. Returns the training
+    losses, one per step."""
     fn = "linattn.hf.finetune"
     name = getattr(model.config, "_attn_implementation", None)
     if name not in BACKENDS or name == "linattn_softmax":
@@ -435,9 +441,8 @@ def finetune(model, teacher, tokenizer, texts, steps=100, lr=1e-4, batch_size=8,
             injected = False
         after = _held_out_loss(model, teacher, tokenizer, held_out, batch_size, max_length)
         if not after < before:
-            import warnings
             _restore(model, snapshot)
-            warnings.warn("%s: stage 2 raised the held-out distillation loss (%.4g -> %.4g), so the model is put back "
+            _warnings.warn("%s: stage 2 raised the held-out distillation loss (%.4g -> %.4g), so the model is put back "
                           "as it was before finetune" % (fn, before, after), UserWarning, stacklevel=2)
     except BaseException:
         if injected:
