@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "call_guard.h"
+#include "linattn/delta.h"
 #include "linattn/gated.h"
 #include "linattn/linattn.h"
 
@@ -675,6 +676,53 @@ py::tuple gated_linear_attention_backward_py(const py::object& q, const py::obje
   });
 }
 
+// The gated delta rule and KDA (include/linattn/delta.h): float32 and float64.
+struct DeltaArgs : FullPrecisionArgs<linattn::GatedDeltaRuleOptions> {
+  DeltaArgs(const char* fn, const py::object& scale, bool use_qk_l2norm_in_kernel) : FullPrecisionArgs(fn) {
+    opts.scale = as_scale(fn, scale);
+    opts.use_qk_l2norm_in_kernel = use_qk_l2norm_in_kernel;
+  }
+};
+
+py::object gated_delta_rule_py(const py::object& q, const py::object& k, const py::object& v, const py::object& g,
+                               const py::object& beta, const py::object& scale, const py::object& initial_state,
+                               bool return_state, bool use_qk_l2norm_in_kernel) {
+  DeltaArgs a("gated_delta_rule", scale, use_qk_l2norm_in_kernel);
+  a.add("q", q).add("k", k).add("v", v).add("g", g).add("beta", beta).add("initial_state", initial_state);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::object {
+    using T = decltype(tag);
+    const Inputs& in = a.inputs;
+    auto r = run_without_gil([&] {
+      return linattn::gated_delta_rule<T>(in.tensor<T>("q"), in.tensor<T>("k"), in.tensor<T>("v"), in.tensor<T>("g"),
+                                          in.tensor<T>("beta"),
+                                          in.optional<T>("initial_state").value_or(TensorView<const T>{}), a.opts);
+    });
+    if (return_state) return numpy_tuple(std::move(r.out), std::move(r.state));
+    return to_numpy(std::move(r.out));
+  });
+}
+
+py::tuple gated_delta_rule_backward_py(const py::object& q, const py::object& k, const py::object& v,
+                                       const py::object& g, const py::object& beta, const py::object& dout,
+                                       const py::object& scale, const py::object& initial_state,
+                                       const py::object& dstate, bool use_qk_l2norm_in_kernel) {
+  DeltaArgs a("gated_delta_rule_backward", scale, use_qk_l2norm_in_kernel);
+  a.add("q", q).add("k", k).add("v", v).add("g", g).add("beta", beta).add("dout", dout);
+  a.add("initial_state", initial_state).add("dstate", dstate);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::tuple {
+    using T = decltype(tag);
+    const Inputs& in = a.inputs;
+    auto gr = run_without_gil([&] {
+      return linattn::gated_delta_rule_backward<T>(
+          in.tensor<T>("q"), in.tensor<T>("k"), in.tensor<T>("v"), in.tensor<T>("g"), in.tensor<T>("beta"),
+          in.optional<T>("initial_state").value_or(TensorView<const T>{}), in.tensor<T>("dout"),
+          in.optional<T>("dstate").value_or(TensorView<const T>{}), a.opts);
+    });
+    return numpy_tuple(std::move(gr.dq), std::move(gr.dk), std::move(gr.dv), std::move(gr.dg), std::move(gr.dbeta),
+                       std::move(gr.dinitial_state));
+  });
+}
+
 py::tuple efficient_apply_state_backward_py(const py::object& q, const py::object& state, const py::object& dout,
                                             const py::object& scale) {
   BlockStateArgs a("efficient_apply_state_backward", scale, py::none());
@@ -1020,6 +1068,25 @@ causal=True).)doc");
         R"doc((dq, dk, dv, dlog_gate, dinitial_state) of gated_linear_attention for dout [B, H, n, d_v] and
 dstate, the gradient of the returned final state (None: 0). dinitial_state is the gradient of
 the initial state (of zeros when none was given).)doc");
+  m.def("gated_delta_rule", &gated_delta_rule_py, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"),
+        py::arg("beta"), py::kw_only(), py::arg("scale") = py::none(), py::arg("initial_state") = py::none(),
+        py::arg("return_state") = false, py::arg("use_qk_l2norm_in_kernel") = false,
+        R"doc(The gated delta rule (Gated DeltaNet) and, with per-channel gates, KDA (Kimi Linear):
+S_t = (I - beta_t k_t k_tᵀ)·diag(exp(g_t))·S_{t-1} + beta_t k_t v_tᵀ, o_t = scale·S_tᵀ q_t.
+
+q, k [B, H_k, n, d_k], v [B, H, n, d_v] (float32 or float64), H a multiple of H_k (value head h
+reads key head h // (H // H_k)); g [B, H, n] (per head) or [B, H, n, d_k] (per channel, KDA),
+values <= 0 (-inf: a reset); beta [B, H, n] in [0, 2]; scale default d_k^-1/2.
+use_qk_l2norm_in_kernel: q and k divided by sqrt(|x|² + 1e-6) first. initial_state
+[B, H, d_k, d_v] continues a sequence (two calls over a split equal one call); return_state=True
+returns (out, S_n). Causal, chunked (64 positions, the UT transform).)doc");
+  m.def("gated_delta_rule_backward", &gated_delta_rule_backward_py, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("g"), py::arg("beta"), py::arg("dout"), py::kw_only(), py::arg("scale") = py::none(),
+        py::arg("initial_state") = py::none(), py::arg("dstate") = py::none(),
+        py::arg("use_qk_l2norm_in_kernel") = false,
+        R"doc((dq, dk, dv, dg, dbeta, dinitial_state) of gated_delta_rule for dout [B, H, n, d_v] and dstate,
+the gradient of the returned final state (None: 0). dq and dk have q's and k's shapes (grouped
+heads summed); dinitial_state is of zeros' gradient when no initial state was given.)doc");
   m.def("random_features", &random_features, py::arg("num_features"), py::arg("head_dim"),
         py::arg("kind") = "orthogonal", py::arg("seed") = 0, py::arg("dtype") = py::dtype::of<float>(),
         R"doc(Random projection ω [num_features, head_dim] for FAVOR attention.

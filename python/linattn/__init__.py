@@ -14,6 +14,8 @@ from ._linattn import (
     RecurrentState,
     build_info,
     chi_quantile_radii,
+    gated_delta_rule,
+    gated_delta_rule_backward,
     gated_linear_attention,
     gated_linear_attention_backward,
     get_num_threads,
@@ -136,7 +138,8 @@ def _make(info, backward):
 
 
 __all__ = [
-    "RecurrentState", "build_info", "chi_quantile_radii", "gated_linear_attention", "gated_linear_attention_backward",
+    "RecurrentState", "build_info", "chi_quantile_radii", "gated_delta_rule", "gated_delta_rule_backward",
+    "gated_linear_attention", "gated_linear_attention_backward",
     "get_num_threads", "linformer_projections",
     "measure_peak_rates", "methods", "random_features", "recurrent_state", "release_cached_memory", "reset_workspace_peak", "set_num_threads",
     "share_openmp_runtime", "thread_pool", "use_own_threads",

@@ -7,6 +7,8 @@ from ._linattn import (
     RecurrentState as RecurrentState,
     build_info as build_info,
     chi_quantile_radii as chi_quantile_radii,
+    gated_delta_rule as gated_delta_rule,
+    gated_delta_rule_backward as gated_delta_rule_backward,
     gated_linear_attention as gated_linear_attention,
     gated_linear_attention_backward as gated_linear_attention_backward,
     get_num_threads as get_num_threads,

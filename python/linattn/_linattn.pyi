@@ -6,7 +6,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['RecurrentState', 'build_info', 'chi_quantile_radii', 'gated_linear_attention', 'gated_linear_attention_backward', 'get_num_threads', 'linformer_projections', 'measure_peak_rates', 'random_features', 'recurrent_state', 'release_cached_memory', 'reset_workspace_peak', 'set_num_threads', 'share_openmp_runtime', 'thread_pool', 'use_own_threads', 'workspace_stats']
+__all__: list[str] = ['RecurrentState', 'build_info', 'chi_quantile_radii', 'gated_delta_rule', 'gated_delta_rule_backward', 'gated_linear_attention', 'gated_linear_attention_backward', 'get_num_threads', 'linformer_projections', 'measure_peak_rates', 'random_features', 'recurrent_state', 'release_cached_memory', 'reset_workspace_peak', 'set_num_threads', 'share_openmp_runtime', 'thread_pool', 'use_own_threads', 'workspace_stats']
 class RecurrentState:
     """
     Constant-size decoding state; make one with recurrent_state().
@@ -72,6 +72,24 @@ def build_info() -> str:
 def chi_quantile_radii(num_features: typing.SupportsInt | typing.SupportsIndex, head_dim: typing.SupportsInt | typing.SupportsIndex) -> numpy.ndarray:
     """
     The radii R_i, P(r <= R_i) = i/(m+1) for r ~ chi(head_dim), i = 1..m (sorted).
+    """
+def gated_delta_rule(q: typing.Any, k: typing.Any, v: typing.Any, g: typing.Any, beta: typing.Any, *, scale: typing.Any = None, initial_state: typing.Any = None, return_state: bool = False, use_qk_l2norm_in_kernel: bool = False) -> typing.Any:
+    """
+    The gated delta rule (Gated DeltaNet) and, with per-channel gates, KDA (Kimi Linear):
+    S_t = (I - beta_t k_t k_tᵀ)·diag(exp(g_t))·S_{t-1} + beta_t k_t v_tᵀ, o_t = scale·S_tᵀ q_t.
+    
+    q, k [B, H_k, n, d_k], v [B, H, n, d_v] (float32 or float64), H a multiple of H_k (value head h
+    reads key head h // (H // H_k)); g [B, H, n] (per head) or [B, H, n, d_k] (per channel, KDA),
+    values <= 0 (-inf: a reset); beta [B, H, n] in [0, 2]; scale default d_k^-1/2.
+    use_qk_l2norm_in_kernel: q and k divided by sqrt(|x|² + 1e-6) first. initial_state
+    [B, H, d_k, d_v] continues a sequence (two calls over a split equal one call); return_state=True
+    returns (out, S_n). Causal, chunked (64 positions, the UT transform).
+    """
+def gated_delta_rule_backward(q: typing.Any, k: typing.Any, v: typing.Any, g: typing.Any, beta: typing.Any, dout: typing.Any, *, scale: typing.Any = None, initial_state: typing.Any = None, dstate: typing.Any = None, use_qk_l2norm_in_kernel: bool = False) -> tuple:
+    """
+    (dq, dk, dv, dg, dbeta, dinitial_state) of gated_delta_rule for dout [B, H, n, d_v] and dstate,
+    the gradient of the returned final state (None: 0). dq and dk have q's and k's shapes (grouped
+    heads summed); dinitial_state is of zeros' gradient when no initial state was given.
     """
 def gated_linear_attention(q: typing.Any, k: typing.Any, v: typing.Any, log_gate: typing.Any, *, scale: typing.Any = None, causal: bool = True, initial_state: typing.Any = None, return_state: bool = False) -> typing.Any:
     """

@@ -301,15 +301,19 @@ def register():
     """Registers every backend of BACKENDS with transformers' AttentionInterface and, for the
     masks, AttentionMaskInterface (mask); makes generate() use LinattnCache on the cached
     backends (cache.install_generation_hook) and a linattn model's config save atomic
-    (install_atomic_config_save). Idempotent."""
+    (install_atomic_config_save); and runs the linear layers of transformers' gated-delta-rule
+    and KDA models (Qwen3-Next, Qwen3.5, OLMo-hybrid, Kimi Linear, ...) on linattn's kernels
+    (linattn.hf.delta.install). Idempotent."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
     from .cache import install_generation_hook
+    from .delta import install as install_delta_rule
     for name in BACKENDS:
         AttentionInterface.register(name, attention_function(name))
         AttentionMaskInterface.register(name, mask)
     install_generation_hook()
     install_atomic_config_save()
+    install_delta_rule()
 
 
 def mask(*args, **kwargs):

@@ -189,8 +189,9 @@ def hedgehog_attention(q: "Tensor", k: "Tensor", v: "Tensor", query_weight: "Ten
 __all__ += ["HedgehogFeatureMap", "hedgehog_features", "hedgehog_attention"]
 
 from .gated import gated_linear_attention  # noqa: E402
+from .delta import gated_delta_rule  # noqa: E402
 
-__all__ += ["gated_linear_attention"]
+__all__ += ["gated_linear_attention", "gated_delta_rule"]
 
 # Kernelized attention in pieces (key_state, apply_state, causal_from_state): linattn.torch.state.
 from . import state  # noqa: E402

@@ -99,6 +99,26 @@ void matmul(Mat<T> C, Mat<const T> A, Mat<const T> B, T alpha, T beta) {
 template void matmul<float>(Mat<float>, Mat<const float>, Mat<const float>, float, float);
 template void matmul<double>(Mat<double>, Mat<const double>, Mat<const double>, double, double);
 
+template <class T>
+void solve_unit_lower(Mat<const T> A, Mat<T> B) {
+  if (A.rows != A.cols || A.rows != B.rows || B.transposed || (A.rows > 0 && A.ld < A.cols) ||
+      (B.rows > 0 && B.cols > 0 && B.ld < B.cols))
+    throw std::logic_error("solve_unit_lower: A " + std::to_string(A.rows) + "x" + std::to_string(A.cols) + ", B " +
+                           std::to_string(B.rows) + "x" + std::to_string(B.cols));
+  if (B.rows == 0 || B.cols == 0) return;
+  single_threaded_blas();
+  const CBLAS_TRANSPOSE t = A.transposed ? CblasTrans : CblasNoTrans;
+  if constexpr (std::is_same_v<T, float>)
+    BLAS_FN(cblas_strsm)(CblasRowMajor, CblasLeft, CblasLower, t, CblasUnit, to_int(B.rows, "M"), to_int(B.cols, "N"),
+                         1.0f, A.data, to_int(A.ld, "lda"), B.data, to_int(B.ld, "ldb"));
+  else
+    BLAS_FN(cblas_dtrsm)(CblasRowMajor, CblasLeft, CblasLower, t, CblasUnit, to_int(B.rows, "M"), to_int(B.cols, "N"),
+                         1.0, A.data, to_int(A.ld, "lda"), B.data, to_int(B.ld, "ldb"));
+}
+
+template void solve_unit_lower<float>(Mat<const float>, Mat<float>);
+template void solve_unit_lower<double>(Mat<const double>, Mat<double>);
+
 const char* blas_name() {
   static const std::string name = [] {
     std::string s = BLAS_FN(openblas_get_config)();

@@ -41,6 +41,11 @@ void matmul(Mat<T> C, Mat<const T> A, Mat<const T> B, T alpha = T(1), T beta = T
 template <class T>
 void check_product_shapes(const char* fn, Mat<T> C, Mat<const T> A, Mat<const T> B);
 
+// B := op(A)⁻¹·B (BLAS trsm) for A [M×M] unit lower triangular: its strictly lower part is read,
+// its diagonal taken as 1 and never read; op(A) = A, or Aᵀ when A is given as A.t(). B [M×N].
+template <class T>
+void solve_unit_lower(Mat<const T> A, Mat<T> B);
+
 const char* blas_name();
 
 // The singular value decomposition of a column-major n×n matrix a (overwritten) by LAPACK's

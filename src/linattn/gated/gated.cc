@@ -39,6 +39,7 @@
 
 #include "linattn/core/attention_args.h"
 #include "linattn/core/blas.h"
+#include "linattn/core/chunk_decay.h"
 #include "linattn/core/error.h"
 #include "linattn/core/parallel.h"
 #include "linattn/core/range.h"
@@ -47,13 +48,10 @@
 namespace linattn {
 namespace gated {
 
-constexpr int64_t kChunk = 64;
-constexpr int64_t kBlock = 16;
-constexpr int64_t kBlocks = kChunk / kBlock;
-constexpr int64_t kPairs = kBlock * (kBlock + 1) / 2;
-// Log-gates below this act as it: e^{−1000} is 0 in float64, and chunk sums of at most 64 such
-// values keep their differences exact to ~1e−11.
-constexpr double kFloor = -1000.0;
+using chunk_decay::chunk_scores;
+using chunk_decay::kChunk;
+using chunk_decay::kFloor;
+using chunk_decay::weigh;
 
 struct Dims {
   int64_t batch, heads, n, dk, dv;
@@ -141,248 +139,34 @@ Dims check_args(const char* fn, const Inputs<T>& in, const GatedLinearAttentionO
   return d;
 }
 
-// One worker's scratch for one chunk, and the chunk's decays (made once per chunk, used by the
-// scores, the outputs and both weighings):
-// - b: the cumulative log-gates (float64; [L, w], w = d_k per channel, 1 per head);
-// - from_start [L, w] = e^{b_j} and to_end [L, w] = e^{b_{L−1} − b_j};
-// - per head: D [L, L] (ld C); per channel: the per-step factors a = e^{g} [L, d_k], each
-//   block's pairs (simd::decay_pairs), its rows' factors to the block's first row, and
-//   between[J][I] = e^{b_{r_J} − b_{e_I}} for blocks J > I.
+// One worker's scratch: a chunk's decays and the products of the outputs and the gradients.
 template <class T>
-struct Scratch {
-  int64_t dk, w;
-  bool per_channel;
-  int64_t L = 0;
-  bool gates_ok = true;   // every log-gate read so far was <= 0
-  bool finite = true;     // every result written so far was finite
-  std::vector<double> b;  // [C, w]
-  std::vector<T> from_start, to_end;  // [C, w]
-  std::vector<T> diag;                // per head: D [C, C]
-  std::vector<T> steps;               // per channel: a [C, dk]
-  std::vector<T> pairs;               // per channel: [kBlocks][kPairs][dk]
-  std::vector<T> to_first;            // per channel: [C, dk], e^{b_j − b_{r_J}}
-  std::vector<T> between;             // per channel: [kBlocks][kBlocks][dk]
-  std::vector<T> zeros;               // exp_minus_columns' shift
+struct Scratch : chunk_decay::ChunkDecays<T> {
+  bool finite = true;                 // every result written so far was finite
   int64_t lhs_ld;                     // dk + C
   std::vector<T> lhs;                 // [C, dk + C]: [Q ⊙ e^{B} | A], the left operand of the outputs
   std::vector<T> rhs;                 // [dk + C, dv]: [P ; V], the state P on top for the whole task
-  std::vector<T> kt;                  // per head: Kᵀ [dk, C] (a plain product is faster than one with Bᵀ)
-  std::vector<T> scaled;              // [C, dk] a chunk's rows scaled to a reference row
   std::vector<T> gated_k;             // [C, dk] K ⊙ e^{b_L − B}
-  std::vector<T> block_a, block_b;    // [16, dk]
   std::vector<T> scores;              // [C, C] A (lower), backward
   std::vector<T> dscores;             // [C, C] dA, backward
   std::vector<T> work;                // [C, dk]
-  std::vector<T> weights;             // [C, C] (per head: dA ⊙ D)
   std::vector<T> dk_state;            // [C, dk]
   Scratch(const Dims& d, bool backward)
-      : dk(d.dk), w(d.width()), per_channel(d.per_channel), b(kChunk * w), from_start(kChunk * w),
-        to_end(kChunk * w), zeros(kChunk * std::max(kChunk, d.dk), T(0)), lhs_ld(d.dk + kChunk),
-        lhs(kChunk * (d.dk + kChunk)), rhs((d.dk + kChunk) * d.dv), scaled(kChunk * d.dk), gated_k(kChunk * d.dk),
-        block_a(std::max(kBlock, 2 * kBlocks) * d.dk), block_b(kBlock * d.dk) {
-    if (per_channel) {
-      steps.resize(kChunk * dk);
-      pairs.resize(kBlocks * kPairs * dk);
-      to_first.resize(kChunk * dk);
-      between.resize(kBlocks * kBlocks * dk);
-    } else {
-      diag.resize(kChunk * kChunk);
-      kt.resize(d.dk * kChunk);
-    }
+      : chunk_decay::ChunkDecays<T>(d.dk, d.per_channel), lhs_ld(d.dk + kChunk), lhs(kChunk * (d.dk + kChunk)),
+        rhs((d.dk + kChunk) * d.dv), gated_k(kChunk * d.dk) {
     if (backward) {
       scores.resize(kChunk * kChunk);
       dscores.resize(kChunk * kChunk);
       work.resize(kChunk * std::max(d.dk, d.dv));
-      weights.resize(kChunk * kChunk);
       dk_state.resize(kChunk * d.dk);
     }
   }
-
-  // e^{x} in place for `rows` rows of `cols` values x <= 0, ld apart (Highway's vectorised exp).
-  void exp_in_place(T* x, int64_t rows, int64_t cols, int64_t ld) {
-    simd::exp_minus_columns(x, static_cast<size_t>(rows), static_cast<size_t>(cols), static_cast<size_t>(ld),
-                            zeros.data());
-  }
-  const T* block_pairs(int64_t J) const { return pairs.data() + J * kPairs * dk; }
-  // Rows of block J scaled to its last row, e^{b_{e_J} − b_i}: the last row of its pairs.
-  const T* to_last(int64_t J, int64_t rows) const { return block_pairs(J) + (rows - 1) * rows / 2 * dk; }
-  const T* between_blocks(int64_t J, int64_t I) const { return between.data() + (J * kBlocks + I) * dk; }
-
-  // The decays of rows t0 .. t0+L−1 of task bh; with state_only just b, from_start and to_end
-  // (what advance_state needs).
-  void prepare(const Dims& d, TensorView<const T> log_gate, int64_t bh, int64_t t0, int64_t rows,
-               bool state_only = false) {
-    L = rows;
-    const T* g = log_gate.data + (bh * d.n + t0) * w;
-    int bad = 0;  // an integer count, which the compiler vectorises
-    for (int64_t i = 0; i < L * w; ++i) bad += !(g[i] <= T(0));  // NaN fails too
-    gates_ok = gates_ok && bad == 0;
-    simd::floored_cumsum(g, static_cast<size_t>(L), static_cast<size_t>(w), kFloor, b.data(),
-                         per_channel ? steps.data() : nullptr);
-    if (state_only && per_channel) {
-      for (int64_t j = 0; j < L; ++j)
-        for (int64_t c = 0; c < dk; ++c) {
-          from_start[j * dk + c] = static_cast<T>(b[j * dk + c]);
-          to_end[j * dk + c] = static_cast<T>(b[(L - 1) * dk + c] - b[j * dk + c]);
-        }
-      exp_in_place(from_start.data(), 1, L * dk, L * dk);
-      exp_in_place(to_end.data(), 1, L * dk, L * dk);
-      return;
-    }
-    if (!per_channel) {
-      for (int64_t j = 0; j < L; ++j) {
-        from_start[j] = static_cast<T>(b[j]);
-        to_end[j] = static_cast<T>(b[L - 1] - b[j]);
-      }
-      exp_in_place(from_start.data(), 1, L, L);
-      exp_in_place(to_end.data(), 1, L, L);
-      if (state_only) return;
-      // D: e^{b_j − b_i} on and below the diagonal, e^{−inf} = 0 above
-      const T above = -std::numeric_limits<T>::infinity();
-      for (int64_t j = 0; j < L; ++j) {
-        T* row = diag.data() + j * kChunk;
-        for (int64_t i = 0; i < L; ++i) row[i] = i <= j ? static_cast<T>(b[j] - b[i]) : above;
-      }
-      exp_in_place(diag.data(), L, L, kChunk);
-      return;
-    }
-    // Per channel, the exponentials are the per-step factors e^{g} and, per block, e^{b_{r_J}}
-    // (to the block's first row from the chunk's start), e^{b_{L−1} − b_{e_J}} (from its last
-    // row to the chunk's end) and between[J][I]; every other factor is a product of these.
-    exp_in_place(steps.data(), 1, L * dk, L * dk);
-    const int64_t blocks = (L + kBlock - 1) / kBlock;
-    T* edges = block_a.data();  // [2 · blocks, dk]: e^{b_{r_J}}, then e^{b_{L−1} − b_{e_J}}
-    for (int64_t J = 0; J < blocks; ++J) {
-      const int64_t r = J * kBlock, e = std::min(L, r + kBlock) - 1;
-      for (int64_t c = 0; c < dk; ++c) {
-        edges[J * dk + c] = static_cast<T>(b[r * dk + c]);
-        edges[(blocks + J) * dk + c] = static_cast<T>(b[(L - 1) * dk + c] - b[e * dk + c]);
-      }
-      for (int64_t I = 0; I < J; ++I) {
-        T* f = between.data() + (J * kBlocks + I) * dk;
-        const int64_t last = I * kBlock + kBlock - 1;
-        for (int64_t c = 0; c < dk; ++c) f[c] = static_cast<T>(b[r * dk + c] - b[last * dk + c]);
-      }
-    }
-    exp_in_place(edges, 1, 2 * blocks * dk, 2 * blocks * dk);
-    exp_in_place(between.data(), 1, kBlocks * kBlocks * dk, kBlocks * kBlocks * dk);
-    for (int64_t J = 0; J < blocks; ++J) {
-      const int64_t r = J * kBlock, n = std::min(kBlock, L - r);
-      simd::decay_pairs(steps.data() + r * dk, static_cast<size_t>(n), static_cast<size_t>(dk), pairs.data() + J * kPairs * dk);
-      for (int64_t j = 0; j < n; ++j)  // e^{b_j − b_r}: the pair (j, 0)
-        std::copy(block_pairs(J) + j * (j + 1) / 2 * dk, block_pairs(J) + (j * (j + 1) / 2 + 1) * dk,
-                  to_first.data() + (r + j) * dk);
-      // e^{b_j} = e^{b_r}·e^{b_j − b_r}, e^{b_{L−1} − b_j} = e^{b_{L−1} − b_e}·e^{b_e − b_j}
-      for (int64_t j = 0; j < n; ++j) {
-        simd::multiply(to_first.data() + (r + j) * dk, edges + J * dk, 1, static_cast<size_t>(dk),
-                       from_start.data() + (r + j) * dk, static_cast<size_t>(dk), false);
-        simd::multiply(to_last(J, n) + j * dk, edges + (blocks + J) * dk, 1, static_cast<size_t>(dk),
-                       to_end.data() + (r + j) * dk, static_cast<size_t>(dk), false);
-      }
-    }
-  }
-
-  // out [L, dk] (ld ld_out) = x ⊙ e^{B} (from the chunk's start) or x ⊙ e^{b_L − B} (to its end).
-  void from_chunk_start(const T* x, T* out, int64_t ld_out) const { scale(x, from_start.data(), out, ld_out); }
-  void to_chunk_end(const T* x, T* out, int64_t ld_out) const { scale(x, to_end.data(), out, ld_out); }
-  void scale(const T* x, const T* factors, T* out, int64_t ld_out) const {
-    if (per_channel)
-      simd::multiply(x, factors, static_cast<size_t>(L), static_cast<size_t>(dk), out, static_cast<size_t>(ld_out), false);
-    else
-      simd::scale_rows(x, static_cast<size_t>(dk), static_cast<size_t>(L), static_cast<size_t>(dk), factors, out,
-                       static_cast<size_t>(ld_out));
-  }
-  // x [dk, cols] (rows = channels) ⊙= e^{b_L} per channel: the state's (or G's) decay over the chunk.
-  void decay_over_chunk(T* x, int64_t cols) const {
-    const T* last = from_start.data() + (L - 1) * w;
-    if (per_channel)
-      simd::scale_rows(x, static_cast<size_t>(cols), static_cast<size_t>(dk), static_cast<size_t>(cols), last, x,
-                       static_cast<size_t>(cols));
-    else
-      simd::scale(x, static_cast<size_t>(dk * cols), last[0]);
+  // The decays of rows t0 .. t0+L−1 of task bh.
+  void prepare_rows(const Dims& d, TensorView<const T> log_gate, int64_t bh, int64_t t0, int64_t rows,
+                    bool state_only = false) {
+    this->prepare(log_gate.data + (bh * d.n + t0) * d.width(), rows, state_only);
   }
 };
-
-// A [L, L] (ld lda), lower triangle with the diagonal: A[j,i] = Σ_c q_jc k_ic e^{b_jc − b_ic};
-// zero above.
-template <class T>
-void chunk_scores(const T* q, const T* k, Scratch<T>& s, T* a, int64_t lda) {
-  const int64_t L = s.L, dk = s.dk;
-  if (!s.per_channel) {  // A = (Q Kᵀ) ⊙ D, D zero above the diagonal
-    for (int64_t i = 0; i < L; ++i)
-      for (int64_t c = 0; c < dk; ++c) s.kt[c * kChunk + i] = k[i * dk + c];
-    matmul<T>(mat(a, L, L, lda), mat(q, L, dk), mat<const T>(s.kt.data(), dk, L, kChunk));
-    for (int64_t j = 0; j < L; ++j)
-      simd::multiply(a + j * lda, s.diag.data() + j * kChunk, 1, static_cast<size_t>(L), a + j * lda,
-                     static_cast<size_t>(L), false);
-    return;
-  }
-  // K̃ = each block's K scaled to the block's last row
-  for (int64_t I = 0; I * kBlock < L; ++I) {
-    const int64_t r = I * kBlock, n = std::min(kBlock, L - r);
-    simd::multiply(k + r * dk, s.to_last(I, n), static_cast<size_t>(n), static_cast<size_t>(dk),
-                   s.scaled.data() + r * dk, static_cast<size_t>(dk), false);
-  }
-  for (int64_t J = 0; J * kBlock < L; ++J) {
-    const int64_t r = J * kBlock, n = std::min(kBlock, L - r);
-    if (J > 0)  // Q̂_J = Q_J scaled to the block's first row
-      simd::multiply(q + r * dk, s.to_first.data() + r * dk, static_cast<size_t>(n), static_cast<size_t>(dk),
-                     s.block_a.data(), static_cast<size_t>(dk), false);
-    for (int64_t I = 0; I < J; ++I) {  // A_JI = (Q̂_J ⊙ e^{b_{r_J} − b_{e_I}}) K̃_Iᵀ
-      simd::scale_columns(s.block_a.data(), static_cast<size_t>(n), static_cast<size_t>(dk), s.between_blocks(J, I),
-                          s.block_b.data(), false);
-      matmul<T>(mat(a + r * lda + I * kBlock, n, kBlock, lda), mat<const T>(s.block_b.data(), n, dk),
-                mat<const T>(s.scaled.data() + I * kBlock * dk, kBlock, dk).t());
-    }
-    simd::decayed_dots(q + r * dk, k + r * dk, s.block_pairs(J), static_cast<size_t>(n), static_cast<size_t>(dk),
-                       a + r * lda + r, static_cast<size_t>(lda));
-    for (int64_t j = 0; j < n; ++j) std::fill(a + (r + j) * lda + r + j + 1, a + (r + j) * lda + L, T(0));
-  }
-}
-
-// y [L, dk] += Σ_{i<=j} w[j,i] x_i ⊙ e^{b_j − b_i} (later false), or
-// y [L, dk] += Σ_{j>=i} w[j,i] x_j ⊙ e^{b_j − b_i} (later true); w lower, ld kChunk.
-template <class T>
-void weigh(const T* w, const T* x, Scratch<T>& s, T* y, bool later) {
-  const int64_t L = s.L, dk = s.dk;
-  if (!s.per_channel) {  // y += (w ⊙ D) X, or (w ⊙ D)ᵀ X
-    for (int64_t j = 0; j < L; ++j)
-      simd::multiply(w + j * kChunk, s.diag.data() + j * kChunk, 1, static_cast<size_t>(L),
-                     s.weights.data() + j * kChunk, static_cast<size_t>(L), false);
-    const Mat<const T> weights = mat<const T>(s.weights.data(), L, L, kChunk);
-    matmul<T>(mat(y, L, dk), later ? weights.t() : weights, mat(x, L, dk), T(1), T(1));
-    return;
-  }
-  // Between blocks J > I: e^{b_j − b_i} = e^{b_j − b_{r_J}}·e^{b_{r_J} − b_{e_I}}·e^{b_{e_I} − b_i}.
-  // X scaled to its blocks' last rows (earlier) or first rows (later), once.
-  for (int64_t B = 0; B * kBlock < L; ++B) {
-    const int64_t r = B * kBlock, n = std::min(kBlock, L - r);
-    simd::multiply(x + r * dk, later ? s.to_first.data() + r * dk : s.to_last(B, n), static_cast<size_t>(n),
-                   static_cast<size_t>(dk), s.scaled.data() + r * dk, static_cast<size_t>(dk), false);
-  }
-  for (int64_t R = 0; R * kBlock < L; ++R) {  // the block of rows of y
-    const int64_t r = R * kBlock, n = std::min(kBlock, L - r);
-    bool any = false;
-    const int64_t first = later ? R + 1 : 0, end = later ? (L + kBlock - 1) / kBlock : R;
-    for (int64_t O = first; O < end; ++O) {  // the other block
-      const int64_t ro = O * kBlock, no = std::min(kBlock, L - ro);
-      if (later)  // Σ_j w[j,i] x̂_j: w_ORᵀ X̂_O
-        matmul<T>(mat(s.block_b.data(), n, dk), mat<const T>(w + ro * kChunk + r, no, n, kChunk).t(),
-                  mat<const T>(s.scaled.data() + ro * dk, no, dk));
-      else  // Σ_i w[j,i] x̃_i: w_RO X̃_O
-        matmul<T>(mat(s.block_b.data(), n, dk), mat<const T>(w + r * kChunk + ro, n, no, kChunk),
-                  mat<const T>(s.scaled.data() + ro * dk, no, dk));
-      simd::scale_columns(s.block_b.data(), static_cast<size_t>(n), static_cast<size_t>(dk),
-                          later ? s.between_blocks(O, R) : s.between_blocks(R, O), s.block_a.data(), any);
-      any = true;
-    }
-    if (any)  // y_R += acc ⊙ (its rows' factors to the block's last row (later) or from its first)
-      simd::multiply(s.block_a.data(), later ? s.to_last(R, n) : s.to_first.data() + r * dk, static_cast<size_t>(n),
-                     static_cast<size_t>(dk), y + r * dk, static_cast<size_t>(dk), true);
-    simd::decayed_weigh(w + r * kChunk + r, kChunk, x + r * dk, s.block_pairs(R), static_cast<size_t>(n),
-                        static_cast<size_t>(dk), y + r * dk, later);
-  }
-}
 
 // The state over one chunk (s prepared, P in the top d_k rows of s.rhs):
 // P ← diag(e^{b_L}) P + (K ⊙ e^{b_L − B})ᵀ V.
@@ -410,9 +194,9 @@ void forward_chunk(const Dims& d, const T* q, const T* k, const T* v, T* out, Sc
 }
 
 template <class T>
-bool all_workers(PerWorker<Scratch<T>>& scratch, bool Scratch<T>::*flag) {
+bool all_ok(PerWorker<Scratch<T>>& scratch) {  // every worker read good log-gates and wrote finite results
   for (int w = 0; w < scratch.size(); ++w)
-    if (!(scratch[w].*flag)) return false;
+    if (!scratch[w].gates_ok || !scratch[w].finite) return false;
   return true;
 }
 
@@ -441,14 +225,14 @@ GatedLinearAttentionResult<T> causal_forward(const char* fn, const Inputs<T>& in
     for (int64_t t0 = 0; t0 < d.n; t0 += kChunk) {
       interruption_point();
       const int64_t L = std::min(kChunk, d.n - t0);
-      s.prepare(d, log_gate, bh, t0, L);
+      s.prepare_rows(d, log_gate, bh, t0, L);
       forward_chunk(d, q.data + (bh * d.n + t0) * dk, k.data + (bh * d.n + t0) * dk,
                            v.data + (bh * d.n + t0) * dv, r.out.data() + (bh * d.n + t0) * dv, s);
     }
     s.finite = s.finite && simd::all_finite(state, static_cast<size_t>(dk * dv));
     std::copy(state, state + dk * dv, r.state.data() + bh * dk * dv);
   });
-  if (!all_workers(scratch, &Scratch<T>::gates_ok) || !all_workers(scratch, &Scratch<T>::finite))
+  if (!all_ok(scratch))
     fail_on_results(fn, d, report);
   return r;
 }
@@ -491,7 +275,7 @@ GatedLinearAttentionGrads<T> causal_backward(const char* fn, const Inputs<T>& in
       interruption_point();
       const int64_t t0 = c * kChunk, L = std::min(kChunk, d.n - t0);
       std::copy(state, state + dk * dv, start.begin() + c * dk * dv);
-      s.prepare(d, log_gate, bh, t0, L, /*state_only=*/true);
+      s.prepare_rows(d, log_gate, bh, t0, L, /*state_only=*/true);
       advance_state(d, kb + t0 * dk, vb + t0 * dv, s);
     }
     // G: the gradient of the state after the chunk being processed.
@@ -504,7 +288,7 @@ GatedLinearAttentionGrads<T> causal_backward(const char* fn, const Inputs<T>& in
       const T *qc = qb + t0 * dk, *kc = kb + t0 * dk, *vc = vb + t0 * dv, *goc = gob + t0 * dv;
       T *dqc = dqb + t0 * dk, *dkc = dkb + t0 * dk, *dvc = dvb + t0 * dv;
       const T* P = start.data() + c * dk * dv;
-      s.prepare(d, log_gate, bh, t0, L);
+      s.prepare_rows(d, log_gate, bh, t0, L);
       chunk_scores(qc, kc, s, s.scores.data(), kChunk);
       // dA = s·dO Vᵀ, lower
       matmul<T>(mat(s.dscores.data(), L, L, kChunk), mat(goc, L, dv), mat(vc, L, dv).t(), sc);
@@ -564,7 +348,7 @@ GatedLinearAttentionGrads<T> causal_backward(const char* fn, const Inputs<T>& in
     s.finite = s.finite && simd::all_finite(G.data(), G.size());
     std::copy(G.begin(), G.end(), g.dinitial_state.data() + bh * dk * dv);
   });
-  if (!all_workers(scratch, &Scratch<T>::gates_ok) || !all_workers(scratch, &Scratch<T>::finite))
+  if (!all_ok(scratch))
     fail_on_results(fn, d, report);
   return g;
 }

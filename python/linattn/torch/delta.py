@@ -1,0 +1,85 @@
+"""linattn.torch.gated_delta_rule: the C++ chunked gated delta rule and KDA
+(include/linattn/delta.h) with autograd, state in and state out. The formulas live in C++; this
+file passes tensors."""
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .. import _linattn
+
+__all__ = ["gated_delta_rule"]
+
+_FN = "linattn.torch.gated_delta_rule"
+
+
+def _array(t):
+    return None if t is None else t.detach().contiguous().numpy()
+
+
+class _GatedDeltaRule(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, l2norm):
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None
+        out, state = _linattn.gated_delta_rule(_array(q), _array(k), _array(v), _array(g), _array(beta), scale=scale,
+                                               initial_state=_array(initial_state), return_state=True,
+                                               use_qk_l2norm_in_kernel=l2norm)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        ctx.scale, ctx.l2norm = scale, l2norm
+        return torch.from_numpy(out), torch.from_numpy(state)
+
+    @staticmethod
+    @once_differentiable  # the gradients are computed in C++: no graph for a second derivative
+    def backward(ctx, dout, dstate):
+        q, k, v, g, beta, initial_state = ctx.saved_tensors
+        if dout is None:
+            dout = v.new_zeros(v.shape)
+        grads = _linattn.gated_delta_rule_backward(
+            _array(q), _array(k), _array(v), _array(g), _array(beta), _array(dout), scale=ctx.scale,
+            initial_state=_array(initial_state), dstate=_array(dstate), use_qk_l2norm_in_kernel=ctx.l2norm)
+        dq, dk, dv, dg, dbeta, ds = (torch.from_numpy(x) for x in grads)  # ds: zeros without an initial state
+        return dq, dk, dv, dg, dbeta, (ds if initial_state is not None else None), None, None
+
+
+def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, return_state=False,
+                     use_qk_l2norm_in_kernel=False):
+    """The gated delta rule (Gated DeltaNet: Qwen3-Next, Qwen3.5, OLMo-hybrid) and, with
+    per-channel gates, KDA (Kimi Linear), with autograd (linattn.gated_delta_rule,
+    docs/methods/delta.md):
+    S_t = (I − β_t k_t k_tᵀ)·diag(exp(g_t))·S_{t−1} + β_t k_t v_tᵀ, o_t = scale·S_tᵀ q_t.
+
+    q, k [B, H_k, n, d_k], v [B, H, n, d_v] with H a multiple of H_k (value head h reads key head
+    h // (H // H_k)); g [B, H, n] (per head) or [B, H, n, d_k] (per channel), values <= 0 (-inf:
+    a reset); beta [B, H, n] in [0, 2]; scale: d_k^-1/2 by default; use_qk_l2norm_in_kernel
+    divides q and k by sqrt(|x|² + 1e-6) first (fla's and transformers' l2norm). initial_state
+    [B, H, d_k, d_v] continues a sequence; return_state=True returns (out, S_n). CPU tensors of
+    one dtype: float32 or float64, or bfloat16/float16 (computed in float32, the output rounded
+    once, the state float32, and a float32 initial_state accepted; no 16-bit kernel yet).
+    Gradients reach q, k, v, g, beta and initial_state."""
+    named = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state}
+    for name, t in named.items():
+        if t is None and name == "initial_state":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError("%s: %s must be a torch.Tensor, got %s" % (_FN, name, type(t).__name__))
+        if t.device.type != "cpu":
+            raise TypeError("%s: %s is on %s; linattn runs on the CPU only (move it with .cpu())" % (_FN, name, t.device))
+        if t.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+            raise TypeError("%s: %s must be float32, float64, bfloat16 or float16, got %s" % (_FN, name, t.dtype))
+        # A 16-bit call's state is float32 (what return_state gives): it may come back as it is.
+        state_ok = name == "initial_state" and t.dtype == torch.float32 and q.dtype in (torch.bfloat16,
+                                                                                         torch.float16)
+        if t.dtype != q.dtype and not state_ok:
+            raise TypeError("%s: %s has dtype %s, q has %s" % (_FN, name, t.dtype, q.dtype))
+    if not isinstance(use_qk_l2norm_in_kernel, bool):
+        raise TypeError("%s: use_qk_l2norm_in_kernel must be a bool, got %r" % (_FN, use_qk_l2norm_in_kernel))
+    scale = None if scale is None else float(scale)
+    if q.dtype in (torch.bfloat16, torch.float16):
+        # Computed in float32 and the output rounded once; the state stays float32 (as a decoding
+        # state accumulates). The casts are torch's, so gradients come back in the inputs' dtypes.
+        out, state = _GatedDeltaRule.apply(q.float(), k.float(), v.float(), g.float(), beta.float(),
+                                           None if initial_state is None else initial_state.float(), scale,
+                                           use_qk_l2norm_in_kernel)
+        out = out.to(q.dtype)
+    else:
+        out, state = _GatedDeltaRule.apply(q, k, v, g, beta, initial_state, scale, use_qk_l2norm_in_kernel)
+    return (out, state) if return_state else out
