@@ -13,7 +13,7 @@ CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$(PYTHON) -DLINATT
 PIP_INSTALL := $(PYTHON) -m pip install -q --disable-pip-version-check --no-build-isolation \
   --no-deps -Cbuild-dir=$(BUILD)/wheel -Cbuild.tool-args=-j$(JOBS)
 
-.PHONY: deps build build-cpp install-python stubs demo test test-cpp test-python test-sanitize stress-tests bench bench-hybrid bench-gated precision accuracy models distributed linearize smollm2 clean
+.PHONY: deps build build-cpp install-python stubs demo test test-cpp test-python test-sanitize stress-tests bench bench-hybrid bench-gated bench-delta precision accuracy models distributed linearize smollm2 clean
 
 deps:
 	@bash scripts/install-deps.sh
@@ -101,6 +101,11 @@ bench-hybrid: build
 # OPENBLAS_CORETYPE unset for this command alone, as users run.
 bench-gated: build
 	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(PYTHON) bench/gated.py --docs docs/methods/gated.md
+
+# The gated delta rule against transformers' own PyTorch functions, and tiny Qwen3.5 / Kimi-Linear
+# models whole (docs/methods/delta.md); OPENBLAS_CORETYPE unset for this command alone.
+bench-delta: build
+	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(PYTHON) bench/delta.py --docs docs/methods/delta.md
 
 # docs/linearize.md: all-MiniLM-L6-v2 converted to linear attention (linattn.hf.linearize: Hedgehog's
 # maps, the window alone, the hybrid; attention_transfer, then finetune), against FAVOR+ distilled;

@@ -153,6 +153,9 @@ const Case kCases[] = {
     {1, 2, 1, 64, 16, 16, false, false, true, "near0", 1.0},   {1, 4, 2, 65, 8, 4, true, true, false, "near0", 2.0},
     {2, 1, 1, 130, 17, 9, false, true, true, "resets", 1.0},   {1, 2, 2, 200, 32, 24, true, false, false, "resets", 1.0},
     {1, 3, 1, 97, 3, 2, false, true, false, "mixed", 2.0},
+    // up to 16 positions: the recurrence itself (decoding), not the chunks
+    {2, 4, 2, 5, 16, 12, false, true, true, "resets", 1.0},  {1, 2, 2, 16, 9, 5, true, true, false, "mixed", 2.0},
+    {1, 2, 1, 17, 9, 5, true, true, true, "near0", 1.0},
 };
 
 TEST(GatedDeltaRule, ForwardMatchesTheRecurrenceInFloat64AndFloat32) {
@@ -166,9 +169,11 @@ TEST(GatedDeltaRule, ForwardMatchesTheRecurrenceInFloat64AndFloat32) {
 }
 
 TEST(GatedDeltaRule, EveryThreadCountGivesTheSameBits) {
-  // One (batch, value head) per task: 1 to 16 threads, above and below batch·heads (2 to 4).
+  // One (batch, value head) per task: 1 to 16 threads, above and below batch·heads (2 to 12);
+  // the decoding path (n <= 16) groups heads per thread, here 12 heads of 4·128·128.
   for (const Case& c : {Case{1, 4, 2, 150, 8, 6, false, true, true, "resets", 1.0},
-                        Case{1, 2, 2, 150, 8, 6, true, true, false, "mixed", 2.0}}) {
+                        Case{1, 2, 2, 150, 8, 6, true, true, false, "mixed", 2.0},
+                        Case{1, 12, 4, 4, 128, 128, false, true, true, "mixed", 1.0}}) {
     const Inputs in(c, 7);
     const auto f = [](const Tensor<double>& x) { return testing::cast<float>(x); };
     const auto q = f(in.q), k = f(in.k), v = f(in.v), g = f(in.g), beta = f(in.beta), s0 = f(in.s0);
@@ -219,7 +224,8 @@ TEST(GatedDeltaRule, TwoCallsOverASplitEqualOneCall) {
     const Inputs in(c, 21);
     const GatedDeltaRuleOptions opts{std::nullopt, true};
     const auto whole = gated_delta_rule<double>(in.q, in.k, in.v, in.g, in.beta, in.s0.view(), opts);
-    for (int64_t cut : {int64_t{77}, int64_t{64}, int64_t{1}}) {  // inside a chunk, at its end, one position
+    // inside a chunk, at its end, one position (a decoding step), a few (the recurrent path)
+    for (int64_t cut : {int64_t{77}, int64_t{64}, int64_t{1}, int64_t{140}}) {
       const auto first = gated_delta_rule<double>(rows(in.q, 0, cut), rows(in.k, 0, cut), rows(in.v, 0, cut),
                                                   rows(in.g, 0, cut), rows(in.beta, 0, cut), in.s0.view(), opts);
       const auto second = gated_delta_rule<double>(rows(in.q, cut, 150), rows(in.k, cut, 150), rows(in.v, cut, 150),

@@ -175,3 +175,19 @@ def test_gated_peers_compute_gated_linear_attention():
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert "| per channel | 70 |" in out.stdout
+
+
+def test_delta_bench_runs_and_its_peers_are_transformers_functions():
+    # bench/delta.py times transformers' own reference PyTorch functions (not fla's Triton ones,
+    # which fail on a CPU) and checks every form against linattn's at 1e-4 before timing;
+    # --quick runs the whole script, the tiny models included (same tokens on both paths).
+    import subprocess
+    import sys
+    path, bd = bench_script("delta")
+    chunk, recurrent = bd.transformers_functions()
+    assert chunk.__module__.startswith("transformers.") and recurrent.__module__.startswith("transformers.")
+    assert bd.flops_per_position(128, 128) == 6 * 128 * 128 + 4 * 64 * 128 + 3 * 64 * 128
+    out = subprocess.run([sys.executable, path, "--quick", "--threads", "1"], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "| 70 |" in out.stdout and "same on both paths: yes" in out.stdout

@@ -73,6 +73,15 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, return
     if not isinstance(use_qk_l2norm_in_kernel, bool):
         raise TypeError("%s: use_qk_l2norm_in_kernel must be a bool, got %r" % (_FN, use_qk_l2norm_in_kernel))
     scale = None if scale is None else float(scale)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in named.values())):
+        # Inference (decoding: one call per layer and token): no autograd node to build.
+        wide = q.dtype in (torch.bfloat16, torch.float16)
+        arrays = [_array(t.float() if wide and t is not None else t) for t in (q, k, v, g, beta, initial_state)]
+        out, state = (torch.from_numpy(x) for x in _linattn.gated_delta_rule(
+            *arrays[:5], scale=scale, initial_state=arrays[5], return_state=True,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel))
+        out = out.to(q.dtype) if wide else out
+        return (out, state) if return_state else out
     if q.dtype in (torch.bfloat16, torch.float16):
         # Computed in float32 and the output rounded once; the state stays float32 (as a decoding
         # state accumulates). The casts are torch's, so gradients come back in the inputs' dtypes.

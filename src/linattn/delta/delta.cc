@@ -300,6 +300,79 @@ GatedDeltaRuleResult<T> forward(const char* fn, const Inputs<T>& in, const Dims&
   return r;
 }
 
+// Up to this many positions (decoding: one new token, or a few speculative ones) the forward
+// runs the recurrence itself, position by position: a chunk's small products would cost more
+// in BLAS calls and scratch than the arithmetic of a step (4·d_k·d_v per position and head).
+constexpr int64_t kRecurrentUpTo = 16;
+
+// S ← diag(e^{g_t}) S;  u = β_t (v_t − Sᵀ k_t);  S ← S + k_t uᵀ;  o_t = s·Sᵀ q_t.
+template <class T>
+GatedDeltaRuleResult<T> recurrent_forward(const char* fn, const Inputs<T>& in, const Dims& d) {
+  const KernelQK<T> qk(d, in.q, in.k);
+  GatedDeltaRuleResult<T> r{Tensor<T>({d.batch, d.heads, d.n, d.dv}, false, Init::Uninitialized),
+                            Tensor<T>({d.batch, d.heads, d.dk, d.dv}, false, Init::Uninitialized)};
+  const int64_t dk = d.dk, dv = d.dv, w = d.width();
+  // Tasks grouped so that each loop index has at least ~2^16 multiply-adds: waking a helper
+  // thread costs tens of microseconds, more than a decoding step of a few heads.
+  const int64_t per_task = std::max<int64_t>(1, d.n * dk * dv);
+  const int64_t group = std::clamp<int64_t>((int64_t{1} << 16) / per_task, 1, std::max<int64_t>(1, d.bh()));
+  const ParallelLoop loop((d.bh() + group - 1) / group);
+  struct Worker {
+    std::vector<T> read;
+    bool ok = true;
+  };
+  PerWorker<Worker> workers(loop, [&] { return Worker{std::vector<T>(static_cast<size_t>(dv)), true}; });
+  const T sc = static_cast<T>(d.scale);
+  // One task: the recurrence over its n positions.
+  auto recur = [&](int64_t bh, Worker& wk) {
+    T* S = r.state.data() + bh * dk * dv;
+    // The first step reads the initial state where it is (one pass over the state fewer).
+    const T* from = d.has_state ? in.initial_state.data + bh * dk * dv : S;
+    if (!d.has_state || d.n == 0) start_state(d, in.initial_state, bh, S);
+    const int64_t kt = d.key_task(bh);
+    for (int64_t t = 0; t < d.n; ++t) {
+      const T* q = qk.q.data + (kt * d.n + t) * dk;
+      const T* k = qk.k.data + (kt * d.n + t) * dk;
+      const T* v = in.v.data + (bh * d.n + t) * dv;
+      const T* g = in.g.data + (bh * d.n + t) * w;
+      const T beta = in.beta.data[bh * d.n + t];
+      T* u = wk.read.data();
+      std::fill(u, u + dv, T(0));
+      for (int64_t c = 0; c < dk; ++c) {
+        const T gate = g[d.per_channel ? c : 0];
+        wk.ok = wk.ok && gate <= T(0);  // NaN fails too
+        const T decay = static_cast<T>(std::exp(std::max(static_cast<double>(gate), kFloor)));
+        const T* src = from + c * dv;
+        T* row = S + c * dv;
+        for (int64_t e = 0; e < dv; ++e) {
+          row[e] = src[e] * decay;
+          u[e] += row[e] * k[c];
+        }
+      }
+      from = S;
+      for (int64_t e = 0; e < dv; ++e) u[e] = beta * (v[e] - u[e]);
+      T* o = r.out.data() + (bh * d.n + t) * dv;
+      std::fill(o, o + dv, T(0));
+      for (int64_t c = 0; c < dk; ++c) {
+        T* row = S + c * dv;
+        for (int64_t e = 0; e < dv; ++e) {
+          row[e] += k[c] * u[e];
+          o[e] += row[e] * q[c];
+        }
+      }
+      for (int64_t e = 0; e < dv; ++e) o[e] *= sc;
+      wk.ok = wk.ok && simd::all_finite(o, static_cast<size_t>(dv));
+    }
+    wk.ok = wk.ok && simd::all_finite(S, static_cast<size_t>(dk * dv));
+  };
+  loop.run([&](int64_t index, int worker) {
+    for (int64_t bh = index * group; bh < std::min(d.bh(), (index + 1) * group); ++bh) recur(bh, workers[worker]);
+  });
+  for (int i = 0; i < workers.size(); ++i)
+    if (!workers[i].ok) fail_on_results(fn, d, in);
+  return r;
+}
+
 template <class T>
 GatedDeltaRuleGrads<T> backward(const char* fn, const Inputs<T>& in, const Dims& d) {
   const KernelQK<T> qk(d, in.q, in.k);
@@ -489,7 +562,7 @@ GatedDeltaRuleResult<T> gated_delta_rule(TensorView<const T> q, TensorView<const
   const char* fn = "gated_delta_rule";
   const delta::Inputs<T> in{q, k, v, g, beta, initial_state, {}, {}};
   const delta::Dims d = delta::check_args(fn, in, opts);
-  return delta::forward(fn, in, d);
+  return d.n <= delta::kRecurrentUpTo ? delta::recurrent_forward(fn, in, d) : delta::forward(fn, in, d);
 }
 
 template <class T>

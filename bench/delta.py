@@ -1,0 +1,266 @@
+"""The gated delta rule (linattn.torch.gated_delta_rule, float32) against what transformers runs
+on a CPU without it: its own reference PyTorch functions (transformers' Qwen3-Next module,
+`torch_chunk_gated_delta_rule` and `torch_recurrent_gated_delta_rule`, taken from under its
+hub/fla dispatch: with fla installed, transformers would call fla's Triton kernels, which fail
+on a CPU), on the same inputs ([batch, seq, heads, dim] for theirs, made contiguous before
+timing) and threads. l2norm of q and k in the kernel, β uniform in [0, 1], log-gates uniform in
+[−0.1, 0], as these models run it.
+
+1. Kernels: forward, and forward + backward (gradients of q, k, v, g, β), at each length;
+   the recurrent form only up to 2048 (its forward + backward takes 20 s there, 70 s at 4096).
+2. The decoding step (one position from a state), linattn against the recurrent function.
+3. A tiny random Qwen3.5 (and Kimi-Linear) model, whole: prefill of 8192 tokens and the time
+   per generated token after it, with linattn (linattn.hf.register()) and with transformers'
+   functions.
+
+Timing: one warm-up, then the median of at least 5 runs and 1 s (2 runs from n = 16384;
+bench/torch_bench.py's time_runs). All forms agree before any timing (relative error below
+1e-4 of the output's largest value). FLOPs: the chunk algorithm's forward count per head and
+position, 6·d_k·d_v + 4·64·d_k + 3·64·d_v (the state read, the state product and update; the
+two 64-wide score products; the triangular solve and the intra-chunk product); the percentage
+is of the measured float32 FMA peak on the same threads (linattn.measure_peak_rates).
+
+    make bench-delta    # or: .venv/bin/python bench/delta.py --docs docs/methods/delta.md
+
+Writes the measured section of docs/methods/delta.md (between its MEASURED markers)."""
+
+import argparse
+import importlib
+import inspect
+import os
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+import torch  # noqa: E402
+
+import linattn  # noqa: E402
+import linattn.torch as lt  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import measured_section  # noqa: E402
+import torch_bench  # noqa: E402
+
+CHUNK = 64
+
+
+def transformers_functions(folder="qwen3_next"):
+    """transformers' own PyTorch functions (under its hub/fla dispatch), from the module they live in."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = importlib.import_module("transformers.models.%s.modeling_%s" % (folder, folder))
+    from linattn.hf.delta import ORIGINALS
+    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    return tuple(inspect.unwrap(ORIGINALS.get((module.__name__, n), getattr(module, n))) for n in names)
+
+
+def flops_per_position(dk, dv):
+    return 6 * dk * dv + 4 * CHUNK * dk + 3 * CHUNK * dv
+
+
+def kernels(a):
+    chunk, recurrent = transformers_functions()
+    rows = []
+    for n in a.lengths:
+        gen = torch.Generator().manual_seed(n)
+        B, H, d = a.batch, a.heads, a.head_dim
+        q, k, v = (torch.randn(B, H, n, d, generator=gen) for _ in range(3))
+        g = -0.1 * torch.rand(B, H, n, generator=gen)
+        beta = torch.rand(B, H, n, generator=gen)
+        want = lt.gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        theirs = tuple(x.transpose(1, 2).contiguous() for x in (q, k, v, g, beta))
+
+        def ours(q, k, v, g, beta):
+            return lt.gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+
+        def peer(fn):
+            def call(q, k, v, g, beta):
+                return fn(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0].transpose(1, 2)
+            return call
+
+        forms = {"linattn": ((q, k, v, g, beta), ours), "torch chunk": (theirs, peer(chunk))}
+        if n <= a.recurrent_up_to:
+            forms["torch recurrent"] = (theirs, peer(recurrent))
+        for name, (inputs, fn) in forms.items():
+            with torch.no_grad():
+                got = fn(*inputs)
+            err = float((got - want).abs().max() / want.abs().max())
+            if err > 1e-4:
+                raise SystemExit("%s disagrees with linattn at n = %d: relative error %.3g" % (name, n, err))
+            leaves = [x.detach().requires_grad_() for x in inputs]
+
+            def fwd():
+                with torch.no_grad():
+                    fn(*inputs)
+
+            def fwd_bwd():
+                for x in leaves:
+                    x.grad = None
+                out = fn(*leaves)
+                out.backward(torch.ones_like(out))
+
+            rows.append({"n": n, "form": name, "fwd": torch_bench.warm_median_seconds(fwd, n),
+                         "bwd": torch_bench.warm_median_seconds(fwd_bwd, n)})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def decode_step(a):
+    """One position from a state: linattn's call against transformers' recurrent function."""
+    _, recurrent = transformers_functions()
+    B, H, d = 1, a.heads, a.head_dim
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, 1, H, d, generator=gen) for _ in range(3))
+    g, beta = -0.1 * torch.rand(B, 1, H, generator=gen), torch.rand(B, 1, H, generator=gen)
+    state = torch.randn(B, H, d, d, generator=gen)
+    from linattn.hf.delta import recurrent_gated_delta_rule
+    out = {}
+    for name, fn in (("linattn", recurrent_gated_delta_rule), ("torch recurrent", recurrent)):
+        def step():
+            with torch.no_grad():
+                fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                   use_qk_l2norm_in_kernel=True)
+        out[name] = torch_bench.warm_median_seconds(step, 1)
+    return out
+
+
+TINY = {
+    "Qwen3.5": ("qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+                dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=64, linear_num_value_heads=8, linear_num_key_heads=4,
+                     linear_key_head_dim=64, linear_value_head_dim=64, vocab_size=1000)),
+    "Kimi-Linear": ("kimi_linear", "KimiLinearConfig", "KimiLinearForCausalLM",
+                    dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, qk_rope_head_dim=32,
+                         qk_nope_head_dim=32, v_head_dim=64, linear_head_dim=64, linear_num_heads=8,
+                         layer_types=["linear_attention"] * 3 + ["full_attention"], vocab_size=1000,
+                         num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2)),
+}
+
+
+def models(a):
+    """Prefill and per-token decoding of tiny random models, transformers' functions against linattn's."""
+    import transformers
+    import linattn.hf
+    import linattn.hf.delta as delta
+    rows = []
+    for label, (folder, config_name, model_name, kwargs) in TINY.items():
+        module = importlib.import_module("transformers.models.%s.modeling_%s" % (folder, folder))
+        names = dict(delta.patched_modules())[module.__name__]
+        torch.manual_seed(0)
+        model = getattr(transformers, model_name)(getattr(transformers, config_name)(**kwargs)).eval()
+        ids = torch.randint(3, kwargs["vocab_size"], (1, a.prefill))
+        row = {"model": label, "layers": kwargs["num_hidden_layers"], "layer_types": model.config.layer_types}
+        for path in ("transformers", "linattn"):
+            if path == "transformers":
+                for theirs in names:
+                    setattr(module, theirs, inspect.unwrap(delta.ORIGINALS.get((module.__name__, theirs),
+                                                                               getattr(module, theirs))))
+            else:
+                linattn.hf.register()
+            with torch.no_grad():
+                model(ids[:, :128])  # warm-up
+                t0 = time.perf_counter()
+                model(ids)
+                prefill = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                out = model.generate(ids, max_new_tokens=a.new_tokens + 1, min_new_tokens=a.new_tokens + 1,
+                                     do_sample=False)
+                total = time.perf_counter() - t0
+            # generate() = one prefill + new_tokens decoding steps
+            row[path] = {"prefill": prefill, "per_token": max(total - prefill, 0.0) / a.new_tokens}
+            row.setdefault("tokens", []).append(out[0, a.prefill:].tolist())
+            print(label, path, row[path], flush=True)
+        rows.append(row)
+    return rows
+
+
+def report(r, command):
+    a = r["args"]
+    d, H, B = a["head_dim"], a["heads"], a["batch"]
+    lines = ["",
+             "Measured with `%s` on %d thread(s): batch %d, %d heads, d_k = d_v = %d, float32, l2norm in the kernel, "
+             "β uniform in [0, 1], log-gates uniform in [−0.1, 0]; torch %s, transformers %s; CPU features: %s; "
+             "linattn: %s; OPENBLAS_CORETYPE %s; float32 FMA peak %.0f GFLOP/s (measured). Medians after a "
+             "warm-up (at least 5 runs and 1 s; 2 runs from n = 16384). GFLOP/s: the chunk algorithm's forward "
+             "count over linattn's forward time."
+             % (command, a["threads"], B, H, d, r["torch"], r["transformers"], r["features"], r["build"],
+                r["coretype"] or "unset", r["peak"]), "",
+             "| n | linattn fwd | GFLOP/s (% of peak) | torch chunk fwd | torch recurrent fwd | linattn fwd+bwd | "
+             "torch chunk fwd+bwd | torch recurrent fwd+bwd |",
+             "|---|---|---|---|---|---|---|---|"]
+    by = {(row["n"], row["form"]): row for row in r["rows"]}
+
+    def cell(n, form, key):
+        row = by.get((n, form))
+        if row is None:
+            return "–"
+        t, mine = row[key], by[(n, "linattn")][key]
+        return "%.1f ms" % (1e3 * t) if form == "linattn" else "%.1f ms (%.1f×)" % (1e3 * t, t / mine)
+
+    for n in a["lengths"]:
+        gf = B * H * n * flops_per_position(d, d) / by[(n, "linattn")]["fwd"] / 1e9
+        lines.append("| %d | %s | %.1f (%.0f%%) | %s | %s | %s | %s | %s |" % (
+            n, cell(n, "linattn", "fwd"), gf, 100 * gf / r["peak"], cell(n, "torch chunk", "fwd"),
+            cell(n, "torch recurrent", "fwd"), cell(n, "linattn", "bwd"), cell(n, "torch chunk", "bwd"),
+            cell(n, "torch recurrent", "bwd")))
+    lines += ["", "(×: the peer's time over linattn's; –: not run, the recurrent form's forward + backward takes over a minute there.)", ""]
+    step = r["decode"]
+    lines += ["Decoding step (batch 1, %d heads, d_k = d_v = %d, one position from a state, l2norm): linattn "
+              "%.3f ms, transformers' torch_recurrent_gated_delta_rule %.3f ms (%.1f×)."
+              % (H, d, 1e3 * step["linattn"], 1e3 * step["torch recurrent"], step["torch recurrent"] / step["linattn"]),
+              ""]
+    lines += ["Whole tiny random models (float32, batch 1; hidden 256, 4 layers, the linear layers 8 value heads of "
+              "d = 64; Qwen3.5: 3 Gated DeltaNet layers and 1 attention layer, grouped q/k (4 heads); Kimi-Linear: "
+              "3 KDA layers and 1 MLA layer, MoE): prefill of %d tokens, then the time per generated token "
+              "(generate() of %d tokens after it, greedy, the models' own caches). The tokens generated are the "
+              "same on both paths: %s." % (a["prefill"], a["new_tokens"], "yes" if all(
+                  row["tokens"][0] == row["tokens"][1] for row in r["models"]) else "NO"), "",
+              "| model | prefill, transformers | prefill, linattn | per token, transformers | per token, linattn |",
+              "|---|---|---|---|---|"]
+    for row in r["models"]:
+        t, mine = row["transformers"], row["linattn"]
+        lines.append("| %s | %.0f ms | %.0f ms (%.1f×) | %.2f ms | %.2f ms (%.1f×) |" % (
+            row["model"], 1e3 * t["prefill"], 1e3 * mine["prefill"], t["prefill"] / mine["prefill"],
+            1e3 * t["per_token"], 1e3 * mine["per_token"], t["per_token"] / mine["per_token"]))
+    lines += ["", "(×: transformers' time over linattn's.)", ""]
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--docs", default="docs/methods/delta.md")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    ap.add_argument("--recurrent-up-to", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--prefill", type=int, default=8192)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (a test)")
+    a = ap.parse_args()
+    if a.quick:
+        a.lengths, a.heads, a.head_dim, a.prefill, a.new_tokens = [70], 2, 8, 100, 3
+    torch.set_num_threads(a.threads)
+    linattn.set_num_threads(a.threads)
+    import transformers
+    r = {"rows": kernels(a), "decode": decode_step(a), "models": models(a), "args": vars(a),
+         "torch": torch.__version__, "transformers": transformers.__version__, "build": linattn.build_info(),
+         "cpu": platform.processor() or platform.machine(), "features": torch_bench.cpu_features(),
+         "peak": linattn.measure_peak_rates(a.threads)["float32_fma_gflops"],
+         "coretype": os.environ.get("OPENBLAS_CORETYPE")}
+    args = " ".join(sys.argv[1:])
+    section = report(r, "make bench-delta" if args == "--docs docs/methods/delta.md" else "bench/delta.py " + args)
+    print(section)
+    if a.docs and not a.quick:
+        measured_section.write(a.docs, "delta.py", section)
+
+
+if __name__ == "__main__":
+    main()
