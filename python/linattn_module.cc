@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "call_guard.h"
+#include "linattn/conv1d.h"
 #include "linattn/delta.h"
 #include "linattn/gated.h"
 #include "linattn/linattn.h"
@@ -723,6 +724,60 @@ py::tuple gated_delta_rule_backward_py(const py::object& q, const py::object& k,
   });
 }
 
+// The causal depthwise convolution (include/linattn/conv1d.h): float32 and float64.
+linattn::CausalConv1dOptions conv1d_options(const char* fn, const py::object& activation) {
+  linattn::CausalConv1dOptions o;
+  if (activation.is_none()) {
+    o.silu = false;
+    return o;
+  }
+  const std::string a = py::str(activation);
+  if (a != "silu" && a != "swish")
+    throw py::value_error(std::string(fn) + ": activation must be None, \"silu\" or \"swish\", got " +
+                          std::string(py::repr(activation)));
+  return o;
+}
+
+py::object causal_conv1d_py(const py::object& x, const py::object& weight, const py::object& bias,
+                            const py::object& initial_state, bool return_state, const py::object& activation) {
+  FullPrecisionArgs<linattn::CausalConv1dOptions> a("causal_conv1d");
+  a.opts = conv1d_options(a.fn, activation);
+  a.add("x", x).add("weight", weight).add("bias", bias).add("initial_state", initial_state);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::object {
+    using T = decltype(tag);
+    const Inputs& in = a.inputs;
+    auto r = run_without_gil([&] {
+      return linattn::causal_conv1d<T>(in.tensor<T>("x"), in.tensor<T>("weight"),
+                                       in.optional<T>("bias").value_or(TensorView<const T>{}),
+                                       in.optional<T>("initial_state").value_or(TensorView<const T>{}), a.opts);
+    });
+    if (return_state) return numpy_tuple(std::move(r.out), std::move(r.state));
+    return to_numpy(std::move(r.out));
+  });
+}
+
+py::tuple causal_conv1d_backward_py(const py::object& x, const py::object& weight, const py::object& dout,
+                                    const py::object& bias, const py::object& initial_state, const py::object& dstate,
+                                    const py::object& activation) {
+  FullPrecisionArgs<linattn::CausalConv1dOptions> a("causal_conv1d_backward");
+  a.opts = conv1d_options(a.fn, activation);
+  a.add("x", x).add("weight", weight).add("dout", dout).add("bias", bias).add("initial_state", initial_state);
+  a.add("dstate", dstate);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::tuple {
+    using T = decltype(tag);
+    const Inputs& in = a.inputs;
+    auto g = run_without_gil([&] {
+      return linattn::causal_conv1d_backward<T>(
+          in.tensor<T>("x"), in.tensor<T>("weight"), in.optional<T>("bias").value_or(TensorView<const T>{}),
+          in.optional<T>("initial_state").value_or(TensorView<const T>{}), in.tensor<T>("dout"),
+          in.optional<T>("dstate").value_or(TensorView<const T>{}), a.opts);
+    });
+    py::object dbias = bias.is_none() ? py::object(py::none()) : py::object(to_numpy(std::move(g.dbias)));
+    return py::make_tuple(to_numpy(std::move(g.dx)), to_numpy(std::move(g.dweight)), dbias,
+                          to_numpy(std::move(g.dinitial_state)));
+  });
+}
+
 py::tuple efficient_apply_state_backward_py(const py::object& q, const py::object& state, const py::object& dout,
                                             const py::object& scale) {
   BlockStateArgs a("efficient_apply_state_backward", scale, py::none());
@@ -1087,6 +1142,20 @@ returns (out, S_n). Causal, chunked (64 positions, the UT transform).)doc");
         R"doc((dq, dk, dv, dg, dbeta, dinitial_state) of gated_delta_rule for dout [B, H, n, d_v] and dstate,
 the gradient of the returned final state (None: 0). dq and dk have q's and k's shapes (grouped
 heads summed); dinitial_state is of zeros' gradient when no initial state was given.)doc");
+  m.def("causal_conv1d", &causal_conv1d_py, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
+        py::kw_only(), py::arg("initial_state") = py::none(), py::arg("return_state") = false,
+        py::arg("activation") = "silu",
+        R"doc(The causal depthwise convolution in front of gated-delta-rule and KDA layers (causal_conv1d_fn):
+out[b,c,t] = act(bias[c] + Σ_j weight[c,j]·x̃[b,c,t+j]), x̃ = x [B, C, T] (float32 or float64) with
+the W-1 positions before it in front: initial_state [B, C, W-1] (the last inputs of the previous
+call), zeros without one. weight [C, W], bias [C] or None; activation "silu" (or "swish") or
+None. return_state=True returns (out, final state [B, C, W-1]): two calls over a split equal one
+call.)doc");
+  m.def("causal_conv1d_backward", &causal_conv1d_backward_py, py::arg("x"), py::arg("weight"), py::arg("dout"),
+        py::kw_only(), py::arg("bias") = py::none(), py::arg("initial_state") = py::none(),
+        py::arg("dstate") = py::none(), py::arg("activation") = "silu",
+        R"doc((dx, dweight, dbias, dinitial_state) of causal_conv1d for dout [B, C, T] and dstate (None: 0);
+dbias is None without a bias, dinitial_state of zeros' gradient without an initial state.)doc");
   m.def("random_features", &random_features, py::arg("num_features"), py::arg("head_dim"),
         py::arg("kind") = "orthogonal", py::arg("seed") = 0, py::arg("dtype") = py::dtype::of<float>(),
         R"doc(Random projection ω [num_features, head_dim] for FAVOR attention.

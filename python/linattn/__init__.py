@@ -13,6 +13,8 @@ from . import _linattn
 from ._linattn import (
     RecurrentState,
     build_info,
+    causal_conv1d,
+    causal_conv1d_backward,
     chi_quantile_radii,
     gated_delta_rule,
     gated_delta_rule_backward,
@@ -138,7 +140,7 @@ def _make(info, backward):
 
 
 __all__ = [
-    "RecurrentState", "build_info", "chi_quantile_radii", "gated_delta_rule", "gated_delta_rule_backward",
+    "RecurrentState", "build_info", "causal_conv1d", "causal_conv1d_backward", "chi_quantile_radii", "gated_delta_rule", "gated_delta_rule_backward",
     "gated_linear_attention", "gated_linear_attention_backward",
     "get_num_threads", "linformer_projections",
     "measure_peak_rates", "methods", "random_features", "recurrent_state", "release_cached_memory", "reset_workspace_peak", "set_num_threads",

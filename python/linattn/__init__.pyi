@@ -6,6 +6,8 @@ from numpy import ndarray
 from ._linattn import (
     RecurrentState as RecurrentState,
     build_info as build_info,
+    causal_conv1d as causal_conv1d,
+    causal_conv1d_backward as causal_conv1d_backward,
     chi_quantile_radii as chi_quantile_radii,
     gated_delta_rule as gated_delta_rule,
     gated_delta_rule_backward as gated_delta_rule_backward,

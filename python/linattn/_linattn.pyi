@@ -6,7 +6,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['RecurrentState', 'build_info', 'chi_quantile_radii', 'gated_delta_rule', 'gated_delta_rule_backward', 'gated_linear_attention', 'gated_linear_attention_backward', 'get_num_threads', 'linformer_projections', 'measure_peak_rates', 'random_features', 'recurrent_state', 'release_cached_memory', 'reset_workspace_peak', 'set_num_threads', 'share_openmp_runtime', 'thread_pool', 'use_own_threads', 'workspace_stats']
+__all__: list[str] = ['RecurrentState', 'build_info', 'causal_conv1d', 'causal_conv1d_backward', 'chi_quantile_radii', 'gated_delta_rule', 'gated_delta_rule_backward', 'gated_linear_attention', 'gated_linear_attention_backward', 'get_num_threads', 'linformer_projections', 'measure_peak_rates', 'random_features', 'recurrent_state', 'release_cached_memory', 'reset_workspace_peak', 'set_num_threads', 'share_openmp_runtime', 'thread_pool', 'use_own_threads', 'workspace_stats']
 class RecurrentState:
     """
     Constant-size decoding state; make one with recurrent_state().
@@ -68,6 +68,20 @@ def _methods() -> list:
 def build_info() -> str:
     """
     The BLAS (and its kernels) and SIMD target this build runs on.
+    """
+def causal_conv1d(x: typing.Any, weight: typing.Any, bias: typing.Any = None, *, initial_state: typing.Any = None, return_state: bool = False, activation: typing.Any = 'silu') -> typing.Any:
+    """
+    The causal depthwise convolution in front of gated-delta-rule and KDA layers (causal_conv1d_fn):
+    out[b,c,t] = act(bias[c] + Σ_j weight[c,j]·x̃[b,c,t+j]), x̃ = x [B, C, T] (float32 or float64) with
+    the W-1 positions before it in front: initial_state [B, C, W-1] (the last inputs of the previous
+    call), zeros without one. weight [C, W], bias [C] or None; activation "silu" (or "swish") or
+    None. return_state=True returns (out, final state [B, C, W-1]): two calls over a split equal one
+    call.
+    """
+def causal_conv1d_backward(x: typing.Any, weight: typing.Any, dout: typing.Any, *, bias: typing.Any = None, initial_state: typing.Any = None, dstate: typing.Any = None, activation: typing.Any = 'silu') -> tuple:
+    """
+    (dx, dweight, dbias, dinitial_state) of causal_conv1d for dout [B, C, T] and dstate (None: 0);
+    dbias is None without a bias, dinitial_state of zeros' gradient without an initial state.
     """
 def chi_quantile_radii(num_features: typing.SupportsInt | typing.SupportsIndex, head_dim: typing.SupportsInt | typing.SupportsIndex) -> numpy.ndarray:
     """

@@ -236,3 +236,63 @@ def test_tiny_models_give_transformers_logits_and_tokens(folder, monkeypatch):
     scale = max(grad.abs().max().item() for grad in want_grads.values())
     for name, grad in want_grads.items():
         assert (got_grads[name] - grad).abs().max().item() <= 1e-3 * grad.abs().max().item() + 1e-5 * scale, name
+
+
+@pytest.mark.parametrize("width", [1, 4])
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_causal_conv1d_equals_transformers_functions(width, activation):
+    # transformers' fallbacks compute in the weight's dtype: float64 here, so both are float64
+    # sums of W + 1 terms: within (W + 9)·u·Σ|terms| ~ 1e-15; 1e-12 of the largest value.
+    from linattn.hf.delta import causal_conv1d_fn, causal_conv1d_update
+    m = qwen3_next()
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(2, 6, 11, generator=gen, dtype=torch.float64)
+    w = torch.randn(6, width, generator=gen, dtype=torch.float64)
+    b = torch.randn(6, generator=gen, dtype=torch.float64)
+    want = unwrapped(m, "causal_conv1d_fn")(x, w, b, activation=activation)
+    got = causal_conv1d_fn(x, w, b, activation=activation)
+    assert (got - want).abs().max().item() <= 1e-12 * want.abs().max().item()
+    # decoding: one position at a time against the cache's conv state (W positions, as the models keep)
+    state_theirs = torch.randn(2, 6, max(width, 1), generator=gen, dtype=torch.float64)
+    state_ours = state_theirs.clone()
+    for t in range(3):
+        step = x[:, :, t:t + 1]
+        want = unwrapped(m, "causal_conv1d_update")(step, state_theirs, w, b, activation)
+        got = causal_conv1d_update(step, state_ours, w, b, activation)
+        assert (got - want).abs().max().item() <= 1e-12 * want.abs().max().item()
+        assert torch.equal(state_ours, state_theirs)
+
+
+def test_causal_conv1d_gradients_and_split_calls():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 9, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, generator=gen, dtype=torch.float64, requires_grad=True)
+    s0 = torch.randn(2, 3, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *a: lt.causal_conv1d(a[0], a[1], a[2], initial_state=a[3],
+                                                                return_state=True), (x, w, b, s0))
+    with torch.no_grad():
+        whole, state = lt.causal_conv1d(x, w, b, initial_state=s0, return_state=True)
+        a, sa = lt.causal_conv1d(x[:, :, :2], w, b, initial_state=s0, return_state=True)
+        c, sc = lt.causal_conv1d(x[:, :, 2:], w, b, initial_state=sa, return_state=True)
+    assert torch.equal(torch.cat([a, c], 2), whole) and torch.equal(sc, state)
+    out = linattn.causal_conv1d(x.detach().numpy(), w.detach().numpy(), b.detach().numpy(),
+                                initial_state=s0.detach().numpy())
+    assert np.array_equal(out, whole.numpy())
+
+
+def test_causal_conv1d_bad_input_is_an_error():
+    x, w = np.zeros((1, 3, 5)), np.zeros((3, 4))
+    with pytest.raises(ValueError, match="activation must be None"):
+        linattn.causal_conv1d(x, w, activation="gelu")
+    with pytest.raises(ValueError, match="weight has shape"):
+        linattn.causal_conv1d(x, np.zeros((2, 4)))
+    bad = x.copy()
+    bad[0, 1, 2] = np.inf
+    with pytest.raises(ValueError, match="x has a non-finite value"):
+        linattn.causal_conv1d(bad, w)
+    from linattn.hf.delta import causal_conv1d_update
+    with pytest.raises(ValueError, match="conv_state holds 2 positions"):
+        causal_conv1d_update(torch.zeros(1, 3, 1), torch.zeros(1, 3, 2), torch.zeros(3, 4))
+    with pytest.raises(TypeError, match="weight has dtype"):
+        lt.causal_conv1d(torch.zeros(1, 3, 5), torch.zeros(3, 4, dtype=torch.float64))

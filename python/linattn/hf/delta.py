@@ -11,8 +11,8 @@ defines them, to the functions below: the same signatures and results ([batch, s
 dim] in, the output in the query's dtype, the state float32 or the inputs' float64), computed by
 linattn.torch.gated_delta_rule (forward and backward in C++). generate() keeps the models' own
 caches: the state goes in and out through initial_state / output_final_state as before.
-
-The short causal convolutions in front of these layers stay transformers' own (torch's conv1d)."""
+The short causal convolutions in front of these layers (causal_conv1d_fn, causal_conv1d_update,
+in the same modules) run on linattn.torch.causal_conv1d too."""
 
 import functools as _functools
 import importlib as _importlib
@@ -21,25 +21,32 @@ import warnings as _warnings
 
 import torch
 
+from ..torch.conv1d import causal_conv1d
 from ..torch.delta import gated_delta_rule
 
-__all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "chunk_kda", "recurrent_kda", "install",
-           "patched_modules"]
+__all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "chunk_kda", "recurrent_kda", "causal_conv1d_fn",
+           "causal_conv1d_update", "install", "patched_modules"]
 
 # transformers' function names -> linattn's
 _DELTA_RULE = {"torch_chunk_gated_delta_rule": "chunk_gated_delta_rule",
                "torch_recurrent_gated_delta_rule": "recurrent_gated_delta_rule"}
 _KDA = {"chunk_kimi_delta_attention": "chunk_kda", "recurrent_kimi_delta_attention": "recurrent_kda"}
+# replaced only in modules with one of the above (other models' convolutions are not looked at)
+_CONV = {"causal_conv1d_fn": "causal_conv1d_fn", "causal_conv1d_update": "causal_conv1d_update"}
 
 # (module name, function name) -> transformers' own function, kept when install() replaces it
 ORIGINALS = {}
 
 
-def _run(fn, query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, kwargs):
+def _not_packed(fn, kwargs):
     for packed in ("cu_seqlens", "seq_idx"):
         if kwargs.get(packed) is not None:
             raise ValueError("%s: %s is not supported: linattn keeps no packed sequences apart (pass one sequence "
                              "per batch row)" % (fn, packed))
+
+
+def _run(fn, query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, kwargs):
+    _not_packed(fn, kwargs)
     for name, t in (("query", query), ("key", key), ("value", value), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             raise TypeError("%s: %s must be a torch.Tensor, got %s" % (fn, name, type(t).__name__))
@@ -88,6 +95,39 @@ def recurrent_kda(query, key, value, g, beta, initial_state, output_final_state,
                 use_qk_l2norm_in_kernel, kwargs)
 
 
+def _conv_dtype(fn, activation, weight):
+    if activation not in (None, "silu", "swish"):
+        raise ValueError("%s: activation must be None, \"silu\" or \"swish\", got %r" % (fn, activation))
+    # As transformers' fallbacks compute in the weight's dtype: 16-bit computed in float32 here.
+    return torch.float64 if weight.dtype == torch.float64 else torch.float32
+
+
+def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+    """transformers' causal_conv1d_fn on linattn: hidden_states [B, C, T], weight [C, W], bias
+    [C] or None; returns act(causal depthwise convolution) [B, C, T] in hidden_states' dtype."""
+    _not_packed("causal_conv1d_fn", kwargs)
+    dtype = _conv_dtype("causal_conv1d_fn", activation, weight)
+    out = causal_conv1d(hidden_states.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype),
+                        activation=activation)
+    return out.to(hidden_states.dtype)
+
+
+def causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None):
+    """transformers' causal_conv1d_update on linattn: the new positions hidden_states [B, C, T]
+    after conv_state [B, C, S] (S >= W − 1: the last inputs), which is updated in place to the
+    last S inputs, as transformers does; returns the outputs [B, C, T]."""
+    dtype = _conv_dtype("causal_conv1d_update", activation, weight)
+    state_len, width = conv_state.shape[-1], weight.shape[-1]
+    if state_len < width - 1:
+        raise ValueError("causal_conv1d_update: conv_state holds %d positions; the kernel of width %d needs %d"
+                         % (state_len, width, width - 1))
+    tail = conv_state[..., state_len - (width - 1):]
+    out = causal_conv1d(hidden_states.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype),
+                        initial_state=tail.to(dtype), activation=activation)
+    conv_state.copy_(torch.cat([conv_state, hidden_states.to(conv_state.dtype)], dim=-1)[..., -state_len:])
+    return out.to(hidden_states.dtype)
+
+
 @_functools.lru_cache(maxsize=None)
 def patched_modules():
     """The modeling modules of the installed transformers that define one of the functions
@@ -105,6 +145,7 @@ def patched_modules():
         names = {ours: theirs for table in (_DELTA_RULE, _KDA) for ours, theirs in table.items()
                  if "def %s(" % ours in text}
         if names:
+            names.update({ours: theirs for ours, theirs in _CONV.items() if "def %s(" % ours in text})
             found.append(("transformers.models.%s.modeling_%s" % (folder, folder), names))
     return tuple(found)
 

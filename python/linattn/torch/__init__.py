@@ -190,8 +190,9 @@ __all__ += ["HedgehogFeatureMap", "hedgehog_features", "hedgehog_attention"]
 
 from .gated import gated_linear_attention  # noqa: E402
 from .delta import gated_delta_rule  # noqa: E402
+from .conv1d import causal_conv1d  # noqa: E402
 
-__all__ += ["gated_linear_attention", "gated_delta_rule"]
+__all__ += ["gated_linear_attention", "gated_delta_rule", "causal_conv1d"]
 
 # Kernelized attention in pieces (key_state, apply_state, causal_from_state): linattn.torch.state.
 from . import state  # noqa: E402

@@ -38,6 +38,14 @@ class ParallelLoop {
   int workers_;
 };
 
+// How many consecutive tasks of `work_per_task` multiply-adds one loop index should take so
+// that each index has at least ~2^16 of them: waking a helper thread costs tens of
+// microseconds, more than a small task (a decoding step of a few heads). In [1, num_tasks].
+inline int64_t tasks_per_index(int64_t num_tasks, int64_t work_per_task) {
+  const int64_t group = (int64_t{1} << 16) / (work_per_task > 0 ? work_per_task : 1);
+  return group < 1 ? 1 : (group > num_tasks ? (num_tasks > 0 ? num_tasks : 1) : group);
+}
+
 // For loops that need no per-worker scratch: fn(task).
 void parallel_for(int64_t num_tasks, const std::function<void(int64_t task)>& fn);
 

@@ -312,10 +312,7 @@ GatedDeltaRuleResult<T> recurrent_forward(const char* fn, const Inputs<T>& in, c
   GatedDeltaRuleResult<T> r{Tensor<T>({d.batch, d.heads, d.n, d.dv}, false, Init::Uninitialized),
                             Tensor<T>({d.batch, d.heads, d.dk, d.dv}, false, Init::Uninitialized)};
   const int64_t dk = d.dk, dv = d.dv, w = d.width();
-  // Tasks grouped so that each loop index has at least ~2^16 multiply-adds: waking a helper
-  // thread costs tens of microseconds, more than a decoding step of a few heads.
-  const int64_t per_task = std::max<int64_t>(1, d.n * dk * dv);
-  const int64_t group = std::clamp<int64_t>((int64_t{1} << 16) / per_task, 1, std::max<int64_t>(1, d.bh()));
+  const int64_t group = tasks_per_index(d.bh(), d.n * dk * dv);
   const ParallelLoop loop((d.bh() + group - 1) / group);
   struct Worker {
     std::vector<T> read;
