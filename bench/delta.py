@@ -151,7 +151,7 @@ def models(a):
     rows = []
     for label, (folder, config_name, model_name, kwargs) in TINY.items():
         module = importlib.import_module("transformers.models.%s.modeling_%s" % (folder, folder))
-        names = dict(delta.patched_modules())[module.__name__]
+        names = delta.replaced_names(module)
         torch.manual_seed(0)
         model = getattr(transformers, model_name)(getattr(transformers, config_name)(**kwargs)).eval()
         ids = torch.randint(3, kwargs["vocab_size"], (1, a.prefill))

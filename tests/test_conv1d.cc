@@ -102,30 +102,22 @@ TEST(CausalConv1d, TwoCallsOverASplitEqualOneCallAndThreadsGiveTheSameBits) {
   const auto xf = testing::cast<float>(x), wf = testing::cast<float>(w), bf = testing::cast<float>(b),
              sf = testing::cast<float>(s0), dout = random_tensor<float>({B, C, n}, 5),
              dstate = random_tensor<float>({B, C, W - 1}, 6);
-  CausalConv1dResult<float> first;
-  CausalConv1dGrads<float> first_grads;
-  for (int threads : {1, 2, 5, 16}) {
-    testing::ScopedThreads scoped(threads);
+  testing::expect_same_bits_for_threads({1, 2, 5, 16}, [&] {
     auto r = causal_conv1d<float>(xf, wf, bf.view(), sf.view());
     auto g = causal_conv1d_backward<float>(xf, wf, bf.view(), sf.view(), dout, dstate.view());
-    if (threads == 1) {
-      first = std::move(r);
-      first_grads = std::move(g);
-      continue;
-    }
-    auto same = [&](const char* name, const Tensor<float>& a, const Tensor<float>& c) {
-      ASSERT_EQ(0, std::memcmp(a.data(), c.data(), sizeof(float) * a.size())) << name << " threads " << threads;
-    };
-    same("out", first.out, r.out);
-    same("state", first.state, r.state);
-    same("dx", first_grads.dx, g.dx);
-    same("dweight", first_grads.dweight, g.dweight);
-    same("dbias", first_grads.dbias, g.dbias);
-    same("dinitial_state", first_grads.dinitial_state, g.dinitial_state);
-  }
+    std::vector<std::pair<std::string, Tensor<float>>> named;
+    named.emplace_back("out", std::move(r.out));
+    named.emplace_back("state", std::move(r.state));
+    named.emplace_back("dx", std::move(g.dx));
+    named.emplace_back("dweight", std::move(g.dweight));
+    named.emplace_back("dbias", std::move(g.dbias));
+    named.emplace_back("dinitial_state", std::move(g.dinitial_state));
+    return named;
+  });
 }
 
-// Central differences (h = 1e−5) of L = Σ w_o·out + Σ w_s·state, to 1e−7 of the largest gradient.
+// Central differences of L = Σ w_o·out + Σ w_s·state (testing::expect_gradient: h = 1e−5, to
+// 1e−7·(1 + |g|)).
 TEST(CausalConv1d, EveryGradientMatchesCentralDifferencesInFloat64) {
   for (const Case& c : {Case{2, 3, 9, 4, true, true, true}, Case{1, 2, 2, 4, true, true, false},
                         Case{2, 2, 5, 1, true, false, true}, Case{1, 3, 6, 3, false, true, true}}) {
@@ -145,38 +137,16 @@ TEST(CausalConv1d, EveryGradientMatchesCentralDifferencesInFloat64) {
       return l;
     };
     const auto g = causal_conv1d_backward<double>(x, w, bias(), init(), w_out, w_state.view(), opts);
-    auto check = [&](const char* name, Tensor<double>& t, const Tensor<double>& grad) {
-      double largest = 0;
-      for (int64_t i = 0; i < grad.size(); ++i) largest = std::max(largest, std::fabs(grad[i]));
-      ASSERT_GT(largest, 0) << name;
-      for (int64_t i = 0; i < t.size(); ++i) {
-        const double saved = t[i];
-        t[i] = saved + 1e-5;
-        const double up = loss();
-        t[i] = saved - 1e-5;
-        const double down = loss();
-        t[i] = saved;
-        ASSERT_NEAR(grad[i], (up - down) / 2e-5, 1e-7 * largest + 1e-9) << name << " " << i;
-      }
-    };
-    check("x", x, g.dx);
-    check("weight", w, g.dweight);
-    if (c.bias) check("bias", b, g.dbias);
-    if (c.initial && c.width > 1) check("initial_state", s0, g.dinitial_state);
+    testing::expect_gradient(x, g.dx, loss, "x");
+    testing::expect_gradient(w, g.dweight, loss, "weight");
+    if (c.bias) testing::expect_gradient(b, g.dbias, loss, "bias");
+    if (c.initial && c.width > 1) testing::expect_gradient(s0, g.dinitial_state, loss, "initial_state");
   }
 }
 
 TEST(CausalConv1d, BadInputIsAnErrorNamingTheArgument) {
   const auto x = random_tensor<float>({1, 3, 5}, 1), w = random_tensor<float>({3, 4}, 2);
-  auto fails = [](auto&& call, const std::string& text) {
-    try {
-      call();
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
-      return;
-    }
-    ADD_FAILURE() << "no Error for " << text;
-  };
+  const auto fails = [](auto&& call, const std::string& text) { testing::expect_error(call, text); };
   fails([&] { causal_conv1d<float>(random_tensor<float>({3, 5}, 3), w, {}, {}); }, "x must be [batch, channels, seq]");
   fails([&] { causal_conv1d<float>(x, random_tensor<float>({2, 4}, 3), {}, {}); }, "weight has shape");
   fails([&] { causal_conv1d<float>(x, Tensor<float>({3, 0}), {}, {}); }, "weight must be [channels, width >= 1]");

@@ -37,18 +37,7 @@ struct Case {
 
 template <class T>
 Tensor<T> gates_for(const Case& c, uint64_t seed) {
-  Shape shape = c.per_channel ? Shape{c.batch, c.heads, c.n, c.dk} : Shape{c.batch, c.heads, c.n};
-  Tensor<T> g = random_tensor<T>(shape, seed);
-  const std::string kind = c.gates;
-  for (int64_t i = 0; i < g.size(); ++i) {
-    const double u = std::fabs(static_cast<double>(g[i]));
-    double x = kind == "near0" ? -1e-6 * std::fmod(u, 1.0) : -(0.001 + std::fmod(u, 3.0));
-    if (kind == "resets" && i % 17 == 3) x = -std::numeric_limits<double>::infinity();
-    if (kind == "resets" && i % 23 == 5) x = -2000.0;
-    if (kind == "resets" && i % 29 == 7) x = -50.0;
-    g[i] = static_cast<T>(x);
-  }
-  return g;
+  return testing::log_gates<T>(c.per_channel ? Shape{c.batch, c.heads, c.n, c.dk} : Shape{c.batch, c.heads, c.n}, c.gates, seed);
 }
 
 template <class T>
@@ -180,29 +169,20 @@ TEST(GatedDeltaRule, EveryThreadCountGivesTheSameBits) {
     const auto dout = random_tensor<float>({1, c.heads, c.n, c.dv}, 5);
     const auto dstate = random_tensor<float>({1, c.heads, c.dk, c.dv}, 6);
     const GatedDeltaRuleOptions opts{std::nullopt, c.l2norm};
-    GatedDeltaRuleResult<float> first;
-    GatedDeltaRuleGrads<float> first_grads;
-    for (int threads : {1, 3, 8, 16}) {
-      testing::ScopedThreads scoped(threads);
+    testing::expect_same_bits_for_threads({1, 3, 8, 16}, [&] {
       auto r = gated_delta_rule<float>(q, k, v, g, beta, s0.view(), opts);
       auto gr = gated_delta_rule_backward<float>(q, k, v, g, beta, s0.view(), dout, dstate.view(), opts);
-      if (threads == 1) {
-        first = std::move(r);
-        first_grads = std::move(gr);
-        continue;
-      }
-      auto same = [&](const char* name, const Tensor<float>& a, const Tensor<float>& b) {
-        ASSERT_EQ(0, std::memcmp(a.data(), b.data(), sizeof(float) * a.size())) << name << " threads " << threads;
-      };
-      same("out", first.out, r.out);
-      same("state", first.state, r.state);
-      same("dq", first_grads.dq, gr.dq);
-      same("dk", first_grads.dk, gr.dk);
-      same("dv", first_grads.dv, gr.dv);
-      same("dg", first_grads.dg, gr.dg);
-      same("dbeta", first_grads.dbeta, gr.dbeta);
-      same("dinitial_state", first_grads.dinitial_state, gr.dinitial_state);
-    }
+      std::vector<std::pair<std::string, Tensor<float>>> named;
+      named.emplace_back("out", std::move(r.out));
+      named.emplace_back("state", std::move(r.state));
+      named.emplace_back("dq", std::move(gr.dq));
+      named.emplace_back("dk", std::move(gr.dk));
+      named.emplace_back("dv", std::move(gr.dv));
+      named.emplace_back("dg", std::move(gr.dg));
+      named.emplace_back("dbeta", std::move(gr.dbeta));
+      named.emplace_back("dinitial_state", std::move(gr.dinitial_state));
+      return named;
+    });
   }
 }
 
@@ -327,15 +307,7 @@ TEST(GatedDeltaRule, EveryGradientMatchesCentralDifferencesInFloat64) {
 TEST(GatedDeltaRule, BadInputIsAnErrorNamingTheArgument) {
   const auto q = random_tensor<float>({1, 2, 8, 4}, 1), v = random_tensor<float>({1, 2, 8, 3}, 2);
   Tensor<float> g({1, 2, 8}), beta({1, 2, 8});
-  auto fails = [](auto&& call, const std::string& text) {
-    try {
-      call();
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
-      return;
-    }
-    ADD_FAILURE() << "no Error for " << text;
-  };
+  const auto fails = [](auto&& call, const std::string& text) { testing::expect_error(call, text); };
   fails([&] { gated_delta_rule<float>(q, q, v, random_tensor<float>({1, 2, 7}, 3), beta, {}); }, "g has shape");
   fails([&] { gated_delta_rule<float>(q, q, v, g, Tensor<float>({1, 2, 7}), {}); }, "beta has shape");
   fails([&] { gated_delta_rule<float>(q, random_tensor<float>({1, 2, 8, 5}, 4), v, g, beta, {}); }, "k has shape");

@@ -41,18 +41,7 @@ struct Case {
 
 template <class T>
 Tensor<T> gates_for(const Case& c, uint64_t seed) {
-  Shape shape = c.per_channel ? Shape{c.batch, c.heads, c.n, c.dk} : Shape{c.batch, c.heads, c.n};
-  Tensor<T> g = random_tensor<T>(shape, seed);
-  const std::string kind = c.gates;
-  for (int64_t i = 0; i < g.size(); ++i) {
-    const double u = std::fabs(static_cast<double>(g[i]));
-    double x = kind == "near0" ? -1e-6 * std::fmod(u, 1.0) : -(0.001 + std::fmod(u, 3.0));
-    if (kind == "resets" && i % 17 == 3) x = -std::numeric_limits<double>::infinity();
-    if (kind == "resets" && i % 23 == 5) x = -2000.0;
-    if (kind == "resets" && i % 29 == 7) x = -50.0;
-    g[i] = static_cast<T>(x);
-  }
-  return g;
+  return testing::log_gates<T>(c.per_channel ? Shape{c.batch, c.heads, c.n, c.dk} : Shape{c.batch, c.heads, c.n}, c.gates, seed);
 }
 
 template <class T>
@@ -152,28 +141,19 @@ TEST(GatedLinearAttention, EveryThreadCountGivesTheSameBits) {
       const auto v = random_tensor<float>({1, heads, 150, 6}, 3), s0 = random_tensor<float>({1, heads, 8, 6}, 4);
       const auto dout = random_tensor<float>({1, heads, 150, 6}, 5);
       const auto g = gates_for<float>(c, 6);
-      GatedLinearAttentionResult<float> first;
-      GatedLinearAttentionGrads<float> first_grads;
-      for (int threads : {1, 3, 8, 16}) {
-        testing::ScopedThreads scoped(threads);
+      testing::expect_same_bits_for_threads({1, 3, 8, 16}, [&] {
         auto r = gated_linear_attention<float>(q, k, v, g, s0.view());
         auto gr = gated_linear_attention_backward<float>(q, k, v, g, s0.view(), dout, {});
-        if (threads == 1) {
-          first = std::move(r);
-          first_grads = std::move(gr);
-          continue;
-        }
-        auto same = [&](const char* name, const Tensor<float>& a, const Tensor<float>& b) {
-          ASSERT_EQ(0, std::memcmp(a.data(), b.data(), sizeof(float) * a.size())) << name << " threads " << threads;
-        };
-        same("out", first.out, r.out);
-        same("state", first.state, r.state);
-        same("dq", first_grads.dq, gr.dq);
-        same("dk", first_grads.dk, gr.dk);
-        same("dv", first_grads.dv, gr.dv);
-        same("dlog_gate", first_grads.dlog_gate, gr.dlog_gate);
-        same("dinitial_state", first_grads.dinitial_state, gr.dinitial_state);
-      }
+        std::vector<std::pair<std::string, Tensor<float>>> named;
+        named.emplace_back("out", std::move(r.out));
+        named.emplace_back("state", std::move(r.state));
+        named.emplace_back("dq", std::move(gr.dq));
+        named.emplace_back("dk", std::move(gr.dk));
+        named.emplace_back("dv", std::move(gr.dv));
+        named.emplace_back("dlog_gate", std::move(gr.dlog_gate));
+        named.emplace_back("dinitial_state", std::move(gr.dinitial_state));
+        return named;
+      });
     }
 }
 
@@ -454,15 +434,7 @@ TEST(GatedLinearAttention, Float32GradientsFollowFloat64) {
 TEST(GatedLinearAttention, BadInputIsAnErrorNamingTheArgument) {
   const auto q = random_tensor<float>({1, 2, 8, 4}, 1), v = random_tensor<float>({1, 2, 8, 3}, 2);
   Tensor<float> g({1, 2, 8});
-  auto fails = [](auto&& call, const std::string& text) {
-    try {
-      call();
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
-      return;
-    }
-    ADD_FAILURE() << "no Error for " << text;
-  };
+  const auto fails = [](auto&& call, const std::string& text) { testing::expect_error(call, text); };
   fails([&] { gated_linear_attention<float>(q, q, v, random_tensor<float>({1, 2, 7}, 3), {}); }, "log_gate has shape");
   Tensor<float> positive({1, 2, 8});
   positive[5] = 0.5f;

@@ -9,9 +9,13 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <map>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "hwy/targets.h"
 #include "linattn/core/error.h"
@@ -217,6 +221,60 @@ double dot_loss(const Tensor<T>& out, const Tensor<double>& G) {
   double L = 0;
   for (int64_t i = 0; i < out.size(); ++i) L += static_cast<double>(out[i]) * G[i];
   return L;
+}
+
+// call() throws linattn::Error whose message contains `text` (a failure otherwise).
+template <class Call>
+void expect_error(Call&& call, const std::string& text) {
+  try {
+    call();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+    return;
+  }
+  ADD_FAILURE() << "no Error for " << text;
+}
+
+// a and b hold the same bytes (same shapes): results that must not depend on the thread count.
+template <class T>
+void expect_same_bits(const char* what, const Tensor<T>& a, const Tensor<T>& b) {
+  ASSERT_EQ(a.shape(), b.shape()) << what;
+  ASSERT_EQ(0, std::memcmp(a.data(), b.data(), sizeof(T) * static_cast<size_t>(a.size()))) << what;
+}
+
+// run() returns the results of a call by name (std::vector<std::pair<std::string, Tensor<T>>>):
+// every thread count of `threads` gives the same bytes as the first.
+template <class Run>
+void expect_same_bits_for_threads(std::initializer_list<int> threads, Run run) {
+  const auto first = [&] {
+    ScopedThreads scoped(*threads.begin());
+    return run();
+  }();
+  for (int n : threads) {
+    if (n == *threads.begin()) continue;
+    ScopedThreads scoped(n);
+    const auto results = run();
+    SCOPED_TRACE(::testing::Message() << "threads " << n);
+    ASSERT_EQ(results.size(), first.size());
+    for (size_t i = 0; i < results.size(); ++i)
+      expect_same_bits(results[i].first.c_str(), first[i].second, results[i].second);
+  }
+}
+
+// Log-gates of `shape` (<= 0) for the decayed recurrences: "mixed" in [−3, −0.001], "near0" in
+// [−1e−6, 0], "resets": mixed with some −inf, −2000 (below the floor) and −50.
+template <class T>
+Tensor<T> log_gates(const Shape& shape, const std::string& kind, uint64_t seed) {
+  Tensor<T> g = random_tensor<T>(shape, seed);
+  for (int64_t i = 0; i < g.size(); ++i) {
+    const double u = std::fabs(static_cast<double>(g[i]));
+    double x = kind == "near0" ? -1e-6 * std::fmod(u, 1.0) : -(0.001 + std::fmod(u, 3.0));
+    if (kind == "resets" && i % 17 == 3) x = -std::numeric_limits<double>::infinity();
+    if (kind == "resets" && i % 23 == 5) x = -2000.0;
+    if (kind == "resets" && i % 29 == 7) x = -50.0;
+    g[i] = static_cast<T>(x);
+  }
+  return g;
 }
 
 }  // namespace linattn::testing

@@ -6,18 +6,16 @@ gates). Their modeling modules call module-level functions (torch_chunk_gated_de
 torch_recurrent_gated_delta_rule, chunk_kimi_delta_attention, recurrent_kimi_delta_attention)
 which transformers binds to flash-linear-attention's Triton kernels when `fla` is installed
 (they fail on a CPU) or else to slow reference PyTorch. install() (called by
-linattn.hf.register()) rebinds those names, in every modeling module of this transformers that
-defines them, to the functions below: the same signatures and results ([batch, seq, heads,
+linattn.hf.register()) rebinds those names, in every modeling module of transformers that
+defines them (imported already, or later: an import hook), to the functions below: the same signatures and results ([batch, seq, heads,
 dim] in, the output in the query's dtype, the state float32 or the inputs' float64), computed by
 linattn.torch.gated_delta_rule (forward and backward in C++). generate() keeps the models' own
 caches: the state goes in and out through initial_state / output_final_state as before.
 The short causal convolutions in front of these layers (causal_conv1d_fn, causal_conv1d_update,
 in the same modules) run on linattn.torch.causal_conv1d too."""
 
-import functools as _functools
-import importlib as _importlib
-import os as _os
-import warnings as _warnings
+import importlib.abc as _importlib_abc
+import sys as _sys
 
 import torch
 
@@ -25,7 +23,7 @@ from ..torch.conv1d import causal_conv1d
 from ..torch.delta import gated_delta_rule
 
 __all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "chunk_kda", "recurrent_kda", "causal_conv1d_fn",
-           "causal_conv1d_update", "install", "patched_modules"]
+           "causal_conv1d_update", "install", "replaced_names"]
 
 # transformers' function names -> linattn's
 _DELTA_RULE = {"torch_chunk_gated_delta_rule": "chunk_gated_delta_rule",
@@ -128,39 +126,71 @@ def causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activatio
     return out.to(hidden_states.dtype)
 
 
-@_functools.lru_cache(maxsize=None)
-def patched_modules():
-    """The modeling modules of the installed transformers that define one of the functions
-    replaced here, found by their source text (so no module is imported that does not need it):
-    a tuple of (module name, {transformers' name: linattn's name})."""
-    import transformers.models as models
-    root = models.__path__[0]
-    found = []
-    for folder in sorted(_os.listdir(root)):
-        path = _os.path.join(root, folder, "modeling_%s.py" % folder)
-        if not _os.path.isfile(path):
-            continue
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-        names = {ours: theirs for table in (_DELTA_RULE, _KDA) for ours, theirs in table.items()
-                 if "def %s(" % ours in text}
-        if names:
-            names.update({ours: theirs for ours, theirs in _CONV.items() if "def %s(" % ours in text})
-            found.append(("transformers.models.%s.modeling_%s" % (folder, folder), names))
-    return tuple(found)
+def replaced_names(module):
+    """{transformers' name: linattn's} for the functions of `module` that install() replaces: the
+    delta-rule and KDA functions it has and, in a module with one of them, its causal
+    convolutions (other models' convolutions are not touched)."""
+    names = {theirs: ours for table in (_DELTA_RULE, _KDA) for theirs, ours in table.items() if hasattr(module, theirs)}
+    if names:
+        names.update({theirs: ours for theirs, ours in _CONV.items() if hasattr(module, theirs)})
+    return names
+
+
+def _is_modeling_module(name):
+    parts = name.split(".")
+    return len(parts) == 4 and parts[:2] == ["transformers", "models"] and parts[3] == "modeling_" + parts[2]
+
+
+def _patch(module):
+    for theirs, ours in replaced_names(module).items():
+        current = getattr(module, theirs)
+        if current is not globals()[ours]:
+            ORIGINALS[(module.__name__, theirs)] = current
+            setattr(module, theirs, globals()[ours])
+
+
+class _Loader:
+    """A modeling module's own loader, which patches the module once it has run."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def __getattr__(self, attr):  # get_source, get_code, ...: the original loader's
+        return getattr(self._loader, attr)
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _patch(module)
+
+
+class _PatchOnImport(_importlib_abc.MetaPathFinder):
+    """Finds nothing itself: wraps the loader of transformers' modeling modules as they are
+    imported, so a model imported after register() runs on linattn too, and register() imports
+    none of them."""
+
+    def find_spec(self, fullname, path, target=None):
+        if not _is_modeling_module(fullname):
+            return None
+        for finder in _sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _Loader(spec.loader)
+                return spec
+        return None
 
 
 def install():
-    """Rebinds the delta-rule functions of every modeling module in patched_modules() to
-    linattn's (idempotent). A module that fails to import (a model this environment cannot
-    load) is skipped with a warning that names it."""
-    for module_name, names in patched_modules():
-        try:
-            module = _importlib.import_module(module_name)
-        except Exception as error:  # a model whose optional dependencies are missing
-            _warnings.warn("linattn.hf.register: %s not patched (import failed: %s)" % (module_name, error),
-                           RuntimeWarning, stacklevel=3)
-            continue
-        for theirs, ours in names.items():
-            ORIGINALS.setdefault((module_name, theirs), getattr(module, theirs))
-            setattr(module, theirs, globals()[ours])
+    """Rebinds the delta-rule and KDA functions (and their modules' causal convolutions) of
+    transformers' modeling modules to linattn's: those imported already, and every one imported
+    later (an import hook). Idempotent."""
+    for name, module in list(_sys.modules.items()):
+        if module is not None and _is_modeling_module(name):
+            _patch(module)
+    if not any(isinstance(finder, _PatchOnImport) for finder in _sys.meta_path):
+        _sys.meta_path.insert(0, _PatchOnImport())

@@ -5,14 +5,12 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _linattn
+from ._checks import SIXTEEN_BIT, check_tensors, needs_graph
+from ._checks import array as _array
 
 __all__ = ["causal_conv1d"]
 
 _FN = "linattn.torch.causal_conv1d"
-
-
-def _array(t):
-    return None if t is None else t.detach().contiguous().numpy()
 
 
 class _CausalConv1d(torch.autograd.Function):
@@ -48,20 +46,10 @@ def causal_conv1d(x, weight, bias=None, *, initial_state=None, return_state=Fals
     output rounded once, the state in the input dtype). Gradients reach x, weight, bias and
     initial_state."""
     named = {"x": x, "weight": weight, "bias": bias, "initial_state": initial_state}
-    for name, t in named.items():
-        if t is None and name in ("bias", "initial_state"):
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError("%s: %s must be a torch.Tensor, got %s" % (_FN, name, type(t).__name__))
-        if t.device.type != "cpu":
-            raise TypeError("%s: %s is on %s; linattn runs on the CPU only (move it with .cpu())" % (_FN, name, t.device))
-        if t.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-            raise TypeError("%s: %s must be float32, float64, bfloat16 or float16, got %s" % (_FN, name, t.dtype))
-        if t.dtype != x.dtype:
-            raise TypeError("%s: %s has dtype %s, x has %s" % (_FN, name, t.dtype, x.dtype))
-    wide = x.dtype in (torch.bfloat16, torch.float16)
+    check_tensors(_FN, named, "x", optional=("bias", "initial_state"))
+    wide = x.dtype in SIXTEEN_BIT
     args = [None if t is None else (t.float() if wide else t) for t in (x, weight, bias, initial_state)]
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in named.values())):
+    if not needs_graph(named.values()):
         # Inference (decoding): no autograd node to build.
         out, state = (torch.from_numpy(a) for a in _linattn.causal_conv1d(
             _array(args[0]), _array(args[1]), _array(args[2]), initial_state=_array(args[3]), return_state=True,

@@ -6,14 +6,12 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _linattn
+from ._checks import SIXTEEN_BIT, check_tensors, needs_graph
+from ._checks import array as _array
 
 __all__ = ["gated_delta_rule"]
 
 _FN = "linattn.torch.gated_delta_rule"
-
-
-def _array(t):
-    return None if t is None else t.detach().contiguous().numpy()
 
 
 class _GatedDeltaRule(torch.autograd.Function):
@@ -56,33 +54,20 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, return
     once, the state float32, and a float32 initial_state accepted; no 16-bit kernel yet).
     Gradients reach q, k, v, g, beta and initial_state."""
     named = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state}
-    for name, t in named.items():
-        if t is None and name == "initial_state":
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError("%s: %s must be a torch.Tensor, got %s" % (_FN, name, type(t).__name__))
-        if t.device.type != "cpu":
-            raise TypeError("%s: %s is on %s; linattn runs on the CPU only (move it with .cpu())" % (_FN, name, t.device))
-        if t.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-            raise TypeError("%s: %s must be float32, float64, bfloat16 or float16, got %s" % (_FN, name, t.dtype))
-        # A 16-bit call's state is float32 (what return_state gives): it may come back as it is.
-        state_ok = name == "initial_state" and t.dtype == torch.float32 and q.dtype in (torch.bfloat16,
-                                                                                         torch.float16)
-        if t.dtype != q.dtype and not state_ok:
-            raise TypeError("%s: %s has dtype %s, q has %s" % (_FN, name, t.dtype, q.dtype))
+    check_tensors(_FN, named, "q", optional=("initial_state",), state=("initial_state",))
     if not isinstance(use_qk_l2norm_in_kernel, bool):
         raise TypeError("%s: use_qk_l2norm_in_kernel must be a bool, got %r" % (_FN, use_qk_l2norm_in_kernel))
     scale = None if scale is None else float(scale)
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in named.values())):
+    if not needs_graph(named.values()):
         # Inference (decoding: one call per layer and token): no autograd node to build.
-        wide = q.dtype in (torch.bfloat16, torch.float16)
+        wide = q.dtype in SIXTEEN_BIT
         arrays = [_array(t.float() if wide and t is not None else t) for t in (q, k, v, g, beta, initial_state)]
         out, state = (torch.from_numpy(x) for x in _linattn.gated_delta_rule(
             *arrays[:5], scale=scale, initial_state=arrays[5], return_state=True,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel))
         out = out.to(q.dtype) if wide else out
         return (out, state) if return_state else out
-    if q.dtype in (torch.bfloat16, torch.float16):
+    if q.dtype in SIXTEEN_BIT:
         # Computed in float32 and the output rounded once; the state stays float32 (as a decoding
         # state accumulates). The casts are torch's, so gradients come back in the inputs' dtypes.
         out, state = _GatedDeltaRule.apply(q.float(), k.float(), v.float(), g.float(), beta.float(),

@@ -5,14 +5,12 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _linattn
+from ._checks import SIXTEEN_BIT, check_tensors
+from ._checks import array as _array
 
 __all__ = ["gated_linear_attention"]
 
 _FN = "linattn.torch.gated_linear_attention"
-
-
-def _array(t):
-    return None if t is None else t.detach().contiguous().numpy()
 
 
 class _GatedLinearAttention(torch.autograd.Function):
@@ -52,27 +50,14 @@ def gated_linear_attention(q, k, v, log_gate, *, scale=None, causal=True, initia
     one dtype: float32 or float64, or bfloat16/float16 (computed in float32, the output rounded
     once, the state float32, and a float32 initial_state accepted; no 16-bit kernel yet). Gradients reach q, k, v, log_gate and
     initial_state."""
-    named = {"q": q, "k": k, "v": v, "log_gate": log_gate, "initial_state": initial_state}
-    for name, t in named.items():
-        if t is None and name == "initial_state":
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError("%s: %s must be a torch.Tensor, got %s" % (_FN, name, type(t).__name__))
-        if t.device.type != "cpu":
-            raise TypeError("%s: %s is on %s; linattn runs on the CPU only (move it with .cpu())" % (_FN, name, t.device))
-        if t.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-            raise TypeError("%s: %s must be float32, float64, bfloat16 or float16, got %s" % (_FN, name, t.dtype))
-        # A 16-bit call's state is float32 (what return_state gives): it may come back as it is.
-        state_ok = name == "initial_state" and t.dtype == torch.float32 and q.dtype in (torch.bfloat16,
-                                                                                         torch.float16)
-        if t.dtype != q.dtype and not state_ok:
-            raise TypeError("%s: %s has dtype %s, q has %s" % (_FN, name, t.dtype, q.dtype))
+    check_tensors(_FN, {"q": q, "k": k, "v": v, "log_gate": log_gate, "initial_state": initial_state}, "q",
+                  optional=("initial_state",), state=("initial_state",))
     if not isinstance(causal, bool):
         raise TypeError("%s: causal must be a bool, got %r" % (_FN, causal))
     if not causal and (initial_state is not None or return_state):
         raise ValueError("%s: %s needs causal=True: the non-causal form reads the whole sequence and has no state"
                          % (_FN, "initial_state" if initial_state is not None else "return_state=True"))
-    if q.dtype in (torch.bfloat16, torch.float16):
+    if q.dtype in SIXTEEN_BIT:
         # Computed in float32 and the output rounded once; the state stays float32 (as a decoding
         # state accumulates). The casts are torch's, so gradients come back in the inputs' dtypes.
         out, state = _GatedLinearAttention.apply(q.float(), k.float(), v.float(), log_gate.float(),

@@ -39,11 +39,6 @@ struct Inputs {
 };
 
 template <class T>
-void check_shape(const char* fn, const char* name, TensorView<const T> t, const Shape& want) {
-  require(t.shape == want, fn, ": ", name, " has shape ", shape_string(t.shape), "; expected ", shape_string(want));
-}
-
-template <class T>
 Dims check_args(const char* fn, const Inputs<T>& in) {
   require(in.x.rank() == 3, fn, ": x must be [batch, channels, seq], got shape ", shape_string(in.x.shape));
   require(in.weight.rank() == 2 && in.weight.dim(1) >= 1, fn, ": weight must be [channels, width >= 1], got shape ",
@@ -66,8 +61,7 @@ template <class T>
   if (d.has_state) check_same_shape_finite(fn, "initial_state", in.initial_state, in.initial_state.shape);
   if (in.dout.data) check_same_shape_finite(fn, "dout", in.dout, in.dout.shape);
   if (in.dstate.data) check_same_shape_finite(fn, "dstate", in.dstate, in.dstate.shape);
-  fail(fn, ": a result overflows ", dtype_name<T>(),
-       ": the inputs are finite but their products exceed its range; scale them down or use float64");
+  fail_overflow<T>(fn);
 }
 
 // x̃ of one task into ext [W−1 + n]: the initial state (or zeros), then x.
@@ -214,7 +208,7 @@ CausalConv1dGrads<T> causal_conv1d_backward(TensorView<const T> x, TensorView<co
   const char* fn = "causal_conv1d_backward";
   const conv1d::Inputs<T> in{x, weight, bias, initial_state, dout, dstate};
   const conv1d::Dims d = conv1d::check_args(fn, in);
-  conv1d::check_shape(fn, "dout", dout, x.shape);
+  check_shape(fn, "dout", dout, x.shape);
   return conv1d::backward(fn, in, d, opts);
 }
 

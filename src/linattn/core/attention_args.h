@@ -9,6 +9,7 @@
 
 #include "linattn/core/attention_args.h"
 #include "linattn/attention.h"
+#include "linattn/core/error.h"
 #include "linattn/tensor.h"
 
 namespace linattn {
@@ -68,6 +69,21 @@ struct NonCausalArgs {
 template <class T>
 NonCausalArgs check_noncausal_args(const char* fn, TensorView<const T> q, TensorView<const T> k,
                                    TensorView<const T> v, const AttentionOptions& opts, const char* why);
+
+// Error "<fn>: <name> has shape [...]; expected [...]" unless x has exactly `expected` shape.
+template <class T>
+void check_shape(const char* fn, const char* name, TensorView<const T> x, const Shape& expected) {
+  require(x.shape == expected, fn, ": ", name, " has shape ", shape_string(x.shape), "; expected ",
+          shape_string(expected));
+}
+
+// After a computation whose inputs were all found finite and whose result was not: the error
+// saying the dtype's range was exceeded.
+template <class T>
+[[noreturn]] void fail_overflow(const char* fn) {
+  fail(fn, ": a result overflows ", dtype_name<T>(),
+       ": the inputs are finite but their products exceed its range; scale them down or use float64");
+}
 
 // Checks a tensor that must have exactly `expected` shape and finite values; returns its
 // largest |value|.

@@ -13,7 +13,9 @@
 #include <vector>
 
 #include "linattn/core/blas.h"
+#include "linattn/core/error.h"
 #include "linattn/core/simd.h"
+#include "linattn/tensor.h"
 
 namespace linattn::chunk_decay {
 
@@ -24,6 +26,16 @@ constexpr int64_t kPairs = kBlock * (kBlock + 1) / 2;
 // Log-gates below this act as it: e^{−1000} is 0 in float64, and chunk sums of at most 64 such
 // values keep their differences exact to ~1e−11.
 constexpr double kFloor = -1000.0;
+
+// Every log-gate <= 0 (−inf allowed), never NaN or positive; the first bad one named.
+template <class T>
+void check_log_gates(const char* fn, const char* name, TensorView<const T> g) {
+  for (int64_t i = 0; i < g.size(); ++i) {
+    const double x = static_cast<double>(g.data[i]);
+    require(!std::isnan(x) && x <= 0.0, fn, ": ", name, " must be <= 0 (or -inf) everywhere, got ", x,
+            " at flat index ", i);
+  }
+}
 
 // A chunk's decays (made once per chunk, used by the scores, the outputs and both weighings),
 // with the scratch that uses them:
@@ -158,6 +170,37 @@ struct ChunkDecays {
       simd::scale_rows(x, static_cast<size_t>(dk), static_cast<size_t>(L), static_cast<size_t>(dk), factors, out,
                        static_cast<size_t>(ld_out));
   }
+  // The log-gates' gradient of the chunk: db [L, dk] holds each row's terms (Σ row vectors ⊙
+  // their gradients − Σ column vectors ⊙ theirs, float64); the state's terms are added to the
+  // last row: Σ_i k_i ⊙ k_state_i (k_state: the gradient through K ⊙ e^{b_L − B}, scaled) and
+  // e^{b_L} ⊙ rowsum(G ⊙ P) (G: the gradient of the state after the chunk, P: the state before
+  // it, [dk, dv]). Per head the channels are summed first (one reverse sum, one rounding). dg
+  // [L, w] = the reverse cumulative sum; a log-gate g at or below the floor acts as −1000,
+  // e^{−1000}·(…) = 0, so it gets none.
+  void gate_gradients(std::vector<double>& db, const T* k, const T* k_state, const T* G, const T* P, int64_t dv,
+                      const T* g, T* dg) const {
+    for (int64_t e = 0; e < dk; ++e) {
+      double extra = 0.0;
+      for (int64_t i = 0; i < L; ++i) extra += static_cast<double>(k[i * dk + e]) * static_cast<double>(k_state[i * dk + e]);
+      double gp = 0.0;
+      for (int64_t f = 0; f < dv; ++f) gp += static_cast<double>(G[e * dv + f]) * static_cast<double>(P[e * dv + f]);
+      db[(L - 1) * dk + e] += extra + std::exp(b[(L - 1) * w + (per_channel ? e : 0)]) * gp;
+    }
+    if (!per_channel)
+      for (int64_t j = 0; j < L; ++j) {
+        double row = 0.0;
+        for (int64_t e = 0; e < dk; ++e) row += db[j * dk + e];
+        db[j] = row;
+      }
+    for (int64_t e = 0; e < w; ++e) {
+      double acc = 0.0;
+      for (int64_t j = L - 1; j >= 0; --j) {
+        acc += db[j * w + e];
+        dg[j * w + e] = static_cast<double>(g[j * w + e]) <= kFloor ? T(0) : static_cast<T>(acc);
+      }
+    }
+  }
+
   // x [dk, cols] (rows = channels) ⊙= e^{b_L} per channel: the state's (or G's) decay over the chunk.
   void decay_over_chunk(T* x, int64_t cols) const {
     const T* last = from_start.data() + (L - 1) * w;

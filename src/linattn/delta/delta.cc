@@ -69,11 +69,6 @@ struct Inputs {
 };
 
 template <class T>
-void check_shape(const char* fn, const char* name, TensorView<const T> x, const Shape& want) {
-  require(x.shape == want, fn, ": ", name, " has shape ", shape_string(x.shape), "; expected ", shape_string(want));
-}
-
-template <class T>
 void check_beta(const char* fn, TensorView<const T> beta) {
   for (int64_t i = 0; i < beta.size(); ++i) {
     const double b = static_cast<double>(beta.data[i]);
@@ -87,10 +82,7 @@ void check_inputs(const char* fn, const Dims& d, const Inputs<T>& in) {
   check_same_shape_finite(fn, "q", in.q, in.q.shape);
   check_same_shape_finite(fn, "k", in.k, in.k.shape);
   check_same_shape_finite(fn, "v", in.v, in.v.shape);
-  for (int64_t i = 0; i < in.g.size(); ++i) {
-    const double x = static_cast<double>(in.g.data[i]);
-    require(!std::isnan(x) && x <= 0.0, fn, ": g must be <= 0 (or -inf) everywhere, got ", x, " at flat index ", i);
-  }
+  chunk_decay::check_log_gates(fn, "g", in.g);
   check_beta(fn, in.beta);
   if (d.has_state) check_same_shape_finite(fn, "initial_state", in.initial_state, in.initial_state.shape);
   if (in.dout.data) check_same_shape_finite(fn, "dout", in.dout, in.dout.shape);
@@ -100,8 +92,7 @@ void check_inputs(const char* fn, const Dims& d, const Inputs<T>& in) {
 template <class T>
 [[noreturn]] void fail_on_results(const char* fn, const Dims& d, const Inputs<T>& in) {
   check_inputs(fn, d, in);
-  fail(fn, ": a result overflows ", dtype_name<T>(),
-       ": the inputs are finite but their products exceed its range; scale them down or use float64");
+  fail_overflow<T>(fn);
 }
 
 template <class T>
@@ -494,29 +485,8 @@ GatedDeltaRuleGrads<T> backward(const char* fn, const Inputs<T>& in, const Dims&
                   static_cast<double>(k[x]) * (static_cast<double>(s.k_row[x]) - static_cast<double>(s.k_col[x]) -
                                                static_cast<double>(s.k_state[x]));
         }
-      for (int64_t e = 0; e < dk; ++e) {
-        double extra = 0.0;
-        for (int64_t i = 0; i < L; ++i)
-          extra += static_cast<double>(k[i * dk + e]) * static_cast<double>(s.k_state[i * dk + e]);
-        double gp = 0.0;
-        for (int64_t f = 0; f < dv; ++f) gp += static_cast<double>(G[e * dv + f]) * static_cast<double>(P[e * dv + f]);
-        db[(L - 1) * dk + e] += extra + std::exp(s.b[(L - 1) * width + (d.per_channel ? e : 0)]) * gp;
-      }
-      if (!d.per_channel)
-        for (int64_t j = 0; j < L; ++j) {
-          double row = 0.0;
-          for (int64_t e = 0; e < dk; ++e) row += db[j * dk + e];
-          db[j] = row;
-        }
       T* dgc = g.dg.data() + (bh * d.n + t0) * width;
-      for (int64_t e = 0; e < width; ++e) {
-        double acc = 0.0;
-        for (int64_t j = L - 1; j >= 0; --j) {
-          acc += db[j * width + e];
-          const double gate = static_cast<double>(in.g.data[(bh * d.n + t0 + j) * width + e]);
-          dgc[j * width + e] = gate <= kFloor ? T(0) : static_cast<T>(acc);
-        }
-      }
+      s.gate_gradients(db, k, s.k_state.data(), G.data(), P, dv, in.g.data + (bh * d.n + t0) * width, dgc);
       s.finite = s.finite && simd::all_finite(dgc, static_cast<size_t>(L * width));
       // G ← diag(e^{b_L}) G + s·(Q ⊙ e^{B})ᵀ dO + K_Bᵀ E
       s.from_chunk_start(q, s.work.data(), dk);
@@ -572,7 +542,7 @@ GatedDeltaRuleGrads<T> gated_delta_rule_backward(TensorView<const T> q, TensorVi
   const char* fn = "gated_delta_rule_backward";
   const delta::Inputs<T> in{q, k, v, g, beta, initial_state, dout, dstate};
   const delta::Dims d = delta::check_args(fn, in, opts);
-  delta::check_shape(fn, "dout", dout, {d.batch, d.heads, d.n, d.dv});
+  check_shape(fn, "dout", dout, {d.batch, d.heads, d.n, d.dv});
   return delta::backward(fn, in, d);
 }
 

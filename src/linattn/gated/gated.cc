@@ -68,28 +68,13 @@ struct Inputs {
   TensorView<const T> q, k, v, log_gate, initial_state, dout, dstate;
 };
 
-template <class T>
-void check_shape(const char* fn, const char* name, TensorView<const T> x, const Shape& want) {
-  require(x.shape == want, fn, ": ", name, " has shape ", shape_string(x.shape), "; expected ", shape_string(want));
-}
-
-// Every log-gate <= 0 (−inf allowed), never NaN or positive; the first bad one named.
-template <class T>
-void check_gates(const char* fn, TensorView<const T> log_gate) {
-  for (int64_t i = 0; i < log_gate.size(); ++i) {
-    const double g = static_cast<double>(log_gate.data[i]);
-    require(!std::isnan(g) && g <= 0.0, fn, ": log_gate must be <= 0 (or -inf) everywhere, got ", g,
-            " at flat index ", i);
-  }
-}
-
 // Every input scanned, in the order of the arguments: the error naming the first bad one.
 template <class T>
 void check_inputs(const char* fn, const Dims& d, const Inputs<T>& in) {
   check_same_shape_finite(fn, "q", in.q, in.q.shape);
   check_same_shape_finite(fn, "k", in.k, in.q.shape);
   check_same_shape_finite(fn, "v", in.v, in.v.shape);
-  check_gates(fn, in.log_gate);
+  chunk_decay::check_log_gates(fn, "log_gate", in.log_gate);
   if (d.has_state) check_same_shape_finite(fn, "initial_state", in.initial_state, in.initial_state.shape);
   if (in.dout.data) check_same_shape_finite(fn, "dout", in.dout, in.dout.shape);
   if (in.dstate.data) check_same_shape_finite(fn, "dstate", in.dstate, in.dstate.shape);
@@ -100,8 +85,7 @@ void check_inputs(const char* fn, const Dims& d, const Inputs<T>& in) {
 template <class T>
 [[noreturn]] void fail_on_results(const char* fn, const Dims& d, const Inputs<T>& in) {
   check_inputs(fn, d, in);
-  fail(fn, ": a result overflows ", dtype_name<T>(),
-       ": the inputs are finite but their products exceed its range; scale them down or use float64");
+  fail_overflow<T>(fn);
 }
 
 template <class T>
@@ -314,31 +298,8 @@ GatedLinearAttentionGrads<T> causal_backward(const char* fn, const Inputs<T>& in
         for (int64_t e = 0; e < dk; ++e)
           db[j * dk + e] = static_cast<double>(qc[j * dk + e]) * static_cast<double>(dqc[j * dk + e]) -
                            static_cast<double>(kc[j * dk + e]) * static_cast<double>(dkc[j * dk + e]);
-      for (int64_t e = 0; e < dk; ++e) {
-        double extra = 0.0;
-        for (int64_t i = 0; i < L; ++i)
-          extra += static_cast<double>(kc[i * dk + e]) * static_cast<double>(s.dk_state[i * dk + e]);
-        double gp = 0.0;
-        for (int64_t f = 0; f < dv; ++f) gp += static_cast<double>(G[e * dv + f]) * static_cast<double>(P[e * dv + f]);
-        db[(L - 1) * dk + e] += extra + std::exp(s.b[(L - 1) * width + (d.per_channel ? e : 0)]) * gp;
-      }
-      // Per head: db summed over the channels first (float64), one reverse sum, one rounding.
-      if (!d.per_channel)
-        for (int64_t j = 0; j < L; ++j) {
-          double row = 0.0;
-          for (int64_t e = 0; e < dk; ++e) row += db[j * dk + e];
-          db[j] = row;
-        }
       T* dgc = g.dlog_gate.data() + (bh * d.n + t0) * width;
-      for (int64_t e = 0; e < width; ++e) {
-        double acc = 0.0;
-        for (int64_t j = L - 1; j >= 0; --j) {
-          acc += db[j * width + e];
-          const double gate = static_cast<double>(log_gate.data[(bh * d.n + t0 + j) * width + e]);
-          // At or below the floor the log-gate acts as −1000: e^{−1000}·(…) = 0, no gradient.
-          dgc[j * width + e] = gate <= kFloor ? T(0) : static_cast<T>(acc);
-        }
-      }
+      s.gate_gradients(db, kc, s.dk_state.data(), G.data(), P, dv, log_gate.data + (bh * d.n + t0) * width, dgc);
       s.finite = s.finite && simd::all_finite(dgc, static_cast<size_t>(L * width));
       // G ← diag(e^{b_L}) G + s·(Q ⊙ e^{B})ᵀ dO
       s.from_chunk_start(qc, s.scaled.data(), dk);
@@ -485,7 +446,7 @@ GatedLinearAttentionGrads<T> gated_linear_attention_backward(
   const char* fn = "gated_linear_attention_backward";
   const gated::Inputs<T> in{q, k, v, log_gate, initial_state, dout, dstate};
   const gated::Dims d = gated::check_args(fn, in, opts);
-  gated::check_shape(fn, "dout", dout, {d.batch, d.heads, d.n, d.dv});
+  check_shape(fn, "dout", dout, {d.batch, d.heads, d.n, d.dv});
   return opts.causal ? gated::causal_backward(fn, in, d, in) : gated::noncausal_backward(fn, in, d);
 }
 
