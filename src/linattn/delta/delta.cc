@@ -183,8 +183,8 @@ struct Scratch : chunk_decay::ChunkDecays<T> {
   std::vector<T> system;   // [C, C]: A = diag(β) M, strictly lower (the solve reads nothing else)
   std::vector<T> k_start;  // [C, dk] K ⊙ e^{B}
   std::vector<T> k_end;    // [C, dk] K ⊙ e^{b_L − B}
+  std::vector<T> m;        // [C, C]: M, strictly lower (the forward's; the backward keeps one per chunk)
   // backward
-  std::vector<T> m;                           // [C, C]: M, strictly lower
   std::vector<T> scores, dscores, dm;         // [C, C]: Sc, dSc, dA then dM
   std::vector<T> du, dr, work;                // [C, max(dk, dv)]
   std::vector<T> k_row, k_col, k_state;       // [C, dk]: dK's row-side, column-side and state parts
@@ -220,11 +220,19 @@ void key_scores(const T* k, Scratch<T>& s, T* m) {
   for (int64_t t = 0; t < s.L; ++t) std::fill(m + t * kChunk + t, m + t * kChunk + s.L, T(0));
 }
 
-// The corrections U of one chunk (s prepared, P the state on top of s.rhs) into s.corrections()
-// [L, dv], with `residual` (if not null) = V − K_B P kept for the backward; M into s.m.
+// s.system = diag(β) M below the diagonal (M [L, L], ld C): the unit lower triangular system's
+// off-diagonal part, which the forward solves and the backward solves transposed.
 template <class T>
-void corrections(const Dims& d, const T* k, const T* v, const T* beta, Scratch<T>& s, T* residual) {
-  T* m = s.m.data();
+void build_system(Scratch<T>& s, const T* m, const T* beta) {
+  for (int64_t t = 1; t < s.L; ++t)
+    simd::scale(std::copy(m + t * kChunk, m + t * kChunk + t, s.system.data() + t * kChunk) - t,
+                static_cast<size_t>(t), beta[t]);
+}
+
+// The corrections U of one chunk (s prepared, P the state on top of s.rhs) into s.corrections()
+// [L, dv], M into m [L, C], and `residual` (if not null) = V − K_B P, kept for the backward.
+template <class T>
+void corrections(const Dims& d, const T* k, const T* v, const T* beta, Scratch<T>& s, T* m, T* residual) {
   const int64_t L = s.L, dk = d.dk, dv = d.dv;
   T* u = s.corrections();
   s.from_chunk_start(k, s.k_start.data(), dk);
@@ -234,9 +242,7 @@ void corrections(const Dims& d, const T* k, const T* v, const T* beta, Scratch<T
   simd::scale_rows(u, static_cast<size_t>(dv), static_cast<size_t>(L), static_cast<size_t>(dv), beta, u,
                    static_cast<size_t>(dv));
   key_scores(k, s, m);
-  for (int64_t t = 1; t < L; ++t)
-    simd::scale(std::copy(m + t * kChunk, m + t * kChunk + t, s.system.data() + t * kChunk) - t,
-                static_cast<size_t>(t), beta[t]);
+  build_system(s, m, beta);
   solve_unit_lower<T>(mat<const T>(s.system.data(), L, L, kChunk), mat(u, L, dv));
 }
 
@@ -276,7 +282,8 @@ GatedDeltaRuleResult<T> forward(const char* fn, const Inputs<T>& in, const Dims&
       const T* q = qk.q.data + (kt * d.n + t0) * dk;
       const T* k = qk.k.data + (kt * d.n + t0) * dk;
       s.prepare_rows(d, in.g, bh, t0, L);
-      corrections(d, k, in.v.data + (bh * d.n + t0) * dv, in.beta.data + bh * d.n + t0, s, static_cast<T*>(nullptr));
+      corrections(d, k, in.v.data + (bh * d.n + t0) * dv, in.beta.data + bh * d.n + t0, s, s.m.data(),
+                  static_cast<T*>(nullptr));
       // O = s·[Q ⊙ e^{B} | Sc]·[P ; U]
       s.from_chunk_start(q, s.lhs.data(), s.lhs_ld);
       chunk_scores(q, k, s, s.lhs.data() + dk, s.lhs_ld);
@@ -382,13 +389,15 @@ GatedDeltaRuleGrads<T> backward(const char* fn, const Inputs<T>& in, const Dims&
   }
   const ParallelLoop loop(d.bh());
   PerWorker<Scratch<T>> scratch(loop, [&] { return Scratch<T>(d, true); });
-  // Per worker, a task's states at the chunks' starts, its corrections U and residuals V − K_B P.
+  // Per worker, a task's states at the chunks' starts, its corrections U, residuals V − K_B P and
+  // each chunk's M (the backward needs them all; M kept is a decayed product not made again).
   struct Saved {
-    std::vector<T> starts, u, residual;
+    std::vector<T> starts, u, residual, keys;
   };
   PerWorker<Saved> saved(loop, [&] {
     return Saved{std::vector<T>(static_cast<size_t>(chunks * dk * dv)), std::vector<T>(static_cast<size_t>(d.n * dv)),
-                 std::vector<T>(static_cast<size_t>(d.n * dv))};
+                 std::vector<T>(static_cast<size_t>(d.n * dv)),
+                 std::vector<T>(static_cast<size_t>(chunks * kChunk * kChunk))};
   });
   const T sc = static_cast<T>(d.scale);
   loop.run([&](int64_t bh, int worker) {
@@ -411,7 +420,8 @@ GatedDeltaRuleGrads<T> backward(const char* fn, const Inputs<T>& in, const Dims&
       const int64_t t0 = c * kChunk, L = std::min(kChunk, d.n - t0);
       std::copy(s.state(), s.state() + dk * dv, keep.starts.begin() + c * dk * dv);
       s.prepare_rows(d, in.g, bh, t0, L);
-      corrections(d, kb + t0 * dk, vb + t0 * dv, betab + t0, s, keep.residual.data() + t0 * dv);
+      corrections(d, kb + t0 * dk, vb + t0 * dv, betab + t0, s, keep.keys.data() + c * kChunk * kChunk,
+                  keep.residual.data() + t0 * dv);
       std::copy(s.corrections(), s.corrections() + L * dv, keep.u.begin() + t0 * dv);
       advance_state(d, kb + t0 * dk, s);
     }
@@ -425,10 +435,10 @@ GatedDeltaRuleGrads<T> backward(const char* fn, const Inputs<T>& in, const Dims&
       const T* P = keep.starts.data() + c * dk * dv;
       const T* U = keep.u.data() + t0 * dv;
       const T* W = keep.residual.data() + t0 * dv;
+      const T* M = keep.keys.data() + c * kChunk * kChunk;
       T *dq = dqb + t0 * dk, *dkc = dkb + t0 * dk, *dvc = dvb + t0 * dv;
       s.prepare_rows(d, in.g, bh, t0, L);
       chunk_scores(q, k, s, s.scores.data(), kChunk);
-      key_scores(k, s, s.m.data());
       s.from_chunk_start(k, s.k_start.data(), dk);
       s.to_chunk_end(k, s.k_end.data(), dk);
       // dU = s·Scᵀ dO + K̂ G;  dSc = s·dO Uᵀ (lower)
@@ -448,9 +458,7 @@ GatedDeltaRuleGrads<T> backward(const char* fn, const Inputs<T>& in, const Dims&
       matmul<T>(mat(s.work.data(), L, dk), mat(U, L, dv), mat<const T>(G.data(), dk, dv).t());
       s.to_chunk_end(s.work.data(), s.k_state.data(), dk);
       // dR = (I + A)⁻ᵀ dU (A as the forward made it);  dA = −dR Uᵀ strictly lower
-      for (int64_t t = 1; t < L; ++t)
-        simd::scale(std::copy(s.m.data() + t * kChunk, s.m.data() + t * kChunk + t, s.system.data() + t * kChunk) - t,
-                    static_cast<size_t>(t), beta[t]);
+      build_system(s, M, beta);
       std::copy(s.du.begin(), s.du.begin() + L * dv, s.dr.begin());
       solve_unit_lower<T>(mat<const T>(s.system.data(), L, L, kChunk).t(), mat(s.dr.data(), L, dv));
       matmul<T>(mat(s.dm.data(), L, L, kChunk), mat<const T>(s.dr.data(), L, dv), mat(U, L, dv).t(), T(-1));
@@ -458,7 +466,7 @@ GatedDeltaRuleGrads<T> backward(const char* fn, const Inputs<T>& in, const Dims&
         T* row = s.dm.data() + t * kChunk;
         std::fill(row + t, row + L, T(0));
         double dbeta = 0;
-        for (int64_t i = 0; i < t; ++i) dbeta += static_cast<double>(row[i]) * static_cast<double>(s.m[t * kChunk + i]);
+        for (int64_t i = 0; i < t; ++i) dbeta += static_cast<double>(row[i]) * static_cast<double>(M[t * kChunk + i]);
         for (int64_t e = 0; e < dv; ++e)
           dbeta += static_cast<double>(W[t * dv + e]) * static_cast<double>(s.dr[t * dv + e]);
         dbetab[t0 + t] = static_cast<T>(dbeta);
