@@ -50,6 +50,7 @@ struct ChunkDecays {
   bool per_channel;
   int64_t L = 0;
   bool gates_ok = true;   // every log-gate read so far was <= 0
+  bool finite = true;     // every result the worker wrote so far was finite (its caller's to set)
   std::vector<double> b;  // [C, w]
   std::vector<T> from_start, to_end;  // [C, w]
   std::vector<T> diag;                // per head: D [C, C]
@@ -158,6 +159,11 @@ struct ChunkDecays {
                        to_end.data() + (r + j) * dk, static_cast<size_t>(dk), false);
       }
     }
+  }
+
+  // The decays of rows t0 .. t0+rows−1 of task `task` of log-gates g [tasks, n, w].
+  void prepare_rows(TensorView<const T> g, int64_t n, int64_t task, int64_t t0, int64_t rows, bool state_only = false) {
+    prepare(g.data + (task * n + t0) * w, rows, state_only);
   }
 
   // out [L, dk] (ld ld_out) = x ⊙ e^{B} (from the chunk's start) or x ⊙ e^{b_L − B} (to its end).
@@ -291,6 +297,15 @@ void weigh(const T* w, const T* x, ChunkDecays<T>& s, T* y, bool later) {
     simd::decayed_weigh(w + r * kChunk + r, kChunk, x + r * dk, s.block_pairs(R), static_cast<size_t>(n),
                         static_cast<size_t>(dk), y + r * dk, later);
   }
+}
+
+// Whether every worker's decays (a PerWorker of ChunkDecays or of a type built on it) read
+// good log-gates and wrote finite results.
+template <class Workers>
+bool all_ok(Workers& workers) {
+  for (int w = 0; w < workers.size(); ++w)
+    if (!workers[w].gates_ok || !workers[w].finite) return false;
+  return true;
 }
 
 }  // namespace linattn::chunk_decay

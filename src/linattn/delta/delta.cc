@@ -45,6 +45,7 @@
 namespace linattn {
 namespace delta {
 
+using chunk_decay::all_ok;
 using chunk_decay::chunk_scores;
 using chunk_decay::kChunk;
 using chunk_decay::kFloor;
@@ -176,7 +177,6 @@ struct KernelQK {
 // One worker's scratch: a chunk's decays and the chunk's products.
 template <class T>
 struct Scratch : chunk_decay::ChunkDecays<T> {
-  bool finite = true;      // every result written so far was finite
   int64_t lhs_ld;          // dk + C
   std::vector<T> lhs;      // [C, dk + C]: [Q ⊙ e^{B} | Sc]
   std::vector<T> rhs;      // [dk + C, dv]: [P ; U], the state P on top for the whole task
@@ -198,20 +198,10 @@ struct Scratch : chunk_decay::ChunkDecays<T> {
       for (auto* x : {&k_row, &k_col, &k_state}) x->resize(kChunk * d.dk);
     }
   }
-  void prepare_rows(const Dims& d, TensorView<const T> g, int64_t bh, int64_t t0, int64_t rows) {
-    this->prepare(g.data + (bh * d.n + t0) * d.width(), rows);
-  }
   T* state() { return rhs.data(); }
   T* corrections() { return rhs.data() + corrections_at; }  // U [L, dv], below P
   int64_t corrections_at;
 };
-
-template <class T>
-bool all_ok(PerWorker<Scratch<T>>& scratch) {
-  for (int w = 0; w < scratch.size(); ++w)
-    if (!scratch[w].gates_ok || !scratch[w].finite) return false;
-  return true;
-}
 
 // M [L, L] (ld C) = the decayed K Kᵀ strictly below the diagonal, zero on and above it.
 template <class T>
@@ -281,7 +271,7 @@ GatedDeltaRuleResult<T> forward(const char* fn, const Inputs<T>& in, const Dims&
       const int64_t L = std::min(kChunk, d.n - t0);
       const T* q = qk.q.data + (kt * d.n + t0) * dk;
       const T* k = qk.k.data + (kt * d.n + t0) * dk;
-      s.prepare_rows(d, in.g, bh, t0, L);
+      s.prepare_rows(in.g, d.n, bh, t0, L);
       corrections(d, k, in.v.data + (bh * d.n + t0) * dv, in.beta.data + bh * d.n + t0, s, s.m.data(),
                   static_cast<T*>(nullptr));
       // O = s·[Q ⊙ e^{B} | Sc]·[P ; U]
@@ -419,7 +409,7 @@ GatedDeltaRuleGrads<T> backward(const char* fn, const Inputs<T>& in, const Dims&
       interruption_point();
       const int64_t t0 = c * kChunk, L = std::min(kChunk, d.n - t0);
       std::copy(s.state(), s.state() + dk * dv, keep.starts.begin() + c * dk * dv);
-      s.prepare_rows(d, in.g, bh, t0, L);
+      s.prepare_rows(in.g, d.n, bh, t0, L);
       corrections(d, kb + t0 * dk, vb + t0 * dv, betab + t0, s, keep.keys.data() + c * kChunk * kChunk,
                   keep.residual.data() + t0 * dv);
       std::copy(s.corrections(), s.corrections() + L * dv, keep.u.begin() + t0 * dv);
@@ -437,7 +427,7 @@ GatedDeltaRuleGrads<T> backward(const char* fn, const Inputs<T>& in, const Dims&
       const T* W = keep.residual.data() + t0 * dv;
       const T* M = keep.keys.data() + c * kChunk * kChunk;
       T *dq = dqb + t0 * dk, *dkc = dkb + t0 * dk, *dvc = dvb + t0 * dv;
-      s.prepare_rows(d, in.g, bh, t0, L);
+      s.prepare_rows(in.g, d.n, bh, t0, L);
       chunk_scores(q, k, s, s.scores.data(), kChunk);
       s.from_chunk_start(k, s.k_start.data(), dk);
       s.to_chunk_end(k, s.k_end.data(), dk);

@@ -48,6 +48,7 @@
 namespace linattn {
 namespace gated {
 
+using chunk_decay::all_ok;
 using chunk_decay::chunk_scores;
 using chunk_decay::kChunk;
 using chunk_decay::kFloor;
@@ -126,7 +127,6 @@ Dims check_args(const char* fn, const Inputs<T>& in, const GatedLinearAttentionO
 // One worker's scratch: a chunk's decays and the products of the outputs and the gradients.
 template <class T>
 struct Scratch : chunk_decay::ChunkDecays<T> {
-  bool finite = true;                 // every result written so far was finite
   int64_t lhs_ld;                     // dk + C
   std::vector<T> lhs;                 // [C, dk + C]: [Q ⊙ e^{B} | A], the left operand of the outputs
   std::vector<T> rhs;                 // [dk + C, dv]: [P ; V], the state P on top for the whole task
@@ -144,11 +144,6 @@ struct Scratch : chunk_decay::ChunkDecays<T> {
       work.resize(kChunk * std::max(d.dk, d.dv));
       dk_state.resize(kChunk * d.dk);
     }
-  }
-  // The decays of rows t0 .. t0+L−1 of task bh.
-  void prepare_rows(const Dims& d, TensorView<const T> log_gate, int64_t bh, int64_t t0, int64_t rows,
-                    bool state_only = false) {
-    this->prepare(log_gate.data + (bh * d.n + t0) * d.width(), rows, state_only);
   }
 };
 
@@ -177,13 +172,6 @@ void forward_chunk(const Dims& d, const T* q, const T* k, const T* v, T* out, Sc
   advance_state(d, k, v, s);
 }
 
-template <class T>
-bool all_ok(PerWorker<Scratch<T>>& scratch) {  // every worker read good log-gates and wrote finite results
-  for (int w = 0; w < scratch.size(); ++w)
-    if (!scratch[w].gates_ok || !scratch[w].finite) return false;
-  return true;
-}
-
 }  // namespace gated
 
 namespace gated {
@@ -209,7 +197,7 @@ GatedLinearAttentionResult<T> causal_forward(const char* fn, const Inputs<T>& in
     for (int64_t t0 = 0; t0 < d.n; t0 += kChunk) {
       interruption_point();
       const int64_t L = std::min(kChunk, d.n - t0);
-      s.prepare_rows(d, log_gate, bh, t0, L);
+      s.prepare_rows(log_gate, d.n, bh, t0, L);
       forward_chunk(d, q.data + (bh * d.n + t0) * dk, k.data + (bh * d.n + t0) * dk,
                            v.data + (bh * d.n + t0) * dv, r.out.data() + (bh * d.n + t0) * dv, s);
     }
@@ -259,7 +247,7 @@ GatedLinearAttentionGrads<T> causal_backward(const char* fn, const Inputs<T>& in
       interruption_point();
       const int64_t t0 = c * kChunk, L = std::min(kChunk, d.n - t0);
       std::copy(state, state + dk * dv, start.begin() + c * dk * dv);
-      s.prepare_rows(d, log_gate, bh, t0, L, /*state_only=*/true);
+      s.prepare_rows(log_gate, d.n, bh, t0, L, /*state_only=*/true);
       advance_state(d, kb + t0 * dk, vb + t0 * dv, s);
     }
     // G: the gradient of the state after the chunk being processed.
@@ -272,7 +260,7 @@ GatedLinearAttentionGrads<T> causal_backward(const char* fn, const Inputs<T>& in
       const T *qc = qb + t0 * dk, *kc = kb + t0 * dk, *vc = vb + t0 * dv, *goc = gob + t0 * dv;
       T *dqc = dqb + t0 * dk, *dkc = dkb + t0 * dk, *dvc = dvb + t0 * dv;
       const T* P = start.data() + c * dk * dv;
-      s.prepare_rows(d, log_gate, bh, t0, L);
+      s.prepare_rows(log_gate, d.n, bh, t0, L);
       chunk_scores(qc, kc, s, s.scores.data(), kChunk);
       // dA = s·dO Vᵀ, lower
       matmul<T>(mat(s.dscores.data(), L, L, kChunk), mat(goc, L, dv), mat(vc, L, dv).t(), sc);
