@@ -13,15 +13,20 @@ __all__ = ["causal_conv1d"]
 _FN = "linattn.torch.causal_conv1d"
 
 
+def _forward(x, weight, bias, initial_state, activation):
+    """The C++ forward on float32/float64 CPU tensors: (out, final state)."""
+    out, state = _linattn.causal_conv1d(_array(x), _array(weight), _array(bias), initial_state=_array(initial_state),
+                                        return_state=True, activation=activation)
+    return torch.from_numpy(out), torch.from_numpy(state)
+
+
 class _CausalConv1d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, initial_state, activation):
         ctx.set_materialize_grads(False)
-        out, state = _linattn.causal_conv1d(_array(x), _array(weight), _array(bias), initial_state=_array(initial_state),
-                                            return_state=True, activation=activation)
         ctx.save_for_backward(x, weight, bias, initial_state)
         ctx.activation = activation
-        return torch.from_numpy(out), torch.from_numpy(state)
+        return _forward(x, weight, bias, initial_state, activation)
 
     @staticmethod
     @once_differentiable
@@ -49,13 +54,9 @@ def causal_conv1d(x, weight, bias=None, *, initial_state=None, return_state=Fals
     check_tensors(_FN, named, "x", optional=("bias", "initial_state"))
     wide = x.dtype in SIXTEEN_BIT
     args = [None if t is None else (t.float() if wide else t) for t in (x, weight, bias, initial_state)]
-    if not needs_graph(named.values()):
-        # Inference (decoding): no autograd node to build.
-        out, state = (torch.from_numpy(a) for a in _linattn.causal_conv1d(
-            _array(args[0]), _array(args[1]), _array(args[2]), initial_state=_array(args[3]), return_state=True,
-            activation=activation))
-    else:
-        out, state = _CausalConv1d.apply(*args, activation)
+    # Inference (decoding) builds no autograd node.
+    run = _CausalConv1d.apply if needs_graph(named.values()) else _forward
+    out, state = run(*args, activation)
     if wide:
         out, state = out.to(x.dtype), state.to(x.dtype)
     return (out, state) if return_state else out

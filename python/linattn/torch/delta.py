@@ -14,16 +14,21 @@ __all__ = ["gated_delta_rule"]
 _FN = "linattn.torch.gated_delta_rule"
 
 
+def _forward(q, k, v, g, beta, initial_state, scale, l2norm):
+    """The C++ forward on float32/float64 CPU tensors: (out, final state)."""
+    out, state = _linattn.gated_delta_rule(_array(q), _array(k), _array(v), _array(g), _array(beta), scale=scale,
+                                           initial_state=_array(initial_state), return_state=True,
+                                           use_qk_l2norm_in_kernel=l2norm)
+    return torch.from_numpy(out), torch.from_numpy(state)
+
+
 class _GatedDeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, l2norm):
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None
-        out, state = _linattn.gated_delta_rule(_array(q), _array(k), _array(v), _array(g), _array(beta), scale=scale,
-                                               initial_state=_array(initial_state), return_state=True,
-                                               use_qk_l2norm_in_kernel=l2norm)
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
         ctx.scale, ctx.l2norm = scale, l2norm
-        return torch.from_numpy(out), torch.from_numpy(state)
+        return _forward(q, k, v, g, beta, initial_state, scale, l2norm)
 
     @staticmethod
     @once_differentiable  # the gradients are computed in C++: no graph for a second derivative
@@ -58,22 +63,14 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, return
     if not isinstance(use_qk_l2norm_in_kernel, bool):
         raise TypeError("%s: use_qk_l2norm_in_kernel must be a bool, got %r" % (_FN, use_qk_l2norm_in_kernel))
     scale = None if scale is None else float(scale)
-    if not needs_graph(named.values()):
-        # Inference (decoding: one call per layer and token): no autograd node to build.
-        wide = q.dtype in SIXTEEN_BIT
-        arrays = [_array(t.float() if wide and t is not None else t) for t in (q, k, v, g, beta, initial_state)]
-        out, state = (torch.from_numpy(x) for x in _linattn.gated_delta_rule(
-            *arrays[:5], scale=scale, initial_state=arrays[5], return_state=True,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel))
-        out = out.to(q.dtype) if wide else out
-        return (out, state) if return_state else out
-    if q.dtype in SIXTEEN_BIT:
-        # Computed in float32 and the output rounded once; the state stays float32 (as a decoding
-        # state accumulates). The casts are torch's, so gradients come back in the inputs' dtypes.
-        out, state = _GatedDeltaRule.apply(q.float(), k.float(), v.float(), g.float(), beta.float(),
-                                           None if initial_state is None else initial_state.float(), scale,
-                                           use_qk_l2norm_in_kernel)
+    wide = q.dtype in SIXTEEN_BIT
+    # 16-bit: computed in float32 and the output rounded once; the state stays float32 (as a
+    # decoding state accumulates). The casts are torch's, so gradients come back in the inputs'
+    # dtypes.
+    args = [None if t is None else (t.float() if wide else t) for t in (q, k, v, g, beta, initial_state)]
+    # Inference (decoding: one call per layer and token) builds no autograd node.
+    run = _GatedDeltaRule.apply if needs_graph(named.values()) else _forward
+    out, state = run(*args, scale, use_qk_l2norm_in_kernel)
+    if wide:
         out = out.to(q.dtype)
-    else:
-        out, state = _GatedDeltaRule.apply(q, k, v, g, beta, initial_state, scale, use_qk_l2norm_in_kernel)
     return (out, state) if return_state else out
