@@ -291,6 +291,10 @@ def test_causal_conv1d_bad_input_is_an_error():
     with pytest.raises(ValueError, match="x has a non-finite value"):
         linattn.causal_conv1d(bad, w)
     from linattn.hf.delta import causal_conv1d_update
+    state = torch.ones(1, 3, 4)
+    with pytest.raises(ValueError, match="activation must be None"):
+        causal_conv1d_update(torch.zeros(1, 3, 1), state, torch.zeros(3, 4), activation="gelu")
+    assert torch.equal(state, torch.ones(1, 3, 4))  # the cache's state untouched
     with pytest.raises(ValueError, match="conv_state holds 2 positions"):
         causal_conv1d_update(torch.zeros(1, 3, 1), torch.zeros(1, 3, 2), torch.zeros(3, 4))
     with pytest.raises(TypeError, match="weight has dtype"):

@@ -43,6 +43,11 @@ def _not_packed(fn, kwargs):
                              "per batch row)" % (fn, packed))
 
 
+def _compute_dtype(x):
+    """As transformers' fallbacks: 16-bit (and float32) computed in float32, float64 kept."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def _run(fn, query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, kwargs):
     _not_packed(fn, kwargs)
     for name, t in (("query", query), ("key", key), ("value", value), ("g", g), ("beta", beta)):
@@ -51,8 +56,7 @@ def _run(fn, query, key, value, g, beta, initial_state, output_final_state, use_
     if query.dim() != 4 or value.dim() != 4:
         raise ValueError("%s: query and value must be [batch, seq, heads, dim], got %s and %s"
                          % (fn, tuple(query.shape), tuple(value.shape)))
-    # As transformers' fallbacks: 16-bit (and float32) inputs computed in float32, float64 kept.
-    dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    dtype = _compute_dtype(query)
     q, k, v = (x.transpose(1, 2).to(dtype) for x in (query, key, value))
     gates = g.transpose(1, 2).to(dtype)
     out, state = gated_delta_rule(q, k, v, gates, beta.transpose(1, 2).to(dtype),
@@ -93,18 +97,11 @@ def recurrent_kda(query, key, value, g, beta, initial_state, output_final_state,
                 use_qk_l2norm_in_kernel, kwargs)
 
 
-def _conv_dtype(fn, activation, weight):
-    if activation not in (None, "silu", "swish"):
-        raise ValueError("%s: activation must be None, \"silu\" or \"swish\", got %r" % (fn, activation))
-    # As transformers' fallbacks compute in the weight's dtype: 16-bit computed in float32 here.
-    return torch.float64 if weight.dtype == torch.float64 else torch.float32
-
-
 def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
     """transformers' causal_conv1d_fn on linattn: hidden_states [B, C, T], weight [C, W], bias
     [C] or None; returns act(causal depthwise convolution) [B, C, T] in hidden_states' dtype."""
     _not_packed("causal_conv1d_fn", kwargs)
-    dtype = _conv_dtype("causal_conv1d_fn", activation, weight)
+    dtype = _compute_dtype(weight)  # transformers' computes in the weight's dtype
     out = causal_conv1d(hidden_states.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype),
                         activation=activation)
     return out.to(hidden_states.dtype)
@@ -114,7 +111,7 @@ def causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activatio
     """transformers' causal_conv1d_update on linattn: the new positions hidden_states [B, C, T]
     after conv_state [B, C, S] (S >= W − 1: the last inputs), which is updated in place to the
     last S inputs, as transformers does; returns the outputs [B, C, T]."""
-    dtype = _conv_dtype("causal_conv1d_update", activation, weight)
+    dtype = _compute_dtype(weight)
     state_len, width = conv_state.shape[-1], weight.shape[-1]
     if state_len < width - 1:
         raise ValueError("causal_conv1d_update: conv_state holds %d positions; the kernel of width %d needs %d"
