@@ -325,10 +325,14 @@ GatedDeltaRuleResult<T> recurrent_forward(const char* fn, const Inputs<T>& in, c
       const T beta = in.beta.data[bh * d.n + t];
       T* u = wk.read.data();
       std::fill(u, u + dv, T(0));
-      for (int64_t c = 0; c < dk; ++c) {
-        const T gate = g[d.per_channel ? c : 0];
+      // exp(g) of each gate this position has (one per head, or one per channel)
+      auto decay_of = [&](T gate) {
         wk.ok = wk.ok && gate <= T(0);  // NaN fails too
-        const T decay = static_cast<T>(std::exp(std::max(static_cast<double>(gate), kFloor)));
+        return static_cast<T>(std::exp(std::max(static_cast<double>(gate), kFloor)));
+      };
+      const T head_decay = d.per_channel ? T(0) : decay_of(g[0]);
+      for (int64_t c = 0; c < dk; ++c) {
+        const T decay = d.per_channel ? decay_of(g[c]) : head_decay;
         const T* src = from + c * dv;
         T* row = S + c * dv;
         for (int64_t e = 0; e < dv; ++e) {
