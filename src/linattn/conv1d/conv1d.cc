@@ -135,17 +135,19 @@ CausalConv1dGrads<T> backward(const char* fn, const Inputs<T>& in, const Dims& d
   PerWorker<Worker> workers(loop);
   struct Scratch {
     std::vector<T> ext, dz, dext;
+    std::vector<double> dw;  // a channel's dweight, summed over the batch
   };
   PerWorker<Scratch> scratch(loop, [&] {
     return Scratch{std::vector<T>(static_cast<size_t>(tail + n)), std::vector<T>(static_cast<size_t>(n)),
-                   std::vector<T>(static_cast<size_t>(tail + n))};
+                   std::vector<T>(static_cast<size_t>(tail + n)), std::vector<double>(static_cast<size_t>(W))};
   });
   loop.run([&](int64_t index, int worker) {
     Scratch& s = scratch[worker];
     Worker& wk = workers[worker];
     for (int64_t c = index * group; c < std::min(d.channels, (index + 1) * group); ++c) {
       const T* w = in.weight.data + c * W;
-      std::vector<double> dw(static_cast<size_t>(W), 0.0);
+      std::vector<double>& dw = s.dw;
+      std::fill(dw.begin(), dw.end(), 0.0);
       double dbias = 0.0;
       for (int64_t b = 0; b < d.batch; ++b) {
         const int64_t task = b * d.channels + c;
