@@ -769,6 +769,57 @@ void check_gated_kernels() {
       }
   });
 }
+// The decoding step's kernels (simd::state_dots, decay_rank_one) against float64 loops on every
+// SIMD target, widths on and off the four-vector blocks: a dot of `rows` terms is within
+// γ_rows·Σ|terms| (Higham 3.1), a decayed rank-one entry within γ_2 of its two terms; a
+// non-finite entry is reported, through the tail too.
+template <class T>
+void check_step_kernels() {
+  testing::for_each_simd_target([&](int64_t) {
+    for (size_t cols : {size_t{1}, size_t{7}, size_t{16}, size_t{64}, size_t{67}, size_t{128}})
+      for (size_t rows : {size_t{1}, size_t{5}, size_t{64}}) {
+        SCOPED_TRACE(::testing::Message() << "rows " << rows << " cols " << cols);
+        std::vector<T> S(rows * cols), a(rows), b(rows), f(rows), k(rows), u(cols);
+        fill_normal(S.data(), int64_t(S.size()), 19 + rows + cols);
+        fill_normal(a.data(), int64_t(rows), 23 + rows);
+        fill_normal(b.data(), int64_t(rows), 29 + rows);
+        fill_normal(k.data(), int64_t(rows), 31 + rows);
+        fill_normal(u.data(), int64_t(cols), 37 + cols);
+        fill_normal(f.data(), int64_t(rows), 41 + rows);
+        for (T& v : f) v = T(std::exp(-std::abs(double(v))));
+        std::vector<T> x(cols, T(-7)), y(cols, T(-7));
+        simd::state_dots(S.data(), rows, cols, a.data(), b.data(), x.data(), y.data());
+        for (size_t c = 0; c < cols; ++c) {
+          double wx = 0, wy = 0, mx = 0, my = 0;
+          for (size_t r = 0; r < rows; ++r) {
+            const double s = double(S[r * cols + c]);
+            wx += double(a[r]) * s, mx += std::abs(double(a[r]) * s);
+            wy += double(b[r]) * s, my += std::abs(double(b[r]) * s);
+          }
+          EXPECT_NEAR(double(x[c]), wx, gamma<T>(double(rows)) * mx) << c;
+          EXPECT_NEAR(double(y[c]), wy, gamma<T>(double(rows)) * my) << c;
+        }
+        std::vector<T> out(rows * cols);
+        EXPECT_TRUE(simd::decay_rank_one(S.data(), rows, cols, f.data(), k.data(), u.data(), out.data()));
+        for (size_t r = 0; r < rows; ++r)
+          for (size_t c = 0; c < cols; ++c) {
+            const double p = double(f[r]) * double(S[r * cols + c]), q = double(k[r]) * double(u[c]);
+            EXPECT_NEAR(double(out[r * cols + c]), p + q, gamma<T>(2) * (std::abs(p) + std::abs(q)));
+          }
+        std::vector<T> in_place = S;  // out may be S: the same values
+        EXPECT_TRUE(simd::decay_rank_one(in_place.data(), rows, cols, f.data(), k.data(), u.data(), in_place.data()));
+        EXPECT_EQ(in_place, out);
+        for (const T bad : {std::numeric_limits<T>::infinity(), std::numeric_limits<T>::quiet_NaN()}) {
+          std::vector<T> with_bad = S;
+          with_bad.back() = bad;  // the last column: in a tail where cols is not a multiple of the lanes
+          EXPECT_FALSE(simd::decay_rank_one(with_bad.data(), rows, cols, f.data(), k.data(), u.data(), out.data()));
+        }
+      }
+  });
+}
+TEST(Simd, FloatStepKernelsMatchLoops) { check_step_kernels<float>(); }
+TEST(Simd, DoubleStepKernelsMatchLoops) { check_step_kernels<double>(); }
+
 TEST(Simd, FloatGatedKernelsMatchLoops) { check_gated_kernels<float>(); }
 TEST(Simd, DoubleGatedKernelsMatchLoops) { check_gated_kernels<double>(); }
 

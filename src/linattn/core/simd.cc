@@ -575,6 +575,86 @@ void Multiply(const T* a, const T* b, size_t b_stride, size_t rows, size_t cols,
   }
 }
 
+// x[c] = Σ_r a[r]·S[r][c] and y[c] = Σ_r b[r]·S[r][c] for c < cols (S rows × cols, row-major):
+// both in one pass over S, four vectors of columns at a time (eight independent sums).
+template <class T>
+void StateDots(const T* S, size_t rows, size_t cols, const T* a, const T* b, T* x, T* y) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  size_t c = 0;
+  for (; c + 4 * N <= cols; c += 4 * N) {
+    auto x0 = hn::Zero(d), x1 = hn::Zero(d), x2 = hn::Zero(d), x3 = hn::Zero(d);
+    auto y0 = hn::Zero(d), y1 = hn::Zero(d), y2 = hn::Zero(d), y3 = hn::Zero(d);
+    for (size_t r = 0; r < rows; ++r) {
+      const T* s = S + r * cols + c;
+      const auto ar = hn::Set(d, a[r]), br = hn::Set(d, b[r]);
+      const auto s0 = hn::LoadU(d, s), s1 = hn::LoadU(d, s + N), s2 = hn::LoadU(d, s + 2 * N),
+                 s3 = hn::LoadU(d, s + 3 * N);
+      x0 = hn::MulAdd(ar, s0, x0), x1 = hn::MulAdd(ar, s1, x1), x2 = hn::MulAdd(ar, s2, x2), x3 = hn::MulAdd(ar, s3, x3);
+      y0 = hn::MulAdd(br, s0, y0), y1 = hn::MulAdd(br, s1, y1), y2 = hn::MulAdd(br, s2, y2), y3 = hn::MulAdd(br, s3, y3);
+    }
+    hn::StoreU(x0, d, x + c), hn::StoreU(x1, d, x + c + N), hn::StoreU(x2, d, x + c + 2 * N);
+    hn::StoreU(x3, d, x + c + 3 * N);
+    hn::StoreU(y0, d, y + c), hn::StoreU(y1, d, y + c + N), hn::StoreU(y2, d, y + c + 2 * N);
+    hn::StoreU(y3, d, y + c + 3 * N);
+  }
+  for (; c < cols; c += N) {
+    const size_t count = std::min(N, cols - c);
+    auto xs = hn::Zero(d), ys = hn::Zero(d);
+    for (size_t r = 0; r < rows; ++r) {
+      const T* s = S + r * cols + c;
+      const auto sv = count == N ? hn::LoadU(d, s) : LoadTail(d, s, count);
+      xs = hn::MulAdd(hn::Set(d, a[r]), sv, xs);
+      ys = hn::MulAdd(hn::Set(d, b[r]), sv, ys);
+    }
+    if (count == N) {
+      hn::StoreU(xs, d, x + c), hn::StoreU(ys, d, y + c);
+    } else {
+      StoreTail(d, xs, x + c, count), StoreTail(d, ys, y + c, count);
+    }
+  }
+}
+
+// out[r][c] = f[r]·S[r][c] + k[r]·u[c] (out may be S); whether every value written is finite.
+template <class T>
+bool DecayRankOne(const T* S, size_t rows, size_t cols, const T* f, const T* k, const T* u, T* out) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  auto finite = hn::IsFinite(hn::Zero(d));
+  for (size_t r = 0; r < rows; ++r) {
+    const T* s = S + r * cols;
+    T* o = out + r * cols;
+    const auto fr = hn::Set(d, f[r]), kr = hn::Set(d, k[r]);
+    size_t c = 0;
+    for (; c + N <= cols; c += N) {
+      const auto v = hn::MulAdd(kr, hn::LoadU(d, u + c), hn::Mul(fr, hn::LoadU(d, s + c)));
+      finite = hn::And(finite, hn::IsFinite(v));
+      hn::StoreU(v, d, o + c);
+    }
+    if (c < cols) {
+      const size_t n = cols - c;
+      // the lanes past the tail load 0 and stay finite
+      const auto v = hn::MulAdd(kr, LoadTail(d, u + c, n), hn::Mul(fr, LoadTail(d, s + c, n)));
+      finite = hn::And(finite, hn::IsFinite(v));
+      StoreTail(d, v, o + c, n);
+    }
+  }
+  return hn::AllTrue(d, finite);
+}
+
+void StateDotsF32(const float* S, size_t r, size_t c, const float* a, const float* b, float* x, float* y) {
+  StateDots(S, r, c, a, b, x, y);
+}
+void StateDotsF64(const double* S, size_t r, size_t c, const double* a, const double* b, double* x, double* y) {
+  StateDots(S, r, c, a, b, x, y);
+}
+bool DecayRankOneF32(const float* S, size_t r, size_t c, const float* f, const float* k, const float* u, float* o) {
+  return DecayRankOne(S, r, c, f, k, u, o);
+}
+bool DecayRankOneF64(const double* S, size_t r, size_t c, const double* f, const double* k, const double* u,
+                     double* o) {
+  return DecayRankOne(S, r, c, f, k, u, o);
+}
 void DecayPairsF32(const float* a, size_t r, size_t m, float* e) { DecayPairs(a, r, m, e); }
 void DecayPairsF64(const double* a, size_t r, size_t m, double* e) { DecayPairs(a, r, m, e); }
 void DecayedDotsF32(const float* q, const float* k, const float* e, size_t r, size_t m, float* o, size_t ld) {
@@ -1059,6 +1139,10 @@ HWY_EXPORT(DecayedWeighF32);
 HWY_EXPORT(DecayedWeighF64);
 HWY_EXPORT(MultiplyF32);
 HWY_EXPORT(MultiplyF64);
+HWY_EXPORT(StateDotsF32);
+HWY_EXPORT(StateDotsF64);
+HWY_EXPORT(DecayRankOneF32);
+HWY_EXPORT(DecayRankOneF64);
 HWY_EXPORT(FlooredCumsumF32);
 HWY_EXPORT(FlooredCumsumF64);
 HWY_EXPORT(DotF32);
@@ -1212,6 +1296,20 @@ void scale_columns(const float* x, size_t rows, size_t cols, const float* f, flo
 }
 void scale_columns(const double* x, size_t rows, size_t cols, const double* f, double* y, bool accumulate) {
   HWY_DYNAMIC_DISPATCH(MultiplyF64)(x, f, 0, rows, cols, y, cols, accumulate);
+}
+void state_dots(const float* S, size_t rows, size_t cols, const float* a, const float* b, float* x, float* y) {
+  HWY_DYNAMIC_DISPATCH(StateDotsF32)(S, rows, cols, a, b, x, y);
+}
+void state_dots(const double* S, size_t rows, size_t cols, const double* a, const double* b, double* x, double* y) {
+  HWY_DYNAMIC_DISPATCH(StateDotsF64)(S, rows, cols, a, b, x, y);
+}
+bool decay_rank_one(const float* S, size_t rows, size_t cols, const float* f, const float* k, const float* u,
+                    float* out) {
+  return HWY_DYNAMIC_DISPATCH(DecayRankOneF32)(S, rows, cols, f, k, u, out);
+}
+bool decay_rank_one(const double* S, size_t rows, size_t cols, const double* f, const double* k, const double* u,
+                    double* out) {
+  return HWY_DYNAMIC_DISPATCH(DecayRankOneF64)(S, rows, cols, f, k, u, out);
 }
 void floored_cumsum(const float* g, size_t rows, size_t width, double floor, double* b, float* floored) {
   HWY_DYNAMIC_DISPATCH(FlooredCumsumF32)(g, rows, width, floor, b, floored);

@@ -184,6 +184,17 @@ void multiply(const double* a, const double* b, size_t rows, size_t cols, double
 void scale_columns(const float* x, size_t rows, size_t cols, const float* f, float* y, bool accumulate);
 void scale_columns(const double* x, size_t rows, size_t cols, const double* f, double* y, bool accumulate);
 
+// One step of a recurrence on a state S [rows, cols] (row-major), in two passes over it:
+// state_dots: x[c] = Σ_r a[r]·S[r][c] and y[c] = Σ_r b[r]·S[r][c] (Sᵀa and Sᵀb, one pass);
+// decay_rank_one: out[r][c] = f[r]·S[r][c] + k[r]·u[c] (out may be S), and whether every value
+// written is finite.
+void state_dots(const float* S, size_t rows, size_t cols, const float* a, const float* b, float* x, float* y);
+void state_dots(const double* S, size_t rows, size_t cols, const double* a, const double* b, double* x, double* y);
+bool decay_rank_one(const float* S, size_t rows, size_t cols, const float* f, const float* k, const float* u,
+                    float* out);
+bool decay_rank_one(const double* S, size_t rows, size_t cols, const double* f, const double* k, const double* u,
+                    double* out);
+
 // A register-only loop of fused multiply-adds on float vectors, what the benchmarks measure
 // the FMA peak with: `iterations` rounds of fma_loop_flops_per_iteration() FLOPs.
 float fma_loop(size_t iterations, float seed);

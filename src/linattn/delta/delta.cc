@@ -295,7 +295,12 @@ GatedDeltaRuleResult<T> forward(const char* fn, const Inputs<T>& in, const Dims&
 // in BLAS calls and scratch than the arithmetic of a step (4·d_k·d_v per position and head).
 constexpr int64_t kRecurrentUpTo = 16;
 
-// S ← diag(e^{g_t}) S;  u = β_t (v_t − Sᵀ k_t);  S ← S + k_t uᵀ;  o_t = s·Sᵀ q_t.
+// With f = e^{g_t} (per channel, or the head's for every channel), one position in two passes
+// over the state (simd::state_dots, simd::decay_rank_one):
+//   w = Sᵀ(f ⊙ k_t), y = Sᵀ(f ⊙ q_t);  u = β_t (v_t − w);  S ← diag(f) S + k_t uᵀ;
+//   o_t = s·(y + (k_t·q_t) u)
+// the recurrence S ← (I − β k kᵀ) diag(f) S + β k vᵀ, o = s·Sᵀq, as S's new value need not be
+// read again for the output (Sᵀq = Sᵀ diag(f) q + u kᵀq).
 template <class T>
 GatedDeltaRuleResult<T> recurrent_forward(const char* fn, const Inputs<T>& in, const Dims& d) {
   const KernelQK<T> qk(d, in.q, in.k);
@@ -305,11 +310,17 @@ GatedDeltaRuleResult<T> recurrent_forward(const char* fn, const Inputs<T>& in, c
   const int64_t group = tasks_per_index(d.bh(), d.n * dk * dv);
   const ParallelLoop loop((d.bh() + group - 1) / group);
   struct Worker {
-    std::vector<T> read;
+    std::vector<T> decay, fk, fq;  // [dk]: f, f ⊙ k, f ⊙ q
+    std::vector<T> u, y;           // [dv]
     bool ok = true;
   };
-  PerWorker<Worker> workers(loop, [&] { return Worker{std::vector<T>(static_cast<size_t>(dv)), true}; });
+  PerWorker<Worker> workers(loop, [&] {
+    const auto n_k = static_cast<size_t>(dk), n_v = static_cast<size_t>(dv);
+    return Worker{std::vector<T>(n_k), std::vector<T>(n_k), std::vector<T>(n_k), std::vector<T>(n_v),
+                  std::vector<T>(n_v), true};
+  });
   const T sc = static_cast<T>(d.scale);
+  const auto rows = static_cast<size_t>(dk), cols = static_cast<size_t>(dv);
   // One task: the recurrence over its n positions.
   auto recur = [&](int64_t bh, Worker& wk) {
     T* S = r.state.data() + bh * dk * dv;
@@ -323,38 +334,28 @@ GatedDeltaRuleResult<T> recurrent_forward(const char* fn, const Inputs<T>& in, c
       const T* v = in.v.data + (bh * d.n + t) * dv;
       const T* g = in.g.data + (bh * d.n + t) * w;
       const T beta = in.beta.data[bh * d.n + t];
-      T* u = wk.read.data();
-      std::fill(u, u + dv, T(0));
-      // exp(g) of each gate this position has (one per head, or one per channel)
-      auto decay_of = [&](T gate) {
-        wk.ok = wk.ok && gate <= T(0);  // NaN fails too
-        return static_cast<T>(std::exp(std::max(static_cast<double>(gate), kFloor)));
-      };
-      const T head_decay = d.per_channel ? T(0) : decay_of(g[0]);
-      for (int64_t c = 0; c < dk; ++c) {
-        const T decay = d.per_channel ? decay_of(g[c]) : head_decay;
-        const T* src = from + c * dv;
-        T* row = S + c * dv;
-        for (int64_t e = 0; e < dv; ++e) {
-          row[e] = src[e] * decay;
-          u[e] += row[e] * k[c];
-        }
+      // f = exp(g) of each gate this position has (one per head, or one per channel)
+      int bad = 0;
+      for (int64_t c = 0; c < w; ++c) {
+        bad += !(g[c] <= T(0));  // NaN fails too
+        wk.decay[c] = static_cast<T>(std::exp(std::max(static_cast<double>(g[c]), kFloor)));
       }
-      from = S;
+      wk.ok = wk.ok && bad == 0;
+      if (!d.per_channel) std::fill(wk.decay.begin() + 1, wk.decay.end(), wk.decay[0]);
+      for (int64_t c = 0; c < dk; ++c) {
+        wk.fk[c] = wk.decay[c] * k[c];
+        wk.fq[c] = wk.decay[c] * q[c];
+      }
+      T* u = wk.u.data();
+      simd::state_dots(from, rows, cols, wk.fk.data(), wk.fq.data(), u, wk.y.data());
       for (int64_t e = 0; e < dv; ++e) u[e] = beta * (v[e] - u[e]);
+      wk.ok = simd::decay_rank_one(from, rows, cols, wk.decay.data(), k, u, S) && wk.ok;
+      from = S;
+      const T kq = simd::dot(k, q, rows);
       T* o = r.out.data() + (bh * d.n + t) * dv;
-      std::fill(o, o + dv, T(0));
-      for (int64_t c = 0; c < dk; ++c) {
-        T* row = S + c * dv;
-        for (int64_t e = 0; e < dv; ++e) {
-          row[e] += k[c] * u[e];
-          o[e] += row[e] * q[c];
-        }
-      }
-      for (int64_t e = 0; e < dv; ++e) o[e] *= sc;
-      wk.ok = wk.ok && simd::all_finite(o, static_cast<size_t>(dv));
+      for (int64_t e = 0; e < dv; ++e) o[e] = sc * (wk.y[e] + kq * u[e]);
+      wk.ok = wk.ok && simd::all_finite(o, cols);
     }
-    wk.ok = wk.ok && simd::all_finite(S, static_cast<size_t>(dk * dv));
   };
   loop.run([&](int64_t index, int worker) {
     for (int64_t bh = index * group; bh < std::min(d.bh(), (index + 1) * group); ++bh) recur(bh, workers[worker]);
