@@ -48,13 +48,19 @@ import torch_bench  # noqa: E402
 CHUNK = 64
 
 
-def transformers_functions(folder="qwen3_next"):
-    """transformers' own PyTorch functions (under its hub/fla dispatch), from the module they live in."""
+# transformers' functions of each gate form: (module folder, chunk function, recurrent function)
+PEERS = {"head": ("qwen3_next", "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
+         "channel": ("kimi_linear", "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")}
+
+
+def transformers_functions(gates="head"):
+    """transformers' own PyTorch functions (under its hub/fla dispatch), from the module they live in:
+    the chunk and recurrent forms, per-head gates (Gated DeltaNet) or per-channel gates (KDA)."""
+    folder, *names = PEERS[gates]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         module = importlib.import_module("transformers.models.%s.modeling_%s" % (folder, folder))
     from linattn.hf.delta import ORIGINALS
-    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
     return tuple(inspect.unwrap(ORIGINALS.get((module.__name__, n), getattr(module, n))) for n in names)
 
 
@@ -62,14 +68,16 @@ def flops_per_position(dk, dv):
     return 6 * dk * dv + 4 * CHUNK * dk + 3 * CHUNK * dv
 
 
-def kernels(a):
-    chunk, recurrent = transformers_functions()
+def kernels(a, gates="head", lengths=None):
+    """Forward and forward + backward at each length: per-head gates g [B, H, n] against
+    transformers' Gated DeltaNet functions, or per-channel gates [B, H, n, d_k] against its KDA ones."""
+    chunk, recurrent = transformers_functions(gates)
     rows = []
-    for n in a.lengths:
+    for n in lengths or a.lengths:
         gen = torch.Generator().manual_seed(n)
         B, H, d = a.batch, a.heads, a.head_dim
         q, k, v = (torch.randn(B, H, n, d, generator=gen) for _ in range(3))
-        g = -0.1 * torch.rand(B, H, n, generator=gen)
+        g = -0.1 * torch.rand(*((B, H, n) if gates == "head" else (B, H, n, d)), generator=gen)
         beta = torch.rand(B, H, n, generator=gen)
         want = lt.gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
         theirs = tuple(x.transpose(1, 2).contiguous() for x in (q, k, v, g, beta))
@@ -79,7 +87,8 @@ def kernels(a):
 
         def peer(fn):
             def call(q, k, v, g, beta):
-                return fn(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0].transpose(1, 2)
+                return fn(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                          use_qk_l2norm_in_kernel=True)[0].transpose(1, 2)
             return call
 
         forms = {"linattn": ((q, k, v, g, beta), ours), "torch chunk": (theirs, peer(chunk))}
@@ -107,6 +116,22 @@ def kernels(a):
                          "bwd": torch_bench.warm_median_seconds(fwd_bwd, n)})
             print(rows[-1], flush=True)
     return rows
+
+
+def bfloat16_forward(a):
+    """linattn's forward on bfloat16 q, k, v, g, β against the same call on their float32 values."""
+    n = a.bf16_length
+    gen = torch.Generator().manual_seed(n)
+    B, H, d = a.batch, a.heads, a.head_dim
+    wide = [torch.randn(B, H, n, d, generator=gen) for _ in range(3)]
+    wide += [-0.1 * torch.rand(B, H, n, generator=gen), torch.rand(B, H, n, generator=gen)]
+    out = {"n": n}
+    for name, inputs in (("float32", wide), ("bfloat16", [x.bfloat16() for x in wide])):
+        def fwd():
+            with torch.no_grad():
+                lt.gated_delta_rule(*inputs, use_qk_l2norm_in_kernel=True)
+        out[name] = torch_bench.warm_median_seconds(fwd, n)
+    return out
 
 
 def decode_step(a):
@@ -180,6 +205,30 @@ def models(a):
     return rows
 
 
+def kernel_table(rows, lengths, B, H, d, peak, peer):
+    """Markdown rows: linattn's forward and forward + backward at each length against the peer's
+    chunk and recurrent forms (named "<peer> chunk", "<peer> recurrent")."""
+    lines = ["| n | linattn fwd | GFLOP/s (%% of peak) | %s chunk fwd | %s recurrent fwd | linattn fwd+bwd | "
+             "%s chunk fwd+bwd | %s recurrent fwd+bwd |" % (peer, peer, peer, peer),
+             "|---|---|---|---|---|---|---|---|"]
+    by = {(row["n"], row["form"]): row for row in rows}
+
+    def cell(n, form, key):
+        row = by.get((n, form))
+        if row is None:
+            return "–"
+        t, mine = row[key], by[(n, "linattn")][key]
+        return "%.1f ms" % (1e3 * t) if form == "linattn" else "%.1f ms (%.1f×)" % (1e3 * t, t / mine)
+
+    for n in lengths:
+        gf = B * H * n * flops_per_position(d, d) / by[(n, "linattn")]["fwd"] / 1e9
+        lines.append("| %d | %s | %.1f (%.0f%%) | %s | %s | %s | %s | %s |" % (
+            n, cell(n, "linattn", "fwd"), gf, 100 * gf / peak, cell(n, "torch chunk", "fwd"),
+            cell(n, "torch recurrent", "fwd"), cell(n, "linattn", "bwd"), cell(n, "torch chunk", "bwd"),
+            cell(n, "torch recurrent", "bwd")))
+    return lines
+
+
 def report(r, command):
     a = r["args"]
     d, H, B = a["head_dim"], a["heads"], a["batch"]
@@ -190,26 +239,22 @@ def report(r, command):
              "warm-up (at least 5 runs and 1 s; 2 runs from n = 16384). GFLOP/s: the chunk algorithm's forward "
              "count over linattn's forward time."
              % (command, a["threads"], B, H, d, r["torch"], r["transformers"], r["features"], r["build"],
-                r["coretype"] or "unset", r["peak"]), "",
-             "| n | linattn fwd | GFLOP/s (% of peak) | torch chunk fwd | torch recurrent fwd | linattn fwd+bwd | "
-             "torch chunk fwd+bwd | torch recurrent fwd+bwd |",
-             "|---|---|---|---|---|---|---|---|"]
-    by = {(row["n"], row["form"]): row for row in r["rows"]}
-
-    def cell(n, form, key):
-        row = by.get((n, form))
-        if row is None:
-            return "–"
-        t, mine = row[key], by[(n, "linattn")][key]
-        return "%.1f ms" % (1e3 * t) if form == "linattn" else "%.1f ms (%.1f×)" % (1e3 * t, t / mine)
-
-    for n in a["lengths"]:
-        gf = B * H * n * flops_per_position(d, d) / by[(n, "linattn")]["fwd"] / 1e9
-        lines.append("| %d | %s | %.1f (%.0f%%) | %s | %s | %s | %s | %s |" % (
-            n, cell(n, "linattn", "fwd"), gf, 100 * gf / r["peak"], cell(n, "torch chunk", "fwd"),
-            cell(n, "torch recurrent", "fwd"), cell(n, "linattn", "bwd"), cell(n, "torch chunk", "bwd"),
-            cell(n, "torch recurrent", "bwd")))
-    lines += ["", "(×: the peer's time over linattn's; –: not run, the recurrent form's forward + backward takes over a minute there.)", ""]
+                r["coretype"] or "unset", r["peak"]), ""]
+    lines += kernel_table(r["rows"], a["lengths"], B, H, d, r["peak"], "torch")
+    lines += ["", "(×: the peer's time over linattn's; –: not run, the recurrent form's forward + backward takes over "
+              "a minute there.)", "",
+              "KDA (Kimi Linear: per-channel log-gates [B, H, n, d_k], the same sizes) against transformers' "
+              "chunk_kimi_delta_attention (GFLOP/s counted as above, without the per-channel decays' work):", ""]
+    lines += kernel_table(r["kda"], a["kda_lengths"], B, H, d, r["peak"], "torch KDA")
+    bf = r["bf16"]
+    slower = r["bf16_peak"] is not None and r["bf16_peak"] < r["peak"]
+    lines += ["", "bfloat16 (q, k, v, g, β bfloat16, the state float32) at n = %d: forward %.1f ms against %.1f ms in "
+              "float32 (%.2f× float32's speed). linattn computes bfloat16 calls in float32, as transformers' "
+              "fallbacks do; this CPU's bfloat16 pair products (vdpbf16ps) peak at %s GFLOP/s against %.0f for "
+              "float32 FMAs (both measured)%s."
+              % (bf["n"], 1e3 * bf["bfloat16"], 1e3 * bf["float32"], bf["float32"] / bf["bfloat16"],
+                 "%.0f" % r["bf16_peak"] if r["bf16_peak"] else "– (no AVX512-BF16)", r["peak"],
+                 ", so bfloat16 products would make it slower, not faster" if slower else ""), ""]
     step = r["decode"]
     lines += ["Decoding step (batch 1, %d heads, d_k = d_v = %d, one position from a state, l2norm): linattn "
               "%.3f ms, transformers' torch_recurrent_gated_delta_rule %.3f ms (%.1f×)."
@@ -238,6 +283,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     ap.add_argument("--recurrent-up-to", type=int, default=2048)
+    ap.add_argument("--kda-lengths", type=int, nargs="+", default=[4096], help="per-channel gates (KDA)")
+    ap.add_argument("--bf16-length", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -247,13 +294,16 @@ def main():
     a = ap.parse_args()
     if a.quick:
         a.lengths, a.heads, a.head_dim, a.prefill, a.new_tokens = [70], 2, 8, 100, 3
+        a.kda_lengths, a.bf16_length = [70], 70
     torch.set_num_threads(a.threads)
     linattn.set_num_threads(a.threads)
     import transformers
-    r = {"rows": kernels(a), "decode": decode_step(a), "models": models(a), "args": vars(a),
+    peaks = linattn.measure_peak_rates(a.threads)
+    r = {"rows": kernels(a), "kda": kernels(a, "channel", a.kda_lengths), "bf16": bfloat16_forward(a),
+         "decode": decode_step(a), "models": models(a), "args": vars(a),
          "torch": torch.__version__, "transformers": transformers.__version__, "build": linattn.build_info(),
          "cpu": platform.processor() or platform.machine(), "features": torch_bench.cpu_features(),
-         "peak": linattn.measure_peak_rates(a.threads)["float32_fma_gflops"],
+         "peak": peaks["float32_fma_gflops"], "bf16_peak": peaks.get("bfloat16_dot_gflops"),
          "coretype": os.environ.get("OPENBLAS_CORETYPE")}
     args = " ".join(sys.argv[1:])
     section = report(r, "make bench-delta" if args == "--docs docs/methods/delta.md" else "bench/delta.py " + args)

@@ -30,8 +30,9 @@ B, H, N, D, DV = 2, 2, 37, 8, 6
 SIZES = {1: [37], 2: [25, 12], 4: [5, 1, 20, 11]}
 THREADS = {1: 4, 2: 3, 4: 1}  # linattn threads per process: above and below B·H = 4
 TOL64, TOL32 = 2.0 ** -33, 2.0 ** -12
-POSITIONAL = ("projection", "e", "f", "query_weight", "query_bias", "key_weight", "key_bias")
-ROWS = ("query_features", "key_features")  # per-position arguments: each rank passes its rows
+POSITIONAL = ("projection", "e", "f", "query_weight", "query_bias", "key_weight", "key_bias", "g", "beta")
+# per-position arguments: each rank passes its rows
+ROWS = ("query_features", "key_features", "g", "beta")
 # A run of every case takes seconds; these limits only turn a hang into a failure that says so.
 COLLECTIVE_TIMEOUT_S = 300
 SPAWN_LIMIT_S = 900
@@ -88,6 +89,12 @@ CASES = {
     "efficient_zigzag": ("efficient_attention", dict(scale=0.5), "zigzag"),
     "linformer": ("linformer_attention", dict(key_lengths=[37, 23], e_shape=(5, 40)), "contiguous"),
     "linformer_heads_zigzag": ("linformer_attention", dict(e_shape=(H, 5, 37)), "zigzag"),
+    # The gated delta rule: per-head gates; KDA's per-channel gates with grouped q/k heads (one
+    # key head for both value heads); float32 with keys of norm <= 1 and no l2norm in the kernel.
+    "delta": ("gated_delta_rule", dict(use_qk_l2norm_in_kernel=True), "contiguous"),
+    "delta_kda_grouped_zigzag": ("gated_delta_rule", dict(use_qk_l2norm_in_kernel=True, kda=True, grouped=True),
+                                 "zigzag"),
+    "delta_unit_keys_f32": ("gated_delta_rule", dict(scale=0.5, unit_keys=True, dtype=torch.float32), "contiguous"),
 }
 
 
@@ -133,6 +140,15 @@ def inputs(name):
         shape = opts.pop("e_shape")
         opts["e"], opts["f"] = 0.3 * r(*shape), 0.3 * r(*shape)
         params += ["e", "f"]
+    if function == "gated_delta_rule":
+        if opts.pop("grouped", False):
+            q, k = q[:, :1], k[:, :1]
+        if opts.pop("unit_keys", False):  # |k| <= 1: every transition a contraction without l2norm
+            k = k / (1.5 * k.norm(dim=-1, keepdim=True))
+        opts["g"] = -0.3 * torch.rand(*((B, H, N, D) if opts.pop("kda", False) else (B, H, N)), generator=gen,
+                                      dtype=torch.float64)
+        opts["beta"] = 2 * torch.rand(B, H, N, generator=gen, dtype=torch.float64)  # OLMo-hybrid's [0, 2]
+        params += ["g", "beta"]
     cast = lambda x: x.to(dtype)  # noqa: E731
     opts = {key: cast(x) if isinstance(x, torch.Tensor) else x for key, x in opts.items()}
     return cast(q), cast(k), cast(v), cast(dout), opts, params
@@ -193,6 +209,11 @@ def _errors(dist_mod, rank):
         "hybrid_favor_trig": lambda: dist_mod.hybrid_attention(
             q, q, q, window=2, feature_map="favor", kernel="trig",
             projection=torch.from_numpy(linattn.random_features(8, D, seed=1)).double()),
+        # a value only the kernel checks, on one rank: raised by the second agreement
+        "delta_beta_on_last": lambda: dist_mod.gated_delta_rule(q, q, q, -q[..., 0].abs(), (
+            3.0 if rank == 3 else 0.5) * torch.ones(B, H, 4, dtype=torch.float64)),
+        "delta_heads": lambda: dist_mod.gated_delta_rule(q[:, :1].repeat(1, 3, 1, 1), q[:, :1].repeat(1, 3, 1, 1), q,
+                                                         -q[..., 0].abs(), q[..., 0].abs().clamp(max=1)),
         "hedgehog_weight_shape": lambda: dist_mod.hedgehog_attention(
             q, q, q, torch.zeros(H, D + 1, 3, dtype=torch.float64), torch.zeros(H, 3, dtype=torch.float64),
             torch.zeros(H, D, 3, dtype=torch.float64), torch.zeros(H, 3, dtype=torch.float64)),
@@ -360,12 +381,12 @@ def test_matches_single_process(world, name):
 def test_errors_raised_on_every_rank(world):
     w, results = world
     everywhere = {"key_lengths_too_long", "efficient_causal", "nystrom", "layout", "negative_features",
-                  "hedgehog_weight_shape", "hybrid_favor_trig"}
+                  "hedgehog_weight_shape", "hybrid_favor_trig", "delta_heads"}
     if w > 1:
         everywhere |= {"dtype_on_rank_1", "causal_differs", "projection_differs", "zigzag_sizes", "window_differs",
                        "gate_differs", "linformer_f_differs"}
     if w == 4:
-        everywhere |= {"nan_on_last", "identity_nan_on_last", "state_overflow_on_last"}
+        everywhere |= {"nan_on_last", "identity_nan_on_last", "state_overflow_on_last", "delta_beta_on_last"}
     assert set(results[0]["errors"]) >= everywhere
     for key in everywhere:
         got = [res["errors"][key] for res in results]
@@ -376,6 +397,9 @@ def test_errors_raised_on_every_rank(world):
         elif key in ("nan_on_last", "identity_nan_on_last"):
             assert got[3][0] == "ValueError" and "non-finite" in got[3][1]
             assert "rank 3" in got[0][1]
+        elif key == "delta_beta_on_last":
+            assert got[3][0] == "ValueError" and "beta must be in [0, 2]" in got[3][1]
+            assert all(g[0] == "ValueError" and "rank 3" in g[1] for g in got[:3])
         elif key == "state_overflow_on_last":  # refused before any collective, so nothing hangs
             assert got[3][0] == "ValueError" and "too large for torch.float64" in got[3][1]
             assert "rank 3" in got[0][1]
@@ -388,6 +412,7 @@ def test_errors_raised_on_every_rank(world):
                      "nystrom": "not available", "layout": "layout must be one of",
                      "negative_features": "query_features must be >= 0",
                      "hedgehog_weight_shape": "query_weight has shape",
+                     "delta_heads": "must be a multiple of q's and k's heads",
                      "hybrid_favor_trig": "kernel must be positive or hyperbolic"}[key]
             assert all(g[0] == "ValueError" and words in g[1] for g in got), got
     for key in set(results[0]["errors"]) - everywhere:  # valid on this world size: no error anywhere

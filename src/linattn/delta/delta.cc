@@ -146,8 +146,10 @@ struct KernelQK {
     k_norm = Tensor<T>(k_in.shape, false, Init::Uninitialized);
     q_factor.resize(static_cast<size_t>(rows));
     k_factor.resize(static_cast<size_t>(rows));
-    parallel_for(d.batch * d.key_heads, [&](int64_t task) {
-      for (int64_t t = task * d.n; t < (task + 1) * d.n; ++t) {
+    // rows of a task in a row: a decoding step's few rows wake no helper thread
+    const int64_t tasks = d.batch * d.key_heads, group = tasks_per_index(tasks, 2 * d.n * d.dk);
+    parallel_for((tasks + group - 1) / group, [&](int64_t index) {
+      for (int64_t t = index * group * d.n; t < std::min(tasks, (index + 1) * group) * d.n; ++t) {
         normalise(q_in.data + t * d.dk, d.dk, q_norm.data() + t * d.dk, q_factor[t]);
         normalise(k_in.data + t * d.dk, d.dk, k_norm.data() + t * d.dk, k_factor[t]);
       }

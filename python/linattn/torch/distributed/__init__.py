@@ -25,6 +25,10 @@ What travels, per (batch, head) and rank:
     efficient_attention  one all-reduce of [d, d_v+1] and one of d maxima
     linformer_attention  one all-reduce of [s, d+d_v]
     nystrom_attention    refused (ValueError); see docs/distributed.md
+    gated_delta_rule     an all-gather of every segment's transition and state [T | B]
+                         (O(d_k·(d_k+d_v)), independent of n), after one more agreement
+                         (each segment's values checked by the kernel first); each rank runs
+                         its segments twice (from 0, and from I for T)
 and every call starts with an all-gather of a few numbers that checks the ranks agree, so that
 bad input raises the same error on every rank instead of hanging the others.
 
@@ -50,13 +54,13 @@ import torch._dynamo  # noqa: F401
 from .. import _lengths, _tensor
 from ... import _linattn as _lx, methods as _methods, _default
 from .. import feature_maps as _feature_maps
-from . import _context, _hybrid, _kernelized, _ring
+from . import _context, _delta, _hybrid, _kernelized, _ring
 from ._comm import Group, reset_traffic, traffic
 from ._layout import LAYOUTS, check_sizes, segments, shard_of, unshard
 
 __all__ = ["softmax_attention", "linear_attention", "favor_attention", "hedgehog_attention", "hybrid_attention",
-           "efficient_attention", "linformer_attention", "nystrom_attention", "shard", "gather", "traffic",
-           "reset_traffic"]
+           "efficient_attention", "linformer_attention", "nystrom_attention", "gated_delta_rule", "shard", "gather",
+           "traffic", "reset_traffic"]
 
 _INFO = {m["function"]: m for m in _methods()}
 _DTYPES = {torch.float32: 1, torch.float64: 2}
@@ -491,6 +495,54 @@ def nystrom_attention(q, k, v, *, num_landmarks=_option_default("nystrom_attenti
                      "Gather the sequence (linattn.torch.distributed.gather) and call linattn.torch.nystrom_attention, "
                      "or use linformer_attention, efficient_attention or favor_attention, which run distributed"
                      % _full("nystrom_attention"))
+
+
+def gated_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm_in_kernel=False, group=None,
+                     layout="contiguous"):
+    """The gated delta rule and KDA (linattn.torch.gated_delta_rule: causal, from a zero state)
+    over ranks: each rank holds the rows of q, k [B, H_k, n_local, d_k], v [B, H, n_local, d_v],
+    g [B, H, n_local] or [B, H, n_local, d_k] and beta [B, H, n_local] at its positions, and
+    gets its rows of the output, with gradients for all five. Each segment's map of the state
+    (S ↦ T·S + B) is all-gathered and folded; see the module's documentation and _delta.py."""
+    fn = _full("gated_delta_rule")
+    grp = Group(fn, group)
+    named = (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta))
+    problem, fields, n_local = None, [], 0
+    try:
+        if layout not in LAYOUTS:
+            raise ValueError("%s: layout must be one of %s, got %r" % (fn, ", ".join(LAYOUTS), layout))
+        q, k, v, g, beta = (_tensor(fn, name, x) for name, x in named)
+        named = (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta))
+        for (name, x), ranks in zip(named, ((4,), (4,), (4,), (3, 4), (3,))):
+            if x.dim() not in ranks:
+                raise ValueError("%s: %s must have %s dimensions [batch, heads, n_local, ...], got shape %s"
+                                 % (fn, name, " or ".join(map(str, ranks)), list(x.shape)))
+        n_local = q.shape[2]
+        for name, x in named[1:]:
+            if x.shape[2] != n_local:
+                raise ValueError("%s: %s has %d positions, q has %d: every input holds this rank's rows"
+                                 % (fn, name, x.shape[2], n_local))
+        if q.dtype not in _DTYPES:
+            raise TypeError("%s: q must be float32 or float64 over ranks, got %s" % (fn, q.dtype))
+        scale = _scale_of(fn, scale, q.shape[3])
+        _delta.check(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+        fields = [q.shape[0], k.shape[1], v.shape[1], q.shape[3], v.shape[3], _DTYPES[q.dtype], LAYOUTS.index(layout),
+                  g.dim(), use_qk_l2norm_in_kernel, scale] + [x.requires_grad for _, x in named]
+    except (TypeError, ValueError) as e:
+        problem, fields = e, []
+    fields = fields + [0.0] * (_FIELDS - 2 - len(fields))
+    sizes = grp.agree(n_local if problem is None else 0, fields, problem)
+    message = check_sizes(fn, layout, sizes)
+    if message:
+        raise ValueError(message)
+    segs = [segments(layout, sizes, r) for r in range(grp.size)]
+    maps = None
+    try:  # bad values (g > 0, beta outside [0, 2], non-finite) raise here, on this rank only
+        maps = _delta.segment_maps(segs[grp.rank], q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    except (TypeError, ValueError) as e:
+        problem = e
+    grp.agree(n_local if problem is None else 0, [0.0] * (_FIELDS - 2), problem)
+    return _delta.attention(grp, segs, maps, q.shape[3])
 
 
 def shard(x, group=None, layout="contiguous"):
