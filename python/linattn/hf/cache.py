@@ -57,10 +57,12 @@ def _model_config(model_or_config):
 
 class LinattnCacheLayer(CacheLayerMixin):
     """One decoder layer's recurrent state: `linear` (a linattn.torch.recurrent.LinearState or
-    None before the prompt), `window_keys` / `window_values` [B, H, w, d] (the last w tokens'
-    keys and values, newest last) with `window_valid` [B, w] (False: a slot no token has filled
-    yet), `sink_keys` / `sink_values` [B, H, s, d] and `sink_valid` [B, s] (the first s tokens,
-    once they have left the window: attention sinks), `conv_values` [B, H, K − 1, d_v] (a depthwise convolution's past values, zeros before
+    None before the prompt), `exact_keys` / `exact_values` [B, H, s + w, d] with `exact_valid`
+    [B, s + w] (False: a slot no token has filled yet): the keys and values the query sees
+    exactly, in s sink slots (slot p: the row's token p, one of its first s, once it has left
+    the window: attention sinks) and a ring of w window slots (the token at place p of its row
+    at slot s + p mod w, overwritten in place by the token w places on, so a step copies no
+    window), `conv_values` [B, H, K − 1, d_v] (a depthwise convolution's past values, zeros before
     the first tokens), `tokens` (the positions seen, padding included: what transformers counts)
     and `counts` [B] (the tokens of each row, padding excluded)."""
 
@@ -76,8 +78,7 @@ class LinattnCacheLayer(CacheLayerMixin):
     def reset(self):
         self.tokens = 0
         self.linear = self.counts = None
-        self.window_keys = self.window_values = self.window_valid = self.conv_values = None
-        self.sink_keys = self.sink_values = self.sink_valid = None
+        self.exact_keys = self.exact_values = self.exact_valid = self.conv_values = None
         self.is_initialized = False
 
     def lazy_initialization(self, key_states, value_states):
@@ -102,8 +103,7 @@ class LinattnCacheLayer(CacheLayerMixin):
         pass
 
     def _tensors(self):
-        return ("counts", "window_keys", "window_values", "window_valid", "sink_keys", "sink_values", "sink_valid",
-                "conv_values")
+        return ("counts", "exact_keys", "exact_values", "exact_valid", "conv_values")
 
     def _map(self, fn):
         if self.linear is not None:
@@ -434,9 +434,10 @@ def _last_slots(valid, size):
 def _fill(layer, fmap, module, user, key, value, window, sinks, decay, valid):
     """The state after the prompt: per row, its tokens before its last `window` enter the
     linear state, except its first `sinks` tokens, which fill the sink slots; the last `window`
-    tokens' keys and values fill the window's slots (the newest last); a convolution keeps the
-    last K − 1 values. Padded positions go nowhere. With decay λ [H], a token entering the state
-    is weighed by e^{λ·(tokens after it)}: the state is the last token's."""
+    tokens' keys and values fill the window's ring (token p of the row at slot sinks + p mod
+    window); a convolution keeps the last K − 1 values. Padded positions go nowhere. With decay
+    λ [H], a token entering the state is weighed by e^{λ·(tokens after it)}: the state is the last
+    token's."""
     batch, heads, n, head_dim = key.shape
     valid = torch.ones((batch, n), dtype=torch.bool, device=key.device) if valid is None else valid
     after = valid.flip(1).cumsum(1).flip(1) - valid.long()
@@ -446,23 +447,18 @@ def _fill(layer, fmap, module, user, key, value, window, sinks, decay, valid):
     log_weight = None if decay is None else decay[None, :, None] * after[:, None, :].to(decay.dtype)
     layer.linear = fmap.enter(state, key, value, mask=valid & (after >= window) & (before >= sinks),
                               log_weight=log_weight)
-    if sinks:
-        layer.sink_keys = key.new_zeros((batch, heads, sinks, head_dim))
-        layer.sink_values = value.new_zeros((batch, heads, sinks, value.shape[-1]))
-        layer.sink_valid = torch.zeros((batch, sinks), dtype=torch.bool, device=key.device)
-        rows, positions = (valid & (after >= window) & (before < sinks)).nonzero(as_tuple=True)
-        slots = before[rows, positions]
-        layer.sink_keys[rows, :, slots] = key[rows, :, positions]
-        layer.sink_values[rows, :, slots] = value[rows, :, positions]
-        layer.sink_valid[rows, slots] = True
     if window:
-        rows, positions, slots = _last_slots(valid, window)
-        layer.window_keys = key.new_zeros((batch, heads, window, head_dim))
-        layer.window_values = value.new_zeros((batch, heads, window, value.shape[-1]))
-        layer.window_valid = torch.zeros((batch, window), dtype=torch.bool, device=key.device)
-        layer.window_keys[rows, :, slots] = key[rows, :, positions]
-        layer.window_values[rows, :, slots] = value[rows, :, positions]
-        layer.window_valid[rows, slots] = True
+        layer.exact_keys = key.new_zeros((batch, heads, sinks + window, head_dim))
+        layer.exact_values = value.new_zeros((batch, heads, sinks + window, value.shape[-1]))
+        layer.exact_valid = torch.zeros((batch, sinks + window), dtype=torch.bool, device=key.device)
+        sink = valid & (after >= window) & (before < sinks)
+        ring = valid & (after < window)
+        rows, positions = (sink | ring).nonzero(as_tuple=True)
+        places = before[rows, positions]
+        slots = torch.where(ring[rows, positions], sinks + places % window, places)
+        layer.exact_keys[rows, :, slots] = key[rows, :, positions]
+        layer.exact_values[rows, :, slots] = value[rows, :, positions]
+        layer.exact_valid[rows, slots] = True
     conv = getattr(module, _backends.PREFIX + "conv_weight", None)
     if user.get("dwc_kernel_size") and conv is not None:
         past = conv.shape[1] - 1
@@ -489,35 +485,35 @@ def _step(layer, fmap, module, b, user, q, k, v, window, sinks, decay, valid):
         # A zero denominator (trig features can cancel) gives 0, as favor_attention does.
         out = torch.where(den[..., None] != 0, num / torch.where(den != 0, den, 1)[..., None], 0)
     else:
-        # The oldest slot's token (if it holds one) leaves the window: for the sink slots when it
-        # is one of its row's first `sinks` tokens, else for the linear state.
-        leaving = layer.window_valid[:, 0] & advance
+        # The row's token `window` places back (if there is one) leaves the window: for its sink
+        # slot when it is one of the row's first `sinks` tokens, else for the linear state. It
+        # sits in the ring slot the new token takes.
+        leaving = advance & (layer.counts >= window)
         place = layer.counts - window  # the leaving token's place in its row
         to_sink = leaving & (place < sinks)
+        slot = sinks + layer.counts % window  # [B]
+        rows = torch.arange(batch, device=q.device)
+        old_keys, old_values = layer.exact_keys[rows, :, slot][:, :, None], layer.exact_values[rows, :, slot][:, :, None]
         log_weight = None
         if decay is not None:  # one position on: the state decays by e^{λ}; the leaving token is `window` back
             step = torch.where(advance[:, None], torch.exp(decay)[None, :], torch.ones_like(decay)[None, :])
             layer.linear = _recurrent.decay(layer.linear, step)
             log_weight = (decay * window)[None, :, None].expand(q.shape[0], -1, 1)
-        layer.linear = fmap.enter(layer.linear, layer.window_keys[:, :, :1], layer.window_values[:, :, :1],
-                                  mask=(leaving & ~to_sink)[:, None], log_weight=log_weight)
-        if sinks:
-            at = to_sink[:, None] & (torch.arange(sinks, device=q.device)[None, :] == place[:, None])  # [B, s]
-            layer.sink_keys = torch.where(at[:, None, :, None], layer.window_keys[:, :, :1], layer.sink_keys)
-            layer.sink_values = torch.where(at[:, None, :, None], layer.window_values[:, :, :1], layer.sink_values)
-            layer.sink_valid = layer.sink_valid | at
-        moved = advance[:, None, None, None]
-        layer.window_keys = torch.where(moved, torch.cat([layer.window_keys[:, :, 1:], k], dim=2), layer.window_keys)
-        layer.window_values = torch.where(moved, torch.cat([layer.window_values[:, :, 1:], v], dim=2),
-                                          layer.window_values)
-        layer.window_valid = torch.where(advance[:, None], torch.cat([layer.window_valid[:, 1:], advance[:, None]], 1),
-                                         layer.window_valid)
+        layer.linear = fmap.enter(layer.linear, old_keys, old_values, mask=(leaving & ~to_sink)[:, None],
+                                  log_weight=log_weight)
+        # In place: the cache owns these tensors (made by _fill, or by _map's copies), and no
+        # graph holds them (decoding runs without autograd).
+        if sinks and bool(to_sink.any()):
+            r = to_sink.nonzero()[:, 0]
+            layer.exact_keys[r, :, place[r]] = old_keys[r, :, 0]
+            layer.exact_values[r, :, place[r]] = old_values[r, :, 0]
+            layer.exact_valid[r, place[r]] = True
+        r = advance.nonzero()[:, 0]
+        layer.exact_keys[r, :, slot[r]] = k[r, :, 0]
+        layer.exact_values[r, :, slot[r]] = v[r, :, 0]
+        layer.exact_valid[r, slot[r]] = True
         # The window's (and sinks') scores and sums in float32 for a 16-bit model (the state already is).
-        keys, values, exact = layer.window_keys, layer.window_values, layer.window_valid
-        if sinks:
-            keys, values = torch.cat([layer.sink_keys, keys], dim=2), torch.cat([layer.sink_values, values], dim=2)
-            exact = torch.cat([layer.sink_valid, exact], dim=1)
-        keys, values = _wide(keys), _wide(values)
+        keys, values, exact = _wide(layer.exact_keys), _wide(layer.exact_values), layer.exact_valid
         scores = torch.einsum("bhd,bhjd->bhj", _wide(q[:, :, 0]), keys) * fmap.scale
         scores = scores.masked_fill(~exact[:, None, :], float("-inf"))
         top = scores.amax(dim=-1)
