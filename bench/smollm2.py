@@ -18,7 +18,8 @@ own .py files, never trained or tuned on.
 Saves the best conversion and its tokenizer to --out/converted (save_pretrained format:
 linattn.hf.from_pretrained(AutoModelForCausalLM, path) loads it), the dequantized teacher to
 --out/teacher (a cache: loading the GGUF file takes half a minute), the raw results to
---out/smollm2.json, and writes its MEASURED section of docs/linearize.md."""
+--out/smollm2.json, and writes its MEASURED section of docs/linearize.md. With --generation-only
+it measures the generation table again from a finished run in --out and keeps the rest."""
 
 import argparse
 import copy
@@ -193,6 +194,46 @@ def tune(model, base, tok, texts, held_out, a):
     return model.eval(), time.perf_counter() - t0, a.finetune_steps * a.batch * a.train_length, kept
 
 
+def generation_table(a, base, window_model, best, best_model, ids):
+    """Time per generated token, cache size and prefill at each context: the teacher (sdpa,
+    DynamicCache), the window + sinks and the best conversion (LinattnCache)."""
+    rows = []
+    for label, model, make in (("teacher (sdpa, DynamicCache)", base, lambda m: transformers.DynamicCache(config=m.config)),
+                               ("window + sinks (LinattnCache)", window_model, lambda m: lh.LinattnCache(m))) + \
+            ((("%s (LinattnCache)" % best, best_model, lambda m: lh.LinattnCache(m)),) if best else ()):
+        for context in a.contexts:
+            if label.startswith("teacher") and context > 8192:
+                continue  # beyond its 8192 positions
+            per_token, size, prefill = generation(model, make, context, a.new_tokens, ids)
+            rows.append({"model": label, "context": context, "ms_per_token": 1e3 * per_token,
+                         "cache_mib": size / 2 ** 20, "prefill_s": prefill})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def generation_again(a, command):
+    """The generation table measured again for a finished run (its --out/smollm2.json, teacher
+    and saved conversion; the window + sinks made again, as it learns nothing), the other
+    tables kept: for a change to decoding that leaves the conversion as it was."""
+    out = Path(a.out)
+    path = out / "smollm2.json"
+    if not path.exists() or not (out / "converted" / "config.json").exists():
+        raise SystemExit("bench/smollm2.py --generation-only: no finished run in %s; run `make smollm2` first" % out)
+    r = json.loads(path.read_text())
+    torch.set_num_threads(a.threads)
+    linattn.set_num_threads(a.threads)
+    lh.register()
+    base, tok = teacher(out)
+    ran = r["args"]
+    ids = held_out_ids(tok, max(ran["lengths"]) * ran["windows"] + 10)
+    window_model = convert(base, tok, [], a, "none", {"window": ran["window"], "sinks": ran["sinks"]})[0]
+    best_model = lh.from_pretrained(transformers.AutoModelForCausalLM, out / "converted").eval()
+    a.contexts, a.new_tokens = ran["contexts"], ran["new_tokens"]
+    r["generation"] = generation_table(a, base, window_model, r["best"], best_model, ids)
+    r["generation_again"] = {"command": command, "build": linattn.build_info(), "torch": torch.__version__}
+    return r
+
+
 def run(a):
     torch.set_num_threads(a.threads)
     linattn.set_num_threads(a.threads)
@@ -260,18 +301,7 @@ def run(a):
     best = min(candidates, key=score) if candidates else None
     for label in rows:
         rows[label]["best"] = label == best
-    window_model = models[window_label]
-    generation_rows = []
-    for label, model, make in (("teacher (sdpa, DynamicCache)", base, lambda m: transformers.DynamicCache(config=m.config)),
-                               ("window + sinks (LinattnCache)", window_model, lambda m: lh.LinattnCache(m))) + \
-            ((("%s (LinattnCache)" % best, models[best], lambda m: lh.LinattnCache(m)),) if best else ()):
-        for context in a.contexts:
-            if label.startswith("teacher") and context > 8192:
-                continue  # beyond its 8192 positions
-            per_token, size, prefill = generation(model, make, context, a.new_tokens, ids)
-            generation_rows.append({"model": label, "context": context, "ms_per_token": 1e3 * per_token,
-                                    "cache_mib": size / 2 ** 20, "prefill_s": prefill})
-            print(generation_rows[-1], flush=True)
+    generation_rows = generation_table(a, base, models[window_label], best, models.get(best), ids)
     keys = []
     for label in ["teacher", window_label] + ([best] if best else []):
         for n in a.passkey_lengths:
@@ -319,6 +349,10 @@ def report(r, command):
     for g in r["generation"]:
         lines.append("| %s | %d | %.1f | %.1f MiB | %.1f s |" % (g["model"], g["context"], g["ms_per_token"],
                                                                  g["cache_mib"], g["prefill_s"]))
+    again = r.get("generation_again")
+    if again:
+        lines += ["", "(Generation measured again with `%s`, from the saved conversion, after the run that made the "
+                  "other tables.)" % again["command"]]
     lines += ["", "Passkey retrieval (a 5-digit number at depth 10/50/90% of n tokens; found or not):", "",
               "| model | n | 10% | 50% | 90% |", "|---|---|---|---|---|"]
     by = {}
@@ -358,17 +392,24 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=12)
     ap.add_argument("--passkey-lengths", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--quick", action="store_true", help="tiny settings (the test's)")
+    ap.add_argument("--generation-only", action="store_true",
+                    help="measure the generation table again from a finished run in --out (its conversion kept)")
     a = ap.parse_args(argv)
     if a.quick:
         a.lengths, a.steps, a.batch, a.train_length, a.decays = [128, 256], 2, 1, 128, ["retnet"]
         a.window = 64
         a.finetune_steps = 1
         a.contexts, a.new_tokens, a.passkey_lengths = [128], 5, [128]
-    r = run(a)
-    (Path(a.out) / "smollm2.json").write_text(json.dumps(r, indent=1, default=str))
     args = " ".join(sys.argv[1:] if argv is None else argv)
-    section = report(r, "make smollm2" if args == "--out out/smollm2 --docs docs/linearize.md"
-                     else "bench/smollm2.py " + args)
+    if a.generation_only:
+        r = generation_again(a, "bench/smollm2.py " + args)
+        command = r.get("command", "make smollm2")  # the run that made the other tables
+    else:
+        r = run(a)
+        command = r["command"] = ("make smollm2" if args == "--out out/smollm2 --docs docs/linearize.md"
+                                  else "bench/smollm2.py " + args)
+    (Path(a.out) / "smollm2.json").write_text(json.dumps(r, indent=1, default=str))
+    section = report(r, command)
     print(section)
     if a.docs:
         measured_section.write(a.docs, "smollm2.py", section)
