@@ -756,6 +756,55 @@ py::object causal_conv1d_py(const py::object& x, const py::object& weight, const
   });
 }
 
+// An array a call changes in place: exactly dtype T, C-contiguous and writable, or a TypeError
+// naming it (a converted copy would take the changes instead of the caller's array).
+template <class T>
+TensorView<T> in_place_array(const char* fn, const char* name, const py::object& x, bool writes = true) {
+  if (!py::isinstance<py::array>(x))
+    throw py::type_error(std::string(fn) + ": " + name + " must be a NumPy array, got " +
+                         py::str(py::type::of(x)).cast<std::string>());
+  auto a = py::reinterpret_borrow<py::array>(x);
+  if (!a.dtype().is(py::dtype::of<T>()))
+    throw py::type_error(std::string(fn) + ": " + name + " must have dtype " +
+                         py::str(py::dtype::of<T>()).cast<std::string>() + (writes ? " (it is changed in place)" : "") +
+                         ", got " + py::str(a.dtype()).cast<std::string>());
+  if (!(a.flags() & py::array::c_style))
+    throw py::type_error(std::string(fn) + ": " + name + " must be C-contiguous");
+  if (writes && !a.writeable()) throw py::type_error(std::string(fn) + ": " + name + " must be writable (it is changed in place)");
+  linattn::Shape shape(a.shape(), a.shape() + a.ndim());
+  return {static_cast<T*>(writes ? a.mutable_data() : const_cast<void*>(a.data())), std::move(shape)};
+}
+
+py::object hybrid_decode_step_py(const py::object& q, const py::object& k, const py::object& v,
+                                 const py::object& query_features, const py::object& leaving_features,
+                                 const py::object& advance, const py::object& window_weight,
+                                 const py::object& log_decay, const py::object& sums, const py::object& normaliser,
+                                 const py::object& exact_keys, const py::object& exact_values,
+                                 const py::object& exact_valid, const py::object& counts, int64_t window,
+                                 int64_t sinks, double scale, double eps) {
+  FullPrecisionArgs<linattn::HybridDecodeOptions> a("hybrid_decode_step");
+  a.opts = {window, sinks, scale, eps};
+  a.add("q", q).add("k", k).add("v", v).add("query_features", query_features);
+  a.add("leaving_features", leaving_features).add("window_weight", window_weight).add("log_decay", log_decay);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::object {
+    using T = decltype(tag);
+    const char* fn = a.fn;
+    const linattn::HybridDecodeState<T> state{
+        in_place_array<T>(fn, "sums", sums), in_place_array<T>(fn, "normaliser", normaliser),
+        in_place_array<T>(fn, "exact_keys", exact_keys), in_place_array<T>(fn, "exact_values", exact_values),
+        in_place_array<bool>(fn, "exact_valid", exact_valid), in_place_array<int64_t>(fn, "counts", counts)};
+    const TensorView<bool> adv = in_place_array<bool>(fn, "advance", advance, false);
+    const Inputs& in = a.inputs;
+    return to_numpy(run_without_gil([&] {
+      return linattn::hybrid_decode_step<T>(in.tensor<T>("q"), in.tensor<T>("k"), in.tensor<T>("v"),
+                                            in.tensor<T>("query_features"), in.tensor<T>("leaving_features"), adv,
+                                            in.tensor<T>("window_weight"),
+                                            in.optional<T>("log_decay").value_or(TensorView<const T>{}), state,
+                                            a.opts);
+    }));
+  });
+}
+
 py::tuple causal_conv1d_backward_py(const py::object& x, const py::object& weight, const py::object& dout,
                                     const py::object& bias, const py::object& initial_state, const py::object& dstate,
                                     const py::object& activation) {
@@ -1142,6 +1191,17 @@ returns (out, S_n). Causal, chunked (64 positions, the UT transform).)doc");
         R"doc((dq, dk, dv, dg, dbeta, dinitial_state) of gated_delta_rule for dout [B, H, n, d_v] and dstate,
 the gradient of the returned final state (None: 0). dq and dk have q's and k's shapes (grouped
 heads summed); dinitial_state is of zeros' gradient when no initial state was given.)doc");
+  m.def("hybrid_decode_step", &hybrid_decode_step_py, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("query_features"), py::arg("leaving_features"), py::arg("advance"), py::arg("window_weight"),
+        py::arg("log_decay"), py::arg("sums"), py::arg("normaliser"), py::arg("exact_keys"), py::arg("exact_values"),
+        py::arg("exact_valid"), py::arg("counts"), py::kw_only(), py::arg("window"), py::arg("sinks"), py::arg("scale"),
+        py::arg("eps"),
+        R"doc(One decoding step of the causal sliding-window + linear hybrid for every batch row and head,
+in place on its state (include/linattn/hybrid.h; linattn.hf's LinattnCache runs it): q, k [B, H, d],
+v [B, H, d_v], query_features φ(q) and leaving_features (φ of the key leaving the window) [B, H, m'],
+advance [B] bool, window_weight γ [H], log_decay λ [H] or None; the state arrays sums [B, H, m', d_v],
+normaliser [B, H, m'], exact_keys [B, H, s + w, d], exact_values [B, H, s + w, d_v] (q's dtype),
+exact_valid [B, s + w] bool and counts [B] int64 are changed in place. Returns out [B, H, d_v].)doc");
   m.def("causal_conv1d", &causal_conv1d_py, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         py::kw_only(), py::arg("initial_state") = py::none(), py::arg("return_state") = false,
         py::arg("activation") = "silu",

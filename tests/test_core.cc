@@ -769,7 +769,7 @@ void check_gated_kernels() {
       }
   });
 }
-// The decoding step's kernels (simd::state_dots, decay_rank_one) against float64 loops on every
+// The decoding steps' kernels (simd::state_dots, row_dots, decay_rank_one) against float64 loops on every
 // SIMD target, widths on and off the four-vector blocks: a dot of `rows` terms is within
 // γ_rows·Σ|terms| (Higham 3.1), a decayed rank-one entry within γ_2 of its two terms; a
 // non-finite entry is reported, through the tail too.
@@ -798,6 +798,18 @@ void check_step_kernels() {
           }
           EXPECT_NEAR(double(x[c]), wx, gamma<T>(double(rows)) * mx) << c;
           EXPECT_NEAR(double(y[c]), wy, gamma<T>(double(rows)) * my) << c;
+        }
+        std::vector<T> dots(rows, T(-7));  // row_dots: S a, a dot of `cols` terms a row
+        std::vector<T> a_cols(cols);
+        fill_normal(a_cols.data(), int64_t(cols), 43 + cols);
+        simd::row_dots(S.data(), rows, cols, a_cols.data(), dots.data());
+        for (size_t r = 0; r < rows; ++r) {
+          double want = 0, mag = 0;
+          for (size_t c = 0; c < cols; ++c) {
+            const double t = double(S[r * cols + c]) * double(a_cols[c]);
+            want += t, mag += std::abs(t);
+          }
+          EXPECT_NEAR(double(dots[r]), want, gamma<T>(double(cols)) * mag) << r;
         }
         std::vector<T> out(rows * cols);
         EXPECT_TRUE(simd::decay_rank_one(S.data(), rows, cols, f.data(), k.data(), u.data(), out.data()));

@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "linattn/hybrid.h"
@@ -468,6 +470,116 @@ TEST(Hybrid, BadInputIsAnErrorNamingIt) {
   o = x.opts;
   o.kernel = "hyperbolic";
   EXPECT_TRUE(has(err(x.inputs(), o), "kernel='hyperbolic' applies to feature_map='favor' only"));
+}
+
+}  // namespace
+}  // namespace linattn
+
+namespace linattn {
+namespace {
+
+// hybrid_decode_step token by token from an empty state equals the causal forward's rows
+// (reference::hybrid_attention in float64, given features, a gate, with and without sinks and
+// decay, windows shorter and longer than the sequence), at the forward's rounding bound; a row
+// that does not advance gets 0 and keeps its state; bad input changes nothing.
+template <class T>
+void check_decode_step(const Case& c, int threads) {
+  SCOPED_TRACE(name(c) + " " + std::to_string(threads) + " threads");
+  testing::ScopedThreads scope(threads);
+  constexpr int64_t B = Inputs::B, H = Inputs::H, d = Inputs::d, dv = Inputs::dv, m = Inputs::m;
+  Inputs x(c, 500 + static_cast<uint64_t>(c.window) * 3 + c.sinks);
+  x.round_to<T>();
+  const double scale = 1 / std::sqrt(static_cast<double>(d));
+  const Tensor<double> want = reference::hybrid_attention(x.q, x.k, x.v, x.inputs(), x.opts);
+  const Tensor<double> bound = bound_of(reference::hybrid_attention(x.q, x.k, x.v, x.inputs(), x.opts, true),
+                                        epsilon<T>(x, c, scale));
+  const int64_t n = c.n_q, w = c.window, s = c.sinks, slots = s + w;
+  Tensor<T> sums({B, H, m, dv}), normaliser({B, H, m}), keys({B, H, slots, d}), values({B, H, slots, dv});
+  Tensor<bool> valid({B, slots});
+  Tensor<int64_t> counts({B});
+  Tensor<T> gamma({H}), decay({H});
+  for (int64_t h = 0; h < H; ++h) {
+    gamma[h] = static_cast<T>(1 / (1 + std::exp(-x.gate[h])));
+    decay[h] = static_cast<T>(x.log_decay[h]);
+  }
+  const HybridDecodeState<T> state{sums.view(), normaliser.view(), keys.view(), values.view(), valid.view(),
+                                   counts.view()};
+  const HybridDecodeOptions opts{w, s, scale, x.opts.eps};
+  Tensor<T> q({B, H, d}), k({B, H, d}), v({B, H, dv}), fq({B, H, m}), fl({B, H, m});
+  Tensor<bool> advance({B});
+  auto token = [&](int64_t t) {  // position t's rows of every (b, h), and φ of the key leaving (t − w)
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+      for (int64_t i = 0; i < d; ++i) {
+        q[bh * d + i] = static_cast<T>(x.q.view().row(bh, t)[i]);
+        k[bh * d + i] = static_cast<T>(x.k.view().row(bh, t)[i]);
+      }
+      for (int64_t i = 0; i < dv; ++i) v[bh * dv + i] = static_cast<T>(x.v.view().row(bh, t)[i]);
+      for (int64_t i = 0; i < m; ++i) {
+        fq[bh * m + i] = static_cast<T>(x.fq.view().row(bh, t)[i]);
+        fl[bh * m + i] = t >= w ? static_cast<T>(x.fk.view().row(bh, t - w)[i]) : T(0);
+      }
+    }
+  };
+  auto step = [&] {
+    return hybrid_decode_step<T>(q.view(), k.view(), v.view(), fq.view(), fl.view(), advance.view(), gamma.view(),
+                                 c.decay ? decay.view() : TensorView<const T>{}, state, opts);
+  };
+  for (int64_t t = 0; t < n; ++t) {
+    token(t);
+    // at t = 2 row 1 does not advance first (a padded position): 0 out, its state unchanged
+    if (t == 2) {
+      advance[0] = true, advance[1] = false;
+      const std::vector<T> before(sums.data(), sums.data() + sums.size());
+      const std::vector<T> keys_before(keys.data(), keys.data() + keys.size());
+      const int64_t count1 = counts[1];
+      Tensor<T> padded = step();
+      for (int64_t i = B * H * dv / 2; i < B * H * dv; ++i) EXPECT_EQ(padded[i], T(0));
+      for (int64_t i = sums.size() / 2; i < sums.size(); ++i) EXPECT_EQ(sums[i], before[i]);
+      for (int64_t i = keys.size() / 2; i < keys.size(); ++i) EXPECT_EQ(keys[i], keys_before[i]);
+      EXPECT_EQ(counts[1], count1);
+      advance[0] = false, advance[1] = true;  // and now row 1's token, row 0 padded
+      const Tensor<T> out = step();
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < dv; ++i) {
+          EXPECT_EQ(out[h * dv + i], T(0));
+          const int64_t bh = H + h;
+          EXPECT_NEAR(static_cast<double>(out[bh * dv + i]), want.view().row(bh, t)[i], bound.view().row(bh, t)[i]);
+          EXPECT_NEAR(static_cast<double>(padded[h * dv + i]), want.view().row(h, t)[i], bound.view().row(h, t)[i]);
+        }
+      continue;
+    }
+    advance[0] = advance[1] = true;
+    const Tensor<T> out = step();
+    for (int64_t bh = 0; bh < B * H; ++bh)
+      for (int64_t i = 0; i < dv; ++i)
+        ASSERT_NEAR(static_cast<double>(out[bh * dv + i]), want.view().row(bh, t)[i], bound.view().row(bh, t)[i])
+            << "t " << t << " bh " << bh << " i " << i;
+  }
+  EXPECT_EQ(counts[0], n);
+  // bad input: an error naming it, and nothing written
+  const std::vector<T> sums_before(sums.data(), sums.data() + sums.size());
+  const std::vector<bool> valid_before(valid.data(), valid.data() + valid.size());
+  gamma[1] = T(2);
+  testing::expect_error([&] { step(); }, "window_weight must be in [0, 1]");
+  gamma[1] = T(0.5);
+  fq[3] = T(-1);
+  testing::expect_error([&] { step(); }, "query_features must be finite and >= 0");
+  fq[3] = T(1);
+  k[0] = std::numeric_limits<T>::quiet_NaN();
+  testing::expect_error([&] { step(); }, "k must be finite");
+  EXPECT_EQ(std::vector<T>(sums.data(), sums.data() + sums.size()), sums_before);
+  EXPECT_EQ(std::vector<bool>(valid.data(), valid.data() + valid.size()), valid_before);
+  EXPECT_EQ(counts[0], n);
+}
+
+TEST(HybridDecodeStep, EqualsTheCausalForwardRowByRow) {
+  for (int threads : {1, 3, 8})
+    for (const auto& [w, sinks, decayed] : {std::tuple{1, 0, false}, std::tuple{3, 0, true}, std::tuple{8, 2, false},
+                                            std::tuple{4, 4, true}, std::tuple{30, 3, true}}) {
+      const Case c{true, w, "given", true, false, 23, 23, sinks, decayed};
+      check_decode_step<float>(c, threads);
+      check_decode_step<double>(c, threads);
+    }
 }
 
 }  // namespace

@@ -63,4 +63,43 @@ AttentionGrads<T> hybrid_attention_backward(TensorView<const T> q, TensorView<co
                                             const HybridInputs<T>& inputs,
                                             const HybridAttentionOptions& opts = {});
 
+// Decoding (linattn.hf's LinattnCache): the causal hybrid's state after the tokens of each batch
+// row so far, with features the caller computes (non-negative: a fixed map's or Hedgehog's),
+// changed in place by hybrid_decode_step. Rows may hold different numbers of tokens (padding).
+template <class T>
+struct HybridDecodeState {
+  TensorView<T> sums;           // [B, H, m', d_v]: Σ φ(k_j) v_jᵀ over the keys that left the window, decayed
+  TensorView<T> normaliser;     // [B, H, m']: Σ φ(k_j), the same keys
+  TensorView<T> exact_keys;     // [B, H, s + w, d]: s sink slots (slot p: the row's token p once it has
+                                //   left the window), then a ring of w (token p at slot s + p mod w)
+  TensorView<T> exact_values;   // [B, H, s + w, d_v]
+  TensorView<bool> exact_valid;  // [B, s + w]: the slots holding a token
+  TensorView<int64_t> counts;   // [B]: the tokens of each row so far
+};
+
+struct HybridDecodeOptions {
+  int64_t window = 64;  // w >= 1
+  int64_t sinks = 0;    // s >= 0
+  double scale = 0;     // the scores' scale, finite
+  double eps = 1e-6;    // finite, >= 0
+};
+
+// One token of every batch row where advance[b]: q, k [B, H, d], v [B, H, d_v],
+// query_features φ(q) [B, H, m'], leaving_features [B, H, m'] (φ of the key in ring slot
+// s + counts[b] mod w, which leaves the window now when counts[b] >= w; read only then),
+// window_weight γ [H] in [0, 1], log_decay λ [H] (each <= 0; empty: none). The token that
+// leaves the window enters the sums (weighed by e^{λ·w}; after the sums decayed by e^{λ}) or,
+// when it is one of the row's first s tokens, its sink slot; the new token takes its ring slot;
+// then out[b, h] = (γ_h Σ_j e^{s_j − M} v_j + φ(q)ᵀ sums) / (γ_h Σ_j e^{s_j − M} + φ(q)·normaliser
+// + eps) over the valid exact slots j (s_j = scale·q·k_j, M their maximum), the causal
+// hybrid_attention's row for the token; counts[b] += 1. A row with advance[b] false gets 0 and
+// its state is not touched. Every argument is checked before anything is written: an Error
+// names the first bad one and the state is as it was.
+template <class T>
+Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                             TensorView<const T> query_features, TensorView<const T> leaving_features,
+                             TensorView<const bool> advance, TensorView<const T> window_weight,
+                             TensorView<const T> log_decay, const HybridDecodeState<T>& state,
+                             const HybridDecodeOptions& opts);
+
 }  // namespace linattn

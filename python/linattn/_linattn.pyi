@@ -6,7 +6,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['RecurrentState', 'build_info', 'causal_conv1d', 'causal_conv1d_backward', 'chi_quantile_radii', 'gated_delta_rule', 'gated_delta_rule_backward', 'gated_linear_attention', 'gated_linear_attention_backward', 'get_num_threads', 'linformer_projections', 'measure_peak_rates', 'random_features', 'recurrent_state', 'release_cached_memory', 'reset_workspace_peak', 'set_num_threads', 'share_openmp_runtime', 'thread_pool', 'use_own_threads', 'workspace_stats']
+__all__: list[str] = ['RecurrentState', 'build_info', 'causal_conv1d', 'causal_conv1d_backward', 'chi_quantile_radii', 'gated_delta_rule', 'gated_delta_rule_backward', 'gated_linear_attention', 'gated_linear_attention_backward', 'get_num_threads', 'hybrid_decode_step', 'linformer_projections', 'measure_peak_rates', 'random_features', 'recurrent_state', 'release_cached_memory', 'reset_workspace_peak', 'set_num_threads', 'share_openmp_runtime', 'thread_pool', 'use_own_threads', 'workspace_stats']
 class RecurrentState:
     """
     Constant-size decoding state; make one with recurrent_state().
@@ -125,6 +125,15 @@ def gated_linear_attention_backward(q: typing.Any, k: typing.Any, v: typing.Any,
     """
 def get_num_threads() -> int:
     ...
+def hybrid_decode_step(q: typing.Any, k: typing.Any, v: typing.Any, query_features: typing.Any, leaving_features: typing.Any, advance: typing.Any, window_weight: typing.Any, log_decay: typing.Any, sums: typing.Any, normaliser: typing.Any, exact_keys: typing.Any, exact_values: typing.Any, exact_valid: typing.Any, counts: typing.Any, *, window: typing.SupportsInt | typing.SupportsIndex, sinks: typing.SupportsInt | typing.SupportsIndex, scale: typing.SupportsFloat | typing.SupportsIndex, eps: typing.SupportsFloat | typing.SupportsIndex) -> typing.Any:
+    """
+    One decoding step of the causal sliding-window + linear hybrid for every batch row and head,
+    in place on its state (include/linattn/hybrid.h; linattn.hf's LinattnCache runs it): q, k [B, H, d],
+    v [B, H, d_v], query_features φ(q) and leaving_features (φ of the key leaving the window) [B, H, m'],
+    advance [B] bool, window_weight γ [H], log_decay λ [H] or None; the state arrays sums [B, H, m', d_v],
+    normaliser [B, H, m'], exact_keys [B, H, s + w, d], exact_values [B, H, s + w, d_v] (q's dtype),
+    exact_valid [B, s + w] bool and counts [B] int64 are changed in place. Returns out [B, H, d_v].
+    """
 def linformer_projections(s_proj: typing.SupportsInt | typing.SupportsIndex, n_max: typing.SupportsInt | typing.SupportsIndex, *, heads: int | None = None, seed: typing.SupportsInt | typing.SupportsIndex = 0, dtype: numpy.typing.DTypeLike = ...) -> tuple:
     """
     (e, f) initialised as fairseq's Linformer does: Xavier-uniform, gain 1/sqrt(2),

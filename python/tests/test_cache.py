@@ -524,3 +524,39 @@ def test_sinks_keep_the_first_tokens_exact_and_are_checked():
     assert fresh.config._attn_implementation != "linattn_elu"  # nothing changed
     lh.linearize(fresh, feature_map="elu", window=2, sinks=4)
     assert fresh.config.linattn_options["sinks"] == 4
+
+
+def test_hybrid_decode_step_refuses_arrays_it_could_not_change_in_place():
+    """linattn.hybrid_decode_step (LinattnCache's C++ step) changes its state arrays in place: one
+    of another dtype, not contiguous or read-only is a TypeError naming it (a converted copy would
+    take the change), and a bad value is a ValueError that leaves every state array as it was."""
+    import numpy as np
+    from linattn import _linattn
+    B, H, d, m, s, w = 2, 3, 4, 5, 1, 3
+    rng = np.random.default_rng(0)
+    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    args = dict(q=f32(B, H, d), k=f32(B, H, d), v=f32(B, H, d), query_features=np.abs(f32(B, H, m)),
+                leaving_features=np.abs(f32(B, H, m)), advance=np.ones(B, bool),
+                window_weight=np.full(H, 0.5, np.float32), log_decay=None)
+    state = dict(sums=np.zeros((B, H, m, d), np.float32), normaliser=np.zeros((B, H, m), np.float32),
+                 exact_keys=np.zeros((B, H, s + w, d), np.float32), exact_values=np.zeros((B, H, s + w, d), np.float32),
+                 exact_valid=np.zeros((B, s + w), bool), counts=np.zeros(B, np.int64))
+    opts = dict(window=w, sinks=s, scale=0.5, eps=1e-6)
+    out = _linattn.hybrid_decode_step(**args, **state, **opts)
+    assert out.shape == (B, H, d) and np.isfinite(out).all()
+    assert state["counts"].tolist() == [1, 1] and state["exact_valid"].sum() == B  # changed in place
+    for name, bad in (("sums", state["sums"].astype(np.float64)), ("counts", state["counts"].astype(np.int32)),
+                      ("exact_keys", np.asfortranarray(state["exact_keys"])), ("exact_valid", state["exact_valid"][:, ::1].copy().astype(np.uint8))):
+        with pytest.raises(TypeError, match=name):
+            _linattn.hybrid_decode_step(**args, **dict(state, **{name: bad}), **opts)
+    frozen = state["normaliser"].copy()
+    frozen.flags.writeable = False
+    with pytest.raises(TypeError, match="normaliser must be writable"):
+        _linattn.hybrid_decode_step(**args, **dict(state, normaliser=frozen), **opts)
+    before = {k: v.copy() for k, v in state.items()}
+    with pytest.raises(ValueError, match="window_weight must be in"):
+        _linattn.hybrid_decode_step(**dict(args, window_weight=np.full(H, 2.0, np.float32)), **state, **opts)
+    with pytest.raises(ValueError, match="leaving_features must be finite and >= 0"):
+        _linattn.hybrid_decode_step(**dict(args, leaving_features=-args["leaving_features"]), **state, **opts)
+    for key, value in state.items():
+        np.testing.assert_array_equal(value, before[key])

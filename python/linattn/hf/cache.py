@@ -32,6 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
 
+from .. import _linattn
 from ..torch import recurrent as _recurrent
 from ..torch._ops import accumulator_dtype
 from . import backends as _backends
@@ -484,6 +485,11 @@ def _step(layer, fmap, module, b, user, q, k, v, window, sinks, decay, valid):
         den = den + eps
         # A zero denominator (trig features can cancel) gives 0, as favor_attention does.
         out = torch.where(den[..., None] != 0, num / torch.where(den != 0, den, 1)[..., None], 0)
+    elif _native_step(fmap, layer, q):
+        out = _native(layer, fmap, module, b, user, q, k, v, window, sinks, decay, advance, eps)
+        if layer.conv_values is not None:
+            out = out + _conv_step(layer, module, b, user, v, advance)
+        return torch.where(advance[:, None, None], out, torch.zeros_like(out))[:, :, None]
     else:
         # The row's token `window` places back (if there is one) leaves the window: for its sink
         # slot when it is one of the row's first `sinks` tokens, else for the linear state. It
@@ -537,14 +543,51 @@ def _step(layer, fmap, module, b, user, q, k, v, window, sinks, decay, valid):
             num = num + gamma[..., None] * torch.einsum("bhj,bhjd->bhd", e, values)
             den = den + gamma * e.sum(dim=-1)
             out = num / (den + eps)[..., None]
-    if layer.conv_values is not None:  # causal depthwise convolution: Σ_t w[h, t]·v[i + t − (K − 1)]
-        conv = _backends.learned_tensor(module, b, user, "conv_weight", q)
-        past = torch.cat([layer.conv_values, v], dim=2)
-        out = out + torch.einsum("bhkd,hk->bhd", _wide(past), _wide(conv))
-        layer.conv_values = torch.where(advance[:, None, None, None], past[:, :, 1:], layer.conv_values)
+    if layer.conv_values is not None:
+        out = out + _conv_step(layer, module, b, user, v, advance)
     out = torch.where(advance[:, None, None], out, torch.zeros_like(out))
     layer.counts = layer.counts + advance.to(layer.counts.dtype)
     return out[:, :, None]
+
+
+def _conv_step(layer, module, b, user, v, advance):
+    """The causal depthwise convolution's term of the newest token, Σ_t w[h, t]·v[i + t − (K − 1)]
+    [B, H, d_v], and its past values advanced."""
+    conv = _backends.learned_tensor(module, b, user, "conv_weight", v)
+    past = torch.cat([layer.conv_values, v], dim=2)
+    layer.conv_values = torch.where(advance[:, None, None, None], past[:, :, 1:], layer.conv_values)
+    return torch.einsum("bhkd,hk->bhd", _wide(past), _wide(conv))
+
+
+def _native_step(fmap, layer, q):
+    """Whether the window's step runs in C++ (linattn hybrid_decode_step): plain features, and
+    the state, the window's keys and the queries all in q's dtype, float32 or float64 (a 16-bit
+    model keeps its window in its dtype and its sums in float32: the torch step)."""
+    return (not fmap.log_form and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+            and layer.exact_keys.dtype == q.dtype and layer.linear.sums.dtype == q.dtype)
+
+
+def _native(layer, fmap, module, b, user, q, k, v, window, sinks, decay, advance, eps):
+    """The window's step (sums, sinks, ring and the read; counts advanced) in one C++ call, in
+    place on the layer's tensors: [B, H, d_v], 0 where a row does not advance."""
+    batch, dtype = q.shape[0], q.dtype
+    slot = sinks + layer.counts % window
+    leaving = layer.exact_keys[torch.arange(batch, device=q.device), :, slot][:, :, None]  # [B, H, 1, d]
+    if isinstance(b, _backends.Window):
+        gamma = q.new_ones(q.shape[1])
+    else:
+        gamma = torch.sigmoid(_backends.window_gate(module, b, user, q)).to(dtype)
+    linear = layer.linear
+    if not (linear.sums.is_contiguous() and linear.normaliser.is_contiguous()):
+        layer.linear = linear = linear.map(lambda t: t.contiguous())
+    array = lambda t: t.detach().contiguous().numpy()  # noqa: E731 (a view: q, k, v are not changed)
+    out = _linattn.hybrid_decode_step(
+        array(q[:, :, 0]), array(k[:, :, 0]), array(v[:, :, 0]), array(fmap.plain(q, "query")[:, :, 0].to(dtype)),
+        array(fmap.plain(leaving, "key")[:, :, 0].to(dtype)), array(advance), array(gamma),
+        None if decay is None else array(decay.to(dtype)), linear.sums.numpy(), linear.normaliser.numpy(),
+        layer.exact_keys.numpy(), layer.exact_values.numpy(), layer.exact_valid.numpy(), layer.counts.numpy(),
+        window=window, sinks=sinks, scale=fmap.scale, eps=eps)
+    return torch.from_numpy(out)
 
 
 # The searches that only go forward; the others (assisted, contrastive, DoLa) roll tokens back.

@@ -615,6 +615,45 @@ void StateDots(const T* S, size_t rows, size_t cols, const T* a, const T* b, T* 
   }
 }
 
+// out[r] = Σ_c x[r][c]·a[c] for r < rows (x rows × cols, row-major): four rows at a time, each
+// summed in vector lanes and then across them.
+template <class T>
+void RowDots(const T* x, size_t rows, size_t cols, const T* a, T* out) {
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  size_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    const T* x0 = x + r * cols;
+    auto s0 = hn::Zero(d), s1 = hn::Zero(d), s2 = hn::Zero(d), s3 = hn::Zero(d);
+    size_t c = 0;
+    for (; c + N <= cols; c += N) {
+      const auto av = hn::LoadU(d, a + c);
+      s0 = hn::MulAdd(hn::LoadU(d, x0 + c), av, s0);
+      s1 = hn::MulAdd(hn::LoadU(d, x0 + cols + c), av, s1);
+      s2 = hn::MulAdd(hn::LoadU(d, x0 + 2 * cols + c), av, s2);
+      s3 = hn::MulAdd(hn::LoadU(d, x0 + 3 * cols + c), av, s3);
+    }
+    if (c < cols) {
+      const size_t n = cols - c;
+      const auto av = LoadTail(d, a + c, n);
+      s0 = hn::MulAdd(LoadTail(d, x0 + c, n), av, s0);
+      s1 = hn::MulAdd(LoadTail(d, x0 + cols + c, n), av, s1);
+      s2 = hn::MulAdd(LoadTail(d, x0 + 2 * cols + c, n), av, s2);
+      s3 = hn::MulAdd(LoadTail(d, x0 + 3 * cols + c, n), av, s3);
+    }
+    out[r] = hn::GetLane(hn::SumOfLanes(d, s0)), out[r + 1] = hn::GetLane(hn::SumOfLanes(d, s1));
+    out[r + 2] = hn::GetLane(hn::SumOfLanes(d, s2)), out[r + 3] = hn::GetLane(hn::SumOfLanes(d, s3));
+  }
+  for (; r < rows; ++r) {
+    const T* xr = x + r * cols;
+    auto acc = hn::Zero(d);
+    size_t c = 0;
+    for (; c + N <= cols; c += N) acc = hn::MulAdd(hn::LoadU(d, xr + c), hn::LoadU(d, a + c), acc);
+    if (c < cols) acc = hn::MulAdd(LoadTail(d, xr + c, cols - c), LoadTail(d, a + c, cols - c), acc);
+    out[r] = hn::GetLane(hn::SumOfLanes(d, acc));
+  }
+}
+
 // out[r][c] = f[r]·S[r][c] + k[r]·u[c] (out may be S); whether every value written is finite.
 template <class T>
 bool DecayRankOne(const T* S, size_t rows, size_t cols, const T* f, const T* k, const T* u, T* out) {
@@ -648,6 +687,8 @@ void StateDotsF32(const float* S, size_t r, size_t c, const float* a, const floa
 void StateDotsF64(const double* S, size_t r, size_t c, const double* a, const double* b, double* x, double* y) {
   StateDots(S, r, c, a, b, x, y);
 }
+void RowDotsF32(const float* x, size_t r, size_t c, const float* a, float* o) { RowDots(x, r, c, a, o); }
+void RowDotsF64(const double* x, size_t r, size_t c, const double* a, double* o) { RowDots(x, r, c, a, o); }
 bool DecayRankOneF32(const float* S, size_t r, size_t c, const float* f, const float* k, const float* u, float* o) {
   return DecayRankOne(S, r, c, f, k, u, o);
 }
@@ -1141,6 +1182,8 @@ HWY_EXPORT(MultiplyF32);
 HWY_EXPORT(MultiplyF64);
 HWY_EXPORT(StateDotsF32);
 HWY_EXPORT(StateDotsF64);
+HWY_EXPORT(RowDotsF32);
+HWY_EXPORT(RowDotsF64);
 HWY_EXPORT(DecayRankOneF32);
 HWY_EXPORT(DecayRankOneF64);
 HWY_EXPORT(FlooredCumsumF32);
@@ -1302,6 +1345,12 @@ void state_dots(const float* S, size_t rows, size_t cols, const float* a, const 
 }
 void state_dots(const double* S, size_t rows, size_t cols, const double* a, const double* b, double* x, double* y) {
   HWY_DYNAMIC_DISPATCH(StateDotsF64)(S, rows, cols, a, b, x, y);
+}
+void row_dots(const float* x, size_t rows, size_t cols, const float* a, float* out) {
+  HWY_DYNAMIC_DISPATCH(RowDotsF32)(x, rows, cols, a, out);
+}
+void row_dots(const double* x, size_t rows, size_t cols, const double* a, double* out) {
+  HWY_DYNAMIC_DISPATCH(RowDotsF64)(x, rows, cols, a, out);
 }
 bool decay_rank_one(const float* S, size_t rows, size_t cols, const float* f, const float* k, const float* u,
                     float* out) {

@@ -192,6 +192,9 @@ void state_dots(const float* S, size_t rows, size_t cols, const float* a, const 
 void state_dots(const double* S, size_t rows, size_t cols, const double* a, const double* b, double* x, double* y);
 bool decay_rank_one(const float* S, size_t rows, size_t cols, const float* f, const float* k, const float* u,
                     float* out);
+// out[r] = Σ_c x[r][c]·a[c] (x a, rows × cols row-major): a query's dots with a block of keys.
+void row_dots(const float* x, size_t rows, size_t cols, const float* a, float* out);
+void row_dots(const double* x, size_t rows, size_t cols, const double* a, double* out);
 bool decay_rank_one(const double* S, size_t rows, size_t cols, const double* f, const double* k, const double* u,
                     double* out);
 
