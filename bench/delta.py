@@ -8,10 +8,15 @@ timing) and threads. l2norm of q and k in the kernel, β uniform in [0, 1], log-
 
 1. Kernels: forward, and forward + backward (gradients of q, k, v, g, β), at each length;
    the recurrent form only up to 2048 (its forward + backward takes 20 s there, 70 s at 4096).
-2. The decoding step (one position from a state), linattn against the recurrent function.
-3. A tiny random Qwen3.5 (and Kimi-Linear) model, whole: prefill of 8192 tokens and the time
-   per generated token after it, with linattn (linattn.hf.register()) and with transformers'
-   functions.
+   KDA (per-channel gates) the same against transformers' chunk_kimi_delta_attention, at
+   --kda-lengths.
+2. bfloat16 inputs against the same call in float32 (--bf16-length), with the CPU's measured
+   bfloat16 dot and float32 FMA peaks.
+3. The decoding step (one position from a state), linattn against the recurrent function.
+4. A tiny random Qwen3.5 (and Kimi-Linear) model, whole: prefill of 8192 tokens and the median
+   time of a decoding step after it (greedy, the models' own caches; each step timed alone, so
+   the prefill's noise does not enter), with linattn (linattn.hf.register()) and with
+   transformers' functions.
 
 Timing: one warm-up, then the median of at least 5 runs and 1 s (2 runs from n = 16384;
 bench/torch_bench.py's time_runs). All forms agree before any timing (relative error below
@@ -29,6 +34,7 @@ import importlib
 import inspect
 import os
 import platform
+import statistics
 import sys
 import time
 import warnings
@@ -191,15 +197,16 @@ def models(a):
             with torch.no_grad():
                 model(ids[:, :128])  # warm-up
                 t0 = time.perf_counter()
-                model(ids)
+                out = model(ids, use_cache=True)  # the model's own cache
                 prefill = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                out = model.generate(ids, max_new_tokens=a.new_tokens + 1, min_new_tokens=a.new_tokens + 1,
-                                     do_sample=False)
-                total = time.perf_counter() - t0
-            # generate() = one prefill + new_tokens decoding steps
-            row[path] = {"prefill": prefill, "per_token": max(total - prefill, 0.0) / a.new_tokens}
-            row.setdefault("tokens", []).append(out[0, a.prefill:].tolist())
+                cache, tokens, steps = out.past_key_values, [], []
+                for _ in range(a.new_tokens):  # greedy, one token at a time, each step timed
+                    tokens.append(int(out.logits[0, -1].argmax()))
+                    t0 = time.perf_counter()
+                    out = model(torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+                    steps.append(time.perf_counter() - t0)
+            row[path] = {"prefill": prefill, "per_token": statistics.median(steps)}
+            row.setdefault("tokens", []).append(tokens)
             print(label, path, row[path], flush=True)
         rows.append(row)
     return rows
@@ -262,9 +269,9 @@ def report(r, command):
               ""]
     lines += ["Whole tiny random models (float32, batch 1; hidden 256, 4 layers, the linear layers 8 value heads of "
               "d = 64; Qwen3.5: 3 Gated DeltaNet layers and 1 attention layer, grouped q/k (4 heads); Kimi-Linear: "
-              "3 KDA layers and 1 MLA layer, MoE): prefill of %d tokens, then the time per generated token "
-              "(generate() of %d tokens after it, greedy, the models' own caches). The tokens generated are the "
-              "same on both paths: %s." % (a["prefill"], a["new_tokens"], "yes" if all(
+              "3 KDA layers and 1 MLA layer, MoE): prefill of %d tokens, then the median time of a decoding step "
+              "(%d greedy tokens after it, one forward each with the models' own caches). The tokens generated "
+              "are the same on both paths: %s." % (a["prefill"], a["new_tokens"], "yes" if all(
                   row["tokens"][0] == row["tokens"][1] for row in r["models"]) else "NO"), "",
               "| model | prefill, transformers | prefill, linattn | per token, transformers | per token, linattn |",
               "|---|---|---|---|---|"]
