@@ -566,7 +566,7 @@ void check_decode_step(const Case& c, int threads) {
   testing::expect_error([&] { step(); }, "query_features must be finite and >= 0");
   fq[3] = T(1);
   k[0] = std::numeric_limits<T>::quiet_NaN();
-  testing::expect_error([&] { step(); }, "k must be finite");
+  testing::expect_error([&] { step(); }, "k has a non-finite value");
   EXPECT_EQ(std::vector<T>(sums.data(), sums.data() + sums.size()), sums_before);
   EXPECT_EQ(std::vector<bool>(valid.data(), valid.data() + valid.size()), valid_before);
   EXPECT_EQ(counts[0], n);

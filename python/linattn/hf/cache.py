@@ -34,6 +34,7 @@ from transformers.generation.utils import GenerationMixin
 
 from .. import _linattn
 from ..torch import recurrent as _recurrent
+from ..torch._checks import array as _array
 from ..torch._ops import accumulator_dtype
 from . import backends as _backends
 from . import masks as _masks
@@ -479,17 +480,15 @@ def _step(layer, fmap, module, b, user, q, k, v, window, sinks, decay, valid):
     batch = q.shape[0]
     advance = torch.ones(batch, dtype=torch.bool, device=q.device) if valid is None else valid
     eps = _eps(b, user)
+    native = window > 0 and _native_step(fmap, layer, q)
     if window == 0:
         layer.linear = fmap.enter(layer.linear, k, v, mask=advance[:, None])  # causal: the query sees its own key
         num, den, _ = fmap.read(layer.linear, q, with_norm=False)
         den = den + eps
         # A zero denominator (trig features can cancel) gives 0, as favor_attention does.
         out = torch.where(den[..., None] != 0, num / torch.where(den != 0, den, 1)[..., None], 0)
-    elif _native_step(fmap, layer, q):
+    elif native:  # the C++ step, which advances the counts itself
         out = _native(layer, fmap, module, b, user, q, k, v, window, sinks, decay, advance, eps)
-        if layer.conv_values is not None:
-            out = out + _conv_step(layer, module, b, user, v, advance)
-        return torch.where(advance[:, None, None], out, torch.zeros_like(out))[:, :, None]
     else:
         # The row's token `window` places back (if there is one) leaves the window: for its sink
         # slot when it is one of the row's first `sinks` tokens, else for the linear state. It
@@ -497,9 +496,7 @@ def _step(layer, fmap, module, b, user, q, k, v, window, sinks, decay, valid):
         leaving = advance & (layer.counts >= window)
         place = layer.counts - window  # the leaving token's place in its row
         to_sink = leaving & (place < sinks)
-        slot = sinks + layer.counts % window  # [B]
-        rows = torch.arange(batch, device=q.device)
-        old_keys, old_values = layer.exact_keys[rows, :, slot][:, :, None], layer.exact_values[rows, :, slot][:, :, None]
+        slot, old_keys, old_values = _ring_slot(layer, window, sinks)
         log_weight = None
         if decay is not None:  # one position on: the state decays by e^{λ}; the leaving token is `window` back
             step = torch.where(advance[:, None], torch.exp(decay)[None, :], torch.ones_like(decay)[None, :])
@@ -524,10 +521,7 @@ def _step(layer, fmap, module, b, user, q, k, v, window, sinks, decay, valid):
         scores = scores.masked_fill(~exact[:, None, :], float("-inf"))
         top = scores.amax(dim=-1)
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row with no token yet
-        if isinstance(b, _backends.Window):
-            gamma = q.new_ones((), dtype=keys.dtype)  # no gate: hybrid_attention's γ = 1
-        else:
-            gamma = _wide(torch.sigmoid(_backends.window_gate(module, b, user, q)))[None, :]
+        gamma = _window_weight(module, b, user, q)[None, :]
         num, den, shift = fmap.read(layer.linear, q, with_norm=True)
         if fmap.log_form:  # every term on the scale e^{R}, R = max(M, the linear part's)
             row = torch.maximum(top, shift)
@@ -546,8 +540,25 @@ def _step(layer, fmap, module, b, user, q, k, v, window, sinks, decay, valid):
     if layer.conv_values is not None:
         out = out + _conv_step(layer, module, b, user, v, advance)
     out = torch.where(advance[:, None, None], out, torch.zeros_like(out))
-    layer.counts = layer.counts + advance.to(layer.counts.dtype)
+    if not native:
+        layer.counts = layer.counts + advance.to(layer.counts.dtype)
     return out[:, :, None]
+
+
+def _ring_slot(layer, window, sinks):
+    """Each row's ring slot the new token takes [B], and the key and value in it [B, H, 1, d]:
+    the token that leaves the window when the row holds `window` tokens or more."""
+    slot = sinks + layer.counts % window
+    rows = torch.arange(slot.shape[0], device=slot.device)
+    return slot, layer.exact_keys[rows, :, slot][:, :, None], layer.exact_values[rows, :, slot][:, :, None]
+
+
+def _window_weight(module, b, user, q):
+    """γ [H], the window's weight, in what decoding accumulates in: sigmoid(window_gate), or 1
+    for the window alone (hybrid_attention's γ without a gate)."""
+    if isinstance(b, _backends.Window):
+        return q.new_ones(q.shape[1], dtype=accumulator_dtype(q.dtype))
+    return _wide(torch.sigmoid(_backends.window_gate(module, b, user, q)))
 
 
 def _conv_step(layer, module, b, user, v, advance):
@@ -570,21 +581,16 @@ def _native_step(fmap, layer, q):
 def _native(layer, fmap, module, b, user, q, k, v, window, sinks, decay, advance, eps):
     """The window's step (sums, sinks, ring and the read; counts advanced) in one C++ call, in
     place on the layer's tensors: [B, H, d_v], 0 where a row does not advance."""
-    batch, dtype = q.shape[0], q.dtype
-    slot = sinks + layer.counts % window
-    leaving = layer.exact_keys[torch.arange(batch, device=q.device), :, slot][:, :, None]  # [B, H, 1, d]
-    if isinstance(b, _backends.Window):
-        gamma = q.new_ones(q.shape[1])
-    else:
-        gamma = torch.sigmoid(_backends.window_gate(module, b, user, q)).to(dtype)
+    dtype = q.dtype
+    _, leaving, _ = _ring_slot(layer, window, sinks)
     linear = layer.linear
     if not (linear.sums.is_contiguous() and linear.normaliser.is_contiguous()):
         layer.linear = linear = linear.map(lambda t: t.contiguous())
-    array = lambda t: t.detach().contiguous().numpy()  # noqa: E731 (a view: q, k, v are not changed)
     out = _linattn.hybrid_decode_step(
-        array(q[:, :, 0]), array(k[:, :, 0]), array(v[:, :, 0]), array(fmap.plain(q, "query")[:, :, 0].to(dtype)),
-        array(fmap.plain(leaving, "key")[:, :, 0].to(dtype)), array(advance), array(gamma),
-        None if decay is None else array(decay.to(dtype)), linear.sums.numpy(), linear.normaliser.numpy(),
+        _array(q[:, :, 0]), _array(k[:, :, 0]), _array(v[:, :, 0]), _array(fmap.plain(q, "query")[:, :, 0].to(dtype)),
+        _array(fmap.plain(leaving, "key")[:, :, 0].to(dtype)), _array(advance),
+        _array(_window_weight(module, b, user, q)), None if decay is None else _array(decay.to(dtype)),
+        linear.sums.numpy(), linear.normaliser.numpy(),
         layer.exact_keys.numpy(), layer.exact_values.numpy(), layer.exact_valid.numpy(), layer.counts.numpy(),
         window=window, sinks=sinks, scale=fmap.scale, eps=eps)
     return torch.from_numpy(out)

@@ -52,8 +52,9 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
   require(std::isfinite(opts.scale), fn, ": scale must be finite, got ", opts.scale);
   require(std::isfinite(opts.eps) && opts.eps >= 0, fn, ": eps must be finite and >= 0, got ", opts.eps);
   const int64_t w = opts.window, s = opts.sinks, slots = s + w;
-  check_shape(fn, "k", k, {B, H, d});
-  check_shape(fn, "v", v, {B, H, dv});
+  check_finite(fn, "q", q);
+  check_same_shape_finite(fn, "k", k, {B, H, d});
+  check_same_shape_finite(fn, "v", v, {B, H, dv});
   check_shape(fn, "query_features", query_features, {B, H, m});
   check_shape(fn, "leaving_features", leaving_features, {B, H, m});
   check_shape(fn, "advance", advance, {B});
@@ -65,9 +66,6 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
   check_shape(fn, "exact_values", TensorView<const T>(state.exact_values), {B, H, slots, dv});
   check_shape(fn, "exact_valid", TensorView<const bool>(state.exact_valid), {B, slots});
   check_shape(fn, "counts", TensorView<const int64_t>(state.counts), {B});
-  check_all(fn, "q", q, -inf, inf, "finite");
-  check_all(fn, "k", k, -inf, inf, "finite");
-  check_all(fn, "v", v, -inf, inf, "finite");
   check_all(fn, "query_features", query_features, 0, inf, "finite and >= 0");
   check_all(fn, "leaving_features", leaving_features, 0, inf, "finite and >= 0");
   check_all(fn, "window_weight", window_weight, 0, 1, "in [0, 1]");

@@ -117,8 +117,7 @@ class _Call:
         self.g = g = Group(fn, group)
         problem, fields = None, []
         try:
-            if layout not in LAYOUTS:
-                raise ValueError("%s: layout must be one of %s, got %r" % (fn, ", ".join(LAYOUTS), layout))
+            _check_layout(fn, layout)
             if not isinstance(causal, bool):
                 raise TypeError("%s: causal must be True or False, got %r" % (fn, causal))
             q, k, v = (_tensor(fn, n, x) for n, x in (("q", q), ("k", k), ("v", v)))
@@ -156,6 +155,11 @@ class _Call:
             raise ValueError(message)
         self.segs = [segments(layout, self.sizes, r) for r in range(g.size)]
         self.q, self.k, self.v, self.lengths = q, k, v, lengths
+
+
+def _check_layout(fn, layout):
+    if layout not in LAYOUTS:
+        raise ValueError("%s: layout must be one of %s, got %r" % (fn, ", ".join(LAYOUTS), layout))
 
 
 def _scale_of(fn, scale, d):
@@ -506,13 +510,11 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm_in_kernel=Fa
     (S ↦ T·S + B) is all-gathered and folded; see the module's documentation and _delta.py."""
     fn = _full("gated_delta_rule")
     grp = Group(fn, group)
-    named = (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta))
     problem, fields, n_local = None, [], 0
     try:
-        if layout not in LAYOUTS:
-            raise ValueError("%s: layout must be one of %s, got %r" % (fn, ", ".join(LAYOUTS), layout))
-        q, k, v, g, beta = (_tensor(fn, name, x) for name, x in named)
-        named = (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta))
+        _check_layout(fn, layout)
+        named = [(name, _tensor(fn, name, x)) for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta))]
+        q, k, v, g, beta = (x for _, x in named)
         for (name, x), ranks in zip(named, ((4,), (4,), (4,), (3, 4), (3,))):
             if x.dim() not in ranks:
                 raise ValueError("%s: %s must have %s dimensions [batch, heads, n_local, ...], got shape %s"
@@ -549,8 +551,7 @@ def shard(x, group=None, layout="contiguous"):
     """This rank's part of a whole-sequence tensor [B, H, n, ...] in the layout (contiguous:
     near-equal blocks in rank order; zigzag: chunks r and 2P−1−r of 2P)."""
     g = Group(_full("shard"), group)
-    if layout not in LAYOUTS:
-        raise ValueError("%s: layout must be one of %s, got %r" % (_full("shard"), ", ".join(LAYOUTS), layout))
+    _check_layout(_full("shard"), layout)
     if x.dim() < 3 or x.shape[2] < (2 if layout == "zigzag" else 1) * g.size:
         raise ValueError("%s: x must be [B, H, n, ...] with n >= %d for %d ranks in layout %s, got shape %s"
                          % (_full("shard"), (2 if layout == "zigzag" else 1) * g.size, g.size, layout, list(x.shape)))
