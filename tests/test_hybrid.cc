@@ -120,6 +120,18 @@ std::vector<Case> cases() {
       out.push_back({true, w, map, w > 0, false, 23, 23, 0, true});
       out.push_back({true, w, map, true, true, 17, 30, w > 0 ? 2 : 0, true});
     }
+  // Causal with n_q = n_k and features used as they are runs on the blocked path (tiles of 64
+  // queries, the linear part on the chunked gated engine): sequences of several tiles, windows
+  // inside a tile, at its size, across tiles and past the sequence, sinks reached by the window
+  // or not, with masks, gate and decay.
+  for (int64_t w : {0, 1, 63, 64, 65, 140, 200})
+    for (const char* map : {"elu", "given"}) {
+      out.push_back({true, w, map, true, w % 2 == 1, 150, 150});
+      out.push_back({true, w, map, w % 2 == 0, true, 150, 150, w == 0 ? 3 : 5, true});
+    }
+  for (int64_t sinks : {70, 160}) out.push_back({true, 64, "given", true, true, 150, 150, sinks, true});
+  out.push_back({true, 70, "relu", true, true, 150, 150, 2, true});
+  out.push_back({true, 20, "elu", false, false, 129, 129});
   return out;
 }
 

@@ -37,16 +37,29 @@ namespace {
 template <class T>
 double check_features(const char* fn, const char* name, TensorView<const T> f, const AttentionDims& d,
                       const KeyMask* mask) {
-  double top = 0;
   const int64_t m = f.dim(3);
-  for (int64_t bh = 0; bh < d.bh(); ++bh) {
-    const int64_t rows = mask ? mask->key_length(bh / d.heads) : f.dim(2);
+  auto count = [&](int64_t bh) { return static_cast<size_t>((mask ? mask->key_length(bh / d.heads) : f.dim(2)) * m); };
+  // One vector pass per item on every worker (NaN when a value is not finite) and a branch-free
+  // sign test; the scalar scan below only runs to name a bad value.
+  std::vector<double> largest(static_cast<size_t>(d.bh()));
+  parallel_for(d.bh(), [&](int64_t bh) {
     const T* x = f.row(bh, 0);
-    for (int64_t i = 0; i < rows * m; ++i) {
-      require(std::isfinite(x[i]) && x[i] >= 0, fn, ": ", name, " must be finite and >= 0 (features of a map of ",
-              "the caller's); found ", x[i], " at flat index ", bh * f.dim(2) * m + i);
-      top = std::max(top, static_cast<double>(x[i]));
+    const size_t c = count(bh);
+    bool negative = false;
+    for (size_t i = 0; i < c; ++i) negative |= x[i] < 0;
+    largest[static_cast<size_t>(bh)] =
+        negative ? std::numeric_limits<double>::quiet_NaN() : static_cast<double>(simd::finite_max_abs(x, c));
+  });
+  double top = 0;
+  for (int64_t bh = 0; bh < d.bh(); ++bh) {
+    if (std::isfinite(largest[static_cast<size_t>(bh)])) {
+      top = std::max(top, largest[static_cast<size_t>(bh)]);
+      continue;
     }
+    const T* x = f.row(bh, 0);
+    for (size_t i = 0; i < count(bh); ++i)
+      require(std::isfinite(x[i]) && x[i] >= 0, fn, ": ", name, " must be finite and >= 0 (features of a map of ",
+              "the caller's); found ", x[i], " at flat index ", bh * f.dim(2) * m + static_cast<int64_t>(i));
   }
   return top;
 }
@@ -460,6 +473,12 @@ Tensor<T> hybrid_attention(TensorView<const T> q, TensorView<const T> k, TensorV
   const std::optional<FeatureMap<T>> favor =
       s.map == hybrid::Map::Favor ? std::optional(hybrid::favor_map(fn, s, in)) : std::nullopt;
   Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim}, false, Init::Uninitialized);
+  if (hybrid::blocked_applies(s)) {
+    hybrid::blocked_forward(s, q, k, v, in, mask, out.data());
+    vs.restore(out);
+    check_result_finite(fn, "the output", out);
+    return out;
+  }
   const ParallelLoop loop(d.bh());
   PerWorker<hybrid::Scratch<T>> scratch(loop, [&] { return hybrid::Scratch<T>(s, false); });
   loop.run([&](int64_t bh, int worker) {
@@ -498,7 +517,11 @@ AttentionGrads<T> hybrid_attention_backward(TensorView<const T> q, TensorView<co
   Tensor<T> dfq_all = given ? Tensor<T>(in.query_features->shape) : Tensor<T>();
   Tensor<T> dfk_all = given ? Tensor<T>(in.key_features->shape) : Tensor<T>();
   std::vector<double> dgamma(static_cast<size_t>(d.bh()), 0.0);
-  const ParallelLoop loop(d.bh());
+  const bool blocked = hybrid::blocked_applies(s);
+  if (blocked)
+    hybrid::blocked_backward(s, q, k, v, dout, in, mask, grads, given ? dfq_all.data() : nullptr,
+                             given ? dfk_all.data() : nullptr, dgamma);
+  const ParallelLoop loop(blocked ? 0 : d.bh());
   PerWorker<hybrid::Scratch<T>> scratch(loop, [&] { return hybrid::Scratch<T>(s, true); });
   const T sc = static_cast<T>(s.scale);
   loop.run([&](int64_t bh, int worker) {

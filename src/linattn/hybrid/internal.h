@@ -65,6 +65,25 @@ FeatureMap<T> favor_map(const char* fn, const Setup& s, const HybridInputs<T>& i
   return FeatureMap<T>::favor(fn, s.favor_kind, *in.projection, s.d.head_dim, s.opts.scale);
 }
 
+// The blocked path (blocked.cc): causal calls with n_q == n_k and features used as they are
+// (elu, relu, given) run their window on tiles of queries by products and their linear part on
+// the chunked gated engine (gated.h); the others (FAVOR's per-row shifts, not causal, n_q != n_k)
+// on hybrid.cc's sweeps. Both compute the same formula (hybrid.h), tested against one reference.
+bool blocked_applies(const Setup& s);
+
+// out [B,H,n,d_v] (v already range-scaled, the checked call s).
+template <class T>
+void blocked_forward(const Setup& s, TensorView<const T> q, TensorView<const T> k,
+                     TensorView<const T> v, const HybridInputs<T>& in, const KeyMask& mask, T* out);
+
+// Adds into grads.dq, dk, dv (zeros on entry); writes the given features' gradients into
+// dfq_given, dfk_given (zeros on entry; feature_map "given" only) and Σ ∂/∂γ per item into dgamma.
+template <class T>
+void blocked_backward(const Setup& s, TensorView<const T> q, TensorView<const T> k,
+                      TensorView<const T> v, TensorView<const T> dout, const HybridInputs<T>& in,
+                      const KeyMask& mask, AttentionGrads<T>& grads, T* dfq_given, T* dfk_given,
+                      std::vector<double>& dgamma);
+
 inline double sigmoid(double g) { return g >= 0 ? 1 / (1 + std::exp(-g)) : std::exp(g) / (1 + std::exp(g)); }
 
 }  // namespace linattn::hybrid
