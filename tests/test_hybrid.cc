@@ -23,27 +23,30 @@ namespace {
 using testing::cast;
 using testing::random_tensor;
 
+constexpr int64_t Inputs_dv = 4;
+
 struct Case {
   bool causal;
   int64_t window;
-  std::string map;  // "elu", "relu", "given", "favor" (positive), "favor-hyperbolic"
+  std::string map;  // "elu", "relu", "focused", "given", "favor" (positive), "favor-hyperbolic"
   bool gate;
   bool lengths;
   int64_t n_q, n_k;
   int64_t sinks = 0;  // causal only
   bool decay = false;  // causal only: log_decay per head
+  int64_t value_dim = Inputs_dv;  // a multiple of 16 takes float32's tile kernels on the blocked path
 };
 
 std::string name(const Case& c) {
   return std::string(c.causal ? "causal" : "full") + " w=" + std::to_string(c.window) + " " + c.map +
          (c.gate ? " gate" : "") + (c.lengths ? " key_lengths" : "") + " n_q=" + std::to_string(c.n_q) +
          " n_k=" + std::to_string(c.n_k) + (c.sinks ? " sinks=" + std::to_string(c.sinks) : "") +
-         (c.decay ? " decay" : "");
+         (c.decay ? " decay" : "") + (c.value_dim != Inputs_dv ? " dv=" + std::to_string(c.value_dim) : "");
 }
 
 // Inputs of one case, in double (the reference's) with float copies.
 struct Inputs {
-  static constexpr int64_t B = 2, H = 3, d = 5, dv = 4, m = 6, num_features = 4;
+  static constexpr int64_t B = 2, H = 3, d = 5, dv = Inputs_dv, m = 6, num_features = 4;
   Tensor<double> q, k, v, dout, fq, fk, gate, projection, log_decay;
   HybridAttentionOptions opts;
   bool given, gated, favor, decayed;
@@ -51,8 +54,8 @@ struct Inputs {
   Inputs(const Case& c, uint64_t seed, double q_sigma = 1.0)
       : q(random_tensor<double>({B, H, c.n_q, d}, seed, q_sigma)),
         k(random_tensor<double>({B, H, c.n_k, d}, seed + 1, q_sigma)),
-        v(random_tensor<double>({B, H, c.n_k, dv}, seed + 2)),
-        dout(random_tensor<double>({B, H, c.n_q, dv}, seed + 3)),
+        v(random_tensor<double>({B, H, c.n_k, c.value_dim}, seed + 2)),
+        dout(random_tensor<double>({B, H, c.n_q, c.value_dim}, seed + 3)),
         fq(random_tensor<double>({B, H, c.n_q, m}, seed + 4)),
         fk(random_tensor<double>({B, H, c.n_k, m}, seed + 5)),
         gate(random_tensor<double>({H}, seed + 6)),
@@ -131,6 +134,17 @@ std::vector<Case> cases() {
     }
   for (int64_t sinks : {70, 160}) out.push_back({true, 64, "given", true, true, 150, 150, sinks, true});
   out.push_back({true, 70, "relu", true, true, 150, 150, 2, true});
+  // The focused map (through the library's FeatureMap), on both paths.
+  for (int64_t w : {0, 3}) {
+    out.push_back({false, w, "focused", true, true, 17, 30});
+    out.push_back({true, w, "focused", w == 3, false, 23, 23, 2, w == 3});
+  }
+  out.push_back({true, 65, "focused", true, true, 150, 150, 4, true});
+  // Values of 16 and 32 columns: float32's window products on the tile kernels.
+  for (int64_t dv : {16, 32}) {
+    out.push_back({true, 64, "elu", true, true, 150, 150, 5, true, dv});
+    out.push_back({true, 3, "given", false, false, 129, 129, 0, false, dv});
+  }
   out.push_back({true, 20, "elu", false, false, 129, 129});
   return out;
 }
@@ -156,7 +170,7 @@ double epsilon(const Inputs& x, const Case& c, double scale) {
         for (int64_t t = 0; t < Inputs::d; ++t) s += std::abs(x.q.view().row(bh, i)[t] * x.k.view().row(bh, j)[t]);
         A = std::max(A, std::abs(scale) * s);
       }
-  const double n = static_cast<double>(c.n_k + Inputs::m + Inputs::d + Inputs::dv + 16);
+  const double n = static_cast<double>(c.n_k + Inputs::m + Inputs::d + c.value_dim + 16);
   double eps = 6 * (2 * testing::gamma<T>(Inputs::d + 1) * A + testing::gamma<T>(n));
   if (x.favor) {
     auto logit_size = [&](const Tensor<double>& rows) {
@@ -266,12 +280,13 @@ TEST(HybridGradients, ReferenceMatchesFiniteDifferences) {
                         Case{false, 1, "favor", false, false, 8, 12}, Case{true, 2, "elu", true, true, 9, 11, 3},
                         Case{true, 0, "given", true, false, 9, 9, 2}, Case{true, 3, "favor", true, true, 9, 11, 2},
                         Case{true, 2, "elu", true, true, 9, 11, 2, true}, Case{true, 1, "favor", false, false, 9, 9, 0, true},
-                        Case{true, 0, "given", true, true, 9, 11, 0, true}}) {
+                        Case{true, 0, "given", true, true, 9, 11, 0, true}, Case{true, 3, "focused", true, true, 9, 9, 2, true},
+                        Case{false, 2, "focused", true, false, 8, 12}}) {
     SCOPED_TRACE(name(c));
     Inputs x(c, 7);
     const Tensor<double> G = random_tensor<double>({Inputs::B, Inputs::H, c.n_q, Inputs::dv}, 99);
-    // relu's kink: keep q and k away from 0 so that h = 1e-5 never crosses it.
-    if (c.map == "relu")
+    // relu's kink (focused's too): keep q and k away from 0 so that h = 1e-5 never crosses it.
+    if (c.map == "relu" || c.map == "focused")
       for (Tensor<double>* t : {&x.q, &x.k})
         for (int64_t i = 0; i < t->size(); ++i) (*t)[i] += ((*t)[i] >= 0 ? 0.1 : -0.1);
     const AttentionGrads<double> g = reference::hybrid_attention_backward(x.q, x.k, x.v, G, x.inputs(), x.opts);
@@ -435,7 +450,16 @@ TEST(Hybrid, BadInputIsAnErrorNamingIt) {
   EXPECT_TRUE(has(err(decayed, o), "log_decay has shape [2]; expected [3]"));
   o = x.opts;
   o.feature_map = "cosine";
-  EXPECT_TRUE(has(err(x.inputs(), o), "feature_map must be 'elu', 'relu', 'given' or 'favor'"));
+  EXPECT_TRUE(has(err(x.inputs(), o), "feature_map must be 'elu', 'relu', 'focused', 'given' or 'favor'"));
+  o = x.opts;
+  o.focus_power = 2;
+  EXPECT_TRUE(has(err(x.inputs(), o), "focus_power=2 applies to feature_map='focused' only"));
+  o.feature_map = "focused";
+  o.focus_power = 0.5;
+  HybridInputs<double> plain = x.inputs();
+  plain.query_features.reset();
+  plain.key_features.reset();
+  EXPECT_TRUE(has(err(plain, o), "focus_power must be a number in [1, 1000], got 0.5"));
   HybridInputs<double> in = x.inputs();
   in.key_features.reset();
   EXPECT_TRUE(has(err(in, x.opts), "feature_map='given' needs query_features"));

@@ -29,7 +29,8 @@ struct HybridAttentionOptions : AttentionOptions {
   // Causal only: the first `sinks` keys are in every query's exact part (once it sees them),
   // whatever the window. 0: none.
   int64_t sinks = 0;
-  // "elu" (elu(x)+1) or "relu" of q and k; "given": query_features and key_features are the
+  // "elu" (elu(x)+1), "relu" or "focused" (‖r‖·rᵖ/‖rᵖ‖, r = relu(x), p = focus_power: focused
+  // linear attention's map) of q and k; "given": query_features and key_features are the
   // features (non-negative, from a map of the caller's: Hedgehog's); "favor": FAVOR+'s random
   // features of q and k with the `projection` input, which estimate e^{s_ij} itself, so the
   // window's weights are then unshifted (see below and docs/methods/hybrid.md).
@@ -37,6 +38,9 @@ struct HybridAttentionOptions : AttentionOptions {
   // feature_map == "favor": "positive" (exp(ω·x̃ − ‖x̃‖²/2)/√m) or "hyperbolic" (±ω, 2m
   // features). Any other value than the default with another map is an error.
   std::string kernel = "positive";
+  // feature_map == "focused": p, finite, in [1, 1000]. Any other value than the default with
+  // another map is an error.
+  double focus_power = 3;
   double eps = 1e-6;
 };
 

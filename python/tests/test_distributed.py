@@ -70,6 +70,8 @@ CASES = {
     "hybrid_given_wide_zigzag": ("hybrid_attention", dict(window=8, key_lengths=[30, 9], given=4, gate=True),
                                  "zigzag"),
     "hybrid_no_window": ("hybrid_attention", dict(window=0, causal=True, key_lengths=[37, 23]), "contiguous"),
+    "hybrid_focused_causal_zigzag": ("hybrid_attention", dict(window=4, feature_map="focused", focus_power=2.0,
+                                                              causal=True, key_lengths=[37, 23], gate=True), "zigzag"),
     "hybrid_f32": ("hybrid_attention", dict(window=3, causal=True, key_lengths=[37, 23], gate=True,
                                             dtype=torch.float32), "contiguous"),
     # A nearly closed gate (γ = sigmoid(−16) ≈ 1e-7) with items no longer than the window: the

@@ -22,6 +22,7 @@ Call<T> call_from(const MethodArgs<T>& a) {
   r.read("sinks", c.opts.sinks);
   r.read("feature_map", c.opts.feature_map);
   r.read("kernel", c.opts.kernel);
+  r.read("focus_power", c.opts.focus_power);
   r.read("eps", c.opts.eps);
   c.in.query_features = r.tensor("query_features");
   c.in.key_features = r.tensor("key_features");

@@ -20,12 +20,16 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
+#include <type_traits>
+#include <vector>
 
 #include "linattn/core/blas.h"
 #include "linattn/core/error.h"
 #include "linattn/core/parallel.h"
 #include "linattn/core/range.h"
 #include "linattn/core/simd.h"
+#include "linattn/core/tile_matmul.h"
 #include "linattn/gated.h"
 #include "linattn/hybrid/internal.h"
 #include "linattn/memory.h"
@@ -33,7 +37,7 @@
 namespace linattn::hybrid {
 
 bool blocked_applies(const Setup& s) {
-  return s.opts.causal && s.d.n_q == s.d.n_k && (s.map == Map::Elu || s.map == Map::Relu || s.map == Map::Given);
+  return s.opts.causal && s.d.n_q == s.d.n_k && (own_features(s.map) || s.map == Map::Given);
 }
 
 namespace {
@@ -51,20 +55,24 @@ struct LinearPart {
   bool any = false;          // some row holds a linear key
 };
 
-template <class T>
-void map_rows(Map map, const T* x, T* f, int64_t count) {
-  if (map == Map::Elu) {
-    simd::elu_plus_one(x, f, static_cast<size_t>(count));
-  } else {
-    simd::select_positive(x, x, static_cast<const T*>(nullptr), f, static_cast<size_t>(count));
-  }
+// The rows of the shifted sequence that hold a linear key, [begin, end): key j at row j + w,
+// from the first key after the sinks to the last of the L visible ones, within the n rows.
+struct LinearRows {
+  int64_t first_key, begin, end;
+  int64_t count() const { return end - begin; }
+};
+
+inline LinearRows linear_rows(const Setup& s, int64_t L) {
+  const int64_t n = s.d.n_q, w = s.opts.window, first = std::min(s.opts.sinks, L);
+  const int64_t begin = std::min(first + w, n);
+  return {first, begin, std::max(std::min(L + w, n), begin)};
 }
 
 template <class T>
 LinearPart<T> linear_part(const Setup& s, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                           const HybridInputs<T>& in, const KeyMask& mask) {
   const AttentionDims& d = s.d;
-  const int64_t n = d.n_q, m = s.features, dv = d.value_dim, w = s.opts.window, hd = d.head_dim;
+  const int64_t n = d.n_q, m = s.features, dv = d.value_dim;
   LinearPart<T> lp;
   lp.key_features = Tensor<T>({d.batch, d.heads, n, m}, true, Init::Uninitialized);
   lp.values = Tensor<T>({d.batch, d.heads, n, dv + 1}, true, Init::Uninitialized);
@@ -73,28 +81,29 @@ LinearPart<T> linear_part(const Setup& s, TensorView<const T> q, TensorView<cons
   if (!given) lp.query_features = Tensor<T>({d.batch, d.heads, n, m}, true, Init::Uninitialized);
   lp.fq = given ? *in.query_features : lp.query_features.view();
   for (int64_t b = 0; b < d.batch; ++b)
-    if (std::min(s.opts.sinks, mask.key_length(b)) + w < mask.key_length(b)) lp.any = true;
+    if (linear_rows(s, mask.key_length(b)).count() > 0) lp.any = true;
+  const std::optional<FeatureMap<T>> map = given ? std::nullopt : std::optional(plain_map<T>("hybrid_attention", s));
   parallel_for(d.bh(), [&](int64_t bh) {
-    const int64_t L = mask.key_length(bh / d.heads), first = std::min(s.opts.sinks, L);
+    const LinearRows rows = linear_rows(s, mask.key_length(bh / d.heads));
     const T lambda = s.log_decay.empty() ? T(0) : static_cast<T>(s.log_decay[static_cast<size_t>(bh % d.heads)]);
     std::fill(lp.log_gate.data() + bh * n, lp.log_gate.data() + (bh + 1) * n, lambda);
-    if (!given) map_rows(s.map, q.row(bh, 0), lp.query_features.data() + bh * n * m, n * hd);
-    // Rows before the first linear key's and after the last one's are 0.
-    const int64_t rows_begin = std::min(first + w, n), rows_end = std::max(std::min(L + w, n), rows_begin);
-    std::fill(lp.key_features.data() + bh * n * m, lp.key_features.data() + (bh * n + rows_begin) * m, T(0));
-    std::fill(lp.key_features.data() + (bh * n + rows_end) * m, lp.key_features.data() + (bh + 1) * n * m, T(0));
-    std::fill(lp.values.data() + bh * n * (dv + 1), lp.values.data() + (bh * n + rows_begin) * (dv + 1), T(0));
-    std::fill(lp.values.data() + (bh * n + rows_end) * (dv + 1), lp.values.data() + (bh + 1) * n * (dv + 1), T(0));
-    for (int64_t j = first; j + w < n && j < L; ++j) {  // key j at row j + w
-      T* f = lp.key_features.data() + (bh * n + j + w) * m;
-      if (given) {
-        std::copy(in.key_features->row(bh, j), in.key_features->row(bh, j) + m, f);
-      } else {
-        map_rows(s.map, k.row(bh, j), f, hd);
-      }
-      T* vv = lp.values.data() + (bh * n + j + w) * (dv + 1);
-      std::copy(v.row(bh, j), v.row(bh, j) + dv, vv);
-      vv[dv] = 1;
+    if (map) map->features(q.row(bh, 0), n, lp.query_features.data() + bh * n * m);
+    T* fk = lp.key_features.data() + bh * n * m;
+    T* vv = lp.values.data() + bh * n * (dv + 1);
+    std::fill(fk, fk + rows.begin * m, T(0));  // no linear key in these rows
+    std::fill(fk + rows.end * m, fk + n * m, T(0));
+    std::fill(vv, vv + rows.begin * (dv + 1), T(0));
+    std::fill(vv + rows.end * (dv + 1), vv + n * (dv + 1), T(0));
+    if (map) {
+      map->features(k.row(bh, rows.first_key), rows.count(), fk + rows.begin * m);
+    } else {
+      const T* given_keys = in.key_features->row(bh, rows.first_key);
+      std::copy(given_keys, given_keys + rows.count() * m, fk + rows.begin * m);
+    }
+    for (int64_t r = 0; r < rows.count(); ++r) {
+      const T* vj = v.row(bh, rows.first_key + r);
+      std::copy(vj, vj + dv, vv + (rows.begin + r) * (dv + 1));
+      vv[(rows.begin + r) * (dv + 1) + dv] = 1;
     }
   });
   return lp;
@@ -130,14 +139,15 @@ Tile tile(const Setup& s, int64_t begin, int64_t L) {
 template <class T>
 struct TileScratch {
   explicit TileScratch(const Setup& s)
-      : columns(s.opts.sinks + kTileRows + s.opts.window),
+      : columns((s.opts.sinks + kTileRows + s.opts.window + 15) / 16 * 16),
         e(kTileRows * columns, true, Init::Uninitialized),
+        keys_t(std::is_same_v<T, float> ? s.d.head_dim * columns : 0, true, Init::Uninitialized),
         gv(kTileRows * columns, true, Init::Uninitialized),
         num(kTileRows * s.d.value_dim, true, Init::Uninitialized),
         den(kTileRows, true, Init::Uninitialized),
         top(static_cast<size_t>(kTileRows)) {}
-  int64_t columns;  // the leading dimension of e and gv
-  Buffer<T> e, gv, num, den;
+  int64_t columns;  // the leading dimension of e and gv (a multiple of 16, for tile_matmul)
+  Buffer<T> e, keys_t, gv, num, den;  // keys_t: float32, scale·(the tile's keys)ᵀ [head_dim × columns]
   std::vector<int64_t> top;  // per row: the column of its first maximum score (−1: no exact key)
 };
 
@@ -187,7 +197,25 @@ template <class T>
 void window_forward(const Setup& s, const Rows<T>& it, const Tile& t, TileScratch<T>& w, bool want_top) {
   const int64_t hd = s.d.head_dim, dv = s.d.value_dim, cols = t.columns(), ld = w.columns, win = s.opts.window;
   T* e = w.e.data();
-  if (cols > 0) times_keys_transposed(t, it.q + t.begin * hd, hd, hd, it.k, e, ld, static_cast<T>(s.scale));
+  // float32 runs the tile's two products on the library's own tile kernels (core/tile_matmul.h:
+  // OpenBLAS packs both operands again on each of these thousands of small calls), with the keys
+  // transposed once per tile; float64 on the BLAS.
+  const bool tiles = std::is_same_v<T, float> && dv % 16 == 0;
+  if constexpr (std::is_same_v<T, float>) {
+    if (cols > 0) {
+      const int64_t padded = (cols + 15) / 16 * 16;
+      float* kt = w.keys_t.data();
+      const float sc = static_cast<float>(s.scale);
+      for (int64_t p = 0; p < hd; ++p) {
+        float* row = kt + p * padded;
+        for (int64_t c = 0; c < cols; ++c) row[c] = sc * it.k[t.key(c) * hd + p];
+        std::fill(row + cols, row + padded, 0.0f);
+      }
+      tile_matmul::multiply(it.q + t.begin * hd, hd, t.rows(), kt, padded, hd, padded, e, ld, false);
+    }
+  } else if (cols > 0) {
+    times_keys_transposed(t, it.q + t.begin * hd, hd, hd, it.k, e, ld, static_cast<T>(s.scale));
+  }
   for (int64_t r = 0; r < t.rows(); ++r) {
     const int64_t i = t.begin + r;
     T* row = e + r * ld;
@@ -217,7 +245,13 @@ void window_forward(const Setup& s, const Rows<T>& it, const Tile& t, TileScratc
     w.den[r] = simd::exp_shifted_sum(row, static_cast<size_t>(sink_cols), M) +
                simd::exp_shifted_sum(row + win_begin, static_cast<size_t>(win_end - win_begin), M);
   }
-  if (cols > 0) {
+  if (cols > 0 && tiles) {
+    if constexpr (std::is_same_v<T, float>) {
+      tile_matmul::multiply(e, ld, t.rows(), it.v, dv, t.sink_end, dv, w.num.data(), dv, false);
+      tile_matmul::multiply(e + t.sink_end, ld, t.rows(), it.v + t.band_begin * dv, dv, t.band_end - t.band_begin, dv,
+                            w.num.data(), dv, true);
+    }
+  } else if (cols > 0) {
     times_keys(t, e, ld, it.v, dv, w.num.data(), T(1), T(0));
   } else {
     std::fill(w.num.data(), w.num.data() + t.rows() * dv, T(0));
@@ -290,7 +324,7 @@ void blocked_backward(const Setup& s, TensorView<const T> q, TensorView<const T>
                       const KeyMask& mask, AttentionGrads<T>& grads, T* dfq_given, T* dfk_given,
                       std::vector<double>& dgamma) {
   const AttentionDims& d = s.d;
-  const int64_t n = d.n_q, dv = d.value_dim, hd = d.head_dim, m = s.features, w_len = s.opts.window;
+  const int64_t n = d.n_q, dv = d.value_dim, hd = d.head_dim, m = s.features;
   const LinearPart<T> lp = linear_part(s, q, k, v, in, mask);
   const GatedLinearAttentionOptions lo = linear_options<T>();
   const Tensor<T> linear =
@@ -362,32 +396,31 @@ void blocked_backward(const Setup& s, TensorView<const T> q, TensorView<const T>
   if (!lp.any) return;
   const GatedLinearAttentionGrads<T> lg = gated_linear_attention_backward<T>(
       lp.fq, lp.key_features, lp.values, lp.log_gate, {}, dlinear, {}, lo);
+  // Back up by w rows and through the map: dq, dk add it (the window's share is in them).
   const bool given = s.map == Map::Given;
+  const std::optional<FeatureMap<T>> map = given ? std::nullopt : std::optional(plain_map<T>("hybrid_attention", s));
   parallel_for(d.bh(), [&](int64_t bh) {
-    const int64_t L = mask.key_length(bh / d.heads), first = std::min(s.opts.sinks, L);
+    const LinearRows rows = linear_rows(s, mask.key_length(bh / d.heads));
+    const int64_t first = rows.first_key, rows_begin = rows.begin, linear_keys = rows.count();
     const T* dfq = lg.dq.data() + bh * n * m;
-    T* dq = grads.dq.data() + bh * n * hd;
-    T* dk = grads.dk.data() + bh * n * hd;
+    const T* dfk = lg.dk.data() + (bh * n + rows_begin) * m;
     T* dvv = grads.dv.data() + bh * n * dv;
+    for (int64_t j = 0; j < linear_keys; ++j)
+      for (int64_t c = 0; c < dv; ++c) dvv[(first + j) * dv + c] += lg.dv.data()[(bh * n + rows_begin + j) * (dv + 1) + c];
     if (given) {
       std::copy(dfq, dfq + n * m, dfq_given + bh * n * m);
-    } else {  // elu+1' = 1 above 0, e^x = φ below; relu' = [x > 0]
-      const T* x = q.row(bh, 0);
-      const T* f = lp.fq.data + bh * n * m;
-      for (int64_t i = 0; i < n * hd; ++i) dq[i] += x[i] > 0 ? dfq[i] : (s.map == Map::Elu ? dfq[i] * f[i] : T(0));
+      std::copy(dfk, dfk + linear_keys * m, dfk_given + (bh * n + first) * m);
+      return;
     }
-    for (int64_t j = first; j + w_len < n && j < L; ++j) {
-      const T* dfk = lg.dk.data() + (bh * n + j + w_len) * m;
-      const T* dval = lg.dv.data() + (bh * n + j + w_len) * (dv + 1);
-      for (int64_t c = 0; c < dv; ++c) dvv[j * dv + c] += dval[c];
-      if (given) {
-        std::copy(dfk, dfk + m, dfk_given + (bh * n + j) * m);
-      } else {
-        const T* x = k.row(bh, j);
-        const T* f = lp.key_features.data() + (bh * n + j + w_len) * m;  // φ(k_j)
-        for (int64_t c = 0; c < hd; ++c) dk[j * hd + c] += x[c] > 0 ? dfk[c] : (s.map == Map::Elu ? f[c] * dfk[c] : T(0));
-      }
-    }
+    std::vector<T> dx(static_cast<size_t>(n * hd));
+    auto add = [&](T* to, int64_t rows) {
+      for (int64_t i = 0; i < rows * hd; ++i) to[i] += dx[static_cast<size_t>(i)];
+    };
+    map->features_backward(q.row(bh, 0), n, lp.fq.data + bh * n * m, dfq, dx.data());
+    add(grads.dq.data() + bh * n * hd, n);
+    map->features_backward(k.row(bh, first), linear_keys, lp.key_features.data() + (bh * n + rows_begin) * m, dfk,
+                           dx.data());
+    add(grads.dk.data() + (bh * n + first) * hd, linear_keys);
   });
 }
 

@@ -83,14 +83,22 @@ Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, T
     s.map = Map::Elu;
   } else if (opts.feature_map == "relu") {
     s.map = Map::Relu;
+  } else if (opts.feature_map == "focused") {
+    s.map = Map::Focused;
   } else if (opts.feature_map == "given") {
     s.map = Map::Given;
   } else if (opts.feature_map == "favor") {
     s.map = Map::Favor;
   } else {
-    fail(fn, ": feature_map must be 'elu', 'relu', 'given' or 'favor', got '", opts.feature_map, "'");
+    fail(fn, ": feature_map must be 'elu', 'relu', 'focused', 'given' or 'favor', got '", opts.feature_map, "'");
   }
   const HybridAttentionOptions defaults;
+  if (s.map == Map::Focused) {
+    plain_map<T>(fn, s);  // checks focus_power
+  } else {
+    require(opts.focus_power == defaults.focus_power, fn, ": focus_power=", opts.focus_power,
+            " applies to feature_map='focused' only, but feature_map is '", opts.feature_map, "'");
+  }
   if (s.map == Map::Favor) {
     require(opts.kernel == "positive" || opts.kernel == "hyperbolic", fn,
             ": kernel must be 'positive' or 'hyperbolic' with feature_map='favor' (the hybrid's weights must be >= 0; "
@@ -130,8 +138,10 @@ Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, T
     s.feature_max_q = s.feature_max_k = 1;
   } else if (s.map != Map::Given) {
     s.features = d.head_dim;
-    s.feature_max_q = s.map == Map::Elu ? 1 + d.q_max : d.q_max;
-    s.feature_max_k = s.map == Map::Elu ? 1 + d.k_max : d.k_max;
+    // elu+1 <= 1 + x; relu <= x; focused ‖r‖·rᵖ/‖rᵖ‖ <= ‖r‖ <= √d·max|x|.
+    const double grow = s.map == Map::Focused ? std::sqrt(static_cast<double>(d.head_dim)) : 1;
+    s.feature_max_q = (s.map == Map::Elu ? 1 : 0) + grow * d.q_max;
+    s.feature_max_k = (s.map == Map::Elu ? 1 : 0) + grow * d.k_max;
   }
   s.gamma.assign(static_cast<size_t>(d.heads), 1.0);
   if (in.window_gate) {
@@ -171,7 +181,7 @@ template <class T>
 struct Scratch {
   Scratch(const Setup& s, bool backward) {
     const int64_t m = s.features, dv = s.d.value_dim, nq = s.d.n_q, nk = s.d.n_k;
-    const bool own = s.map == Map::Elu || s.map == Map::Relu, favor = s.map == Map::Favor;
+    const bool own = own_features(s.map), favor = s.map == Map::Favor;
     fq = Buffer<T>(own || favor ? nq * m : 0, true, Init::Uninitialized);  // favor: the logits L
     fk = Buffer<T>(own || favor ? nk * m : 0, true, Init::Uninitialized);
     state = Buffer<T>(m * dv);
@@ -225,16 +235,9 @@ Item<T> item(const char* fn, const Setup& s, const FeatureMap<T>* favor, TensorV
     favor->logits(fn, it.q, s.d.n_q, Side::QueryWithNorm, w.fq.data(), nullptr);
     favor->logits(fn, it.k, it.L, Side::Key, w.fk.data(), nullptr);
   } else {
-    const int64_t d = s.d.head_dim;
-    auto make = [&](const T* x, int64_t rows, T* f) {
-      if (s.map == Map::Elu) {
-        simd::elu_plus_one(x, f, static_cast<size_t>(rows * d));
-      } else {
-        for (int64_t i = 0; i < rows * d; ++i) f[i] = std::max(x[i], T(0));
-      }
-    };
-    make(it.q, s.d.n_q, w.fq.data());
-    make(it.k, it.L, w.fk.data());
+    const FeatureMap<T> map = plain_map<T>(fn, s);
+    map.features(it.q, s.d.n_q, w.fq.data());
+    map.features(it.k, it.L, w.fk.data());
   }
   it.fq = w.fq.data();
   it.fk = w.fk.data();
@@ -608,19 +611,16 @@ AttentionGrads<T> hybrid_attention_backward(TensorView<const T> q, TensorView<co
         if (i1 > 0) push(j);
       }
     }
-    // Through the feature map, into dq and dk (before the window adds to them: FAVOR's
-    // logits_backward writes its result): elu+1' = 1 above 0, e^x = φ below; relu' = [x > 0];
-    // FAVOR L = ω·x̃ − ‖x̃‖²/2 (FeatureMap::logits_backward).
+    // Through the feature map, into dq and dk (before the window adds to them: the maps'
+    // backwards write their results): the plain maps' (FeatureMap::features_backward), or FAVOR's
+    // L = ω·x̃ − ‖x̃‖²/2 (FeatureMap::logits_backward).
     if (favor) {
       favor->logits_backward(it.q, nq, Side::QueryWithNorm, dfq, nullptr, nullptr, dq, w.map_scratch.data());
       if (it.L > 0) favor->logits_backward(it.k, it.L, Side::Key, dfk, nullptr, nullptr, dk, w.map_scratch.data());
     } else if (!given) {
-      auto chain = [&](const T* x, const T* f, const T* df, int64_t rows, T* dx) {
-        for (int64_t i = 0; i < rows * hd; ++i)
-          dx[i] += x[i] > 0 ? df[i] : (s.map == hybrid::Map::Elu ? df[i] * f[i] : T(0));
-      };
-      chain(it.q, it.fq, dfq, nq, dq);
-      chain(it.k, it.fk, dfk, it.L, dk);
+      const FeatureMap<T> map = hybrid::plain_map<T>(fn, s);
+      map.features_backward(it.q, nq, it.fq, dfq, dq);
+      map.features_backward(it.k, it.L, it.fk, dfk, dk);
     }
     // The window: weights γ e^{s_ij − M_i}, or with FAVOR γ e^{s_ij − R_i} (R_i only a shift of
     // the whole row: no gradient).

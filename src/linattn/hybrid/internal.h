@@ -8,13 +8,15 @@
 
 #include "linattn/core/attention_args.h"
 #include "linattn/hybrid.h"
-#include "linattn/kernelized/feature_map.h"
+#include "linattn/core/feature_map.h"
 
 namespace linattn::hybrid {
 
 // Favor: FAVOR's random features in log form, φ_r(x) = exp(L_r(x))/√m', which estimate
 // e^{s_ij}; the window is then unshifted and every term of row i is shifted by R_i instead.
-enum class Map { Elu, Relu, Given, Favor };
+// Elu, Relu, Focused: φ of q and k by the library's plain map (core/feature_map.h), the
+// one place their formulas live.
+enum class Map { Elu, Relu, Focused, Given, Favor };
 
 // A checked call: sizes, scale, the feature map and its width m', γ_h per head.
 struct Setup {
@@ -66,7 +68,7 @@ FeatureMap<T> favor_map(const char* fn, const Setup& s, const HybridInputs<T>& i
 }
 
 // The blocked path (blocked.cc): causal calls with n_q == n_k and features used as they are
-// (elu, relu, given) run their window on tiles of queries by products and their linear part on
+// (elu, relu, focused, given) run their window on tiles of queries by products and their linear part on
 // the chunked gated engine (gated.h); the others (FAVOR's per-row shifts, not causal, n_q != n_k)
 // on hybrid.cc's sweeps. Both compute the same formula (hybrid.h), tested against one reference.
 bool blocked_applies(const Setup& s);
@@ -83,6 +85,17 @@ void blocked_backward(const Setup& s, TensorView<const T> q, TensorView<const T>
                       TensorView<const T> v, TensorView<const T> dout, const HybridInputs<T>& in,
                       const KeyMask& mask, AttentionGrads<T>& grads, T* dfq_given, T* dfk_given,
                       std::vector<double>& dgamma);
+
+// The plain map of Map::Elu, Relu or Focused (focus_power checked); Error naming fn.
+template <class T>
+FeatureMap<T> plain_map(const char* fn, const Setup& s) {
+  const FeatureMapKind kind = s.map == Map::Elu    ? FeatureMapKind::Elu
+                              : s.map == Map::Relu ? FeatureMapKind::Relu
+                                                   : FeatureMapKind::Focused;
+  return FeatureMap<T>::plain(fn, kind, s.d.head_dim, s.opts.focus_power);
+}
+
+inline bool own_features(Map map) { return map == Map::Elu || map == Map::Relu || map == Map::Focused; }
 
 inline double sigmoid(double g) { return g >= 0 ? 1 / (1 + std::exp(-g)) : std::exp(g) / (1 + std::exp(g)); }
 

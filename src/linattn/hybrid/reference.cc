@@ -9,6 +9,7 @@
 
 #include "linattn/hybrid/args.h"
 #include "linattn/hybrid/internal.h"
+#include "linattn/kernelized/reference.h"
 #include "linattn/reference_registry.h"
 
 namespace linattn::reference {
@@ -55,9 +56,13 @@ double favor_logit_slope(const Setup& s, TensorView<const double> w, const doubl
   return magnitude ? std::abs(a) + std::abs(b) : a - b;
 }
 
-double feature(const Setup& s, double x) { return s.map == Map::Elu ? (x > 0 ? x + 1 : std::exp(x)) : std::max(x, 0.0); }
-double feature_slope(const Setup& s, double x) {
-  return s.map == Map::Elu ? (x > 0 ? 1 : std::exp(x)) : (x > 0 ? 1.0 : 0.0);
+// φ of one row x [head_dim] by a plain map (elu, relu, focused), from the kernelized reference,
+// the one float64 statement of the maps; with jacobian, ∂φ_r/∂x_c as [1, m', head_dim].
+std::vector<double> plain_features(const Setup& s, const double* x, Tensor<double>* jacobian = nullptr) {
+  const char* name = s.map == Map::Elu ? "elu" : s.map == Map::Relu ? "relu" : "focused";
+  const Tensor<double> f = reference::features(TensorView<const double>{x, {1, s.d.head_dim}}, name, std::nullopt, 1.0,
+                                               s.opts.focus_power, jacobian);
+  return {f.data(), f.data() + s.features};
 }
 
 // φ of row r of x (or of the given features).
@@ -65,9 +70,8 @@ std::vector<double> features(const Setup& s, TensorView<const double> x, const H
                              const std::optional<TensorView<const double>>& given, int64_t bh, int64_t r,
                              bool magnitude) {
   if (s.map == Map::Favor) return favor_logits(s, *in.projection, x.row(bh, r));
-  std::vector<double> f(static_cast<size_t>(s.features));
-  for (int64_t c = 0; c < s.features; ++c)
-    f[static_cast<size_t>(c)] = s.map == Map::Given ? given->row(bh, r)[c] : feature(s, x.row(bh, r)[c]);
+  std::vector<double> f = s.map == Map::Given ? std::vector<double>(given->row(bh, r), given->row(bh, r) + s.features)
+                                               : plain_features(s, x.row(bh, r));
   if (magnitude)
     for (double& y : f) y = std::abs(y);
   return f;
@@ -265,13 +269,21 @@ AttentionGrads<double> hybrid_attention_backward(TensorView<const double> q, Ten
     };
     chain(q, dfq_all, d.n_q, g.dq, d.n_q);
     chain(k, dfk_all, d.n_k, g.dk, d.n_k);  // dL of padded keys is 0
-  } else {
-    for (int64_t x = 0; x < q.size(); ++x) g.dq.data()[x] += dfq_all.data()[x] * feature_slope(s, q.data[x]);
-    for (int64_t bh = 0; bh < d.bh(); ++bh)
-      for (int64_t j = 0; j < mask.key_length(bh / d.heads) * d.head_dim; ++j) {
-        const int64_t x = bh * d.n_k * d.head_dim + j;
-        g.dk.data()[x] += dfk_all.data()[x] * feature_slope(s, k.data[x]);
-      }
+  } else {  // dx_t = Σ_c dφ_c·∂φ_c/∂x_t
+    auto chain = [&](TensorView<const double> x, const Tensor<double>& dphi, Tensor<double>& dx, int64_t n,
+                     auto rows_of_item) {
+      Tensor<double> jacobian;
+      for (int64_t bh = 0; bh < d.bh(); ++bh)
+        for (int64_t row = 0; row < rows_of_item(bh); ++row) {
+          plain_features(s, x.row(bh, row), &jacobian);
+          for (int64_t t = 0; t < d.head_dim; ++t)
+            for (int64_t c = 0; c < s.features; ++c)
+              dx.data()[(bh * n + row) * d.head_dim + t] +=
+                  dphi.data()[(bh * n + row) * s.features + c] * mag(jacobian.data()[c * d.head_dim + t]);
+        }
+    };
+    chain(q, dfq_all, g.dq, d.n_q, [&](int64_t) { return d.n_q; });
+    chain(k, dfk_all, g.dk, d.n_k, [&](int64_t bh) { return mask.key_length(bh / d.heads); });
   }
   if (in.window_gate) {
     Tensor<double> dg({d.heads});

@@ -46,10 +46,11 @@ MethodInfo describe_hybrid() {
                  "causal only: the first `sinks` keys are in every query's exact part (attention sinks); 0: none"),
       tensor_input("projection", false, false,
                    "ω [num_features, head_dim] from random_features (feature_map='favor'; not differentiated)"),
-      string_option("feature_map", defaults.feature_map, {"elu", "relu", "given", "favor"},
-                    "the linear part's map: elu (elu(x)+1) or relu of q and k, given (query_features, key_features), "
-                    "or favor (FAVOR+'s random features with projection: the window's weights are then e^{s}, "
-                    "unshifted)"),
+      string_option("feature_map", defaults.feature_map, {"elu", "relu", "focused", "given", "favor"},
+                    "the linear part's map: elu (elu(x)+1), relu or focused (relu, then ‖x‖·xᵖ/‖xᵖ‖ with p = "
+                    "focus_power) of q and k, given (query_features, key_features), or favor (FAVOR+'s random "
+                    "features with projection: the window's weights are then e^{s}, unshifted)"),
+      float_option("focus_power", defaults.focus_power, "feature_map='focused': p of the focused map (1 to 1000)"),
       string_option("kernel", defaults.kernel, {"positive", "hyperbolic"},
                     "feature_map='favor': positive (exp(ω·x − ‖x‖²/2)) or hyperbolic (±ω, 2·num_features features)"),
       causal_option(""),

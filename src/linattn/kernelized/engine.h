@@ -7,7 +7,7 @@
 #include "linattn/core/attention_args.h"
 #include "linattn/core/products.h"
 #include "linattn/low_precision.h"
-#include "linattn/kernelized/feature_map.h"
+#include "linattn/core/feature_map.h"
 
 namespace linattn::kernelized {
 

@@ -12,7 +12,7 @@
 #include "linattn/kernelized.h"
 #include "linattn/kernelized/engine.h"
 #include "linattn/kernelized/products_calls.h"
-#include "linattn/kernelized/feature_map.h"
+#include "linattn/core/feature_map.h"
 
 namespace linattn {
 namespace {

@@ -10,7 +10,7 @@
 #include "linattn/core/range.h"
 #include "linattn/kernelized.h"
 #include "linattn/kernelized/engine.h"
-#include "linattn/kernelized/feature_map.h"
+#include "linattn/core/feature_map.h"
 
 namespace linattn {
 namespace {

@@ -4,7 +4,7 @@
 #include "linattn/core/method_support.h"
 #include "linattn/kernelized.h"
 #include "linattn/kernelized/args.h"
-#include "linattn/kernelized/feature_map.h"
+#include "linattn/core/feature_map.h"
 #include "linattn/kernelized/engine.h"
 #include "linattn/kernelized/products_calls.h"
 #include "linattn/random_features.h"

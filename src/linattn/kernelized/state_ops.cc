@@ -12,7 +12,7 @@
 #include "linattn/core/simd.h"
 #include "linattn/kernelized.h"
 #include "linattn/kernelized/engine.h"
-#include "linattn/kernelized/feature_map.h"
+#include "linattn/core/feature_map.h"
 
 namespace linattn {
 

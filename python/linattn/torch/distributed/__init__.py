@@ -359,13 +359,14 @@ def hedgehog_attention(q, k, v, query_weight, query_bias, key_weight, key_bias, 
                                  dict(feature_map="identity", eps=float(eps)))
 
 
-_HYBRID_MAPS = ("elu", "relu", "given", "favor")
+_HYBRID_MAPS = ("elu", "relu", "given", "favor", "focused")
 
 
 def hybrid_attention(q, k, v, *, query_features=None, key_features=None, window_gate=None,
                      window=_option_default("hybrid_attention", "window"), log_decay=None, sinks=0,
                      projection=None,
                      feature_map=_option_default("hybrid_attention", "feature_map"),
+                     focus_power=_option_default("hybrid_attention", "focus_power"),
                      kernel=_option_default("hybrid_attention", "kernel"), causal=False, key_lengths=None,
                      scale=None, eps=_option_default("hybrid_attention", "eps"), group=None, layout="contiguous"):
     """The sliding-window + linear hybrid (linattn.torch.hybrid_attention): the linear part
@@ -397,6 +398,13 @@ def hybrid_attention(q, k, v, *, query_features=None, key_features=None, window_
         _eps_check(fn, eps)
         holder["scale"] = _scale_of(fn, scale, q.shape[3])
         fields = [window, _HYBRID_MAPS.index(feature_map), eps, holder["scale"]]
+        if feature_map == "focused":
+            if isinstance(focus_power, bool) or not isinstance(focus_power, (int, float)) or not 1 <= focus_power <= 1000:
+                raise ValueError("%s: focus_power must lie in [1, 1000], got %r" % (fn, focus_power))
+            fields += [float(focus_power)]
+        elif focus_power != _option_default("hybrid_attention", "focus_power"):
+            raise ValueError("%s: focus_power=%r applies to feature_map='focused' only, but feature_map is %r"
+                             % (fn, focus_power, feature_map))
         default_kernel = _option_default("hybrid_attention", "kernel")
         if feature_map == "favor":
             if projection is None:
@@ -443,7 +451,7 @@ def hybrid_attention(q, k, v, *, query_features=None, key_features=None, window_
         # Padded keys may lie above the shift: their features are 0 (and zeroed by the key mask too).
         fq, fk, favor = None, torch.exp(torch.where(Lk - top <= 0, Lk - top, float("-inf"))), (Lq, top)
     else:
-        fq, fk = (_kernelized.plain_features(x, feature_map, None) for x in (c.q, c.k))
+        fq, fk = (_kernelized.plain_features(x, feature_map, float(focus_power)) for x in (c.q, c.k))
     return _hybrid.attention(c.g, c.segs, c.q, c.k, c.v, fq, fk, c.lengths, causal, window, holder["scale"],
                              holder["gate"], float(eps), favor)
 

@@ -1,4 +1,4 @@
-// Feature maps φ of kernelized attention, applied to blocks of rows.
+// Feature maps φ of kernelized attention and of the hybrid's linear part, applied to blocks of rows.
 //
 // Plain maps (elu+1, relu, focused) give φ(x) directly: bounded by a small multiple of |x|.
 // Random-feature maps (FAVOR) give φ in log form, φ_r(x) = s_r(x)·exp(L_r(x)) with s_r = 1 for

@@ -1,5 +1,5 @@
 #include "linattn/core/error.h"
-#include "linattn/kernelized/feature_map.h"
+#include "linattn/core/feature_map.h"
 
 #include <algorithm>
 #include <cmath>
