@@ -1,4 +1,4 @@
-// hybrid_attention (sliding window + linear): the fast path against the float64 reference at a
+// hybrid_attention (sliding window + linear): both fast paths (blocked and sweeps) against the float64 reference at a
 // derived rounding bound, for every mask, window size, feature map and thread count; every
 // gradient of the reference against central differences; window 0 against linear_attention;
 // FAVOR's features: window 0 against favor_attention, a whole window against softmax_attention;
@@ -269,6 +269,40 @@ TEST(Hybrid, FavorFewItemsAnyThreads) {
           for (int64_t i = 0; i < want->size(); ++i) ASSERT_EQ((*got)[i], (*want)[i]) << threads << " threads, " << i;
       }
     }
+}
+
+// The blocked path (causal, n_q = n_k, a plain map) over several tiles, with batch·heads of 1 and
+// 2: bitwise the results of one thread at 3, 8 and 16 (tasks are items; nothing depends on the
+// split).
+TEST(Hybrid, BlockedPathAnyThreads) {
+  for (int64_t heads : {1, 2}) {
+    SCOPED_TRACE(std::to_string(heads) + " heads");
+    const Tensor<float> q = random_tensor<float>({1, heads, 150, 8}, 21), k = random_tensor<float>({1, heads, 150, 8}, 22),
+                        v = random_tensor<float>({1, heads, 150, 16}, 23), dout = random_tensor<float>({1, heads, 150, 16}, 24),
+                        gate = random_tensor<float>({heads}, 25);
+    Tensor<float> decay({heads});
+    for (int64_t h = 0; h < heads; ++h) decay[h] = -0.01f * static_cast<float>(h + 1);
+    HybridAttentionOptions o;
+    o.causal = true;
+    o.window = 40;
+    o.sinks = 3;
+    o.feature_map = "focused";
+    HybridInputs<float> in;
+    in.window_gate = gate.view();
+    in.log_decay = decay.view();
+    auto run = [&](int threads) {
+      testing::ScopedThreads scope(threads);
+      return std::make_pair(hybrid_attention<float>(q, k, v, in, o), hybrid_attention_backward<float>(q, k, v, dout, in, o));
+    };
+    const auto one = run(1);
+    for (int threads : {3, 8, 16}) {
+      const auto many = run(threads);
+      for (const auto& [got, want] : {std::pair{&many.first, &one.first}, std::pair{&many.second.dq, &one.second.dq},
+                                      std::pair{&many.second.dk, &one.second.dk}, std::pair{&many.second.dv, &one.second.dv},
+                                      std::pair{&many.second.param("window_gate"), &one.second.param("window_gate")}})
+        for (int64_t i = 0; i < want->size(); ++i) ASSERT_EQ((*got)[i], (*want)[i]) << threads << " threads, " << i;
+    }
+  }
 }
 
 // The reference's backward (which the fast path is compared with above) against central
