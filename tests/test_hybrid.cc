@@ -239,6 +239,25 @@ TEST_P(HybridVsReference, EveryMaskWindowAndMap) {
 // Threads below and above batch·heads = 6.
 INSTANTIATE_TEST_SUITE_P(Threads, HybridVsReference, ::testing::Values(1, 3, 8, 16));
 
+// The forward and every gradient (the window gate's included) at 3, 8 and 16 threads, bitwise
+// those of one thread.
+void expect_same_at_any_threads(const Tensor<float>& q, const Tensor<float>& k, const Tensor<float>& v,
+                                const Tensor<float>& dout, const HybridInputs<float>& in,
+                                const HybridAttentionOptions& o) {
+  auto run = [&](int threads) {
+    testing::ScopedThreads scope(threads);
+    return std::make_pair(hybrid_attention<float>(q, k, v, in, o), hybrid_attention_backward<float>(q, k, v, dout, in, o));
+  };
+  const auto one = run(1);
+  for (int threads : {3, 8, 16}) {
+    const auto many = run(threads);
+    for (const auto& [got, want] : {std::pair{&many.first, &one.first}, std::pair{&many.second.dq, &one.second.dq},
+                                    std::pair{&many.second.dk, &one.second.dk}, std::pair{&many.second.dv, &one.second.dv},
+                                    std::pair{&many.second.param("window_gate"), &one.second.param("window_gate")}})
+      for (int64_t i = 0; i < want->size(); ++i) ASSERT_EQ((*got)[i], (*want)[i]) << threads << " threads, " << i;
+  }
+}
+
 // FAVOR's features with batch·heads of 1 and 2, below every thread count tried: the results are
 // bitwise those of one thread (items are independent; nothing depends on the split).
 TEST(Hybrid, FavorFewItemsAnyThreads) {
@@ -256,18 +275,7 @@ TEST(Hybrid, FavorFewItemsAnyThreads) {
       HybridInputs<float> in;
       in.window_gate = gate.view();
       in.projection = projection.view();
-      auto run = [&](int threads) {
-        testing::ScopedThreads scope(threads);
-        return std::make_pair(hybrid_attention<float>(q, k, v, in, o), hybrid_attention_backward<float>(q, k, v, dout, in, o));
-      };
-      const auto one = run(1);
-      for (int threads : {3, 8, 16}) {
-        const auto many = run(threads);
-        for (const auto& [got, want] : {std::pair{&many.first, &one.first}, std::pair{&many.second.dq, &one.second.dq},
-                                        std::pair{&many.second.dk, &one.second.dk}, std::pair{&many.second.dv, &one.second.dv},
-                                        std::pair{&many.second.param("window_gate"), &one.second.param("window_gate")}})
-          for (int64_t i = 0; i < want->size(); ++i) ASSERT_EQ((*got)[i], (*want)[i]) << threads << " threads, " << i;
-      }
+      expect_same_at_any_threads(q, k, v, dout, in, o);
     }
 }
 
@@ -290,18 +298,7 @@ TEST(Hybrid, BlockedPathAnyThreads) {
     HybridInputs<float> in;
     in.window_gate = gate.view();
     in.log_decay = decay.view();
-    auto run = [&](int threads) {
-      testing::ScopedThreads scope(threads);
-      return std::make_pair(hybrid_attention<float>(q, k, v, in, o), hybrid_attention_backward<float>(q, k, v, dout, in, o));
-    };
-    const auto one = run(1);
-    for (int threads : {3, 8, 16}) {
-      const auto many = run(threads);
-      for (const auto& [got, want] : {std::pair{&many.first, &one.first}, std::pair{&many.second.dq, &one.second.dq},
-                                      std::pair{&many.second.dk, &one.second.dk}, std::pair{&many.second.dv, &one.second.dv},
-                                      std::pair{&many.second.param("window_gate"), &one.second.param("window_gate")}})
-        for (int64_t i = 0; i < want->size(); ++i) ASSERT_EQ((*got)[i], (*want)[i]) << threads << " threads, " << i;
-    }
+    expect_same_at_any_threads(q, k, v, dout, in, o);
   }
 }
 
