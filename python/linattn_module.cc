@@ -445,6 +445,75 @@ struct StateArgs : FullPrecisionArgs<linattn::StateOptions> {
   const std::string &feature_map, const py::object &kernel, const py::object &scale, double eps,         \
       double focus_power, const py::object &projection
 
+// ---- the feature maps on their own (include/linattn/kernelized.h) ---------------------------------
+
+struct FeatureArgs : FullPrecisionArgs<linattn::RecurrentOptions> {
+  // A plain map.
+  FeatureArgs(const char* fn, const std::string& feature_map, double focus_power) : FullPrecisionArgs(fn) {
+    opts.feature_map = feature_map;
+    opts.focus_power = focus_power;
+  }
+  // FAVOR's, in log form.
+  FeatureArgs(const char* fn, const std::string& kernel, const py::object& scale) : FullPrecisionArgs(fn) {
+    opts.feature_map = "favor";
+    opts.kernel = kernel;
+    opts.scale = as_scale(fn, scale);
+  }
+};
+
+py::array features_py(const py::object& x, const std::string& feature_map, double focus_power) {
+  FeatureArgs a("features", feature_map, focus_power);
+  a.add("x", x);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::array {
+    using T = decltype(tag);
+    return to_numpy(run_without_gil([&] { return linattn::features<T>(a.inputs.tensor<T>("x"), a.opts); }));
+  });
+}
+
+py::array features_backward_py(const py::object& x, const py::object& dphi, const std::string& feature_map,
+                               double focus_power) {
+  FeatureArgs a("features_backward", feature_map, focus_power);
+  a.add("x", x).add("dphi", dphi);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::array {
+    using T = decltype(tag);
+    const Inputs& in = a.inputs;
+    return to_numpy(run_without_gil([&] {
+      return linattn::features_backward<T>(in.tensor<T>("x"), in.tensor<T>("dphi"), a.opts);
+    }));
+  });
+}
+
+py::tuple feature_logits_py(const py::object& x, const py::object& projection, const std::string& kernel,
+                            const py::object& scale, const std::string& side) {
+  FeatureArgs a("feature_logits", kernel, scale);
+  a.add("x", x).add("projection", projection);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::tuple {
+    using T = decltype(tag);
+    const Inputs& in = a.inputs;
+    auto r = run_without_gil([&] {
+      return linattn::feature_logits<T>(in.tensor<T>("x"), in.tensor<T>("projection"), side, a.opts);
+    });
+    const bool factors = r.factors.dim(3) > 0;  // trig only
+    py::object s = factors ? py::object(to_numpy(std::move(r.factors))) : py::none();
+    return py::make_tuple(to_numpy(std::move(r.logits)), s);
+  });
+}
+
+py::array feature_logits_backward_py(const py::object& x, const py::object& projection, const py::object& dlogits,
+                                     const py::object& dfactors, const std::string& kernel, const py::object& scale,
+                                     const std::string& side) {
+  FeatureArgs a("feature_logits_backward", kernel, scale);
+  a.add("x", x).add("projection", projection).add("dlogits", dlogits).add("dfactors", dfactors);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::array {
+    using T = decltype(tag);
+    const Inputs& in = a.inputs;
+    return to_numpy(run_without_gil([&] {
+      return linattn::feature_logits_backward<T>(in.tensor<T>("x"), in.tensor<T>("projection"), side,
+                                                 in.tensor<T>("dlogits"), in.optional<T>("dfactors"), a.opts);
+    }));
+  });
+}
+
 py::array key_state_py(const py::object& k, const py::object& v, const py::object& key_lengths,
                        LINATTN_STATE_PARAMS) {
   LINATTN_STATE_ARGS("key_state");
@@ -1128,6 +1197,28 @@ PYBIND11_MODULE(_linattn, m) {
 #define LINATTN_STATE_OPTS                                                                            \
   py::arg("feature_map"), py::arg("kernel"), py::arg("scale"), py::arg("eps"), py::arg("focus_power"), \
       py::arg("projection")
+  m.def("features", &features_py, py::arg("x"), py::arg("feature_map") = "elu", py::kw_only(),
+        py::arg("focus_power") = 3.0,
+        R"doc(The plain feature maps of linear attention on their own, by the kernels' own code: x [B, H, n, d]
+(float32 or float64, finite) -> phi(x) [B, H, n, d]. feature_map "elu" (elu(x) + 1), "relu",
+"focused" (|r|·r^p/|r^p|, r = relu(x), p = focus_power in [1, 1000]) or "identity" (x itself,
+which must be >= 0). FAVOR's maps are in log form: feature_logits.)doc");
+  m.def("features_backward", &features_backward_py, py::arg("x"), py::arg("dphi"), py::arg("feature_map") = "elu",
+        py::kw_only(), py::arg("focus_power") = 3.0,
+        R"doc(dx = (d phi / d x)ᵀ·dphi [B, H, n, d] of features(x, feature_map, focus_power=...).)doc");
+  m.def("feature_logits", &feature_logits_py, py::arg("x"), py::arg("projection"), py::kw_only(),
+        py::arg("kernel") = "positive", py::arg("scale") = py::none(), py::arg("side") = "key",
+        R"doc(FAVOR's feature maps in log form, by the kernels' own code: (logits, factors), phi = factors·exp(logits)
+up to a factor shared by every row and feature. x [B, H, n, d], projection omega [m, d] (float32 or
+float64, finite); scale default 1/sqrt(d). With U = x~·omegaᵀ, x~ = sqrt(scale)·x, h = |x~|²/2:
+side "key" or "query_with_norm": positive U - h, hyperbolic [U - h, -U - h], trig h; side "query"
+(h cancels in a query's row): U, [U, -U], 0. factors: [sin U, cos U] for trig, else None.
+"query_with_norm": a query whose weights share a normaliser with exact ones (hybrid_attention).)doc");
+  m.def("feature_logits_backward", &feature_logits_backward_py, py::arg("x"), py::arg("projection"),
+        py::arg("dlogits"), py::arg("dfactors") = py::none(), py::kw_only(), py::arg("kernel") = "positive",
+        py::arg("scale") = py::none(), py::arg("side") = "key",
+        R"doc(dx [B, H, n, d] of feature_logits for dlogits and (trig) dfactors (None: 0). The projection takes
+no gradient: it is a constant of the method.)doc");
   m.def("_key_state", &key_state_py, py::arg("k"), py::arg("v"), py::arg("key_lengths"), LINATTN_STATE_OPTS);
   m.def("_key_state_backward", &key_state_backward_py, py::arg("k"), py::arg("v"), py::arg("state"), py::arg("dstate"),
         py::arg("key_lengths"), LINATTN_STATE_OPTS);

@@ -108,6 +108,40 @@ struct RecurrentOptions {
   double focus_power = 3;             // focused only
 };
 
+// ---- feature maps on their own ----------------------------------------------------------------
+// The maps the attention functions apply, by the same code (one formula for C++, NumPy, torch
+// and the Python decoding and context-parallel layers, which call these). Rows x [B,H,n,d],
+// finite. Options as RecurrentOptions; eps is not used.
+
+// Plain maps: feature_map "elu" (elu(x) + 1), "relu", "focused" (‖r‖·rᵖ/‖rᵖ‖, r = relu(x),
+// p = focus_power) or "identity" (x itself, which must be >= 0) -> φ(x) [B,H,n,d].
+template <class T>
+Tensor<T> features(TensorView<const T> x, const RecurrentOptions& opts = {});
+// dx = (∂φ/∂x)ᵀ·dphi [B,H,n,d] for dphi [B,H,n,d] (finite).
+template <class T>
+Tensor<T> features_backward(TensorView<const T> x, TensorView<const T> dphi, const RecurrentOptions& opts = {});
+
+// FAVOR's maps in log form (feature_map "favor", kernel, scale, projection ω [m, d]): φ = s·exp(L)
+// up to a factor shared by every row and feature. With U = x̃·ωᵀ, x̃ = √scale·x, h = ‖x̃‖²/2:
+//   side "key", "query_with_norm": positive L = U − h; hyperbolic [U − h, −U − h]; trig L = h
+//   side "query" (h cancels):      positive L = U;     hyperbolic [U, −U];         trig L = 0
+// and for trig s = [sin U, cos U] (factors; empty [B,H,n,0] for the others). "query_with_norm" is
+// a query whose weights share a normaliser with exact ones (the sliding-window hybrid's).
+template <class T>
+struct FeatureLogits {
+  Tensor<T> logits;   // [B,H,n,m']
+  Tensor<T> factors;  // [B,H,n,m'] for trig; [B,H,n,0] otherwise
+};
+template <class T>
+FeatureLogits<T> feature_logits(TensorView<const T> x, TensorView<const T> projection, const std::string& side,
+                                const RecurrentOptions& opts);
+// dx [B,H,n,d] from dlogits [B,H,n,m'] and, for trig, dfactors [B,H,n,m'] (nullopt: 0; refused for
+// the other kernels). No gradient for the projection: it is a constant of the method.
+template <class T>
+Tensor<T> feature_logits_backward(TensorView<const T> x, TensorView<const T> projection, const std::string& side,
+                                  TensorView<const T> dlogits, std::optional<TensorView<const T>> dfactors,
+                                  const RecurrentOptions& opts);
+
 // ---- state-level operations -------------------------------------------------------------------
 // Kernelized attention in pieces, for a sequence split into blocks (context parallelism,
 // linattn.torch.distributed; pipelines): the state of a block's keys, a state applied to

@@ -16,6 +16,10 @@ from ._linattn import (
     causal_conv1d,
     causal_conv1d_backward,
     chi_quantile_radii,
+    feature_logits,
+    feature_logits_backward,
+    features,
+    features_backward,
     gated_delta_rule,
     gated_delta_rule_backward,
     gated_linear_attention,
@@ -140,7 +144,8 @@ def _make(info, backward):
 
 
 __all__ = [
-    "RecurrentState", "build_info", "causal_conv1d", "causal_conv1d_backward", "chi_quantile_radii", "gated_delta_rule", "gated_delta_rule_backward",
+    "RecurrentState", "build_info", "causal_conv1d", "causal_conv1d_backward", "chi_quantile_radii", "feature_logits",
+    "feature_logits_backward", "features", "features_backward", "gated_delta_rule", "gated_delta_rule_backward",
     "gated_linear_attention", "gated_linear_attention_backward",
     "get_num_threads", "linformer_projections",
     "measure_peak_rates", "methods", "random_features", "recurrent_state", "release_cached_memory", "reset_workspace_peak", "set_num_threads",

@@ -6,7 +6,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['RecurrentState', 'build_info', 'causal_conv1d', 'causal_conv1d_backward', 'chi_quantile_radii', 'gated_delta_rule', 'gated_delta_rule_backward', 'gated_linear_attention', 'gated_linear_attention_backward', 'get_num_threads', 'hybrid_decode_step', 'linformer_projections', 'measure_peak_rates', 'random_features', 'recurrent_state', 'release_cached_memory', 'reset_workspace_peak', 'set_num_threads', 'share_openmp_runtime', 'thread_pool', 'use_own_threads', 'workspace_stats']
+__all__: list[str] = ['RecurrentState', 'build_info', 'causal_conv1d', 'causal_conv1d_backward', 'chi_quantile_radii', 'feature_logits', 'feature_logits_backward', 'features', 'features_backward', 'gated_delta_rule', 'gated_delta_rule_backward', 'gated_linear_attention', 'gated_linear_attention_backward', 'get_num_threads', 'hybrid_decode_step', 'linformer_projections', 'measure_peak_rates', 'random_features', 'recurrent_state', 'release_cached_memory', 'reset_workspace_peak', 'set_num_threads', 'share_openmp_runtime', 'thread_pool', 'use_own_threads', 'workspace_stats']
 class RecurrentState:
     """
     Constant-size decoding state; make one with recurrent_state().
@@ -86,6 +86,31 @@ def causal_conv1d_backward(x: typing.Any, weight: typing.Any, dout: typing.Any, 
 def chi_quantile_radii(num_features: typing.SupportsInt | typing.SupportsIndex, head_dim: typing.SupportsInt | typing.SupportsIndex) -> numpy.ndarray:
     """
     The radii R_i, P(r <= R_i) = i/(m+1) for r ~ chi(head_dim), i = 1..m (sorted).
+    """
+def feature_logits(x: typing.Any, projection: typing.Any, *, kernel: str = 'positive', scale: typing.Any = None, side: str = 'key') -> tuple:
+    """
+    FAVOR's feature maps in log form, by the kernels' own code: (logits, factors), phi = factors·exp(logits)
+    up to a factor shared by every row and feature. x [B, H, n, d], projection omega [m, d] (float32 or
+    float64, finite); scale default 1/sqrt(d). With U = x~·omegaᵀ, x~ = sqrt(scale)·x, h = |x~|²/2:
+    side "key" or "query_with_norm": positive U - h, hyperbolic [U - h, -U - h], trig h; side "query"
+    (h cancels in a query's row): U, [U, -U], 0. factors: [sin U, cos U] for trig, else None.
+    "query_with_norm": a query whose weights share a normaliser with exact ones (hybrid_attention).
+    """
+def feature_logits_backward(x: typing.Any, projection: typing.Any, dlogits: typing.Any, dfactors: typing.Any = None, *, kernel: str = 'positive', scale: typing.Any = None, side: str = 'key') -> numpy.ndarray:
+    """
+    dx [B, H, n, d] of feature_logits for dlogits and (trig) dfactors (None: 0). The projection takes
+    no gradient: it is a constant of the method.
+    """
+def features(x: typing.Any, feature_map: str = 'elu', *, focus_power: typing.SupportsFloat | typing.SupportsIndex = 3.0) -> numpy.ndarray:
+    """
+    The plain feature maps of linear attention on their own, by the kernels' own code: x [B, H, n, d]
+    (float32 or float64, finite) -> phi(x) [B, H, n, d]. feature_map "elu" (elu(x) + 1), "relu",
+    "focused" (|r|·r^p/|r^p|, r = relu(x), p = focus_power in [1, 1000]) or "identity" (x itself,
+    which must be >= 0). FAVOR's maps are in log form: feature_logits.
+    """
+def features_backward(x: typing.Any, dphi: typing.Any, feature_map: str = 'elu', *, focus_power: typing.SupportsFloat | typing.SupportsIndex = 3.0) -> numpy.ndarray:
+    """
+    dx = (d phi / d x)ᵀ·dphi [B, H, n, d] of features(x, feature_map, focus_power=...).
     """
 def gated_delta_rule(q: typing.Any, k: typing.Any, v: typing.Any, g: typing.Any, beta: typing.Any, *, scale: typing.Any = None, initial_state: typing.Any = None, return_state: bool = False, use_qk_l2norm_in_kernel: bool = False) -> typing.Any:
     """

@@ -33,6 +33,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
 
 from .. import _linattn
+from ..torch import feature_maps as _feature_maps
 from ..torch import recurrent as _recurrent
 from ..torch._checks import array as _array
 from ..torch._ops import accumulator_dtype
@@ -255,23 +256,9 @@ class LinattnCache(Cache):
 
 # ---- the recurrent form of each backend ----------------------------------------------------------
 
-def _focused(x, power):
-    """‖r‖·rᵖ/‖rᵖ‖, r = relu(x): the focused map, computed as ‖r‖·uᵖ/‖uᵖ‖ with u = r/max(r)
-    (the same value), so that uᵖ <= 1 cannot overflow and its largest entry, 1, keeps ‖uᵖ‖ >= 1
-    at any focus_power (the C++ map scales by a power of two for the same reason)."""
-    r = torch.relu(x)
-    top = r.amax(dim=-1, keepdim=True)
-    up = (r / torch.where(top > 0, top, 1)) ** power
-    return up * (r.norm(dim=-1, keepdim=True) / up.norm(dim=-1, keepdim=True).clamp(min=1))
-
-
 def _wide(t):
     """t in what a 16-bit model's decoding accumulates in (float32); other dtypes unchanged."""
     return t.to(accumulator_dtype(t.dtype))
-
-
-_FIXED_MAPS = {"elu": lambda x, user: torch.nn.functional.elu(x) + 1, "relu": lambda x, user: torch.relu(x),
-               "focused": lambda x, user: _focused(x, float(user["focus_power"]))}
 
 
 class _Map:
@@ -285,9 +272,6 @@ class _Map:
         if self.log_form:
             self.omega = _backends.projection(module, _wide(like), user)
             self.kernel = user["kernel"]
-        elif not isinstance(b, (_backends.Hedgehog, _backends.Window)) and b.fixed.get("feature_map") not in _FIXED_MAPS:
-            raise ValueError("LinattnCache: backend %s has no recurrent form of its feature map %r"
-                             % (b.name, b.fixed.get("feature_map")))
 
     def plain(self, x, side):
         b = self.b
@@ -296,24 +280,19 @@ class _Map:
             return b.features(self.module, self.user, x, side)
         if isinstance(b, _backends.Window):
             return x.new_zeros(x.shape[:-1] + (1,))
-        # The C++ kernels widen a 16-bit input to float32 before the map: so does decoding.
-        return _FIXED_MAPS[b.fixed["feature_map"]](_wide(x), self.user)
+        # The C++ kernels widen a 16-bit input to float32 before the map: so does decoding. The
+        # map is theirs (linattn.torch.features), so a map the kernels know decodes as they run it.
+        power = {"focus_power": float(self.user["focus_power"])} if "focus_power" in self.user else {}
+        return _feature_maps.features(_wide(x), b.fixed["feature_map"], **power)
 
     def logits(self, x, side):
         """(L, s): side "key" and "query_with_norm" L = U − h (hyperbolic [U − h, −U − h], trig h),
         side "query" L = U ([U, −U], trig 0); U = x̃·ωᵀ, h = ‖x̃‖²/2, x̃ = √scale·x; s = [sin U,
         cos U] for trig, else None."""
         # In float32 for a bfloat16/float16 model: h = ‖x̃‖²/2 scales a whole key's weight by e^{−h}.
-        xt = _wide(x) * math.sqrt(self.scale)
-        u = torch.einsum("...d,md->...m", xt, self.omega.to(xt.dtype))
-        h = (xt * xt).sum(dim=-1, keepdim=True) / 2
-        norm = side != "query"
-        if self.kernel == "positive":
-            return (u - h if norm else u), None
-        if self.kernel == "hyperbolic":
-            return (torch.cat([u - h, -u - h], dim=-1) if norm else torch.cat([u, -u], dim=-1)), None
-        factors = torch.cat([torch.sin(u), torch.cos(u)], dim=-1)
-        return (h if norm else torch.zeros_like(h)).expand_as(factors), factors
+        # The kernels' own logits (linattn.torch.feature_logits).
+        x = _wide(x)
+        return _feature_maps.feature_logits(x, self.omega.to(x.dtype), kernel=self.kernel, scale=self.scale, side=side)
 
     def enter(self, state, keys, values, mask=None, log_weight=None):
         """keys, values [B, H, n, d] enter the state where mask [B, n] is True (all: None), each

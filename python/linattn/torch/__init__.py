@@ -156,7 +156,7 @@ for _ops in _OPS.values():
 del _ops, _fn
 
 from . import feature_maps  # noqa: E402
-from .feature_maps import HedgehogFeatureMap, hedgehog_features  # noqa: E402
+from .feature_maps import HedgehogFeatureMap, feature_logits, features, hedgehog_features  # noqa: E402
 
 
 def hedgehog_attention(q: "Tensor", k: "Tensor", v: "Tensor", query_weight: "Tensor", query_bias: "Tensor",
@@ -186,7 +186,7 @@ def hedgehog_attention(q: "Tensor", k: "Tensor", v: "Tensor", query_weight: "Ten
                             key_lengths=key_lengths, eps=eps)
 
 
-__all__ += ["HedgehogFeatureMap", "hedgehog_features", "hedgehog_attention"]
+__all__ += ["HedgehogFeatureMap", "hedgehog_features", "hedgehog_attention", "features", "feature_logits"]
 
 from .gated import gated_linear_attention  # noqa: E402
 from .delta import gated_delta_rule  # noqa: E402

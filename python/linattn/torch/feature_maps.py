@@ -6,11 +6,104 @@ differentiates the map, the kernel gives the gradients of its features.
     fq, fk = HedgehogFeatureMap(heads, head_dim, 32), HedgehogFeatureMap(heads, head_dim, 32)
     out = linear_attention(fq(q), fk(k), v, feature_map="identity", causal=True)
 
-hedgehog_attention() does exactly that, with the maps' parameters as arguments."""
+hedgehog_attention() does exactly that, with the maps' parameters as arguments.
+
+The fixed maps are the C++ library's own, differentiable here: features() (elu, relu, focused,
+identity) and feature_logits() (FAVOR's maps in log form); linattn's decoding cache and
+context-parallel layers call them rather than a formula of their own."""
 
 import torch
+from torch.autograd.function import once_differentiable
 
-__all__ = ["HedgehogFeatureMap", "hedgehog_features"]
+from .. import _linattn
+from ._ops import _array, _tensor as _from_numpy
+
+__all__ = ["HedgehogFeatureMap", "hedgehog_features", "features", "feature_logits"]
+
+_FULL = (torch.float32, torch.float64)
+
+
+def _input(fn, name, x):
+    """x as a contiguous CPU float32/float64 tensor, or a TypeError naming fn and the argument."""
+    from . import _tensor  # linattn.torch's check, defined before this module is imported
+
+    x = _tensor(fn, name, x)
+    if x.dtype not in _FULL:
+        raise TypeError("%s: %s has dtype %s; the feature maps take torch.float32 or torch.float64 (a 16-bit "
+                        "model's decoding widens to float32 first)" % (fn, name, x.dtype))
+    return x
+
+
+class _Features(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, feature_map, focus_power):
+        ctx.save_for_backward(x)
+        ctx.options = (feature_map, focus_power)
+        return _from_numpy(_linattn.features(_array(x), feature_map, focus_power=focus_power))
+
+    @staticmethod
+    @once_differentiable  # the backward is a kernel: no graph for second derivatives
+    def backward(ctx, dphi):
+        (x,) = ctx.saved_tensors
+        feature_map, focus_power = ctx.options
+        return _from_numpy(_linattn.features_backward(_array(x), _array(dphi), feature_map,
+                                                      focus_power=focus_power)), None, None
+
+
+def features(x, feature_map="elu", *, focus_power=3.0):
+    """φ(x) [B, H, n, d] for x [B, H, n, d] by linattn's own map (linattn.features), with its
+    gradient: feature_map "elu" (elu(x) + 1), "relu", "focused" (‖r‖·rᵖ/‖rᵖ‖, r = relu(x),
+    p = focus_power) or "identity" (x, which must be >= 0). float32 or float64; finite."""
+    fn = "features"
+    x = _input(fn, "x", x)
+    if not isinstance(feature_map, str):
+        raise TypeError("%s: feature_map must be a str, got %r" % (fn, feature_map))
+    if isinstance(focus_power, bool) or not isinstance(focus_power, (int, float)):
+        raise TypeError("%s: focus_power must be a float, got %r" % (fn, focus_power))
+    return _Features.apply(x, feature_map, float(focus_power))
+
+
+class _FeatureLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, projection, options):
+        logits, factors = _linattn.feature_logits(_array(x), _array(projection), **options)
+        ctx.save_for_backward(x, projection)
+        ctx.options, ctx.logits_shape = options, logits.shape
+        ctx.set_materialize_grads(False)  # no zero tensor for unused factors
+        return _from_numpy(logits), None if factors is None else _from_numpy(factors)
+
+    @staticmethod
+    @once_differentiable  # the backward is a kernel: no graph for second derivatives
+    def backward(ctx, dlogits, dfactors):
+        x, projection = ctx.saved_tensors
+        if dlogits is None:
+            dlogits = x.new_zeros(ctx.logits_shape)
+        dx = _linattn.feature_logits_backward(_array(x), _array(projection), _array(dlogits), _array(dfactors),
+                                              **ctx.options)
+        return _from_numpy(dx), None, None
+
+
+def feature_logits(x, projection, *, kernel="positive", scale=None, side="key"):
+    """FAVOR's features of x [B, H, n, d] in log form by linattn's own map
+    (linattn.feature_logits), with the gradient in x: (logits, factors), φ = factors·exp(logits)
+    up to a factor shared by every row and feature; factors [sin U, cos U] for kernel "trig",
+    else None. side "key", "query" (‖x̃‖²/2 cancels) or "query_with_norm". projection ω [m, d]
+    is a constant of the method: one with requires_grad=True is refused."""
+    fn = "feature_logits"
+    x = _input(fn, "x", x)
+    projection = _input(fn, "projection", projection)
+    if projection.dtype != x.dtype:
+        raise TypeError("%s: projection has dtype %s but x has %s" % (fn, projection.dtype, x.dtype))
+    if projection.requires_grad:
+        raise ValueError("%s: projection has requires_grad=True, but it is a constant of the method (no gradient "
+                         "flows to it); pass projection.detach()" % fn)
+    for name, value in (("kernel", kernel), ("side", side)):
+        if not isinstance(value, str):
+            raise TypeError("%s: %s must be a str, got %r" % (fn, name, value))
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError("%s: scale must be a float or None, got %r" % (fn, scale))
+    options = dict(kernel=kernel, scale=None if scale is None else float(scale), side=side)
+    return _FeatureLogits.apply(x, projection, options)
 
 
 def _check_parameters(fn, x, weight, bias):

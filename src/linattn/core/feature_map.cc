@@ -76,6 +76,36 @@ FeatureMap<T> FeatureMap<T>::favor(const char* fn, FeatureMapKind kind,
 template <class T>
 using Wide = std::conditional_t<sizeof(T) == 4, double, long double>;
 
+// One row of the focused map in the wide type W. φ = ‖r‖·rᵖ/‖rᵖ‖ is unchanged when r is divided
+// by a power of two 2^e near its largest entry μ (exactly: no rounding), and then r̂ = r/2^e < 2
+// and r̂ᵖ < 2ᵖ cannot overflow W for p <= kMaxFocusPower; W's pow is within an ulp of W, far below
+// T's, so no digits are lost to p (dividing by μ itself would round r̂ and multiply that error
+// by p). ‖r‖ = 2^e·‖r̂‖ cannot overflow either.
+template <class T>
+struct FocusedRow {
+  std::vector<Wide<T>> rh, a;  // r̂ and r̂ᵖ
+  Wide<T> r2 = 0, a2 = 0;      // ‖r̂‖², ‖r̂ᵖ‖²
+  int e = 0;
+  // False for a row with no positive entry (φ = 0 there).
+  bool load(const T* x, int64_t d, double focus_power) {
+    T mu = 0;
+    for (int64_t c = 0; c < d; ++c) mu = std::max(mu, x[c]);
+    if (!(mu > 0)) return false;
+    rh.resize(static_cast<size_t>(d));
+    a.resize(static_cast<size_t>(d));
+    e = std::ilogb(mu);
+    r2 = a2 = 0;
+    const Wide<T> p = static_cast<Wide<T>>(focus_power);
+    for (int64_t c = 0; c < d; ++c) {
+      rh[c] = x[c] > 0 ? std::ldexp(static_cast<Wide<T>>(x[c]), -e) : Wide<T>(0);
+      a[c] = rh[c] > 0 ? std::pow(rh[c], p) : Wide<T>(0);
+      r2 += rh[c] * rh[c];
+      a2 += a[c] * a[c];
+    }
+    return true;
+  }
+};
+
 template <class T>
 int64_t FeatureMap<T>::scratch_size(int64_t n) const {
   // The backward's ∂loss/∂U; positive maps use ∂loss/∂L itself.
@@ -98,33 +128,15 @@ void FeatureMap<T>::features(const T* x, int64_t n, T* phi) const {
       std::copy(x, x + n * d, phi);
       return;
     case FeatureMapKind::Focused: {
-      // φ = ‖r‖·rᵖ/‖rᵖ‖ is unchanged when r is divided by a power of two 2^e near its largest
-      // entry μ (exactly: no rounding), and then r̂ = r/2^e < 2 and r̂ᵖ < 2ᵖ cannot overflow the
-      // wide type W for p <= kMaxFocusPower; W's pow is within an ulp of W, far below T's, so
-      // no digits are lost to p (dividing by μ itself would round r̂ and multiply that error
-      // by p). ‖r‖ = 2^e·‖r̂‖ cannot overflow either.
-      thread_local std::vector<Wide<T>> a;
-      a.resize(static_cast<size_t>(d));
-      const Wide<T> p = static_cast<Wide<T>>(focus_power_);
+      thread_local FocusedRow<T> row;
       for (int64_t i = 0; i < n; ++i) {
-        const T* xr = x + i * d;
         T* f = phi + i * d;
-        T mu = 0;
-        for (int64_t c = 0; c < d; ++c) mu = std::max(mu, xr[c]);
-        if (!(mu > 0)) {
+        if (!row.load(x + i * d, d, focus_power_)) {
           std::fill(f, f + d, T(0));
           continue;
         }
-        const int e = std::ilogb(mu);
-        Wide<T> r2 = 0, a2 = 0;
-        for (int64_t c = 0; c < d; ++c) {
-          const Wide<T> rh = xr[c] > 0 ? std::ldexp(static_cast<Wide<T>>(xr[c]), -e) : Wide<T>(0);
-          a[c] = rh > 0 ? std::pow(rh, p) : Wide<T>(0);
-          r2 += rh * rh;
-          a2 += a[c] * a[c];
-        }
-        const Wide<T> factor = std::ldexp(std::sqrt(r2), e) / std::sqrt(a2);  // a2 >= 1: r̂_max >= 1
-        for (int64_t c = 0; c < d; ++c) f[c] = static_cast<T>(factor * a[c]);
+        const Wide<T> factor = std::ldexp(std::sqrt(row.r2), row.e) / std::sqrt(row.a2);  // a2 >= 1: r̂_max >= 1
+        for (int64_t c = 0; c < d; ++c) f[c] = static_cast<T>(factor * row.a[c]);
       }
       return;
     }
@@ -146,43 +158,31 @@ void FeatureMap<T>::features_backward(const T* x, int64_t n, const T* phi, const
       std::copy(dphi, dphi + n * d, dx);
       return;
     case FeatureMapKind::Focused: {
-      // φ = R·a/A with r̂ = relu(x)/2^e (as in features()), a = r̂ᵖ, R = ‖relu(x)‖ = 2^e‖r̂‖,
-      // A = ‖a‖; φ does not depend on e, so it is held constant. For g = dL/dφ:
+      // φ = R·a/A with r̂ = relu(x)/2^e (FocusedRow), a = r̂ᵖ, R = ‖relu(x)‖ = 2^e‖r̂‖, A = ‖a‖;
+      // φ does not depend on e, so it is held constant. For g = dL/dφ:
       // dL/dR = g·a/A;  dL/da = R·g/A − R·(g·a)·a/A³;
       // dL/dx_c = dL/dR·r̂_c/‖r̂‖ + dL/da_c·p·r̂_c^(p−1)/2^e   (x_c > 0; 0 otherwise).
-      // In the wide type W, for the reason features() gives.
-      thread_local std::vector<Wide<T>> a;
-      a.resize(static_cast<size_t>(d));
+      thread_local FocusedRow<T> row;
       const Wide<T> p = static_cast<Wide<T>>(focus_power_);
       for (int64_t i = 0; i < n; ++i) {
-        const T* xr = x + i * d;
         const T* g = dphi + i * d;
         T* out = dx + i * d;
-        T mu = 0;
-        for (int64_t c = 0; c < d; ++c) mu = std::max(mu, xr[c]);
-        if (!(mu > 0)) {
+        if (!row.load(x + i * d, d, focus_power_)) {
           std::fill(out, out + d, T(0));
           continue;
         }
-        const int e = std::ilogb(mu);
-        Wide<T> r2 = 0, a2 = 0, ga = 0;
-        for (int64_t c = 0; c < d; ++c) {
-          const Wide<T> rh = xr[c] > 0 ? std::ldexp(static_cast<Wide<T>>(xr[c]), -e) : Wide<T>(0);
-          a[c] = rh > 0 ? std::pow(rh, p) : Wide<T>(0);
-          r2 += rh * rh;
-          a2 += a[c] * a[c];
-          ga += g[c] * a[c];
-        }
-        const Wide<T> Rh = std::sqrt(r2), A = std::sqrt(a2), R = std::ldexp(Rh, e);
+        Wide<T> ga = 0;
+        for (int64_t c = 0; c < d; ++c) ga += g[c] * row.a[c];
+        const Wide<T> Rh = std::sqrt(row.r2), A = std::sqrt(row.a2), R = std::ldexp(Rh, row.e);
         const Wide<T> dR = ga / A;
         for (int64_t c = 0; c < d; ++c) {
-          const Wide<T> rh = xr[c] > 0 ? std::ldexp(static_cast<Wide<T>>(xr[c]), -e) : Wide<T>(0);
+          const Wide<T> rh = row.rh[c];
           if (rh <= 0) {
             out[c] = 0;
             continue;
           }
-          const Wide<T> da = R * g[c] / A - R * ga * a[c] / (A * A * A);
-          out[c] = static_cast<T>(dR * rh / Rh + std::ldexp(da * p * std::pow(rh, p - 1), -e));
+          const Wide<T> da = R * g[c] / A - R * ga * row.a[c] / (A * A * A);
+          out[c] = static_cast<T>(dR * rh / Rh + std::ldexp(da * p * std::pow(rh, p - 1), -row.e));
         }
       }
       return;

@@ -440,18 +440,17 @@ def hybrid_attention(q, k, v, *, query_features=None, key_features=None, window_
     if feature_map == "given":
         fq, fk = holder["fq"], holder["fk"]
     elif feature_map == "favor":
-        # Both sides in the key form: the query's −‖x̃‖²/2 no longer cancels against exact weights.
-        sq = math.sqrt(holder["scale"])
-        Lq, Lk = (_kernelized.favor_logits(x, holder["w"], sq, kernel, True)[0] for x in (c.q, c.k))
         # The whole sequence's largest key logit per feature, as favor_attention over ranks shifts.
-        phi = _kernelized.Features("favor", projection=holder["w"], kernel=kernel, sqrt_scale=sq)
+        phi = _kernelized.Features("favor", projection=holder["w"], kernel=kernel, scale=holder["scale"])
+        # Both sides in the key form: the query's −‖x̃‖²/2 no longer cancels against exact weights.
+        Lq, Lk = (phi.logits(x, "query_with_norm")[0] for x in (c.q, c.k))
         mine = c.segs[c.g.rank]
         phi.fit_keys(c.g, [s.rows(c.k) for s in mine], [_kernelized.key_mask(c.lengths, s) for s in mine])
         top = phi.shift
         # Padded keys may lie above the shift: their features are 0 (and zeroed by the key mask too).
         fq, fk, favor = None, torch.exp(torch.where(Lk - top <= 0, Lk - top, float("-inf"))), (Lq, top)
     else:
-        fq, fk = (_kernelized.plain_features(x, feature_map, float(focus_power)) for x in (c.q, c.k))
+        fq, fk = (_feature_maps.features(x, feature_map, focus_power=float(focus_power)) for x in (c.q, c.k))
     return _hybrid.attention(c.g, c.segs, c.q, c.k, c.v, fq, fk, c.lengths, causal, window, holder["scale"],
                              holder["gate"], float(eps), favor)
 

@@ -20,13 +20,14 @@ ranks: every segment's first and last K−1 rows are all-gathered (any row withi
 segment lies in those of the segment holding it).
 
 The hybrid (_hybrid.py) still composes its linear part from the torch functions below
-(plain_features, favor_logits, Features, sums, ordered_sums): its sums skip each query's
-window, which the state operations do not express."""
+(Features, sums, ordered_sums), with the maps from linattn.torch.features / feature_logits (the
+kernels' own): its sums skip each query's window, which the state operations do not express."""
 
 import torch
 import torch.nn.functional as F
 
 from ... import _linattn
+from .. import feature_maps as _feature_maps
 from .. import state as _state
 
 CHUNK = 64  # rows per chunk of the causal form: intra-chunk products C×C, one state per chunk
@@ -40,49 +41,21 @@ def key_mask(lengths, seg):
     return (pos.view(1, 1, -1, 1) < lengths.view(-1, 1, 1, 1))
 
 
-def plain_features(x, feature_map, power):
-    if feature_map == "identity":  # x holds features already (a map of the caller's)
-        return x
-    if feature_map == "elu":
-        return F.elu(x) + 1
-    r = F.relu(x)
-    if feature_map == "relu":
-        return r
-    # focused: ‖r‖·rᵖ/‖rᵖ‖, with r scaled by its largest entry first so that rᵖ cannot overflow
-    # (the ratio does not change); rows with no positive entry map to 0.
-    top = r.amax(-1, keepdim=True)
-    live = top > 0
-    a = (r / torch.where(live, top, 1)) ** power
-    r2 = (r * r).sum(-1, keepdim=True)
-    a2 = (a * a).sum(-1, keepdim=True)
-    return torch.where(live, torch.sqrt(torch.where(live, r2, 1)) * a / torch.sqrt(torch.where(live, a2, 1)), 0)
-
-
-def favor_logits(x, projection, sqrt_scale, kernel, keys):
-    """(L, s): features are exp(L)·s (s None: 1). Keys carry −‖x̃‖²/2; on queries it cancels."""
-    xt = x * sqrt_scale
-    u = xt @ projection.t()
-    h = 0.5 * (xt * xt).sum(-1, keepdim=True)
-    if kernel == "positive":
-        return (u - h if keys else u), None
-    if kernel == "hyperbolic":
-        L = torch.cat([u, -u], -1)
-        return (L - h if keys else L), None
-    s = torch.cat([torch.sin(u), torch.cos(u)], -1)  # trig: the magnitude exp(‖x̃‖²/2) is in L
-    return (h if keys else torch.zeros_like(h)), s
-
-
 class Features:
-    """φ for one call: plain maps, or FAVOR with the whole sequence's key shift."""
+    """φ for one call of the hybrid's sums: features given as they are ("identity"), or FAVOR's
+    (linattn.torch.feature_logits, the kernels' own) with the whole sequence's key shift."""
 
-    def __init__(self, feature_map, power=None, projection=None, kernel=None, sqrt_scale=None):
-        self.feature_map, self.power = feature_map, power
-        self.projection, self.kernel, self.sqrt_scale = projection, kernel, sqrt_scale
+    def __init__(self, feature_map, projection=None, kernel=None, scale=None):
+        self.feature_map = feature_map
+        self.projection, self.kernel, self.scale = projection, kernel, scale
         self.shift = None
 
     @property
     def favor(self):
         return self.projection is not None
+
+    def logits(self, x, side):
+        return _feature_maps.feature_logits(x, self.projection, kernel=self.kernel, scale=self.scale, side=side)
 
     def fit_keys(self, g, k_segs, masks):
         """FAVOR: c = the largest key logit per feature over all ranks' keys."""
@@ -91,8 +64,7 @@ class Features:
         with torch.no_grad():
             tops = []
             for k, mask in zip(k_segs, masks):
-                L, _ = favor_logits(k, self.projection, self.sqrt_scale, self.kernel, True)
-                L = L.expand(*k.shape[:3], L.shape[-1])
+                L, _ = self.logits(k, "key")
                 if mask is not None:
                     L = L.masked_fill(~mask, float("-inf"))
                 tops.append(L.amax(2, keepdim=True))
@@ -101,9 +73,8 @@ class Features:
 
     def keys(self, k, mask):
         if not self.favor:
-            phi = plain_features(k, self.feature_map, self.power)
-            return phi if mask is None else phi * mask
-        L, s = favor_logits(k, self.projection, self.sqrt_scale, self.kernel, True)
+            return k if mask is None else k * mask
+        L, s = self.logits(k, "key")
         L = L - self.shift
         if mask is not None:
             L = L.masked_fill(~mask, float("-inf"))
@@ -112,8 +83,8 @@ class Features:
 
     def queries(self, q):
         if not self.favor:
-            return plain_features(q, self.feature_map, self.power)
-        L, s = favor_logits(q, self.projection, self.sqrt_scale, self.kernel, False)
+            return q
+        L, s = self.logits(q, "query")
         if s is not None:
             return s  # trig: the query's magnitude and c (one value for every feature) cancel
         L = L + self.shift

@@ -1,0 +1,255 @@
+// The feature maps on their own (features, feature_logits and their backwards; include/
+// linattn/kernelized.h) against the float64 reference's maps (reference::features), at the
+// per-feature error bounds of kernelized_bounds.h, on odd sizes and at 1, 3 and 8 threads
+// (bitwise the same at each); every backward against central differences in float64; bad input
+// is an error naming the argument.
+//
+// The float32 backwards are the FeatureMap code that linear_attention's and favor_attention's
+// gradient tests bound already; here the elu and relu slopes are checked in float32 as well.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kernelized_bounds.h"
+#include "linattn/kernelized.h"
+#include "test_util.h"
+
+namespace linattn {
+namespace {
+
+using testing::cast;
+using testing::gamma;
+using testing::random_tensor;
+using testing::recurrent_options;
+
+constexpr int64_t B = 2, H = 3, n = 37, d = 5, m = 7;  // odd sizes; 222 rows
+
+// φ and ∂φ/∂x of every row of x [B,H,n,d] by the float64 reference: [rows, m'] and [rows, m', d].
+struct ReferenceRows {
+  Tensor<double> phi, jac;
+};
+ReferenceRows reference_rows(const Tensor<double>& x, const std::string& map,
+                             std::optional<TensorView<const double>> projection = std::nullopt, double scale = 1,
+                             double focus_power = 3) {
+  const Tensor<double> flat = [&] {
+    Tensor<double> t({x.size() / d, d});
+    for (int64_t i = 0; i < x.size(); ++i) t[i] = x[i];
+    return t;
+  }();
+  ReferenceRows r;
+  r.phi = reference::features(flat.view(), map, projection, scale, focus_power, &r.jac);
+  return r;
+}
+
+struct MapCase {
+  std::string map;
+  double focus_power = 3;
+};
+
+template <class T>
+void expect_plain_map_within_bounds(const MapCase& c) {
+  SCOPED_TRACE(c.map + " p=" + std::to_string(c.focus_power) + " " + dtype_name<T>());
+  Tensor<double> x = random_tensor<double>({B, H, n, d}, 11);
+  if (c.map == "identity")
+    for (int64_t i = 0; i < x.size(); ++i) x[i] = std::abs(x[i]);
+  if (c.map != "identity")  // a row with no positive entry (focused: φ = 0)
+    for (int64_t c2 = 0; c2 < d; ++c2) x[c2] = -std::abs(x[c2]);
+  const Tensor<T> xt = cast<T>(x);
+  const Tensor<double> xd = cast<double>(xt);  // the values the fast path sees
+  const ReferenceRows ref = reference_rows(xd, c.map, std::nullopt, 1, c.focus_power);
+  RecurrentOptions opts = recurrent_options(c.map);
+  opts.focus_power = c.focus_power;
+  const double u = std::ldexp(1.0, -std::numeric_limits<T>::digits);
+  std::optional<Tensor<T>> first;
+  for (int threads : {1, 3, 8}) {
+    const testing::ScopedThreads scoped(threads);
+    Tensor<T> phi = features<T>(xt.view(), opts);
+    ASSERT_EQ(phi.shape(), xt.shape());
+    for (int64_t i = 0; i < phi.size(); ++i) {
+      const double want = ref.phi[i], a = std::abs(want);
+      // kernelized_bounds.h: elu 2.6u|φ| + 2⁻¹²⁶ (float32) or 2u|φ|; relu, identity exact;
+      // focused γ_{d+8}|φ|, plus half T's smallest subnormal where the wide result rounds into
+      // T's subnormals or to 0 (focus_power 40 makes features far below float32's range).
+      const double tiny = 0.5 * double(std::numeric_limits<T>::denorm_min());
+      const double bound = c.map == "elu"       ? (std::is_same_v<T, float> ? 2.6 * u * a + std::ldexp(1.0, -126)
+                                                                             : 2 * u * a)
+                           : c.map == "focused" ? gamma<T>(d + 8) * a + tiny
+                                                : 0.0;
+      ASSERT_LE(std::abs(double(phi[i]) - want), bound) << "at " << i << ": " << phi[i] << " against " << want;
+    }
+    if (first) testing::expect_same_bits("features at another thread count", *first, phi);
+    else first.emplace(std::move(phi));
+  }
+}
+
+TEST(Features, PlainMapsMatchTheReference) {
+  for (const MapCase& c : {MapCase{"elu"}, MapCase{"relu"}, MapCase{"focused"}, MapCase{"focused", 40},
+                           MapCase{"identity"}}) {
+    testing::for_each_simd_target([&](auto) {
+      expect_plain_map_within_bounds<float>(c);
+      expect_plain_map_within_bounds<double>(c);
+    });
+  }
+}
+
+// FAVOR: c·s·exp(L − h_q) against the reference's φ, with c = 1/√m (positive, trig) or 1/√(2m)
+// (hyperbolic), h_q = ‖x̃‖²/2 on the plain query side (left out of its logits) and 0 otherwise.
+// Bound: kernelized_bounds.h's feature error with no stabilising shift (L = 0 there).
+template <class T>
+void expect_logits_within_bounds(const std::string& kernel, const std::string& side) {
+  SCOPED_TRACE(kernel + " " + side + " " + dtype_name<T>());
+  const double scale = 0.3;
+  const Tensor<T> xt = cast<T>(random_tensor<double>({B, H, n, d}, 21));
+  const Tensor<T> wt = cast<T>(random_tensor<double>({m, d}, 22));
+  const Tensor<double> x = cast<double>(xt), w = cast<double>(wt);
+  const ReferenceRows ref = reference_rows(x, kernel, w.view(), scale);
+  RecurrentOptions opts = recurrent_options(kernel);
+  opts.scale = scale;
+  const double u = std::ldexp(1.0, -std::numeric_limits<T>::digits), s = std::sqrt(scale);
+  const int64_t mp = kernel == "positive" ? m : 2 * m;
+  const double c = kernel == "hyperbolic" ? 1 / std::sqrt(2.0 * m) : 1 / std::sqrt(double(m));
+  std::optional<Tensor<T>> first;
+  for (int threads : {1, 3, 8}) {
+    const testing::ScopedThreads scoped(threads);
+    FeatureLogits<T> f = feature_logits<T>(xt.view(), wt.view(), side, opts);
+    ASSERT_EQ(f.logits.shape(), (Shape{B, H, n, mp}));
+    ASSERT_EQ(f.factors.dim(3), kernel == "trig" ? mp : 0);
+    for (int64_t i = 0; i < B * H * n; ++i) {
+      const double* xr = x.data() + i * d;
+      double h = 0, umax = 0;
+      for (int64_t k = 0; k < d; ++k) h += 0.5 * scale * xr[k] * xr[k];
+      std::vector<double> dU(m);
+      for (int64_t r = 0; r < m; ++r) {
+        double U = 0, absU = 0;
+        for (int64_t k = 0; k < d; ++k) U += s * xr[k] * w[r * d + k], absU += s * std::abs(xr[k] * w[r * d + k]);
+        dU[r] = gamma<T>(d + 1) * absU + u * std::abs(U);
+        umax = std::max(umax, std::abs(U));
+      }
+      const double dUmax = *std::max_element(dU.begin(), dU.end());
+      const double eta = 2 * dUmax + 2 * gamma<T>(d + 3) * h + u * 4 * (umax + h) + 8 * u;
+      const double amp = std::exp(h) / std::sqrt(double(m));
+      const double hq = side == "query" && kernel != "trig" ? h : 0;  // trig's query L is 0, its φ e^h·s/√m
+      for (int64_t r = 0; r < mp; ++r) {
+        const double L = f.logits[i * mp + r], fac = kernel == "trig" ? double(f.factors[i * mp + r]) : 1.0;
+        const double got = kernel == "trig" && side == "query" ? amp * fac : c * fac * std::exp(L - hq);
+        const double want = ref.phi[i * mp + r];
+        const double bound = kernel == "trig" ? amp * (dU[r % m] + 4 * u) + eta * std::abs(want) : eta * std::abs(want);
+        ASSERT_LE(std::abs(got - want), bound) << "row " << i << " feature " << r;
+        if (kernel == "trig" && side == "query") ASSERT_EQ(L, 0);
+      }
+    }
+    if (first) testing::expect_same_bits("logits at another thread count", *first, f.logits);
+    else first.emplace(std::move(f.logits));
+  }
+}
+
+TEST(Features, FavorLogitsMatchTheReference) {
+  for (const char* kernel : {"positive", "hyperbolic", "trig"})
+    for (const char* side : {"key", "query", "query_with_norm"}) {
+      expect_logits_within_bounds<float>(kernel, side);
+      expect_logits_within_bounds<double>(kernel, side);
+    }
+}
+
+TEST(Features, PlainBackwardsMatchFiniteDifferences) {
+  for (const MapCase& c : {MapCase{"elu"}, MapCase{"relu"}, MapCase{"focused"}, MapCase{"focused", 5.5},
+                           MapCase{"identity"}}) {
+    SCOPED_TRACE(c.map);
+    Tensor<double> x = random_tensor<double>({1, 2, 3, d}, 31);
+    if (c.map == "identity")
+      for (int64_t i = 0; i < x.size(); ++i) x[i] = std::abs(x[i]) + 0.1;
+    const Tensor<double> g = random_tensor<double>(x.shape(), 32);
+    RecurrentOptions opts = recurrent_options(c.map);
+    opts.focus_power = c.focus_power;
+    const Tensor<double> dx = features_backward<double>(x.view(), g.view(), opts);
+    testing::expect_gradient(x, dx, [&] { return testing::dot_loss(features<double>(x.view(), opts), g); }, "x");
+  }
+}
+
+// elu and relu in float32 against the reference's Jacobian: dx_c = g_c·φ'(x_c), φ' = 1 or φ
+// (elu, φ within 2.6u|φ| + 2⁻¹²⁶, then one rounded product: 3.6u|g φ| + 2⁻¹²⁶|g|), relu exact.
+TEST(Features, Float32SlopesMatchTheReference) {
+  for (const char* map : {"elu", "relu"}) {
+    SCOPED_TRACE(map);
+    const Tensor<float> xt = cast<float>(random_tensor<double>({B, H, n, d}, 41));
+    const Tensor<float> gt = cast<float>(random_tensor<double>({B, H, n, d}, 42));
+    const Tensor<double> x = cast<double>(xt);
+    const ReferenceRows ref = reference_rows(x, map);
+    const Tensor<float> dx = features_backward<float>(xt.view(), gt.view(), recurrent_options(map));
+    const double u = std::ldexp(1.0, -24);
+    for (int64_t i = 0; i < x.size(); ++i) {
+      const int64_t row = i / d, col = i % d;
+      const double slope = ref.jac[(row * d + col) * d + col], want = double(gt[i]) * slope;
+      const double bound = std::string(map) == "elu" ? 3.6 * u * std::abs(want) + std::ldexp(std::abs(double(gt[i])), -126) : 0;
+      ASSERT_LE(std::abs(double(dx[i]) - want), bound) << "at " << i;
+    }
+  }
+}
+
+TEST(Features, FavorBackwardsMatchFiniteDifferences) {
+  for (const char* kernel : {"positive", "hyperbolic", "trig"})
+    for (const char* side : {"key", "query", "query_with_norm"}) {
+      SCOPED_TRACE(std::string(kernel) + " " + side);
+      Tensor<double> x = random_tensor<double>({1, 2, 3, d}, 51);
+      const Tensor<double> w = random_tensor<double>({m, d}, 52);
+      RecurrentOptions opts = recurrent_options(kernel);
+      opts.scale = 0.4;
+      const int64_t mp = std::string(kernel) == "positive" ? m : 2 * m;
+      const Tensor<double> gL = random_tensor<double>({1, 2, 3, mp}, 53), gs = random_tensor<double>({1, 2, 3, mp}, 54);
+      const bool trig = std::string(kernel) == "trig";
+      const auto loss = [&] {
+        const FeatureLogits<double> f = feature_logits<double>(x.view(), w.view(), side, opts);
+        return testing::dot_loss(f.logits, gL) + (trig ? testing::dot_loss(f.factors, gs) : 0.0);
+      };
+      const Tensor<double> dx = feature_logits_backward<double>(
+          x.view(), w.view(), side, gL.view(),
+          trig ? std::optional<TensorView<const double>>(gs.view()) : std::nullopt, opts);
+      testing::expect_gradient(x, dx, loss, "x");
+    }
+}
+
+TEST(Features, BadInputIsAnError) {
+  const Tensor<double> x = random_tensor<double>({1, 2, 3, d}, 61);
+  const Tensor<double> w = random_tensor<double>({m, d}, 62);
+  const RecurrentOptions elu = recurrent_options("elu"), favor = recurrent_options("positive");
+  using testing::expect_error;
+  expect_error([&] { features<double>(Tensor<double>({2, 3, d}).view(), elu); },
+               "features: x must be [batch, heads, n, head_dim], got shape [2, 3, 5]");
+  Tensor<double> bad = cast<double>(x);
+  bad[4] = std::nan("");
+  expect_error([&] { features<double>(bad.view(), elu); }, "features: x");
+  expect_error([&] { features<double>(x.view(), recurrent_options("softmax")); },
+               "features: feature_map must be \"elu\", \"relu\", \"identity\" or \"focused\"; got \"softmax\"");
+  expect_error([&] { features<double>(x.view(), favor); }, "features: feature_map=\"favor\" is in log form");
+  RecurrentOptions focused = recurrent_options("focused");
+  focused.focus_power = 0.5;
+  expect_error([&] { features<double>(x.view(), focused); }, "focus_power must be a number in [1, 1000], got 0.5");
+  expect_error([&] { features<double>(x.view(), recurrent_options("identity")); },
+               "with feature_map=\"identity\", x holds features, which must be >= 0");
+  expect_error([&] { features_backward<double>(x.view(), Tensor<double>({1, 2, 3, d + 1}).view(), elu); },
+               "features_backward: dphi has shape [1, 2, 3, 6]; expected [1, 2, 3, 5]");
+  expect_error([&] { feature_logits<double>(x.view(), w.view(), "keys", favor); },
+               "feature_logits: side must be \"query\", \"key\" or \"query_with_norm\"; got \"keys\"");
+  expect_error([&] { feature_logits<double>(x.view(), w.view(), "key", elu); },
+               "feature_logits: feature_map must be \"favor\"");
+  expect_error([&] { feature_logits<double>(x.view(), Tensor<double>({m, d + 1}).view(), "key", favor); },
+               "projection has shape [7, 6]; expected [num_features >= 1, 5]");
+  RecurrentOptions zero = favor;
+  zero.scale = 0;
+  expect_error([&] { feature_logits<double>(x.view(), w.view(), "key", zero); }, "scale must be > 0");
+  expect_error([&] { feature_logits_backward<double>(x.view(), w.view(), "key", Tensor<double>({1, 2, 3, m}).view(),
+                                                     Tensor<double>({1, 2, 3, m}).view(), favor); },
+               "dfactors is only used with kernel=\"trig\"");
+  expect_error([&] { feature_logits_backward<double>(x.view(), w.view(), "key", Tensor<double>({1, 2, 3, m + 1}).view(),
+                                                     std::nullopt, favor); },
+               "feature_logits_backward: dlogits has shape [1, 2, 3, 8]; expected [1, 2, 3, 7]");
+  Tensor<double> huge = cast<double>(x);
+  huge[0] = 1e200;
+  expect_error([&] { feature_logits<double>(huge.view(), w.view(), "key", favor); }, "is too large for float64");
+}
+
+}  // namespace
+}  // namespace linattn
