@@ -1288,10 +1288,12 @@ heads summed); dinitial_state is of zeros' gradient when no initial state was gi
         py::arg("exact_valid"), py::arg("counts"), py::kw_only(), py::arg("window"), py::arg("sinks"), py::arg("scale"),
         py::arg("eps"),
         R"doc(One decoding step of the causal sliding-window + linear hybrid for every batch row and head,
-in place on its state (include/linattn/hybrid.h; linattn.hf's LinattnCache runs it): q, k [B, H, d],
-v [B, H, d_v], query_features φ(q) and leaving_features (φ of the key leaving the window) [B, H, m'],
-advance [B] bool, window_weight γ [H], log_decay λ [H] or None; the state arrays sums [B, H, m', d_v],
-normaliser [B, H, m'], exact_keys [B, H, s + w, d], exact_values [B, H, s + w, d_v] (q's dtype),
+in place on its state (include/linattn/hybrid.h; linattn.hf's LinattnCache runs it): q [B, H, d],
+k [B, H_kv, d], v [B, H_kv, d_v] (grouped queries: H_kv divides H; query head h reads key head
+h / (H / H_kv)), query_features φ(q) and leaving_features (φ of the key leaving the window, for each
+query head's map) [B, H, m'], advance [B] bool, window_weight γ [H], log_decay λ [H] or None; the
+state arrays sums [B, H, m', d_v], normaliser [B, H, m'], exact_keys [B, H_kv, s + w, d],
+exact_values [B, H_kv, s + w, d_v] (q's dtype),
 exact_valid [B, s + w] bool and counts [B] int64 are changed in place. Returns out [B, H, d_v].)doc");
   m.def("causal_conv1d", &causal_conv1d_py, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         py::kw_only(), py::arg("initial_state") = py::none(), py::arg("return_state") = false,

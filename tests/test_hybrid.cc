@@ -550,18 +550,28 @@ namespace {
 // decay, windows shorter and longer than the sequence), at the forward's rounding bound; a row
 // that does not advance gets 0 and keeps its state; bad input changes nothing.
 template <class T>
-void check_decode_step(const Case& c, int threads) {
-  SCOPED_TRACE(name(c) + " " + std::to_string(threads) + " threads");
+void check_decode_step(const Case& c, int threads, int64_t kv_heads) {
+  SCOPED_TRACE(name(c) + " " + std::to_string(threads) + " threads, " + std::to_string(kv_heads) + " key heads");
   testing::ScopedThreads scope(threads);
   constexpr int64_t B = Inputs::B, H = Inputs::H, d = Inputs::d, dv = Inputs::dv, m = Inputs::m;
+  const int64_t G = H / kv_heads;  // query heads per key head
   Inputs x(c, 500 + static_cast<uint64_t>(c.window) * 3 + c.sinks);
   x.round_to<T>();
+  // Grouped queries: every query head of a group sees its key head's keys and values.
+  for (Tensor<double>* t : {&x.k, &x.v})
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < c.n_q; ++i) {
+          const TensorView<double> view = t->view();
+          const double* from = view.row(b * H + h / G * G, i);
+          std::copy(from, from + t->dim(3), view.row(b * H + h, i));
+        }
   const double scale = 1 / std::sqrt(static_cast<double>(d));
   const Tensor<double> want = reference::hybrid_attention(x.q, x.k, x.v, x.inputs(), x.opts);
   const Tensor<double> bound = bound_of(reference::hybrid_attention(x.q, x.k, x.v, x.inputs(), x.opts, true),
                                         epsilon<T>(x, c, scale));
   const int64_t n = c.n_q, w = c.window, s = c.sinks, slots = s + w;
-  Tensor<T> sums({B, H, m, dv}), normaliser({B, H, m}), keys({B, H, slots, d}), values({B, H, slots, dv});
+  Tensor<T> sums({B, H, m, dv}), normaliser({B, H, m}), keys({B, kv_heads, slots, d}), values({B, kv_heads, slots, dv});
   Tensor<bool> valid({B, slots});
   Tensor<int64_t> counts({B});
   Tensor<T> gamma({H}), decay({H});
@@ -572,15 +582,16 @@ void check_decode_step(const Case& c, int threads) {
   const HybridDecodeState<T> state{sums.view(), normaliser.view(), keys.view(), values.view(), valid.view(),
                                    counts.view()};
   const HybridDecodeOptions opts{w, s, scale, x.opts.eps};
-  Tensor<T> q({B, H, d}), k({B, H, d}), v({B, H, dv}), fq({B, H, m}), fl({B, H, m});
+  Tensor<T> q({B, H, d}), k({B, kv_heads, d}), v({B, kv_heads, dv}), fq({B, H, m}), fl({B, H, m});
   Tensor<bool> advance({B});
   auto token = [&](int64_t t) {  // position t's rows of every (b, h), and φ of the key leaving (t − w)
+    for (int64_t bg = 0; bg < B * kv_heads; ++bg) {  // a key head's rows: its group's first query head's
+      const int64_t bh = bg / kv_heads * H + bg % kv_heads * G;
+      for (int64_t i = 0; i < d; ++i) k[bg * d + i] = static_cast<T>(x.k.view().row(bh, t)[i]);
+      for (int64_t i = 0; i < dv; ++i) v[bg * dv + i] = static_cast<T>(x.v.view().row(bh, t)[i]);
+    }
     for (int64_t bh = 0; bh < B * H; ++bh) {
-      for (int64_t i = 0; i < d; ++i) {
-        q[bh * d + i] = static_cast<T>(x.q.view().row(bh, t)[i]);
-        k[bh * d + i] = static_cast<T>(x.k.view().row(bh, t)[i]);
-      }
-      for (int64_t i = 0; i < dv; ++i) v[bh * dv + i] = static_cast<T>(x.v.view().row(bh, t)[i]);
+      for (int64_t i = 0; i < d; ++i) q[bh * d + i] = static_cast<T>(x.q.view().row(bh, t)[i]);
       for (int64_t i = 0; i < m; ++i) {
         fq[bh * m + i] = static_cast<T>(x.fq.view().row(bh, t)[i]);
         fl[bh * m + i] = t >= w ? static_cast<T>(x.fk.view().row(bh, t - w)[i]) : T(0);
@@ -634,6 +645,14 @@ void check_decode_step(const Case& c, int threads) {
   fq[3] = T(1);
   k[0] = std::numeric_limits<T>::quiet_NaN();
   testing::expect_error([&] { step(); }, "k has a non-finite value");
+  k[0] = T(0);
+  if (kv_heads == 1) {  // 2 key heads for 3 query heads
+    const Tensor<T> k2({B, 2, d}), v2({B, 2, dv});
+    testing::expect_error([&] {
+      hybrid_decode_step<T>(q.view(), k2.view(), v2.view(), fq.view(), fl.view(), advance.view(), gamma.view(),
+                            TensorView<const T>{}, state, opts);
+    }, "v has 2 key/value heads, which must divide q's 3 heads");
+  }
   EXPECT_EQ(std::vector<T>(sums.data(), sums.data() + sums.size()), sums_before);
   EXPECT_EQ(std::vector<bool>(valid.data(), valid.data() + valid.size()), valid_before);
   EXPECT_EQ(counts[0], n);
@@ -644,8 +663,10 @@ TEST(HybridDecodeStep, EqualsTheCausalForwardRowByRow) {
     for (const auto& [w, sinks, decayed] : {std::tuple{1, 0, false}, std::tuple{3, 0, true}, std::tuple{8, 2, false},
                                             std::tuple{4, 4, true}, std::tuple{30, 3, true}}) {
       const Case c{true, w, "given", true, false, 23, 23, sinks, decayed};
-      check_decode_step<float>(c, threads);
-      check_decode_step<double>(c, threads);
+      for (int64_t kv_heads : {Inputs::H, int64_t{1}}) {
+        check_decode_step<float>(c, threads, kv_heads);
+        check_decode_step<double>(c, threads, kv_heads);
+      }
     }
 }
 

@@ -74,9 +74,10 @@ template <class T>
 struct HybridDecodeState {
   TensorView<T> sums;           // [B, H, m', d_v]: Σ φ(k_j) v_jᵀ over the keys that left the window, decayed
   TensorView<T> normaliser;     // [B, H, m']: Σ φ(k_j), the same keys
-  TensorView<T> exact_keys;     // [B, H, s + w, d]: s sink slots (slot p: the row's token p once it has
-                                //   left the window), then a ring of w (token p at slot s + p mod w)
-  TensorView<T> exact_values;   // [B, H, s + w, d_v]
+  TensorView<T> exact_keys;     // [B, H_kv, s + w, d]: s sink slots (slot p: the row's token p once it
+                                //   has left the window), then a ring of w (token p at slot s + p mod w);
+                                //   per key/value head (H_kv divides H; query head h reads h / (H / H_kv))
+  TensorView<T> exact_values;   // [B, H_kv, s + w, d_v]
   TensorView<bool> exact_valid;  // [B, s + w]: the slots holding a token
   TensorView<int64_t> counts;   // [B]: the tokens of each row so far
 };
@@ -88,7 +89,8 @@ struct HybridDecodeOptions {
   double eps = 1e-6;    // finite, >= 0
 };
 
-// One token of every batch row where advance[b]: q, k [B, H, d], v [B, H, d_v],
+// One token of every batch row where advance[b]: q [B, H, d], k [B, H_kv, d], v [B, H_kv, d_v]
+// (grouped queries: H_kv key/value heads, each read by H / H_kv query heads; H_kv = H without),
 // query_features φ(q) [B, H, m'], leaving_features [B, H, m'] (φ of the key in ring slot
 // s + counts[b] mod w, which leaves the window now when counts[b] >= w; read only then),
 // window_weight γ [H] in [0, 1], log_decay λ [H] (each <= 0; empty: none). The token that

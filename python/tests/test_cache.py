@@ -90,6 +90,9 @@ def test_size_does_not_grow_with_the_context(name, options):
         sizes.append(out.past_key_values.nbytes)
         layer = out.past_key_values.layers[0]
         assert layer.tokens == n + 3  # the last new token is sampled, not fed back
+        if options.get("window"):  # the exact slots per key/value head, as the model's own cache keeps them
+            assert layer.exact_keys.shape == (1, CONFIG["num_key_value_heads"], options["window"], 16)
+            assert layer.exact_values.shape == layer.exact_keys.shape
     assert sizes[0] == sizes[1] == sizes[2] > 0
 
 

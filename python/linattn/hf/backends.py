@@ -419,22 +419,20 @@ def attention_function(name):
             if kwargs.get(unsupported) is not None:
                 raise ValueError("%s: the model asks for %s=%r, which linattn does not implement"
                                  % (name, unsupported, kwargs[unsupported]))
-        if key.shape[1] != query.shape[1]:  # grouped-query attention: each key head serves several queries
-            if query.shape[1] % key.shape[1]:
-                raise ValueError("%s: %d query heads are not a multiple of %d key heads"
-                                 % (name, query.shape[1], key.shape[1]))
-            groups = query.shape[1] // key.shape[1]
-            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        if key.shape[1] != query.shape[1] and query.shape[1] % key.shape[1]:
+            raise ValueError("%s: %d query heads are not a multiple of %d key heads"
+                             % (name, query.shape[1], key.shape[1]))
         causal = bool(kwargs.get("is_causal") if kwargs.get("is_causal") is not None
                       else getattr(module, "is_causal", False))
         user = options_of(getattr(module, "config", None), name)
-        if cached is not None:
+        if cached is not None:  # the cache keeps the model's key/value heads; it repeats them where it needs to
             from .cache import attend
             if not causal:
                 raise ValueError("%s: LinattnCache serves causal attention; this attention layer is not causal" % name)
             out = attend(name, cached, module, b, user, query, key, value, attention_mask, scaling,
                          lambda q, k, v: forward(module, q, k, v, None, True, causal, scaling, user))
             return out.transpose(1, 2).contiguous(), None
+        key, value = per_query_head(key, query.shape[1]), per_query_head(value, query.shape[1])
         n_q, n_k = query.shape[2], key.shape[2]
         mask_causal = causal and n_q > 1  # a single new query sees the whole cache
         # Key slots masked for every query of every row at the end: a static cache's empty
@@ -472,6 +470,13 @@ def attention_function(name):
     attention.__name__ = attention.__qualname__ = name
     attention.__doc__ = "linattn's %s as a transformers attention function (see linattn.hf)." % b.function
     return attention
+
+
+def per_query_head(t, heads):
+    """t [B, H_kv, n, d] of a grouped-query model's key/value heads as one per query head
+    [B, heads, n, d] (query head h reads key head h // (heads / H_kv)); t itself without groups."""
+    groups = heads // t.shape[1]
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
 
 # ---- options -----------------------------------------------------------------------------------

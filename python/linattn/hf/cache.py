@@ -60,7 +60,8 @@ def _model_config(model_or_config):
 
 class LinattnCacheLayer(CacheLayerMixin):
     """One decoder layer's recurrent state: `linear` (a linattn.torch.recurrent.LinearState or
-    None before the prompt), `exact_keys` / `exact_values` [B, H, s + w, d] with `exact_valid`
+    None before the prompt), `exact_keys` / `exact_values` [B, H_kv, s + w, d] (per key/value
+    head of a grouped-query model, as its own cache keeps them) with `exact_valid`
     [B, s + w] (False: a slot no token has filled yet): the keys and values the query sees
     exactly, in s sink slots (slot p: the row's token p, one of its first s, once it has left
     the window: attention sinks) and a ring of w window slots (the token at place p of its row
@@ -361,8 +362,8 @@ def token_validity(name, attention_mask, batch, n, layer):
 
 
 def attend(name, layer, module, b, user, query, key, value, attention_mask, scaling, forward_on):
-    """Attention of the new tokens (query, key, value [B, H, n, d], keys already repeated for
-    grouped queries) with the cache's layer, which it then advances. forward_on(q, k, v) is the
+    """Attention of the new tokens (query [B, H, n, d]; key, value [B, H_kv, n, d], the model's
+    key/value heads: H_kv divides H) with the cache's layer, which it then advances. forward_on(q, k, v) is the
     backend's causal forward over new tokens alone: the prompt's outputs. (The attention
     function calls layer.end_forward afterwards.)"""
     batch, n = query.shape[0], query.shape[2]
@@ -382,20 +383,22 @@ def attend(name, layer, module, b, user, query, key, value, attention_mask, scal
     decays = _backends.log_decay(user, query.shape[1]) if window else None
     decay = None if decays is None else torch.tensor(decays, dtype=torch.float64, device=query.device)  # λ [H]
     if not decoding:  # the prompt: the backend's own forward (with autograd when enabled)
+        heads = query.shape[1]
+        key_h, value_h = _backends.per_query_head(key, heads), _backends.per_query_head(value, heads)
         if valid is None:
-            out = forward_on(query, key, value)
+            out = forward_on(query, key_h, value_h)
         else:  # each row on its tokens alone; padded positions' outputs are 0
             rows = []
             for r in range(batch):
                 idx = valid[r].nonzero()[:, 0]
                 row = query.new_zeros((1, query.shape[1], n, value.shape[-1]))
                 if idx.numel():
-                    pick = [t[r:r + 1].index_select(2, idx) for t in (query, key, value)]
+                    pick = [t[r:r + 1].index_select(2, idx) for t in (query, key_h, value_h)]
                     row = row.index_copy(2, idx, forward_on(*pick).to(row.dtype))
                 rows.append(row)
             out = torch.cat(rows, dim=0)
         with torch.no_grad():
-            _fill(layer, fmap, module, user, key.detach(), value.detach(), window, sinks, decay, valid)
+            _fill(layer, fmap, module, user, query.shape[1], key.detach(), value.detach(), window, sinks, decay, valid)
         return out
     with torch.no_grad():
         outs = [_step(layer, fmap, module, b, user, query[:, :, t:t + 1], key[:, :, t:t + 1], value[:, :, t:t + 1],
@@ -412,25 +415,26 @@ def _last_slots(valid, size):
     return rows, positions, size - 1 - after[rows, positions]
 
 
-def _fill(layer, fmap, module, user, key, value, window, sinks, decay, valid):
+def _fill(layer, fmap, module, user, heads, key, value, window, sinks, decay, valid):
     """The state after the prompt: per row, its tokens before its last `window` enter the
     linear state, except its first `sinks` tokens, which fill the sink slots; the last `window`
     tokens' keys and values fill the window's ring (token p of the row at slot sinks + p mod
     window); a convolution keeps the last K − 1 values. Padded positions go nowhere. With decay
     λ [H], a token entering the state is weighed by e^{λ·(tokens after it)}: the state is the last
-    token's."""
-    batch, heads, n, head_dim = key.shape
+    token's. key, value [B, H_kv, n, d]: the ring keeps them per key head; the state and the
+    convolution, whose maps and weights are per query head (heads of them), per query head."""
+    batch, kv_heads, n, head_dim = key.shape
     valid = torch.ones((batch, n), dtype=torch.bool, device=key.device) if valid is None else valid
     after = valid.flip(1).cumsum(1).flip(1) - valid.long()
     before = valid.cumsum(1) - valid.long()  # each token's place in its row
     state = _recurrent.empty_state(batch, heads, fmap.dim(head_dim), value.shape[-1], log_form=fmap.log_form,
                                    like=value)
     log_weight = None if decay is None else decay[None, :, None] * after[:, None, :].to(decay.dtype)
-    layer.linear = fmap.enter(state, key, value, mask=valid & (after >= window) & (before >= sinks),
-                              log_weight=log_weight)
+    layer.linear = fmap.enter(state, _backends.per_query_head(key, heads), _backends.per_query_head(value, heads),
+                              mask=valid & (after >= window) & (before >= sinks), log_weight=log_weight)
     if window:
-        layer.exact_keys = key.new_zeros((batch, heads, sinks + window, head_dim))
-        layer.exact_values = value.new_zeros((batch, heads, sinks + window, value.shape[-1]))
+        layer.exact_keys = key.new_zeros((batch, kv_heads, sinks + window, head_dim))
+        layer.exact_values = value.new_zeros((batch, kv_heads, sinks + window, value.shape[-1]))
         layer.exact_valid = torch.zeros((batch, sinks + window), dtype=torch.bool, device=key.device)
         sink = valid & (after >= window) & (before < sinks)
         ring = valid & (after < window)
@@ -446,22 +450,23 @@ def _fill(layer, fmap, module, user, key, value, window, sinks, decay, valid):
         layer.conv_values = value.new_zeros((batch, heads, past, value.shape[-1]))
         if past:
             rows, positions, slots = _last_slots(valid, past)
-            layer.conv_values[rows, :, slots] = value[rows, :, positions]
+            layer.conv_values[rows, :, slots] = _backends.per_query_head(value, heads)[rows, :, positions]
     layer.counts = valid.sum(dim=1)
     layer.tokens = n
 
 
 def _step(layer, fmap, module, b, user, q, k, v, window, sinks, decay, valid):
-    """One position q, k, v [B, H, 1, d] -> its output [B, H, 1, d_v], the row of the backend's
-    causal forward for the newest token; the layer advances by it in the rows where valid [B]
-    (None: all) says it is a token (elsewhere the state stays and the output is 0)."""
+    """One position q [B, H, 1, d], k, v [B, H_kv, 1, d] -> its output [B, H, 1, d_v], the row of
+    the backend's causal forward for the newest token; the layer advances by it in the rows where
+    valid [B] (None: all) says it is a token (elsewhere the state stays and the output is 0)."""
     layer.tokens += 1
-    batch = q.shape[0]
+    batch, heads = q.shape[0], q.shape[1]
+    per_head = lambda t: _backends.per_query_head(t, heads)  # noqa: E731 (the maps, sums and conv: per query head)
     advance = torch.ones(batch, dtype=torch.bool, device=q.device) if valid is None else valid
     eps = _eps(b, user)
     native = window > 0 and _native_step(fmap, layer, q)
     if window == 0:
-        layer.linear = fmap.enter(layer.linear, k, v, mask=advance[:, None])  # causal: the query sees its own key
+        layer.linear = fmap.enter(layer.linear, per_head(k), per_head(v), mask=advance[:, None])  # it sees its own key
         num, den, _ = fmap.read(layer.linear, q, with_norm=False)
         den = den + eps
         # A zero denominator (trig features can cancel) gives 0, as favor_attention does.
@@ -481,8 +486,8 @@ def _step(layer, fmap, module, b, user, q, k, v, window, sinks, decay, valid):
             step = torch.where(advance[:, None], torch.exp(decay)[None, :], torch.ones_like(decay)[None, :])
             layer.linear = _recurrent.decay(layer.linear, step)
             log_weight = (decay * window)[None, :, None].expand(q.shape[0], -1, 1)
-        layer.linear = fmap.enter(layer.linear, old_keys, old_values, mask=(leaving & ~to_sink)[:, None],
-                                  log_weight=log_weight)
+        layer.linear = fmap.enter(layer.linear, per_head(old_keys), per_head(old_values),
+                                  mask=(leaving & ~to_sink)[:, None], log_weight=log_weight)
         # In place: the cache owns these tensors (made by _fill, or by _map's copies), and no
         # graph holds them (decoding runs without autograd).
         if sinks and bool(to_sink.any()):
@@ -495,7 +500,7 @@ def _step(layer, fmap, module, b, user, q, k, v, window, sinks, decay, valid):
         layer.exact_values[r, :, slot[r]] = v[r, :, 0]
         layer.exact_valid[r, slot[r]] = True
         # The window's (and sinks') scores and sums in float32 for a 16-bit model (the state already is).
-        keys, values, exact = _wide(layer.exact_keys), _wide(layer.exact_values), layer.exact_valid
+        keys, values, exact = per_head(_wide(layer.exact_keys)), per_head(_wide(layer.exact_values)), layer.exact_valid
         scores = torch.einsum("bhd,bhjd->bhj", _wide(q[:, :, 0]), keys) * fmap.scale
         scores = scores.masked_fill(~exact[:, None, :], float("-inf"))
         top = scores.amax(dim=-1)
@@ -517,7 +522,7 @@ def _step(layer, fmap, module, b, user, q, k, v, window, sinks, decay, valid):
             den = den + gamma * e.sum(dim=-1)
             out = num / (den + eps)[..., None]
     if layer.conv_values is not None:
-        out = out + _conv_step(layer, module, b, user, v, advance)
+        out = out + _conv_step(layer, module, b, user, per_head(v), advance)
     out = torch.where(advance[:, None, None], out, torch.zeros_like(out))
     if not native:
         layer.counts = layer.counts + advance.to(layer.counts.dtype)
@@ -567,7 +572,7 @@ def _native(layer, fmap, module, b, user, q, k, v, window, sinks, decay, advance
         layer.linear = linear = linear.map(lambda t: t.contiguous())
     out = _linattn.hybrid_decode_step(
         _array(q[:, :, 0]), _array(k[:, :, 0]), _array(v[:, :, 0]), _array(fmap.plain(q, "query")[:, :, 0].to(dtype)),
-        _array(fmap.plain(leaving, "key")[:, :, 0].to(dtype)), _array(advance),
+        _array(fmap.plain(_backends.per_query_head(leaving, q.shape[1]), "key")[:, :, 0].to(dtype)), _array(advance),
         _array(_window_weight(module, b, user, q)), None if decay is None else _array(decay.to(dtype)),
         linear.sums.numpy(), linear.normaliser.numpy(),
         layer.exact_keys.numpy(), layer.exact_values.numpy(), layer.exact_valid.numpy(), layer.counts.numpy(),

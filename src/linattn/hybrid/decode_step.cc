@@ -6,7 +6,8 @@
 // reads the exact slots (simd::row_dots for the scores, simd::state_dots for the weighted values)
 // and the sums (simd::state_dots). Highway's kernels rather than BLAS: these are products of one
 // row by a matrix, where sgemm's calls cost more than the arithmetic; a step is bound by reading
-// the window's keys and values (2.4 MB at 9 heads of 516 slots: about 100 µs). The float64
+// the window's keys and values, stored once per key head (0.8 MB at SmolLM2's 3 key heads of 516
+// slots, 2.4 MB when they were kept per query head). The float64
 // reference is the causal hybrid_attention itself: tests/test_hybrid.cc steps through a sequence
 // and compares each token's output with the forward's row.
 #include <algorithm>
@@ -43,18 +44,24 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
   const char* fn = "hybrid_decode_step";
   constexpr double inf = std::numeric_limits<double>::infinity();
   require(q.rank() == 3, fn, ": q must be [batch, heads, head_dim], got shape ", shape_string(q.shape));
-  require(v.rank() == 3, fn, ": v must be [batch, heads, value_dim], got shape ", shape_string(v.shape));
+  require(v.rank() == 3 && v.dim(1) >= 1, fn, ": v must be [batch, kv_heads >= 1, value_dim], got shape ",
+          shape_string(v.shape));
   require(query_features.rank() == 3 && query_features.dim(2) >= 1, fn,
           ": query_features must be [batch, heads, m'] with m' >= 1, got shape ", shape_string(query_features.shape));
   const int64_t B = q.dim(0), H = q.dim(1), d = q.dim(2), dv = v.dim(2), m = query_features.dim(2);
+  // Grouped queries: query head h reads key/value head h / G, G = H / kv_heads (the exact slots
+  // are stored once per key head, as the model makes them).
+  const int64_t Hkv = v.dim(1);
+  require(H % Hkv == 0, fn, ": v has ", Hkv, " key/value heads, which must divide q's ", H, " heads");
+  const int64_t G = H / Hkv;
   require(opts.window >= 1, fn, ": window must be >= 1, got ", opts.window);
   require(opts.sinks >= 0, fn, ": sinks must be >= 0, got ", opts.sinks);
   require(std::isfinite(opts.scale), fn, ": scale must be finite, got ", opts.scale);
   require(std::isfinite(opts.eps) && opts.eps >= 0, fn, ": eps must be finite and >= 0, got ", opts.eps);
   const int64_t w = opts.window, s = opts.sinks, slots = s + w;
   check_finite(fn, "q", q);
-  check_same_shape_finite(fn, "k", k, {B, H, d});
-  check_same_shape_finite(fn, "v", v, {B, H, dv});
+  check_same_shape_finite(fn, "k", k, {B, Hkv, d});
+  check_same_shape_finite(fn, "v", v, {B, Hkv, dv});
   check_shape(fn, "query_features", query_features, {B, H, m});
   check_shape(fn, "leaving_features", leaving_features, {B, H, m});
   check_shape(fn, "advance", advance, {B});
@@ -62,8 +69,8 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
   if (log_decay.data) check_shape(fn, "log_decay", log_decay, {H});
   check_shape(fn, "sums", TensorView<const T>(state.sums), {B, H, m, dv});
   check_shape(fn, "normaliser", TensorView<const T>(state.normaliser), {B, H, m});
-  check_shape(fn, "exact_keys", TensorView<const T>(state.exact_keys), {B, H, slots, d});
-  check_shape(fn, "exact_values", TensorView<const T>(state.exact_values), {B, H, slots, dv});
+  check_shape(fn, "exact_keys", TensorView<const T>(state.exact_keys), {B, Hkv, slots, d});
+  check_shape(fn, "exact_values", TensorView<const T>(state.exact_values), {B, Hkv, slots, dv});
   check_shape(fn, "exact_valid", TensorView<const bool>(state.exact_valid), {B, slots});
   check_shape(fn, "counts", TensorView<const int64_t>(state.counts), {B});
   check_all(fn, "query_features", query_features, 0, inf, "finite and >= 0");
@@ -73,14 +80,27 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
   for (int64_t b = 0; b < B; ++b)
     require(state.counts.data[b] >= 0, fn, ": counts must be >= 0, got ", state.counts.data[b], " for row ", b);
 
-  // Nothing is written above this line. Which slots each advancing row fills: its ring slot,
-  // and the sink slot of a sink token that leaves the window (the same for every head).
+  // Nothing is written above this line. The exact slots of each advancing row and key head, once
+  // for the G query heads that read them: the value leaving the window is kept for the sums
+  // (leaving), a sink token leaving it moves to its sink slot, the new token takes its ring slot.
+  std::vector<T> leaving(static_cast<size_t>(B * Hkv * dv));
   for (int64_t b = 0; b < B; ++b) {
     if (!advance.data[b]) continue;
-    const int64_t c = state.counts.data[b];
+    const int64_t c = state.counts.data[b], slot = s + c % w;
     bool* valid = state.exact_valid.data + b * slots;
     if (c >= w && c - w < s) valid[c - w] = true;
-    valid[s + c % w] = true;
+    valid[slot] = true;
+    for (int64_t g = b * Hkv; g < (b + 1) * Hkv; ++g) {
+      T* keys = state.exact_keys.data + g * slots * d;
+      T* values = state.exact_values.data + g * slots * dv;
+      std::copy(values + slot * dv, values + (slot + 1) * dv, leaving.data() + g * dv);
+      if (c >= w && c - w < s) {
+        std::copy(keys + slot * d, keys + (slot + 1) * d, keys + (c - w) * d);
+        std::copy(values + slot * dv, values + (slot + 1) * dv, values + (c - w) * dv);
+      }
+      std::copy(k.data + g * d, k.data + (g + 1) * d, keys + slot * d);
+      std::copy(v.data + g * dv, v.data + (g + 1) * dv, values + slot * dv);
+    }
   }
   Tensor<T> out({B, H, dv}, false, Init::Zero);
   const int64_t per_task = slots * (d + dv) + 2 * m * dv;
@@ -92,33 +112,27 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
     for (int64_t bh = index * group; bh < std::min(B * H, (index + 1) * group); ++bh) {
       const int64_t b = bh / H, h = bh % H;
       if (!advance.data[b]) continue;
-      const int64_t c = state.counts.data[b], slot = s + c % w;
-      T* keys = state.exact_keys.data + bh * slots * d;
-      T* values = state.exact_values.data + bh * slots * dv;
+      const int64_t c = state.counts.data[b], g = b * Hkv + h / G;  // the key head it reads
+      const T* keys = state.exact_keys.data + g * slots * d;
+      const T* values = state.exact_values.data + g * slots * dv;
       T* S = state.sums.data + bh * m * dv;
       T* z = state.normaliser.data + bh * m;
       const double lambda = log_decay.data ? static_cast<double>(log_decay.data[h]) : 0.0;
       const T f = static_cast<T>(std::exp(lambda));  // one position on: the sums decay by e^{λ}
       T* row = scratch[worker].data();                // [max(m, slots)] factors, then the weights
       const bool enters = c >= w && c - w >= s;       // the token w places back leaves for the sums
-      if (c >= w && c - w < s) {                      // ... or for its sink slot
-        std::copy(keys + slot * d, keys + (slot + 1) * d, keys + (c - w) * d);
-        std::copy(values + slot * dv, values + (slot + 1) * dv, values + (c - w) * dv);
-      }
       if (enters) {  // S ← e^{λ}·S + (e^{λw}·φ) v_oldᵀ, z likewise: one pass over S
         const T weight = static_cast<T>(std::exp(lambda * static_cast<double>(w)));
         const T* phi = leaving_features.data + bh * m;
         std::fill(row, row + m, f);
         T* scaled = row + m;
         for (int64_t r = 0; r < m; ++r) scaled[r] = weight * phi[r];
-        simd::decay_rank_one(S, static_cast<size_t>(m), static_cast<size_t>(dv), row, scaled, values + slot * dv, S);
+        simd::decay_rank_one(S, static_cast<size_t>(m), static_cast<size_t>(dv), row, scaled, leaving.data() + g * dv, S);
         for (int64_t r = 0; r < m; ++r) z[r] = f * z[r] + scaled[r];
       } else if (log_decay.data) {
         simd::scale(S, static_cast<size_t>(m * dv), f);
         simd::scale(z, static_cast<size_t>(m), f);
       }
-      std::copy(k.data + bh * d, k.data + (bh + 1) * d, keys + slot * d);
-      std::copy(v.data + bh * dv, v.data + (bh + 1) * dv, values + slot * dv);
       // the exact slots: e_j = e^{s_j − M} over the valid ones
       const bool* valid = state.exact_valid.data + b * slots;
       const T* qb = q.data + bh * d;
