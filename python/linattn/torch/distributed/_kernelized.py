@@ -28,9 +28,8 @@ import torch.nn.functional as F
 
 from ... import _linattn
 from .. import feature_maps as _feature_maps
+from ..gated import gated_linear_attention as _gated_linear_attention
 from .. import state as _state
-
-CHUNK = 64  # rows per chunk of the causal form: intra-chunk products C×C, one state per chunk
 
 
 def key_mask(lengths, seg):
@@ -100,18 +99,11 @@ def ratio(num_den, eps):
 
 def causal_sums(fq, fk, v1, prefix):
     """[φ(q_i)·Σ_{j<=i} φ(k_j) v1_jᵀ] + φ(q_i)·prefix for one segment: [B,H,n,m'] x2,
-    [B,H,n,c], prefix [B,H,m',c] -> [B,H,n,c], in chunks of CHUNK rows."""
-    B, H, n, m = fq.shape
-    pad = (-n) % CHUNK
-    fq, fk, v1 = (F.pad(x, (0, 0, 0, pad)) for x in (fq, fk, v1))
-    nc = (n + pad) // CHUNK
-    fq, fk = fq.view(B, H, nc, CHUNK, m), fk.view(B, H, nc, CHUNK, m)
-    v1 = v1.view(B, H, nc, CHUNK, -1)
-    intra = (fq @ fk.transpose(-1, -2)).tril() @ v1
-    chunk_states = fk.transpose(-1, -2) @ v1  # [B,H,nc,m',c]
-    before = torch.cat([torch.zeros_like(chunk_states[:, :, :1]), chunk_states[:, :, :-1].cumsum(2)], 2)
-    inter = fq @ (before + prefix.unsqueeze(2))
-    return (intra + inter).reshape(B, H, nc * CHUNK, -1)[:, :, :n]
+    [B,H,n,c], prefix [B,H,m',c] -> [B,H,n,c]: the causal linear sums from a state, which is
+    gated_linear_attention's chunked engine with no decay (gates of 0), scale 1 and the prefix as
+    its initial state, forward and backward in C++."""
+    no_decay = fq.new_zeros(fq.shape[:3])
+    return _gated_linear_attention(fq, fk, v1, no_decay, scale=1.0, initial_state=prefix.contiguous())
 
 
 def sums(g, segs, q, k, v, lengths, causal, phi):
