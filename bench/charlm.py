@@ -36,7 +36,7 @@ DEFAULT_CONFIGS = [
     ("FAVOR+ orthogonal m=128", "favor", {"num_features": 128, "features": "orthogonal"}),
     ("FAVOR+ quantile m=128", "favor", {"num_features": 128, "features": "quantile"}),
     ("elu+1", "elu", {}),
-    ("focused p=3, conv 5", "focused", {"dwc_kernel_size": 5}),
+    ("focused p=3, conv 5", "focused", {"conv_kernel_size": 5}),
 ]
 PROMPT = "The for statement"
 

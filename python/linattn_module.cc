@@ -1089,7 +1089,8 @@ py::list method_descriptions() {
       opts.append(py::dict(py::arg("name") = o.name, py::arg("kind") = kinds[static_cast<int>(o.kind)],
                            py::arg("optional") = o.optional, py::arg("default") = o.default_value,
                            py::arg("doc") = o.doc, py::arg("choices") = o.choices,
-                           py::arg("positional") = o.positional, py::arg("has_gradient") = o.has_gradient));
+                           py::arg("positional") = o.positional, py::arg("has_gradient") = o.has_gradient,
+                           py::arg("formerly") = o.formerly));
     out.append(py::dict(py::arg("name") = m.name, py::arg("function") = m.function, py::arg("label") = m.label,
                         py::arg("summary") = m.summary, py::arg("docs") = m.docs,
                         py::arg("no_causal") = m.no_causal, py::arg("options") = opts,

@@ -225,7 +225,7 @@ MethodOutput<float> widened_forward(const std::string& method_name, Products pro
     r = kernelized::favor_forward(products, a32.q, a32.k, a32.v, c.projection, c.opts);
   } else {
     const auto c = kernelized::linear_call(a32);
-    r = kernelized::linear_forward(products, a32.q, a32.k, a32.v, c.opts, c.dwc_weight);
+    r = kernelized::linear_forward(products, a32.q, a32.k, a32.v, c.opts, c.conv_weight);
   }
   MethodOutput<float> out{std::move(r.out), {}};
   out.saved.emplace_back("den", std::move(r.den));
@@ -242,7 +242,7 @@ AttentionGrads<float> widened_backward(const std::string& method_name, Products 
     return kernelized::favor_backward(products, a32.q, a32.k, a32.v, c.projection, dout, s, c.opts);
   }
   const auto c = kernelized::linear_call(a32);
-  return kernelized::linear_backward(products, a32.q, a32.k, a32.v, dout, s, c.opts, c.dwc_weight);
+  return kernelized::linear_backward(products, a32.q, a32.k, a32.v, dout, s, c.opts, c.conv_weight);
 }
 
 // linear_attention's maps and FAVOR's kernels with bfloat16 products (its trig kernel keeps float32's).
@@ -423,7 +423,7 @@ TEST(KernelizedBf16, StorageCallsGiveTheWidenedCallsBits) {
 // Where the bfloat16 storage path does not apply, a bfloat16 call runs the widened float32 one
 // with the same products (bfloat16 on AVX512-BF16 except for trig), with the same results bit
 // for bit: v beyond 2^64 (the float32 code rescales
-// it first), dout beyond 2^64, and linear attention with a dwc_weight (its convolution reads v
+// it first), dout beyond 2^64, and linear attention with a conv_weight (its convolution reads v
 // in float32).
 TEST(KernelizedBf16, OutOfRangeValuesAndTheConvolutionWiden) {
   auto bf16 = [](const Tensor<double>& x) { return testing::narrowed<bfloat16>(x); };
@@ -468,7 +468,7 @@ TEST(KernelizedBf16, OutOfRangeValuesAndTheConvolutionWiden) {
   }
   MethodArgs<bfloat16> conv = bf16_args("linear", spec_for("elu", Mask::None, 1, 9), q, k, v, nullptr);
   const Tensor<bfloat16> dwc = bf16(random_tensor<double>({2, 3}, 6));
-  conv.tensors["dwc_weight"] = dwc;
+  conv.tensors["conv_weight"] = dwc;
   const bool own = registry_products("elu") == Products::Bfloat16;
   EXPECT_EQ(method("linear").bf16_kernel(conv).has_value(), own);
   EXPECT_EQ(method("linear").bf16_backward_kernel(conv, dout, {}).has_value(), own);
@@ -620,13 +620,13 @@ TEST(KernelizedGradient, DepthwiseConvolution) {
       return L;
     };
     const auto g = linear_attention_backward<double>(q, k, v, G, o, w.view());
-    ASSERT_EQ(g.param("dwc_weight").shape(), (Shape{H, K}));
-    expect_gradient(w, g.param("dwc_weight"), loss, "d_dwc_weight");
+    ASSERT_EQ(g.param("conv_weight").shape(), (Shape{H, K}));
+    expect_gradient(w, g.param("conv_weight"), loss, "d_conv_weight");
     expect_gradient(v, g.dv, loss, "dv");
     expect_gradient(q, g.dq, loss, "dq");
     const auto gr = reference::linear_attention_backward(q, k, v, G, o, w.view());
-    for (int64_t i = 0; i < g.param("dwc_weight").size(); ++i)
-      ASSERT_NEAR(g.param("dwc_weight")[i], gr.param("dwc_weight")[i], 1e-12);
+    for (int64_t i = 0; i < g.param("conv_weight").size(); ++i)
+      ASSERT_NEAR(g.param("conv_weight")[i], gr.param("conv_weight")[i], 1e-12);
     // Padded positions of v (>= 13 in item 1) never reach the output.
     auto v2 = cast<double>(v);
     for (int64_t h = 0; h < H; ++h)
@@ -919,9 +919,9 @@ TEST(KernelizedErrors, OptionsAndShapesAreChecked) {
   const auto qq = random_tensor<float>({1, 2, 6, 8}, 1);
   o = {};
   EXPECT_THAT(error_of([&] { linear_attention<float>(qq, k, v, o, random_tensor<float>({2, 4}, 1).view()); }),
-              HasSubstr("dwc_weight needs an odd K when causal=false (got K = 4)"));
+              HasSubstr("conv_weight needs an odd K when causal=false (got K = 4)"));
   EXPECT_THAT(error_of([&] { linear_attention<float>(qq, k, v, o, random_tensor<float>({3, 5}, 1).view()); }),
-              HasSubstr("dwc_weight has shape [3, 5]; expected [heads = 2, K]"));
+              HasSubstr("conv_weight has shape [3, 5]; expected [heads = 2, K]"));
   const auto w = random_features<float>(16, 8);
   FavorOptions f;
   f.kernel = "cosh";

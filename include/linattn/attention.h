@@ -37,7 +37,7 @@ template <class T>
 struct AttentionGrads {
   Tensor<T> dq, dk, dv;
   // The method's learned inputs, in the order it takes them, by name: linear_attention
-  // "dwc_weight", nystrom_attention "conv_weight", linformer_attention "e" and "f". Empty for a
+  // and nystrom_attention "conv_weight", linformer_attention "e" and "f". Empty for a
   // call without any.
   std::vector<std::pair<std::string, Tensor<T>>> params;
 

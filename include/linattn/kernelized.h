@@ -44,35 +44,35 @@ struct KernelizedAttentionResult {
 };
 
 // q [B,H,n_q,d], k [B,H,n_k,d], v [B,H,n_k,d_v] -> out [B,H,n_q,d_v].
-// dwc_weight [heads, K]: adds a depthwise convolution of v along the sequence (n_q == n_k):
+// conv_weight [heads, K]: adds a depthwise convolution of v along the sequence (n_q == n_k):
 // out[i] += Σ_t w[h,t]·v[i+t−(K−1)/2] (K odd) or, causal, Σ_t w[h,t]·v[i+t−(K−1)]; v is 0
 // outside the sequence and at padded positions.
 template <class T>
 Tensor<T> linear_attention(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                            const LinearAttentionOptions& opts = {},
-                           std::optional<TensorView<const T>> dwc_weight = std::nullopt);
+                           std::optional<TensorView<const T>> conv_weight = std::nullopt);
 
 // The same output, with what the backward reuses.
 template <class T>
 KernelizedAttentionResult<T> linear_attention_with_saved(
     TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
     const LinearAttentionOptions& opts = {},
-    std::optional<TensorView<const T>> dwc_weight = std::nullopt);
-// Gradients dq, dk, dv and, with a dwc_weight, params {"dwc_weight"}. This overload computes
+    std::optional<TensorView<const T>> conv_weight = std::nullopt);
+// Gradients dq, dk, dv and, with a conv_weight, params {"conv_weight"}. This overload computes
 // the forward first.
 template <class T>
 AttentionGrads<T> linear_attention_backward(
     TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<const T> dout,
     const LinearAttentionOptions& opts = {},
-    std::optional<TensorView<const T>> dwc_weight = std::nullopt);
-// Same, from linear_attention_with_saved's out, den and state (with a dwc_weight, out holds
+    std::optional<TensorView<const T>> conv_weight = std::nullopt);
+// Same, from linear_attention_with_saved's out, den and state (with a conv_weight, out holds
 // the convolution too, so the attention part of it is computed again from state and den).
 template <class T>
 AttentionGrads<T> linear_attention_backward(
     TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<const T> dout,
     TensorView<const T> out, TensorView<const T> den, TensorView<const T> state,
     const LinearAttentionOptions& opts = {},
-    std::optional<TensorView<const T>> dwc_weight = std::nullopt);
+    std::optional<TensorView<const T>> conv_weight = std::nullopt);
 
 // projection ω [m, d] (see random_features) -> out [B,H,n_q,d_v] ≈ softmax attention.
 template <class T>

@@ -36,6 +36,9 @@ struct OptionInfo {
   std::vector<std::string> choices;  // the accepted values of a String option
   bool positional = false;           // a Tensor passed by position after q, k, v (projection, e, f)
   bool has_gradient = false;         // a Tensor whose gradient the backward returns
+  // The option's name before it took this one (linear_attention's "dwc_weight"), or empty: the
+  // Python layers accept it for one release with a DeprecationWarning naming both.
+  std::string formerly;
 };
 
 // A call's inputs by name: options (absent ones take their defaults) and extra tensors.

@@ -10,6 +10,7 @@ ones the C++ library declares."""
 import inspect as _inspect
 
 from . import _linattn
+from ._options import renamed as _renamed
 from ._linattn import (
     RecurrentState,
     build_info,
@@ -119,9 +120,11 @@ def _make(info, backward):
     tensor_names = [o["name"] for o in opts if o["kind"] == "tensor"]
     option_names = [o["name"] for o in opts if o["kind"] != "tensor"]
     name = info["name"]
+    former = {o["formerly"]: o["name"] for o in opts if o["formerly"]}
+    fn = info["function"] + ("_backward" if backward else "")
 
     def call(*args, **kwargs):
-        a = signature.bind(*args, **kwargs)
+        a = signature.bind(*args, **_renamed(fn, kwargs, former))
         a.apply_defaults()
         a = a.arguments
         tensors = {t: a[t] for t in tensor_names}

@@ -150,7 +150,7 @@ def hedgehog_attention(q: "ndarray", k: "ndarray", v: "ndarray", query_weight: "
     dtype = q.dtype if isinstance(q, np.ndarray) else None
     q, k, (wq, fq), (wk, fk) = _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias)
     v = _values(fn, v, dtype)
-    out = _kernel(fn, lambda: _linattn._forward("linear", fq, fk, v, {"dwc_weight": None},
+    out = _kernel(fn, lambda: _linattn._forward("linear", fq, fk, v, {"conv_weight": None},
                                                 _options(causal, key_lengths, eps), []))
     return _rounded(fn, ["out"], [out], dtype)[0]
 
@@ -165,7 +165,7 @@ def hedgehog_attention_backward(q: "ndarray", k: "ndarray", v: "ndarray", query_
     dtype = q.dtype if isinstance(q, np.ndarray) else None
     q, k, (wq, fq), (wk, fk) = _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias)
     v, dout = _values(fn, v, dtype), _values(fn, dout, dtype, "dout")
-    dfq, dfk, dv = _kernel(fn, lambda: _linattn._backward("linear", fq, fk, v, dout, {"dwc_weight": None},
+    dfq, dfk, dv = _kernel(fn, lambda: _linattn._backward("linear", fq, fk, v, dout, {"conv_weight": None},
                                                           _options(causal, key_lengths, eps), {}))[:3]
     dq, dwq, dbq = _features_backward(q, wq, fq, dfq)
     dk, dwk, dbk = _features_backward(k, wk, fk, dfk)

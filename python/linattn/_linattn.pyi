@@ -153,10 +153,12 @@ def get_num_threads() -> int:
 def hybrid_decode_step(q: typing.Any, k: typing.Any, v: typing.Any, query_features: typing.Any, leaving_features: typing.Any, advance: typing.Any, window_weight: typing.Any, log_decay: typing.Any, sums: typing.Any, normaliser: typing.Any, exact_keys: typing.Any, exact_values: typing.Any, exact_valid: typing.Any, counts: typing.Any, *, window: typing.SupportsInt | typing.SupportsIndex, sinks: typing.SupportsInt | typing.SupportsIndex, scale: typing.SupportsFloat | typing.SupportsIndex, eps: typing.SupportsFloat | typing.SupportsIndex) -> typing.Any:
     """
     One decoding step of the causal sliding-window + linear hybrid for every batch row and head,
-    in place on its state (include/linattn/hybrid.h; linattn.hf's LinattnCache runs it): q, k [B, H, d],
-    v [B, H, d_v], query_features φ(q) and leaving_features (φ of the key leaving the window) [B, H, m'],
-    advance [B] bool, window_weight γ [H], log_decay λ [H] or None; the state arrays sums [B, H, m', d_v],
-    normaliser [B, H, m'], exact_keys [B, H, s + w, d], exact_values [B, H, s + w, d_v] (q's dtype),
+    in place on its state (include/linattn/hybrid.h; linattn.hf's LinattnCache runs it): q [B, H, d],
+    k [B, H_kv, d], v [B, H_kv, d_v] (grouped queries: H_kv divides H; query head h reads key head
+    h / (H / H_kv)), query_features φ(q) and leaving_features (φ of the key leaving the window, for each
+    query head's map) [B, H, m'], advance [B] bool, window_weight γ [H], log_decay λ [H] or None; the
+    state arrays sums [B, H, m', d_v], normaliser [B, H, m'], exact_keys [B, H_kv, s + w, d],
+    exact_values [B, H_kv, s + w, d_v] (q's dtype),
     exact_valid [B, s + w] bool and counts [B] int64 are changed in place. Returns out [B, H, d_v].
     """
 def linformer_projections(s_proj: typing.SupportsInt | typing.SupportsIndex, n_max: typing.SupportsInt | typing.SupportsIndex, *, heads: int | None = None, seed: typing.SupportsInt | typing.SupportsIndex = 0, dtype: numpy.typing.DTypeLike = ...) -> tuple:

@@ -7,6 +7,7 @@ anything is written."""
 
 import math
 import numbers
+import warnings
 
 # The largest integer a C++ int64_t option (and a torch custom op's `int`) holds.
 INT64_MAX = 2 ** 63 - 1
@@ -49,3 +50,25 @@ def _range(minimum, maximum):
     if minimum is None:
         return " <= %d" % maximum if maximum != INT64_MAX else ""
     return " >= %d" % minimum if maximum == INT64_MAX else " in [%d, %d]" % (minimum, maximum)
+
+
+# Options of MultiheadAttention and linattn.hf renamed so that each thing has one name in every
+# layer (issue 43): {former name: name now}, accepted until the next release with a
+# DeprecationWarning. The functions' own (linear_attention's dwc_weight, now conv_weight) are in
+# the registry (OptionInfo::formerly).
+RENAMED = {"dwc_kernel_size": "conv_kernel_size"}
+
+
+def renamed(fn, kwargs, former):
+    """kwargs (a dict, changed in place and returned) with each option given by its former name
+    (former: {old: new}) moved to its name now, with a DeprecationWarning; an option given by
+    both names is a TypeError."""
+    for old, new in former.items():
+        if old not in kwargs:
+            continue
+        if new in kwargs:
+            raise TypeError("%s: got %s and %s, its former name; pass %s only" % (fn, new, old, new))
+        warnings.warn("%s: %s is now called %s; the old name is accepted until the next release"
+                      % (fn, old, new), DeprecationWarning, stacklevel=3)
+        kwargs[new] = kwargs.pop(old)
+    return kwargs

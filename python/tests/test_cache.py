@@ -16,7 +16,7 @@ from linattn.torch import recurrent  # noqa: E402
 CONFIG = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None, pad_token_id=0)
 CASES = [("linattn_elu", {}), ("linattn_elu", {"window": 5}), ("linattn_relu", {}), ("linattn_relu", {"window": 3}),
-         ("linattn_focused", {"dwc_kernel_size": 3}), ("linattn_focused", {"focus_power": 40.0, "eps": 1e-3}), ("linattn_favor", {}), ("linattn_favor", {"kernel": "hyperbolic"}),
+         ("linattn_focused", {"conv_kernel_size": 3}), ("linattn_focused", {"focus_power": 40.0, "eps": 1e-3}), ("linattn_favor", {}), ("linattn_favor", {"kernel": "hyperbolic"}),
          ("linattn_favor", {"kernel": "trig"}), ("linattn_favor", {"window": 5}),
          ("linattn_favor", {"window": 4, "kernel": "hyperbolic"}), ("linattn_hedgehog", {"feature_dim": 4}),
          ("linattn_hedgehog", {"feature_dim": 4, "window": 5}), ("linattn_window", {"window": 4}),
@@ -177,7 +177,7 @@ def test_a_forward_that_failed_midway_leaves_nothing_behind():
 def test_a_one_token_prompt_and_a_large_focus_power():
     # A single-token prompt runs the causal kernel (a causal convolution sees only the past);
     # focus_power 200 stays finite in the torch map as in the C++ one.
-    for options in ({"dwc_kernel_size": 4}, {"focus_power": 200.0}):
+    for options in ({"conv_kernel_size": 4}, {"focus_power": 200.0}):
         model = model_on("linattn_focused", options)
         prompt = ids_of(1, 1)
         out = model.generate(prompt, max_new_tokens=6, do_sample=False, output_logits=True,
@@ -314,7 +314,7 @@ def test_padded_prompts_generate_what_each_gets_alone(name, options, side):
 
 
 @pytest.mark.parametrize("name,options", [("linattn_elu", {"window": 3}), ("linattn_favor", {"window": 4}),
-                                          ("linattn_focused", {"dwc_kernel_size": 3}),
+                                          ("linattn_focused", {"conv_kernel_size": 3}),
                                           ("linattn_hedgehog", {"feature_dim": 4})])
 def test_right_padded_prompt_then_tokens_through_the_model(name, options):
     # Without generate(): a right-padded prompt (padding in the middle of the sequence once new

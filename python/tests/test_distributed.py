@@ -114,8 +114,8 @@ def inputs(name):
         q, k = 2 * q, 2 * k
     params = []
     if "dwc" in opts:
-        opts["dwc_weight"] = 0.5 * r(H, opts.pop("dwc"))
-        params.append("dwc_weight")
+        opts["conv_weight"] = 0.5 * r(H, opts.pop("dwc"))
+        params.append("conv_weight")
     if opts.pop("positive", False):  # features given as q and k
         q, k = q.exp(), k.exp()
     if "hedgehog" in opts:

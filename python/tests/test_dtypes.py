@@ -76,8 +76,8 @@ def test_every_function_takes_arrays_whatever_their_history(route, dtype, tmp_pa
     calls = [
         lambda q, k, v, g: linattn.softmax_attention(q, k, v),
         lambda q, k, v, g: linattn.softmax_attention_backward(q, k, v, g),
-        lambda q, k, v, g: linattn.linear_attention(q, k, v, dwc_weight=conv),
-        lambda q, k, v, g: linattn.linear_attention_backward(q, k, v, g, dwc_weight=conv),
+        lambda q, k, v, g: linattn.linear_attention(q, k, v, conv_weight=conv),
+        lambda q, k, v, g: linattn.linear_attention_backward(q, k, v, g, conv_weight=conv),
         lambda q, k, v, g: linattn.favor_attention(q, k, v, W),
         lambda q, k, v, g: linattn.favor_attention_backward(q, k, v, W, g),
         lambda q, k, v, g: linattn.nystrom_attention(q, k, v, num_landmarks=4, conv_weight=conv),

@@ -168,7 +168,7 @@ def test_learned_tensors_are_parameters_and_train(minilm):
     linformer = lh.set_options(load(path, "linattn_linformer", attention_probs_dropout_prob=0.0), s_proj=16)
     e = linformer.encoder.layer[0].attention.self.linattn_e
     assert e.shape == (16, 512) and torch.allclose(e.sum(1), torch.ones(16))
-    focused = lh.set_options(load(path, "linattn_focused", attention_probs_dropout_prob=0.0), dwc_kernel_size=3)
+    focused = lh.set_options(load(path, "linattn_focused", attention_probs_dropout_prob=0.0), conv_kernel_size=3)
     before = load(path, "linattn_focused").eval()
     with torch.no_grad():  # a zero convolution leaves the pretrained output as it was
         assert torch.equal(embed(focused.eval(), batch), embed(before, batch))

@@ -162,8 +162,8 @@ def test_bad_options_are_refused_before_anything_changes():
     focused.set_attn_implementation("linattn_focused")
     with pytest.raises(ValueError, match="focus_power must be a finite number >= 1.0 and <= 1000.0"):
         lh.set_options(focused, focus_power=0)
-    with pytest.raises(ValueError, match="dwc_kernel_size must be an integer >= 1"):
-        lh.set_options(focused, dwc_kernel_size=0)
+    with pytest.raises(ValueError, match="conv_kernel_size must be an integer >= 1"):
+        lh.set_options(focused, conv_kernel_size=0)
     assert not learned(focused)
     with pytest.raises(ValueError, match="window must be an integer >= 0"):
         lh.linearize(bert(), feature_map="elu", window=2 ** 63)

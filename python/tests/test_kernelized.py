@@ -93,11 +93,11 @@ def test_dwc_weight(rng, causal):
     lengths = [25, 11]
     base = numpy_kernelized(q, k, v, features(q, "focused"), features(k, "focused"), causal=causal,
                             key_lengths=lengths, eps=1e-6)
-    got = linattn.linear_attention(q, k, v, feature_map="focused", causal=causal, key_lengths=lengths, dwc_weight=w)
+    got = linattn.linear_attention(q, k, v, feature_map="focused", causal=causal, key_lengths=lengths, conv_weight=w)
     np.testing.assert_allclose(got, base + dwc_numpy(v, w, causal, lengths), rtol=1e-11, atol=1e-12)
     g = rng.standard_normal(got.shape)
     grads = linattn.linear_attention_backward(q, k, v, g, feature_map="focused", causal=causal,
-                                              key_lengths=lengths, dwc_weight=w)
+                                              key_lengths=lengths, conv_weight=w)
     assert len(grads) == 4 and grads[3].shape == w.shape
     # d/dw of sum(g * out) by central differences (out is linear in w: exact up to rounding).
     h = 1e-4
@@ -106,9 +106,9 @@ def test_dwc_weight(rng, causal):
         wp[idx] += h
         wm[idx] -= h
         fd = (np.sum(g * linattn.linear_attention(q, k, v, feature_map="focused", causal=causal,
-                                                  key_lengths=lengths, dwc_weight=wp))
+                                                  key_lengths=lengths, conv_weight=wp))
               - np.sum(g * linattn.linear_attention(q, k, v, feature_map="focused", causal=causal,
-                                                    key_lengths=lengths, dwc_weight=wm))) / (2 * h)
+                                                    key_lengths=lengths, conv_weight=wm))) / (2 * h)
         assert abs(grads[3][idx] - fd) <= 1e-8 * (1 + abs(fd))
 
 
@@ -126,7 +126,7 @@ def test_backward_from_saved_equals_recomputed(rng, method, causal):
     else:
         opts = dict(feature_map=method.split("_")[0], causal=causal, key_lengths=[150, 90])
         if method.endswith("dwc"):
-            opts["dwc_weight"] = rng.standard_normal((2, 3)).astype(np.float32)
+            opts["conv_weight"] = rng.standard_normal((2, 3)).astype(np.float32)
         fwd = lambda **kw: linattn.linear_attention(q, k, v, **opts, **kw)
         bwd = lambda **kw: linattn.linear_attention_backward(q, k, v, g, **opts, **kw)
         features = 8
@@ -244,5 +244,5 @@ def test_kernelized_errors(rng):
         linattn.random_features(16, 8, kind="gaussian")
     with pytest.raises(TypeError, match="dtype must be float32 or float64"):
         linattn.random_features(16, 8, dtype=np.int32)
-    with pytest.raises(ValueError, match="dwc_weight needs an odd K"):
-        linattn.linear_attention(k, k, k, dwc_weight=np.ones((2, 4), np.float32))
+    with pytest.raises(ValueError, match="conv_weight needs an odd K"):
+        linattn.linear_attention(k, k, k, conv_weight=np.ones((2, 4), np.float32))

@@ -109,8 +109,8 @@ def _calls(dtype, n=40, d=8, seed=0):
     return [
         ("softmax", lambda q, k, v, g, *t: linattn.softmax_attention(q, k, v, causal=True), []),
         ("softmax_backward", lambda q, k, v, g, *t: linattn.softmax_attention_backward(q, k, v, g), []),
-        ("linear", lambda q, k, v, g, c: linattn.linear_attention(q, k, v, dwc_weight=c), [conv]),
-        ("linear_backward", lambda q, k, v, g, c: linattn.linear_attention_backward(q, k, v, g, dwc_weight=c,
+        ("linear", lambda q, k, v, g, c: linattn.linear_attention(q, k, v, conv_weight=c), [conv]),
+        ("linear_backward", lambda q, k, v, g, c: linattn.linear_attention_backward(q, k, v, g, conv_weight=c,
                                                                                     causal=True), [conv]),
         ("favor", lambda q, k, v, g, w: linattn.favor_attention(q, k, v, w, causal=True), [w]),
         ("favor_backward", lambda q, k, v, g, w: linattn.favor_attention_backward(q, k, v, w, g), [w]),
@@ -268,7 +268,7 @@ def _torch_cases(n, d):
     fq, fk = (torch.rand(1, 2, n, 6, generator=torch.Generator().manual_seed(s)) for s in (1, 2))
     return {
         "softmax": (lambda q, k, v, *t: lt.softmax_attention(q, k, v, causal=True), []),
-        "linear": (lambda q, k, v, c: lt.linear_attention(q, k, v, dwc_weight=c, causal=True), [conv]),
+        "linear": (lambda q, k, v, c: lt.linear_attention(q, k, v, conv_weight=c, causal=True), [conv]),
         "favor": (lambda q, k, v, w: lt.favor_attention(q, k, v, w), [w]),
         "nystrom": (lambda q, k, v, c: lt.nystrom_attention(q, k, v, num_landmarks=4, conv_weight=c), [conv]),
         "linformer": (lambda q, k, v, e, f: lt.linformer_attention(q, k, v, e, f), [e, f]),
@@ -366,7 +366,7 @@ def test_multihead_attention_runs_as_loaded_in_bfloat16(method, options):
     assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in low.parameters() if p.requires_grad)
 
 
-@pytest.mark.parametrize("method,options", [("elu", {"dwc_kernel_size": 3}), ("favor", {"num_features": 16}),
+@pytest.mark.parametrize("method,options", [("elu", {"conv_kernel_size": 3}), ("favor", {"num_features": 16}),
                                             ("hedgehog", {"feature_dim": 4, "window": 8})])
 def test_multihead_attention_decodes_in_bfloat16_with_a_float32_state(method, options):
     # 600 steps: a state summed in bfloat16 drifts by ~1e-1 (each += loses 2^-9 of a growing

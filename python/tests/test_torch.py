@@ -26,7 +26,7 @@ def method_cases():
         return {"e": torch.from_numpy(e).to(dtype), "f": torch.from_numpy(f).to(dtype)}
 
     def dwc(dtype):
-        return {"dwc_weight": torch.linspace(-0.5, 0.7, H * 3, dtype=dtype).reshape(H, 3)}
+        return {"conv_weight": torch.linspace(-0.5, 0.7, H * 3, dtype=dtype).reshape(H, 3)}
 
     def conv(dtype):
         return {"conv_weight": torch.linspace(-0.5, 0.7, H * 3, dtype=dtype).reshape(H, 3)}
@@ -270,7 +270,7 @@ def test_from_torch_softmax_equals_torch_multihead_attention():
         ours(x, key_padding_mask=bad)
 
 
-@pytest.mark.parametrize("method,opts", [("elu", {}), ("focused", {"dwc_kernel_size": 3}),
+@pytest.mark.parametrize("method,opts", [("elu", {}), ("focused", {"conv_kernel_size": 3}),
                                          ("favor", {"num_features": 32}), ("relu", {})])
 def test_step_by_step_decoding_equals_the_causal_forward(method, opts):
     torch.manual_seed(4)

@@ -49,11 +49,13 @@ config with linattn options is written atomically (temporary file, then rename).
   linattn_favor: num_features (256), features ("orthogonal"; linattn.random_features' kinds:
     "iid", "orthogonal_fixed", "quantile"), kernel ("positive"; "hyperbolic", "trig"), seed (0).
     Layer l uses projection seed + l: fixed, reproducible constants (buffers, not parameters).
-  linattn_elu / linattn_relu: eps. linattn_focused: focus_power (3.0), eps, dwc_kernel_size
+  linattn_elu / linattn_relu: eps. linattn_focused: focus_power (3.0), eps, conv_kernel_size
     (None; a learned depthwise convolution of v, initialised to zero so a pretrained model's
     output is unchanged until it is trained).
   linattn_nystrom: num_landmarks (64), pinv_iterations (6), pinv ("iterative"),
-    conv_kernel_size (None; as dwc_kernel_size).
+    conv_kernel_size (None; as linattn_focused's).
+  conv_kernel_size was dwc_kernel_size for linattn_focused before; the old name (in calls and in
+  saved configs) is accepted until the next release, with a DeprecationWarning.
   linattn_linformer: s_proj (256), max_seq_len (config.max_position_embeddings), init ("pool":
     e and f average s_proj equal segments of the max_seq_len positions, so an untrained model
     sees segment means of its keys and values; "random": linattn.linformer_projections).

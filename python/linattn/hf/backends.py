@@ -70,7 +70,6 @@ _OPTION_CHECKS = {
     "feature_dim": lambda fn, k, v: _options.integer(fn, k, v, 1),
     "seed": lambda fn, k, v: _options.integer(fn, k, v, -2 ** 63),  # layer l draws with (seed + l) mod 2^63
     "max_seq_len": _optional(lambda fn, k, v: _options.integer(fn, k, v, 1)),
-    "dwc_kernel_size": _optional(lambda fn, k, v: _options.integer(fn, k, v, 1)),
     "conv_kernel_size": _optional(lambda fn, k, v: _options.integer(fn, k, v, 1)),
     "eps": lambda fn, k, v: _options.real(fn, k, v, minimum=0.0),
     "focus_power": lambda fn, k, v: _options.real(fn, k, v, minimum=1.0, maximum=1000.0),  # the C++ map's range
@@ -128,24 +127,24 @@ def _zero_conv(h, k):
 
 class Kernelized(Backend):
     """elu, relu, focused: linear_attention with a fixed map; eps, focus_power, a learned
-    depthwise convolution (dwc_kernel_size), and the sliding-window hybrid (window)."""
+    depthwise convolution (conv_kernel_size), and the sliding-window hybrid (window)."""
 
     takes_scale = False  # the maps have no scale
 
     def learned(self, module, user):
         out = super().learned(module, user)
-        if user.get("dwc_kernel_size"):
+        if user.get("conv_kernel_size"):
             h, _ = heads(module, module.config)
-            k = user["dwc_kernel_size"]
-            out["conv_weight"] = ((h, k), "dwc_kernel_size", _zero_conv(h, k))
+            k = user["conv_kernel_size"]
+            out["conv_weight"] = ((h, k), "conv_kernel_size", _zero_conv(h, k))
         return out
 
     def options(self, module, query, user):
         options = dict(self.fixed, eps=user["eps"])
         if "focus_power" in user:
             options["focus_power"] = user["focus_power"]
-        if user.get("dwc_kernel_size") is not None:
-            options["dwc_weight"] = learned_tensor(module, self, user, "conv_weight", query)
+        if user.get("conv_kernel_size") is not None:
+            options["conv_weight"] = learned_tensor(module, self, user, "conv_weight", query)
         return options
 
     def hybrid_features(self, module, query, key, user):
@@ -277,7 +276,7 @@ BACKENDS = {b.name: b for b in (
     Kernelized("linattn_elu", "linear_attention", {"feature_map": "elu"}, _WINDOWED),
     Kernelized("linattn_relu", "linear_attention", {"feature_map": "relu"}, _WINDOWED),
     Kernelized("linattn_focused", "linear_attention", {"feature_map": "focused"},
-               {"eps": 1e-6, "focus_power": 3.0, "dwc_kernel_size": None}),
+               {"eps": 1e-6, "focus_power": 3.0, "conv_kernel_size": None}),
     Favor("linattn_favor", "favor_attention", {}, {"num_features": 256, "features": "orthogonal",
                                                    "kernel": "positive", "seed": 0, "window": 0,
                                                    "sinks": 0, "decay": None}),
@@ -503,6 +502,7 @@ def checked(name, given, config, fn="linattn.hf"):
     b = backend(name)
     if not isinstance(given, dict):
         raise ValueError("%s: the linattn options must be a dict, got %s" % (fn, type(given).__name__))
+    given = _options.renamed(fn, dict(given), _options.RENAMED)  # a config saved before a rename too
     unknown = sorted(set(given) - set(b.defaults), key=str)
     if unknown:
         raise ValueError("%s: backend %r takes no option %s (its options: %s)"
@@ -532,8 +532,10 @@ def given_options(model, name, options):
     stored = dict(getattr(config, "linattn_options", None) or {})
     if stored_backend(config) != name:
         stored = {}  # another backend's options: they do not carry over
-    merged = {**stored, **options}
-    full = checked(name, merged, config, fn="linattn.hf.set_options")
+    fn = "linattn.hf.set_options"
+    # Former names (a config saved before a rename, or the caller's) under their names now.
+    merged = _options.renamed(fn, {**_options.renamed(fn, stored, _options.RENAMED), **options}, _options.RENAMED)
+    full = checked(name, merged, config, fn=fn)
     return {k: full[k] for k in merged}, full
 
 

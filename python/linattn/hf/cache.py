@@ -445,7 +445,7 @@ def _fill(layer, fmap, module, user, heads, key, value, window, sinks, decay, va
         layer.exact_values[rows, :, slots] = value[rows, :, positions]
         layer.exact_valid[rows, slots] = True
     conv = getattr(module, _backends.PREFIX + "conv_weight", None)
-    if user.get("dwc_kernel_size") and conv is not None:
+    if user.get("conv_kernel_size") and conv is not None:
         past = conv.shape[1] - 1
         layer.conv_values = value.new_zeros((batch, heads, past, value.shape[-1]))
         if past:

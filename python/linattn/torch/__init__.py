@@ -3,7 +3,7 @@
 The functions have the names, options, defaults and shapes of the NumPy ones (linattn), take
 CPU tensors (float32, float64, bfloat16 or float16, [batch, heads, seq, head_dim]) and return
 one in the same dtype; their gradients
-reach every floating input that has one (q, k, v, linformer's e and f, dwc_weight). They are
+reach every floating input that has one (q, k, v, linformer's e and f, conv_weight). They are
 PyTorch custom operators (torch.ops.linattn.*) with fake implementations and registered
 autograd, so `torch.compile(model, fullgraph=True)` runs models that use them. The backward
 reuses what the forward saved (softmax: each row's log-sum-exp; kernelized: each row's
@@ -28,6 +28,7 @@ import numpy as _np
 import torch as _torch
 
 from .. import _default, _linattn
+from .._options import renamed as _renamed
 from ._ops import OPS as _OPS
 from .modules import MultiheadAttention
 
@@ -121,9 +122,10 @@ def _make(ops):
                for o in opts if not o["positional"]]
     signature = _inspect.Signature(params, return_annotation="Tensor")
     fn = info["function"]
+    former = {o["formerly"]: o["name"] for o in opts if o["formerly"]}
 
     def call(*args, **kwargs):
-        a = signature.bind(*args, **kwargs)
+        a = signature.bind(*args, **_renamed(fn, kwargs, former))
         a.apply_defaults()
         a = a.arguments
         tensors = [_tensor(fn, n, a[n]) for n in ("q", "k", "v")]

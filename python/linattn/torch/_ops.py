@@ -9,7 +9,7 @@ formula that hands the forward's saved tensors (softmax: lse; kernelized: den, s
 backward, as exact attention keeps its log-sum-exp. Every argument is positional in the
 schemas (register_autograd takes no keyword-only tensors); key_lengths is an int64 tensor [B]
 or None, so varying lengths do not recompile a compiled model. A parameter gradient that has no
-parameter (dwc_weight not given) comes back as an empty tensor, turned into None here."""
+parameter (conv_weight not given) comes back as an empty tensor, turned into None here."""
 
 import ml_dtypes
 import numpy as np

@@ -117,9 +117,10 @@ class MultiheadAttention(torch.nn.Module):
         draw a new projection every that many training forwards (never in eval);
       s_proj (default 256) and max_seq_len (linformer, required): the learned projections e, f
         [s_proj, max_seq_len], shared by the heads;
-      dwc_kernel_size (focused/linear; nystrom: conv_kernel_size): a learned depthwise
-        convolution of v [num_heads, K] added to the attention output, as in focused linear
-        attention and Nyströmformer.
+      conv_kernel_size (focused/linear, nystrom): a learned depthwise convolution of v
+        [num_heads, K] added to the attention output, as in focused linear attention and
+        Nyströmformer (dwc_kernel_size, its former name for linear attention, is accepted until
+        the next release with a DeprecationWarning).
     dropout: applied to the attention output before out_proj in training (the linear methods
     never form the attention weights that torch.nn.MultiheadAttention drops).
     """
@@ -148,8 +149,8 @@ class MultiheadAttention(torch.nn.Module):
             return
         info = next(m for m in _linattn._methods() if m["name"] == registered)
         self._function = info["function"]
-        opts = dict(method_options)
         fn = "MultiheadAttention"
+        opts = _options.renamed(fn, dict(method_options), _options.RENAMED)
 
         def count(name, value, minimum=1):  # Python or NumPy integers, as plain ints; None stays
             return None if value is None else _options.integer(fn, name, value, minimum)
@@ -158,8 +159,7 @@ class MultiheadAttention(torch.nn.Module):
         features = opts.pop("features", None)
         self.feature_redraw_interval = count("feature_redraw_interval", opts.pop("feature_redraw_interval", None))
         s_proj, max_seq_len = count("s_proj", opts.pop("s_proj", None)), count("max_seq_len", opts.pop("max_seq_len", None))
-        kernel_name = "dwc_kernel_size" if registered == "linear" else "conv_kernel_size"
-        kernel_size = count(kernel_name, opts.pop(kernel_name, None))
+        kernel_size = count("conv_kernel_size", opts.pop("conv_kernel_size", None))
         allowed = {o["name"] for o in info["options"] if o["kind"] != "tensor" and o["name"] not in ("causal", "key_lengths")}
         for name in opts:
             if name not in allowed:
@@ -282,7 +282,7 @@ class MultiheadAttention(torch.nn.Module):
         if self._registered == "linformer":
             return {"e": self.e, "f": self.f}
         if self.conv_weight is not None:
-            return {"dwc_weight" if self._registered == "linear" else "conv_weight": self.conv_weight}
+            return {"conv_weight": self.conv_weight}
         return {}
 
     def forward(self, query, key=None, value=None, key_padding_mask=None, is_causal=False, key_lengths=None):

@@ -9,7 +9,7 @@
 namespace linattn {
 
 // w must be [heads, K], finite, K odd unless causal, and n_q == n_k. `name` is the argument's
-// name in the caller's API ("dwc_weight", "conv_weight").
+// name in the caller's API ("conv_weight").
 template <class T>
 void check_depthwise_conv(const char* fn, const char* name, const AttentionDims& d, bool causal,
                           TensorView<const T> w);

@@ -44,6 +44,12 @@ inline OptionInfo string_option(std::string name, const std::string& def, std::v
           std::move(choices), false, false};
 }
 // A tensor input: positional (required) or keyword (optional, None by default).
+// An option that was named `old` before (OptionInfo::formerly).
+inline OptionInfo formerly(std::string old, OptionInfo option) {
+  option.formerly = std::move(old);
+  return option;
+}
+
 inline OptionInfo tensor_input(std::string name, bool positional, bool has_gradient, std::string doc) {
   return {std::move(name), OptionInfo::Kind::Tensor, !positional, positional ? "" : "None",
           std::move(doc), {}, positional, has_gradient};

@@ -10,7 +10,7 @@ namespace linattn::kernelized {
 template <class T>
 struct LinearCall {
   LinearAttentionOptions opts;
-  std::optional<TensorView<const T>> dwc_weight;
+  std::optional<TensorView<const T>> conv_weight;
 };
 
 template <class T>
@@ -21,7 +21,7 @@ LinearCall<T> linear_call(const MethodArgs<T>& a) {
   r.read("feature_map", c.opts.feature_map);
   r.read("eps", c.opts.eps);
   r.read("focus_power", c.opts.focus_power);
-  c.dwc_weight = r.tensor("dwc_weight");
+  c.conv_weight = r.tensor("conv_weight");
   return c;
 }
 

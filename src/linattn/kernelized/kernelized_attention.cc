@@ -91,10 +91,10 @@ void check_saved(const char* fn, const AttentionDims& d, int64_t features, Tenso
 }
 
 // The engine's forward: out restored to v's scale and checked; with `save`, den and state too.
-// dwc_weight (linear attention only) adds its convolution to out.
+// conv_weight (linear attention only) adds its convolution to out.
 template <class T>
 KernelizedAttentionResult<T> run_forward(const kernelized::Problem<T>& p, const ValueScale<T>& vs,
-                                         const std::optional<TensorView<const T>>& dwc_weight, bool save) {
+                                         const std::optional<TensorView<const T>>& conv_weight, bool save) {
   const AttentionDims& d = p.dims;
   KernelizedAttentionResult<T> r;
   r.out = Tensor<T>({d.batch, d.heads, d.n_q, d.value_dim}, false, Init::Uninitialized);
@@ -103,7 +103,7 @@ KernelizedAttentionResult<T> run_forward(const kernelized::Problem<T>& p, const 
     r.state = Tensor<T>({d.batch, d.heads, p.fmap->dim(), d.value_dim + 2}, false, Init::Uninitialized);
   }
   kernelized::forward<T>(p, r.out.data(), {save ? r.den.data() : nullptr, save ? r.state.data() : nullptr});
-  if (dwc_weight) depthwise_conv_forward(vs.view(), *dwc_weight, d, *p.mask, p.mask->causal(), r.out.data());
+  if (conv_weight) depthwise_conv_forward(vs.view(), *conv_weight, d, *p.mask, p.mask->causal(), r.out.data());
   vs.restore(r.out);
   check_result_finite(p.fn, "the output", r.out);
   return r;
@@ -112,10 +112,10 @@ KernelizedAttentionResult<T> run_forward(const kernelized::Problem<T>& p, const 
 // The engine's backward, from `saved` (checked) or, without it, from a forward run here first
 // (into workspace memory: the attention output alone, den, and the state when non-causal).
 // Gradients are linear in v and dout (range.h); the saved out scales with v, and with a
-// dwc_weight it holds the convolution too, so the engine computes the attention part again.
+// conv_weight it holds the convolution too, so the engine computes the attention part again.
 template <class T>
 AttentionGrads<T> run_backward(const kernelized::Problem<T>& p, const ValueScale<T>& vs, TensorView<const T> dout,
-                               const std::optional<TensorView<const T>>& dwc_weight,
+                               const std::optional<TensorView<const T>>& conv_weight,
                                const std::optional<kernelized::SavedResults<T>>& saved) {
   const AttentionDims& d = p.dims;
   const bool causal = p.mask->causal();
@@ -127,7 +127,7 @@ AttentionGrads<T> run_backward(const kernelized::Problem<T>& p, const ValueScale
   if (saved) {
     check_saved(p.fn, d, p.fmap->dim(), saved->out, saved->den, saved->state);
     os.emplace(saved->out, vs);
-    out_p = dwc_weight ? nullptr : os->view().data;
+    out_p = conv_weight ? nullptr : os->view().data;
     den_p = saved->den.data;
     state_p = saved->state.data;
   } else {
@@ -142,13 +142,13 @@ AttentionGrads<T> run_backward(const kernelized::Problem<T>& p, const ValueScale
                       Tensor<T>(p.v.shape, false, Init::Uninitialized), {}};
   const bool finite =
       kernelized::backward<T>(p, gs.view().data, out_p, den_p, state_p, g.dq.data(), g.dk.data(), g.dv.data());
-  if (dwc_weight) {
-    Tensor<T> dw(dwc_weight->shape);
-    depthwise_conv_backward(vs.view(), *dwc_weight, gs.view().data, d, *p.mask, causal, g.dv.data(), dw.data());
-    g.params.emplace_back("dwc_weight", std::move(dw));
+  if (conv_weight) {
+    Tensor<T> dw(conv_weight->shape);
+    depthwise_conv_backward(vs.view(), *conv_weight, gs.view().data, d, *p.mask, causal, g.dv.data(), dw.data());
+    g.params.emplace_back("conv_weight", std::move(dw));
   }
   // dv is checked again after the convolution added to it.
-  restore_gradients(p.fn, g, vs.exponent(), gs.exponent(), {finite, finite, finite && !dwc_weight});
+  restore_gradients(p.fn, g, vs.exponent(), gs.exponent(), {finite, finite, finite && !conv_weight});
   return g;
 }
 
@@ -156,14 +156,14 @@ AttentionGrads<T> run_backward(const kernelized::Problem<T>& p, const ValueScale
 template <class T>
 struct LinearSetup {
   LinearSetup(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
-              const LinearAttentionOptions& opts, const std::optional<TensorView<const T>>& dwc_weight,
+              const LinearAttentionOptions& opts, const std::optional<TensorView<const T>>& conv_weight,
               Products products = Products::Native)
       : d(check_common(fn, q, k, v, opts)),
         vs(v, d.v_max),
         fmap(plain_map<T>(fn, opts, d, vs.max_abs(d.v_max))),
         mask(d, opts),
         problem{fn, q, k, vs.view(), d, &mask, &fmap, static_cast<T>(opts.eps), products} {
-    if (dwc_weight) check_depthwise_conv(fn, "dwc_weight", d, opts.causal, *dwc_weight);
+    if (conv_weight) check_depthwise_conv(fn, "conv_weight", d, opts.causal, *conv_weight);
     check_given_features(fn, "q", fmap, q);
     check_given_features(fn, "k", fmap, k, &mask);
   }
@@ -196,26 +196,26 @@ struct FavorSetup {
 template <class T>
 Tensor<T> linear_attention(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                            const LinearAttentionOptions& opts,
-                           std::optional<TensorView<const T>> dwc_weight) {
-  const LinearSetup<T> s("linear_attention", q, k, v, opts, dwc_weight);
-  return run_forward(s.problem, s.vs, dwc_weight, false).out;
+                           std::optional<TensorView<const T>> conv_weight) {
+  const LinearSetup<T> s("linear_attention", q, k, v, opts, conv_weight);
+  return run_forward(s.problem, s.vs, conv_weight, false).out;
 }
 
 template <class T>
 KernelizedAttentionResult<T> linear_attention_with_saved(TensorView<const T> q, TensorView<const T> k,
                                                          TensorView<const T> v, const LinearAttentionOptions& opts,
-                                                         std::optional<TensorView<const T>> dwc_weight) {
-  const LinearSetup<T> s("linear_attention", q, k, v, opts, dwc_weight);
-  return run_forward(s.problem, s.vs, dwc_weight, true);
+                                                         std::optional<TensorView<const T>> conv_weight) {
+  const LinearSetup<T> s("linear_attention", q, k, v, opts, conv_weight);
+  return run_forward(s.problem, s.vs, conv_weight, true);
 }
 
 template <class T>
 AttentionGrads<T> linear_attention_backward(TensorView<const T> q, TensorView<const T> k,
                                             TensorView<const T> v, TensorView<const T> dout,
                                             const LinearAttentionOptions& opts,
-                                            std::optional<TensorView<const T>> dwc_weight) {
-  const LinearSetup<T> s("linear_attention_backward", q, k, v, opts, dwc_weight);
-  return run_backward<T>(s.problem, s.vs, dout, dwc_weight, std::nullopt);
+                                            std::optional<TensorView<const T>> conv_weight) {
+  const LinearSetup<T> s("linear_attention_backward", q, k, v, opts, conv_weight);
+  return run_backward<T>(s.problem, s.vs, dout, conv_weight, std::nullopt);
 }
 
 template <class T>
@@ -223,9 +223,9 @@ AttentionGrads<T> linear_attention_backward(TensorView<const T> q, TensorView<co
                                             TensorView<const T> v, TensorView<const T> dout,
                                             TensorView<const T> out, TensorView<const T> den,
                                             TensorView<const T> state, const LinearAttentionOptions& opts,
-                                            std::optional<TensorView<const T>> dwc_weight) {
-  const LinearSetup<T> s("linear_attention_backward", q, k, v, opts, dwc_weight);
-  return run_backward<T>(s.problem, s.vs, dout, dwc_weight, kernelized::SavedResults<T>{out, den, state});
+                                            std::optional<TensorView<const T>> conv_weight) {
+  const LinearSetup<T> s("linear_attention_backward", q, k, v, opts, conv_weight);
+  return run_backward<T>(s.problem, s.vs, dout, conv_weight, kernelized::SavedResults<T>{out, den, state});
 }
 
 template <class T>
@@ -396,17 +396,17 @@ std::optional<AttentionGrads<bfloat16>> favor_backward_bf16(Products products, T
 
 KernelizedAttentionResult<float> linear_forward(Products products, TensorView<const float> q, TensorView<const float> k,
                                                 TensorView<const float> v, const LinearAttentionOptions& opts,
-                                                std::optional<TensorView<const float>> dwc_weight) {
-  const LinearSetup<float> s("linear_attention", q, k, v, opts, dwc_weight, products);
-  return run_forward(s.problem, s.vs, dwc_weight, true);
+                                                std::optional<TensorView<const float>> conv_weight) {
+  const LinearSetup<float> s("linear_attention", q, k, v, opts, conv_weight, products);
+  return run_forward(s.problem, s.vs, conv_weight, true);
 }
 
 AttentionGrads<float> linear_backward(Products products, TensorView<const float> q, TensorView<const float> k,
                                       TensorView<const float> v, TensorView<const float> dout,
                                       const std::optional<SavedResults<float>>& saved, const LinearAttentionOptions& opts,
-                                      std::optional<TensorView<const float>> dwc_weight) {
-  const LinearSetup<float> s("linear_attention_backward", q, k, v, opts, dwc_weight, products);
-  return run_backward<float>(s.problem, s.vs, dout, dwc_weight, saved);
+                                      std::optional<TensorView<const float>> conv_weight) {
+  const LinearSetup<float> s("linear_attention_backward", q, k, v, opts, conv_weight, products);
+  return run_backward<float>(s.problem, s.vs, dout, conv_weight, saved);
 }
 
 KernelizedAttentionResult<float> favor_forward(Products products, TensorView<const float> q, TensorView<const float> k,

@@ -29,11 +29,11 @@ struct Bf16SavedResults {
 // Products::Bfloat16 refuses the trig kernel (std::invalid_argument naming the function).
 KernelizedAttentionResult<float> linear_forward(Products products, TensorView<const float> q, TensorView<const float> k,
                                                 TensorView<const float> v, const LinearAttentionOptions& opts,
-                                                std::optional<TensorView<const float>> dwc_weight);
+                                                std::optional<TensorView<const float>> conv_weight);
 AttentionGrads<float> linear_backward(Products products, TensorView<const float> q, TensorView<const float> k,
                                       TensorView<const float> v, TensorView<const float> dout,
                                       const std::optional<SavedResults<float>>& saved, const LinearAttentionOptions& opts,
-                                      std::optional<TensorView<const float>> dwc_weight);
+                                      std::optional<TensorView<const float>> conv_weight);
 KernelizedAttentionResult<float> favor_forward(Products products, TensorView<const float> q, TensorView<const float> k,
                                                TensorView<const float> v, TensorView<const float> projection,
                                                const FavorOptions& opts);
@@ -47,7 +47,7 @@ AttentionGrads<float> favor_backward(Products products, TensorView<const float> 
 // widened whole; sums, den and state are float32, the output and gradients rounded once, as the
 // widened float32 call would give them. nullopt where v or dout exceeds 2^64, which the float32
 // code rescales first (ValueScale): the caller widens then (register.cc also widens linear
-// attention with a dwc_weight, whose convolution reads v in float32). products: those of every
+// attention with a conv_weight, whose convolution reads v in float32). products: those of every
 // matrix product (Products::Bfloat16 refuses favor's trig kernel).
 struct Bf16Forward {
   Tensor<bfloat16> out;     // [B,H,n_q,d_v]

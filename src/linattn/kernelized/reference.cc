@@ -231,11 +231,11 @@ Problem favor_problem(TensorView<const double> q, TensorView<const double> k,
 
 Tensor<double> linear_attention(TensorView<const double> q, TensorView<const double> k,
                                 TensorView<const double> v, const LinearAttentionOptions& o,
-                                std::optional<TensorView<const double>> dwc_weight) {
+                                std::optional<TensorView<const double>> conv_weight) {
   const Problem p = linear_problem(q, k, v, o);
   Tensor<double> out({p.d.batch, p.d.heads, p.d.n_q, p.d.value_dim});
   run(p, nullptr, out.data(), nullptr, nullptr, nullptr);
-  if (dwc_weight) dwc(p, *dwc_weight, nullptr, out.data(), nullptr, nullptr);
+  if (conv_weight) dwc(p, *conv_weight, nullptr, out.data(), nullptr, nullptr);
   return out;
 }
 
@@ -244,16 +244,16 @@ AttentionGrads<double> linear_attention_backward(TensorView<const double> q,
                                                   TensorView<const double> v,
                                                   TensorView<const double> dout,
                                                   const LinearAttentionOptions& o,
-                                                  std::optional<TensorView<const double>> dwc_weight) {
+                                                  std::optional<TensorView<const double>> conv_weight) {
   const Problem p = linear_problem(q, k, v, o);
   Tensor<double> out({p.d.batch, p.d.heads, p.d.n_q, p.d.value_dim});
   AttentionGrads<double> g{Tensor<double>(q.shape), Tensor<double>(k.shape),
                            Tensor<double>(v.shape), {}};
   run(p, dout.data, out.data(), g.dq.data(), g.dk.data(), g.dv.data());
-  if (dwc_weight) {
-    Tensor<double> dw(dwc_weight->shape);
-    dwc(p, *dwc_weight, dout.data, out.data(), g.dv.data(), dw.data());
-    g.params.emplace_back("dwc_weight", std::move(dw));
+  if (conv_weight) {
+    Tensor<double> dw(conv_weight->shape);
+    dwc(p, *conv_weight, dout.data, out.data(), g.dv.data(), dw.data());
+    g.params.emplace_back("conv_weight", std::move(dw));
   }
   return g;
 }
@@ -311,11 +311,11 @@ ReferenceInfo reference_linear() {
   ReferenceInfo r;
   r.forward = [](const MethodArgs<double>& a) {
     const auto c = kernelized::linear_call(a);
-    return linear_attention(a.q, a.k, a.v, c.opts, c.dwc_weight);
+    return linear_attention(a.q, a.k, a.v, c.opts, c.conv_weight);
   };
   r.backward = [](const MethodArgs<double>& a, TensorView<const double> dout) {
     const auto c = kernelized::linear_call(a);
-    return linear_attention_backward(a.q, a.k, a.v, dout, c.opts, c.dwc_weight);
+    return linear_attention_backward(a.q, a.k, a.v, dout, c.opts, c.conv_weight);
   };
   return r;
 }

@@ -16,11 +16,11 @@ namespace reference {
 // unstabilised formulas: the definition the fast paths are tested against.
 Tensor<double> linear_attention(TensorView<const double> q, TensorView<const double> k,
                                 TensorView<const double> v, const LinearAttentionOptions& opts = {},
-                                std::optional<TensorView<const double>> dwc_weight = std::nullopt);
+                                std::optional<TensorView<const double>> conv_weight = std::nullopt);
 AttentionGrads<double> linear_attention_backward(
     TensorView<const double> q, TensorView<const double> k, TensorView<const double> v,
     TensorView<const double> dout, const LinearAttentionOptions& opts = {},
-    std::optional<TensorView<const double>> dwc_weight = std::nullopt);
+    std::optional<TensorView<const double>> conv_weight = std::nullopt);
 Tensor<double> favor_attention(TensorView<const double> q, TensorView<const double> k,
                                TensorView<const double> v, TensorView<const double> projection,
                                const FavorOptions& opts = {});

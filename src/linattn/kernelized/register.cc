@@ -28,7 +28,7 @@ MethodOutput<T> with_saved(Result r) {
 template <class T>
 MethodOutput<T> linear_forward(const MethodArgs<T>& a) {
   const auto c = kernelized::linear_call(a);
-  return with_saved<T>(linear_attention_with_saved<T>(a.q, a.k, a.v, c.opts, c.dwc_weight));
+  return with_saved<T>(linear_attention_with_saved<T>(a.q, a.k, a.v, c.opts, c.conv_weight));
 }
 
 template <class T>
@@ -36,8 +36,8 @@ AttentionGrads<T> linear_backward(const MethodArgs<T>& a, TensorView<const T> do
                                   const std::map<std::string, TensorView<const T>, std::less<>>& saved) {
   const auto c = kernelized::linear_call(a);
   if (const auto s = saved_tensors<T, 3>("linear_attention_backward", saved, {"out", "den", "state"}))
-    return linear_attention_backward<T>(a.q, a.k, a.v, dout, (*s)[0], (*s)[1], (*s)[2], c.opts, c.dwc_weight);
-  return linear_attention_backward<T>(a.q, a.k, a.v, dout, c.opts, c.dwc_weight);
+    return linear_attention_backward<T>(a.q, a.k, a.v, dout, (*s)[0], (*s)[1], (*s)[2], c.opts, c.conv_weight);
+  return linear_attention_backward<T>(a.q, a.k, a.v, dout, c.opts, c.conv_weight);
 }
 
 template <class T>
@@ -62,7 +62,7 @@ AttentionGrads<T> favor_backward(const MethodArgs<T>& a, TensorView<const T> dou
 // docs/precision.md): linear_attention's maps and FAVOR's positive and hyperbolic kernels have
 // non-negative features, so those roundings stay bounded by the denominator. FAVOR's trig
 // kernel has signed features, whose rounding errors could outgrow it: float32 products. Where
-// the storage path gives nothing (v or dout beyond 2^64, a dwc_weight), the call widens whole
+// the storage path gives nothing (v or dout beyond 2^64, a conv_weight), the call widens whole
 // and runs the float32 call with the same products.
 
 // The widened calls' saved tensors (out widened here from saved.out_as_returned if it came so).
@@ -122,12 +122,12 @@ std::optional<MethodOutput<bfloat16>> linear_forward_bf16(const MethodArgs<bfloa
   return bf16_forward(
       "linear_attention", a, products,
       [&]() -> std::optional<kernelized::Bf16Forward> {
-        if (c.dwc_weight) return std::nullopt;
+        if (c.conv_weight) return std::nullopt;
         return kernelized::linear_forward_bf16(products, a.q, a.k, a.v, c.opts);
       },
       [&](const MethodArgs<float>& w) {
         const auto c32 = kernelized::linear_call(w);
-        return kernelized::linear_forward(products, w.q, w.k, w.v, c32.opts, c32.dwc_weight);
+        return kernelized::linear_forward(products, w.q, w.k, w.v, c32.opts, c32.conv_weight);
       });
 }
 
@@ -139,14 +139,14 @@ std::optional<AttentionGrads<bfloat16>> linear_backward_bf16(const MethodArgs<bf
   return bf16_backward(
       fn, a, dout, products,
       [&]() -> std::optional<AttentionGrads<bfloat16>> {
-        if (c.dwc_weight) return std::nullopt;
+        if (c.conv_weight) return std::nullopt;
         return kernelized::linear_backward_bf16(products, a.q, a.k, a.v, dout, bf16_saved_results(fn, saved), c.opts);
       },
       [&](const MethodArgs<float>& w, TensorView<const float> dout32) {
         const auto c32 = kernelized::linear_call(w);
         Tensor<float> out32;
         return kernelized::linear_backward(products, w.q, w.k, w.v, dout32, saved_results(fn, saved, out32), c32.opts,
-                                           c32.dwc_weight);
+                                           c32.conv_weight);
       });
 }
 
@@ -223,8 +223,9 @@ MethodInfo describe_linear() {
       key_lengths_option(),
       float_option("eps", defaults.eps, "added to every denominator (finite, >= 0)"),
       float_option("focus_power", defaults.focus_power, "p of the focused map (1 to 1000)"),
-      tensor_input("dwc_weight", false, true,
-                   "[heads, K]: adds a depthwise convolution of v along the sequence (K odd unless causal)"),
+      formerly("dwc_weight",
+               tensor_input("conv_weight", false, true,
+                            "[heads, K]: adds a depthwise convolution of v along the sequence (K odd unless causal)")),
   };
   m.saved = {"den", "state"};
   m.saved_dims = kSavedDims;

@@ -18,7 +18,7 @@ What travels, per (batch, head) and rank:
     linear_attention,    one all-reduce of [S | z] (O(m'·d_v), independent of n); causal: an
     favor_attention,     all-gather of every segment's [S | z]; FAVOR adds its m' key-shift
     hedgehog_attention   maxima (an all-reduce; causal: gathered beside each segment's state);
-                         dwc_weight adds an all-gather of K−1 edge rows
+                         conv_weight adds an all-gather of K−1 edge rows
     hybrid_attention     an all-gather of every segment's state of the keys delayed (and, not
                          causal, advanced) past the window, and of every segment's first and
                          last w (+1) rows of [k | v | 1 | φ(k)] for the windows near its edges
@@ -33,7 +33,7 @@ and every call starts with an all-gather of a few numbers that checks the ranks 
 bad input raises the same error on every rank instead of hanging the others.
 
 Gradients: dq, dk, dv (and a hybrid's query_features, key_features) are this rank's rows. A
-parameter shared by the ranks (dwc_weight, e, f, Hedgehog's weights and biases, window_gate)
+parameter shared by the ranks (conv_weight, e, f, Hedgehog's weights and biases, window_gate)
 gets this rank's share of its gradient on each rank: sum them over ranks for the whole
 sequence's gradient (DistributedDataParallel averages instead: scale the loss by the world
 size, or all-reduce with SUM yourself). Every rank must run backward, with the same
@@ -41,6 +41,7 @@ requires_grad on its inputs, since backward makes collectives too.
 
 See docs/distributed.md."""
 
+import functools
 import math
 
 import torch
@@ -52,6 +53,7 @@ import torch
 import torch._dynamo  # noqa: F401
 
 from .. import _lengths, _tensor
+from ..._options import renamed as _renamed
 from ... import _linattn as _lx, methods as _methods, _default
 from .. import feature_maps as _feature_maps
 from . import _context, _delta, _hybrid, _kernelized, _ring
@@ -69,6 +71,18 @@ _FIELDS = 40  # numbers each rank sends to the agreement check
 
 def _option_default(fn, name):
     return _default(next(o for o in _INFO[fn]["options"] if o["name"] == name))
+
+
+def _former_names(function):
+    """Function `function` of the registry, accepting its options' former names
+    (linear_attention's dwc_weight, now conv_weight) until the next release, with a
+    DeprecationWarning, as linattn.torch's functions do; its signature stays linattn.torch's."""
+    former = {o["formerly"]: o["name"] for o in _INFO[function.__name__]["options"] if o["formerly"]}
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        return function(*args, **_renamed(_full(function.__name__), kwargs, former))
+    return call
 
 
 def _full(name):
@@ -239,18 +253,19 @@ def _shared(fn, name, t, shape, q):
     return _like_q(fn, name, t, q)
 
 
-def _dwc_check(fn, w, q, v, causal):
-    w = _tensor(fn, "dwc_weight", w)
+def _conv_check(fn, w, q, v, causal):
+    w = _tensor(fn, "conv_weight", w)
     if w.dim() != 2 or w.shape[0] != q.shape[1] or w.shape[1] < 1:
-        raise ValueError("%s: dwc_weight must be [heads = %d, K], got shape %s" % (fn, q.shape[1], list(w.shape)))
+        raise ValueError("%s: conv_weight must be [heads = %d, K], got shape %s" % (fn, q.shape[1], list(w.shape)))
     if not causal and w.shape[1] % 2 == 0:
-        raise ValueError("%s: dwc_weight's K must be odd unless causal, got K = %d" % (fn, w.shape[1]))
-    return _like_q(fn, "dwc_weight", w, q)
+        raise ValueError("%s: conv_weight's K must be odd unless causal, got K = %d" % (fn, w.shape[1]))
+    return _like_q(fn, "conv_weight", w, q)
 
 
+@_former_names
 def linear_attention(q, k, v, *, feature_map=_option_default("linear_attention", "feature_map"), causal=False,
                      key_lengths=None, eps=_option_default("linear_attention", "eps"),
-                     focus_power=_option_default("linear_attention", "focus_power"), dwc_weight=None, group=None,
+                     focus_power=_option_default("linear_attention", "focus_power"), conv_weight=None, group=None,
                      layout="contiguous"):
     """Kernelized attention (elu, relu, focused) by an all-reduce of the key state; see the
     module's documentation."""
@@ -266,10 +281,10 @@ def linear_attention(q, k, v, *, feature_map=_option_default("linear_attention",
         _eps_check(fn, eps)
         if isinstance(focus_power, bool) or not isinstance(focus_power, (int, float)) or not 1 <= focus_power <= 1000:
             raise ValueError("%s: focus_power must lie in [1, 1000], got %r" % (fn, focus_power))
-        holder["w"] = None if dwc_weight is None else _dwc_check(fn, dwc_weight, q, v, causal)
+        holder["w"] = None if conv_weight is None else _conv_check(fn, conv_weight, q, v, causal)
         _state_in_range(fn, k, v, lambda x: _PLAIN_FEATURE_BOUND[feature_map](x, q.shape[3]), top)
         return [_LINEAR_MAPS.index(feature_map), eps, focus_power,
-                dwc_weight is not None and dwc_weight.requires_grad] + _checksum(holder["w"])
+                conv_weight is not None and conv_weight.requires_grad] + _checksum(holder["w"])
     c = _Call("linear_attention", group, layout, q, k, v, key_lengths, causal, check)
     opts = dict(feature_map=feature_map, eps=float(eps), focus_power=float(focus_power))
     out = _kernelized.attention(c.g, c.segs, c.q, c.k, c.v, c.lengths, causal, opts)

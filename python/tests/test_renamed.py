@@ -1,0 +1,78 @@
+"""Options renamed to one name in every layer (issue 43): linear_attention's dwc_weight is
+conv_weight (as nystrom_attention's), MultiheadAttention's and linattn.hf's dwc_kernel_size is
+conv_kernel_size. The former names still work until the next release, with a DeprecationWarning
+naming both; both names at once is a TypeError."""
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+
+import linattn
+import linattn.torch as lt
+import linattn.torch.distributed as ltd
+
+RNG = np.random.default_rng(3)
+
+
+def _qkv(dtype=np.float64):
+    return [RNG.standard_normal((1, 2, 7, 4)).astype(dtype) for _ in range(3)]
+
+
+def test_the_registry_names_the_former_name():
+    option = next(o for m in linattn.methods() if m["name"] == "linear" for o in m["options"]
+                  if o["name"] == "conv_weight")
+    assert option["formerly"] == "dwc_weight"
+    for function in (linattn.linear_attention, linattn.linear_attention_backward, lt.linear_attention,
+                     ltd.linear_attention):
+        params = inspect.signature(function).parameters
+        assert "conv_weight" in params and "dwc_weight" not in params, function
+
+
+def test_numpy_and_torch_accept_the_former_name_with_a_warning():
+    q, k, v = _qkv()
+    w = RNG.standard_normal((2, 3))
+    want = linattn.linear_attention(q, k, v, feature_map="focused", conv_weight=w)
+    with pytest.warns(DeprecationWarning, match="linear_attention: dwc_weight is now called conv_weight"):
+        got = linattn.linear_attention(q, k, v, feature_map="focused", dwc_weight=w)
+    np.testing.assert_array_equal(got, want)
+    g = RNG.standard_normal(want.shape)
+    with pytest.warns(DeprecationWarning, match="linear_attention_backward: dwc_weight is now called conv_weight"):
+        grads = linattn.linear_attention_backward(q, k, v, g, feature_map="focused", dwc_weight=w)
+    for a, b in zip(grads, linattn.linear_attention_backward(q, k, v, g, feature_map="focused", conv_weight=w)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.warns(DeprecationWarning, match="dwc_weight is now called conv_weight"):
+        t = lt.linear_attention(*(torch.from_numpy(x) for x in (q, k, v)), dwc_weight=torch.from_numpy(w))
+    torch.testing.assert_close(t, torch.from_numpy(linattn.linear_attention(q, k, v, conv_weight=w)), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="got conv_weight and dwc_weight, its former name"):
+        linattn.linear_attention(q, k, v, conv_weight=w, dwc_weight=w)
+
+
+def test_multihead_attention_accepts_the_former_kernel_size():
+    with pytest.warns(DeprecationWarning, match="MultiheadAttention: dwc_kernel_size is now called conv_kernel_size"):
+        old = lt.MultiheadAttention(8, 2, method="focused", dwc_kernel_size=3)
+    assert tuple(old.conv_weight.shape) == (2, 3)
+    new = lt.MultiheadAttention(8, 2, method="focused", conv_kernel_size=3)
+    assert tuple(new.conv_weight.shape) == (2, 3)
+    with pytest.raises(TypeError, match="its former name"):
+        lt.MultiheadAttention(8, 2, method="focused", conv_kernel_size=3, dwc_kernel_size=3)
+
+
+def test_hf_accepts_the_former_kernel_size_in_calls_and_saved_configs():
+    transformers = pytest.importorskip("transformers")
+    import linattn.hf as lh
+    lh.register()
+    config = transformers.LlamaConfig(vocab_size=31, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.set_attn_implementation("linattn_focused")
+    with pytest.warns(DeprecationWarning, match="dwc_kernel_size is now called conv_kernel_size"):
+        lh.set_options(model, dwc_kernel_size=3)
+    assert model.config.linattn_options["conv_kernel_size"] == 3
+    assert "dwc_kernel_size" not in model.config.linattn_options
+    # A config written before the rename still runs (its options are read at every forward).
+    model.config.linattn_options = {"dwc_kernel_size": 3}
+    with pytest.warns(DeprecationWarning, match="dwc_kernel_size is now called conv_kernel_size"):
+        out = model(torch.tensor([[1, 2, 3, 4]])).logits
+    assert torch.isfinite(out).all()
