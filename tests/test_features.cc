@@ -156,7 +156,7 @@ TEST(Features, FavorLogitsMatchTheReference) {
 
 TEST(Features, PlainBackwardsMatchFiniteDifferences) {
   for (const MapCase& c : {MapCase{"elu"}, MapCase{"relu"}, MapCase{"focused"}, MapCase{"focused", 5.5},
-                           MapCase{"identity"}}) {
+                           MapCase{"focused", 400}, MapCase{"identity"}}) {
     SCOPED_TRACE(c.map);
     Tensor<double> x = random_tensor<double>({1, 2, 3, d}, 31);
     if (c.map == "identity")
@@ -167,6 +167,31 @@ TEST(Features, PlainBackwardsMatchFiniteDifferences) {
     const Tensor<double> dx = features_backward<double>(x.view(), g.view(), opts);
     testing::expect_gradient(x, dx, [&] { return testing::dot_loss(features<double>(x.view(), opts), g); }, "x");
   }
+}
+
+// The focused map at the largest focus_power, 1000, where (r̂ᵖ)² and A³ leave even the wide type's
+// range: the row's largest entry takes the whole norm, φ = ‖r‖·e_max to the rounding (the other
+// entries' (r_c/r_max)^1000 are below 10⁻¹⁰⁰), and the backward is finite and equals central
+// differences (float64).
+TEST(Features, FocusedAtTheLargestFocusPower) {
+  const double row[d] = {1.9, 1.0, -1.0, 0.5, 1.5};
+  const double norm = std::sqrt(1.9 * 1.9 + 1.0 + 0.25 + 2.25);
+  RecurrentOptions opts = recurrent_options("focused");
+  opts.focus_power = 1000;
+  Tensor<double> x({1, 1, 1, d});
+  for (int64_t c = 0; c < d; ++c) x[c] = row[c];
+  const Tensor<float> phi32 = features<float>(cast<float>(x).view(), opts);
+  const Tensor<double> phi64 = features<double>(x.view(), opts);
+  EXPECT_NEAR(phi32[0], norm, 4 * std::ldexp(norm, -24));
+  EXPECT_NEAR(phi64[0], norm, 4 * std::ldexp(norm, -53));
+  for (int64_t c = 1; c < d; ++c) {
+    EXPECT_LE(std::abs(phi64[c]), 1e-100);
+    EXPECT_EQ(phi32[c], 0.0f);
+  }
+  const Tensor<double> g = random_tensor<double>(x.shape(), 71);
+  const Tensor<double> dx = features_backward<double>(x.view(), g.view(), opts);
+  for (int64_t c = 0; c < d; ++c) ASSERT_TRUE(std::isfinite(dx[c]));
+  testing::expect_gradient(x, dx, [&] { return testing::dot_loss(features<double>(x.view(), opts), g); }, "x");
 }
 
 // elu and relu in float32 against the reference's Jacobian: dx_c = g_c·φ'(x_c), φ' = 1 or φ
@@ -248,7 +273,13 @@ TEST(Features, BadInputIsAnError) {
                "feature_logits_backward: dlogits has shape [1, 2, 3, 8]; expected [1, 2, 3, 7]");
   Tensor<double> huge = cast<double>(x);
   huge[0] = 1e200;
-  expect_error([&] { feature_logits<double>(huge.view(), w.view(), "key", favor); }, "is too large for float64");
+  expect_error([&] { feature_logits<double>(huge.view(), w.view(), "key", favor); },
+               "feature_logits: a row of x is too large for float64");
+  RecurrentOptions trig = recurrent_options("trig");
+  Tensor<double> wide = cast<double>(x);
+  wide[0] = 1e5;
+  expect_error([&] { feature_logits<double>(wide.view(), w.view(), "query", trig); },
+               "feature_logits: |ω·x̃| of a row of x exceeds 39000");
 }
 
 }  // namespace

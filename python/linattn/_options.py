@@ -59,16 +59,23 @@ def _range(minimum, maximum):
 RENAMED = {"dwc_kernel_size": "conv_kernel_size"}
 
 
-def renamed(fn, kwargs, former):
+_WARNED = set()
+
+
+def renamed(fn, kwargs, former, stacklevel=3, once=False):
     """kwargs (a dict, changed in place and returned) with each option given by its former name
-    (former: {old: new}) moved to its name now, with a DeprecationWarning; an option given by
-    both names is a TypeError."""
+    (former: {old: new}) moved to its name now, with a DeprecationWarning attributed to the frame
+    `stacklevel` up from here (3: the caller of fn; Python shows it by default when that is
+    __main__); once: only the first time for this fn and name (options read at every forward).
+    An option given by both names is a TypeError."""
     for old, new in former.items():
         if old not in kwargs:
             continue
         if new in kwargs:
             raise TypeError("%s: got %s and %s, its former name; pass %s only" % (fn, new, old, new))
-        warnings.warn("%s: %s is now called %s; the old name is accepted until the next release"
-                      % (fn, old, new), DeprecationWarning, stacklevel=3)
+        if not once or (fn, old) not in _WARNED:
+            _WARNED.add((fn, old))
+            warnings.warn("%s: %s is now called %s; the old name is accepted until the next release"
+                          % (fn, old, new), DeprecationWarning, stacklevel=stacklevel)
         kwargs[new] = kwargs.pop(old)
     return kwargs

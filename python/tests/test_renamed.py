@@ -59,7 +59,7 @@ def test_multihead_attention_accepts_the_former_kernel_size():
         lt.MultiheadAttention(8, 2, method="focused", conv_kernel_size=3, dwc_kernel_size=3)
 
 
-def test_hf_accepts_the_former_kernel_size_in_calls_and_saved_configs():
+def test_hf_accepts_the_former_kernel_size_in_calls_and_saved_configs(tmp_path):
     transformers = pytest.importorskip("transformers")
     import linattn.hf as lh
     lh.register()
@@ -71,8 +71,27 @@ def test_hf_accepts_the_former_kernel_size_in_calls_and_saved_configs():
         lh.set_options(model, dwc_kernel_size=3)
     assert model.config.linattn_options["conv_kernel_size"] == 3
     assert "dwc_kernel_size" not in model.config.linattn_options
-    # A config written before the rename still runs (its options are read at every forward).
+    with pytest.warns(DeprecationWarning):  # again, on a model that stores the name now
+        lh.set_options(model, dwc_kernel_size=3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "conv_weight" in n:
+                p.normal_()  # a convolution that changes the output (it starts at 0)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    want = model(ids).logits
+    # A config written before the rename still runs (its options are read at every forward),
+    # saves under the name now, and loads.
     model.config.linattn_options = {"dwc_kernel_size": 3}
     with pytest.warns(DeprecationWarning, match="dwc_kernel_size is now called conv_kernel_size"):
-        out = model(torch.tensor([[1, 2, 3, 4]])).logits
-    assert torch.isfinite(out).all()
+        torch.testing.assert_close(model(ids).logits, want, rtol=0, atol=0)
+    with pytest.warns(DeprecationWarning):
+        model.save_pretrained(tmp_path / "old")
+    assert '"conv_kernel_size": 3' in (tmp_path / "old" / "config.json").read_text()
+    loaded = lh.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "old").eval()
+    torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=0)
+    # and a checkpoint whose config.json still says dwc_kernel_size (written by an older linattn)
+    text = (tmp_path / "old" / "config.json").read_text().replace('"conv_kernel_size"', '"dwc_kernel_size"')
+    (tmp_path / "old" / "config.json").write_text(text)
+    with pytest.warns(DeprecationWarning):
+        loaded = lh.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "old").eval()
+    torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=0)

@@ -355,6 +355,7 @@ def install_atomic_config_save():
         options = getattr(self, "linattn_options", None) or {}
         name = stored_backend(self)  # whose options they are (the model may run another backend now)
         if name in BACKENDS:
+            options = _options.renamed("save_pretrained", dict(options), _options.RENAMED, stacklevel=4)
             full = checked(name, options, self, fn="save_pretrained")
             self.linattn_options = {k: full[k] for k in options}
         text = self.to_json_string(use_diff=use_diff)
@@ -502,7 +503,8 @@ def checked(name, given, config, fn="linattn.hf"):
     b = backend(name)
     if not isinstance(given, dict):
         raise ValueError("%s: the linattn options must be a dict, got %s" % (fn, type(given).__name__))
-    given = _options.renamed(fn, dict(given), _options.RENAMED)  # a config saved before a rename too
+    # A config saved before a rename too: read at every forward, so it warns once.
+    given = _options.renamed(fn, dict(given), _options.RENAMED, once=True)
     unknown = sorted(set(given) - set(b.defaults), key=str)
     if unknown:
         raise ValueError("%s: backend %r takes no option %s (its options: %s)"
@@ -533,8 +535,10 @@ def given_options(model, name, options):
     if stored_backend(config) != name:
         stored = {}  # another backend's options: they do not carry over
     fn = "linattn.hf.set_options"
-    # Former names (a config saved before a rename, or the caller's) under their names now.
-    merged = _options.renamed(fn, {**_options.renamed(fn, stored, _options.RENAMED), **options}, _options.RENAMED)
+    # Former names (a config saved before a rename, or the caller's) under their names now, each
+    # side on its own before they merge. The warning points at set_options' caller.
+    merged = {**_options.renamed(fn, stored, _options.RENAMED, stacklevel=5),
+              **_options.renamed(fn, dict(options), _options.RENAMED, stacklevel=5)}
     full = checked(name, merged, config, fn=fn)
     return {k: full[k] for k in merged}, full
 

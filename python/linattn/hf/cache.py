@@ -530,7 +530,7 @@ def _step(layer, fmap, module, b, user, q, k, v, window, sinks, decay, valid):
 
 
 def _ring_slot(layer, window, sinks):
-    """Each row's ring slot the new token takes [B], and the key and value in it [B, H, 1, d]:
+    """Each row's ring slot the new token takes [B], and the key and value in it [B, H_kv, 1, d]:
     the token that leaves the window when the row holds `window` tokens or more."""
     slot = sinks + layer.counts % window
     rows = torch.arange(slot.shape[0], device=slot.device)

@@ -50,7 +50,7 @@ FeatureMap<T> FeatureMap<T>::favor(const char* fn, FeatureMapKind kind,
   require(kind >= FeatureMapKind::FavorPositive, "FeatureMap::favor: not a FAVOR kernel");
   require(projection.rank() == 2 && projection.dim(0) >= 1 && projection.dim(1) == head_dim, fn,
           ": projection has shape ", shape_string(projection.shape),
-          "; expected [num_features >= 1, ", head_dim, "] (head_dim of q)");
+          "; expected [num_features >= 1, ", head_dim, "] (the inputs' head_dim)");
   require(simd::all_finite(projection.data, static_cast<size_t>(projection.size())), fn,
           ": projection has a non-finite value");
   AttentionOptions scale_only;
@@ -82,9 +82,11 @@ using Wide = std::conditional_t<sizeof(T) == 4, double, long double>;
 // T's, so no digits are lost to p (dividing by μ itself would round r̂ and multiply that error
 // by p). ‖r‖ = 2^e·‖r̂‖ cannot overflow either.
 template <class T>
+// r̂ᵖ itself fits W, but its squares do not (2^{2p}): the row keeps â = r̂ᵖ/max_c r̂_cᵖ, whose
+// largest entry is 1, so ‖â‖² lies in [1, d] at any p.
 struct FocusedRow {
-  std::vector<Wide<T>> rh, a;  // r̂ and r̂ᵖ
-  Wide<T> r2 = 0, a2 = 0;      // ‖r̂‖², ‖r̂ᵖ‖²
+  std::vector<Wide<T>> rh, a;  // r̂ and â = r̂ᵖ/max r̂ᵖ
+  Wide<T> r2 = 0, a2 = 0;      // ‖r̂‖², ‖â‖²
   int e = 0;
   // False for a row with no positive entry (φ = 0 there).
   bool load(const T* x, int64_t d, double focus_power) {
@@ -96,10 +98,15 @@ struct FocusedRow {
     e = std::ilogb(mu);
     r2 = a2 = 0;
     const Wide<T> p = static_cast<Wide<T>>(focus_power);
+    Wide<T> top = 0;
     for (int64_t c = 0; c < d; ++c) {
       rh[c] = x[c] > 0 ? std::ldexp(static_cast<Wide<T>>(x[c]), -e) : Wide<T>(0);
       a[c] = rh[c] > 0 ? std::pow(rh[c], p) : Wide<T>(0);
       r2 += rh[c] * rh[c];
+      top = std::max(top, a[c]);
+    }
+    for (int64_t c = 0; c < d; ++c) {
+      a[c] /= top;  // top = r̂_maxᵖ >= 1
       a2 += a[c] * a[c];
     }
     return true;
@@ -135,7 +142,7 @@ void FeatureMap<T>::features(const T* x, int64_t n, T* phi) const {
           std::fill(f, f + d, T(0));
           continue;
         }
-        const Wide<T> factor = std::ldexp(std::sqrt(row.r2), row.e) / std::sqrt(row.a2);  // a2 >= 1: r̂_max >= 1
+        const Wide<T> factor = std::ldexp(std::sqrt(row.r2), row.e) / std::sqrt(row.a2);  // a2 in [1, d]
         for (int64_t c = 0; c < d; ++c) f[c] = static_cast<T>(factor * row.a[c]);
       }
       return;
@@ -162,6 +169,8 @@ void FeatureMap<T>::features_backward(const T* x, int64_t n, const T* phi, const
       // φ does not depend on e, so it is held constant. For g = dL/dφ:
       // dL/dR = g·a/A;  dL/da = R·g/A − R·(g·a)·a/A³;
       // dL/dx_c = dL/dR·r̂_c/‖r̂‖ + dL/da_c·p·r̂_c^(p−1)/2^e   (x_c > 0; 0 otherwise).
+      // In the row's â = a/max a and Â = ‖â‖ (A³ would overflow W from p ≈ 340), with R̂ = ‖r̂‖:
+      // dL/dR = g·â/Â;  dL/dx_c = dL/dR·r̂_c/R̂ + R̂·p·(â_c/r̂_c)·(g_c/Â − (g·â)·â_c/Â³).
       thread_local FocusedRow<T> row;
       const Wide<T> p = static_cast<Wide<T>>(focus_power_);
       for (int64_t i = 0; i < n; ++i) {
@@ -173,7 +182,7 @@ void FeatureMap<T>::features_backward(const T* x, int64_t n, const T* phi, const
         }
         Wide<T> ga = 0;
         for (int64_t c = 0; c < d; ++c) ga += g[c] * row.a[c];
-        const Wide<T> Rh = std::sqrt(row.r2), A = std::sqrt(row.a2), R = std::ldexp(Rh, row.e);
+        const Wide<T> Rh = std::sqrt(row.r2), A = std::sqrt(row.a2);
         const Wide<T> dR = ga / A;
         for (int64_t c = 0; c < d; ++c) {
           const Wide<T> rh = row.rh[c];
@@ -181,8 +190,8 @@ void FeatureMap<T>::features_backward(const T* x, int64_t n, const T* phi, const
             out[c] = 0;
             continue;
           }
-          const Wide<T> da = R * g[c] / A - R * ga * row.a[c] / (A * A * A);
-          out[c] = static_cast<T>(dR * rh / Rh + std::ldexp(da * p * std::pow(rh, p - 1), -row.e));
+          const Wide<T> da = g[c] / A - ga * row.a[c] / (A * A * A);
+          out[c] = static_cast<T>(dR * rh / Rh + Rh * p * (row.a[c] / rh) * da);
         }
       }
       return;
@@ -194,11 +203,12 @@ void FeatureMap<T>::features_backward(const T* x, int64_t n, const T* phi, const
 // ---- FAVOR maps -----------------------------------------------------------------------------
 
 template <class T>
-void FeatureMap<T>::logits(const char* fn, const T* x, int64_t n, Side side, T* L, T* s, Products products) const {
+void FeatureMap<T>::logits(const char* fn, const T* x, int64_t n, Side side, T* L, T* s, Products products,
+                           const char* name) const {
   require(log_form(), "FeatureMap::logits: not a FAVOR feature map");
   const int64_t d = d_, m = m_;
   const T sq = static_cast<T>(sqrt_scale_);
-  const char* who = side == Side::Key ? "k" : "q";
+  const char* who = name ? name : side == Side::Key ? "k" : "q";
   const bool with_norm = side != Side::Query;
   // U = x̃·ωᵀ, straight into the first m columns of L (positive, hyperbolic) or s (trig).
   T* U = kind_ == FeatureMapKind::FavorTrig ? s : L;
@@ -231,7 +241,8 @@ void FeatureMap<T>::logits(const char* fn, const T* x, int64_t n, Side side, T* 
         break;
       default:  // trig
         require(simd::max_abs(u, static_cast<size_t>(m)) <= T(39000), fn,
-                ": |ω·x̃| exceeds 39000, where trig features lose all accuracy; scale down the inputs");
+                ": |ω·x̃| of a row of ", who, " exceeds 39000, where trig features lose all accuracy; scale down "
+                "the inputs");
         simd::sin_cos(u, static_cast<size_t>(m), u, u + m);  // in place: each lane read, then written
         std::fill(l, l + dim_, h);
         break;

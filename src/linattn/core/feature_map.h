@@ -73,9 +73,10 @@ class FeatureMap {
   //   queries: positive L = U;     hyperbolic [U, −U];         trig L = 0, s = [sin U, cos U]
   // with U = x̃·ωᵀ, x̃ = √scale·x, h = ‖x̃‖²/2. Throws Error if a logit is not finite.
   // products: the arithmetic of U's product (Products::Bfloat16: x and ω are rounded to
-  // bfloat16, exactly when they are bfloat16 values, as in a bfloat16 call).
+  // bfloat16, exactly when they are bfloat16 values, as in a bfloat16 call). name: the argument
+  // x is, in errors (default "k" for keys, else "q").
   void logits(const char* fn, const T* x, int64_t n, Side side, T* L, T* s,
-              Products products = Products::Native) const;
+              Products products = Products::Native, const char* name = nullptr) const;
   // dx [n × d] from dL = ∂loss/∂L and (trig) ds = ∂loss/∂s; s: logits()' factors (trig).
   // scratch: scratch_size(n) values.
   void logits_backward(const T* x, int64_t n, Side side, const T* dL, const T* s, const T* ds,

@@ -43,13 +43,13 @@ inline OptionInfo string_option(std::string name, const std::string& def, std::v
   return {std::move(name), OptionInfo::Kind::String, false, python_literal(def), std::move(doc),
           std::move(choices), false, false};
 }
-// A tensor input: positional (required) or keyword (optional, None by default).
 // An option that was named `old` before (OptionInfo::formerly).
 inline OptionInfo formerly(std::string old, OptionInfo option) {
   option.formerly = std::move(old);
   return option;
 }
 
+// A tensor input: positional (required) or keyword (optional, None by default).
 inline OptionInfo tensor_input(std::string name, bool positional, bool has_gradient, std::string doc) {
   return {std::move(name), OptionInfo::Kind::Tensor, !positional, positional ? "" : "None",
           std::move(doc), {}, positional, has_gradient};

@@ -101,7 +101,7 @@ FeatureLogits<T> feature_logits(TensorView<const T> x, TensorView<const T> proje
                        Tensor<T>({x.dim(0), x.dim(1), x.dim(2), fmap.has_factor() ? m : 0})};
   for_row_blocks(rows, m * d, [&](int64_t first, int64_t n) {
     fmap.logits(fn, x.data + first * d, n, s, out.logits.data() + first * m,
-                fmap.has_factor() ? out.factors.data() + first * m : nullptr);
+                fmap.has_factor() ? out.factors.data() + first * m : nullptr, Products::Native, "x");
   });
   return out;
 }
@@ -131,7 +131,7 @@ Tensor<T> feature_logits_backward(TensorView<const T> x, TensorView<const T> pro
     if (fmap.has_factor()) {
       L.resize(block);
       factors.resize(block);
-      fmap.logits(fn, x.data + first * d, n, s, L.data(), factors.data());
+      fmap.logits(fn, x.data + first * d, n, s, L.data(), factors.data(), Products::Native, "x");
       if (!dfactors) zeros.assign(block, T(0));
     }
     const T* ds = !fmap.has_factor() ? nullptr : dfactors ? dfactors->data + first * m : zeros.data();

@@ -456,11 +456,11 @@ def hybrid_attention(q, k, v, *, query_features=None, key_features=None, window_
         fq, fk = holder["fq"], holder["fk"]
     elif feature_map == "favor":
         # The whole sequence's largest key logit per feature, as favor_attention over ranks shifts.
-        phi = _kernelized.Features("favor", projection=holder["w"], kernel=kernel, scale=holder["scale"])
+        phi = _kernelized.FavorKeys(holder["w"], kernel, holder["scale"])
         # Both sides in the key form: the query's −‖x̃‖²/2 no longer cancels against exact weights.
         Lq, Lk = (phi.logits(x, "query_with_norm")[0] for x in (c.q, c.k))
         mine = c.segs[c.g.rank]
-        phi.fit_keys(c.g, [s.rows(c.k) for s in mine], [_kernelized.key_mask(c.lengths, s) for s in mine])
+        phi.fit(c.g, [s.rows(c.k) for s in mine], [_kernelized.key_mask(c.lengths, s) for s in mine])
         top = phi.shift
         # Padded keys may lie above the shift: their features are 0 (and zeroed by the key mask too).
         fq, fk, favor = None, torch.exp(torch.where(Lk - top <= 0, Lk - top, float("-inf"))), (Lq, top)

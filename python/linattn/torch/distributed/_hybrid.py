@@ -46,7 +46,7 @@ def attention(g, segs, q, k, v, fq, fk, lengths, causal, window, scale, gate, ep
     if window == 0:  # plain linear attention; the gate scales nothing
         if favor is not None:
             fq, eps_rows, _ = favor_rows(favor[0])
-        num_den = _kernelized.sums(g, segs, fq, fk, v, lengths, causal, _kernelized.Features("identity"))
+        num_den = _kernelized.sums(g, segs, fq, fk, v, lengths, causal)
         out = torch.cat([_kernelized.ratio(x, eps if favor is None else s.rows(eps_rows))
                          for x, s in zip(num_den, mine)], 2)
         return out if gate is None else out + 0 * gate.sum()  # a zero gradient for the gate, as in one process

@@ -20,7 +20,7 @@ ranks: every segment's first and last K−1 rows are all-gathered (any row withi
 segment lies in those of the segment holding it).
 
 The hybrid (_hybrid.py) still composes its linear part from the torch functions below
-(Features, sums, ordered_sums), with the maps from linattn.torch.features / feature_logits (the
+(FavorKeys, sums, ordered_sums), with the maps from linattn.torch.features / feature_logits (the
 kernels' own): its sums skip each query's window, which the state operations do not express."""
 
 import torch
@@ -40,26 +40,19 @@ def key_mask(lengths, seg):
     return (pos.view(1, 1, -1, 1) < lengths.view(-1, 1, 1, 1))
 
 
-class Features:
-    """φ for one call of the hybrid's sums: features given as they are ("identity"), or FAVOR's
-    (linattn.torch.feature_logits, the kernels' own) with the whole sequence's key shift."""
+class FavorKeys:
+    """FAVOR's logits for the hybrid over ranks (linattn.torch.feature_logits, the kernels' own),
+    and the whole sequence's key shift: c = the largest key logit per feature over all ranks'
+    keys (fit)."""
 
-    def __init__(self, feature_map, projection=None, kernel=None, scale=None):
-        self.feature_map = feature_map
+    def __init__(self, projection, kernel, scale):
         self.projection, self.kernel, self.scale = projection, kernel, scale
         self.shift = None
-
-    @property
-    def favor(self):
-        return self.projection is not None
 
     def logits(self, x, side):
         return _feature_maps.feature_logits(x, self.projection, kernel=self.kernel, scale=self.scale, side=side)
 
-    def fit_keys(self, g, k_segs, masks):
-        """FAVOR: c = the largest key logit per feature over all ranks' keys."""
-        if not self.favor:
-            return
+    def fit(self, g, k_segs, masks):
         with torch.no_grad():
             tops = []
             for k, mask in zip(k_segs, masks):
@@ -69,25 +62,6 @@ class Features:
                 tops.append(L.amax(2, keepdim=True))
             c = g.all_reduce_max(torch.stack(tops).amax(0))
             self.shift = torch.where(torch.isfinite(c), c, 0)  # −inf: no key at all (a 0 state)
-
-    def keys(self, k, mask):
-        if not self.favor:
-            return k if mask is None else k * mask
-        L, s = self.logits(k, "key")
-        L = L - self.shift
-        if mask is not None:
-            L = L.masked_fill(~mask, float("-inf"))
-        phi = torch.exp(L)
-        return phi if s is None else phi * s
-
-    def queries(self, q):
-        if not self.favor:
-            return q
-        L, s = self.logits(q, "query")
-        if s is not None:
-            return s  # trig: the query's magnitude and c (one value for every feature) cancel
-        L = L + self.shift
-        return torch.exp(L - L.detach().amax(-1, keepdim=True))
 
 
 def ratio(num_den, eps):
@@ -106,16 +80,14 @@ def causal_sums(fq, fk, v1, prefix):
     return _gated_linear_attention(fq, fk, v1, no_decay, scale=1.0, initial_state=prefix.contiguous())
 
 
-def sums(g, segs, q, k, v, lengths, causal, phi):
-    """Per segment of this rank, [Σ_j φ(q_i)·φ(k_j) v_j | Σ_j φ(q_i)·φ(k_j)] [B,H,len,d_v+1]
-    over the keys query i sees (every key; causal: j <= i), before the ratio."""
+def sums(g, segs, fq, fk, v, lengths, causal):
+    """Per segment of this rank, [Σ_j fq_i·fk_j v_j | Σ_j fq_i·fk_j] [B,H,len,d_v+1] over the keys
+    query i sees (every key; causal: j <= i), before the ratio; fq, fk: this rank's features."""
     mine = segs[g.rank]
-    masks = [key_mask(lengths, s) for s in mine]
-    phi.fit_keys(g, [s.rows(k) for s in mine], masks)
     ones = v.new_ones(*v.shape[:3], 1)
     v1 = torch.cat([v, ones], -1)
-    fk = [phi.keys(s.rows(k), mask) for s, mask in zip(mine, masks)]
-    fq = [phi.queries(s.rows(q)) for s in mine]
+    fk = [s.rows(fk) if mask is None else s.rows(fk) * mask for s, mask in ((s, key_mask(lengths, s)) for s in mine)]
+    fq = [s.rows(fq) for s in mine]
     if not causal:
         states = [f.transpose(-1, -2) @ s.rows(v1) for f, s in zip(fk, mine)]  # [B,H,m',d_v+1] per segment
         total = g.all_reduce_sum(sum(states))
