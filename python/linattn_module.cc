@@ -10,6 +10,7 @@
 #include <pybind11/stl.h>
 #include <pybind11/typing.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -366,7 +367,7 @@ class Inputs {
   template <class T>
   std::optional<TensorView<const T>> optional(const char* name) const {
     for (const auto& [n, a] : arrays_)
-      if (std::string(n) == name) return a.template view<T>();
+      if (std::strcmp(n, name) == 0) return a.template view<T>();
     return std::nullopt;
   }
   // A required tensor: one that was None is a TypeError naming it.
@@ -496,6 +497,33 @@ py::tuple feature_logits_py(const py::object& x, const py::object& projection, c
     const bool factors = r.factors.dim(3) > 0;  // trig only
     py::object s = factors ? py::object(to_numpy(std::move(r.factors))) : py::none();
     return py::make_tuple(to_numpy(std::move(r.logits)), s);
+  });
+}
+
+py::array hedgehog_features_py(const py::object& x, const py::object& weight, const py::object& bias) {
+  FullPrecisionArgs<linattn::RecurrentOptions> a("hedgehog_features");
+  a.add("x", x).add("weight", weight).add("bias", bias);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::array {
+    using T = decltype(tag);
+    const Inputs& in = a.inputs;
+    return to_numpy(run_without_gil([&] {
+      return linattn::hedgehog_features<T>(in.tensor<T>("x"), in.tensor<T>("weight"), in.tensor<T>("bias"));
+    }));
+  });
+}
+
+py::tuple hedgehog_features_backward_py(const py::object& x, const py::object& weight, const py::object& bias,
+                                        const py::object& dphi, const py::object& phi) {
+  FullPrecisionArgs<linattn::RecurrentOptions> a("hedgehog_features_backward");
+  a.add("x", x).add("weight", weight).add("bias", bias).add("dphi", dphi).add("phi", phi);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::tuple {
+    using T = decltype(tag);
+    const Inputs& in = a.inputs;
+    auto g = run_without_gil([&] {
+      return linattn::hedgehog_features_backward<T>(in.tensor<T>("x"), in.tensor<T>("weight"), in.tensor<T>("bias"),
+                                                    in.tensor<T>("dphi"), in.optional<T>("phi"));
+    });
+    return py::make_tuple(to_numpy(std::move(g.dx)), to_numpy(std::move(g.dweight)), to_numpy(std::move(g.dbias)));
   });
 }
 
@@ -850,11 +878,33 @@ py::object hybrid_decode_step_py(const py::object& q, const py::object& k, const
                                  const py::object& log_decay, const py::object& sums, const py::object& normaliser,
                                  const py::object& exact_keys, const py::object& exact_values,
                                  const py::object& exact_valid, const py::object& counts, int64_t window,
-                                 int64_t sinks, double scale, double eps) {
+                                 int64_t sinks, double scale, double eps, const py::object& query_weight,
+                                 const py::object& query_bias, const py::object& key_weight,
+                                 const py::object& key_bias) {
   FullPrecisionArgs<linattn::HybridDecodeOptions> a("hybrid_decode_step");
   a.opts = {window, sinks, scale, eps};
-  a.add("q", q).add("k", k).add("v", v).add("query_features", query_features);
-  a.add("leaving_features", leaving_features).add("window_weight", window_weight).add("log_decay", log_decay);
+  // Features given, or Hedgehog's four map tensors to make them from: one or the other.
+  const py::object* maps[] = {&query_weight, &query_bias, &key_weight, &key_bias};
+  const int given_maps = static_cast<int>(std::count_if(std::begin(maps), std::end(maps), [](const py::object* t) {
+    return !t->is_none();
+  }));
+  const bool hedgehog = given_maps > 0;
+  if (hedgehog && given_maps < 4)
+    throw py::value_error("hybrid_decode_step: query_weight, query_bias, key_weight and key_bias go together "
+                          "(Hedgehog's maps); " + std::to_string(given_maps) + " of them were given");
+  if (hedgehog && !(query_features.is_none() && leaving_features.is_none()))
+    throw py::value_error("hybrid_decode_step: query_features and leaving_features must be None when Hedgehog's "
+                          "maps (query_weight, ...) are given: the step makes the features from them");
+  if (!hedgehog && (query_features.is_none() || leaving_features.is_none()))
+    throw py::value_error("hybrid_decode_step: query_features and leaving_features are required unless Hedgehog's "
+                          "maps (query_weight, query_bias, key_weight, key_bias) are given");
+  a.add("q", q).add("k", k).add("v", v);
+  if (hedgehog)
+    a.add("query_weight", query_weight).add("query_bias", query_bias).add("key_weight", key_weight).add(
+        "key_bias", key_bias);
+  else
+    a.add("query_features", query_features).add("leaving_features", leaving_features);
+  a.add("window_weight", window_weight).add("log_decay", log_decay);
   return by_dtype(a.dtype(), [&](auto tag) -> py::object {
     using T = decltype(tag);
     const char* fn = a.fn;
@@ -864,12 +914,17 @@ py::object hybrid_decode_step_py(const py::object& q, const py::object& k, const
         in_place_array<bool>(fn, "exact_valid", exact_valid), in_place_array<int64_t>(fn, "counts", counts)};
     const TensorView<bool> adv = in_place_array<bool>(fn, "advance", advance, false);
     const Inputs& in = a.inputs;
+    const TensorView<const T> log_decay_view = in.optional<T>("log_decay").value_or(TensorView<const T>{});
     return to_numpy(run_without_gil([&] {
+      if (hedgehog)
+        return linattn::hybrid_decode_step<T>(
+            in.tensor<T>("q"), in.tensor<T>("k"), in.tensor<T>("v"),
+            linattn::HedgehogMaps<T>{in.tensor<T>("query_weight"), in.tensor<T>("query_bias"),
+                                     in.tensor<T>("key_weight"), in.tensor<T>("key_bias")},
+            adv, in.tensor<T>("window_weight"), log_decay_view, state, a.opts);
       return linattn::hybrid_decode_step<T>(in.tensor<T>("q"), in.tensor<T>("k"), in.tensor<T>("v"),
                                             in.tensor<T>("query_features"), in.tensor<T>("leaving_features"), adv,
-                                            in.tensor<T>("window_weight"),
-                                            in.optional<T>("log_decay").value_or(TensorView<const T>{}), state,
-                                            a.opts);
+                                            in.tensor<T>("window_weight"), log_decay_view, state, a.opts);
     }));
   });
 }
@@ -1207,6 +1262,14 @@ which must be >= 0). FAVOR's maps are in log form: feature_logits.)doc");
   m.def("features_backward", &features_backward_py, py::arg("x"), py::arg("dphi"), py::arg("feature_map") = "elu",
         py::kw_only(), py::arg("focus_power") = 3.0,
         R"doc(dx = (d phi / d x)ᵀ·dphi [B, H, n, d] of features(x, feature_map, focus_power=...).)doc");
+  m.def("hedgehog_features", &hedgehog_features_py, py::arg("x"), py::arg("weight"), py::arg("bias"),
+        R"doc(Hedgehog's learned feature map by the kernels' code: phi(x) = [softmax(x·W_h + b_h),
+softmax(-(x·W_h + b_h))] per head h; x [B, H, n, d], weight [H, d, f], bias [H, f] (float32 or
+float64, one dtype, finite) -> [B, H, n, 2f], each half summing to 1.)doc");
+  m.def("hedgehog_features_backward", &hedgehog_features_backward_py, py::arg("x"), py::arg("weight"),
+        py::arg("bias"), py::arg("dphi"), py::kw_only(), py::arg("phi") = py::none(),
+        R"doc((dx, dweight, dbias) of sum(dphi * hedgehog_features(x, weight, bias)), dphi [B, H, n, 2f];
+phi: the forward's result, read instead of made again (None: made from x).)doc");
   m.def("feature_logits", &feature_logits_py, py::arg("x"), py::arg("projection"), py::kw_only(),
         py::arg("kernel") = "positive", py::arg("scale") = py::none(), py::arg("side") = "key",
         R"doc(FAVOR's feature maps in log form, by the kernels' own code: (logits, factors), phi = factors·exp(logits)
@@ -1287,7 +1350,8 @@ heads summed); dinitial_state is of zeros' gradient when no initial state was gi
         py::arg("query_features"), py::arg("leaving_features"), py::arg("advance"), py::arg("window_weight"),
         py::arg("log_decay"), py::arg("sums"), py::arg("normaliser"), py::arg("exact_keys"), py::arg("exact_values"),
         py::arg("exact_valid"), py::arg("counts"), py::kw_only(), py::arg("window"), py::arg("sinks"), py::arg("scale"),
-        py::arg("eps"),
+        py::arg("eps"), py::arg("query_weight") = py::none(), py::arg("query_bias") = py::none(),
+        py::arg("key_weight") = py::none(), py::arg("key_bias") = py::none(),
         R"doc(One decoding step of the causal sliding-window + linear hybrid for every batch row and head,
 in place on its state (include/linattn/hybrid.h; linattn.hf's LinattnCache runs it): q [B, H, d],
 k [B, H_kv, d], v [B, H_kv, d_v] (grouped queries: H_kv divides H; query head h reads key head
@@ -1295,7 +1359,10 @@ h / (H / H_kv)), query_features φ(q) and leaving_features (φ of the key leavin
 query head's map) [B, H, m'], advance [B] bool, window_weight γ [H], log_decay λ [H] or None; the
 state arrays sums [B, H, m', d_v], normaliser [B, H, m'], exact_keys [B, H_kv, s + w, d],
 exact_values [B, H_kv, s + w, d_v] (q's dtype),
-exact_valid [B, s + w] bool and counts [B] int64 are changed in place. Returns out [B, H, d_v].)doc");
+exact_valid [B, s + w] bool and counts [B] int64 are changed in place. Returns out [B, H, d_v].
+With Hedgehog's maps (query_weight, key_weight [H, d, f], query_bias, key_bias [H, f], all four)
+the step makes both features itself (hedgehog_features' formula, m' = 2f): pass None for
+query_features and leaving_features.)doc");
   m.def("causal_conv1d", &causal_conv1d_py, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         py::kw_only(), py::arg("initial_state") = py::none(), py::arg("return_state") = false,
         py::arg("activation") = "silu",

@@ -1,5 +1,5 @@
-// The feature maps on their own (features, feature_logits and their backwards; include/
-// linattn/kernelized.h) against the float64 reference's maps (reference::features), at the
+// The feature maps on their own (features, feature_logits, hedgehog_features and their
+// backwards; include/linattn/kernelized.h) against the float64 reference's maps (reference::features), at the
 // per-feature error bounds of kernelized_bounds.h, on odd sizes and at 1, 3 and 8 threads
 // (bitwise the same at each); every backward against central differences in float64; bad input
 // is an error naming the argument.
@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "hedgehog_bounds.h"
 #include "kernelized_bounds.h"
 #include "linattn/kernelized.h"
 #include "test_util.h"
@@ -138,11 +139,16 @@ void expect_logits_within_bounds(const std::string& kernel, const std::string& s
         const double want = ref.phi[i * mp + r];
         const double bound = kernel == "trig" ? amp * (dU[r % m] + 4 * u) + eta * std::abs(want) : eta * std::abs(want);
         ASSERT_LE(std::abs(got - want), bound) << "row " << i << " feature " << r;
-        if (kernel == "trig" && side == "query") ASSERT_EQ(L, 0);
+        if (kernel == "trig" && side == "query") {
+          ASSERT_EQ(L, 0);
+        }
       }
     }
-    if (first) testing::expect_same_bits("logits at another thread count", *first, f.logits);
-    else first.emplace(std::move(f.logits));
+    if (first) {
+      testing::expect_same_bits("logits at another thread count", *first, f.logits);
+    } else {
+      first.emplace(std::move(f.logits));
+    }
   }
 }
 
@@ -280,6 +286,117 @@ TEST(Features, BadInputIsAnError) {
   wide[0] = 1e5;
   expect_error([&] { feature_logits<double>(wide.view(), w.view(), "query", trig); },
                "feature_logits: |ω·x̃| of a row of x exceeds 39000");
+}
+
+// Hedgehog's learned map against reference::hedgehog_features (textbook softmaxes in float64)
+// at hedgehog_bounds.h's ρ per feature (the fast path's in T plus the reference's own in
+// float64), on rows spanning one, two and sixteen row blocks (n = 37, 300, 4100: the blocks are
+// at least 256 rows, at most 16 per item), at 1, 3 and 8 threads, bitwise the same at each;
+// the backward bitwise the same at each thread count too (∂W sums its blocks in a fixed order).
+template <class T>
+void expect_hedgehog_within_bound(int64_t rows, int64_t f) {
+  SCOPED_TRACE("n " + std::to_string(rows) + " f " + std::to_string(f) + " " + dtype_name<T>());
+  const Tensor<double> x = cast<double>(cast<T>(random_tensor<double>({B, H, rows, d}, 81)));
+  const Tensor<double> W = cast<double>(cast<T>(random_tensor<double>({H, d, f}, 82, 0.7)));
+  const Tensor<double> b = cast<double>(cast<T>(random_tensor<double>({H, f}, 83, 0.3)));
+  const Tensor<double> want = reference::hedgehog_features(x.view(), W.view(), b.view());
+  const double rho = testing::hedgehog_bound<T>(x, W, b) + testing::hedgehog_bound<double>(x, W, b);
+  Tensor<double> bound(want.shape());
+  for (int64_t i = 0; i < want.size(); ++i) bound[i] = rho * want[i];
+  const Tensor<T> xt = cast<T>(x), Wt = cast<T>(W), bt = cast<T>(b);
+  const Tensor<double> g = random_tensor<double>({B, H, rows, 2 * f}, 84);
+  const Tensor<T> gt = cast<T>(g);
+  std::optional<Tensor<T>> first;
+  std::optional<HedgehogGrads<T>> first_grads;
+  for (int threads : {1, 3, 8}) {
+    const testing::ScopedThreads scoped(threads);
+    Tensor<T> phi = hedgehog_features<T>(xt.view(), Wt.view(), bt.view());
+    testing::expect_within(phi, want, bound, "phi");
+    HedgehogGrads<T> grads = hedgehog_features_backward<T>(xt.view(), Wt.view(), bt.view(), gt.view());
+    // φ given (as torch's layer saves it) is the φ the backward would make: the same bits
+    const HedgehogGrads<T> saved = hedgehog_features_backward<T>(xt.view(), Wt.view(), bt.view(), gt.view(), phi.view());
+    testing::expect_identical(saved.dx, grads.dx, "dx with phi given");
+    testing::expect_identical(saved.dweight, grads.dweight, "dweight with phi given");
+    testing::expect_identical(saved.dbias, grads.dbias, "dbias with phi given");
+    if (!first) {
+      first = std::move(phi);
+      first_grads = std::move(grads);
+      continue;
+    }
+    for (int64_t i = 0; i < phi.size(); ++i) ASSERT_EQ(phi[i], (*first)[i]) << "at " << i;
+    for (const auto& [got, ref] : {std::pair{&grads.dx, &first_grads->dx}, std::pair{&grads.dweight, &first_grads->dweight},
+                                   std::pair{&grads.dbias, &first_grads->dbias}})
+      for (int64_t i = 0; i < got->size(); ++i) ASSERT_EQ((*got)[i], (*ref)[i]) << "gradient at " << i;
+  }
+}
+
+TEST(Features, HedgehogMatchesTheReference) {
+  for (int64_t rows : {int64_t{37}, int64_t{300}, int64_t{4100}})
+    for (int64_t f : {int64_t{1}, int64_t{7}, int64_t{32}}) {
+      if (rows == 4100 && f != 7) continue;  // the many-block case once
+      expect_hedgehog_within_bound<float>(rows, f);
+      expect_hedgehog_within_bound<double>(rows, f);
+    }
+}
+
+// Large logits (|u| up to ~400): each half is shifted by its own maximum, so the features stay
+// finite, sum to 1 per half, and match the reference's exact softmax where it is finite.
+TEST(Features, HedgehogLargeLogitsStayFinite) {
+  Tensor<double> x = random_tensor<double>({1, 1, 4, d}, 85, 80.0);
+  const Tensor<double> W = random_tensor<double>({1, d, 3}, 86);
+  const Tensor<double> b({1, 3});
+  const Tensor<float> phi = hedgehog_features<float>(cast<float>(x).view(), cast<float>(W).view(), cast<float>(b).view());
+  for (int64_t row = 0; row < 4; ++row) {
+    double plus = 0, minus = 0;
+    for (int64_t j = 0; j < 3; ++j) {
+      ASSERT_TRUE(std::isfinite(phi[row * 6 + j]) && std::isfinite(phi[row * 6 + 3 + j]));
+      plus += phi[row * 6 + j];
+      minus += phi[row * 6 + 3 + j];
+    }
+    EXPECT_NEAR(plus, 1.0, 1e-6);
+    EXPECT_NEAR(minus, 1.0, 1e-6);
+  }
+}
+
+TEST(Features, HedgehogBackwardMatchesFiniteDifferences) {
+  for (int64_t rows : {int64_t{3}, int64_t{300}}) {  // one block; two blocks of ∂W summed
+    SCOPED_TRACE(rows);
+    Tensor<double> x = random_tensor<double>({2, 2, rows, d}, 91);
+    Tensor<double> W = random_tensor<double>({2, d, 4}, 92, 0.7);
+    Tensor<double> b = random_tensor<double>({2, 4}, 93, 0.3);
+    const Tensor<double> g = random_tensor<double>({2, 2, rows, 8}, 94);
+    const HedgehogGrads<double> grads = hedgehog_features_backward<double>(x.view(), W.view(), b.view(), g.view());
+    const auto loss = [&] { return testing::dot_loss(hedgehog_features<double>(x.view(), W.view(), b.view()), g); };
+    if (rows == 3) testing::expect_gradient(x, grads.dx, loss, "x");  // 60 entries (at 300 rows: 6000 pairs of forwards)
+    testing::expect_gradient(W, grads.dweight, loss, "weight");
+    testing::expect_gradient(b, grads.dbias, loss, "bias");
+  }
+}
+
+TEST(Features, HedgehogBadInputIsAnError) {
+  const Tensor<double> x = random_tensor<double>({1, 2, 3, d}, 95);
+  const Tensor<double> W = random_tensor<double>({2, d, 4}, 96), b = random_tensor<double>({2, 4}, 97);
+  using testing::expect_error;
+  expect_error([&] { hedgehog_features<double>(Tensor<double>({2, 3, d}).view(), W.view(), b.view()); },
+               "hedgehog_features: x must be [batch, heads, n, head_dim], got shape [2, 3, 5]");
+  expect_error([&] { hedgehog_features<double>(x.view(), Tensor<double>({3, d, 4}).view(), b.view()); },
+               "hedgehog_features: weight has shape [3, 5, 4]; expected [heads = 2, head_dim = 5, feature_dim >= 1]");
+  expect_error([&] { hedgehog_features<double>(x.view(), Tensor<double>({2, d, 0}).view(), Tensor<double>({2, 0}).view()); },
+               "hedgehog_features: weight has shape [2, 5, 0]");
+  expect_error([&] { hedgehog_features<double>(x.view(), W.view(), Tensor<double>({2, 5}).view()); },
+               "hedgehog_features: bias has shape [2, 5]; expected [2, 4]");
+  Tensor<double> bad = cast<double>(W);
+  bad[3] = std::numeric_limits<double>::infinity();
+  expect_error([&] { hedgehog_features<double>(x.view(), bad.view(), b.view()); },
+               "hedgehog_features: weight has a non-finite value at flat index 3");
+  Tensor<double> bad_x = cast<double>(x);
+  bad_x[1] = std::nan("");
+  expect_error([&] { hedgehog_features<double>(bad_x.view(), W.view(), b.view()); }, "hedgehog_features: x");
+  expect_error([&] { hedgehog_features_backward<double>(x.view(), W.view(), b.view(), Tensor<double>({1, 2, 3, 4}).view()); },
+               "hedgehog_features_backward: dphi has shape [1, 2, 3, 4]; expected [1, 2, 3, 8]");
+  const Tensor<double> g({1, 2, 3, 8});
+  expect_error([&] { hedgehog_features_backward<double>(x.view(), W.view(), b.view(), g.view(), Tensor<double>({1, 2, 3, 7}).view()); },
+               "hedgehog_features_backward: phi has shape [1, 2, 3, 7]; expected [1, 2, 3, 8]");
 }
 
 }  // namespace

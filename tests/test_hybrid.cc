@@ -15,6 +15,7 @@
 #include "linattn/hybrid/reference.h"
 #include "linattn/kernelized.h"
 #include "linattn/softmax.h"
+#include "hedgehog_bounds.h"
 #include "test_util.h"
 
 namespace linattn {
@@ -673,6 +674,125 @@ TEST(HybridDecodeStep, EqualsTheCausalForwardRowByRow) {
         check_decode_step<float>(c, threads, kv_heads);
         check_decode_step<double>(c, threads, kv_heads);
       }
+    }
+}
+
+// hybrid_decode_step with Hedgehog's maps equals the step with the features given, made by
+// hedgehog_features (φ_q of the query; φ_k of the key leaving the window, each query head's key
+// map on its key head's key), token by token over a sequence longer than window + sinks, with
+// grouped key heads and a padded row. The two make each feature in T by different summation
+// orders (one row's loop against a BLAS product), each within hedgehog_bounds.h's ρφ of the
+// exact feature: the sums' and the normaliser's terms, all >= 0, differ by at most (2ρ + ρ²)
+// relatively (a query and a key feature per term), so each output, a ratio of such sums with
+// the window's terms (the same in both), by at most 2(2ρ + ρ²)·2·max|v|. Bad maps are an error
+// naming them, with nothing written.
+template <class T>
+void check_decode_step_maps(int64_t kv_heads, int threads) {
+  SCOPED_TRACE(std::string(dtype_name<T>()) + " " + std::to_string(kv_heads) + " key heads, " +
+               std::to_string(threads) + " threads");
+  testing::ScopedThreads scope(threads);
+  constexpr int64_t B = 2, H = 6, d = 5, dv = 4, f = 3, m = 2 * f, n = 21, w = 4, s = 2, slots = s + w;
+  const int64_t G = H / kv_heads;
+  const Tensor<double> q = random_tensor<double>({B, H, n, d}, 701), k = random_tensor<double>({B, kv_heads, n, d}, 702);
+  const Tensor<double> v = random_tensor<double>({B, kv_heads, n, dv}, 703);
+  const Tensor<double> qw = random_tensor<double>({H, d, f}, 704, 0.7), qb = random_tensor<double>({H, f}, 705, 0.3);
+  const Tensor<double> kw = random_tensor<double>({H, d, f}, 706, 0.7), kb = random_tensor<double>({H, f}, 707, 0.3);
+  const Tensor<T> qwt = cast<T>(qw), qbt = cast<T>(qb), kwt = cast<T>(kw), kbt = cast<T>(kb);
+  // Each query head's key map on its key head's keys: [B, H, n, d] for hedgehog_features.
+  Tensor<T> k_per_query({B, H, n, d});
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < n * d; ++i) k_per_query[(b * H + h) * n * d + i] = static_cast<T>(k[(b * kv_heads + h / G) * n * d + i]);
+  const Tensor<T> qt = cast<T>(q);
+  const Tensor<T> fq_all = hedgehog_features<T>(qt.view(), qwt.view(), qbt.view());
+  double rho = std::max(testing::hedgehog_bound<T>(q, qw, qb), testing::hedgehog_bound<T>(cast<double>(k_per_query), kw, kb));
+  double vmax = 0;
+  for (int64_t i = 0; i < v.size(); ++i) vmax = std::max(vmax, std::abs(v[i]));
+  const double tol = 2 * (2 * rho + rho * rho) * 2 * vmax;
+  struct Run {
+    Tensor<T> sums, normaliser, keys, values;
+    Tensor<bool> valid;
+    Tensor<int64_t> counts;
+    HybridDecodeState<T> state() { return {sums.view(), normaliser.view(), keys.view(), values.view(), valid.view(), counts.view()}; }
+  };
+  auto fresh = [&] {
+    return Run{Tensor<T>({B, H, m, dv}), Tensor<T>({B, H, m}), Tensor<T>({B, kv_heads, slots, d}),
+               Tensor<T>({B, kv_heads, slots, dv}), Tensor<bool>({B, slots}), Tensor<int64_t>({B})};
+  };
+  Run with_maps = fresh(), given = fresh();
+  Tensor<T> gamma({H}), decay({H});
+  for (int64_t h = 0; h < H; ++h) gamma[h] = static_cast<T>(0.3 + 0.1 * double(h)), decay[h] = static_cast<T>(-0.02 * double(h));
+  const HybridDecodeOptions opts{w, s, 1 / std::sqrt(double(d)), 1e-6};
+  const HedgehogMaps<T> maps{qwt.view(), qbt.view(), kwt.view(), kbt.view()};
+  Tensor<T> qs({B, H, d}), ks({B, kv_heads, d}), vs({B, kv_heads, dv}), fq({B, H, m}), fl({B, H, m});
+  Tensor<bool> advance({B});
+  for (int64_t t = 0; t < n; ++t) {
+    advance[0] = true;
+    advance[1] = t % 5 != 3;  // row 1 padded now and then: it runs fewer tokens
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < d; ++i) qs[(b * H + h) * d + i] = static_cast<T>(q[((b * H + h) * n + t) * d + i]);
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        for (int64_t i = 0; i < d; ++i) ks[(b * kv_heads + g) * d + i] = static_cast<T>(k[((b * kv_heads + g) * n + t) * d + i]);
+        for (int64_t i = 0; i < dv; ++i) vs[(b * kv_heads + g) * dv + i] = static_cast<T>(v[((b * kv_heads + g) * n + t) * dv + i]);
+      }
+      // the row's tokens so far are its own: the leaving one is the token `w` of its tokens back
+      const int64_t c = given.counts[b];
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t r = 0; r < m; ++r) {
+          fq[(b * H + h) * m + r] = fq_all[((b * H + h) * n + t) * m + r];
+          fl[(b * H + h) * m + r] = T(0);
+        }
+      if (c >= w) {  // the key in the leaving slot, as the ring holds it, through hedgehog_features
+        Tensor<T> leaving({1, H, 1, d});
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t i = 0; i < d; ++i)
+            leaving[h * d + i] = given.keys[((b * kv_heads + h / G) * slots + s + c % w) * d + i];
+        const Tensor<T> phi = hedgehog_features<T>(leaving.view(), kwt.view(), kbt.view());
+        for (int64_t i = 0; i < H * m; ++i) fl[b * H * m + i] = phi[i];
+      }
+    }
+    const Tensor<T> got = hybrid_decode_step<T>(qs.view(), ks.view(), vs.view(), maps, advance.view(), gamma.view(),
+                                                decay.view(), with_maps.state(), opts);
+    const Tensor<T> want = hybrid_decode_step<T>(qs.view(), ks.view(), vs.view(), fq.view(), fl.view(), advance.view(),
+                                                 gamma.view(), decay.view(), given.state(), opts);
+    for (int64_t i = 0; i < got.size(); ++i)
+      ASSERT_NEAR(double(got[i]), double(want[i]), tol) << "t " << t << " at " << i;
+  }
+  EXPECT_EQ(with_maps.counts[1], given.counts[1]);
+  EXPECT_LT(with_maps.counts[1], n);
+  // bad maps: an error naming them, nothing written
+  const std::vector<T> keys_before(with_maps.keys.data(), with_maps.keys.data() + with_maps.keys.size());
+  const std::vector<T> sums_before(with_maps.sums.data(), with_maps.sums.data() + with_maps.sums.size());
+  const int64_t count0 = with_maps.counts[0];
+  auto step_with = [&](const HedgehogMaps<T>& bad) {
+    hybrid_decode_step<T>(qs.view(), ks.view(), vs.view(), bad, advance.view(), gamma.view(), decay.view(),
+                          with_maps.state(), opts);
+  };
+  const Tensor<T> wrong_w({H, d + 1, f}), wrong_b({H, f + 1});
+  testing::expect_error([&] { step_with({wrong_w.view(), qbt.view(), kwt.view(), kbt.view()}); },
+                        "hybrid_decode_step: query_weight has shape [6, 6, 3]; expected [heads = 6, head_dim = 5, feature_dim >= 1]");
+  testing::expect_error([&] { step_with({qwt.view(), wrong_b.view(), kwt.view(), kbt.view()}); },
+                        "hybrid_decode_step: query_bias has shape [6, 4]; expected [6, 3]");
+  testing::expect_error([&] { step_with({qwt.view(), qbt.view(), wrong_w.view(), kbt.view()}); },
+                        "hybrid_decode_step: key_weight has shape [6, 6, 3]; expected [6, 5, 3]");
+  Tensor<T> nan_b = cast<T>(kb);
+  nan_b[2] = std::numeric_limits<T>::quiet_NaN();
+  testing::expect_error([&] { step_with({qwt.view(), qbt.view(), kwt.view(), nan_b.view()}); },
+                        "hybrid_decode_step: key_bias has a non-finite value at flat index 2");
+  const Tensor<T> other_maps({H, d, f + 1}), other_bias({H, f + 1});  // m' = 8 against sums of m' = 6
+  testing::expect_error([&] { step_with({other_maps.view(), other_bias.view(), other_maps.view(), other_bias.view()}); },
+                        "hybrid_decode_step: sums has shape [2, 6, 6, 4]; expected [2, 6, 8, 4]");
+  EXPECT_EQ(std::vector<T>(with_maps.keys.data(), with_maps.keys.data() + with_maps.keys.size()), keys_before);
+  EXPECT_EQ(std::vector<T>(with_maps.sums.data(), with_maps.sums.data() + with_maps.sums.size()), sums_before);
+  EXPECT_EQ(with_maps.counts[0], count0);
+}
+
+TEST(HybridDecodeStep, HedgehogMapsEqualGivenFeatures) {
+  for (int threads : {1, 3, 8})
+    for (int64_t kv_heads : {int64_t{6}, int64_t{2}, int64_t{1}}) {
+      check_decode_step_maps<float>(kv_heads, threads);
+      check_decode_step_maps<double>(kv_heads, threads);
     }
 }
 

@@ -108,4 +108,19 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
                              TensorView<const T> log_decay, const HybridDecodeState<T>& state,
                              const HybridDecodeOptions& opts);
 
+// Hedgehog's learned maps of every query head (hedgehog_features in kernelized.h): the query
+// map's and the key map's weights [H, d, f] and biases [H, f], finite.
+template <class T>
+struct HedgehogMaps {
+  TensorView<const T> query_weight, query_bias, key_weight, key_bias;
+};
+// The same step with Hedgehog's maps applied here, so that a converted model's layer is one call
+// per token: query_features = φ_q(q) and leaving_features = φ_k(the key in the leaving ring slot,
+// for each query head's key map), m' = 2f.
+template <class T>
+Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                             const HedgehogMaps<T>& maps, TensorView<const bool> advance,
+                             TensorView<const T> window_weight, TensorView<const T> log_decay,
+                             const HybridDecodeState<T>& state, const HybridDecodeOptions& opts);
+
 }  // namespace linattn

@@ -142,6 +142,27 @@ Tensor<T> feature_logits_backward(TensorView<const T> x, TensorView<const T> pro
                                   TensorView<const T> dlogits, std::optional<TensorView<const T>> dfactors,
                                   const RecurrentOptions& opts);
 
+// Hedgehog's learned map (Zhang et al., ICLR 2024; the map linattn.hf's conversions train):
+// φ(x) = [softmax(x·W_h + b_h), softmax(−(x·W_h + b_h))] over the feature axis, per head h:
+// x [B,H,n,d], weight [H,d,f], bias [H,f] (all finite) -> [B,H,n,2f]. Each half is shifted by its
+// maximum and sums to 1, so φ(q)·φ(k) lies in (0, 2] whatever the inputs' size. The maps are
+// trained parameters: the backward gives all three gradients.
+template <class T>
+Tensor<T> hedgehog_features(TensorView<const T> x, TensorView<const T> weight, TensorView<const T> bias);
+template <class T>
+struct HedgehogGrads {
+  Tensor<T> dx;       // [B,H,n,d]
+  Tensor<T> dweight;  // [H,d,f], summed over batch rows and positions in a fixed order
+  Tensor<T> dbias;    // [H,f]
+};
+// The gradients of Σ dphi·φ for dphi [B,H,n,2f] (finite). phi: the forward's result, which the
+// backward reads (saved by an autograd layer, as torch saves a softmax's output); made again
+// from x when not given.
+template <class T>
+HedgehogGrads<T> hedgehog_features_backward(TensorView<const T> x, TensorView<const T> weight,
+                                            TensorView<const T> bias, TensorView<const T> dphi,
+                                            std::optional<TensorView<const T>> phi = std::nullopt);
+
 // ---- state-level operations -------------------------------------------------------------------
 // Kernelized attention in pieces, for a sequence split into blocks (context parallelism,
 // linattn.torch.distributed; pipelines): the state of a block's keys, a state applied to

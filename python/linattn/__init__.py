@@ -155,9 +155,10 @@ __all__ = [
     "share_openmp_runtime", "thread_pool", "use_own_threads",
     "workspace_stats",
 ]
-from ._hedgehog import hedgehog_attention, hedgehog_attention_backward, hedgehog_features  # noqa: E402
+from ._hedgehog import (hedgehog_attention, hedgehog_attention_backward, hedgehog_features,  # noqa: E402
+                        hedgehog_features_backward)
 
-__all__ += ["hedgehog_attention", "hedgehog_attention_backward", "hedgehog_features"]
+__all__ += ["hedgehog_attention", "hedgehog_attention_backward", "hedgehog_features", "hedgehog_features_backward"]
 for _info in methods():
     for _backward in (False, True):
         _fn = _make(_info, _backward)

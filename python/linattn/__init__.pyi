@@ -18,6 +18,8 @@ from ._linattn import (
     gated_linear_attention as gated_linear_attention,
     gated_linear_attention_backward as gated_linear_attention_backward,
     get_num_threads as get_num_threads,
+    hedgehog_features as hedgehog_features,
+    hedgehog_features_backward as hedgehog_features_backward,
     linformer_projections as linformer_projections,
     measure_peak_rates as measure_peak_rates,
     random_features as random_features,

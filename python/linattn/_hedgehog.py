@@ -1,8 +1,8 @@
 """Hedgehog's learned feature maps on NumPy arrays (linattn.torch.feature_maps has the torch
 modules): φ(x) = [softmax(x·W_h + b_h), softmax(−(x·W_h + b_h))] per head, and linear attention
 on those features through linattn's kernel (linear_attention with feature_map="identity").
-The backward is the kernel's for the features, then the map's own, written out below (two
-softmaxes and a product: NumPy has no autograd)."""
+The map and its backward are the C++ library's (linattn.hedgehog_features, the formula every
+layer calls); the backward is the kernel's for the features, then the map's."""
 
 import ml_dtypes
 import numpy as np
@@ -13,7 +13,7 @@ from . import _linattn
 # results are rounded once to the input dtype, as the registered methods do.
 _LOW = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 
-__all__ = ["hedgehog_features", "hedgehog_attention", "hedgehog_attention_backward"]
+__all__ = ["hedgehog_features", "hedgehog_features_backward", "hedgehog_attention", "hedgehog_attention_backward"]
 
 
 def _array(fn, name, x):
@@ -47,37 +47,28 @@ def _check_map(fn, side, x, weight, bias):
     return x, w, b
 
 
-def _softmax(u):
-    e = np.exp(u - u.max(-1, keepdims=True))  # shifted by the row maximum: any finite logit is safe
-    return e / e.sum(-1, keepdims=True)
-
-
-def _features(x, w, b):
-    # [B,H,n,d] x [H,d,f] + [H,f] -> u [B,H,n,f]; φ = [softmax(u), softmax(−u)] [B,H,n,2f]
-    u = np.einsum("bhnd,hdf->bhnf", x, w) + b[None, :, None, :]
-    return np.concatenate([_softmax(u), _softmax(-u)], -1)
-
-
-def _features_backward(x, w, phi, dphi):
-    """dx, dW, db of sum(dphi·φ), φ = [p, r] = [softmax(u), softmax(−u)], u = x·W + b:
-    du = p⊙(dp − Σ p·dp) − r⊙(dr − Σ r·dr) (the softmax's Jacobian, the second through −u)."""
-    f = w.shape[2]
-    p, r, dp, dr = phi[..., :f], phi[..., f:], dphi[..., :f], dphi[..., f:]
-    du = p * (dp - (p * dp).sum(-1, keepdims=True)) - r * (dr - (r * dr).sum(-1, keepdims=True))
-    return (np.einsum("bhnf,hdf->bhnd", du, w), np.einsum("bhnd,bhnf->hdf", x, du), du.sum((0, 2)))
-
-
 def hedgehog_features(x: "ndarray", weight: "ndarray", bias: "ndarray") -> "ndarray":
     """φ(x) = [softmax(x·W_h + b_h), softmax(−(x·W_h + b_h))] over the feature axis, per head h:
     x [B, H, n, d], weight [H, d, f], bias [H, f] (x's dtype) -> [B, H, n, 2f], each half summing
     to 1."""
     dtype = np.asarray(x).dtype
     x, w, b = _check_map("hedgehog_features", "", x, weight, bias)
-    return _features(x, w, b).astype(dtype, copy=False)
+    return _linattn.hedgehog_features(x, w, b).astype(dtype, copy=False)
+
+
+def hedgehog_features_backward(x: "ndarray", weight: "ndarray", bias: "ndarray",
+                               dphi: "ndarray") -> "tuple[ndarray, ndarray, ndarray]":
+    """(dx, dweight, dbias) of sum(dphi * hedgehog_features(x, weight, bias)), dphi [B, H, n, 2f]
+    in x's dtype."""
+    fn = "hedgehog_features_backward"
+    dtype = np.asarray(x).dtype
+    x, w, b = _check_map(fn, "", x, weight, bias)
+    grads = _linattn.hedgehog_features_backward(x, w, b, _values(fn, dphi, dtype, "dphi"))
+    return tuple(_rounded(fn, ["dx", "dweight", "dbias"], grads, dtype))
 
 
 def _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias):
-    """The checked inputs and both sides' features: q, k, (W_q, φ_q(q)), (W_k, φ_k(k))."""
+    """The checked inputs and both sides' features: q, k, (W_q, b_q, φ_q(q)), (W_k, b_k, φ_k(k))."""
     q_dtype, k_dtype = getattr(q, "dtype", None), getattr(k, "dtype", None)
     q, wq, bq = _check_map(fn, "query_", q, query_weight, query_bias)
     k, wk, bk = _check_map(fn, "key_", k, key_weight, key_bias)
@@ -89,8 +80,8 @@ def _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias):
     if wq.shape[2] != wk.shape[2]:
         raise ValueError("%s: query_weight has %d features and key_weight %d; they must match"
                          % (fn, wq.shape[2], wk.shape[2]))
-    fq, fk = _features(q, wq, bq).astype(q.dtype, copy=False), _features(k, wk, bk).astype(q.dtype, copy=False)
-    return q, k, (wq, fq), (wk, fk)
+    fq, fk = _linattn.hedgehog_features(q, wq, bq), _linattn.hedgehog_features(k, wk, bk)
+    return q, k, (wq, bq, fq), (wk, bk, fk)
 
 
 def _rounded(fn, names, arrays, dtype):
@@ -148,7 +139,7 @@ def hedgehog_attention(q: "ndarray", k: "ndarray", v: "ndarray", query_weight: "
     as linattn.torch.hedgehog_attention."""
     fn = "hedgehog_attention"
     dtype = q.dtype if isinstance(q, np.ndarray) else None
-    q, k, (wq, fq), (wk, fk) = _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias)
+    q, k, (_, _, fq), (_, _, fk) = _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias)
     v = _values(fn, v, dtype)
     out = _kernel(fn, lambda: _linattn._forward("linear", fq, fk, v, {"conv_weight": None},
                                                 _options(causal, key_lengths, eps), []))
@@ -163,11 +154,11 @@ def hedgehog_attention_backward(q: "ndarray", k: "ndarray", v: "ndarray", query_
     sum(dout * hedgehog_attention(...)): the kernel's gradients of the features, then the maps'."""
     fn = "hedgehog_attention_backward"
     dtype = q.dtype if isinstance(q, np.ndarray) else None
-    q, k, (wq, fq), (wk, fk) = _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias)
+    q, k, (wq, bq, fq), (wk, bk, fk) = _prepare(fn, q, k, query_weight, query_bias, key_weight, key_bias)
     v, dout = _values(fn, v, dtype), _values(fn, dout, dtype, "dout")
     dfq, dfk, dv = _kernel(fn, lambda: _linattn._backward("linear", fq, fk, v, dout, {"conv_weight": None},
                                                           _options(causal, key_lengths, eps), {}))[:3]
-    dq, dwq, dbq = _features_backward(q, wq, fq, dfq)
-    dk, dwk, dbk = _features_backward(k, wk, fk, dfk)
+    dq, dwq, dbq = _linattn.hedgehog_features_backward(q, wq, bq, dfq)
+    dk, dwk, dbk = _linattn.hedgehog_features_backward(k, wk, bk, dfk)
     return tuple(_rounded(fn, ["dq", "dk", "dv", "d_query_weight", "d_query_bias", "d_key_weight", "d_key_bias"],
                           (dq, dk, dv, dwq, dbq, dwk, dbk), dtype))

@@ -6,7 +6,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['RecurrentState', 'build_info', 'causal_conv1d', 'causal_conv1d_backward', 'chi_quantile_radii', 'feature_logits', 'feature_logits_backward', 'features', 'features_backward', 'gated_delta_rule', 'gated_delta_rule_backward', 'gated_linear_attention', 'gated_linear_attention_backward', 'get_num_threads', 'hybrid_decode_step', 'linformer_projections', 'measure_peak_rates', 'random_features', 'recurrent_state', 'release_cached_memory', 'reset_workspace_peak', 'set_num_threads', 'share_openmp_runtime', 'thread_pool', 'use_own_threads', 'workspace_stats']
+__all__: list[str] = ['RecurrentState', 'build_info', 'causal_conv1d', 'causal_conv1d_backward', 'chi_quantile_radii', 'feature_logits', 'feature_logits_backward', 'features', 'features_backward', 'gated_delta_rule', 'gated_delta_rule_backward', 'gated_linear_attention', 'gated_linear_attention_backward', 'get_num_threads', 'hedgehog_features', 'hedgehog_features_backward', 'hybrid_decode_step', 'linformer_projections', 'measure_peak_rates', 'random_features', 'recurrent_state', 'release_cached_memory', 'reset_workspace_peak', 'set_num_threads', 'share_openmp_runtime', 'thread_pool', 'use_own_threads', 'workspace_stats']
 class RecurrentState:
     """
     Constant-size decoding state; make one with recurrent_state().
@@ -150,7 +150,17 @@ def gated_linear_attention_backward(q: typing.Any, k: typing.Any, v: typing.Any,
     """
 def get_num_threads() -> int:
     ...
-def hybrid_decode_step(q: typing.Any, k: typing.Any, v: typing.Any, query_features: typing.Any, leaving_features: typing.Any, advance: typing.Any, window_weight: typing.Any, log_decay: typing.Any, sums: typing.Any, normaliser: typing.Any, exact_keys: typing.Any, exact_values: typing.Any, exact_valid: typing.Any, counts: typing.Any, *, window: typing.SupportsInt | typing.SupportsIndex, sinks: typing.SupportsInt | typing.SupportsIndex, scale: typing.SupportsFloat | typing.SupportsIndex, eps: typing.SupportsFloat | typing.SupportsIndex) -> typing.Any:
+def hedgehog_features(x: typing.Any, weight: typing.Any, bias: typing.Any) -> numpy.ndarray:
+    """
+    Hedgehog's learned feature map by the kernels' code: phi(x) = [softmax(x·W_h + b_h),
+    softmax(-(x·W_h + b_h))] per head h; x [B, H, n, d], weight [H, d, f], bias [H, f] (float32 or
+    float64, one dtype, finite) -> [B, H, n, 2f], each half summing to 1.
+    """
+def hedgehog_features_backward(x: typing.Any, weight: typing.Any, bias: typing.Any, dphi: typing.Any) -> tuple:
+    """
+    (dx, dweight, dbias) of sum(dphi * hedgehog_features(x, weight, bias)), dphi [B, H, n, 2f].
+    """
+def hybrid_decode_step(q: typing.Any, k: typing.Any, v: typing.Any, query_features: typing.Any, leaving_features: typing.Any, advance: typing.Any, window_weight: typing.Any, log_decay: typing.Any, sums: typing.Any, normaliser: typing.Any, exact_keys: typing.Any, exact_values: typing.Any, exact_valid: typing.Any, counts: typing.Any, *, window: typing.SupportsInt | typing.SupportsIndex, sinks: typing.SupportsInt | typing.SupportsIndex, scale: typing.SupportsFloat | typing.SupportsIndex, eps: typing.SupportsFloat | typing.SupportsIndex, query_weight: typing.Any = None, query_bias: typing.Any = None, key_weight: typing.Any = None, key_bias: typing.Any = None) -> typing.Any:
     """
     One decoding step of the causal sliding-window + linear hybrid for every batch row and head,
     in place on its state (include/linattn/hybrid.h; linattn.hf's LinattnCache runs it): q [B, H, d],
@@ -160,6 +170,9 @@ def hybrid_decode_step(q: typing.Any, k: typing.Any, v: typing.Any, query_featur
     state arrays sums [B, H, m', d_v], normaliser [B, H, m'], exact_keys [B, H_kv, s + w, d],
     exact_values [B, H_kv, s + w, d_v] (q's dtype),
     exact_valid [B, s + w] bool and counts [B] int64 are changed in place. Returns out [B, H, d_v].
+    With Hedgehog's maps (query_weight, key_weight [H, d, f], query_bias, key_bias [H, f], all four)
+    the step makes both features itself (hedgehog_features' formula, m' = 2f): pass None for
+    query_features and leaving_features.
     """
 def linformer_projections(s_proj: typing.SupportsInt | typing.SupportsIndex, n_max: typing.SupportsInt | typing.SupportsIndex, *, heads: int | None = None, seed: typing.SupportsInt | typing.SupportsIndex = 0, dtype: numpy.typing.DTypeLike = ...) -> tuple:
     """

@@ -563,3 +563,69 @@ def test_hybrid_decode_step_refuses_arrays_it_could_not_change_in_place():
         _linattn.hybrid_decode_step(**dict(args, leaving_features=-args["leaving_features"]), **state, **opts)
     for key, value in state.items():
         np.testing.assert_array_equal(value, before[key])
+
+
+def test_hybrid_decode_step_takes_hedgehog_maps_or_features_not_both():
+    """With Hedgehog's four map tensors the step makes both features itself (LinattnCache's one
+    call per layer and token): it equals the step given hedgehog_features' features; maps and
+    features together, a part of the maps, or neither is a ValueError naming them."""
+    import numpy as np
+    import linattn
+    from linattn import _linattn
+    B, H, d, f, s, w = 2, 3, 4, 3, 1, 2
+    rng = np.random.default_rng(1)
+    f64 = lambda *shape: rng.standard_normal(shape)  # noqa: E731
+    maps = dict(query_weight=f64(H, d, f), query_bias=f64(H, f), key_weight=f64(H, d, f), key_bias=f64(H, f))
+
+    def fresh():
+        return dict(sums=np.zeros((B, H, 2 * f, d)), normaliser=np.zeros((B, H, 2 * f)),
+                    exact_keys=np.zeros((B, H, s + w, d)), exact_values=np.zeros((B, H, s + w, d)),
+                    exact_valid=np.zeros((B, s + w), bool), counts=np.zeros(B, np.int64))
+    a, b = fresh(), fresh()
+    common = dict(advance=np.ones(B, bool), window_weight=np.full(H, 0.5), log_decay=None, window=w, sinks=s,
+                  scale=0.5, eps=1e-6)
+    for t in range(6):
+        q, k, v = f64(B, H, d), f64(B, H, d), f64(B, H, d)
+        leaving = b["exact_keys"][np.arange(B), :, s + b["counts"] % w]  # [B, H, d]: the key each row's ring gives up
+        fq = linattn.hedgehog_features(q[:, :, None], maps["query_weight"], maps["query_bias"])[:, :, 0]
+        fl = linattn.hedgehog_features(leaving[:, :, None], maps["key_weight"], maps["key_bias"])[:, :, 0]
+        got = _linattn.hybrid_decode_step(q, k, v, None, None, **a, **common, **maps)
+        want = _linattn.hybrid_decode_step(q, k, v, fq, fl, **b, **common)
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    q = f64(B, H, d)
+    with pytest.raises(ValueError, match="query_features and leaving_features must be None when Hedgehog's maps"):
+        _linattn.hybrid_decode_step(q, q, q, np.abs(f64(B, H, 2 * f)), None, **a, **common, **maps)
+    with pytest.raises(ValueError, match="go together .*; 3 of them were given"):
+        _linattn.hybrid_decode_step(q, q, q, None, None, **a, **common, **dict(maps, key_bias=None))
+    with pytest.raises(ValueError, match="required unless Hedgehog's maps"):
+        _linattn.hybrid_decode_step(q, q, q, None, None, **a, **common)
+    with pytest.raises(ValueError, match="key_weight has shape"):
+        _linattn.hybrid_decode_step(q, q, q, None, None, **a, **common, **dict(maps, key_weight=f64(H, d, f + 1)))
+
+
+def test_decoding_reads_learned_tensors_changed_or_replaced_after_the_prompt():
+    """The C++ step's Hedgehog maps and window weight are kept per layer between tokens: a query
+    map or window gate changed in place, or replaced, after the prompt is the one the next token
+    reads, as a cache made with the new values from the start gives (in the last layer neither
+    enters any state: its outputs feed no later layer's keys)."""
+    options = {"feature_dim": 4, "window": 3, "sinks": 1}
+    ids = ids_of(1, 10)
+    model = model_on("linattn_hedgehog", options)
+    changed = model_on("linattn_hedgehog", options)
+    attn, attn_changed = model.model.layers[-1].self_attn, changed.model.layers[-1].self_attn
+    with torch.no_grad():
+        attn_changed.linattn_hedgehog_q.weight.mul_(1.5)
+        attn_changed.linattn_window_gate.add_(0.7)
+        cache, fresh = lh.LinattnCache(model), lh.LinattnCache(changed)
+        model(ids[:, :6], past_key_values=cache, use_cache=True)
+        changed(ids[:, :6], past_key_values=fresh, use_cache=True)
+        for t in range(6, 8):
+            model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            changed(ids[:, t:t + 1], past_key_values=fresh, use_cache=True)
+        attn.linattn_hedgehog_q.weight.mul_(1.5)  # in place
+        attn.linattn_window_gate = torch.nn.Parameter(attn.linattn_window_gate + 0.7)  # replaced
+        got = model(ids[:, 8:9], past_key_values=cache, use_cache=True).logits
+        want = changed(ids[:, 8:9], past_key_values=fresh, use_cache=True).logits
+        stale = model_on("linattn_hedgehog", options)(ids[:, :9]).logits[:, -1:]
+    assert (got - want).abs().max() <= TOL * want.abs().max()
+    assert (got - stale).abs().max() > 100 * TOL * want.abs().max()  # the change is visible in the logits

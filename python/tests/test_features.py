@@ -92,3 +92,57 @@ def test_bad_input():
         lt.feature_logits(torch.from_numpy(x), torch.from_numpy(w).requires_grad_(True))
     with pytest.raises(TypeError, match="projection has dtype"):
         lt.feature_logits(torch.from_numpy(x), torch.from_numpy(w).float())
+
+
+def test_torch_hedgehog_features_gradients_of_every_input():
+    """linattn.torch.hedgehog_features runs the C++ map (linattn.hedgehog_features) and its
+    backward: torch's gradcheck for x, weight and bias against central differences."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 2, 5, 4, dtype=torch.float64, generator=g).requires_grad_()
+    w = (0.7 * torch.randn(2, 4, 3, dtype=torch.float64, generator=g)).requires_grad_()
+    b = (0.3 * torch.randn(2, 3, dtype=torch.float64, generator=g)).requires_grad_()
+    assert torch.autograd.gradcheck(lt.hedgehog_features, (x, w, b))
+
+
+def test_hedgehog_backward_in_numpy_equals_torch_autograd():
+    rng = np.random.default_rng(4)
+    x, w, b, g = rng.standard_normal((1, 3, 7, 4)), rng.standard_normal((3, 4, 2)), rng.standard_normal((3, 2)), \
+        rng.standard_normal((1, 3, 7, 4))
+    dx, dw, db = linattn.hedgehog_features_backward(x, w, b, g)
+    xt, wt, bt = (torch.tensor(a, requires_grad=True) for a in (x, w, b))
+    (lt.hedgehog_features(xt, wt, bt) * torch.tensor(g)).sum().backward()
+    for got, t in ((dx, xt), (dw, wt), (db, bt)):
+        np.testing.assert_allclose(got, t.grad.numpy(), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_torch_hedgehog_16_bit_runs_in_float32_rounded_once(dtype):
+    g = torch.Generator().manual_seed(5)
+    x, w, b = (torch.randn(*s, generator=g).to(dtype).requires_grad_() for s in ((1, 2, 6, 4), (2, 4, 3), (2, 3)))
+    phi = lt.hedgehog_features(x, w, b)
+    want = lt.hedgehog_features(x.float(), w.float(), b.float())
+    assert phi.dtype == dtype and torch.equal(phi, want.to(dtype))
+    phi.float().sum().backward()
+    assert x.grad.dtype == w.grad.dtype == b.grad.dtype == dtype
+
+
+def test_torch_hedgehog_compiles_and_runs_on_meta_tensors():
+    x, w, b = torch.randn(1, 2, 5, 4), torch.randn(2, 4, 3), torch.randn(2, 3)
+    compiled = torch.compile(lt.hedgehog_features, fullgraph=True)
+    torch.testing.assert_close(compiled(x, w, b), lt.hedgehog_features(x, w, b), rtol=0, atol=0)
+    meta = lt.hedgehog_features(*(t.to("meta") for t in (x, w, b)))
+    assert meta.shape == (1, 2, 5, 6) and meta.device.type == "meta"
+
+
+def test_hedgehog_bad_input():
+    x, w, b = torch.randn(1, 2, 5, 4), torch.randn(2, 4, 3), torch.randn(2, 3)
+    with pytest.raises(ValueError, match="weight has shape \\[2, 4, 2\\]|bias has shape"):
+        lt.hedgehog_features(x, w, b[:, :2])
+    with pytest.raises(TypeError, match="weight has dtype torch.float64"):
+        lt.hedgehog_features(x, w.double(), b)
+    bad = w.clone()
+    bad[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="hedgehog_features: weight has a non-finite value"):
+        lt.hedgehog_features(x, bad, b)
+    with pytest.raises(ValueError, match="dphi has shape"):
+        linattn.hedgehog_features_backward(x.numpy(), w.numpy(), b.numpy(), np.zeros((1, 2, 5, 5), np.float32))

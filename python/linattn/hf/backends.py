@@ -9,9 +9,11 @@ one place, create_learned (called by set_options, hence by linearize and from_pr
 never by a forward: a forward finds them (learned_tensor) or raises, and casts a tensor whose
 dtype differs from the activations' (autocast, a bfloat16 forward) without replacing it."""
 
+import copy
 import functools as _functools
 import math
 import threading as _threading
+import weakref as _weakref
 
 import numpy as _np
 import torch as _torch
@@ -484,11 +486,31 @@ def per_query_head(t, heads):
 def options_of(config, name):
     """Backend `name`'s options: its defaults, updated by config.linattn_options when `name` is
     the config's backend (the options are the model's backend's; another backend called on the
-    same modules, as a comparison does, runs with its defaults)."""
+    same modules, as a comparison does, runs with its defaults). Every attention layer asks at
+    every forward (a decoded token: 30 layers of SmolLM2): the checked options are kept per
+    config and checked again whenever what they come from differs (a new dict, or one changed)."""
     given = {}
     if getattr(config, "_attn_implementation", None) == name and stored_backend(config) == name:
         given = dict(getattr(config, "linattn_options", None) or {})
-    return checked(name, given, config)
+    # What the checks read: the options, and the config's max_position_embeddings (Linformer's default).
+    key = (name, given, getattr(config, "max_position_embeddings", None))
+    memo = _OPTIONS_MEMO.get(id(config))
+    try:
+        if memo is not None and memo[0]() is config and bool(memo[1] == key):
+            return dict(memo[2])
+    except (TypeError, ValueError):  # a value that does not compare as one bool (an array): checked below
+        pass
+    o = checked(name, given, config)
+    if config is not None:
+        try:
+            _OPTIONS_MEMO[id(config)] = (_weakref.ref(config, lambda _, i=id(config): _OPTIONS_MEMO.pop(i, None)),
+                                         copy.deepcopy(key), dict(o))
+        except TypeError:  # a config that takes no weak reference, or a value no copy: checked every time
+            pass
+    return o
+
+
+_OPTIONS_MEMO = {}  # id(config) -> (weak reference, key, checked options): options_of's
 
 
 def stored_backend(config):

@@ -83,6 +83,7 @@ class LinattnCacheLayer(CacheLayerMixin):
         self.tokens = 0
         self.linear = self.counts = None
         self.exact_keys = self.exact_values = self.exact_valid = self.conv_values = None
+        self.step_constants = None  # _step_constants' memo
         self.is_initialized = False
 
     def lazy_initialization(self, key_states, value_states):
@@ -105,6 +106,11 @@ class LinattnCacheLayer(CacheLayerMixin):
 
     def prefetch(self):
         pass
+
+    def __getstate__(self):  # copy.deepcopy: the memo holds the model's parameters, which a copy must not clone
+        state = dict(self.__dict__)
+        state["step_constants"] = None
+        return state
 
     def _tensors(self):
         return ("counts", "exact_keys", "exact_values", "exact_valid", "conv_values")
@@ -380,8 +386,7 @@ def attend(name, layer, module, b, user, query, key, value, attention_mask, scal
     fmap = _Map(module, b, user, query, scaling)
     window = int(user.get("window") or 0)
     sinks = int(user.get("sinks") or 0) if window else 0
-    decays = _backends.log_decay(user, query.shape[1]) if window else None
-    decay = None if decays is None else torch.tensor(decays, dtype=torch.float64, device=query.device)  # λ [H]
+    decay = _log_decay(layer, user, query.shape[1], query.device) if window else None  # λ [H]
     if not decoding:  # the prompt: the backend's own forward (with autograd when enabled)
         heads = query.shape[1]
         key_h, value_h = _backends.per_query_head(key, heads), _backends.per_query_head(value, heads)
@@ -562,21 +567,70 @@ def _native_step(fmap, layer, q):
             and layer.exact_keys.dtype == q.dtype and layer.linear.sums.dtype == q.dtype)
 
 
+def _log_decay(layer, user, heads, device):
+    """The option decay's λ [H] (float64), or None; kept on the layer between tokens."""
+    decays = _backends.log_decay(user, heads)
+    if decays is None:
+        return None
+    memo = getattr(layer, "decay_memo", None)
+    if memo is None or memo[0] != decays or memo[1].device != device:
+        layer.decay_memo = memo = (decays, torch.tensor(decays, dtype=torch.float64, device=device))
+    return memo[1]
+
+
+def _parameters(t):
+    """(the dict holding it, its name, the parameter, its version) for each parameter of t (a
+    tensor, or a module and its submodules)."""
+    if not isinstance(t, torch.nn.Module):
+        return [(None, None, t, t._version)]
+    return [(m._parameters, name, p, p._version) for m in t.modules() for name, p in m._parameters.items()
+            if p is not None]
+
+
+def _step_constants(layer, module, b, user, q, decay):
+    """What the C++ step takes besides the tokens and the state, as NumPy arrays in q's dtype:
+    the window weight γ, λ, and Hedgehog's maps (or None). Made once and kept on the layer, and
+    made again when q's dtype changed or one of the module's learned tensors was replaced or
+    changed in place (its version counter): decoding reads the model as it is now."""
+    memo = layer.step_constants
+    if (memo is not None and memo["dtype"] == q.dtype
+            and all(_backends._existing(module, attr) is t for attr, t in memo["sources"])
+            and all((owner is None or owner.get(name) is p) and p._version == v
+                    for owner, name, p, v in memo["parameters"])):
+        return memo["arrays"]
+    sources = [(attr, _backends._existing(module, attr)) for attr in b.learned(module, user)]
+    sources = [(attr, t) for attr, t in sources if t is not None]
+    arrays = {"window_weight": _array(_window_weight(module, b, user, q).to(q.dtype)),
+              "log_decay": None if decay is None else _array(decay.to(q.dtype))}
+    if isinstance(b, _backends.Hedgehog):
+        (qw, qb), (kw, kb) = (b.map(module, user, side, q) for side in ("query", "key"))
+        arrays.update(query_features=None, leaving_features=None, query_weight=_array(qw), query_bias=_array(qb),
+                      key_weight=_array(kw), key_bias=_array(kb))
+    layer.step_constants = {"dtype": q.dtype, "sources": sources, "arrays": arrays,
+                            "parameters": [entry for _, t in sources for entry in _parameters(t)]}
+    return arrays
+
+
 def _native(layer, fmap, module, b, user, q, k, v, window, sinks, decay, advance, eps):
     """The window's step (sums, sinks, ring and the read; counts advanced) in one C++ call, in
-    place on the layer's tensors: [B, H, d_v], 0 where a row does not advance."""
+    place on the layer's tensors: [B, H, d_v], 0 where a row does not advance. Hedgehog's maps
+    go in as they are (the step applies them to q and to the key leaving the window); a fixed
+    map's features are made here."""
     dtype = q.dtype
-    _, leaving, _ = _ring_slot(layer, window, sinks)
     linear = layer.linear
     if not (linear.sums.is_contiguous() and linear.normaliser.is_contiguous()):
         layer.linear = linear = linear.map(lambda t: t.contiguous())
+    inputs = _step_constants(layer, module, b, user, q, decay)
+    if not isinstance(b, _backends.Hedgehog):
+        _, leaving, _ = _ring_slot(layer, window, sinks)
+        inputs = dict(inputs, query_features=_array(fmap.plain(q, "query")[:, :, 0].to(dtype)),
+                      leaving_features=_array(fmap.plain(_backends.per_query_head(leaving, q.shape[1]),
+                                                         "key")[:, :, 0].to(dtype)))
     out = _linattn.hybrid_decode_step(
-        _array(q[:, :, 0]), _array(k[:, :, 0]), _array(v[:, :, 0]), _array(fmap.plain(q, "query")[:, :, 0].to(dtype)),
-        _array(fmap.plain(_backends.per_query_head(leaving, q.shape[1]), "key")[:, :, 0].to(dtype)), _array(advance),
-        _array(_window_weight(module, b, user, q)), None if decay is None else _array(decay.to(dtype)),
-        linear.sums.numpy(), linear.normaliser.numpy(),
-        layer.exact_keys.numpy(), layer.exact_values.numpy(), layer.exact_valid.numpy(), layer.counts.numpy(),
-        window=window, sinks=sinks, scale=fmap.scale, eps=eps)
+        _array(q[:, :, 0]), _array(k[:, :, 0]), _array(v[:, :, 0]), advance=_array(advance),
+        sums=linear.sums.numpy(), normaliser=linear.normaliser.numpy(), exact_keys=layer.exact_keys.numpy(),
+        exact_values=layer.exact_values.numpy(), exact_valid=layer.exact_valid.numpy(), counts=layer.counts.numpy(),
+        window=window, sinks=sinks, scale=fmap.scale, eps=eps, **inputs)
     return torch.from_numpy(out)
 
 

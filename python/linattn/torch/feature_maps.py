@@ -8,9 +8,10 @@ differentiates the map, the kernel gives the gradients of its features.
 
 hedgehog_attention() does exactly that, with the maps' parameters as arguments.
 
-The fixed maps are the C++ library's own, differentiable here: features() (elu, relu, focused,
-identity) and feature_logits() (FAVOR's maps in log form); linattn's decoding cache and
-context-parallel layers call them rather than a formula of their own."""
+Every map's formula is the C++ library's own, differentiable here: hedgehog_features()
+(Hedgehog's learned map), features() (elu, relu, focused, identity) and feature_logits() (FAVOR's
+maps in log form); linattn's decoding cache and context-parallel layers call them rather than a
+formula of their own."""
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -125,15 +126,66 @@ def _check_parameters(fn, x, weight, bias):
                          % (fn, list(bias.shape), H, weight.shape[2]))
 
 
+# Hedgehog's map as torch operators (linattn::hedgehog_features and its backward), with a fake
+# implementation for torch.compile and meta tensors, as the registered methods have (_ops.py).
+# A 16-bit input runs in float32, as the kernels widen it; each result is rounded once to its
+# input's dtype.
+def _wide(t):
+    return t if t.dtype in _FULL else t.float()
+
+
+@torch.library.custom_op("linattn::hedgehog_features", mutates_args=(), device_types="cpu")
+def _hedgehog_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return _from_numpy(_linattn.hedgehog_features(*(_array(_wide(t)) for t in (x, weight, bias)))).to(x.dtype)
+
+
+@_hedgehog_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty(x.shape[:-1] + (2 * weight.shape[2],))
+
+
+@torch.library.custom_op("linattn::hedgehog_features_backward", mutates_args=(), device_types="cpu")
+def _hedgehog_backward_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, dphi: torch.Tensor,
+                          phi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    wide = [_wide(t) for t in (x, weight, bias)]
+    # A 16-bit forward's φ was rounded: the backward makes it again in float32 instead.
+    saved = _array(phi) if phi.dtype == wide[0].dtype else None
+    grads = _linattn.hedgehog_features_backward(*(_array(t) for t in wide), _array(dphi.to(wide[0].dtype)), phi=saved)
+    return tuple(_from_numpy(g).to(t.dtype) for g, t in zip(grads, (x, weight, bias)))
+
+
+@_hedgehog_backward_op.register_fake
+def _(x, weight, bias, dphi, phi):
+    return torch.empty_like(x), torch.empty_like(weight), torch.empty_like(bias)
+
+
+def _hedgehog_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs, output)  # φ, which the backward reads (as torch's softmax keeps its output)
+
+
+def _hedgehog_backward(ctx, dphi):
+    return _hedgehog_backward_op(*ctx.saved_tensors[:3], dphi.contiguous(), ctx.saved_tensors[3])
+
+
+_hedgehog_op.register_autograd(_hedgehog_backward, setup_context=_hedgehog_setup)
+
+
 def hedgehog_features(x, weight, bias):
     """φ(x) = [softmax(x·W_h + b_h), softmax(−(x·W_h + b_h))] over the feature axis, per head h
     (Hedgehog, Zhang et al., ICLR 2024): x [B, H, n, d], weight [H, d, f], bias [H, f] ->
-    [B, H, n, 2f]. Each half sums to 1, so φ(q)·φ(k) lies in (0, 2] whatever the inputs' size:
-    the kernel's sums cannot overflow. softmax shifts by the row maximum, so any finite logit
-    is safe."""
-    _check_parameters("hedgehog_features", x, weight, bias)
-    u = torch.einsum("bhnd,hdf->bhnf", x, weight) + bias[None, :, None, :]
-    return torch.cat([torch.softmax(u, dim=-1), torch.softmax(-u, dim=-1)], dim=-1)
+    [B, H, n, 2f], by linattn's own map (linattn.hedgehog_features, the one LinattnCache's
+    decoding step runs), with the gradients of x, weight and bias. Each half sums to 1, so
+    φ(q)·φ(k) lies in (0, 2] whatever the inputs' size: the kernel's sums cannot overflow.
+    softmax shifts by the row maximum, so any finite logit is safe. float32, float64, bfloat16 or
+    float16 (16-bit runs in float32), one dtype; CPU tensors."""
+    fn = "hedgehog_features"
+    from . import _tensor  # linattn.torch's check, defined before this module is imported
+
+    x = _tensor(fn, "x", x)
+    _check_parameters(fn, x, weight, bias)
+    for name, t in (("weight", weight), ("bias", bias)):
+        _tensor(fn, name, t)
+    return _hedgehog_op(x, weight.contiguous(), bias.contiguous())
 
 
 class HedgehogFeatureMap(torch.nn.Module):

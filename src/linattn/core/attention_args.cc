@@ -131,8 +131,8 @@ double check_finite(const char* fn, const char* name, TensorView<const T> x) {
 template <class T>
 double check_same_shape_finite(const char* fn, const char* name, TensorView<const T> x,
                                const Shape& expected) {
-  require(x.shape == expected, fn, ": ", name, " has shape ", shape_string(x.shape), "; expected ",
-          shape_string(expected));
+  if (x.shape != expected)
+    fail(fn, ": ", name, " has shape ", shape_string(x.shape), "; expected ", shape_string(expected));
   require(x.size() == 0 || x.data != nullptr, fn, ": ", name, " has no data");
   if (x.rank() == 4)
     return check_rows_finite(fn, name, x, std::vector<int64_t>(static_cast<size_t>(x.dim(0)), x.dim(2)));

@@ -73,8 +73,9 @@ NonCausalArgs check_noncausal_args(const char* fn, TensorView<const T> q, Tensor
 // Error "<fn>: <name> has shape [...]; expected [...]" unless x has exactly `expected` shape.
 template <class T>
 void check_shape(const char* fn, const char* name, TensorView<const T> x, const Shape& expected) {
-  require(x.shape == expected, fn, ": ", name, " has shape ", shape_string(x.shape), "; expected ",
-          shape_string(expected));
+  // Not require(): its arguments, the shape strings, would be made on every call.
+  if (x.shape != expected)
+    fail(fn, ": ", name, " has shape ", shape_string(x.shape), "; expected ", shape_string(expected));
 }
 
 // After a computation whose inputs were all found finite and whose result was not: the error

@@ -17,6 +17,7 @@
 
 #include "linattn/core/attention_args.h"
 #include "linattn/core/error.h"
+#include "linattn/core/hedgehog_map.h"
 #include "linattn/core/parallel.h"
 #include "linattn/core/simd.h"
 #include "linattn/hybrid.h"
@@ -26,12 +27,63 @@ namespace {
 
 template <class T>
 void check_all(const char* fn, const char* name, TensorView<const T> x, double lo, double hi, const char* what) {
-  for (int64_t i = 0; i < x.size(); ++i) {
+  for (int64_t i = 0, n = x.size(); i < n; ++i) {
     const double a = static_cast<double>(x.data[i]);
     require(std::isfinite(a) && a >= lo && a <= hi, fn, ": ", name, " must be ", what, ", got ", a, " at flat index ",
             i);
   }
 }
+
+struct StepDims {
+  int64_t B, H, d, dv, m, Hkv, G, w, s, slots;
+};
+
+// The checks of every argument but the features (m' given): the dims, or an Error naming the
+// first bad argument. Reads nothing of the state but its shapes and counts.
+template <class T>
+StepDims check_step(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, int64_t m,
+                    TensorView<const bool> advance, TensorView<const T> window_weight, TensorView<const T> log_decay,
+                    const HybridDecodeState<T>& state, const HybridDecodeOptions& opts) {
+  constexpr double inf = std::numeric_limits<double>::infinity();
+  require(q.rank() == 3, fn, ": q must be [batch, heads, head_dim], got shape ", shape_string(q.shape));
+  require(v.rank() == 3 && v.dim(1) >= 1, fn, ": v must be [batch, kv_heads >= 1, value_dim], got shape ",
+          shape_string(v.shape));
+  StepDims s{q.dim(0), q.dim(1), q.dim(2), v.dim(2), m, v.dim(1), 0, opts.window, opts.sinks, 0};
+  // Grouped queries: query head h reads key/value head h / G, G = H / kv_heads (the exact slots
+  // are stored once per key head, as the model makes them).
+  require(s.H % s.Hkv == 0, fn, ": v has ", s.Hkv, " key/value heads, which must divide q's ", s.H, " heads");
+  s.G = s.H / s.Hkv;
+  require(opts.window >= 1, fn, ": window must be >= 1, got ", opts.window);
+  require(opts.sinks >= 0, fn, ": sinks must be >= 0, got ", opts.sinks);
+  require(std::isfinite(opts.scale), fn, ": scale must be finite, got ", opts.scale);
+  require(std::isfinite(opts.eps) && opts.eps >= 0, fn, ": eps must be finite and >= 0, got ", opts.eps);
+  s.slots = s.s + s.w;
+  const int64_t B = s.B, H = s.H, Hkv = s.Hkv, d = s.d, dv = s.dv, slots = s.slots;
+  check_finite(fn, "q", q);
+  check_same_shape_finite(fn, "k", k, {B, Hkv, d});
+  check_same_shape_finite(fn, "v", v, {B, Hkv, dv});
+  check_shape(fn, "advance", advance, {B});
+  check_shape(fn, "window_weight", window_weight, {H});
+  if (log_decay.data) check_shape(fn, "log_decay", log_decay, {H});
+  check_shape(fn, "sums", TensorView<const T>(state.sums), {B, H, m, dv});
+  check_shape(fn, "normaliser", TensorView<const T>(state.normaliser), {B, H, m});
+  check_shape(fn, "exact_keys", TensorView<const T>(state.exact_keys), {B, Hkv, slots, d});
+  check_shape(fn, "exact_values", TensorView<const T>(state.exact_values), {B, Hkv, slots, dv});
+  check_shape(fn, "exact_valid", TensorView<const bool>(state.exact_valid), {B, slots});
+  check_shape(fn, "counts", TensorView<const int64_t>(state.counts), {B});
+  check_all(fn, "window_weight", window_weight, 0, 1, "in [0, 1]");
+  if (log_decay.data) check_all(fn, "log_decay", log_decay, -inf, 0, "finite and <= 0");
+  for (int64_t b = 0; b < B; ++b)
+    require(state.counts.data[b] >= 0, fn, ": counts must be >= 0, got ", state.counts.data[b], " for row ", b);
+  return s;
+}
+
+// The step itself, every argument checked: nothing is written before this.
+template <class T>
+Tensor<T> step(const StepDims& dims, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+               const T* query_features, const T* leaving_features, TensorView<const bool> advance,
+               TensorView<const T> window_weight, TensorView<const T> log_decay, const HybridDecodeState<T>& state,
+               const HybridDecodeOptions& opts);
 
 }  // namespace
 
@@ -43,43 +95,68 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
                              const HybridDecodeOptions& opts) {
   const char* fn = "hybrid_decode_step";
   constexpr double inf = std::numeric_limits<double>::infinity();
-  require(q.rank() == 3, fn, ": q must be [batch, heads, head_dim], got shape ", shape_string(q.shape));
-  require(v.rank() == 3 && v.dim(1) >= 1, fn, ": v must be [batch, kv_heads >= 1, value_dim], got shape ",
-          shape_string(v.shape));
   require(query_features.rank() == 3 && query_features.dim(2) >= 1, fn,
           ": query_features must be [batch, heads, m'] with m' >= 1, got shape ", shape_string(query_features.shape));
-  const int64_t B = q.dim(0), H = q.dim(1), d = q.dim(2), dv = v.dim(2), m = query_features.dim(2);
-  // Grouped queries: query head h reads key/value head h / G, G = H / kv_heads (the exact slots
-  // are stored once per key head, as the model makes them).
-  const int64_t Hkv = v.dim(1);
-  require(H % Hkv == 0, fn, ": v has ", Hkv, " key/value heads, which must divide q's ", H, " heads");
-  const int64_t G = H / Hkv;
-  require(opts.window >= 1, fn, ": window must be >= 1, got ", opts.window);
-  require(opts.sinks >= 0, fn, ": sinks must be >= 0, got ", opts.sinks);
-  require(std::isfinite(opts.scale), fn, ": scale must be finite, got ", opts.scale);
-  require(std::isfinite(opts.eps) && opts.eps >= 0, fn, ": eps must be finite and >= 0, got ", opts.eps);
-  const int64_t w = opts.window, s = opts.sinks, slots = s + w;
-  check_finite(fn, "q", q);
-  check_same_shape_finite(fn, "k", k, {B, Hkv, d});
-  check_same_shape_finite(fn, "v", v, {B, Hkv, dv});
-  check_shape(fn, "query_features", query_features, {B, H, m});
-  check_shape(fn, "leaving_features", leaving_features, {B, H, m});
-  check_shape(fn, "advance", advance, {B});
-  check_shape(fn, "window_weight", window_weight, {H});
-  if (log_decay.data) check_shape(fn, "log_decay", log_decay, {H});
-  check_shape(fn, "sums", TensorView<const T>(state.sums), {B, H, m, dv});
-  check_shape(fn, "normaliser", TensorView<const T>(state.normaliser), {B, H, m});
-  check_shape(fn, "exact_keys", TensorView<const T>(state.exact_keys), {B, Hkv, slots, d});
-  check_shape(fn, "exact_values", TensorView<const T>(state.exact_values), {B, Hkv, slots, dv});
-  check_shape(fn, "exact_valid", TensorView<const bool>(state.exact_valid), {B, slots});
-  check_shape(fn, "counts", TensorView<const int64_t>(state.counts), {B});
+  const StepDims dims =
+      check_step(fn, q, k, v, query_features.dim(2), advance, window_weight, log_decay, state, opts);
+  check_shape(fn, "query_features", query_features, {dims.B, dims.H, dims.m});
+  check_shape(fn, "leaving_features", leaving_features, {dims.B, dims.H, dims.m});
   check_all(fn, "query_features", query_features, 0, inf, "finite and >= 0");
   check_all(fn, "leaving_features", leaving_features, 0, inf, "finite and >= 0");
-  check_all(fn, "window_weight", window_weight, 0, 1, "in [0, 1]");
-  if (log_decay.data) check_all(fn, "log_decay", log_decay, -inf, 0, "finite and <= 0");
-  for (int64_t b = 0; b < B; ++b)
-    require(state.counts.data[b] >= 0, fn, ": counts must be >= 0, got ", state.counts.data[b], " for row ", b);
+  return step(dims, q, k, v, query_features.data, leaving_features.data, advance, window_weight, log_decay, state,
+              opts);
+}
 
+template <class T>
+Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                             const HedgehogMaps<T>& maps, TensorView<const bool> advance,
+                             TensorView<const T> window_weight, TensorView<const T> log_decay,
+                             const HybridDecodeState<T>& state, const HybridDecodeOptions& opts) {
+  const char* fn = "hybrid_decode_step";
+  require(q.rank() == 3, fn, ": q must be [batch, heads, head_dim], got shape ", shape_string(q.shape));
+  const int64_t H = q.dim(1), d = q.dim(2);
+  require(maps.query_weight.rank() == 3 && maps.query_weight.dim(0) == H && maps.query_weight.dim(1) == d &&
+              maps.query_weight.dim(2) >= 1,
+          fn, ": query_weight has shape ", shape_string(maps.query_weight.shape), "; expected [heads = ", H,
+          ", head_dim = ", d, ", feature_dim >= 1]");
+  const int64_t f = maps.query_weight.dim(2);
+  check_shape(fn, "query_bias", maps.query_bias, {H, f});
+  check_shape(fn, "key_weight", maps.key_weight, {H, d, f});
+  check_shape(fn, "key_bias", maps.key_bias, {H, f});
+  check_finite(fn, "query_weight", maps.query_weight);
+  check_finite(fn, "query_bias", maps.query_bias);
+  check_finite(fn, "key_weight", maps.key_weight);
+  check_finite(fn, "key_bias", maps.key_bias);
+  const StepDims s = check_step(fn, q, k, v, 2 * f, advance, window_weight, log_decay, state, opts);
+  // φ_q(q) of every head, and φ_k (query head h's key map) of the key in the ring slot the new
+  // token takes: the one leaving the window when the row holds w tokens or more (read only then).
+  const int64_t m = s.m;
+  std::vector<T> phi_q(static_cast<size_t>(s.B * s.H * m)), phi_leaving(static_cast<size_t>(s.B * s.H * m), T(0));
+  for (int64_t b = 0; b < s.B; ++b) {
+    if (!advance.data[b]) continue;
+    const int64_t c = state.counts.data[b];
+    for (int64_t h = 0; h < s.H; ++h) {
+      const int64_t bh = b * s.H + h;
+      hedgehog_row(q.data + bh * d, maps.query_weight.data + h * d * f, maps.query_bias.data + h * f, d, f,
+                   phi_q.data() + bh * m);
+      if (c < s.w) continue;
+      const T* key = state.exact_keys.data + ((b * s.Hkv + h / s.G) * s.slots + s.s + c % s.w) * d;
+      hedgehog_row(key, maps.key_weight.data + h * d * f, maps.key_bias.data + h * f, d, f,
+                   phi_leaving.data() + bh * m);
+    }
+  }
+  return step(s, q, k, v, phi_q.data(), phi_leaving.data(), advance, window_weight, log_decay, state, opts);
+}
+
+namespace {
+
+template <class T>
+Tensor<T> step(const StepDims& dims, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+               const T* query_features, const T* leaving_features, TensorView<const bool> advance,
+               TensorView<const T> window_weight, TensorView<const T> log_decay, const HybridDecodeState<T>& state,
+               const HybridDecodeOptions& opts) {
+  const int64_t B = dims.B, H = dims.H, d = dims.d, dv = dims.dv, m = dims.m, Hkv = dims.Hkv, G = dims.G;
+  const int64_t w = dims.w, s = dims.s, slots = dims.slots;
   // Nothing is written above this line. The exact slots of each advancing row and key head, once
   // for the G query heads that read them: the value leaving the window is kept for the sums
   // (leaving), a sink token leaving it moves to its sink slot, the new token takes its ring slot.
@@ -109,8 +186,11 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
   PerWorker<std::vector<T>> scratch(loop, [&] { return std::vector<T>(static_cast<size_t>(std::max(2 * m, slots) + 2 * dv)); });
   const T scale = static_cast<T>(opts.scale);
   loop.run([&](int64_t index, int worker) {
-    for (int64_t bh = index * group; bh < std::min(B * H, (index + 1) * group); ++bh) {
-      const int64_t b = bh / H, h = bh % H;
+    for (int64_t task = index * group; task < std::min(B * H, (index + 1) * group); ++task) {
+      // Consecutive tasks read different key heads (h = 0, G, 2G, ..., then 1, G + 1, ...): the
+      // workers running at once stream different slots from memory, and a key head's later
+      // query heads find them in cache.
+      const int64_t b = task / H, h = (task % H) % Hkv * G + (task % H) / Hkv, bh = b * H + h;
       if (!advance.data[b]) continue;
       const int64_t c = state.counts.data[b], g = b * Hkv + h / G;  // the key head it reads
       const T* keys = state.exact_keys.data + g * slots * d;
@@ -123,7 +203,7 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
       const bool enters = c >= w && c - w >= s;       // the token w places back leaves for the sums
       if (enters) {  // S ← e^{λ}·S + (e^{λw}·φ) v_oldᵀ, z likewise: one pass over S
         const T weight = static_cast<T>(std::exp(lambda * static_cast<double>(w)));
-        const T* phi = leaving_features.data + bh * m;
+        const T* phi = leaving_features + bh * m;
         std::fill(row, row + m, f);
         T* scaled = row + m;
         for (int64_t r = 0; r < m; ++r) scaled[r] = weight * phi[r];
@@ -144,7 +224,7 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
       T* o = out.data() + bh * dv;
       T* linear = row + std::max(m, slots);  // [dv]
       T* unused = linear + dv;               // state_dots makes two sums at once; one is needed
-      const T* phi_q = query_features.data + bh * m;
+      const T* phi_q = query_features + bh * m;
       simd::state_dots(values, static_cast<size_t>(slots), static_cast<size_t>(dv), row, row, o, unused);
       simd::state_dots(S, static_cast<size_t>(m), static_cast<size_t>(dv), phi_q, phi_q, linear, unused);
       for (int64_t e = 0; e < dv; ++e) o[e] = gamma * o[e] + linear[e];
@@ -156,10 +236,16 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
   return out;
 }
 
+}  // namespace
+
 #define LINATTN_INSTANTIATE(T)                                                                                  \
   template Tensor<T> hybrid_decode_step(TensorView<const T>, TensorView<const T>, TensorView<const T>,          \
                                         TensorView<const T>, TensorView<const T>, TensorView<const bool>,       \
                                         TensorView<const T>, TensorView<const T>, const HybridDecodeState<T>&, \
+                                        const HybridDecodeOptions&);                                     \
+  template Tensor<T> hybrid_decode_step(TensorView<const T>, TensorView<const T>, TensorView<const T>,          \
+                                        const HedgehogMaps<T>&, TensorView<const bool>, TensorView<const T>,   \
+                                        TensorView<const T>, const HybridDecodeState<T>&,                      \
                                         const HybridDecodeOptions&);
 LINATTN_INSTANTIATE(float)
 LINATTN_INSTANTIATE(double)

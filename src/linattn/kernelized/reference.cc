@@ -303,6 +303,35 @@ Tensor<double> features(TensorView<const double> x, const std::string& name,
   return out;
 }
 
+Tensor<double> hedgehog_features(TensorView<const double> x, TensorView<const double> weight,
+                                 TensorView<const double> bias) {
+  require(x.rank() == 4 && weight.rank() == 3 && bias.rank() == 2, "reference::hedgehog_features: shapes");
+  const int64_t B = x.dim(0), H = x.dim(1), n = x.dim(2), d = x.dim(3), f = weight.dim(2);
+  Tensor<double> out({B, H, n, 2 * f});
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < n; ++i) {
+        const double* xi = x.data + ((b * H + h) * n + i) * d;
+        double* o = out.data() + ((b * H + h) * n + i) * 2 * f;
+        Row u(f);
+        for (int64_t j = 0; j < f; ++j) {
+          u[j] = bias.data[h * f + j];
+          for (int64_t c = 0; c < d; ++c) u[j] += xi[c] * weight.data[(h * d + c) * f + j];
+        }
+        // The textbook softmax of u and of −u, unshifted.
+        double plus = 0, minus = 0;
+        for (int64_t j = 0; j < f; ++j) {
+          plus += std::exp(u[j]);
+          minus += std::exp(-u[j]);
+        }
+        for (int64_t j = 0; j < f; ++j) {
+          o[j] = std::exp(u[j]) / plus;
+          o[f + j] = std::exp(-u[j]) / minus;
+        }
+      }
+  return out;
+}
+
 }  // namespace linattn::reference
 
 namespace linattn::reference {

@@ -37,6 +37,10 @@ Tensor<double> features(TensorView<const double> x, const std::string& name,
                         std::optional<TensorView<const double>> projection = std::nullopt,
                         double scale = 1.0, double focus_power = 3,
                         Tensor<double>* jacobian = nullptr);
+// Hedgehog's map by its textbook (unshifted) softmaxes: x [B,H,n,d], weight [H,d,f], bias [H,f]
+// -> [B,H,n,2f]. Its gradients are tested against central differences of this.
+Tensor<double> hedgehog_features(TensorView<const double> x, TensorView<const double> weight,
+                                 TensorView<const double> bias);
 }  // namespace reference
 
 }  // namespace linattn
