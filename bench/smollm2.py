@@ -28,6 +28,7 @@ import json
 import math
 import os
 import sys
+import statistics
 import sysconfig
 import time
 import warnings
@@ -194,13 +195,17 @@ def tune(model, base, tok, texts, held_out, a):
     return model.eval(), time.perf_counter() - t0, a.finetune_steps * a.batch * a.train_length, kept
 
 
-def generation_table(a, base, window_model, best, best_model, ids):
+def generation_table(a, base, window_model, best, best_model, ids, rounds=3):
     """Time per generated token, cache size and prefill at each context: the teacher (sdpa,
-    DynamicCache), the window + sinks and the best conversion (LinattnCache)."""
+    DynamicCache), the window + sinks and the best conversion (LinattnCache). The shortest
+    context is measured `rounds` times, the models in turn: this machine's speed drifts by 10–20%
+    between minutes, so each model's time is the median of the rounds and its ratio to the
+    teacher the median of the ratios within a round."""
+    models = (("teacher (sdpa, DynamicCache)", base, lambda m: transformers.DynamicCache(config=m.config)),
+              ("window + sinks (LinattnCache)", window_model, lambda m: lh.LinattnCache(m))) + \
+        ((("%s (LinattnCache)" % best, best_model, lambda m: lh.LinattnCache(m)),) if best else ())
     rows = []
-    for label, model, make in (("teacher (sdpa, DynamicCache)", base, lambda m: transformers.DynamicCache(config=m.config)),
-                               ("window + sinks (LinattnCache)", window_model, lambda m: lh.LinattnCache(m))) + \
-            ((("%s (LinattnCache)" % best, best_model, lambda m: lh.LinattnCache(m)),) if best else ()):
+    for label, model, make in models:
         for context in a.contexts:
             if label.startswith("teacher") and context > 8192:
                 continue  # beyond its 8192 positions
@@ -208,6 +213,19 @@ def generation_table(a, base, window_model, best, best_model, ids):
             rows.append({"model": label, "context": context, "ms_per_token": 1e3 * per_token,
                          "cache_mib": size / 2 ** 20, "prefill_s": prefill})
             print(rows[-1], flush=True)
+    short = min(a.contexts)
+    times = {label: [r["ms_per_token"] for r in rows if r["model"] == label and r["context"] == short]
+             for label, _, _ in models}
+    for _ in range(rounds - 1):
+        for label, model, make in models:
+            times[label].append(1e3 * generation(model, make, short, a.new_tokens, ids)[0])
+    print("per-token ms at %d, round by round: %s" % (short, times), flush=True)
+    for r in rows:
+        if r["context"] == short:
+            mine, teacher_times = times[r["model"]], times[models[0][0]]
+            r["ms_per_token"] = statistics.median(mine)
+            r["rounds"] = mine
+            r["vs_teacher"] = statistics.median(t / u for t, u in zip(mine, teacher_times))
     return rows
 
 
@@ -345,10 +363,18 @@ def report(r, command):
                                                       "%.0f s" % row["seconds"] if row["seconds"] else "–",
                                                       "{:,}".format(row["tokens"]) if row["tokens"] else "–"))
     lines += ["", "Generation (greedy, one token at a time after the prefill):", "",
-              "| model | context | ms per token | cache | prefill |", "|---|---|---|---|---|"]
+              "| model | context | ms per token | against the teacher | cache | prefill |", "|---|---|---|---|---|---|"]
     for g in r["generation"]:
-        lines.append("| %s | %d | %.1f | %.1f MiB | %.1f s |" % (g["model"], g["context"], g["ms_per_token"],
-                                                                 g["cache_mib"], g["prefill_s"]))
+        ratio = "%.2f×" % g["vs_teacher"] if "vs_teacher" in g else "–"
+        lines.append("| %s | %d | %.1f | %s | %.1f MiB | %.1f s |" % (g["model"], g["context"], g["ms_per_token"], ratio,
+                                                                      g["cache_mib"], g["prefill_s"]))
+    rounds = [g for g in r["generation"] if "rounds" in g]
+    if rounds:
+        lines += ["", "At %d tokens of context each model was timed %d times, the models in turn (ms per token, round by "
+                  "round: %s); its time is the median, and its ratio the median of its ratios to the teacher within "
+                  "a round." % (rounds[0]["context"], len(rounds[0]["rounds"]),
+                                "; ".join("%s %s" % (g["model"].split(" (")[0], ", ".join("%.1f" % t for t in g["rounds"]))
+                                          for g in rounds))]
     again = r.get("generation_again")
     if again:
         lines += ["", "(Generation measured again with `%s`, from the saved conversion, after the run that made the "

@@ -880,9 +880,10 @@ py::object hybrid_decode_step_py(const py::object& q, const py::object& k, const
                                  const py::object& exact_valid, const py::object& counts, int64_t window,
                                  int64_t sinks, double scale, double eps, const py::object& query_weight,
                                  const py::object& query_bias, const py::object& key_weight,
-                                 const py::object& key_bias) {
+                                 const py::object& key_bias, const std::string& feature_map, double focus_power) {
   FullPrecisionArgs<linattn::HybridDecodeOptions> a("hybrid_decode_step");
-  a.opts = {window, sinks, scale, eps};
+  a.opts = {window, sinks, scale, eps, feature_map, focus_power};
+  const bool fixed = feature_map != "given";
   // Features given, or Hedgehog's four map tensors to make them from: one or the other.
   const py::object* maps[] = {&query_weight, &query_bias, &key_weight, &key_bias};
   const int given_maps = static_cast<int>(std::count_if(std::begin(maps), std::end(maps), [](const py::object* t) {
@@ -895,14 +896,20 @@ py::object hybrid_decode_step_py(const py::object& q, const py::object& k, const
   if (hedgehog && !(query_features.is_none() && leaving_features.is_none()))
     throw py::value_error("hybrid_decode_step: query_features and leaving_features must be None when Hedgehog's "
                           "maps (query_weight, ...) are given: the step makes the features from them");
-  if (!hedgehog && (query_features.is_none() || leaving_features.is_none()))
+  if (hedgehog && fixed)
+    throw py::value_error("hybrid_decode_step: feature_map=\"" + feature_map + "\" and Hedgehog's maps "
+                          "(query_weight, ...) were both given; pass one");
+  if (fixed && !(query_features.is_none() && leaving_features.is_none()))
+    throw py::value_error("hybrid_decode_step: query_features and leaving_features must be None with feature_map=\"" +
+                          feature_map + "\": the step makes the features itself");
+  if (!hedgehog && !fixed && (query_features.is_none() || leaving_features.is_none()))
     throw py::value_error("hybrid_decode_step: query_features and leaving_features are required unless Hedgehog's "
-                          "maps (query_weight, query_bias, key_weight, key_bias) are given");
+                          "maps (query_weight, query_bias, key_weight, key_bias) or a fixed feature_map are given");
   a.add("q", q).add("k", k).add("v", v);
   if (hedgehog)
     a.add("query_weight", query_weight).add("query_bias", query_bias).add("key_weight", key_weight).add(
         "key_bias", key_bias);
-  else
+  else if (!fixed)
     a.add("query_features", query_features).add("leaving_features", leaving_features);
   a.add("window_weight", window_weight).add("log_decay", log_decay);
   return by_dtype(a.dtype(), [&](auto tag) -> py::object {
@@ -922,8 +929,10 @@ py::object hybrid_decode_step_py(const py::object& q, const py::object& k, const
             linattn::HedgehogMaps<T>{in.tensor<T>("query_weight"), in.tensor<T>("query_bias"),
                                      in.tensor<T>("key_weight"), in.tensor<T>("key_bias")},
             adv, in.tensor<T>("window_weight"), log_decay_view, state, a.opts);
+      const TensorView<const T> none{};
       return linattn::hybrid_decode_step<T>(in.tensor<T>("q"), in.tensor<T>("k"), in.tensor<T>("v"),
-                                            in.tensor<T>("query_features"), in.tensor<T>("leaving_features"), adv,
+                                            fixed ? none : in.tensor<T>("query_features"),
+                                            fixed ? none : in.tensor<T>("leaving_features"), adv,
                                             in.tensor<T>("window_weight"), log_decay_view, state, a.opts);
     }));
   });
@@ -1351,7 +1360,8 @@ heads summed); dinitial_state is of zeros' gradient when no initial state was gi
         py::arg("log_decay"), py::arg("sums"), py::arg("normaliser"), py::arg("exact_keys"), py::arg("exact_values"),
         py::arg("exact_valid"), py::arg("counts"), py::kw_only(), py::arg("window"), py::arg("sinks"), py::arg("scale"),
         py::arg("eps"), py::arg("query_weight") = py::none(), py::arg("query_bias") = py::none(),
-        py::arg("key_weight") = py::none(), py::arg("key_bias") = py::none(),
+        py::arg("key_weight") = py::none(), py::arg("key_bias") = py::none(), py::arg("feature_map") = "given",
+        py::arg("focus_power") = 3.0,
         R"doc(One decoding step of the causal sliding-window + linear hybrid for every batch row and head,
 in place on its state (include/linattn/hybrid.h; linattn.hf's LinattnCache runs it): q [B, H, d],
 k [B, H_kv, d], v [B, H_kv, d_v] (grouped queries: H_kv divides H; query head h reads key head
@@ -1362,7 +1372,8 @@ exact_values [B, H_kv, s + w, d_v] (q's dtype),
 exact_valid [B, s + w] bool and counts [B] int64 are changed in place. Returns out [B, H, d_v].
 With Hedgehog's maps (query_weight, key_weight [H, d, f], query_bias, key_bias [H, f], all four)
 the step makes both features itself (hedgehog_features' formula, m' = 2f): pass None for
-query_features and leaving_features.)doc");
+query_features and leaving_features. So it does with feature_map "elu", "relu" or "focused"
+(focus_power; features()' formula, m' = d); "given" (the default) takes the features passed.)doc");
   m.def("causal_conv1d", &causal_conv1d_py, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         py::kw_only(), py::arg("initial_state") = py::none(), py::arg("return_state") = false,
         py::arg("activation") = "silu",

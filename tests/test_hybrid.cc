@@ -677,21 +677,24 @@ TEST(HybridDecodeStep, EqualsTheCausalForwardRowByRow) {
     }
 }
 
-// hybrid_decode_step with Hedgehog's maps equals the step with the features given, made by
-// hedgehog_features (φ_q of the query; φ_k of the key leaving the window, each query head's key
-// map on its key head's key), token by token over a sequence longer than window + sinks, with
-// grouped key heads and a padded row. The two make each feature in T by different summation
-// orders (one row's loop against a BLAS product), each within hedgehog_bounds.h's ρφ of the
-// exact feature: the sums' and the normaliser's terms, all >= 0, differ by at most (2ρ + ρ²)
-// relatively (a query and a key feature per term), so each output, a ratio of such sums with
-// the window's terms (the same in both), by at most 2(2ρ + ρ²)·2·max|v|. Bad maps are an error
-// naming them, with nothing written.
+// hybrid_decode_step applying a map itself (Hedgehog's maps, or a fixed map by name) equals the
+// step with the features given, made by hedgehog_features or features() (φ_q of the query; φ_k of
+// the key leaving the window, each query head's key map on its key head's key), token by token
+// over a sequence longer than window + sinks, with grouped key heads and a padded row. The two
+// paths' features differ by at most ρφ (below: Hedgehog's make each feature in T by different
+// summation orders, one row's loop against a BLAS product): the sums' and the normaliser's
+// terms, all >= 0, differ by at most (2ρ + ρ²) relatively (a query and a key feature per term),
+// so each output, a ratio of such sums with the window's terms (the same in both), by at most
+// 2(2ρ + ρ²)·2·max|v| (0 for relu: the same bits). Bad maps are an error naming them, with
+// nothing written.
 template <class T>
-void check_decode_step_maps(int64_t kv_heads, int threads) {
-  SCOPED_TRACE(std::string(dtype_name<T>()) + " " + std::to_string(kv_heads) + " key heads, " +
+void check_decode_step_maps(const std::string& map, int64_t kv_heads, int threads) {
+  SCOPED_TRACE(map + " " + std::string(dtype_name<T>()) + " " + std::to_string(kv_heads) + " key heads, " +
                std::to_string(threads) + " threads");
+  const bool hedgehog = map == "hedgehog";
   testing::ScopedThreads scope(threads);
-  constexpr int64_t B = 2, H = 6, d = 5, dv = 4, f = 3, m = 2 * f, n = 21, w = 4, s = 2, slots = s + w;
+  constexpr int64_t B = 2, H = 6, d = 5, dv = 4, f = 3, n = 21, w = 4, s = 2, slots = s + w;
+  const int64_t m = hedgehog ? 2 * f : d;
   const int64_t G = H / kv_heads;
   const Tensor<double> q = random_tensor<double>({B, H, n, d}, 701), k = random_tensor<double>({B, kv_heads, n, d}, 702);
   const Tensor<double> v = random_tensor<double>({B, kv_heads, n, dv}, 703);
@@ -704,8 +707,25 @@ void check_decode_step_maps(int64_t kv_heads, int threads) {
     for (int64_t h = 0; h < H; ++h)
       for (int64_t i = 0; i < n * d; ++i) k_per_query[(b * H + h) * n * d + i] = static_cast<T>(k[(b * kv_heads + h / G) * n * d + i]);
   const Tensor<T> qt = cast<T>(q);
-  const Tensor<T> fq_all = hedgehog_features<T>(qt.view(), qwt.view(), qbt.view());
-  double rho = std::max(testing::hedgehog_bound<T>(q, qw, qb), testing::hedgehog_bound<T>(cast<double>(k_per_query), kw, kb));
+  RecurrentOptions fixed_map;
+  fixed_map.feature_map = hedgehog ? "elu" : map;
+  fixed_map.focus_power = 2.5;
+  // the features as a caller gives them: the public functions' (BLAS products and row blocks)
+  const auto map_of = [&](const Tensor<T>& x, bool query) {
+    return hedgehog ? hedgehog_features<T>(x.view(), (query ? qwt : kwt).view(), (query ? qbt : kbt).view())
+                    : features<T>(x.view(), fixed_map);
+  };
+  const Tensor<T> fq_all = map_of(qt, true);
+  // ρ: how far the two paths' features may differ, relatively. Hedgehog: hedgehog_bounds.h's ρ
+  // each. A fixed map runs FeatureMap's row code either way, but its vector exp may take another
+  // path for one row than for a block (elu: each within 2.6u|φ| in float32, 2u in float64, of the
+  // exact; focused within γ_{d+8}|φ|: kernelized_bounds.h); relu is exact.
+  const double u = std::ldexp(1.0, -std::numeric_limits<T>::digits);
+  const double rho =
+      hedgehog ? std::max(testing::hedgehog_bound<T>(q, qw, qb), testing::hedgehog_bound<T>(cast<double>(k_per_query), kw, kb))
+      : map == "elu"     ? 2 * (std::is_same_v<T, float> ? 2.6 : 2.0) * u
+      : map == "focused" ? 2 * testing::gamma<T>(static_cast<double>(d + 8))
+                         : 0.0;
   double vmax = 0;
   for (int64_t i = 0; i < v.size(); ++i) vmax = std::max(vmax, std::abs(v[i]));
   const double tol = 2 * (2 * rho + rho * rho) * 2 * vmax;
@@ -723,6 +743,8 @@ void check_decode_step_maps(int64_t kv_heads, int threads) {
   Tensor<T> gamma({H}), decay({H});
   for (int64_t h = 0; h < H; ++h) gamma[h] = static_cast<T>(0.3 + 0.1 * double(h)), decay[h] = static_cast<T>(-0.02 * double(h));
   const HybridDecodeOptions opts{w, s, 1 / std::sqrt(double(d)), 1e-6};
+  HybridDecodeOptions made_opts = opts;  // the fixed map's name: the step applies it
+  if (!hedgehog) made_opts.feature_map = map, made_opts.focus_power = fixed_map.focus_power;
   const HedgehogMaps<T> maps{qwt.view(), qbt.view(), kwt.view(), kbt.view()};
   Tensor<T> qs({B, H, d}), ks({B, kv_heads, d}), vs({B, kv_heads, dv}), fq({B, H, m}), fl({B, H, m});
   Tensor<bool> advance({B});
@@ -748,12 +770,15 @@ void check_decode_step_maps(int64_t kv_heads, int threads) {
         for (int64_t h = 0; h < H; ++h)
           for (int64_t i = 0; i < d; ++i)
             leaving[h * d + i] = given.keys[((b * kv_heads + h / G) * slots + s + c % w) * d + i];
-        const Tensor<T> phi = hedgehog_features<T>(leaving.view(), kwt.view(), kbt.view());
+        const Tensor<T> phi = map_of(leaving, false);
         for (int64_t i = 0; i < H * m; ++i) fl[b * H * m + i] = phi[i];
       }
     }
-    const Tensor<T> got = hybrid_decode_step<T>(qs.view(), ks.view(), vs.view(), maps, advance.view(), gamma.view(),
-                                                decay.view(), with_maps.state(), opts);
+    const Tensor<T> got =
+        hedgehog ? hybrid_decode_step<T>(qs.view(), ks.view(), vs.view(), maps, advance.view(), gamma.view(),
+                                         decay.view(), with_maps.state(), opts)
+                 : hybrid_decode_step<T>(qs.view(), ks.view(), vs.view(), TensorView<const T>{}, TensorView<const T>{},
+                                         advance.view(), gamma.view(), decay.view(), with_maps.state(), made_opts);
     const Tensor<T> want = hybrid_decode_step<T>(qs.view(), ks.view(), vs.view(), fq.view(), fl.view(), advance.view(),
                                                  gamma.view(), decay.view(), given.state(), opts);
     for (int64_t i = 0; i < got.size(); ++i)
@@ -761,6 +786,20 @@ void check_decode_step_maps(int64_t kv_heads, int threads) {
   }
   EXPECT_EQ(with_maps.counts[1], given.counts[1]);
   EXPECT_LT(with_maps.counts[1], n);
+  if (!hedgehog) {  // a fixed map's errors: a wrong name, features passed as well
+    HybridDecodeOptions bad = made_opts;
+    bad.feature_map = "softmax";
+    testing::expect_error([&] {
+      hybrid_decode_step<T>(qs.view(), ks.view(), vs.view(), TensorView<const T>{}, TensorView<const T>{},
+                            advance.view(), gamma.view(), decay.view(), with_maps.state(), bad);
+    }, "hybrid_decode_step: feature_map must be \"given\", \"elu\", \"relu\" or \"focused\"; got \"softmax\"");
+    testing::expect_error([&] {
+      hybrid_decode_step<T>(qs.view(), ks.view(), vs.view(), fq.view(), fl.view(), advance.view(), gamma.view(),
+                            decay.view(), with_maps.state(), made_opts);
+    }, "the step makes the features itself: query_features and leaving_features must be empty");
+    EXPECT_EQ(with_maps.counts[0], given.counts[0]);
+    return;
+  }
   // bad maps: an error naming them, nothing written
   const std::vector<T> keys_before(with_maps.keys.data(), with_maps.keys.data() + with_maps.keys.size());
   const std::vector<T> sums_before(with_maps.sums.data(), with_maps.sums.data() + with_maps.sums.size());
@@ -788,12 +827,86 @@ void check_decode_step_maps(int64_t kv_heads, int threads) {
   EXPECT_EQ(with_maps.counts[0], count0);
 }
 
-TEST(HybridDecodeStep, HedgehogMapsEqualGivenFeatures) {
-  for (int threads : {1, 3, 8})
-    for (int64_t kv_heads : {int64_t{6}, int64_t{2}, int64_t{1}}) {
-      check_decode_step_maps<float>(kv_heads, threads);
-      check_decode_step_maps<double>(kv_heads, threads);
+TEST(HybridDecodeStep, MapsAppliedByTheStepEqualGivenFeatures) {
+  for (const char* map : {"hedgehog", "elu", "relu", "focused"})
+    for (int threads : {1, 3, 8})
+      for (int64_t kv_heads : {int64_t{6}, int64_t{2}, int64_t{1}}) {
+        check_decode_step_maps<float>(map, kv_heads, threads);
+        check_decode_step_maps<double>(map, kv_heads, threads);
+      }
+}
+
+// A step large enough to run on several workers (B·H·work per head >= 2^18: here 2 rows of 8
+// query heads on 2 key heads, d = d_v = 64, f = 32, w = 64 + 4 sinks, with decay and a padded
+// row) gives each query head bitwise what a step of that head alone gives (a one-head step runs
+// on the calling thread, in order): every head is computed once, by its own arithmetic, whatever
+// the order and the worker. At 1, 2, 3 and 8 threads, over 80 tokens.
+TEST(HybridDecodeStep, SeveralWorkersGiveEachHeadItsOwnStep) {
+  using T = float;
+  constexpr int64_t B = 2, H = 8, kv_heads = 2, G = H / kv_heads, d = 64, dv = 64, f = 32, m = 2 * f, w = 64,
+                    s = 4, slots = s + w, n = 80;
+  const Tensor<T> qw = cast<T>(random_tensor<double>({H, d, f}, 801, 0.2)), qb = cast<T>(random_tensor<double>({H, f}, 802));
+  const Tensor<T> kw = cast<T>(random_tensor<double>({H, d, f}, 803, 0.2)), kb = cast<T>(random_tensor<double>({H, f}, 804));
+  Tensor<T> gamma({H}), decay({H});
+  for (int64_t h = 0; h < H; ++h) gamma[h] = T(0.2 + 0.05 * double(h)), decay[h] = T(-0.01 * double(h));
+  const HybridDecodeOptions opts{w, s, 0.125, 1e-6};
+  struct State {
+    Tensor<T> sums, normaliser, keys, values;
+    Tensor<bool> valid;
+    Tensor<int64_t> counts;
+    State(int64_t heads, int64_t kv)
+        : sums({B, heads, m, dv}), normaliser({B, heads, m}), keys({B, kv, slots, d}), values({B, kv, slots, dv}),
+          valid({B, slots}), counts({B}) {}
+    HybridDecodeState<T> view() { return {sums.view(), normaliser.view(), keys.view(), values.view(), valid.view(), counts.view()}; }
+  };
+  // one head's maps, gate and decay: rows h of the model's
+  auto head_of = [](const Tensor<T>& t, int64_t h) {
+    Shape shape = t.shape();
+    const int64_t per = t.size() / shape[0];
+    shape[0] = 1;
+    Tensor<T> out(shape);
+    std::copy(t.data() + h * per, t.data() + (h + 1) * per, out.data());
+    return out;
+  };
+  for (int threads : {1, 2, 3, 8}) {
+    SCOPED_TRACE(std::to_string(threads) + " threads");
+    testing::ScopedThreads scope(threads);
+    State all(H, kv_heads);
+    std::vector<State> alone;
+    for (int64_t h = 0; h < H; ++h) alone.emplace_back(1, 1);
+    Tensor<bool> advance({B});
+    for (int64_t t = 0; t < n; ++t) {
+      const Tensor<T> q = cast<T>(random_tensor<double>({B, H, d}, 900 + 3 * t));
+      const Tensor<T> k = cast<T>(random_tensor<double>({B, kv_heads, d}, 901 + 3 * t));
+      const Tensor<T> v = cast<T>(random_tensor<double>({B, kv_heads, dv}, 902 + 3 * t));
+      advance[0] = true;
+      advance[1] = t % 7 != 5;
+      const Tensor<T> out = hybrid_decode_step<T>(q.view(), k.view(), v.view(), HedgehogMaps<T>{qw.view(), qb.view(), kw.view(), kb.view()},
+                                                  advance.view(), gamma.view(), decay.view(), all.view(), opts);
+      for (int64_t h = 0; h < H; ++h) {
+        Tensor<T> qh({B, 1, d}), kh({B, 1, d}), vh({B, 1, dv});
+        for (int64_t b = 0; b < B; ++b) {
+          std::copy(q.data() + (b * H + h) * d, q.data() + (b * H + h + 1) * d, qh.data() + b * d);
+          std::copy(k.data() + (b * kv_heads + h / G) * d, k.data() + (b * kv_heads + h / G + 1) * d, kh.data() + b * d);
+          std::copy(v.data() + (b * kv_heads + h / G) * dv, v.data() + (b * kv_heads + h / G + 1) * dv, vh.data() + b * dv);
+        }
+        const Tensor<T> qwh = head_of(qw, h), qbh = head_of(qb, h), kwh = head_of(kw, h), kbh = head_of(kb, h);
+        const Tensor<T> gh = head_of(gamma, h), dh = head_of(decay, h);
+        const Tensor<T> one = hybrid_decode_step<T>(qh.view(), kh.view(), vh.view(),
+                                                    HedgehogMaps<T>{qwh.view(), qbh.view(), kwh.view(), kbh.view()},
+                                                    advance.view(), gh.view(), dh.view(), alone[h].view(), opts);
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t e = 0; e < dv; ++e)
+            ASSERT_EQ(out[(b * H + h) * dv + e], one[b * dv + e]) << "t " << t << " b " << b << " h " << h << " e " << e;
+      }
     }
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t i = 0; i < m * dv; ++i)
+          ASSERT_EQ(all.sums[(b * H + h) * m * dv + i], alone[h].sums[b * m * dv + i]) << "sums of head " << h;
+    EXPECT_EQ(all.counts[1], alone[0].counts[1]);
+    EXPECT_LT(all.counts[1], n);
+  }
 }
 
 }  // namespace

@@ -87,6 +87,11 @@ struct HybridDecodeOptions {
   int64_t sinks = 0;    // s >= 0
   double scale = 0;     // the scores' scale, finite
   double eps = 1e-6;    // finite, >= 0
+  // "given": query_features and leaving_features are the features; "elu", "relu" or "focused"
+  // (focus_power): a fixed map (features() in kernelized.h) that the step applies to q and to the
+  // leaving key itself, m' = d; then both feature views must be empty.
+  std::string feature_map = "given";
+  double focus_power = 3;
 };
 
 // One token of every batch row where advance[b]: q [B, H, d], k [B, H_kv, d], v [B, H_kv, d_v]
@@ -116,7 +121,7 @@ struct HedgehogMaps {
 };
 // The same step with Hedgehog's maps applied here, so that a converted model's layer is one call
 // per token: query_features = φ_q(q) and leaving_features = φ_k(the key in the leaving ring slot,
-// for each query head's key map), m' = 2f.
+// for each query head's key map), m' = 2f. opts.feature_map must be "given" (the default).
 template <class T>
 Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                              const HedgehogMaps<T>& maps, TensorView<const bool> advance,

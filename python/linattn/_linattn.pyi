@@ -156,11 +156,12 @@ def hedgehog_features(x: typing.Any, weight: typing.Any, bias: typing.Any) -> nu
     softmax(-(x·W_h + b_h))] per head h; x [B, H, n, d], weight [H, d, f], bias [H, f] (float32 or
     float64, one dtype, finite) -> [B, H, n, 2f], each half summing to 1.
     """
-def hedgehog_features_backward(x: typing.Any, weight: typing.Any, bias: typing.Any, dphi: typing.Any) -> tuple:
+def hedgehog_features_backward(x: typing.Any, weight: typing.Any, bias: typing.Any, dphi: typing.Any, *, phi: typing.Any = None) -> tuple:
     """
-    (dx, dweight, dbias) of sum(dphi * hedgehog_features(x, weight, bias)), dphi [B, H, n, 2f].
+    (dx, dweight, dbias) of sum(dphi * hedgehog_features(x, weight, bias)), dphi [B, H, n, 2f];
+    phi: the forward's result, read instead of made again (None: made from x).
     """
-def hybrid_decode_step(q: typing.Any, k: typing.Any, v: typing.Any, query_features: typing.Any, leaving_features: typing.Any, advance: typing.Any, window_weight: typing.Any, log_decay: typing.Any, sums: typing.Any, normaliser: typing.Any, exact_keys: typing.Any, exact_values: typing.Any, exact_valid: typing.Any, counts: typing.Any, *, window: typing.SupportsInt | typing.SupportsIndex, sinks: typing.SupportsInt | typing.SupportsIndex, scale: typing.SupportsFloat | typing.SupportsIndex, eps: typing.SupportsFloat | typing.SupportsIndex, query_weight: typing.Any = None, query_bias: typing.Any = None, key_weight: typing.Any = None, key_bias: typing.Any = None) -> typing.Any:
+def hybrid_decode_step(q: typing.Any, k: typing.Any, v: typing.Any, query_features: typing.Any, leaving_features: typing.Any, advance: typing.Any, window_weight: typing.Any, log_decay: typing.Any, sums: typing.Any, normaliser: typing.Any, exact_keys: typing.Any, exact_values: typing.Any, exact_valid: typing.Any, counts: typing.Any, *, window: typing.SupportsInt | typing.SupportsIndex, sinks: typing.SupportsInt | typing.SupportsIndex, scale: typing.SupportsFloat | typing.SupportsIndex, eps: typing.SupportsFloat | typing.SupportsIndex, query_weight: typing.Any = None, query_bias: typing.Any = None, key_weight: typing.Any = None, key_bias: typing.Any = None, feature_map: str = 'given', focus_power: typing.SupportsFloat | typing.SupportsIndex = 3.0) -> typing.Any:
     """
     One decoding step of the causal sliding-window + linear hybrid for every batch row and head,
     in place on its state (include/linattn/hybrid.h; linattn.hf's LinattnCache runs it): q [B, H, d],
@@ -172,7 +173,8 @@ def hybrid_decode_step(q: typing.Any, k: typing.Any, v: typing.Any, query_featur
     exact_valid [B, s + w] bool and counts [B] int64 are changed in place. Returns out [B, H, d_v].
     With Hedgehog's maps (query_weight, key_weight [H, d, f], query_bias, key_bias [H, f], all four)
     the step makes both features itself (hedgehog_features' formula, m' = 2f): pass None for
-    query_features and leaving_features.
+    query_features and leaving_features. So it does with feature_map "elu", "relu" or "focused"
+    (focus_power; features()' formula, m' = d); "given" (the default) takes the features passed.
     """
 def linformer_projections(s_proj: typing.SupportsInt | typing.SupportsIndex, n_max: typing.SupportsInt | typing.SupportsIndex, *, heads: int | None = None, seed: typing.SupportsInt | typing.SupportsIndex = 0, dtype: numpy.typing.DTypeLike = ...) -> tuple:
     """

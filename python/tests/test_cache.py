@@ -629,3 +629,38 @@ def test_decoding_reads_learned_tensors_changed_or_replaced_after_the_prompt():
         stale = model_on("linattn_hedgehog", options)(ids[:, :9]).logits[:, -1:]
     assert (got - want).abs().max() <= TOL * want.abs().max()
     assert (got - stale).abs().max() > 100 * TOL * want.abs().max()  # the change is visible in the logits
+
+
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "focused"])
+def test_hybrid_decode_step_applies_a_fixed_map_by_name(feature_map):
+    """feature_map="elu", "relu" or "focused": the step maps q and the leaving key itself, as
+    linattn.features does (to the vector exp's last bits); features passed as well, or Hedgehog's
+    maps with it, is a ValueError."""
+    import numpy as np
+    import linattn
+    from linattn import _linattn
+    B, H, d, s, w = 2, 3, 4, 1, 2
+    rng = np.random.default_rng(2)
+
+    def fresh():
+        return dict(sums=np.zeros((B, H, d, d)), normaliser=np.zeros((B, H, d)), exact_keys=np.zeros((B, H, s + w, d)),
+                    exact_values=np.zeros((B, H, s + w, d)), exact_valid=np.zeros((B, s + w), bool),
+                    counts=np.zeros(B, np.int64))
+    a, b = fresh(), fresh()
+    common = dict(advance=np.ones(B, bool), window_weight=np.full(H, 0.5), log_decay=np.full(H, -0.1), window=w,
+                  sinks=s, scale=0.5, eps=1e-6)
+    for t in range(6):
+        q, k, v = (rng.standard_normal((B, H, d)) for _ in range(3))
+        leaving = b["exact_keys"][np.arange(B), :, s + b["counts"] % w]
+        fq, fl = (linattn.features(x[:, :, None], feature_map, focus_power=2.5)[:, :, 0] for x in (q, leaving))
+        got = _linattn.hybrid_decode_step(q, k, v, None, None, **a, **common, feature_map=feature_map, focus_power=2.5)
+        want = _linattn.hybrid_decode_step(q, k, v, fq, fl, **b, **common)
+        np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
+    with pytest.raises(ValueError, match="must be None with feature_map"):
+        _linattn.hybrid_decode_step(q, k, v, fq, fl, **a, **common, feature_map=feature_map)
+    with pytest.raises(ValueError, match="were both given"):
+        _linattn.hybrid_decode_step(q, k, v, None, None, **a, **common, feature_map=feature_map,
+                                    query_weight=np.zeros((H, d, 2)), query_bias=np.zeros((H, 2)),
+                                    key_weight=np.zeros((H, d, 2)), key_bias=np.zeros((H, 2)))
+    with pytest.raises(ValueError, match="feature_map must be \"given\", \"elu\", \"relu\" or \"focused\""):
+        _linattn.hybrid_decode_step(q, k, v, None, None, **a, **common, feature_map="favor")

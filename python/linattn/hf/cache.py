@@ -589,11 +589,12 @@ def _parameters(t):
 
 def _step_constants(layer, module, b, user, q, decay):
     """What the C++ step takes besides the tokens and the state, as NumPy arrays in q's dtype:
-    the window weight γ, λ, and Hedgehog's maps (or None). Made once and kept on the layer, and
-    made again when q's dtype changed or one of the module's learned tensors was replaced or
-    changed in place (its version counter): decoding reads the model as it is now."""
+    the window weight γ, λ, and the map (Hedgehog's four tensors, a fixed map's name, or the
+    window's zero features). Made once and kept on the layer, and made again when q's dtype or
+    the batch changed or one of the module's learned tensors was replaced or changed in place (its
+    version counter): decoding reads the model as it is now."""
     memo = layer.step_constants
-    if (memo is not None and memo["dtype"] == q.dtype
+    if (memo is not None and memo["dtype"] == q.dtype and memo["batch"] == q.shape[0]
             and all(_backends._existing(module, attr) is t for attr, t in memo["sources"])
             and all((owner is None or owner.get(name) is p) and p._version == v
                     for owner, name, p, v in memo["parameters"])):
@@ -602,30 +603,31 @@ def _step_constants(layer, module, b, user, q, decay):
     sources = [(attr, t) for attr, t in sources if t is not None]
     arrays = {"window_weight": _array(_window_weight(module, b, user, q).to(q.dtype)),
               "log_decay": None if decay is None else _array(decay.to(q.dtype))}
-    if isinstance(b, _backends.Hedgehog):
+    if isinstance(b, _backends.Hedgehog):  # the step applies the maps
         (qw, qb), (kw, kb) = (b.map(module, user, side, q) for side in ("query", "key"))
         arrays.update(query_features=None, leaving_features=None, query_weight=_array(qw), query_bias=_array(qb),
                       key_weight=_array(kw), key_bias=_array(kb))
-    layer.step_constants = {"dtype": q.dtype, "sources": sources, "arrays": arrays,
+    elif isinstance(b, _backends.Window):  # the window alone: one feature, 0
+        zeros = torch.zeros((q.shape[0], q.shape[1], 1), dtype=q.dtype).numpy()
+        arrays.update(query_features=zeros, leaving_features=zeros)
+    else:  # a fixed map, which the step applies (the kernels' own)
+        arrays.update(query_features=None, leaving_features=None, feature_map=b.fixed["feature_map"],
+                      focus_power=float(user.get("focus_power", 3.0)))
+    layer.step_constants = {"dtype": q.dtype, "batch": q.shape[0], "sources": sources, "arrays": arrays,
                             "parameters": [entry for _, t in sources for entry in _parameters(t)]}
     return arrays
 
 
 def _native(layer, fmap, module, b, user, q, k, v, window, sinks, decay, advance, eps):
     """The window's step (sums, sinks, ring and the read; counts advanced) in one C++ call, in
-    place on the layer's tensors: [B, H, d_v], 0 where a row does not advance. Hedgehog's maps
-    go in as they are (the step applies them to q and to the key leaving the window); a fixed
-    map's features are made here."""
+    place on the layer's tensors: [B, H, d_v], 0 where a row does not advance. The step applies
+    the map itself, to q and to the key leaving the window: Hedgehog's maps, or a fixed map by
+    name (the window alone: features of zeros)."""
     dtype = q.dtype
     linear = layer.linear
     if not (linear.sums.is_contiguous() and linear.normaliser.is_contiguous()):
         layer.linear = linear = linear.map(lambda t: t.contiguous())
     inputs = _step_constants(layer, module, b, user, q, decay)
-    if not isinstance(b, _backends.Hedgehog):
-        _, leaving, _ = _ring_slot(layer, window, sinks)
-        inputs = dict(inputs, query_features=_array(fmap.plain(q, "query")[:, :, 0].to(dtype)),
-                      leaving_features=_array(fmap.plain(_backends.per_query_head(leaving, q.shape[1]),
-                                                         "key")[:, :, 0].to(dtype)))
     out = _linattn.hybrid_decode_step(
         _array(q[:, :, 0]), _array(k[:, :, 0]), _array(v[:, :, 0]), advance=_array(advance),
         sums=linear.sums.numpy(), normaliser=linear.normaliser.numpy(), exact_keys=layer.exact_keys.numpy(),

@@ -1,15 +1,18 @@
 // One decoding step of the causal hybrid (include/linattn/hybrid.h, hybrid_decode_step): what
-// LinattnCache runs per layer and token for plain features, in one call for every batch row and
-// head instead of some forty torch operations (docs/linearize.md: about 0.9 ms a layer before).
-// Per (row, head): the sums decay and the key leaving the window enters them (one pass over the
-// sums, simd::decay_rank_one) or its sink slot, the new key takes its ring slot, and the query
-// reads the exact slots (simd::row_dots for the scores, simd::state_dots for the weighted values)
-// and the sums (simd::state_dots). Highway's kernels rather than BLAS: these are products of one
-// row by a matrix, where sgemm's calls cost more than the arithmetic; a step is bound by reading
-// the window's keys and values, stored once per key head (0.8 MB at SmolLM2's 3 key heads of 516
-// slots, 2.4 MB when they were kept per query head). The float64
-// reference is the causal hybrid_attention itself: tests/test_hybrid.cc steps through a sequence
-// and compares each token's output with the forward's row.
+// LinattnCache runs per layer and token, in one call for every batch row and head instead of some
+// forty torch operations (docs/linearize.md: about 0.9 ms a layer before). Its features are given
+// (a fixed map's, made by the caller) or made here by Hedgehog's maps (core/hedgehog_map.h, the
+// formula hedgehog_features runs), each head's task mapping its query and the key leaving the
+// window. Per (row, head): the sums decay and the key leaving the window enters them (one pass
+// over the sums, simd::decay_rank_one) or its sink slot, the new key takes its ring slot, and the
+// query reads the exact slots (simd::row_dots for the scores, simd::state_dots for the weighted
+// values) and the sums (simd::state_dots). Highway's kernels rather than BLAS: these are products
+// of one row by a matrix, where sgemm's calls cost more than the arithmetic; a step is bound by
+// reading the window's keys and values, stored once per key head (0.8 MB at SmolLM2's 3 key heads
+// of 516 slots, 2.4 MB when they were kept per query head). The float64 reference is the causal
+// hybrid_attention itself: tests/test_hybrid.cc steps through a sequence and compares each
+// token's output with the forward's row, and the maps' step with the step given
+// hedgehog_features' features.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -17,10 +20,12 @@
 
 #include "linattn/core/attention_args.h"
 #include "linattn/core/error.h"
+#include "linattn/core/feature_map.h"
 #include "linattn/core/hedgehog_map.h"
 #include "linattn/core/parallel.h"
 #include "linattn/core/simd.h"
 #include "linattn/hybrid.h"
+#include "linattn/kernelized.h"
 
 namespace linattn {
 namespace {
@@ -78,12 +83,21 @@ StepDims check_step(const char* fn, TensorView<const T> q, TensorView<const T> k
   return s;
 }
 
+// Where a step's features come from: given ([B, H, m'] each), or Hedgehog's maps, which each
+// head's task applies to its query and to the key leaving the window (m' = 2f).
+template <class T>
+struct Features {
+  const T* query;
+  const T* leaving;
+  const HedgehogMaps<T>* maps;
+  const FeatureMap<T>* fixed;  // a fixed map (elu, relu, focused), m' = d
+};
+
 // The step itself, every argument checked: nothing is written before this.
 template <class T>
 Tensor<T> step(const StepDims& dims, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
-               const T* query_features, const T* leaving_features, TensorView<const bool> advance,
-               TensorView<const T> window_weight, TensorView<const T> log_decay, const HybridDecodeState<T>& state,
-               const HybridDecodeOptions& opts);
+               const Features<T>& features, TensorView<const bool> advance, TensorView<const T> window_weight,
+               TensorView<const T> log_decay, const HybridDecodeState<T>& state, const HybridDecodeOptions& opts);
 
 }  // namespace
 
@@ -95,6 +109,21 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
                              const HybridDecodeOptions& opts) {
   const char* fn = "hybrid_decode_step";
   constexpr double inf = std::numeric_limits<double>::infinity();
+  if (opts.feature_map != "given") {  // a fixed map, applied here
+    require(!query_features.data && !leaving_features.data, fn, ": with feature_map=\"", opts.feature_map,
+            "\" the step makes the features itself: query_features and leaving_features must be empty");
+    require(opts.feature_map == "elu" || opts.feature_map == "relu" || opts.feature_map == "focused", fn,
+            ": feature_map must be \"given\", \"elu\", \"relu\" or \"focused\"; got \"", opts.feature_map, "\"");
+    require(q.rank() == 3, fn, ": q must be [batch, heads, head_dim], got shape ", shape_string(q.shape));
+    RecurrentOptions map_opts;
+    map_opts.feature_map = opts.feature_map;
+    map_opts.focus_power = opts.focus_power;
+    map_opts.eps = 0;  // not the map's: the step's own eps is checked below
+    const FeatureMap<T> fixed = feature_map_from_options<T>(fn, map_opts, q.dim(2), std::nullopt);
+    const StepDims dims = check_step(fn, q, k, v, fixed.dim(), advance, window_weight, log_decay, state, opts);
+    return step(dims, q, k, v, Features<T>{nullptr, nullptr, nullptr, &fixed}, advance, window_weight, log_decay,
+                state, opts);
+  }
   require(query_features.rank() == 3 && query_features.dim(2) >= 1, fn,
           ": query_features must be [batch, heads, m'] with m' >= 1, got shape ", shape_string(query_features.shape));
   const StepDims dims =
@@ -103,8 +132,8 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
   check_shape(fn, "leaving_features", leaving_features, {dims.B, dims.H, dims.m});
   check_all(fn, "query_features", query_features, 0, inf, "finite and >= 0");
   check_all(fn, "leaving_features", leaving_features, 0, inf, "finite and >= 0");
-  return step(dims, q, k, v, query_features.data, leaving_features.data, advance, window_weight, log_decay, state,
-              opts);
+  return step(dims, q, k, v, Features<T>{query_features.data, leaving_features.data, nullptr, nullptr}, advance,
+              window_weight, log_decay, state, opts);
 }
 
 template <class T>
@@ -113,6 +142,8 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
                              TensorView<const T> window_weight, TensorView<const T> log_decay,
                              const HybridDecodeState<T>& state, const HybridDecodeOptions& opts) {
   const char* fn = "hybrid_decode_step";
+  require(opts.feature_map == "given", fn, ": Hedgehog's maps make the features: feature_map must be \"given\", got \"",
+          opts.feature_map, "\"");
   require(q.rank() == 3, fn, ": q must be [batch, heads, head_dim], got shape ", shape_string(q.shape));
   const int64_t H = q.dim(1), d = q.dim(2);
   require(maps.query_weight.rank() == 3 && maps.query_weight.dim(0) == H && maps.query_weight.dim(1) == d &&
@@ -128,39 +159,26 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
   check_finite(fn, "key_weight", maps.key_weight);
   check_finite(fn, "key_bias", maps.key_bias);
   const StepDims s = check_step(fn, q, k, v, 2 * f, advance, window_weight, log_decay, state, opts);
-  // φ_q(q) of every head, and φ_k (query head h's key map) of the key in the ring slot the new
-  // token takes: the one leaving the window when the row holds w tokens or more (read only then).
-  const int64_t m = s.m;
-  std::vector<T> phi_q(static_cast<size_t>(s.B * s.H * m)), phi_leaving(static_cast<size_t>(s.B * s.H * m), T(0));
-  for (int64_t b = 0; b < s.B; ++b) {
-    if (!advance.data[b]) continue;
-    const int64_t c = state.counts.data[b];
-    for (int64_t h = 0; h < s.H; ++h) {
-      const int64_t bh = b * s.H + h;
-      hedgehog_row(q.data + bh * d, maps.query_weight.data + h * d * f, maps.query_bias.data + h * f, d, f,
-                   phi_q.data() + bh * m);
-      if (c < s.w) continue;
-      const T* key = state.exact_keys.data + ((b * s.Hkv + h / s.G) * s.slots + s.s + c % s.w) * d;
-      hedgehog_row(key, maps.key_weight.data + h * d * f, maps.key_bias.data + h * f, d, f,
-                   phi_leaving.data() + bh * m);
-    }
-  }
-  return step(s, q, k, v, phi_q.data(), phi_leaving.data(), advance, window_weight, log_decay, state, opts);
+  return step(s, q, k, v, Features<T>{nullptr, nullptr, &maps, nullptr}, advance, window_weight, log_decay, state,
+              opts);
 }
 
 namespace {
 
 template <class T>
 Tensor<T> step(const StepDims& dims, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
-               const T* query_features, const T* leaving_features, TensorView<const bool> advance,
-               TensorView<const T> window_weight, TensorView<const T> log_decay, const HybridDecodeState<T>& state,
-               const HybridDecodeOptions& opts) {
+               const Features<T>& features, TensorView<const bool> advance, TensorView<const T> window_weight,
+               TensorView<const T> log_decay, const HybridDecodeState<T>& state, const HybridDecodeOptions& opts) {
   const int64_t B = dims.B, H = dims.H, d = dims.d, dv = dims.dv, m = dims.m, Hkv = dims.Hkv, G = dims.G;
   const int64_t w = dims.w, s = dims.s, slots = dims.slots;
   // Nothing is written above this line. The exact slots of each advancing row and key head, once
   // for the G query heads that read them: the value leaving the window is kept for the sums
   // (leaving), a sink token leaving it moves to its sink slot, the new token takes its ring slot.
-  std::vector<T> leaving(static_cast<size_t>(B * Hkv * dv));
+  // With a map applied here the leaving keys are kept too: their features are made per head below.
+  const HedgehogMaps<T>* maps = features.maps;
+  const FeatureMap<T>* fixed = features.fixed;
+  const bool mapped = maps || fixed;
+  std::vector<T> leaving(static_cast<size_t>(B * Hkv * dv)), leaving_keys(mapped ? static_cast<size_t>(B * Hkv * d) : 0);
   for (int64_t b = 0; b < B; ++b) {
     if (!advance.data[b]) continue;
     const int64_t c = state.counts.data[b], slot = s + c % w;
@@ -171,6 +189,7 @@ Tensor<T> step(const StepDims& dims, TensorView<const T> q, TensorView<const T> 
       T* keys = state.exact_keys.data + g * slots * d;
       T* values = state.exact_values.data + g * slots * dv;
       std::copy(values + slot * dv, values + (slot + 1) * dv, leaving.data() + g * dv);
+      if (mapped) std::copy(keys + slot * d, keys + (slot + 1) * d, leaving_keys.data() + g * d);
       if (c >= w && c - w < s) {
         std::copy(keys + slot * d, keys + (slot + 1) * d, keys + (c - w) * d);
         std::copy(values + slot * dv, values + (slot + 1) * dv, values + (c - w) * dv);
@@ -180,17 +199,24 @@ Tensor<T> step(const StepDims& dims, TensorView<const T> q, TensorView<const T> 
     }
   }
   Tensor<T> out({B, H, dv}, false, Init::Zero);
-  const int64_t per_task = slots * (d + dv) + 2 * m * dv;
-  const int64_t group = tasks_per_index(B * H, per_task);
-  const ParallelLoop loop((B * H + group - 1) / group);
-  PerWorker<std::vector<T>> scratch(loop, [&] { return std::vector<T>(static_cast<size_t>(std::max(2 * m, slots) + 2 * dv)); });
+  // A small step runs on the calling thread: a helper's wake-up cost more than it saved at w = 64
+  // (cold, 9 heads: 46 µs on 2 threads, 32 on 1). On one worker the heads go in order (a key
+  // head's G query heads one after another: its slots are in cache after the first); on several,
+  // consecutive tasks read different key heads (h = 0, G, 2G, ..., then 1, G + 1, ...), so that
+  // the workers running at once stream different slots from memory (w = 512, 3 key heads, 2
+  // threads: 74 µs, against 107 with a key head's heads kept on one worker).
+  const int64_t per_head = slots * (d + dv) + 2 * m * dv + (maps ? m * d : fixed ? 2 * d : 0);
+  const bool serial = B * H * per_head < (int64_t{1} << 18);
+  const ParallelLoop loop(serial ? 1 : B * H);
+  const int64_t fdim = m / 2;  // Hedgehog's feature_dim
+  // [max(2m, slots)] factors then the weights, [2 dv] sums, [2m] the maps' features
+  PerWorker<std::vector<T>> scratch(loop, [&] {
+    return std::vector<T>(static_cast<size_t>(std::max(2 * m, slots) + 2 * dv + (mapped ? 2 * m : 0)));
+  });
   const T scale = static_cast<T>(opts.scale);
   loop.run([&](int64_t index, int worker) {
-    for (int64_t task = index * group; task < std::min(B * H, (index + 1) * group); ++task) {
-      // Consecutive tasks read different key heads (h = 0, G, 2G, ..., then 1, G + 1, ...): the
-      // workers running at once stream different slots from memory, and a key head's later
-      // query heads find them in cache.
-      const int64_t b = task / H, h = (task % H) % Hkv * G + (task % H) / Hkv, bh = b * H + h;
+    for (int64_t task = serial ? 0 : index; task < (serial ? B * H : index + 1); ++task) {
+      const int64_t b = task / H, j = task % H, h = serial ? j : j % Hkv * G + j / Hkv, bh = b * H + h;
       if (!advance.data[b]) continue;
       const int64_t c = state.counts.data[b], g = b * Hkv + h / G;  // the key head it reads
       const T* keys = state.exact_keys.data + g * slots * d;
@@ -199,11 +225,28 @@ Tensor<T> step(const StepDims& dims, TensorView<const T> q, TensorView<const T> 
       T* z = state.normaliser.data + bh * m;
       const double lambda = log_decay.data ? static_cast<double>(log_decay.data[h]) : 0.0;
       const T f = static_cast<T>(std::exp(lambda));  // one position on: the sums decay by e^{λ}
-      T* row = scratch[worker].data();                // [max(m, slots)] factors, then the weights
+      T* row = scratch[worker].data();                // [max(2m, slots)] factors, then the weights
       const bool enters = c >= w && c - w >= s;       // the token w places back leaves for the sums
+      const T* qb = q.data + bh * d;
+      const T* phi_q = features.query ? features.query + bh * m : nullptr;
+      const T* phi = features.leaving ? features.leaving + bh * m : nullptr;
+      if (maps) {  // φ_q(q) and φ_k(the leaving key), query head h's maps
+        T* made = row + std::max(2 * m, slots) + 2 * dv;
+        hedgehog_row(qb, maps->query_weight.data + h * d * fdim, maps->query_bias.data + h * fdim, d, fdim, made);
+        if (enters)
+          hedgehog_row(leaving_keys.data() + g * d, maps->key_weight.data + h * d * fdim,
+                       maps->key_bias.data + h * fdim, d, fdim, made + m);
+        phi_q = made;
+        phi = made + m;
+      } else if (fixed) {  // the fixed map of q and of the leaving key
+        T* made = row + std::max(2 * m, slots) + 2 * dv;
+        fixed->features(qb, 1, made);
+        if (enters) fixed->features(leaving_keys.data() + g * d, 1, made + m);
+        phi_q = made;
+        phi = made + m;
+      }
       if (enters) {  // S ← e^{λ}·S + (e^{λw}·φ) v_oldᵀ, z likewise: one pass over S
         const T weight = static_cast<T>(std::exp(lambda * static_cast<double>(w)));
-        const T* phi = leaving_features + bh * m;
         std::fill(row, row + m, f);
         T* scaled = row + m;
         for (int64_t r = 0; r < m; ++r) scaled[r] = weight * phi[r];
@@ -215,16 +258,14 @@ Tensor<T> step(const StepDims& dims, TensorView<const T> q, TensorView<const T> 
       }
       // the exact slots: e_j = e^{s_j − M} over the valid ones
       const bool* valid = state.exact_valid.data + b * slots;
-      const T* qb = q.data + bh * d;
       simd::row_dots(keys, static_cast<size_t>(slots), static_cast<size_t>(d), qb, row);
       for (int64_t j = 0; j < slots; ++j) row[j] = valid[j] ? scale * row[j] : -std::numeric_limits<T>::infinity();
       const T top = simd::max_value(row, static_cast<size_t>(slots));  // the new key's slot is valid
       const T gamma = window_weight.data[h];
       const T exact_den = gamma * simd::exp_shifted_sum(row, static_cast<size_t>(slots), top);
       T* o = out.data() + bh * dv;
-      T* linear = row + std::max(m, slots);  // [dv]
-      T* unused = linear + dv;               // state_dots makes two sums at once; one is needed
-      const T* phi_q = query_features + bh * m;
+      T* linear = row + std::max(2 * m, slots);  // [dv]
+      T* unused = linear + dv;                   // state_dots makes two sums at once; one is needed
       simd::state_dots(values, static_cast<size_t>(slots), static_cast<size_t>(dv), row, row, o, unused);
       simd::state_dots(S, static_cast<size_t>(m), static_cast<size_t>(dv), phi_q, phi_q, linear, unused);
       for (int64_t e = 0; e < dv; ++e) o[e] = gamma * o[e] + linear[e];
