@@ -128,9 +128,17 @@ def test_hedgehog_module_decodes_like_its_causal_forward(window):
     x = torch.randn(2, 11, 16, dtype=torch.float64)
     full = m(x, is_causal=True)
     state = m.eval().init_state(2)
-    steps = torch.stack([m.step(x[:, t], state) for t in range(11)], 1)
+    rows = []
+    for t in range(11):
+        if t == 6:
+            branch = state.copy()  # beam search's copy: it decodes on alone
+        rows.append(m.step(x[:, t], state))
+    steps = torch.stack(rows, 1)
     assert (steps - full).abs().max() <= 1e-12 * full.abs().max()
-    assert state.keys.shape[2] == window  # the ring holds the window, no more
+    assert branch.tokens == 6 and torch.equal(m.step(x[:, 6], branch), rows[6])
+    if window:  # the ring holds the window, no more
+        assert state.arrays["exact_keys"].shape[2] == window and state.arrays["counts"].tolist() == [11, 11]
+    assert state.tokens == 11
     names = {n for n, _ in m.named_parameters()}
     assert {"query_map.weight", "key_map.bias"} <= names and (("window_gate" in names) == (window > 0))
     with pytest.raises(TypeError, match="takes no option 'num_features'"):

@@ -34,3 +34,24 @@ def check_tensors(fn, named, first, optional=(), state=()):
 def needs_graph(tensors):
     """Whether autograd must record the call: grad mode on and some input requiring a gradient."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def full_precision_inputs(fn, named, who):
+    """The tensors (name, tensor or None) as contiguous CPU float32/float64 tensors of one dtype:
+    TypeError naming fn and the argument otherwise; `who` says what takes only these (the
+    feature maps, the state operations)."""
+    from . import _same_dtype, _tensor  # linattn.torch's checks, defined before any call
+    out = [None if t is None else _tensor(fn, n, t) for n, t in named]
+    _same_dtype(fn, [(n, t) for (n, _), t in zip(named, out)])
+    for (n, _), t in zip(named, out):
+        if t is not None and t.dtype not in (torch.float32, torch.float64):
+            raise TypeError("%s: %s has dtype %s; %s take torch.float32 or torch.float64" % (fn, n, t.dtype, who))
+    return out
+
+
+def constant(fn, name, t):
+    """ValueError naming fn and the argument when t (a random projection) requires grad: it is a
+    constant of the method, and no gradient flows to it."""
+    if t is not None and t.requires_grad:
+        raise ValueError("%s: %s has requires_grad=True, but it is a constant of the method (no gradient flows to "
+                         "it); pass %s.detach()" % (fn, name, name))

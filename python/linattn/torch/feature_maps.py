@@ -17,6 +17,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _linattn
+from ._checks import constant, full_precision_inputs
 from ._ops import _array, _tensor as _from_numpy
 
 __all__ = ["HedgehogFeatureMap", "hedgehog_features", "features", "feature_logits"]
@@ -24,15 +25,7 @@ __all__ = ["HedgehogFeatureMap", "hedgehog_features", "features", "feature_logit
 _FULL = (torch.float32, torch.float64)
 
 
-def _input(fn, name, x):
-    """x as a contiguous CPU float32/float64 tensor, or a TypeError naming fn and the argument."""
-    from . import _tensor  # linattn.torch's check, defined before this module is imported
-
-    x = _tensor(fn, name, x)
-    if x.dtype not in _FULL:
-        raise TypeError("%s: %s has dtype %s; the feature maps take torch.float32 or torch.float64 (a 16-bit "
-                        "model's decoding widens to float32 first)" % (fn, name, x.dtype))
-    return x
+_WHO = "the feature maps (a 16-bit model's decoding widens to float32 first)"
 
 
 class _Features(torch.autograd.Function):
@@ -56,7 +49,7 @@ def features(x, feature_map="elu", *, focus_power=3.0):
     gradient: feature_map "elu" (elu(x) + 1), "relu", "focused" (‖r‖·rᵖ/‖rᵖ‖, r = relu(x),
     p = focus_power) or "identity" (x, which must be >= 0). float32 or float64; finite."""
     fn = "features"
-    x = _input(fn, "x", x)
+    (x,) = full_precision_inputs(fn, [("x", x)], _WHO)
     if not isinstance(feature_map, str):
         raise TypeError("%s: feature_map must be a str, got %r" % (fn, feature_map))
     if isinstance(focus_power, bool) or not isinstance(focus_power, (int, float)):
@@ -91,13 +84,8 @@ def feature_logits(x, projection, *, kernel="positive", scale=None, side="key"):
     else None. side "key", "query" (‖x̃‖²/2 cancels) or "query_with_norm". projection ω [m, d]
     is a constant of the method: one with requires_grad=True is refused."""
     fn = "feature_logits"
-    x = _input(fn, "x", x)
-    projection = _input(fn, "projection", projection)
-    if projection.dtype != x.dtype:
-        raise TypeError("%s: projection has dtype %s but x has %s" % (fn, projection.dtype, x.dtype))
-    if projection.requires_grad:
-        raise ValueError("%s: projection has requires_grad=True, but it is a constant of the method (no gradient "
-                         "flows to it); pass projection.detach()" % fn)
+    x, projection = full_precision_inputs(fn, [("x", x), ("projection", projection)], _WHO)
+    constant(fn, "projection", projection)
     for name, value in (("kernel", kernel), ("side", side)):
         if not isinstance(value, str):
             raise TypeError("%s: %s must be a str, got %r" % (fn, name, value))

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import _linattn, _options
+from ._checks import array as _array
 from ._ops import accumulator_dtype
+from .feature_maps import hedgehog_features
 
 # The module's method names: registered methods, and the kernelized feature maps by name.
 _METHODS = {"softmax": ("softmax", {}), "linear": ("linear", {}), "elu": ("linear", {"feature_map": "elu"}),
@@ -52,25 +54,46 @@ class DecodingState:
 
 
 class HedgehogDecodingState:
-    """One batch of sequences decoded by MultiheadAttention(method="hedgehog").step: the linear
-    state [S | z] of the keys that have left the window, and a ring of the last `window` keys,
-    values and key features. Its memory does not grow with the number of steps."""
+    """One batch of sequences decoded by MultiheadAttention(method="hedgehog").step, in the C++
+    library's states: with a window, the hybrid step's (include/linattn/hybrid.h: the sums [S | z]
+    of the keys that have left the window and a ring of the last `window` keys and values, which
+    linattn.hybrid_decode_step advances in place, applying the maps itself); without, linear
+    attention's recurrent state on the maps' features. Its memory does not grow with the number of
+    steps. A bfloat16/float16 module's state is float32; step() rounds its output once."""
 
-    def __init__(self, batch_size, heads, head_dim, features, window, like, maker):
+    def __init__(self, batch_size, heads, head_dim, features, window, eps, like, maker):
         self.window, self.maker, self.batch_size = window, maker, batch_size
-        # A bfloat16/float16 module's state, window and sums are float32; step() rounds its output once.
-        like = like.new_empty(0, dtype=accumulator_dtype(like.dtype))
-        self.state = like.new_zeros((batch_size, heads, features, head_dim))
-        self.normaliser = like.new_zeros((batch_size, heads, features))
-        self.keys = like.new_zeros((batch_size, heads, 0, head_dim))
-        self.values = like.new_zeros((batch_size, heads, 0, head_dim))
-        self.key_features = like.new_zeros((batch_size, heads, 0, features))
+        dtype = accumulator_dtype(like.dtype)
         self.tokens = 0
+        if window:
+            zeros = lambda *shape, dtype=dtype: torch.zeros(shape, dtype=dtype)  # noqa: E731
+            self.arrays = dict(sums=zeros(batch_size, heads, features, head_dim),
+                               normaliser=zeros(batch_size, heads, features),
+                               exact_keys=zeros(batch_size, heads, window, head_dim),
+                               exact_values=zeros(batch_size, heads, window, head_dim),
+                               exact_valid=zeros(batch_size, window, dtype=torch.bool),
+                               counts=zeros(batch_size, dtype=torch.int64))
+        else:
+            self.recurrent = _linattn.recurrent_state(batch_size, heads, features, head_dim, feature_map="identity",
+                                                      eps=eps, dtype=np.float64 if dtype == torch.float64 else np.float32)
+
+    @property
+    def state(self):
+        """The linear state's sums [B, H, m', d] (the window's part), as the step keeps them."""
+        return self.arrays["sums"]
+
+    @property
+    def normaliser(self):
+        return self.arrays["normaliser"]
 
     def copy(self):
         """An independent copy."""
         c = HedgehogDecodingState.__new__(HedgehogDecodingState)
-        c.__dict__.update({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()})
+        c.__dict__.update(self.__dict__)
+        if self.window:
+            c.arrays = {k: v.clone() for k, v in self.arrays.items()}
+        else:
+            c.recurrent = self.recurrent.copy()
         return c
 
     __copy__ = copy
@@ -78,28 +101,26 @@ class HedgehogDecodingState:
     def __deepcopy__(self, memo):
         return self.copy()
 
-    def step(self, q, k, v, fq, fk, gamma, scale, eps):
-        """q, k, v [B, H, d], their features fq, fk [B, H, m'] -> the next output [B, H, d]: the
-        row of hybrid_attention (causal) for the newest token."""
+    def step(self, q, k, v, maps, gamma, scale, eps):
+        """q, k, v [B, H, d] and the maps (query_map, key_map: HedgehogFeatureMap) -> the next
+        output [B, H, d]: the row of the causal forward for the newest token."""
         dtype = q.dtype
-        q, k, v, fq, fk, gamma = (t.to(self.state.dtype) for t in (q, k, v, fq, fk, gamma))
-        self.keys = torch.cat([self.keys, k[:, :, None]], dim=2)
-        self.values = torch.cat([self.values, v[:, :, None]], dim=2)
-        self.key_features = torch.cat([self.key_features, fk[:, :, None]], dim=2)
-        while self.keys.shape[2] > self.window:  # the oldest key leaves the window: into [S | z]
-            self.state += self.key_features[:, :, 0, :, None] * self.values[:, :, 0, None, :]
-            self.normaliser += self.key_features[:, :, 0]
-            self.keys, self.values = self.keys[:, :, 1:], self.values[:, :, 1:]
-            self.key_features = self.key_features[:, :, 1:]
+        wide = accumulator_dtype(dtype)
+        # φ(s·x) = softmax(x·(s·W) + b): a map's scale goes into its weight
+        weights = [t.to(wide) for m in maps for t in (m.weight * m.scale, m.bias)]
         self.tokens += 1
-        num = torch.einsum("bhm,bhmd->bhd", fq, self.state)
-        den = torch.einsum("bhm,bhm->bh", fq, self.normaliser)
-        if self.keys.shape[2]:
-            scores = torch.einsum("bhd,bhjd->bhj", q, self.keys) * scale
-            e = torch.exp(scores - scores.max(dim=2, keepdim=True).values)
-            num = num + gamma[None, :, None] * torch.einsum("bhj,bhjd->bhd", e, self.values)
-            den = den + gamma[None, :] * e.sum(dim=2)
-        return (num / (den + eps)[..., None]).to(dtype)
+        if not self.window:
+            fq, fk = (hedgehog_features(x[:, :, None].to(wide), *weights[i:i + 2])[:, :, 0] for x, i in ((q, 0), (k, 2)))
+            return torch.from_numpy(self.recurrent.step(*(_array(t) for t in (fq, fk, v.to(wide))))).to(dtype)
+        a = self.arrays
+        out = _linattn.hybrid_decode_step(
+            *(_array(t.to(wide)) for t in (q, k, v)), None, None, advance=np.ones(q.shape[0], bool),
+            window_weight=_array(gamma.to(wide)), log_decay=None, sums=a["sums"].numpy(),
+            normaliser=a["normaliser"].numpy(), exact_keys=a["exact_keys"].numpy(),
+            exact_values=a["exact_values"].numpy(), exact_valid=a["exact_valid"].numpy(), counts=a["counts"].numpy(),
+            window=self.window, sinks=0, scale=scale, eps=eps,
+            **dict(zip(("query_weight", "query_bias", "key_weight", "key_bias"), (_array(t) for t in weights))))
+        return torch.from_numpy(out).to(dtype)
 
 
 class MultiheadAttention(torch.nn.Module):
@@ -323,8 +344,9 @@ class MultiheadAttention(torch.nn.Module):
         of another kind of module."""
         batch_size = _options.integer("MultiheadAttention.init_state", "batch_size", batch_size, 1)
         if self._registered == "hedgehog":
-            return HedgehogDecodingState(batch_size, self.num_heads, self.head_dim, 2 * self.method_options["feature_dim"],
-                                         self.method_options["window"], self.in_proj_weight.detach(), self._maker())
+            o = self.method_options
+            return HedgehogDecodingState(batch_size, self.num_heads, self.head_dim, 2 * o["feature_dim"], o["window"],
+                                         o["eps"], self.in_proj_weight.detach(), self._maker())
         if self._registered not in ("linear", "favor"):
             raise ValueError("MultiheadAttention: recurrent decoding is for the kernelized methods (elu, relu, "
                              "focused, linear, favor), not %r" % self.method)
@@ -385,9 +407,9 @@ class MultiheadAttention(torch.nn.Module):
         self._check_state(state, x.shape[0])
         q, k, v = (self._heads(y)[:, :, 0] for y in self._project(x, x, x))
         if isinstance(state, HedgehogDecodingState):
-            fq, fk = self.query_map(q[:, :, None])[:, :, 0], self.key_map(k[:, :, None])[:, :, 0]
             gamma = torch.sigmoid(self.window_gate) if self.window_gate is not None else q.new_ones(self.num_heads)
-            out = state.step(q, k, v, fq, fk, gamma, 1 / math.sqrt(self.head_dim), self.method_options["eps"])
+            out = state.step(q, k, v, (self.query_map, self.key_map), gamma, 1 / math.sqrt(self.head_dim),
+                             self.method_options["eps"])
             out = self.out_proj(out.reshape(x.shape[0], 1, self.embed_dim))
             return out[:, 0] if squeeze else out
         # The state is float32 for a bfloat16/float16 module: its sums accumulate in float32.

@@ -26,14 +26,12 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _linattn
-from . import _lengths, _same_dtype, _tensor
+from . import _lengths, _tensor
+from ._checks import constant, full_precision_inputs
 from ._ops import _array, _tensor as _from_numpy
 
 __all__ = ["key_state", "apply_state", "causal_from_state", "add_states", "rescale_state", "empty_state",
            "efficient_key_state", "efficient_apply_state", "linformer_project"]
-
-_FULL = (torch.float32, torch.float64)
-
 
 def _opts(fn, feature_map, projection, kernel, scale, eps, focus_power):
     """The binding's keyword options, projection checked: a constant (no gradient flows to it).
@@ -44,9 +42,7 @@ def _opts(fn, feature_map, projection, kernel, scale, eps, focus_power):
     eps = 1e-6 if eps is None else eps
     if projection is not None:
         projection = _tensor(fn, "projection", projection)
-        if projection.requires_grad:
-            raise ValueError("%s: projection has requires_grad=True, but it is a constant of the method (no "
-                             "gradient flows to it); pass projection.detach()" % fn)
+        constant(fn, "projection", projection)
     if not isinstance(feature_map, str):
         raise TypeError("%s: feature_map must be a str, got %r" % (fn, feature_map))
     return dict(feature_map=feature_map, kernel=kernel, scale=scale, eps=float(eps), focus_power=float(focus_power),
@@ -55,13 +51,7 @@ def _opts(fn, feature_map, projection, kernel, scale, eps, focus_power):
 
 def _inputs(fn, named):
     """The tensors (name, tensor or None), contiguous, float32/float64, of one dtype."""
-    out = [None if t is None else _tensor(fn, n, t) for n, t in named]
-    _same_dtype(fn, [(n, t) for (n, _), t in zip(named, out)])
-    for (n, _), t in zip(named, out):
-        if t is not None and t.dtype not in _FULL:
-            raise TypeError("%s: %s has dtype %s; the state operations take torch.float32 or torch.float64"
-                            % (fn, n, t.dtype))
-    return out
+    return full_precision_inputs(fn, named, "the state operations")
 
 
 def _length_list(fn, key_lengths):
