@@ -523,7 +523,7 @@ py::tuple hedgehog_features_backward_py(const py::object& x, const py::object& w
       return linattn::hedgehog_features_backward<T>(in.tensor<T>("x"), in.tensor<T>("weight"), in.tensor<T>("bias"),
                                                     in.tensor<T>("dphi"), in.optional<T>("phi"));
     });
-    return py::make_tuple(to_numpy(std::move(g.dx)), to_numpy(std::move(g.dweight)), to_numpy(std::move(g.dbias)));
+    return numpy_tuple(std::move(g.dx), std::move(g.dweight), std::move(g.dbias));
   });
 }
 

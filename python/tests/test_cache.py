@@ -260,11 +260,15 @@ def test_recurrent_state_matches_direct_sums_in_float64():
 
 
 @pytest.mark.parametrize("name,options", [("linattn_elu", {"window": 5}), ("linattn_favor", {}),
-                                          ("linattn_hedgehog", {"feature_dim": 4})])
+                                          ("linattn_hedgehog", {"feature_dim": 4}),
+                                          ("linattn_hedgehog", {"feature_dim": 4, "window": 3, "sinks": 1}),
+                                          ("linattn_favor", {"window": 4})])
 def test_a_bfloat16_model_decodes_with_a_float32_state(name, options):
     # A model in bfloat16 decodes in bfloat16; the state accumulates in float32. The decoded
     # logits equal the full bfloat16 forward's to bfloat16 rounding: the two paths round the
-    # layers' activations at different points, a few units of 2^-8 of the largest logit.
+    # layers' activations at different points, a few units of 2^-8 of the largest logit. The
+    # window is kept in float32 (widening the model's keys and values is exact), so that the C++
+    # step serves the hybrid but FAVOR's (whose log form decodes through torch).
     model = model_on(name, options).to(torch.bfloat16)
     ids = ids_of(2, 20)
     with torch.no_grad():
@@ -276,6 +280,9 @@ def test_a_bfloat16_model_decodes_with_a_float32_state(name, options):
     got = torch.cat(pieces, dim=1)
     assert got.dtype == torch.bfloat16
     assert all(layer.linear.sums.dtype == torch.float32 for layer in cache.layers)
+    if options.get("window"):
+        assert all(layer.exact_keys.dtype == torch.float32 for layer in cache.layers)
+        assert (cache.layers[0].step_constants is not None) == (name != "linattn_favor")  # the C++ step ran
     assert (got.float() - full).abs().max() <= 2.0 ** -5 * full.abs().max()
     out = model.generate(ids[:, :6], max_new_tokens=4, do_sample=False)
     assert out.shape == (2, 10)

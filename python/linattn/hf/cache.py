@@ -438,16 +438,18 @@ def _fill(layer, fmap, module, user, heads, key, value, window, sinks, decay, va
     layer.linear = fmap.enter(state, _backends.per_query_head(key, heads), _backends.per_query_head(value, heads),
                               mask=valid & (after >= window) & (before >= sinks), log_weight=log_weight)
     if window:
-        layer.exact_keys = key.new_zeros((batch, kv_heads, sinks + window, head_dim))
-        layer.exact_values = value.new_zeros((batch, kv_heads, sinks + window, value.shape[-1]))
+        # In float32 for a 16-bit model (the step's dtype; widening its keys and values is exact).
+        wide = accumulator_dtype(key.dtype)
+        layer.exact_keys = key.new_zeros((batch, kv_heads, sinks + window, head_dim), dtype=wide)
+        layer.exact_values = value.new_zeros((batch, kv_heads, sinks + window, value.shape[-1]), dtype=wide)
         layer.exact_valid = torch.zeros((batch, sinks + window), dtype=torch.bool, device=key.device)
         sink = valid & (after >= window) & (before < sinks)
         ring = valid & (after < window)
         rows, positions = (sink | ring).nonzero(as_tuple=True)
         places = before[rows, positions]
         slots = torch.where(ring[rows, positions], sinks + places % window, places)
-        layer.exact_keys[rows, :, slots] = key[rows, :, positions]
-        layer.exact_values[rows, :, slots] = value[rows, :, positions]
+        layer.exact_keys[rows, :, slots] = key[rows, :, positions].to(wide)
+        layer.exact_values[rows, :, slots] = value[rows, :, positions].to(wide)
         layer.exact_valid[rows, slots] = True
     conv = getattr(module, _backends.PREFIX + "conv_weight", None)
     if user.get("conv_kernel_size") and conv is not None:
@@ -501,8 +503,8 @@ def _step(layer, fmap, module, b, user, q, k, v, window, sinks, decay, valid):
             layer.exact_values[r, :, place[r]] = old_values[r, :, 0]
             layer.exact_valid[r, place[r]] = True
         r = advance.nonzero()[:, 0]
-        layer.exact_keys[r, :, slot[r]] = k[r, :, 0]
-        layer.exact_values[r, :, slot[r]] = v[r, :, 0]
+        layer.exact_keys[r, :, slot[r]] = k[r, :, 0].to(layer.exact_keys.dtype)
+        layer.exact_values[r, :, slot[r]] = v[r, :, 0].to(layer.exact_values.dtype)
         layer.exact_valid[r, slot[r]] = True
         # The window's (and sinks') scores and sums in float32 for a 16-bit model (the state already is).
         keys, values, exact = per_head(_wide(layer.exact_keys)), per_head(_wide(layer.exact_values)), layer.exact_valid
@@ -560,11 +562,12 @@ def _conv_step(layer, module, b, user, v, advance):
 
 
 def _native_step(fmap, layer, q):
-    """Whether the window's step runs in C++ (linattn hybrid_decode_step): plain features, and
-    the state, the window's keys and the queries all in q's dtype, float32 or float64 (a 16-bit
-    model keeps its window in its dtype and its sums in float32: the torch step)."""
-    return (not fmap.log_form and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
-            and layer.exact_keys.dtype == q.dtype and layer.linear.sums.dtype == q.dtype)
+    """Whether the window's step runs in C++ (linattn hybrid_decode_step): plain features (not
+    FAVOR's log form), and the sums and the window's keys in what q accumulates in: q's dtype,
+    float32 for a 16-bit model (its step runs in float32 and its output is rounded once)."""
+    wide = accumulator_dtype(q.dtype)
+    return (not fmap.log_form and q.device.type == "cpu" and layer.exact_keys.dtype == wide
+            and layer.linear.sums.dtype == wide)
 
 
 def _log_decay(layer, user, heads, device):
@@ -601,14 +604,15 @@ def _step_constants(layer, module, b, user, q, decay):
         return memo["arrays"]
     sources = [(attr, _backends._existing(module, attr)) for attr in b.learned(module, user)]
     sources = [(attr, t) for attr, t in sources if t is not None]
-    arrays = {"window_weight": _array(_window_weight(module, b, user, q).to(q.dtype)),
-              "log_decay": None if decay is None else _array(decay.to(q.dtype))}
-    if isinstance(b, _backends.Hedgehog):  # the step applies the maps
+    wide = accumulator_dtype(q.dtype)  # the step's dtype
+    arrays = {"window_weight": _array(_window_weight(module, b, user, q).to(wide)),
+              "log_decay": None if decay is None else _array(decay.to(wide))}
+    if isinstance(b, _backends.Hedgehog):  # the step applies the maps (in q's dtype, as the forward, then widened)
         (qw, qb), (kw, kb) = (b.map(module, user, side, q) for side in ("query", "key"))
-        arrays.update(query_features=None, leaving_features=None, query_weight=_array(qw), query_bias=_array(qb),
-                      key_weight=_array(kw), key_bias=_array(kb))
+        arrays.update(query_features=None, leaving_features=None, query_weight=_array(qw.to(wide)),
+                      query_bias=_array(qb.to(wide)), key_weight=_array(kw.to(wide)), key_bias=_array(kb.to(wide)))
     elif isinstance(b, _backends.Window):  # the window alone: one feature, 0
-        zeros = torch.zeros((q.shape[0], q.shape[1], 1), dtype=q.dtype).numpy()
+        zeros = torch.zeros((q.shape[0], q.shape[1], 1), dtype=wide).numpy()
         arrays.update(query_features=zeros, leaving_features=zeros)
     else:  # a fixed map, which the step applies (the kernels' own)
         arrays.update(query_features=None, leaving_features=None, feature_map=b.fixed["feature_map"],
@@ -623,13 +627,13 @@ def _native(layer, fmap, module, b, user, q, k, v, window, sinks, decay, advance
     place on the layer's tensors: [B, H, d_v], 0 where a row does not advance. The step applies
     the map itself, to q and to the key leaving the window: Hedgehog's maps, or a fixed map by
     name (the window alone: features of zeros)."""
-    dtype = q.dtype
+    wide = accumulator_dtype(q.dtype)
     linear = layer.linear
     if not (linear.sums.is_contiguous() and linear.normaliser.is_contiguous()):
         layer.linear = linear = linear.map(lambda t: t.contiguous())
     inputs = _step_constants(layer, module, b, user, q, decay)
     out = _linattn.hybrid_decode_step(
-        _array(q[:, :, 0]), _array(k[:, :, 0]), _array(v[:, :, 0]), advance=_array(advance),
+        *(_array(t[:, :, 0].to(wide)) for t in (q, k, v)), advance=_array(advance),
         sums=linear.sums.numpy(), normaliser=linear.normaliser.numpy(), exact_keys=layer.exact_keys.numpy(),
         exact_values=layer.exact_values.numpy(), exact_valid=layer.exact_valid.numpy(), counts=layer.counts.numpy(),
         window=window, sinks=sinks, scale=fmap.scale, eps=eps, **inputs)
