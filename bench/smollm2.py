@@ -200,7 +200,8 @@ def generation_table(a, base, window_model, best, best_model, ids, rounds=3):
     DynamicCache), the window + sinks and the best conversion (LinattnCache). The shortest
     context is measured `rounds` times, the models in turn: this machine's speed drifts by 10–20%
     between minutes, so each model's time is the median of the rounds and its ratio to the
-    teacher the median of the ratios within a round."""
+    teacher (in the same dtype) the median of the ratios within a round. The teacher and the best
+    conversion run in bfloat16 as well there."""
     models = (("teacher (sdpa, DynamicCache)", base, lambda m: transformers.DynamicCache(config=m.config)),
               ("window + sinks (LinattnCache)", window_model, lambda m: lh.LinattnCache(m))) + \
         ((("%s (LinattnCache)" % best, best_model, lambda m: lh.LinattnCache(m)),) if best else ())
@@ -216,13 +217,23 @@ def generation_table(a, base, window_model, best, best_model, ids, rounds=3):
     short = min(a.contexts)
     times = {label: [r["ms_per_token"] for r in rows if r["model"] == label and r["context"] == short]
              for label, _, _ in models}
+    # bfloat16, as many users run: the teacher and the best conversion at the short context.
+    low = [(label + ", bfloat16", copy.deepcopy(model).to(torch.bfloat16), make)
+           for label, model, make in (models[0], models[-1])]
+    for label, model, make in low:
+        per_token, size, prefill = generation(model, make, short, a.new_tokens, ids)
+        rows.append({"model": label, "context": short, "ms_per_token": 1e3 * per_token, "cache_mib": size / 2 ** 20,
+                     "prefill_s": prefill})
+        times[label] = [1e3 * per_token]
     for _ in range(rounds - 1):
-        for label, model, make in models:
+        for label, model, make in models + tuple(low):
             times[label].append(1e3 * generation(model, make, short, a.new_tokens, ids)[0])
     print("per-token ms at %d, round by round: %s" % (short, times), flush=True)
     for r in rows:
         if r["context"] == short:
-            mine, teacher_times = times[r["model"]], times[models[0][0]]
+            # against the teacher in the same dtype
+            teacher = low[0][0] if r["model"].endswith(", bfloat16") else models[0][0]
+            mine, teacher_times = times[r["model"]], times[teacher]
             r["ms_per_token"] = statistics.median(mine)
             r["rounds"] = mine
             r["vs_teacher"] = statistics.median(t / u for t, u in zip(mine, teacher_times))
@@ -363,7 +374,7 @@ def report(r, command):
                                                       "%.0f s" % row["seconds"] if row["seconds"] else "–",
                                                       "{:,}".format(row["tokens"]) if row["tokens"] else "–"))
     lines += ["", "Generation (greedy, one token at a time after the prefill):", "",
-              "| model | context | ms per token | against the teacher | cache | prefill |", "|---|---|---|---|---|---|"]
+              "| model | context | ms per token | against the teacher (same dtype) | cache | prefill |", "|---|---|---|---|---|---|"]
     for g in r["generation"]:
         ratio = "%.2f×" % g["vs_teacher"] if "vs_teacher" in g else "–"
         lines.append("| %s | %d | %.1f | %s | %.1f MiB | %.1f s |" % (g["model"], g["context"], g["ms_per_token"], ratio,
@@ -373,7 +384,8 @@ def report(r, command):
         lines += ["", "At %d tokens of context each model was timed %d times, the models in turn (ms per token, round by "
                   "round: %s); its time is the median, and its ratio the median of its ratios to the teacher within "
                   "a round." % (rounds[0]["context"], len(rounds[0]["rounds"]),
-                                "; ".join("%s %s" % (g["model"].split(" (")[0], ", ".join("%.1f" % t for t in g["rounds"]))
+                                "; ".join("%s %s" % (g["model"].replace(" (sdpa, DynamicCache)", "").replace(" (LinattnCache)", ""),
+                                                     ", ".join("%.1f" % t for t in g["rounds"]))
                                           for g in rounds))]
     again = r.get("generation_again")
     if again:
