@@ -35,7 +35,7 @@ def numpy_stub():
     out = [HEADER, "from typing import Any, Optional, Sequence, Union\n\nfrom numpy import ndarray\n\n",
            "from ._linattn import (\n"]
     # The package's own names that come straight from the extension module.
-    natives = sorted(n for n in linattn.__all__ if hasattr(linattn._linattn, n))
+    natives = sorted(n for n in linattn.__all__ if getattr(linattn, n) is getattr(linattn._linattn, n, None))
     out += ["    %s as %s,\n" % (n, n) for n in natives]
     out.append(")\n\n__version__: str\n__all__: list[str]\n\n")
     out.append("def methods() -> list[dict[str, Any]]: ...\n")
@@ -44,7 +44,9 @@ def numpy_stub():
         bwd = getattr(linattn, info["function"] + "_backward")
         out.append(signature_line(fwd, "Union[ndarray, tuple[ndarray, ...]]" if info["saved"] else "ndarray"))
         out.append(signature_line(bwd, "tuple[ndarray, ...]"))
-    for fn, returns in ((linattn.hedgehog_features, "ndarray"), (linattn.hedgehog_attention, "ndarray"),
+    for fn, returns in ((linattn.hedgehog_features, "ndarray"),
+                        (linattn.hedgehog_features_backward, "tuple[ndarray, ndarray, ndarray]"),
+                        (linattn.hedgehog_attention, "ndarray"),
                         (linattn.hedgehog_attention_backward, "tuple[ndarray, ...]")):
         out.append(signature_line(fn, returns))
     return "".join(out)

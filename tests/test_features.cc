@@ -339,8 +339,8 @@ TEST(Features, HedgehogMatchesTheReference) {
     }
 }
 
-// Large logits (|u| up to ~400): each half is shifted by its own maximum, so the features stay
-// finite, sum to 1 per half, and match the reference's exact softmax where it is finite.
+// Large logits (|u| up to ~400, where the reference's unshifted exp overflows): each half is
+// shifted by its own maximum, so the features stay finite and each half sums to 1.
 TEST(Features, HedgehogLargeLogitsStayFinite) {
   Tensor<double> x = random_tensor<double>({1, 1, 4, d}, 85, 80.0);
   const Tensor<double> W = random_tensor<double>({1, d, 3}, 86);

@@ -680,13 +680,9 @@ TEST(HybridDecodeStep, EqualsTheCausalForwardRowByRow) {
 // hybrid_decode_step applying a map itself (Hedgehog's maps, or a fixed map by name) equals the
 // step with the features given, made by hedgehog_features or features() (φ_q of the query; φ_k of
 // the key leaving the window, each query head's key map on its key head's key), token by token
-// over a sequence longer than window + sinks, with grouped key heads and a padded row. The two
-// paths' features differ by at most ρφ (below: Hedgehog's make each feature in T by different
-// summation orders, one row's loop against a BLAS product): the sums' and the normaliser's
-// terms, all >= 0, differ by at most (2ρ + ρ²) relatively (a query and a key feature per term),
-// so each output, a ratio of such sums with the window's terms (the same in both), by at most
-// 2(2ρ + ρ²)·2·max|v| (0 for relu: the same bits). Bad maps are an error naming them, with
-// nothing written.
+// over a sequence longer than window + sinks, with grouped key heads and a padded row, at a
+// tolerance derived below from the maps' rounding (0 for relu: the same bits). Bad maps are an
+// error naming them, with nothing written.
 template <class T>
 void check_decode_step_maps(const std::string& map, int64_t kv_heads, int threads) {
   SCOPED_TRACE(map + " " + std::string(dtype_name<T>()) + " " + std::to_string(kv_heads) + " key heads, " +
@@ -716,19 +712,28 @@ void check_decode_step_maps(const std::string& map, int64_t kv_heads, int thread
                     : features<T>(x.view(), fixed_map);
   };
   const Tensor<T> fq_all = map_of(qt, true);
-  // ρ: how far the two paths' features may differ, relatively. Hedgehog: hedgehog_bounds.h's ρ
-  // each. A fixed map runs FeatureMap's row code either way, but its vector exp may take another
-  // path for one row than for a block (elu: each within 2.6u|φ| in float32, 2u in float64, of the
-  // exact; focused within γ_{d+8}|φ|: kernelized_bounds.h); relu is exact.
+  // ρ: how far each path's features may be from the exact ones, relatively. Hedgehog:
+  // hedgehog_bounds.h's ρ (the two paths sum x·W in different orders). A fixed map runs
+  // FeatureMap's row code either way, but its vector exp may take another path for one row than
+  // for a block: elu within 2.6u|φ| in float32, 2u in float64, focused within γ_{d+8}|φ|
+  // (kernelized_bounds.h); relu is exact, so its two paths see the same bits and give the same.
   const double u = std::ldexp(1.0, -std::numeric_limits<T>::digits);
   const double rho =
       hedgehog ? std::max(testing::hedgehog_bound<T>(q, qw, qb), testing::hedgehog_bound<T>(cast<double>(k_per_query), kw, kb))
-      : map == "elu"     ? 2 * (std::is_same_v<T, float> ? 2.6 : 2.0) * u
-      : map == "focused" ? 2 * testing::gamma<T>(static_cast<double>(d + 8))
+      : map == "elu"     ? (std::is_same_v<T, float> ? 2.6 : 2.0) * u
+      : map == "focused" ? testing::gamma<T>(static_cast<double>(d + 8))
                          : 0.0;
+  // Each term φ_q·φ_k of the sums and the normaliser (>= 0) then differs between the paths by at
+  // most δ = ((1 + ρ)/(1 − ρ))² − 1 relatively, so the output N/D (|N| <= D·max|v|) by at most
+  // 2δ·max|v|/(1 − δ). Each path also rounds its own arithmetic: terms that pass through at most
+  // 2n decayed updates of the sums, a sum of s + w + m' terms, exp (2.6u) and a few products:
+  // η = γ_{2n + s + w + m' + 4} + 2.6u relatively on N and D, 2η·max|v|/(1 − η) on the output,
+  // twice over for the two paths. Identical features (relu) give identical bits: tolerance 0.
   double vmax = 0;
   for (int64_t i = 0; i < v.size(); ++i) vmax = std::max(vmax, std::abs(v[i]));
-  const double tol = 2 * (2 * rho + rho * rho) * 2 * vmax;
+  const double delta = std::pow((1 + rho) / (1 - rho), 2) - 1;
+  const double eta = testing::gamma<T>(static_cast<double>(2 * n + slots + m + 4)) + 2.6 * u;
+  const double tol = rho == 0 ? 0.0 : 2 * delta * vmax / (1 - delta) + 4 * eta * vmax / (1 - eta);
   struct Run {
     Tensor<T> sums, normaliser, keys, values;
     Tensor<bool> valid;

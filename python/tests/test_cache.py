@@ -598,6 +598,9 @@ def test_hybrid_decode_step_takes_hedgehog_maps_or_features_not_both():
         fl = linattn.hedgehog_features(leaving[:, :, None], maps["key_weight"], maps["key_bias"])[:, :, 0]
         got = _linattn.hybrid_decode_step(q, k, v, None, None, **a, **common, **maps)
         want = _linattn.hybrid_decode_step(q, k, v, fq, fl, **b, **common)
+        # float64: the two paths' features differ by rounding (x·W summed in another order), ~1e-16
+        # relative, and outputs are means of v (|v| < 5): 1e-12 is 10^3 times that, far below a
+        # wrong key's effect (~1e-1)
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     q = f64(B, H, d)
     with pytest.raises(ValueError, match="query_features and leaving_features must be None when Hedgehog's maps"):
@@ -662,7 +665,7 @@ def test_hybrid_decode_step_applies_a_fixed_map_by_name(feature_map):
         fq, fl = (linattn.features(x[:, :, None], feature_map, focus_power=2.5)[:, :, 0] for x in (q, leaving))
         got = _linattn.hybrid_decode_step(q, k, v, None, None, **a, **common, feature_map=feature_map, focus_power=2.5)
         want = _linattn.hybrid_decode_step(q, k, v, fq, fl, **b, **common)
-        np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
+        np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)  # float64 exp's last bits, as above
     with pytest.raises(ValueError, match="must be None with feature_map"):
         _linattn.hybrid_decode_step(q, k, v, fq, fl, **a, **common, feature_map=feature_map)
     with pytest.raises(ValueError, match="were both given"):
@@ -671,3 +674,18 @@ def test_hybrid_decode_step_applies_a_fixed_map_by_name(feature_map):
                                     key_weight=np.zeros((H, d, 2)), key_bias=np.zeros((H, 2)))
     with pytest.raises(ValueError, match="feature_map must be \"given\", \"elu\", \"relu\" or \"focused\""):
         _linattn.hybrid_decode_step(q, k, v, None, None, **a, **common, feature_map="favor")
+
+
+def test_options_edited_in_place_are_checked_again():
+    """options_of keeps a config's checked options between forwards; an edit in place is checked
+    again, types included (window=True equals window=1 to ==, but is not an integer)."""
+    model = model_on("linattn_elu", {"window": 1})
+    ids = ids_of(1, 6)
+    with torch.no_grad():
+        model(ids)
+        for bad in (True, 1.0):
+            model.config.linattn_options["window"] = bad
+            with pytest.raises(ValueError, match="window must be an integer"):
+                model(ids)
+        model.config.linattn_options["window"] = 1
+        model(ids)

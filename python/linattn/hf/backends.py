@@ -493,7 +493,9 @@ def options_of(config, name):
     if getattr(config, "_attn_implementation", None) == name and stored_backend(config) == name:
         given = dict(getattr(config, "linattn_options", None) or {})
     # What the checks read: the options, and the config's max_position_embeddings (Linformer's default).
-    key = (name, given, getattr(config, "max_position_embeddings", None))
+    # Types too: True == 1 and 4.0 == 4, which the checks tell apart.
+    key = (name, [(k, type(v), v) for k, v in sorted(given.items(), key=lambda kv: str(kv[0]))],
+           getattr(config, "max_position_embeddings", None))
     memo = _OPTIONS_MEMO.get(id(config))
     try:
         if memo is not None and memo[0]() is config and bool(memo[1] == key):

@@ -582,32 +582,35 @@ def _log_decay(layer, user, heads, device):
 
 
 def _parameters(t):
-    """(the dict holding it, its name, the parameter, its version) for each parameter of t (a
-    tensor, or a module and its submodules)."""
+    """(the dict holding it, its name, the parameter, its version, its storage) for each
+    parameter of t (a tensor, or a module and its submodules)."""
     if not isinstance(t, torch.nn.Module):
-        return [(None, None, t, t._version)]
-    return [(m._parameters, name, p, p._version) for m in t.modules() for name, p in m._parameters.items()
-            if p is not None]
+        return [(None, None, t, t._version, t.data_ptr())]
+    return [(m._parameters, name, p, p._version, p.data_ptr()) for m in t.modules()
+            for name, p in m._parameters.items() if p is not None]
 
 
 def _step_constants(layer, module, b, user, q, decay):
     """What the C++ step takes besides the tokens and the state, as NumPy arrays in q's dtype:
     the window weight γ, λ, and the map (Hedgehog's four tensors, a fixed map's name, or the
     window's zero features). Made once and kept on the layer, and made again when q's dtype or
-    the batch changed or one of the module's learned tensors was replaced or changed in place (its
-    version counter): decoding reads the model as it is now."""
+    the batch changed or one of the module's learned tensors was replaced, given new storage or
+    changed in place (its version counter): decoding reads the model as it is now. A change
+    written through `.data` bumps no version counter of the parameter's and is not seen: edit
+    weights in place under torch.no_grad() (as optimizers do), or start a new cache."""
     memo = layer.step_constants
     if (memo is not None and memo["dtype"] == q.dtype and memo["batch"] == q.shape[0]
             and all(_backends._existing(module, attr) is t for attr, t in memo["sources"])
-            and all((owner is None or owner.get(name) is p) and p._version == v
-                    for owner, name, p, v in memo["parameters"])):
+            and all((owner is None or owner.get(name) is p) and p._version == v and p.data_ptr() == ptr
+                    for owner, name, p, v, ptr in memo["parameters"])):
         return memo["arrays"]
     sources = [(attr, _backends._existing(module, attr)) for attr in b.learned(module, user)]
     sources = [(attr, t) for attr, t in sources if t is not None]
     wide = accumulator_dtype(q.dtype)  # the step's dtype
     arrays = {"window_weight": _array(_window_weight(module, b, user, q).to(wide)),
               "log_decay": None if decay is None else _array(decay.to(wide))}
-    if isinstance(b, _backends.Hedgehog):  # the step applies the maps (in q's dtype, as the forward, then widened)
+    if isinstance(b, _backends.Hedgehog):  # the step applies the maps (in q's dtype, then widened; the
+        # step keeps their features in float32, where a 16-bit forward rounds them to its dtype)
         (qw, qb), (kw, kb) = (b.map(module, user, side, q) for side in ("query", "key"))
         arrays.update(query_features=None, leaving_features=None, query_weight=_array(qw.to(wide)),
                       query_bias=_array(qb.to(wide)), key_weight=_array(kw.to(wide)), key_bias=_array(kb.to(wide)))

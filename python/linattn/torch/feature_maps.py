@@ -165,7 +165,9 @@ def hedgehog_features(x, weight, bias):
     decoding step runs), with the gradients of x, weight and bias. Each half sums to 1, so
     φ(q)·φ(k) lies in (0, 2] whatever the inputs' size: the kernel's sums cannot overflow.
     softmax shifts by the row maximum, so any finite logit is safe. float32, float64, bfloat16 or
-    float16 (16-bit runs in float32), one dtype; CPU tensors."""
+    float16 (16-bit runs in float32), one dtype; CPU tensors. First derivatives only: the
+    backward is a kernel, and a second backward through it (create_graph=True, a gradient
+    penalty) raises RuntimeError."""
     fn = "hedgehog_features"
     from . import _tensor  # linattn.torch's check, defined before this module is imported
 

@@ -77,14 +77,21 @@ class HedgehogDecodingState:
             self.recurrent = _linattn.recurrent_state(batch_size, heads, features, head_dim, feature_map="identity",
                                                       eps=eps, dtype=np.float64 if dtype == torch.float64 else np.float32)
 
+    def _array(self, name):
+        if not self.window:
+            raise AttributeError("HedgehogDecodingState: without a window the sums are linear attention's recurrent "
+                                 "state (.recurrent), not arrays of this object")
+        return self.arrays[name]
+
     @property
     def state(self):
-        """The linear state's sums [B, H, m', d] (the window's part), as the step keeps them."""
-        return self.arrays["sums"]
+        """The sums [B, H, m', d] of the keys that have left the window, as the step keeps them."""
+        return self._array("sums")
 
     @property
     def normaliser(self):
-        return self.arrays["normaliser"]
+        """Their normaliser [B, H, m']."""
+        return self._array("normaliser")
 
     def copy(self):
         """An independent copy."""

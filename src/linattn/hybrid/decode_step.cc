@@ -110,10 +110,10 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
   const char* fn = "hybrid_decode_step";
   constexpr double inf = std::numeric_limits<double>::infinity();
   if (opts.feature_map != "given") {  // a fixed map, applied here
-    require(!query_features.data && !leaving_features.data, fn, ": with feature_map=\"", opts.feature_map,
-            "\" the step makes the features itself: query_features and leaving_features must be empty");
     require(opts.feature_map == "elu" || opts.feature_map == "relu" || opts.feature_map == "focused", fn,
             ": feature_map must be \"given\", \"elu\", \"relu\" or \"focused\"; got \"", opts.feature_map, "\"");
+    require(!query_features.data && !leaving_features.data, fn, ": with feature_map=\"", opts.feature_map,
+            "\" the step makes the features itself: query_features and leaving_features must be empty");
     require(q.rank() == 3, fn, ": q must be [batch, heads, head_dim], got shape ", shape_string(q.shape));
     RecurrentOptions map_opts;
     map_opts.feature_map = opts.feature_map;
