@@ -83,7 +83,7 @@ class LinattnCacheLayer(CacheLayerMixin):
         self.tokens = 0
         self.linear = self.counts = None
         self.exact_keys = self.exact_values = self.exact_valid = self.conv_values = None
-        self.step_constants = None  # _step_constants' memo
+        self.step_constants = self.decay_memo = None  # _step_constants' and _log_decay's memos
         self.is_initialized = False
 
     def lazy_initialization(self, key_states, value_states):
@@ -575,7 +575,7 @@ def _log_decay(layer, user, heads, device):
     decays = _backends.log_decay(user, heads)
     if decays is None:
         return None
-    memo = getattr(layer, "decay_memo", None)
+    memo = layer.decay_memo
     if memo is None or memo[0] != decays or memo[1].device != device:
         layer.decay_memo = memo = (decays, torch.tensor(decays, dtype=torch.float64, device=device))
     return memo[1]

@@ -18,12 +18,9 @@ from torch.autograd.function import once_differentiable
 
 from .. import _linattn
 from ._checks import constant, full_precision_inputs
-from ._ops import _array, _tensor as _from_numpy
+from ._ops import _array, _tensor as _from_numpy, accumulator_dtype
 
 __all__ = ["HedgehogFeatureMap", "hedgehog_features", "features", "feature_logits"]
-
-_FULL = (torch.float32, torch.float64)
-
 
 _WHO = "the feature maps (a 16-bit model's decoding widens to float32 first)"
 
@@ -119,7 +116,7 @@ def _check_parameters(fn, x, weight, bias):
 # A 16-bit input runs in float32, as the kernels widen it; each result is rounded once to its
 # input's dtype.
 def _wide(t):
-    return t if t.dtype in _FULL else t.float()
+    return t.to(accumulator_dtype(t.dtype))
 
 
 @torch.library.custom_op("linattn::hedgehog_features", mutates_args=(), device_types="cpu")

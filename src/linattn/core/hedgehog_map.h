@@ -8,9 +8,32 @@
 #include <algorithm>
 #include <cstdint>
 
+#include <optional>
+
+#include "linattn/core/attention_args.h"
+#include "linattn/core/error.h"
 #include "linattn/core/simd.h"
 
 namespace linattn {
+
+// The checks of one map's weight [H, d, f] (f >= 1; or exactly f when given) and bias [H, f],
+// both finite: an Error naming fn and the argument otherwise. Returns f.
+template <class T>
+int64_t check_hedgehog_map(const char* fn, const char* weight_name, const char* bias_name, TensorView<const T> weight,
+                           TensorView<const T> bias, int64_t H, int64_t d, std::optional<int64_t> f = std::nullopt) {
+  if (f) {
+    check_shape(fn, weight_name, weight, {H, d, *f});
+  } else {
+    require(weight.rank() == 3 && weight.dim(0) == H && weight.dim(1) == d && weight.dim(2) >= 1, fn, ": ",
+            weight_name, " has shape ", shape_string(weight.shape), "; expected [heads = ", H, ", head_dim = ", d,
+            ", feature_dim >= 1]");
+    f = weight.dim(2);
+  }
+  check_shape(fn, bias_name, bias, {H, *f});
+  check_finite(fn, weight_name, weight);
+  check_finite(fn, bias_name, bias);
+  return *f;
+}
 
 // phi[0, f) = softmax(u), phi[f, 2f) = softmax(−u); phi may hold u already (phi == u). Each half
 // is shifted by its own maximum, so any finite logit is safe and each half sums to 1.

@@ -146,18 +146,8 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
           opts.feature_map, "\"");
   require(q.rank() == 3, fn, ": q must be [batch, heads, head_dim], got shape ", shape_string(q.shape));
   const int64_t H = q.dim(1), d = q.dim(2);
-  require(maps.query_weight.rank() == 3 && maps.query_weight.dim(0) == H && maps.query_weight.dim(1) == d &&
-              maps.query_weight.dim(2) >= 1,
-          fn, ": query_weight has shape ", shape_string(maps.query_weight.shape), "; expected [heads = ", H,
-          ", head_dim = ", d, ", feature_dim >= 1]");
-  const int64_t f = maps.query_weight.dim(2);
-  check_shape(fn, "query_bias", maps.query_bias, {H, f});
-  check_shape(fn, "key_weight", maps.key_weight, {H, d, f});
-  check_shape(fn, "key_bias", maps.key_bias, {H, f});
-  check_finite(fn, "query_weight", maps.query_weight);
-  check_finite(fn, "query_bias", maps.query_bias);
-  check_finite(fn, "key_weight", maps.key_weight);
-  check_finite(fn, "key_bias", maps.key_bias);
+  const int64_t f = check_hedgehog_map(fn, "query_weight", "query_bias", maps.query_weight, maps.query_bias, H, d);
+  check_hedgehog_map(fn, "key_weight", "key_bias", maps.key_weight, maps.key_bias, H, d, f);
   const StepDims s = check_step(fn, q, k, v, 2 * f, advance, window_weight, log_decay, state, opts);
   return step(s, q, k, v, Features<T>{nullptr, nullptr, &maps, nullptr}, advance, window_weight, log_decay, state,
               opts);
@@ -230,18 +220,17 @@ Tensor<T> step(const StepDims& dims, TensorView<const T> q, TensorView<const T> 
       const T* qb = q.data + bh * d;
       const T* phi_q = features.query ? features.query + bh * m : nullptr;
       const T* phi = features.leaving ? features.leaving + bh * m : nullptr;
-      if (maps) {  // φ_q(q) and φ_k(the leaving key), query head h's maps
+      if (mapped) {  // φ(q) and φ(the leaving key) by query head h's maps, or the fixed map
         T* made = row + std::max(2 * m, slots) + 2 * dv;
-        hedgehog_row(qb, maps->query_weight.data + h * d * fdim, maps->query_bias.data + h * fdim, d, fdim, made);
-        if (enters)
-          hedgehog_row(leaving_keys.data() + g * d, maps->key_weight.data + h * d * fdim,
-                       maps->key_bias.data + h * fdim, d, fdim, made + m);
-        phi_q = made;
-        phi = made + m;
-      } else if (fixed) {  // the fixed map of q and of the leaving key
-        T* made = row + std::max(2 * m, slots) + 2 * dv;
-        fixed->features(qb, 1, made);
-        if (enters) fixed->features(leaving_keys.data() + g * d, 1, made + m);
+        if (maps) {
+          hedgehog_row(qb, maps->query_weight.data + h * d * fdim, maps->query_bias.data + h * fdim, d, fdim, made);
+          if (enters)
+            hedgehog_row(leaving_keys.data() + g * d, maps->key_weight.data + h * d * fdim,
+                         maps->key_bias.data + h * fdim, d, fdim, made + m);
+        } else {
+          fixed->features(qb, 1, made);
+          if (enters) fixed->features(leaving_keys.data() + g * d, 1, made + m);
+        }
         phi_q = made;
         phi = made + m;
       }

@@ -38,14 +38,8 @@ HedgehogDims check_hedgehog(const char* fn, TensorView<const T> x, TensorView<co
   require(x.rank() == 4, fn, ": x must be [batch, heads, n, head_dim], got shape ", shape_string(x.shape));
   require(x.dim(3) >= 1, fn, ": head_dim (the last dimension of x) must be >= 1, got ", x.dim(3));
   const int64_t H = x.dim(1), d = x.dim(3);
-  require(weight.rank() == 3 && weight.dim(0) == H && weight.dim(1) == d && weight.dim(2) >= 1, fn,
-          ": weight has shape ", shape_string(weight.shape), "; expected [heads = ", H, ", head_dim = ", d,
-          ", feature_dim >= 1]");
-  const int64_t f = weight.dim(2);
-  check_shape(fn, "bias", bias, {H, f});
+  const int64_t f = check_hedgehog_map(fn, "weight", "bias", weight, bias, H, d);
   check_finite(fn, "x", x);
-  check_finite(fn, "weight", weight);
-  check_finite(fn, "bias", bias);
   return {x.dim(0), H, x.dim(2), d, f};
 }
 
