@@ -291,7 +291,8 @@ TEST(Features, BadInputIsAnError) {
 // Hedgehog's learned map against reference::hedgehog_features (textbook softmaxes in float64)
 // at hedgehog_bounds.h's ρ per feature (the fast path's in T plus the reference's own in
 // float64), on rows spanning one, two and sixteen row blocks (n = 37, 300, 4100: the blocks are
-// at least 256 rows, at most 16 per item), at 1, 3 and 8 threads, bitwise the same at each;
+// at least 256 rows, at most 16 per item), at 1, 3, 8 and 16 threads (6 items: below and
+// above), bitwise the same at each;
 // the backward bitwise the same at each thread count too (∂W sums its blocks in a fixed order).
 template <class T>
 void expect_hedgehog_within_bound(int64_t rows, int64_t f) {
@@ -308,7 +309,7 @@ void expect_hedgehog_within_bound(int64_t rows, int64_t f) {
   const Tensor<T> gt = cast<T>(g);
   std::optional<Tensor<T>> first;
   std::optional<HedgehogGrads<T>> first_grads;
-  for (int threads : {1, 3, 8}) {
+  for (int threads : {1, 3, 8, 16}) {
     const testing::ScopedThreads scoped(threads);
     Tensor<T> phi = hedgehog_features<T>(xt.view(), Wt.view(), bt.view());
     testing::expect_within(phi, want, bound, "phi");

@@ -845,7 +845,8 @@ TEST(HybridDecodeStep, MapsAppliedByTheStepEqualGivenFeatures) {
 // query heads on 2 key heads, d = d_v = 64, f = 32, w = 64 + 4 sinks, with decay and a padded
 // row) gives each query head bitwise what a step of that head alone gives (a one-head step runs
 // on the calling thread, in order): every head is computed once, by its own arithmetic, whatever
-// the order and the worker. At 1, 2, 3 and 8 threads, over 80 tokens.
+// the order and the worker. At 1, 2, 3, 8 and 32 threads (16 rows and heads: below and above),
+// over 80 tokens.
 TEST(HybridDecodeStep, SeveralWorkersGiveEachHeadItsOwnStep) {
   using T = float;
   constexpr int64_t B = 2, H = 8, kv_heads = 2, G = H / kv_heads, d = 64, dv = 64, f = 32, m = 2 * f, w = 64,
@@ -873,7 +874,7 @@ TEST(HybridDecodeStep, SeveralWorkersGiveEachHeadItsOwnStep) {
     std::copy(t.data() + h * per, t.data() + (h + 1) * per, out.data());
     return out;
   };
-  for (int threads : {1, 2, 3, 8}) {
+  for (int threads : {1, 2, 3, 8, 32}) {
     SCOPED_TRACE(std::to_string(threads) + " threads");
     testing::ScopedThreads scope(threads);
     State all(H, kv_heads);
