@@ -318,13 +318,24 @@ class PyRecurrentState {
   Variant s_;
 };
 
+// feature_map as the C++ functions name it now: "identity" (before 0.2) is "given", with a
+// DeprecationWarning (the generated functions warn through OptionInfo::former_choices).
+std::string current_feature_map(const char* fn, const std::string& name) {
+  if (name != linattn::kFormerGivenName) return name;
+  if (PyErr_WarnFormat(PyExc_DeprecationWarning, 1,
+                       "%s: feature_map='identity' is now called 'given'; the old name is accepted until the "
+                       "next release", fn) < 0)
+    throw py::error_already_set();
+  return "given";
+}
+
 PyRecurrentState recurrent_state(int64_t batch, int64_t heads, int64_t head_dim, int64_t value_dim,
                                  const std::string& feature_map, const std::optional<ArrayArg>& projection,
                                  const std::string& kernel, const py::typing::Optional<py::float_>& scale,
                                  double eps, double focus_power, const std::optional<DTypeArg>& dtype) {
   const char* fn = "recurrent_state";
   linattn::RecurrentOptions o;
-  o.feature_map = feature_map;
+  o.feature_map = current_feature_map(fn, feature_map);
   o.eps = eps;
   o.focus_power = focus_power;
   o.scale = as_scale(fn, scale);
@@ -431,7 +442,7 @@ struct StateArgs : FullPrecisionArgs<linattn::StateOptions> {
   StateArgs(const char* fn, const std::string& feature_map, const py::object& kernel, const py::object& scale,
             double eps, double focus_power, const py::object& projection)
       : FullPrecisionArgs(fn) {
-    opts.feature_map = feature_map;
+    opts.feature_map = current_feature_map(fn, feature_map);
     if (!kernel.is_none()) opts.kernel = kernel.cast<std::string>();
     opts.scale = as_scale(fn, scale);
     opts.eps = eps;
@@ -451,7 +462,7 @@ struct StateArgs : FullPrecisionArgs<linattn::StateOptions> {
 struct FeatureArgs : FullPrecisionArgs<linattn::RecurrentOptions> {
   // A plain map.
   FeatureArgs(const char* fn, const std::string& feature_map, double focus_power) : FullPrecisionArgs(fn) {
-    opts.feature_map = feature_map;
+    opts.feature_map = current_feature_map(fn, feature_map);
     opts.focus_power = focus_power;
   }
   // FAVOR's, in log form.
@@ -1154,7 +1165,7 @@ py::list method_descriptions() {
                            py::arg("optional") = o.optional, py::arg("default") = o.default_value,
                            py::arg("doc") = o.doc, py::arg("choices") = o.choices,
                            py::arg("positional") = o.positional, py::arg("has_gradient") = o.has_gradient,
-                           py::arg("formerly") = o.formerly));
+                           py::arg("formerly") = o.formerly, py::arg("former_choices") = o.former_choices));
     out.append(py::dict(py::arg("name") = m.name, py::arg("function") = m.function, py::arg("label") = m.label,
                         py::arg("summary") = m.summary, py::arg("docs") = m.docs,
                         py::arg("no_causal") = m.no_causal, py::arg("options") = opts,
@@ -1266,7 +1277,7 @@ PYBIND11_MODULE(_linattn, m) {
         py::arg("focus_power") = 3.0,
         R"doc(The plain feature maps of linear attention on their own, by the kernels' own code: x [B, H, n, d]
 (float32 or float64, finite) -> phi(x) [B, H, n, d]. feature_map "elu" (elu(x) + 1), "relu",
-"focused" (|r|·r^p/|r^p|, r = relu(x), p = focus_power in [1, 1000]) or "identity" (x itself,
+"focused" (|r|·r^p/|r^p|, r = relu(x), p = focus_power in [1, 1000]) or "given" (x itself,
 which must be >= 0). FAVOR's maps are in log form: feature_logits.)doc");
   m.def("features_backward", &features_backward_py, py::arg("x"), py::arg("dphi"), py::arg("feature_map") = "elu",
         py::kw_only(), py::arg("focus_power") = 3.0,

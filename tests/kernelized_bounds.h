@@ -4,7 +4,7 @@
 //  features  each computed feature has an absolute error E_r:
 //            elu 2.6u|φ| + 2⁻¹²⁶ in float32 (exp within 1.3 ulp, simd.cc's ExpNonPositive, an ulp
 //            being at most 2u|φ|; 0 below 2⁻¹²⁶), 2u|φ| in float64 (Highway's exp, 1 ulp); relu and
-//            identity 0; focused γ_{d+8}|φ| (pow,
+//            given 0; focused γ_{d+8}|φ| (pow,
 //            two norms, sqrt, division); FAVOR: U_r = √scale·x·ω_r has |δU_r| ≤
 //            γ_{d+1}·√scale·Σ_c|x_c ω_rc| + u|U_r|, and the exponent, the stabilising log-scales
 //            (bounded by L = max |ls| over all rows) and exp add up to
@@ -49,7 +49,7 @@
 namespace linattn::testing {
 
 struct KernelizedSpec {
-  std::string map;  // elu relu identity focused positive hyperbolic trig
+  std::string map;  // elu relu given focused positive hyperbolic trig
   bool causal = false;
   std::optional<std::vector<int64_t>> key_lengths;
   double eps = 1e-6;  // linear only
@@ -157,7 +157,7 @@ KernelizedExact kernelized_exact_with_bounds(const Tensor<double>& q, const Tens
         const double phi = std::abs(out.phi[i * m + rr]);
         double e;
         if (spec.map == "elu") e = std::is_same_v<T, float> ? 2.6 * u * phi + std::ldexp(1.0, -126) : 2 * u * phi;
-        else if (spec.map == "relu" || spec.map == "identity") e = 0;
+        else if (spec.map == "relu" || spec.map == "given") e = 0;
         else if (spec.map == "focused") e = gamma<T>(d + 8) * phi;
         else if (spec.map == "trig") e = amp * (dU[rr % m_proj] + 4 * u) + eta * phi;
         else e = eta * phi;
@@ -262,7 +262,7 @@ KernelizedExact kernelized_exact_with_bounds(const Tensor<double>& q, const Tens
         const double* xr = x.data() + row * d;
         const double* ph = f.phi.data() + i * m;
         const double* mp = Mphi.data() + i * m;
-        if (spec.map == "elu" || spec.map == "relu" || spec.map == "identity") {
+        if (spec.map == "elu" || spec.map == "relu" || spec.map == "given") {
           for (int64_t c = 0; c < d; ++c) outb[c] = eps_g * std::abs(f.jac[(i * m + c) * d + c]) * mp[c];
         } else if (spec.map == "focused") {
           double R2 = 0, A2 = 0, ga = 0;

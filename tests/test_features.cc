@@ -54,9 +54,9 @@ template <class T>
 void expect_plain_map_within_bounds(const MapCase& c) {
   SCOPED_TRACE(c.map + " p=" + std::to_string(c.focus_power) + " " + dtype_name<T>());
   Tensor<double> x = random_tensor<double>({B, H, n, d}, 11);
-  if (c.map == "identity")
+  if (c.map == "given")
     for (int64_t i = 0; i < x.size(); ++i) x[i] = std::abs(x[i]);
-  if (c.map != "identity")  // a row with no positive entry (focused: φ = 0)
+  if (c.map != "given")  // a row with no positive entry (focused: φ = 0)
     for (int64_t c2 = 0; c2 < d; ++c2) x[c2] = -std::abs(x[c2]);
   const Tensor<T> xt = cast<T>(x);
   const Tensor<double> xd = cast<double>(xt);  // the values the fast path sees
@@ -71,7 +71,7 @@ void expect_plain_map_within_bounds(const MapCase& c) {
     ASSERT_EQ(phi.shape(), xt.shape());
     for (int64_t i = 0; i < phi.size(); ++i) {
       const double want = ref.phi[i], a = std::abs(want);
-      // kernelized_bounds.h: elu 2.6u|φ| + 2⁻¹²⁶ (float32) or 2u|φ|; relu, identity exact;
+      // kernelized_bounds.h: elu 2.6u|φ| + 2⁻¹²⁶ (float32) or 2u|φ|; relu, given exact;
       // focused γ_{d+8}|φ|, plus half T's smallest subnormal where the wide result rounds into
       // T's subnormals or to 0 (focus_power 40 makes features far below float32's range).
       const double tiny = 0.5 * double(std::numeric_limits<T>::denorm_min());
@@ -88,7 +88,7 @@ void expect_plain_map_within_bounds(const MapCase& c) {
 
 TEST(Features, PlainMapsMatchTheReference) {
   for (const MapCase& c : {MapCase{"elu"}, MapCase{"relu"}, MapCase{"focused"}, MapCase{"focused", 40},
-                           MapCase{"identity"}}) {
+                           MapCase{"given"}}) {
     testing::for_each_simd_target([&](auto) {
       expect_plain_map_within_bounds<float>(c);
       expect_plain_map_within_bounds<double>(c);
@@ -162,10 +162,10 @@ TEST(Features, FavorLogitsMatchTheReference) {
 
 TEST(Features, PlainBackwardsMatchFiniteDifferences) {
   for (const MapCase& c : {MapCase{"elu"}, MapCase{"relu"}, MapCase{"focused"}, MapCase{"focused", 5.5},
-                           MapCase{"focused", 400}, MapCase{"identity"}}) {
+                           MapCase{"focused", 400}, MapCase{"given"}}) {
     SCOPED_TRACE(c.map);
     Tensor<double> x = random_tensor<double>({1, 2, 3, d}, 31);
-    if (c.map == "identity")
+    if (c.map == "given")
       for (int64_t i = 0; i < x.size(); ++i) x[i] = std::abs(x[i]) + 0.1;
     const Tensor<double> g = random_tensor<double>(x.shape(), 32);
     RecurrentOptions opts = recurrent_options(c.map);
@@ -253,13 +253,13 @@ TEST(Features, BadInputIsAnError) {
   bad[4] = std::nan("");
   expect_error([&] { features<double>(bad.view(), elu); }, "features: x");
   expect_error([&] { features<double>(x.view(), recurrent_options("softmax")); },
-               "features: feature_map must be \"elu\", \"relu\", \"identity\" or \"focused\"; got \"softmax\"");
+               "features: feature_map must be \"elu\", \"relu\", \"focused\" or \"given\"; got \"softmax\"");
   expect_error([&] { features<double>(x.view(), favor); }, "features: feature_map=\"favor\" is in log form");
   RecurrentOptions focused = recurrent_options("focused");
   focused.focus_power = 0.5;
   expect_error([&] { features<double>(x.view(), focused); }, "focus_power must be a number in [1, 1000], got 0.5");
-  expect_error([&] { features<double>(x.view(), recurrent_options("identity")); },
-               "with feature_map=\"identity\", x holds features, which must be >= 0");
+  expect_error([&] { features<double>(x.view(), recurrent_options("given")); },
+               "with feature_map=\"given\", x holds features, which must be >= 0");
   expect_error([&] { features_backward<double>(x.view(), Tensor<double>({1, 2, 3, d + 1}).view(), elu); },
                "features_backward: dphi has shape [1, 2, 3, 6]; expected [1, 2, 3, 5]");
   expect_error([&] { feature_logits<double>(x.view(), w.view(), "keys", favor); },

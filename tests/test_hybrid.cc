@@ -335,7 +335,7 @@ TEST(HybridGradients, ReferenceMatchesFiniteDifferences) {
 }
 
 // window = 0 is plain linear attention: the same as linear_attention with the same map (elu,
-// relu, or the given features through feature_map="identity").
+// relu, or the given features through feature_map="given").
 TEST(Hybrid, WindowZeroIsLinearAttention) {
   for (bool causal : {false, true})
     for (const char* map : {"elu", "relu", "given"}) {
@@ -345,7 +345,7 @@ TEST(Hybrid, WindowZeroIsLinearAttention) {
       LinearAttentionOptions lo;
       lo.causal = causal;
       lo.key_lengths = x.opts.key_lengths;
-      lo.feature_map = std::string(map) == "given" ? "identity" : map;
+      lo.feature_map = map;
       const bool given = std::string(map) == "given";
       const Tensor<double> lin = linear_attention<double>(given ? x.fq.view() : x.q.view(),
                                                           given ? x.fk.view() : x.k.view(), x.v, lo);

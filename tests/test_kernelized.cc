@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <bit>
 #include <cmath>
@@ -104,9 +105,9 @@ void expect_saved_path_identical(const KernelizedSpec& s, const Tensor<T>& q, co
   testing::expect_identical(gs.dv, g.dv, "dv from saved");
 }
 
-// The identity map takes features, which are >= 0: |x| for it, x as it is for the others.
+// The given map takes features, which are >= 0: |x| for it, x as it is for the others.
 Tensor<double> given_features(const std::string& map, Tensor<double> x) {
-  if (map == "identity")
+  if (map == "given")
     for (int64_t i = 0; i < x.size(); ++i) x[i] = std::abs(x[i]);
   return x;
 }
@@ -158,7 +159,7 @@ std::string kernelized_name(const ::testing::TestParamInfo<KernelizedVsReference
 // chunks); DifferentQueryAndKeyLengths below crosses the non-causal block.
 INSTANTIATE_TEST_SUITE_P(
     All, KernelizedVsReference,
-    ::testing::Combine(::testing::Values("elu", "relu", "identity", "focused", "positive", "hyperbolic", "trig"),
+    ::testing::Combine(::testing::Values("elu", "relu", "given", "focused", "positive", "hyperbolic", "trig"),
                        ::testing::Values(Mask::None, Mask::Causal, Mask::KeyLengths,
                                          Mask::CausalKeyLengths),
                        ::testing::Values(Size{1, 1, 16, 16}, Size{7, 7, 16, 8},
@@ -251,7 +252,7 @@ struct Bf16ProductCase {
   const char* map;
 };
 constexpr Bf16ProductCase kBf16ProductCases[] = {{"linear", "elu"},     {"linear", "relu"},      {"linear", "focused"},
-                                                 {"linear", "identity"}, {"favor", "positive"}, {"favor", "hyperbolic"}};
+                                                 {"linear", "given"}, {"favor", "positive"}, {"favor", "hyperbolic"}};
 
 // bfloat16 calls with bfloat16 products (AVX512-BF16): the registry's bfloat16 linear_attention
 // (every map) and favor_attention (positive, hyperbolic), against the float64 reference on the
@@ -535,12 +536,12 @@ TEST(KernelizedBf16, BadInputIsAnErrorNamingIt) {
     EXPECT_THAT(error_of([&] { m.bf16_backward_kernel(bf16_args("linear", spec, q, k, v, nullptr), dout_bad, {}); }),
                 HasSubstr("linear_attention_backward: dout has a non-finite value"));
   }
-  KernelizedSpec identity = spec;
-  identity.map = "identity";
-  Tensor<bfloat16> negative = bf16(given_features("identity", random_tensor<double>({1, 2, 9, 4}, 1)));
-  const Tensor<bfloat16> features = bf16(given_features("identity", random_tensor<double>({1, 2, 9, 4}, 2)));
+  KernelizedSpec given = spec;
+  given.map = "given";
+  Tensor<bfloat16> negative = bf16(given_features("given", random_tensor<double>({1, 2, 9, 4}, 1)));
+  const Tensor<bfloat16> features = bf16(given_features("given", random_tensor<double>({1, 2, 9, 4}, 2)));
   negative[3] = to_bfloat16(-0.5f);
-  EXPECT_THAT(error_of([&] { m.bf16_kernel(bf16_args("linear", identity, negative, features, v, nullptr)); }),
+  EXPECT_THAT(error_of([&] { m.bf16_kernel(bf16_args("linear", given, negative, features, v, nullptr)); }),
               HasSubstr("q holds features, which must be >= 0; got -0.5 at row 0 (counting over batch·heads·seq), feature 3"));
   const Tensor<bfloat16> short_v = bf16(random_tensor<double>({1, 2, 8, 3}, 3));
   EXPECT_THAT(error_of([&] { m.bf16_kernel(bf16_args("linear", spec, q, k, short_v, nullptr)); }),
@@ -565,7 +566,7 @@ TEST(KernelizedVsReference, DifferentQueryAndKeyLengths) {
 }
 
 TEST(KernelizedGradient, MatchesCentralDifferences) {
-  for (const char* map : {"elu", "relu", "identity", "focused", "positive", "hyperbolic", "trig"})
+  for (const char* map : {"elu", "relu", "given", "focused", "positive", "hyperbolic", "trig"})
     for (Mask mask : {Mask::None, Mask::CausalKeyLengths}) {
       SCOPED_TRACE(::testing::Message() << map << " mask=" << int(mask));
       const int64_t B = 2, H = 2, n = 70, d = 4, dv = 3;  // 70 rows: two causal chunks
@@ -878,6 +879,33 @@ TEST(KernelizedMask, PaddedKeysAreIgnored) {
   for (int64_t i = 0; i < clean.size(); ++i) ASSERT_EQ(clean[i], dirty[i]);
 }
 
+// feature_map "given" was "identity" until 0.2 (issue 43): the old name still computes the same,
+// bit for bit, in every function that took it (and in the reference), for one release; the
+// registry names it, so the Python layers accept it with a DeprecationWarning.
+TEST(Kernelized, FormerNameOfGivenFeaturesComputesTheSame) {
+  const auto fq = given_features("given", random_tensor<double>({1, 2, 7, 4}, 31));
+  const auto fk = given_features("given", random_tensor<double>({1, 2, 7, 4}, 32));
+  const auto v = random_tensor<double>({1, 2, 7, 3}, 33);
+  LinearAttentionOptions now, before;
+  now.feature_map = "given";
+  before.feature_map = kFormerGivenName;
+  now.causal = before.causal = true;
+  testing::expect_same_bits("linear_attention", linear_attention<double>(fq, fk, v, before), linear_attention<double>(fq, fk, v, now));
+  testing::expect_same_bits("reference", reference::linear_attention(fq, fk, v, before), reference::linear_attention(fq, fk, v, now));
+  RecurrentOptions rnow, rbefore;
+  rnow.feature_map = "given";
+  rbefore.feature_map = kFormerGivenName;
+  testing::expect_same_bits("features", features<double>(fk, rbefore), features<double>(fk, rnow));
+  RecurrentState<double> a(1, 2, 4, 3, rbefore), b(1, 2, 4, 3, rnow);
+  testing::expect_same_bits("prefill", a.prefill(fq, fk, v), b.prefill(fq, fk, v));
+  const auto& options = method("linear").options;
+  const auto option = std::find_if(options.begin(), options.end(), [](const OptionInfo& o) { return o.name == "feature_map"; });
+  ASSERT_NE(option, options.end());
+  EXPECT_THAT(option->choices, ::testing::Contains("given"));
+  EXPECT_THAT(option->choices, ::testing::Not(::testing::Contains(kFormerGivenName)));
+  EXPECT_EQ(option->former_choices, (std::vector<std::pair<std::string, std::string>>{{"identity", "given"}}));
+}
+
 // ---- bad input -----------------------------------------------------------------------------
 
 TEST(KernelizedErrors, OptionsAndShapesAreChecked) {
@@ -886,7 +914,7 @@ TEST(KernelizedErrors, OptionsAndShapesAreChecked) {
   LinearAttentionOptions o;
   o.feature_map = "softplus";
   EXPECT_THAT(error_of([&] { linear_attention<float>(q, k, v, o); }),
-              HasSubstr("feature_map must be \"elu\", \"relu\", \"identity\" or \"focused\"; got \"softplus\""));
+              HasSubstr("feature_map must be \"elu\", \"relu\", \"focused\" or \"given\"; got \"softplus\""));
   o = {};
   o.causal = true;
   EXPECT_THAT(error_of([&] { linear_attention<float>(q, k, v, o); }),
@@ -902,17 +930,17 @@ TEST(KernelizedErrors, OptionsAndShapesAreChecked) {
   EXPECT_THAT(error_of([&] { linear_attention<float>(q, k, v, o); }), HasSubstr("focus_power must be a number in [1, 1000], got 1001"));
   // Given features must be >= 0; the message names the argument and the position.
   o = {};
-  o.feature_map = "identity";
-  const auto fq = given_features("identity", random_tensor<double>({1, 2, 6, 8}, 4));
+  o.feature_map = "given";
+  const auto fq = given_features("given", random_tensor<double>({1, 2, 6, 8}, 4));
   auto fk = cast<double>(fq);  // a copy
   fk[2 * 8 + 3] = -0.5;  // row 2, feature 3
   EXPECT_THAT(error_of([&] { linear_attention<double>(fq, fk, cast<double>(v), o); }),
-              HasSubstr("with feature_map=\"identity\", k holds features, which must be >= 0; got -0.5 at row 2 "
+              HasSubstr("with feature_map=\"given\", k holds features, which must be >= 0; got -0.5 at row 2 "
                         "(counting over batch·heads·seq), feature 3"));
   EXPECT_THAT(error_of([&] { linear_attention<double>(fk, fq, cast<double>(v), o); }),
               HasSubstr("q holds features, which must be >= 0"));
   RecurrentOptions ro;
-  ro.feature_map = "identity";
+  ro.feature_map = "given";
   RecurrentState<double> state(1, 2, 8, 4, ro);
   EXPECT_THAT(error_of([&] { state.prefill(fq, fk, cast<double>(v)); }), HasSubstr("k holds features, which must be >= 0"));
   EXPECT_EQ(state.tokens(), 0);

@@ -40,7 +40,7 @@ template <class T>
 void check_decoding(const std::string& map, double sigma) {
   const int64_t B = 2, H = 2, n = 100, d = 16, dv = 8;
   auto qd = random_tensor<double>({B, H, n, d}, 1, sigma), kd = random_tensor<double>({B, H, n, d}, 2, sigma);
-  if (map == "identity")  // given features are >= 0
+  if (map == "given")  // given features are >= 0
     for (Tensor<double>* x : {&qd, &kd})
       for (int64_t i = 0; i < x->size(); ++i) (*x)[i] = std::abs((*x)[i]);
   const auto q = cast<T>(qd), k = cast<T>(kd);
@@ -72,7 +72,7 @@ void check_decoding(const std::string& map, double sigma) {
 }
 
 TEST(Recurrent, DecodingMatchesCausalAttention) {
-  for (const char* map : {"elu", "relu", "identity", "focused", "positive", "hyperbolic", "trig"}) {
+  for (const char* map : {"elu", "relu", "given", "focused", "positive", "hyperbolic", "trig"}) {
     SCOPED_TRACE(map);
     const double sigma = std::string(map) == "trig" ? 0.5 : 1.0;
     check_decoding<double>(map, sigma);

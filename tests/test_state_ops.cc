@@ -27,7 +27,7 @@ using testing::random_tensor;
 using testing::recurrent_options;
 using testing::rows;
 
-const std::vector<std::string> kMaps = {"elu", "relu", "focused", "identity", "positive", "hyperbolic", "trig"};
+const std::vector<std::string> kMaps = {"elu", "relu", "focused", "given", "positive", "hyperbolic", "trig"};
 
 // y[:, :, t0:t0+n'] = x.
 template <class T>
@@ -79,7 +79,7 @@ struct Inputs {
 Inputs inputs(const std::string& map, int64_t B, int64_t H, int64_t n, int64_t d, int64_t dv, uint64_t seed) {
   Inputs x{random_tensor<double>({B, H, n, d}, seed), random_tensor<double>({B, H, n, d}, seed + 1),
            random_tensor<double>({B, H, n, dv}, seed + 2), cast<double>(random_features<double>(16, d, FeatureKind::Orthogonal, seed + 3))};
-  if (map == "identity")  // given features are >= 0
+  if (map == "given")  // given features are >= 0
     for (Tensor<double>* t : {&x.q, &x.k})
       for (int64_t i = 0; i < t->size(); ++i) (*t)[i] = std::abs((*t)[i]);
   return x;
@@ -204,7 +204,7 @@ TEST(StateOps, NonCausalBackwardsMatchFiniteDifferences) {
     SCOPED_TRACE(map);
     Inputs x = inputs(map, 1, 2, 7, 3, 2, 40);
     Tensor<double> q2 = random_tensor<double>({1, 2, 5, 3}, 41);
-    if (map == "identity")
+    if (map == "given")
       for (int64_t i = 0; i < q2.size(); ++i) q2[i] = std::abs(q2[i]);
     const StateOptions o = recurrent_options(map);
     const bool favor = o.feature_map == "favor";
@@ -238,7 +238,7 @@ TEST(StateOps, CausalBackwardMatchesFiniteDifferences) {
       Inputs x = inputs(map, 1, 2, n, d, dv, 50);
       Inputs x0 = inputs(map, 1, 2, 6, d, dv, 60);
       Tensor<double> q2 = random_tensor<double>({1, 2, 3, d}, 61);
-      if (map == "identity")
+      if (map == "given")
         for (int64_t i = 0; i < q2.size(); ++i) q2[i] = std::abs(q2[i]);
       const StateOptions o = recurrent_options(map);
       const bool favor = o.feature_map == "favor";

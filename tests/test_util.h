@@ -121,7 +121,7 @@ inline double ratio_budget(const std::string& suite, const std::string& what) {
       {"SoftmaxVsExact", {{"out", 0.11}, {"dq", 0.065}, {"dk", 0.041}, {"dv", 0.53}}},
       // Measured again 2026-11-24, when the plain maps' bounds stopped using FAVOR's features
       // (kernelized_bounds.h had computed elu/relu/focused bounds from the trig map of the
-      // projection the test passes) and the identity map joined the suite.
+      // projection the test passes) and the given map joined the suite.
       {"KernelizedVsReference", {{"out", 0.61}, {"dq", 0.17}, {"dk", 0.11}, {"dv", 0.21}}},
       {"KernelizedLargeNorms", {{"out", 0.053}, {"dq", 0.0015}, {"dk", 0.0082}, {"dv", 0.014}}},
       {"KernelizedFocusedPower", {{"out", 0.22}, {"dq", 0.031}, {"dk", 0.018}, {"dv", 0.085}}},

@@ -15,8 +15,13 @@ namespace linattn {
 
 // causal: query i sees keys j <= i (needs n_q == n_k; for decoding use RecurrentState).
 // scale: not used by these maps (they take q and k as they are); setting it is an error.
+// feature_map "given" was called "identity" until 0.2 (issue 43: one name with hybrid_attention's
+// "given"). Every function here still takes the old name for one release, as the new; the Python
+// layers warn (OptionInfo::former_choices).
+inline constexpr const char* kFormerGivenName = "identity";
+
 struct LinearAttentionOptions : AttentionOptions {
-  std::string feature_map = "elu";  // "elu" (elu(x)+1), "relu", "focused", or "identity" (q and k
+  std::string feature_map = "elu";  // "elu" (elu(x)+1), "relu", "focused", or "given" (q and k
                                     // are features already, each >= 0: a map of the caller's)
   double eps = 1e-6;                // added to every denominator (>= 0, finite)
   double focus_power = 3;           // p of the "focused" map (>= 1, finite)
@@ -101,10 +106,10 @@ AttentionGrads<T> favor_attention_backward(TensorView<const T> q, TensorView<con
 // ---- decoding ---------------------------------------------------------------------------------
 
 struct RecurrentOptions {
-  std::string feature_map = "elu";    // "elu", "relu", "focused", "identity" or "favor"
+  std::string feature_map = "elu";    // "elu", "relu", "focused", "given" or "favor"
   std::optional<std::string> kernel;  // favor only: "positive" (default), "hyperbolic", "trig"
   std::optional<double> scale;        // favor only: default 1/sqrt(head_dim)
-  double eps = 1e-6;                  // elu/relu/focused/identity: as linear_attention (favor: 0)
+  double eps = 1e-6;                  // elu/relu/focused/given: as linear_attention (favor: 0)
   double focus_power = 3;             // focused only
 };
 
@@ -114,7 +119,7 @@ struct RecurrentOptions {
 // finite. Options as RecurrentOptions; eps is not used.
 
 // Plain maps: feature_map "elu" (elu(x) + 1), "relu", "focused" (‖r‖·rᵖ/‖rᵖ‖, r = relu(x),
-// p = focus_power) or "identity" (x itself, which must be >= 0) -> φ(x) [B,H,n,d].
+// p = focus_power) or "given" (x itself, which must be >= 0) -> φ(x) [B,H,n,d].
 template <class T>
 Tensor<T> features(TensorView<const T> x, const RecurrentOptions& opts = {});
 // dx = (∂φ/∂x)ᵀ·dphi [B,H,n,d] for dphi [B,H,n,d] (finite).
@@ -177,7 +182,7 @@ HedgehogGrads<T> hedgehog_features_backward(TensorView<const T> x, TensorView<co
 // same function of q, k, v whatever they are (the query features take the same shifts back),
 // so gradients of outputs through these operations are exact. A state's S and z on their own
 // depend on k through c as well; their "gradient" here holds c constant.
-// Options as RecurrentOptions: feature_map "elu", "relu", "focused", "identity", or "favor"
+// Options as RecurrentOptions: feature_map "elu", "relu", "focused", "given", or "favor"
 // with a projection, kernel and scale. Every value of q, k and v must be finite (padded keys
 // too; give them zeros). Values are not rescaled: sums that overflow the dtype are an error.
 using StateOptions = RecurrentOptions;

@@ -39,6 +39,9 @@ struct OptionInfo {
   // The option's name before it took this one (linear_attention's "dwc_weight"), or empty: the
   // Python layers accept it for one release with a DeprecationWarning naming both.
   std::string formerly;
+  // A String option's values as they were called before ("identity", now "given"): {old, now}.
+  // C++ still takes the old value for one release, as the new; the Python layers warn.
+  std::vector<std::pair<std::string, std::string>> former_choices;
 };
 
 // A call's inputs by name: options (absent ones take their defaults) and extra tensors.

@@ -11,6 +11,7 @@ import inspect as _inspect
 
 from . import _linattn
 from ._options import renamed as _renamed
+from ._options import former_spellings as _former_spellings
 from ._linattn import (
     RecurrentState,
     build_info,
@@ -120,11 +121,11 @@ def _make(info, backward):
     tensor_names = [o["name"] for o in opts if o["kind"] == "tensor"]
     option_names = [o["name"] for o in opts if o["kind"] != "tensor"]
     name = info["name"]
-    former = {o["formerly"]: o["name"] for o in opts if o["formerly"]}
+    former, former_values = _former_spellings(opts)
     fn = info["function"] + ("_backward" if backward else "")
 
     def call(*args, **kwargs):
-        a = signature.bind(*args, **_renamed(fn, kwargs, former))
+        a = signature.bind(*args, **_renamed(fn, kwargs, former, former_values=former_values))
         a.apply_defaults()
         a = a.arguments
         tensors = {t: a[t] for t in tensor_names}

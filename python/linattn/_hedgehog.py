@@ -1,6 +1,6 @@
 """Hedgehog's learned feature maps on NumPy arrays (linattn.torch.feature_maps has the torch
 modules): φ(x) = [softmax(x·W_h + b_h), softmax(−(x·W_h + b_h))] per head, and linear attention
-on those features through linattn's kernel (linear_attention with feature_map="identity").
+on those features through linattn's kernel (linear_attention with feature_map="given").
 The map and its backward are the C++ library's (linattn.hedgehog_features, the formula every
 layer calls); the backward is the kernel's for the features, then the map's."""
 
@@ -110,7 +110,7 @@ def _values(fn, v, dtype, name="v"):
 
 
 def _options(causal, key_lengths, eps):
-    return {"feature_map": "identity", "causal": causal, "key_lengths": key_lengths, "eps": eps, "focus_power": 3.0}
+    return {"feature_map": "given", "causal": causal, "key_lengths": key_lengths, "eps": eps, "focus_power": 3.0}
 
 
 def _kernel(fn, call):
@@ -135,7 +135,7 @@ def hedgehog_attention(q: "ndarray", k: "ndarray", v: "ndarray", query_weight: "
 
     q, k [B, H, n, d], v [B, H, n_k, d_v]; query_weight, key_weight [H, d, f]; query_bias,
     key_bias [H, f]; float32, float64, bfloat16 or float16, all one dtype. Causal (chunked) or not, with
-    key_lengths, on linattn's kernel (linear_attention with feature_map="identity"). The same
+    key_lengths, on linattn's kernel (linear_attention with feature_map="given"). The same
     as linattn.torch.hedgehog_attention."""
     fn = "hedgehog_attention"
     dtype = q.dtype if isinstance(q, np.ndarray) else None

@@ -105,7 +105,7 @@ def features(x: typing.Any, feature_map: str = 'elu', *, focus_power: typing.Sup
     """
     The plain feature maps of linear attention on their own, by the kernels' own code: x [B, H, n, d]
     (float32 or float64, finite) -> phi(x) [B, H, n, d]. feature_map "elu" (elu(x) + 1), "relu",
-    "focused" (|r|·r^p/|r^p|, r = relu(x), p = focus_power in [1, 1000]) or "identity" (x itself,
+    "focused" (|r|·r^p/|r^p|, r = relu(x), p = focus_power in [1, 1000]) or "given" (x itself,
     which must be >= 0). FAVOR's maps are in log form: feature_logits.
     """
 def features_backward(x: typing.Any, dphi: typing.Any, feature_map: str = 'elu', *, focus_power: typing.SupportsFloat | typing.SupportsIndex = 3.0) -> numpy.ndarray:

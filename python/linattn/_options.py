@@ -62,12 +62,35 @@ RENAMED = {"dwc_kernel_size": "conv_kernel_size"}
 _WARNED = set()
 
 
-def renamed(fn, kwargs, former, stacklevel=3, once=False):
+_FORMER_FEATURE_MAPS = []  # linear_attention's feature_map values' former names, read once
+
+
+def current_feature_map(fn, feature_map, stacklevel=4):
+    """feature_map by its name now, for the functions the registry does not make (features, the
+    state operations): a former name (linear_attention's "identity", now "given": the registry's
+    former_choices) with a DeprecationWarning at the caller of fn's caller (stacklevel 4)."""
+    if not _FORMER_FEATURE_MAPS:
+        from . import _linattn
+        linear = next(m for m in _linattn._methods() if m["function"] == "linear_attention")
+        _FORMER_FEATURE_MAPS.append(former_spellings(linear["options"])[1]["feature_map"])
+    return renamed(fn, {"feature_map": feature_map}, {}, stacklevel=stacklevel,
+                   former_values={"feature_map": _FORMER_FEATURE_MAPS[0]})["feature_map"]
+
+
+def former_spellings(options):
+    """A registry method's options' former spellings: ({former name: name}, {name: {former value:
+    value}}) (OptionInfo::formerly and former_choices: dwc_weight, feature_map="identity")."""
+    return ({o["formerly"]: o["name"] for o in options if o["formerly"]},
+            {o["name"]: dict(o["former_choices"]) for o in options if o["former_choices"]})
+
+
+def renamed(fn, kwargs, former, stacklevel=3, once=False, former_values=None):
     """kwargs (a dict, changed in place and returned) with each option given by its former name
-    (former: {old: new}) moved to its name now, with a DeprecationWarning attributed to the frame
-    `stacklevel` up from here (3: the caller of fn; Python shows it by default when that is
-    __main__); once: only the first time for this fn and name (options read at every forward).
-    An option given by both names is a TypeError."""
+    (former: {old: new}) moved to its name now, and each value given by its former name
+    (former_values: {option: {old value: value}}) changed to its name now, each with a
+    DeprecationWarning attributed to the frame `stacklevel` up from here (3: the caller of fn;
+    Python shows it by default when that is __main__); once: only the first time for this fn
+    and name (options read at every forward). An option given by both names is a TypeError."""
     for old, new in former.items():
         if old not in kwargs:
             continue
@@ -78,4 +101,13 @@ def renamed(fn, kwargs, former, stacklevel=3, once=False):
             warnings.warn("%s: %s is now called %s; the old name is accepted until the next release"
                           % (fn, old, new), DeprecationWarning, stacklevel=stacklevel)
         kwargs[new] = kwargs.pop(old)
+    for name, values in (former_values or {}).items():
+        old = kwargs.get(name)
+        if not isinstance(old, str) or old not in values:
+            continue
+        if not once or (fn, name, old) not in _WARNED:
+            _WARNED.add((fn, name, old))
+            warnings.warn("%s: %s=%r is now called %r; the old name is accepted until the next release"
+                          % (fn, name, old, values[old]), DeprecationWarning, stacklevel=stacklevel)
+        kwargs[name] = values[old]
     return kwargs

@@ -57,7 +57,7 @@ CASES = {
                                                                key_lengths=[37, 4]), "zigzag"),
     "favor_trig": ("favor_attention", dict(kernel="trig", key_lengths=[37, 23]), "contiguous"),
     "favor_f32": ("favor_attention", dict(key_lengths=[37, 23], dtype=torch.float32), "contiguous"),
-    "identity_causal": ("linear_attention", dict(feature_map="identity", causal=True, key_lengths=[37, 23],
+    "given_causal": ("linear_attention", dict(feature_map="given", causal=True, key_lengths=[37, 23],
                                                  positive=True), "contiguous"),
     "hedgehog": ("hedgehog_attention", dict(key_lengths=[37, 23], hedgehog=5), "contiguous"),
     "hedgehog_causal_zigzag": ("hedgehog_attention", dict(causal=True, key_lengths=[37, 4], hedgehog=3), "zigzag"),
@@ -191,8 +191,8 @@ def _errors(dist_mod, rank):
         "projection_differs": lambda: dist_mod.favor_attention(
             q, q, q, torch.from_numpy(linattn.random_features(8, D, seed=rank)).double()),
         "nan_on_last": lambda: dist_mod.efficient_attention(q, q, q * (float("nan") if rank == 3 else 1)),
-        "identity_nan_on_last": lambda: dist_mod.linear_attention(
-            q.abs() * (float("nan") if rank == 3 else 1), q.abs(), q, feature_map="identity"),
+        "given_nan_on_last": lambda: dist_mod.linear_attention(
+            q.abs() * (float("nan") if rank == 3 else 1), q.abs(), q, feature_map="given"),
         "state_overflow_on_last": lambda: dist_mod.linear_attention(q, q, q * (1e306 if rank == 3 else 1)),
         "key_lengths_too_long": lambda: dist_mod.softmax_attention(q, q, q, key_lengths=[3, 100]),
         "efficient_causal": lambda: dist_mod.efficient_attention(q, q, q, causal=True),
@@ -388,7 +388,7 @@ def test_errors_raised_on_every_rank(world):
         everywhere |= {"dtype_on_rank_1", "causal_differs", "projection_differs", "zigzag_sizes", "window_differs",
                        "gate_differs", "linformer_f_differs"}
     if w == 4:
-        everywhere |= {"nan_on_last", "identity_nan_on_last", "state_overflow_on_last", "delta_beta_on_last"}
+        everywhere |= {"nan_on_last", "given_nan_on_last", "state_overflow_on_last", "delta_beta_on_last"}
     assert set(results[0]["errors"]) >= everywhere
     for key in everywhere:
         got = [res["errors"][key] for res in results]
@@ -396,7 +396,7 @@ def test_errors_raised_on_every_rank(world):
         if key == "dtype_on_rank_1":
             assert got[1][0] == "TypeError" and "float64" in got[1][1]
             assert got[0][0] == "ValueError" and "rank 1" in got[0][1]
-        elif key in ("nan_on_last", "identity_nan_on_last"):
+        elif key in ("nan_on_last", "given_nan_on_last"):
             assert got[3][0] == "ValueError" and "non-finite" in got[3][1]
             assert "rank 3" in got[0][1]
         elif key == "delta_beta_on_last":

@@ -27,7 +27,7 @@ def test_features_are_what_linear_attention_uses(feature_map, power, dtype):
     assert fq.shape == q.shape and fq.dtype == dtype and (fq >= 0).all()
     opts = {"focus_power": power} if feature_map == "focused" else {}
     mapped = linattn.linear_attention(q, k, v, feature_map=feature_map, causal=True, **opts)
-    given = linattn.linear_attention(fq, fk, v, feature_map="identity", causal=True)
+    given = linattn.linear_attention(fq, fk, v, feature_map="given", causal=True)
     # The same features, the same kernel: equal to the last bits but for summation order.
     np.testing.assert_allclose(mapped, given, rtol=50 * np.finfo(dtype).eps, atol=50 * np.finfo(dtype).eps)
 
@@ -54,10 +54,10 @@ def test_torch_logits_gradients(kernel, side):
         np.testing.assert_array_equal(x.grad.numpy(), g)
 
 
-@pytest.mark.parametrize("feature_map", ["elu", "relu", "focused", "identity"])
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "focused", "given"])
 def test_torch_features_gradients(feature_map):
     x = torch.randn(2, 1, 3, 4, dtype=torch.float64)
-    if feature_map == "identity":
+    if feature_map == "given":
         x = x.abs() + 0.1
     x.requires_grad_(True)
     assert torch.autograd.gradcheck(lambda x: lt.features(x, feature_map, focus_power=2.5), (x,))

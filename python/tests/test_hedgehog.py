@@ -1,5 +1,5 @@
 """Hedgehog feature maps (linattn.torch.feature_maps) and linear attention on given features
-(feature_map="identity"): against a float64 reference written as plain loops over the n×n
+(feature_map="given"): against a float64 reference written as plain loops over the n×n
 weights, gradients of q, k, v, W and b by central differences (torch.autograd.gradcheck in
 float64), thread counts, decoding, bad input.
 
@@ -114,16 +114,16 @@ def test_gradients_match_central_differences(causal, key_lengths):
 
 
 def test_given_features_equal_the_built_in_map():
-    """feature_map="identity" on elu(x)+1 features gives linear_attention's elu result (to the
+    """feature_map="given" on elu(x)+1 features gives linear_attention's elu result (to the
     features' rounding: NumPy's exp against the kernel's), forward and gradients of v."""
     rng = np.random.default_rng(4)
     q, k, v, g = (rng.standard_normal((1, 2, 70, 8)) for _ in range(4))
     elu1 = lambda x: np.where(x > 0, x + 1, np.exp(x))  # noqa: E731
     for causal in (False, True):
         want = linattn.linear_attention(q, k, v, feature_map="elu", causal=causal)
-        got = linattn.linear_attention(elu1(q), elu1(k), v, feature_map="identity", causal=causal)
+        got = linattn.linear_attention(elu1(q), elu1(k), v, feature_map="given", causal=causal)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-13)
-        gv = linattn.linear_attention_backward(elu1(q), elu1(k), v, g, feature_map="identity", causal=causal)[2]
+        gv = linattn.linear_attention_backward(elu1(q), elu1(k), v, g, feature_map="given", causal=causal)[2]
         np.testing.assert_allclose(gv, linattn.linear_attention_backward(q, k, v, g, causal=causal)[2],
                                    rtol=0, atol=1e-13)
 
@@ -132,7 +132,7 @@ def test_decoding_state_on_given_features_equals_the_causal_output():
     q, k, v, wq, bq, wk, bk = _inputs(5, B=1, n=40)
     fq, fk = (hedgehog_features(x, w, b).numpy() for x, w, b in ((q, wq, bq), (k, wk, bk)))
     causal = lt.hedgehog_attention(q, k, v, wq, bq, wk, bk, causal=True).numpy()
-    state = linattn.recurrent_state(1, 2, fq.shape[3], v.shape[3], feature_map="identity", dtype=np.float64)
+    state = linattn.recurrent_state(1, 2, fq.shape[3], v.shape[3], feature_map="given", dtype=np.float64)
     first = state.prefill(fq[:, :, :25], fk[:, :, :25], v.numpy()[:, :, :25])
     steps = [state.step(*(np.ascontiguousarray(x[:, :, t]) for x in (fq, fk, v.numpy()))) for t in range(25, 40)]
     got = np.concatenate([first, np.stack(steps, axis=2)], axis=2)
@@ -195,7 +195,7 @@ def test_bad_input_is_refused_naming_the_argument():
     negative = torch.rand(1, 1, 4, 3, dtype=torch.float64)
     negative[0, 0, 2, 1] = -0.25
     with pytest.raises(ValueError, match=r"k holds features, which must be >= 0; got -0.25 at row 2 .*feature 1"):
-        lt.linear_attention(negative.abs(), negative, negative.abs(), feature_map="identity")
+        lt.linear_attention(negative.abs(), negative, negative.abs(), feature_map="given")
 
 
 # ---- the NumPy functions: linattn.hedgehog_features, hedgehog_attention, and its backward ----

@@ -1,7 +1,9 @@
 """Options renamed to one name in every layer (issue 43): linear_attention's dwc_weight is
 conv_weight (as nystrom_attention's), MultiheadAttention's and linattn.hf's dwc_kernel_size is
 conv_kernel_size. The former names still work until the next release, with a DeprecationWarning
-naming both; both names at once is a TypeError."""
+naming both; both names at once is a TypeError. linear_attention's feature_map "identity" is
+"given", as hybrid_attention's (the caller gives the features); "identity" still works, with a
+DeprecationWarning, in every function that took it."""
 
 import inspect
 
@@ -12,6 +14,7 @@ import torch
 import linattn
 import linattn.torch as lt
 import linattn.torch.distributed as ltd
+from linattn.torch import state as st
 
 RNG = np.random.default_rng(3)
 
@@ -95,3 +98,59 @@ def test_hf_accepts_the_former_kernel_size_in_calls_and_saved_configs(tmp_path):
     with pytest.warns(DeprecationWarning):
         loaded = lh.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "old").eval()
     torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=0)
+
+
+def _features(seed=5):
+    gen = np.random.default_rng(seed)
+    return [np.abs(gen.standard_normal((1, 2, 7, 4))) for _ in range(2)] + [gen.standard_normal((1, 2, 7, 3))]
+
+
+def test_the_registry_names_the_former_feature_map():
+    option = next(o for m in linattn.methods() if m["name"] == "linear" for o in m["options"]
+                  if o["name"] == "feature_map")
+    assert "given" in option["choices"] and "identity" not in option["choices"]
+    assert [tuple(c) for c in option["former_choices"]] == [("identity", "given")]
+
+
+def test_every_function_that_took_identity_takes_it_with_a_warning():
+    fq, fk, v = _features()
+    g = np.random.default_rng(6).standard_normal(v.shape)
+    want = linattn.linear_attention(fq, fk, v, feature_map="given", causal=True)
+    calls = {  # the function, its result with "given", and with "identity"
+        "linear_attention": lambda m: linattn.linear_attention(fq, fk, v, feature_map=m, causal=True),
+        "linear_attention_backward": lambda m: linattn.linear_attention_backward(fq, fk, v, g, feature_map=m)[0],
+        "features": lambda m: linattn.features(fk, m),
+        "features_backward": lambda m: linattn.features_backward(fk, g[..., :1].repeat(4, -1), m),
+        "recurrent_state": lambda m: linattn.recurrent_state(1, 2, 4, 3, feature_map=m, dtype=np.float64)
+        .prefill(fq, fk, v),
+        "torch linear_attention": lambda m: lt.linear_attention(*map(torch.from_numpy, (fq, fk, v)), feature_map=m),
+        "torch features": lambda m: lt.features(torch.from_numpy(fk), m),
+        "torch key_state": lambda m: st.key_state(torch.from_numpy(fk), torch.from_numpy(v), feature_map=m)[0],
+    }
+    for name, call in calls.items():
+        now = call("given")
+        with pytest.warns(DeprecationWarning, match="feature_map='identity' is now called 'given'"):
+            before = call("identity")
+        np.testing.assert_array_equal(np.asarray(before), np.asarray(now), err_msg=name)
+    np.testing.assert_array_equal(calls["recurrent_state"]("given"), want)
+    # over ranks too (test_distributed.py runs "given" on 4 processes): the name is changed before
+    # anything else, here before the error that no process group exists
+    with pytest.warns(DeprecationWarning, match="feature_map='identity' is now called 'given'"):
+        with pytest.raises(ValueError, match="torch.distributed is not initialised"):
+            ltd.linear_attention(*map(torch.from_numpy, (fq, fk, v)), feature_map="identity")
+
+
+def test_the_warning_points_at_the_callers_line():
+    fq, fk, v = _features()
+    for call in (lambda: linattn.linear_attention(fq, fk, v, feature_map="identity"),
+                 lambda: lt.features(torch.from_numpy(fk), "identity"),
+                 lambda: st.key_state(torch.from_numpy(fk), torch.from_numpy(v), feature_map="identity")):
+        with pytest.warns(DeprecationWarning) as caught:
+            call()
+        assert all(w.filename == __file__ for w in caught), [(w.filename, str(w.message)) for w in caught]
+
+
+def test_the_hybrid_never_took_identity():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="feature_map"):
+        linattn.hybrid_attention(q, k, v, feature_map="identity", window=2)

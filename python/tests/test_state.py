@@ -9,7 +9,7 @@ import linattn
 import linattn.torch as lt
 from linattn.torch import state as st
 
-MAPS = ["elu", "relu", "focused", "identity", "positive", "hyperbolic", "trig"]
+MAPS = ["elu", "relu", "focused", "given", "positive", "hyperbolic", "trig"]
 
 
 def _opts(name, d):
@@ -22,7 +22,7 @@ def _opts(name, d):
 def _inputs(name, n, d=4, dv=3, seed=0):
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(2, 2, n, x, generator=gen, dtype=torch.float64) for x in (d, d, dv))
-    if name == "identity":
+    if name == "given":
         q, k = q.abs(), k.abs()
     return q, k, v
 

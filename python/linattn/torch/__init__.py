@@ -29,6 +29,7 @@ import torch as _torch
 
 from .. import _default, _linattn
 from .._options import renamed as _renamed
+from .._options import former_spellings as _former_spellings
 from ._ops import OPS as _OPS
 from .modules import MultiheadAttention
 
@@ -122,10 +123,10 @@ def _make(ops):
                for o in opts if not o["positional"]]
     signature = _inspect.Signature(params, return_annotation="Tensor")
     fn = info["function"]
-    former = {o["formerly"]: o["name"] for o in opts if o["formerly"]}
+    former, former_values = _former_spellings(opts)
 
     def call(*args, **kwargs):
-        a = signature.bind(*args, **_renamed(fn, kwargs, former))
+        a = signature.bind(*args, **_renamed(fn, kwargs, former, former_values=former_values))
         a.apply_defaults()
         a = a.arguments
         tensors = [_tensor(fn, n, a[n]) for n in ("q", "k", "v")]
@@ -170,7 +171,7 @@ def hedgehog_attention(q: "Tensor", k: "Tensor", v: "Tensor", query_weight: "Ten
 
     q, k [B, H, n, d], v [B, H, n_k, d_v]; query_weight, key_weight [H, d, f]; query_bias,
     key_bias [H, f]. The maps run as torch operations (autograd gives the gradients of W and b),
-    the attention on linattn's kernel (linear_attention with feature_map="identity"), causal
+    the attention on linattn's kernel (linear_attention with feature_map="given"), causal
     (chunked) or not, with key_lengths. Every argument that requires grad gets its gradient."""
     fn = "hedgehog_attention"
     q, k = _tensor(fn, "q", q), _tensor(fn, "k", k)
@@ -184,7 +185,7 @@ def hedgehog_attention(q: "Tensor", k: "Tensor", v: "Tensor", query_weight: "Ten
                          % (fn, query_weight.shape[2], key_weight.shape[2]))
     fq = hedgehog_features(q, query_weight, query_bias)
     fk = hedgehog_features(k, key_weight, key_bias)
-    return linear_attention(fq, fk, v, feature_map="identity", causal=causal,  # noqa: F821 (made above)
+    return linear_attention(fq, fk, v, feature_map="given", causal=causal,  # noqa: F821 (made above)
                             key_lengths=key_lengths, eps=eps)
 
 

@@ -1,15 +1,15 @@
 """Learned feature maps for linear attention, as small torch modules. Each maps q or k
 [batch, heads, seq, head_dim] to non-negative features [batch, heads, seq, m'], which
-linattn's kernel takes as they are (linear_attention(..., feature_map="identity")); torch
+linattn's kernel takes as they are (linear_attention(..., feature_map="given")); torch
 differentiates the map, the kernel gives the gradients of its features.
 
     fq, fk = HedgehogFeatureMap(heads, head_dim, 32), HedgehogFeatureMap(heads, head_dim, 32)
-    out = linear_attention(fq(q), fk(k), v, feature_map="identity", causal=True)
+    out = linear_attention(fq(q), fk(k), v, feature_map="given", causal=True)
 
 hedgehog_attention() does exactly that, with the maps' parameters as arguments.
 
 Every map's formula is the C++ library's own, differentiable here: hedgehog_features()
-(Hedgehog's learned map), features() (elu, relu, focused, identity) and feature_logits() (FAVOR's
+(Hedgehog's learned map), features() (elu, relu, focused, given) and feature_logits() (FAVOR's
 maps in log form); linattn's decoding cache and context-parallel layers call them rather than a
 formula of their own."""
 
@@ -17,6 +17,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _linattn
+from .._options import current_feature_map
 from ._checks import constant, full_precision_inputs
 from ._ops import _array, _tensor as _from_numpy, accumulator_dtype
 
@@ -44,14 +45,14 @@ class _Features(torch.autograd.Function):
 def features(x, feature_map="elu", *, focus_power=3.0):
     """φ(x) [B, H, n, d] for x [B, H, n, d] by linattn's own map (linattn.features), with its
     gradient: feature_map "elu" (elu(x) + 1), "relu", "focused" (‖r‖·rᵖ/‖rᵖ‖, r = relu(x),
-    p = focus_power) or "identity" (x, which must be >= 0). float32 or float64; finite."""
+    p = focus_power) or "given" (x, which must be >= 0; "identity" before 0.2). float32 or float64; finite."""
     fn = "features"
     (x,) = full_precision_inputs(fn, [("x", x)], _WHO)
     if not isinstance(feature_map, str):
         raise TypeError("%s: feature_map must be a str, got %r" % (fn, feature_map))
     if isinstance(focus_power, bool) or not isinstance(focus_power, (int, float)):
         raise TypeError("%s: focus_power must be a float, got %r" % (fn, focus_power))
-    return _Features.apply(x, feature_map, float(focus_power))
+    return _Features.apply(x, current_feature_map(fn, feature_map), float(focus_power))
 
 
 class _FeatureLogits(torch.autograd.Function):

@@ -74,7 +74,7 @@ class HedgehogDecodingState:
                                exact_valid=zeros(batch_size, window, dtype=torch.bool),
                                counts=zeros(batch_size, dtype=torch.int64))
         else:
-            self.recurrent = _linattn.recurrent_state(batch_size, heads, features, head_dim, feature_map="identity",
+            self.recurrent = _linattn.recurrent_state(batch_size, heads, features, head_dim, feature_map="given",
                                                       eps=eps, dtype=np.float64 if dtype == torch.float64 else np.float32)
 
     def _array(self, name):

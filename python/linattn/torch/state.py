@@ -17,7 +17,7 @@ and v whatever they are); S and z do, and so every function here is differentiab
 and the states it takes.
 
 Options, as linattn.torch.RecurrentState / linattn.recurrent_state name them: feature_map
-"elu", "relu", "focused", "identity" (q and k are features, >= 0) or "favor" (with projection
+"elu", "relu", "focused", "given" (q and k are features, >= 0; "identity" before 0.2) or "favor" (with projection
 [m, head_dim], kernel "positive", "hyperbolic" or "trig", and scale); eps (not for favor);
 focus_power. eps: None means 1e-6 for the plain maps, and favor takes none. float32 and float64; every value of q, k and v must be finite (padded keys too:
 give them zeros); sums beyond the dtype's range raise ValueError."""
@@ -26,6 +26,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _linattn
+from .._options import current_feature_map
 from . import _lengths, _tensor
 from ._checks import constant, full_precision_inputs
 from ._ops import _array, _tensor as _from_numpy
@@ -45,7 +46,7 @@ def _opts(fn, feature_map, projection, kernel, scale, eps, focus_power):
         constant(fn, "projection", projection)
     if not isinstance(feature_map, str):
         raise TypeError("%s: feature_map must be a str, got %r" % (fn, feature_map))
-    return dict(feature_map=feature_map, kernel=kernel, scale=scale, eps=float(eps), focus_power=float(focus_power),
+    return dict(feature_map=current_feature_map(fn, feature_map, stacklevel=5), kernel=kernel, scale=scale, eps=float(eps), focus_power=float(focus_power),
                 projection=_array(projection))
 
 

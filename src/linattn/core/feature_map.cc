@@ -18,9 +18,12 @@ namespace linattn {
 FeatureMapKind parse_plain_feature_map(const char* fn, const std::string& name) {
   if (name == "elu") return FeatureMapKind::Elu;
   if (name == "relu") return FeatureMapKind::Relu;
-  if (name == "identity") return FeatureMapKind::Identity;
+  if (name == "given") return FeatureMapKind::Given;
+  // Its name until 0.2 (issue 43: one name with the hybrid's "given"); accepted for one release,
+  // the Python layers warn (OptionInfo::former_choices).
+  if (name == kFormerGivenName) return FeatureMapKind::Given;
   if (name == "focused") return FeatureMapKind::Focused;
-  fail(fn, ": feature_map must be \"elu\", \"relu\", \"identity\" or \"focused\"; got \"", name, "\"");
+  fail(fn, ": feature_map must be \"elu\", \"relu\", \"focused\" or \"given\"; got \"", name, "\"");
 }
 
 FeatureMapKind parse_favor_kernel(const char* fn, const std::string& name) {
@@ -131,7 +134,7 @@ void FeatureMap<T>::features(const T* x, int64_t n, T* phi) const {
     case FeatureMapKind::Relu:
       simd::select_positive(x, x, static_cast<const T*>(nullptr), phi, static_cast<size_t>(n * d));
       return;
-    case FeatureMapKind::Identity:
+    case FeatureMapKind::Given:
       std::copy(x, x + n * d, phi);
       return;
     case FeatureMapKind::Focused: {
@@ -161,7 +164,7 @@ void FeatureMap<T>::features_backward(const T* x, int64_t n, const T* phi, const
     case FeatureMapKind::Relu:
       simd::select_positive(x, dphi, static_cast<const T*>(nullptr), dx, static_cast<size_t>(n * d));
       return;
-    case FeatureMapKind::Identity:
+    case FeatureMapKind::Given:
       std::copy(dphi, dphi + n * d, dx);
       return;
     case FeatureMapKind::Focused: {
@@ -309,7 +312,7 @@ void FeatureMap<T>::pack_projection() {
 template <class T, class S>
 void check_given_features(const char* fn, const char* name, const FeatureMap<T>& fmap, TensorView<const S> x,
                           const KeyMask* mask) {
-  if (fmap.kind() != FeatureMapKind::Identity) return;
+  if (fmap.kind() != FeatureMapKind::Given) return;
   const auto value = [](S s) -> T {
     if constexpr (std::is_same_v<S, bfloat16>) return to_float(s);
     else return s;
@@ -321,7 +324,7 @@ void check_given_features(const char* fn, const char* name, const FeatureMap<T>&
     const S* bad = std::find_if(first, first + rows * m, [&](S s) { return !(value(s) >= 0); });
     if (bad == first + rows * m) continue;
     const int64_t at = bad - x.data;
-    fail(fn, ": with feature_map=\"identity\", ", name, " holds features, which must be >= 0; got ", value(*bad),
+    fail(fn, ": with feature_map=\"given\", ", name, " holds features, which must be >= 0; got ", value(*bad),
          " at row ", at / m, " (counting over batch·heads·seq), feature ", at % m);
   }
 }

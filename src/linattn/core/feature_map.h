@@ -13,6 +13,7 @@
 #include <string>
 
 #include "linattn/core/products.h"
+#include "linattn/kernelized.h"
 #include "linattn/tensor.h"
 
 namespace linattn {
@@ -24,8 +25,8 @@ inline constexpr double kMaxFocusPower = 1000;
 enum class FeatureMapKind {
   Elu,              // elu(x) + 1
   Relu,             // max(x, 0)
-  Identity,         // x itself: q and k are already features (non-negative), from a map of the
-                    // caller's (a learned one, say), which differentiates dq, dk through it
+  Given,            // x itself: q and k are already features (non-negative), given by a map of
+                    // the caller's (a learned one, say), which differentiates dq, dk through it
   Focused,          // r = relu(x); ‖r‖·rᵖ/‖rᵖ‖ (focused linear attention)
   FavorPositive,    // exp(ω·x̃ − ‖x̃‖²/2)/√m, x̃ = √scale·x
   FavorHyperbolic,  // exp(−‖x̃‖²/2)/√(2m)·[exp(ω·x̃), exp(−ω·x̃)]
@@ -113,7 +114,7 @@ template <class T>
 FeatureMap<T> feature_map_from_options(const char* fn, RecurrentOptions& opts, int64_t head_dim,
                                        std::optional<TensorView<const T>> projection);
 
-// With feature_map="identity", q and k are features: each value x [B,H,n,m'] must be >= 0, so
+// With feature_map="given", q and k are features: each value x [B,H,n,m'] must be >= 0, so
 // that every attention weight φ(q_i)·φ(k_j) and normaliser is >= 0 (throws Error naming fn and
 // `name`, with the first offending position, otherwise). With a mask (keys), only the rows
 // below each item's key length: padded keys may hold anything. Does nothing for other maps.
@@ -122,7 +123,7 @@ template <class T, class S>
 void check_given_features(const char* fn, const char* name, const FeatureMap<T>& fmap, TensorView<const S> x,
                           const KeyMask* mask = nullptr);
 
-// "elu", "relu", "identity", "focused" / "positive", "hyperbolic", "trig", with the function name in errors.
+// "elu", "relu", "focused", "given" / "positive", "hyperbolic", "trig", with the function name in errors.
 FeatureMapKind parse_plain_feature_map(const char* fn, const std::string& name);
 FeatureMapKind parse_favor_kernel(const char* fn, const std::string& name);
 

@@ -30,18 +30,24 @@ inline std::string python_literal(double v) {
 inline std::string python_literal(const std::string& v) { return "'" + v + "'"; }
 
 inline OptionInfo bool_option(std::string name, bool def, std::string doc) {
-  return {std::move(name), OptionInfo::Kind::Bool, false, python_literal(def), std::move(doc), {}, false, false, {}};
+  return {std::move(name), OptionInfo::Kind::Bool, false, python_literal(def), std::move(doc), {}, false, false, {}, {}};
 }
 inline OptionInfo int_option(std::string name, int64_t def, std::string doc) {
-  return {std::move(name), OptionInfo::Kind::Int, false, python_literal(def), std::move(doc), {}, false, false, {}};
+  return {std::move(name), OptionInfo::Kind::Int, false, python_literal(def), std::move(doc), {}, false, false, {}, {}};
 }
 inline OptionInfo float_option(std::string name, double def, std::string doc) {
-  return {std::move(name), OptionInfo::Kind::Float, false, python_literal(def), std::move(doc), {}, false, false, {}};
+  return {std::move(name), OptionInfo::Kind::Float, false, python_literal(def), std::move(doc), {}, false, false, {}, {}};
 }
 inline OptionInfo string_option(std::string name, const std::string& def, std::vector<std::string> choices,
                                 std::string doc) {
   return {std::move(name), OptionInfo::Kind::String, false, python_literal(def), std::move(doc),
-          std::move(choices), false, false, {}};
+          std::move(choices), false, false, {}, {}};
+}
+// A String option one of whose values was `old` before; `now` is its name now
+// (OptionInfo::former_choices).
+inline OptionInfo formerly_choice(std::string old, std::string now, OptionInfo option) {
+  option.former_choices.emplace_back(std::move(old), std::move(now));
+  return option;
 }
 // An option that was named `old` before (OptionInfo::formerly).
 inline OptionInfo formerly(std::string old, OptionInfo option) {
@@ -52,7 +58,7 @@ inline OptionInfo formerly(std::string old, OptionInfo option) {
 // A tensor input: positional (required) or keyword (optional, None by default).
 inline OptionInfo tensor_input(std::string name, bool positional, bool has_gradient, std::string doc) {
   return {std::move(name), OptionInfo::Kind::Tensor, !positional, positional ? "" : "None",
-          std::move(doc), {}, positional, has_gradient, {}};
+          std::move(doc), {}, positional, has_gradient, {}, {}};
 }
 
 // The options of AttentionOptions, as every method lists them.
@@ -62,12 +68,12 @@ inline OptionInfo causal_option(const std::string& no_causal) {
                                        : "must be False: " + no_causal);
 }
 inline OptionInfo scale_option(const std::string& doc = "logit scale; None: 1/sqrt(head_dim)") {
-  OptionInfo o{"scale", OptionInfo::Kind::Float, true, "None", doc, {}, false, false, {}};
+  OptionInfo o{"scale", OptionInfo::Kind::Float, true, "None", doc, {}, false, false, {}, {}};
   return o;
 }
 inline OptionInfo key_lengths_option() {
   return {"key_lengths", OptionInfo::Kind::Lengths, true, "None",
-          "one length per batch item; keys at positions >= key_lengths[b] are ignored", {}, false, false, {}};
+          "one length per batch item; keys at positions >= key_lengths[b] are ignored", {}, false, false, {}, {}};
 }
 
 // Reads a call's options into typed fields. Every option the call names must be one the method

@@ -27,13 +27,13 @@ AttentionDims check_common(const char* fn, TensorView<const S> q, TensorView<con
 }
 
 // The plain maps' largest feature for inputs of largest |value| x: elu+1 <= x + 1, relu and
-// identity <= x,
+// given <= x,
 // focused = ‖r‖·rᵖ/‖rᵖ‖ <= ‖r‖ <= √d·x.
 double plain_feature_bound(FeatureMapKind kind, double x, int64_t d) {
   switch (kind) {
     case FeatureMapKind::Elu: return x + 1;
     case FeatureMapKind::Relu:
-    case FeatureMapKind::Identity: return x;
+    case FeatureMapKind::Given: return x;
     default: return std::sqrt(static_cast<double>(d)) * x;
   }
 }

@@ -212,13 +212,15 @@ MethodInfo describe_linear() {
   m.name = "linear";
   m.function = "linear_attention";
   m.label = "linear elu";
-  m.summary = "kernelized attention φ(q)(φ(k)ᵀv)/(φ(q)·Σφ(k) + eps) with φ = elu+1, relu, focused, or given "
-              "features (identity): O(n)";
+  m.summary = "kernelized attention φ(q)(φ(k)ᵀv)/(φ(q)·Σφ(k) + eps) with φ = elu+1, relu, focused, or features "
+              "given as q and k: O(n)";
   m.docs = "docs/methods/kernelized.md";
   m.options = {
-      string_option("feature_map", defaults.feature_map, {"elu", "relu", "focused", "identity"},
-                    "elu (elu(x)+1), relu, focused (relu, then ‖x‖·xᵖ/‖xᵖ‖ with p = focus_power), or identity "
-                    "(q and k are features already, each >= 0, from a map of the caller's)"),
+      formerly_choice(kFormerGivenName, "given",
+                      string_option("feature_map", defaults.feature_map, {"elu", "relu", "focused", "given"},
+                                    "elu (elu(x)+1), relu, focused (relu, then ‖x‖·xᵖ/‖xᵖ‖ with p = focus_power), "
+                                    "or given (q and k are features already, each >= 0, from a map of the caller's; "
+                                    "'identity' before 0.2)")),
       causal_option(""),
       key_lengths_option(),
       float_option("eps", defaults.eps, "added to every denominator (finite, >= 0)"),

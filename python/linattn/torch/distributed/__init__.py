@@ -54,6 +54,7 @@ import torch._dynamo  # noqa: F401
 
 from .. import _lengths, _tensor
 from ..._options import renamed as _renamed
+from ..._options import former_spellings as _former_spellings
 from ... import _linattn as _lx, methods as _methods, _default
 from .. import feature_maps as _feature_maps
 from . import _context, _delta, _hybrid, _kernelized, _ring
@@ -75,13 +76,14 @@ def _option_default(fn, name):
 
 def _former_names(function):
     """Function `function` of the registry, accepting its options' former names
-    (linear_attention's dwc_weight, now conv_weight) until the next release, with a
+    (linear_attention's dwc_weight, now conv_weight) and values (its feature_map 'identity', now
+    'given') until the next release, with a
     DeprecationWarning, as linattn.torch's functions do; its signature stays linattn.torch's."""
-    former = {o["formerly"]: o["name"] for o in _INFO[function.__name__]["options"] if o["formerly"]}
+    former, former_values = _former_spellings(_INFO[function.__name__]["options"])
 
     @functools.wraps(function)
     def call(*args, **kwargs):
-        return function(*args, **_renamed(_full(function.__name__), kwargs, former))
+        return function(*args, **_renamed(_full(function.__name__), kwargs, former, former_values=former_values))
     return call
 
 
@@ -200,7 +202,7 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, key_lengths=None, gr
     return _ring.RingSoftmax.apply(c.q, c.k, c.v, c.lengths, causal, holder["scale"], c.g, c.segs)
 
 
-_LINEAR_MAPS = ("elu", "relu", "focused", "identity")
+_LINEAR_MAPS = ("elu", "relu", "focused", "given")
 
 
 def _nonnegative(fn, name, x, why):
@@ -227,7 +229,7 @@ def _state_in_range(fn, k, v, feature_bound, top):
 
 
 # The plain maps' largest feature for inputs of largest |value| x (as the C++ library bounds it).
-_PLAIN_FEATURE_BOUND = {"elu": lambda x, d: x + 1, "relu": lambda x, d: x, "identity": lambda x, d: x,
+_PLAIN_FEATURE_BOUND = {"elu": lambda x, d: x + 1, "relu": lambda x, d: x, "given": lambda x, d: x,
                         "focused": lambda x, d: math.sqrt(d) * x}
 
 
@@ -274,9 +276,9 @@ def linear_attention(q, k, v, *, feature_map=_option_default("linear_attention",
     def check(fn, q, k, v, top):
         if feature_map not in _LINEAR_MAPS:
             raise ValueError("%s: feature_map must be one of %s, got %r" % (fn, ", ".join(_LINEAR_MAPS), feature_map))
-        if feature_map == "identity":
+        if feature_map == "given":
             for name, x in (("q", q), ("k", k)):
-                _nonnegative(fn, name, x, "with feature_map='identity', %s holds features; over ranks, padded "
+                _nonnegative(fn, name, x, "with feature_map='given', %s holds features; over ranks, padded "
                                           "positions too: give them zeros" % name)
         _eps_check(fn, eps)
         if isinstance(focus_power, bool) or not isinstance(focus_power, (int, float)) or not 1 <= focus_power <= 1000:
@@ -345,7 +347,7 @@ def hedgehog_attention(q, k, v, query_weight, query_bias, key_weight, key_bias, 
                        eps=1e-6, group=None, layout="contiguous"):
     """Linear attention with Hedgehog's learned maps (linattn.torch.hedgehog_attention) by an
     all-reduce of the key state: each rank maps its own rows (the maps are per row), then as
-    linear_attention with feature_map="identity". The weights [H, d, f] and biases [H, f] are
+    linear_attention with feature_map="given". The weights [H, d, f] and biases [H, f] are
     shared: each rank gets its share of their gradients. See the module's documentation."""
     holder = {}
 
@@ -371,7 +373,7 @@ def hedgehog_attention(q, k, v, query_weight, query_bias, key_weight, key_bias, 
     fq = _feature_maps.hedgehog_features(c.q, holder["query_weight"], holder["query_bias"])
     fk = _feature_maps.hedgehog_features(c.k, holder["key_weight"], holder["key_bias"])
     return _kernelized.attention(c.g, c.segs, fq, fk, c.v, c.lengths, causal,
-                                 dict(feature_map="identity", eps=float(eps)))
+                                 dict(feature_map="given", eps=float(eps)))
 
 
 _HYBRID_MAPS = ("elu", "relu", "given", "favor", "focused")

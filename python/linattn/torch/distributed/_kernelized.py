@@ -1,4 +1,4 @@
-"""Kernelized attention (elu, relu, focused, identity, FAVOR+) over ranks: linattn's state
+"""Kernelized attention (elu, relu, focused, given features, FAVOR+) over ranks: linattn's state
 operations (linattn.torch.state, C++ kernels with their backward) do the math, this module
 only the collectives (whose adjoints _comm carries).
 
@@ -150,7 +150,7 @@ def total_state(g, states, favor):
 
 def _feature_dim(head_dim, opts):
     """m', the feature count of a state: head_dim for the plain maps (and the given features'
-    count for "identity", their last dim); FAVOR's as the library's registry counts it."""
+    count for "given", their last dim); FAVOR's as the library's registry counts it."""
     if opts["feature_map"] != "favor":
         return head_dim
     return _linattn._feature_dim("favor", head_dim, {"projection": list(opts["projection"].shape)},
