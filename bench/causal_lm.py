@@ -145,7 +145,7 @@ def convert(a, original, tok, texts, feature_map, window):
     import copy
     model = lh.linearize(copy.deepcopy(original), feature_map=feature_map, window=window, feature_dim=a.feature_dim)
     seconds = 0.0
-    if feature_map != "none":
+    if feature_map != "window":
         t0 = time.perf_counter()
         lh.attention_transfer(model, tok, texts, steps=a.steps, lr=a.lr, batch_size=a.transfer_batch,
                               max_length=a.train_context, progress=not a.quick)
@@ -197,10 +197,10 @@ def run(a):
     rows = [{"label": "teacher (softmax, sdpa)", "bpc": bpc(original), "stage1_s": 0.0, "stage2_s": 0.0}]
     converted = {}
     for label, feature_map, window in (("hedgehog f=%d" % a.feature_dim, "hedgehog", 0),
-                                       ("window only w=%d" % a.window, "none", a.window),
+                                       ("window only w=%d" % a.window, "window", a.window),
                                        ("hybrid f=%d + w=%d" % (a.feature_dim, a.window), "hedgehog", a.window)):
         model, t1 = convert(a, original, tok, texts, feature_map, window)
-        stage = "zero-shot" if feature_map == "none" else "stage 1"
+        stage = "zero-shot" if feature_map == "window" else "stage 1"
         rows.append({"label": "%s, %s" % (label, stage), "bpc": bpc(model), "stage1_s": t1, "stage2_s": 0.0})
         if a.finetune_steps:
             t0 = time.perf_counter()
@@ -208,7 +208,7 @@ def run(a):
                         batch_size=a.transfer_batch, max_length=n, progress=not a.quick)
             t2 = time.perf_counter() - t0
             model.eval()
-            rows.append({"label": "%s, stages 1 + 2" % label if feature_map != "none" else "%s, stage 2" % label,
+            rows.append({"label": "%s, stages 1 + 2" % label if feature_map != "window" else "%s, stage 2" % label,
                          "bpc": bpc(model), "stage1_s": t1, "stage2_s": t2})
         converted[label] = model
 

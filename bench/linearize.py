@@ -82,11 +82,11 @@ def run(a):
         for p in favor.parameters():
             p.requires_grad_(False)
         stage2(favor, "FAVOR+ m=256 (no stage 1: nothing to transfer)", 0.0)
-    configs = [("hedgehog", 0, f) for f in a.feature_dims] + [("none", a.window, 0)] + \
+    configs = [("hedgehog", 0, f) for f in a.feature_dims] + [("window", a.window, 0)] + \
               [("hedgehog", a.window, f) for f in a.feature_dims]
     for feature_map, window, f in configs:
-        label = {"hedgehog": "hedgehog f=%d" % f, "none": "window only"}[feature_map]
-        if window and feature_map != "none":
+        label = {"hedgehog": "hedgehog f=%d" % f, "window": "window only"}[feature_map]
+        if window and feature_map != "window":
             label += " + window"
         if window:
             label += " w=%d" % window

@@ -172,7 +172,7 @@ def convert(base, tok, texts, a, feature_map, options):
     (model, seconds, tokens seen)."""
     model = lh.linearize(copy.deepcopy(base), feature_map=feature_map, **options)
     seconds, seen = 0.0, 0
-    if feature_map != "none":
+    if feature_map != "window":
         t0 = time.perf_counter()
         lh.attention_transfer(model, tok, texts, steps=a.steps, lr=a.lr, batch_size=a.batch,
                               max_length=a.train_length, progress=False)
@@ -255,7 +255,7 @@ def generation_again(a, command):
     base, tok = teacher(out)
     ran = r["args"]
     ids = held_out_ids(tok, max(ran["lengths"]) * ran["windows"] + 10)
-    window_model = convert(base, tok, [], a, "none", {"window": ran["window"], "sinks": ran["sinks"]})[0]
+    window_model = convert(base, tok, [], a, "window", {"window": ran["window"], "sinks": ran["sinks"]})[0]
     best_model = lh.from_pretrained(transformers.AutoModelForCausalLM, out / "converted").eval()
     a.contexts, a.new_tokens = ran["contexts"], ran["new_tokens"]
     r["generation"] = generation_table(a, base, window_model, r["best"], best_model, ids)
@@ -302,8 +302,8 @@ def run(a):
     evaluate("teacher", base, {"seconds": 0, "tokens": 0})
     window_options = {"window": a.window, "sinks": a.sinks}
     window_label = "window + sinks, zero-shot"
-    evaluate(window_label, convert(base, tok, train_texts, a, "none", window_options)[0],
-             {"seconds": 0, "tokens": 0, "options": window_options, "feature_map": "none"})
+    evaluate(window_label, convert(base, tok, train_texts, a, "window", window_options)[0],
+             {"seconds": 0, "tokens": 0, "options": window_options, "feature_map": "window"})
     candidates = []
     for fmap in a.maps:
         for decay in a.decays:

@@ -202,7 +202,7 @@ def test_linearize_adds_maps_freezes_the_rest_and_matches_hedgehog_attention(min
     assert (got - want).transpose(1, 2)[valid].abs().max() <= 2.0 ** -14 * want.abs().max()
 
 
-@pytest.mark.parametrize("feature_map,window", [("hedgehog", 0), ("hedgehog", 4), ("none", 4), ("elu", 4),
+@pytest.mark.parametrize("feature_map,window", [("hedgehog", 0), ("hedgehog", 4), ("window", 4), ("elu", 4),
                                                 ("favor", 4)])
 def test_attention_transfer_lowers_every_layer_loss(minilm, feature_map, window):
     path, tok = minilm
@@ -210,8 +210,9 @@ def test_attention_transfer_lowers_every_layer_loss(minilm, feature_map, window)
     batch = tok(TEXTS, padding=True, return_tensors="pt")
     with torch.no_grad():
         base = embed(original, batch)
-    model = lh.linearize(load(path), feature_map=feature_map, window=window, feature_dim=8)
-    if feature_map == "none":  # nothing to learn: the window alone
+    size = "num_features" if feature_map == "favor" else "feature_dim"  # FAVOR's m, Hedgehog's f
+    model = lh.linearize(load(path), feature_map=feature_map, window=window, **{size: 8})
+    if feature_map == "window":  # nothing to learn: the window alone
         assert lh.learned_parameters(model) == []
         with pytest.raises(ValueError, match="learns nothing"):
             lh.attention_transfer(model, tok, TEXTS, steps=1)
@@ -256,7 +257,7 @@ def test_conversion_bad_input_and_failure_leaves_the_model_as_it_was(minilm):
     for kwargs, match in ((dict(feature_dim=0), "feature_dim must be an integer >= 1"),
                           (dict(window=-1), "window must be an integer >= 0"),
                           (dict(feature_map="cosine"), "feature_map must be one of"),
-                          (dict(feature_map="none", window=0), "window must be >= 1"),
+                          (dict(feature_map="window", window=0), "window must be >= 1"),
                           (dict(init="zeros"), "init must be")):
         with pytest.raises(ValueError, match=match):
             lh.linearize(model, **kwargs)
@@ -281,14 +282,15 @@ def test_conversion_bad_input_and_failure_leaves_the_model_as_it_was(minilm):
         lh.attention_transfer(lh.linearize(load(path), feature_dim=4), tok, TEXTS, steps=0)
 
 
-@pytest.mark.parametrize("feature_map,window", [("hedgehog", 0), ("hedgehog", 5), ("none", 5), ("favor", 5)])
+@pytest.mark.parametrize("feature_map,window", [("hedgehog", 0), ("hedgehog", 5), ("window", 5), ("favor", 5)])
 def test_causal_llama_conversion_is_causal_and_generates_like_its_forward(feature_map, window):
     lh.register()
     cfg = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg, attn_implementation="sdpa")).eval()
-    lh.linearize(model, feature_map=feature_map, window=window, feature_dim=4)
+    size = "num_features" if feature_map == "favor" else "feature_dim"  # FAVOR's m, Hedgehog's f
+    lh.linearize(model, feature_map=feature_map, window=window, **{size: 4})
     ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(ids).logits

@@ -154,3 +154,41 @@ def test_the_hybrid_never_took_identity():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="feature_map"):
         linattn.hybrid_attention(q, k, v, feature_map="identity", window=2)
+
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=31, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_linearize_names_the_window_alone_and_favors_count_as_everywhere_else():
+    import linattn.hf as lh
+    # the window alone: feature_map "window" (the backend linattn_window); "none" before
+    model = lh.linearize(_tiny_llama(), feature_map="window", window=2)
+    assert model.config._attn_implementation == "linattn_window"
+    with pytest.warns(DeprecationWarning, match="feature_map='none' is now called 'window'") as caught:
+        old = lh.linearize(_tiny_llama(), feature_map="none", window=2)
+    assert caught[0].filename == __file__
+    assert old.config._attn_implementation == "linattn_window"
+    assert old.config.linattn_options == model.config.linattn_options
+    # FAVOR's m is num_features, as MultiheadAttention's and the linattn_favor backend's
+    assert lh.linearize(_tiny_llama(), feature_map="favor", window=2).config.linattn_options["num_features"] == 32
+    assert lh.linearize(_tiny_llama(), feature_map="favor", window=2,
+                        num_features=8).config.linattn_options["num_features"] == 8
+    with pytest.warns(DeprecationWarning, match="num_features now") as caught:
+        old = lh.linearize(_tiny_llama(), feature_map="favor", window=2, feature_dim=8)
+    assert caught[0].filename == __file__
+    assert old.config.linattn_options["num_features"] == 8
+    # feature_dim is Hedgehog's f, and num_features is no option of another map
+    assert lh.linearize(_tiny_llama(), feature_dim=4).config.linattn_options["feature_dim"] == 4
+    for feature_map in ("hedgehog", "elu", "window"):
+        model = _tiny_llama()
+        with pytest.raises(ValueError, match="num_features is FAVOR's count of random features"):
+            lh.linearize(model, feature_map=feature_map, window=2, num_features=8)
+        assert model.config._attn_implementation != "linattn_window" and not hasattr(model.config, "linattn_options")
+    with pytest.raises(TypeError, match="got num_features and feature_dim"):
+        lh.linearize(_tiny_llama(), feature_map="favor", window=2, num_features=8, feature_dim=8)
+    with pytest.raises(ValueError, match="num_features must be an integer >= 1"):
+        lh.linearize(_tiny_llama(), feature_map="favor", window=2, num_features=0)

@@ -13,22 +13,30 @@ from .. import _options
 from .backends import (BACKENDS, PREFIX, _decay_option, attention_modules, create_learned, learned_parameters,  # noqa: F401
                        register)
 
-# linearize's feature_map -> the backend it switches to. "none": the window alone (exact softmax
-# over the window, nothing beyond), the baseline that shows what the linear part earns.
+# linearize's feature_map -> the backend it switches to. "window": the window alone (exact softmax
+# over the window, nothing beyond; backend linattn_window), the baseline that shows what the
+# linear part earns.
 _CONVERSIONS = {"hedgehog": "linattn_hedgehog", "elu": "linattn_elu", "relu": "linattn_relu", "favor": "linattn_favor",
-                "none": "linattn_window"}
+                "window": "linattn_window"}
+# Spellings before 0.2 (issue 43, one name per thing), accepted until the next release with a
+# DeprecationWarning: the window alone was feature_map "none"; FAVOR's count of random features
+# was feature_dim, which is Hedgehog's f everywhere else (FAVOR's m is num_features, as in
+# MultiheadAttention and the linattn_favor backend).
+_FORMER_FEATURE_MAPS = {"none": "window"}
+_FEATURE_DIM, _FAVOR_FEATURES = 32, 32  # the defaults of feature_dim (hedgehog) and num_features (favor)
 
 
-def linearize(model, feature_map="hedgehog", window=0, feature_dim=32, init="identity", sinks=0, decay=None):
+def linearize(model, feature_map="hedgehog", window=0, feature_dim=None, init="identity", sinks=0, decay=None,
+              num_features=None):
     """Switches every attention layer of a transformers model to linear attention with learned
     feature maps, adds their parameters, and freezes everything else: the first step of
     converting a pretrained softmax model (then attention_transfer).
 
     feature_map: "hedgehog" (HedgehogFeatureMap per layer, for queries and keys; backend
     linattn_hedgehog), "elu", "relu" or "favor" (fixed maps; only the window gate is learned;
-    favor: FAVOR+ positive random features, feature_dim of them, which estimate e^{q·k} beyond an
-    unshifted exact window), or "none" (window > 0 required: exact softmax inside the window and
-    nothing beyond, the baseline).
+    favor: FAVOR+ positive random features, num_features of them, which estimate e^{q·k} beyond an
+    unshifted exact window), or "window" (backend linattn_window; window > 0 required: exact
+    softmax inside the window and nothing beyond, the baseline; "none" before 0.2).
     window: 0, plain linear attention; w > 0, the sliding-window hybrid: exact softmax over the
     last w keys (causal models; |i - j| <= w in encoders) with the map beyond it and one
     normaliser, and a learned gate g per head (γ = sigmoid(g) scales the window; g = 0 at first).
@@ -38,19 +46,34 @@ def linearize(model, feature_map="hedgehog", window=0, feature_dim=32, init="ide
     decay: None, "retnet" (per-head γ_h = 1 − 2^(−5−10h/(H−1)), half-lives of ~22 to ~10k tokens)
     or a log-decay λ <= 0 for every head (causal models, window >= 1): the linear part's key j
     weighs e^{λ(i − j)} in row i, so its share stops growing with the position.
-    feature_dim: f, m' = 2f features per head (hedgehog); m = f random features (favor); unused by
-    elu, relu and none (their feature count is head_dim, or none). init: "identity" (W = the identity's
-    first f columns, b = 0) or "random" (hedgehog). The model's other parameters get
+    feature_dim: hedgehog's f, m' = 2f features per head (None: 32); unused by the other maps.
+    num_features: favor's m random features (None: 32); another map with it is an error. (Before
+    0.2 favor's m was given as feature_dim: accepted until the next release, with a
+    DeprecationWarning.) init: "identity" (W = the identity's first f columns, b = 0) or
+    "random" (hedgehog). The model's other parameters get
     requires_grad=False; the new ones get True. Raises ValueError before changing anything when
     an argument is wrong or the model has no attention module that linattn can drive; a failure
     midway restores the model. Returns the model."""
     fn = "linattn.hf.linearize"
+    feature_map = _options.renamed(fn, {"feature_map": feature_map}, {},
+                                   former_values={"feature_map": _FORMER_FEATURE_MAPS})["feature_map"]
+    if feature_map == "favor" and feature_dim is not None:
+        if num_features is not None:
+            raise TypeError("%s: got num_features and feature_dim, its former name for feature_map='favor'; pass "
+                            "num_features only" % fn)
+        _warnings.warn("%s: feature_map='favor' takes its count of random features as num_features now (feature_dim "
+                       "is Hedgehog's f); feature_dim is accepted for it until the next release" % fn,
+                       DeprecationWarning, stacklevel=2)
+        num_features, feature_dim = feature_dim, None
     if not isinstance(feature_map, str) or feature_map not in _CONVERSIONS:
         raise ValueError("%s: feature_map must be one of %s, got %r" % (fn, ", ".join(map(repr, _CONVERSIONS)),
                                                                        feature_map))
+    if num_features is not None and feature_map != "favor":
+        raise ValueError("%s: num_features is FAVOR's count of random features: an option of feature_map='favor' "
+                         "only, got feature_map=%r" % (fn, feature_map))
     window = _options.integer(fn, "window", window, 0)
-    if feature_map == "none" and window < 1:
-        raise ValueError("%s: feature_map='none' keeps only the window, so window must be >= 1, got %r"
+    if feature_map == "window" and window < 1:
+        raise ValueError("%s: feature_map='window' keeps only the window, so window must be >= 1, got %r"
                          % (fn, window))
     sinks = _options.integer(fn, "sinks", sinks, 0)
     decay = _decay_option(fn, "decay", decay)
@@ -60,7 +83,8 @@ def linearize(model, feature_map="hedgehog", window=0, feature_dim=32, init="ide
     if sinks and window < 1:
         raise ValueError("%s: sinks=%d needs window >= 1: the sink tokens join the window's exact softmax"
                          % (fn, sinks))
-    feature_dim = _options.integer(fn, "feature_dim", feature_dim, 1)
+    feature_dim = _options.integer(fn, "feature_dim", _FEATURE_DIM if feature_dim is None else feature_dim, 1)
+    num_features = _options.integer(fn, "num_features", _FAVOR_FEATURES if num_features is None else num_features, 1)
     init = _options.choice(fn, "init", init, ("identity", "random"))
     modules = attention_modules(model)
     if not modules:
@@ -94,7 +118,7 @@ def linearize(model, feature_map="hedgehog", window=0, feature_dim=32, init="ide
         if feature_map == "hedgehog":
             options.update(feature_dim=feature_dim, init=init)
         elif feature_map == "favor":
-            options.update(num_features=feature_dim)
+            options.update(num_features=num_features)
         created = create_learned(model, options)
         for p in learned_parameters(model):
             p.requires_grad_(True)
