@@ -192,3 +192,19 @@ def test_linearize_names_the_window_alone_and_favors_count_as_everywhere_else():
         lh.linearize(_tiny_llama(), feature_map="favor", window=2, num_features=8, feature_dim=8)
     with pytest.raises(ValueError, match="num_features must be an integer >= 1"):
         lh.linearize(_tiny_llama(), feature_map="favor", window=2, num_features=0)
+
+
+def test_empty_state_names_its_feature_count_features():
+    want = st.empty_state(1, 2, 5, 3, favor=True)
+    assert tuple(want.shape) == (1, 2, 5, 5) and torch.isinf(want[..., -1]).all()
+    torch.testing.assert_close(st.empty_state(1, 2, features=5, value_dim=3, favor=True), want, rtol=0, atol=0)
+    with pytest.warns(DeprecationWarning, match="feature_dim is now called features") as caught:
+        old = st.empty_state(1, 2, feature_dim=5, value_dim=3, favor=True)
+    assert caught[0].filename == __file__
+    torch.testing.assert_close(old, want, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="got features and feature_dim"):
+        st.empty_state(1, 2, 5, 3, feature_dim=5)
+    with pytest.raises(TypeError, match="unexpected keyword head_dim"):
+        st.empty_state(1, 2, 5, 3, head_dim=5)
+    with pytest.raises(TypeError, match="needs batch, heads, features and value_dim"):
+        st.empty_state(1, 2, value_dim=3)

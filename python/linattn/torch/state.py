@@ -26,7 +26,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _linattn
-from .._options import current_feature_map
+from .._options import current_feature_map, renamed
 from . import _lengths, _tensor
 from ._checks import constant, full_precision_inputs
 from ._ops import _array, _tensor as _from_numpy
@@ -230,11 +230,21 @@ def linformer_project(k, v, e, f, *, offset=0, key_lengths=None):
     return _LinformerProject.apply(k, v, e, f, offset, _length_list(fn, key_lengths))
 
 
-def empty_state(batch, heads, feature_dim, value_dim, *, favor=False, dtype=torch.float32):
-    """The state of no keys [batch, heads, feature_dim, value_dim + 2]: zeros, and shifts −inf
-    for FAVOR (0 for the plain maps). feature_dim: head_dim for the plain maps; FAVOR's m, or
-    2m for the hyperbolic and trig kernels."""
-    s = torch.zeros(batch, heads, feature_dim, value_dim + 2, dtype=dtype)
+def empty_state(batch, heads, features=None, value_dim=None, *, favor=False, dtype=torch.float32, **former):
+    """The state of no keys [batch, heads, features, value_dim + 2]: zeros, and shifts −inf for
+    FAVOR (0 for the plain maps). features: m', the feature count (head_dim for the plain maps;
+    FAVOR's m, or 2m for the hyperbolic and trig kernels), as linattn.torch.recurrent names it;
+    its keyword was feature_dim before 0.2 (Hedgehog's f everywhere else), accepted until the
+    next release with a DeprecationWarning."""
+    fn = "linattn.torch.state.empty_state"
+    given = renamed(fn, dict(former, **({} if features is None else {"features": features})),
+                    {"feature_dim": "features"})
+    unknown = sorted(set(given) - {"features"})
+    if unknown:
+        raise TypeError("%s: unexpected keyword %s" % (fn, ", ".join(unknown)))
+    if "features" not in given or value_dim is None:
+        raise TypeError("%s: needs batch, heads, features and value_dim" % fn)
+    s = torch.zeros(batch, heads, given["features"], value_dim + 2, dtype=dtype)
     if favor:
         s[..., -1] = float("-inf")
     return s
