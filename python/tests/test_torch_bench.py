@@ -145,10 +145,23 @@ def test_lolcats_peers_compute_the_hybrid():
         for name, fn in hl.PEERS.items():
             got = fn(q, k, fq, fk, v, gate, window, 1e-6)
             assert float((got - want).abs().max()) <= 1e-12 * float(want.abs().max()), (name, window)
+        # The two parts timed alone: the window's exact softmax over keys (i − window, i] (γ cancels
+        # at eps = 0), and the linear part's causal sums [Σ_{j<=i} φq·φk v_j | Σ_{j<=i} φq·φk].
+        i, j = torch.arange(29)[:, None], torch.arange(29)[None, :]
+        band = (j <= i) & (j > i - window)
+        scores = (q @ k.transpose(-1, -2) / 8 ** 0.5).masked_fill(~band, float("-inf"))
+        want_window = torch.softmax(scores, -1) @ v
+        got = hl.window_part(q, k, fq, fk, v, gate, window, 0.0)
+        assert float((got - want_window).abs().max()) <= 1e-12 * float(want_window.abs().max()), window
+    weights = (fq @ fk.transpose(-1, -2)).tril()
+    want_linear = torch.cat([weights @ v, weights.sum(-1, keepdim=True)], -1)
+    got = hl.linear_part(q, k, fq, fk, v, gate, 4, 1e-6)
+    assert float((got - want_linear).abs().max()) <= 1e-12 * float(want_linear.abs().max())
     out = subprocess.run([sys.executable, path, "--quick", "--threads", "1"], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert "| 40 |" in out.stdout
+    assert "hybrid / (sum) fwd" in out.stdout
 
 
 def test_gated_peers_compute_gated_linear_attention():
