@@ -51,7 +51,7 @@ MethodInfo describe_linformer() {
       causal_option(m.no_causal),
   };
   m.size_name = "s_proj";
-  m.size_symbol = "s";
+  m.size_symbol = std::string("s");  // a temporary: GCC 12 warns (-Wrestrict, a false positive) on assign("s") here
   m.default_size = kDefaultProjection;
   m.block_rows = std::max(linformer::kRowBlock, linformer::kColBlock);
   // Per head: K' = E·K, V' = F·V, Q·K'ᵀ and P·V': 4·n·s·(d + d_v); backward (linformer.cc):
