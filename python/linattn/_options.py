@@ -5,9 +5,12 @@ as int/float (JSON-safe), a float or bool where an integer belongs is refused (n
 truncated), and a bad value raises ValueError naming the caller and the argument before
 anything is written."""
 
+import functools
 import math
 import numbers
 import warnings
+
+from . import _linattn
 
 # The largest integer a C++ int64_t option (and a torch custom op's `int`) holds.
 INT64_MAX = 2 ** 63 - 1
@@ -62,19 +65,19 @@ RENAMED = {"dwc_kernel_size": "conv_kernel_size"}
 _WARNED = set()
 
 
-_FORMER_FEATURE_MAPS = []  # linear_attention's feature_map values' former names, read once
+@functools.lru_cache(maxsize=None)
+def _former_feature_maps():
+    """linear_attention's feature_map values' former names, {old: now}, from the registry."""
+    linear = next(m for m in _linattn._methods() if m["function"] == "linear_attention")
+    return former_spellings(linear["options"])[1]["feature_map"]
 
 
 def current_feature_map(fn, feature_map, stacklevel=4):
     """feature_map by its name now, for the functions the registry does not make (features, the
     state operations): a former name (linear_attention's "identity", now "given": the registry's
     former_choices) with a DeprecationWarning at the caller of fn's caller (stacklevel 4)."""
-    if not _FORMER_FEATURE_MAPS:
-        from . import _linattn
-        linear = next(m for m in _linattn._methods() if m["function"] == "linear_attention")
-        _FORMER_FEATURE_MAPS.append(former_spellings(linear["options"])[1]["feature_map"])
     return renamed(fn, {"feature_map": feature_map}, {}, stacklevel=stacklevel,
-                   former_values={"feature_map": _FORMER_FEATURE_MAPS[0]})["feature_map"]
+                   former_values={"feature_map": _former_feature_maps()})["feature_map"]
 
 
 def former_spellings(options):

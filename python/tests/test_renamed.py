@@ -204,7 +204,7 @@ def test_empty_state_names_its_feature_count_features():
     torch.testing.assert_close(old, want, rtol=0, atol=0)
     with pytest.raises(TypeError, match="got features and feature_dim"):
         st.empty_state(1, 2, 5, 3, feature_dim=5)
-    with pytest.raises(TypeError, match="unexpected keyword head_dim"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'head_dim'"):
         st.empty_state(1, 2, 5, 3, head_dim=5)
     with pytest.raises(TypeError, match="needs batch, heads, features and value_dim"):
         st.empty_state(1, 2, value_dim=3)

@@ -22,7 +22,7 @@ _CONVERSIONS = {"hedgehog": "linattn_hedgehog", "elu": "linattn_elu", "relu": "l
 # DeprecationWarning: the window alone was feature_map "none"; FAVOR's count of random features
 # was feature_dim, which is Hedgehog's f everywhere else (FAVOR's m is num_features, as in
 # MultiheadAttention and the linattn_favor backend).
-_FORMER_FEATURE_MAPS = {"none": "window"}
+_FORMER_CONVERSIONS = {"none": "window"}
 _FEATURE_DIM, _FAVOR_FEATURES = 32, 32  # the defaults of feature_dim (hedgehog) and num_features (favor)
 
 
@@ -56,7 +56,7 @@ def linearize(model, feature_map="hedgehog", window=0, feature_dim=None, init="i
     midway restores the model. Returns the model."""
     fn = "linattn.hf.linearize"
     feature_map = _options.renamed(fn, {"feature_map": feature_map}, {},
-                                   former_values={"feature_map": _FORMER_FEATURE_MAPS})["feature_map"]
+                                   former_values={"feature_map": _FORMER_CONVERSIONS})["feature_map"]
     if feature_map == "favor" and feature_dim is not None:
         if num_features is not None:
             raise TypeError("%s: got num_features and feature_dim, its former name for feature_map='favor'; pass "

@@ -46,8 +46,8 @@ def _opts(fn, feature_map, projection, kernel, scale, eps, focus_power):
         constant(fn, "projection", projection)
     if not isinstance(feature_map, str):
         raise TypeError("%s: feature_map must be a str, got %r" % (fn, feature_map))
-    return dict(feature_map=current_feature_map(fn, feature_map, stacklevel=5), kernel=kernel, scale=scale, eps=float(eps), focus_power=float(focus_power),
-                projection=_array(projection))
+    return dict(feature_map=current_feature_map(fn, feature_map, stacklevel=5), kernel=kernel, scale=scale,
+                eps=float(eps), focus_power=float(focus_power), projection=_array(projection))
 
 
 def _inputs(fn, named):
@@ -230,21 +230,18 @@ def linformer_project(k, v, e, f, *, offset=0, key_lengths=None):
     return _LinformerProject.apply(k, v, e, f, offset, _length_list(fn, key_lengths))
 
 
-def empty_state(batch, heads, features=None, value_dim=None, *, favor=False, dtype=torch.float32, **former):
+def empty_state(batch, heads, features=None, value_dim=None, *, favor=False, dtype=torch.float32, feature_dim=None):
     """The state of no keys [batch, heads, features, value_dim + 2]: zeros, and shifts −inf for
     FAVOR (0 for the plain maps). features: m', the feature count (head_dim for the plain maps;
     FAVOR's m, or 2m for the hyperbolic and trig kernels), as linattn.torch.recurrent names it;
     its keyword was feature_dim before 0.2 (Hedgehog's f everywhere else), accepted until the
     next release with a DeprecationWarning."""
     fn = "linattn.torch.state.empty_state"
-    given = renamed(fn, dict(former, **({} if features is None else {"features": features})),
-                    {"feature_dim": "features"})
-    unknown = sorted(set(given) - {"features"})
-    if unknown:
-        raise TypeError("%s: unexpected keyword %s" % (fn, ", ".join(unknown)))
-    if "features" not in given or value_dim is None:
+    given = {name: x for name, x in (("features", features), ("feature_dim", feature_dim)) if x is not None}
+    features = renamed(fn, given, {"feature_dim": "features"}).get("features")
+    if features is None or value_dim is None:
         raise TypeError("%s: needs batch, heads, features and value_dim" % fn)
-    s = torch.zeros(batch, heads, given["features"], value_dim + 2, dtype=dtype)
+    s = torch.zeros(batch, heads, features, value_dim + 2, dtype=dtype)
     if favor:
         s[..., -1] = float("-inf")
     return s

@@ -25,7 +25,7 @@ struct FeatureRow {
 using FeatureFn = std::function<FeatureRow(const double* x)>;
 
 FeatureFn plain_feature(const std::string& name, int64_t d, double p) {
-  if (name == "given" || name == "identity") {  // "identity": its name until 0.2
+  if (name == "given" || name == kFormerGivenName) {
     return [=](const double* x) {
       FeatureRow f{Row(x, x + d), Matrix(d, Row(d, 0.0))};
       for (int64_t c = 0; c < d; ++c) f.jac[c][c] = 1;
