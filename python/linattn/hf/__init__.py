@@ -75,15 +75,17 @@ has no dropout; a model in training mode with attention dropout > 0 raises Value
 config.attention_probs_dropout_prob / attention_dropout to 0) instead of training without it.
 Attention weights are not returned (output_attentions gives None).
 
-The package: backends.py (BACKENDS, one Backend object per name, the attention function,
-options), masks.py (attention masks -> key_lengths), convert.py (linearize, attention_transfer,
+The package: registration.py (register()), backends.py (BACKENDS, one Backend object per name, the
+attention function, options), masks.py (attention masks -> key_lengths), convert.py (linearize, attention_transfer,
 finetune, distillation_loss, from_pretrained), cache.py (LinattnCache, generation in constant memory)."""
 
-from .backends import (BACKENDS, Backend, attention_function, attention_modules, options_of, register,  # noqa: F401
+from .backends import (BACKENDS, Backend, attention_function, attention_modules, options_of,  # noqa: F401
                        remove_learned, set_options)
+from .registration import register  # noqa: F401
 from .convert import (attention_transfer, distillation_loss, finetune, from_pretrained, learned_parameters,  # noqa: F401
                       linearize)
 from . import backends, convert, masks  # noqa: F401
+
 
 
 

@@ -27,7 +27,9 @@ PREFIX = "linattn_"  # attribute names of what linattn.hf attaches to attention 
 FEATURE_KINDS = ("orthogonal", "iid", "orthogonal_fixed", "quantile")
 KERNELS = ("positive", "hyperbolic", "trig")
 # LinattnCache.update's note to the attention function that runs next on this thread:
-# .note = (cache layer, the key tensor update returned). See linattn.hf.cache.
+# .note = (cache layer, the key tensor update returned). See linattn.hf.cache. The attention
+# function reaches the cache only through that layer (its attend method): this module never
+# imports the cache module, which imports this one.
 PENDING_CACHE = _threading.local()
 
 
@@ -298,25 +300,6 @@ def backend(name):
     return BACKENDS[name]
 
 
-def register():
-    """Registers every backend of BACKENDS with transformers' AttentionInterface and, for the
-    masks, AttentionMaskInterface (mask); makes generate() use LinattnCache on the cached
-    backends (cache.install_generation_hook) and a linattn model's config save atomic
-    (install_atomic_config_save); and runs the linear layers of transformers' gated-delta-rule
-    and KDA models (Qwen3-Next, Qwen3.5, OLMo-hybrid, Kimi Linear, ...) on linattn's kernels
-    (linattn.hf.delta.install). Idempotent."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-    from .cache import install_generation_hook
-    from .delta import install as install_delta_rule
-    for name in BACKENDS:
-        AttentionInterface.register(name, attention_function(name))
-        AttentionMaskInterface.register(name, mask)
-    install_generation_hook()
-    install_atomic_config_save()
-    install_delta_rule()
-
-
 def mask(*args, **kwargs):
     """sdpa's boolean mask (True = attend; None when nothing is masked), except that it is
     never left out for several queries against more keys: sdpa then relies on torch's top-left
@@ -428,11 +411,10 @@ def attention_function(name):
                       else getattr(module, "is_causal", False))
         user = options_of(getattr(module, "config", None), name)
         if cached is not None:  # the cache keeps the model's key/value heads; it repeats them where it needs to
-            from .cache import attend
             if not causal:
                 raise ValueError("%s: LinattnCache serves causal attention; this attention layer is not causal" % name)
-            out = attend(name, cached, module, b, user, query, key, value, attention_mask, scaling,
-                         lambda q, k, v: forward(module, q, k, v, None, True, causal, scaling, user))
+            out = cached.attend(name, module, b, user, query, key, value, attention_mask, scaling,
+                                lambda q, k, v: forward(module, q, k, v, None, True, causal, scaling, user))
             return out.transpose(1, 2).contiguous(), None
         key, value = per_query_head(key, query.shape[1]), per_query_head(value, query.shape[1])
         n_q, n_k = query.shape[2], key.shape[2]

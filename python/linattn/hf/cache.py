@@ -132,6 +132,11 @@ class LinattnCacheLayer(CacheLayerMixin):
     def batch_select_indices(self, indices):
         self._map(lambda t: t[indices])
 
+    def attend(self, name, module, b, user, query, key, value, attention_mask, scaling, forward_on):
+        """The new tokens' attention with this layer, which it then advances (attend below): what
+        linattn's attention function calls with the layer LinattnCache.update noted."""
+        return attend(name, self, module, b, user, query, key, value, attention_mask, scaling, forward_on)
+
     def end_forward(self, failed=False):
         """The attention of this layer is done (LinattnCache.end_forward)."""
         if self.cache is not None:

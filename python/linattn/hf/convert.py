@@ -10,8 +10,8 @@ import numpy as _np
 import torch as _torch
 
 from .. import _options
-from .backends import (BACKENDS, PREFIX, _decay_option, attention_modules, create_learned, learned_parameters,  # noqa: F401
-                       register)
+from .backends import (BACKENDS, PREFIX, _decay_option, attention_modules, create_learned, learned_parameters)  # noqa: F401
+from .registration import register
 
 # linearize's feature_map -> the backend it switches to. "window": the window alone (exact softmax
 # over the window, nothing beyond; backend linattn_window), the baseline that shows what the
