@@ -52,8 +52,9 @@ def embed(model, batch):
 
 def test_importing_linattn_hf_loads_neither_transformers_nor_the_cache():
     # The backends reach the cache only through the layer LinattnCache.update notes (its attend
-    # method), and register() lives beside them (registration.py): linattn.hf imports without
-    # transformers, and backends never imports cache, which imports backends.
+    # method), and register() has its own module (registration.py), which imports the cache only
+    # when it runs: linattn.hf imports without transformers, and backends never imports cache,
+    # which imports backends.
     import subprocess
     import sys
     code = ("import sys, linattn.hf, linattn.hf.backends, linattn.hf.convert; "

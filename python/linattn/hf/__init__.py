@@ -87,8 +87,6 @@ from .convert import (attention_transfer, distillation_loss, finetune, from_pret
 from . import backends, convert, masks  # noqa: F401
 
 
-
-
 def __getattr__(attr):
     # linattn.hf.LinattnCache / linattn.hf.cache import transformers, which linattn.hf itself
     # does not need until register(): loaded on first use.
