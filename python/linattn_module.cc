@@ -949,6 +949,61 @@ py::object hybrid_decode_step_py(const py::object& q, const py::object& k, const
   });
 }
 
+py::object hybrid_prefill_py(const py::object& k, const py::object& v, const py::object& key_features,
+                             const py::object& valid, const py::object& log_decay, const py::object& sums,
+                             const py::object& normaliser, const py::object& exact_keys,
+                             const py::object& exact_values, const py::object& exact_valid, const py::object& counts,
+                             int64_t window, int64_t sinks, const py::object& key_weight, const py::object& key_bias,
+                             const std::string& feature_map, double focus_power) {
+  FullPrecisionArgs<linattn::HybridDecodeOptions> a("hybrid_prefill");
+  a.opts.window = window, a.opts.sinks = sinks, a.opts.feature_map = feature_map, a.opts.focus_power = focus_power;
+  const bool fixed = feature_map != "given";
+  const bool hedgehog = !key_weight.is_none() || !key_bias.is_none();
+  // Features given, Hedgehog's key map, or a fixed map by name: exactly one.
+  if (hedgehog && (key_weight.is_none() || key_bias.is_none()))
+    throw py::value_error("hybrid_prefill: key_weight and key_bias go together (Hedgehog's key map); one was given");
+  if (hedgehog && !key_features.is_none())
+    throw py::value_error("hybrid_prefill: key_features must be None when Hedgehog's key map (key_weight, key_bias) "
+                          "is given: the prefill makes the features from it");
+  if (hedgehog && fixed)
+    throw py::value_error("hybrid_prefill: feature_map=\"" + feature_map + "\" and Hedgehog's key map were both given; "
+                          "pass one");
+  if (fixed && !key_features.is_none())
+    throw py::value_error("hybrid_prefill: key_features must be None with feature_map=\"" + feature_map +
+                          "\": the prefill makes the features itself");
+  if (!hedgehog && !fixed && key_features.is_none())
+    throw py::value_error("hybrid_prefill: key_features is required unless Hedgehog's key map (key_weight, key_bias) "
+                          "or a fixed feature_map is given");
+  a.add("k", k).add("v", v);
+  if (hedgehog)
+    a.add("key_weight", key_weight).add("key_bias", key_bias);
+  else if (!fixed)
+    a.add("key_features", key_features);
+  a.add("log_decay", log_decay);
+  return by_dtype(a.dtype(), [&](auto tag) -> py::object {
+    using T = decltype(tag);
+    const char* fn = a.fn;
+    const linattn::HybridDecodeState<T> state{
+        in_place_array<T>(fn, "sums", sums), in_place_array<T>(fn, "normaliser", normaliser),
+        in_place_array<T>(fn, "exact_keys", exact_keys), in_place_array<T>(fn, "exact_values", exact_values),
+        in_place_array<bool>(fn, "exact_valid", exact_valid), in_place_array<int64_t>(fn, "counts", counts)};
+    const TensorView<bool> marks = valid.is_none() ? TensorView<bool>{} : in_place_array<bool>(fn, "valid", valid, false);
+    const Inputs& in = a.inputs;
+    const TensorView<const T> log_decay_view = in.optional<T>("log_decay").value_or(TensorView<const T>{});
+    run_without_gil([&] {
+      if (hedgehog)
+        linattn::hybrid_prefill<T>(in.tensor<T>("k"), in.tensor<T>("v"), in.tensor<T>("key_weight"),
+                                   in.tensor<T>("key_bias"), marks, log_decay_view, state, a.opts);
+      else
+        linattn::hybrid_prefill<T>(in.tensor<T>("k"), in.tensor<T>("v"),
+                                   fixed ? TensorView<const T>{} : in.tensor<T>("key_features"), marks,
+                                   log_decay_view, state, a.opts);
+      return 0;
+    });
+    return py::none();
+  });
+}
+
 py::tuple causal_conv1d_backward_py(const py::object& x, const py::object& weight, const py::object& dout,
                                     const py::object& bias, const py::object& initial_state, const py::object& dstate,
                                     const py::object& activation) {
@@ -1385,6 +1440,23 @@ With Hedgehog's maps (query_weight, key_weight [H, d, f], query_bias, key_bias [
 the step makes both features itself (hedgehog_features' formula, m' = 2f): pass None for
 query_features and leaving_features. So it does with feature_map "elu", "relu" or "focused"
 (focus_power; features()' formula, m' = d); "given" (the default) takes the features passed.)doc");
+  m.def("hybrid_prefill", &hybrid_prefill_py, py::arg("k"), py::arg("v"), py::arg("key_features"), py::arg("valid"),
+        py::arg("log_decay"), py::arg("sums"), py::arg("normaliser"), py::arg("exact_keys"), py::arg("exact_values"),
+        py::arg("exact_valid"), py::arg("counts"), py::kw_only(), py::arg("window"), py::arg("sinks"),
+        py::arg("key_weight") = py::none(), py::arg("key_bias") = py::none(), py::arg("feature_map") = "given",
+        py::arg("focus_power") = 3.0,
+        R"doc(The causal sliding-window + linear hybrid's decoding state after a prompt, written over the
+state arrays (include/linattn/hybrid.h; linattn.hf's LinattnCache runs it once per layer after
+the prompt): what hybrid_decode_step continues from, as if the prompt's tokens had been stepped
+through it. k [B, H_kv, n, d], v [B, H_kv, n, d_v]; valid [B, n] bool marks each row's tokens
+(None: all of them); key_features φ(k) [B, H, n, m'] of each query head's map on its key head's
+keys; log_decay λ [H] or None; sums [B, H, m', d_v], normaliser [B, H, m'], exact_keys
+[B, H_kv, s + w, d], exact_values [B, H_kv, s + w, d_v] (k's dtype), exact_valid [B, s + w] bool
+and counts [B] int64 are overwritten. Of a row's c tokens, the last w fill the ring (token i at
+slot s + i mod w), the first s of the others the sink slots, and the rest enter the sums weighed
+by e^{λ_h·(c − 1 − i)}. With Hedgehog's key map (key_weight [H, d, f], key_bias [H, f]) or
+feature_map "elu", "relu" or "focused" (focus_power) the prefill makes the features itself: pass
+None for key_features. Returns None.)doc");
   m.def("causal_conv1d", &causal_conv1d_py, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         py::kw_only(), py::arg("initial_state") = py::none(), py::arg("return_state") = false,
         py::arg("activation") = "silu",

@@ -13,6 +13,7 @@
 
 #include "linattn/hybrid.h"
 #include "linattn/hybrid/reference.h"
+#include "linattn/kernelized/reference.h"
 #include "linattn/kernelized.h"
 #include "linattn/softmax.h"
 #include "hedgehog_bounds.h"
@@ -550,9 +551,12 @@ namespace {
 // (reference::hybrid_attention in float64, given features, a gate, with and without sinks and
 // decay, windows shorter and longer than the sequence), at the forward's rounding bound; a row
 // that does not advance gets 0 and keeps its state; bad input changes nothing.
+// With `prefilled` tokens, the state after the first ones is hybrid_prefill's, and the steps
+// continue from it.
 template <class T>
-void check_decode_step(const Case& c, int threads, int64_t kv_heads) {
-  SCOPED_TRACE(name(c) + " " + std::to_string(threads) + " threads, " + std::to_string(kv_heads) + " key heads");
+void check_decode_step(const Case& c, int threads, int64_t kv_heads, int64_t prefilled = 0) {
+  SCOPED_TRACE(name(c) + " " + std::to_string(threads) + " threads, " + std::to_string(kv_heads) + " key heads, " +
+               std::to_string(prefilled) + " prefilled");
   testing::ScopedThreads scope(threads);
   constexpr int64_t B = Inputs::B, H = Inputs::H, d = Inputs::d, dv = Inputs::dv, m = Inputs::m;
   const int64_t G = H / kv_heads;  // query heads per key head
@@ -605,7 +609,22 @@ void check_decode_step(const Case& c, int threads, int64_t kv_heads) {
     return hybrid_decode_step<T>(q.view(), k.view(), v.view(), fq.view(), fl.view(), advance.view(), gamma.view(),
                                  c.decay ? decay.view() : TensorView<const T>{}, state, opts);
   };
-  for (int64_t t = 0; t < n; ++t) {
+  if (prefilled > 0) {  // the first tokens' keys, values and key features, as token() gives them
+    Tensor<T> kp({B, kv_heads, prefilled, d}), vp({B, kv_heads, prefilled, dv}), fk({B, H, prefilled, m});
+    for (int64_t t = 0; t < prefilled; ++t) {
+      token(t);
+      for (int64_t bg = 0; bg < B * kv_heads; ++bg) {
+        std::copy(k.data() + bg * d, k.data() + (bg + 1) * d, kp.data() + (bg * prefilled + t) * d);
+        std::copy(v.data() + bg * dv, v.data() + (bg + 1) * dv, vp.data() + (bg * prefilled + t) * dv);
+      }
+      for (int64_t bh = 0; bh < B * H; ++bh)
+        for (int64_t i = 0; i < m; ++i) fk[(bh * prefilled + t) * m + i] = static_cast<T>(x.fk.view().row(bh, t)[i]);
+    }
+    hybrid_prefill<T>(kp.view(), vp.view(), fk.view(), TensorView<const bool>{},
+                      c.decay ? decay.view() : TensorView<const T>{}, state, opts);
+    EXPECT_EQ(counts[0], prefilled);
+  }
+  for (int64_t t = prefilled; t < n; ++t) {
     token(t);
     // at t = 2 row 1 does not advance first (a padded position): 0 out, its state unchanged
     if (t == 2) {
@@ -670,10 +689,11 @@ TEST(HybridDecodeStep, EqualsTheCausalForwardRowByRow) {
     for (const auto& [w, sinks, decayed] : {std::tuple{1, 0, false}, std::tuple{3, 0, true}, std::tuple{8, 2, false},
                                             std::tuple{4, 4, true}, std::tuple{30, 3, true}}) {
       const Case c{true, w, "given", true, false, 23, 23, sinks, decayed};
-      for (int64_t kv_heads : {Inputs::H, int64_t{1}}) {
-        check_decode_step<float>(c, threads, kv_heads);
-        check_decode_step<double>(c, threads, kv_heads);
-      }
+      for (int64_t kv_heads : {Inputs::H, int64_t{1}})
+        for (int64_t prefilled : {0, 5, 17}) {
+          check_decode_step<float>(c, threads, kv_heads, prefilled);
+          check_decode_step<double>(c, threads, kv_heads, prefilled);
+        }
     }
 }
 
@@ -913,6 +933,217 @@ TEST(HybridDecodeStep, SeveralWorkersGiveEachHeadItsOwnStep) {
     EXPECT_EQ(all.counts[1], alone[0].counts[1]);
     EXPECT_LT(all.counts[1], n);
   }
+}
+
+}  // namespace
+}  // namespace linattn
+
+namespace linattn {
+namespace {
+
+// The state hybrid_prefill leaves, held in tensors of T.
+template <class T>
+struct PrefillRun {
+  Tensor<T> sums, normaliser, keys, values;
+  Tensor<bool> valid;
+  Tensor<int64_t> counts;
+  PrefillRun(int64_t B, int64_t H, int64_t kv_heads, int64_t m, int64_t slots, int64_t d, int64_t dv)
+      : sums({B, H, m, dv}), normaliser({B, H, m}), keys({B, kv_heads, slots, d}), values({B, kv_heads, slots, dv}),
+        valid({B, slots}), counts({B}) {}
+  HybridDecodeState<T> state() { return {sums.view(), normaliser.view(), keys.view(), values.view(), valid.view(), counts.view()}; }
+};
+
+// The fast state against the float64 reference's: the exact slots, their validity and the counts
+// are copies (equal); each of the sums and the normaliser within tol_per_magnitude times the
+// reference's magnitude (the sum of its terms' absolute values).
+template <class T>
+void expect_prefill_state(PrefillRun<T>& got, const reference::HybridPrefillState& want,
+                          const reference::HybridPrefillState& magnitude, double tol_per_magnitude) {
+  for (int64_t i = 0; i < want.exact_keys.size(); ++i) ASSERT_EQ(double(got.keys[i]), want.exact_keys[i]) << i;
+  for (int64_t i = 0; i < want.exact_values.size(); ++i) ASSERT_EQ(double(got.values[i]), want.exact_values[i]) << i;
+  for (int64_t i = 0; i < want.exact_valid.size(); ++i) ASSERT_EQ(got.valid[i], want.exact_valid[i]) << i;
+  for (int64_t i = 0; i < want.counts.size(); ++i) ASSERT_EQ(got.counts[i], want.counts[i]) << i;
+  for (int64_t i = 0; i < want.sums.size(); ++i)
+    ASSERT_NEAR(double(got.sums[i]), want.sums[i], tol_per_magnitude * magnitude.sums[i]) << "sums " << i;
+  for (int64_t i = 0; i < want.normaliser.size(); ++i)
+    ASSERT_NEAR(double(got.normaliser[i]), want.normaliser[i], tol_per_magnitude * magnitude.normaliser[i])
+        << "normaliser " << i;
+}
+
+// hybrid_prefill with the features given equals reference::hybrid_prefill: a full row and a row
+// with padding here and there, grouped key heads, windows shorter and longer than the prompt,
+// sinks, decay, 1 to 8 threads (below and above B·H = 8). The slots are copies (equal); the sums
+// and the normaliser round the decay weight e^{λ·after} (computed in double) once, its product
+// with φ once, and sum at most n products: within γ_{n+3} of the sum of the terms' magnitudes.
+template <class T>
+void check_prefill_given(int64_t window, int64_t sinks, bool decayed, int64_t kv_heads, int threads) {
+  SCOPED_TRACE(std::string(dtype_name<T>()) + " w=" + std::to_string(window) + " s=" + std::to_string(sinks) +
+               (decayed ? " decay " : " ") + std::to_string(kv_heads) + " key heads, " + std::to_string(threads) +
+               " threads");
+  testing::ScopedThreads scope(threads);
+  constexpr int64_t B = 2, H = 4, n = 29, d = 5, dv = 3, m = 7;
+  const Tensor<T> k = random_tensor<T>({B, kv_heads, n, d}, 801), v = random_tensor<T>({B, kv_heads, n, dv}, 802);
+  Tensor<T> fk = random_tensor<T>({B, H, n, m}, 803);
+  for (int64_t i = 0; i < fk.size(); ++i) fk[i] = std::abs(fk[i]);
+  Tensor<bool> valid({B, n});
+  for (int64_t p = 0; p < n; ++p) valid[p] = true, valid[n + p] = p % 4 != 1 && p != 0;  // row 1: padding
+  Tensor<T> decay({H});
+  for (int64_t h = 0; h < H; ++h) decay[h] = static_cast<T>(-0.05 * double(h + 1));
+  const TensorView<const T> log_decay = decayed ? TensorView<const T>(decay.view()) : TensorView<const T>{};
+  const Tensor<double> decay64 = cast<double>(decay);
+  const TensorView<const double> log_decay64 = decayed ? decay64.view() : TensorView<const double>{};
+  const Tensor<double> k64 = cast<double>(k), v64 = cast<double>(v), fk64 = cast<double>(fk);
+  for (const bool padded : {false, true}) {
+    const TensorView<const bool> marks = padded ? TensorView<const bool>(valid.view()) : TensorView<const bool>{};
+    PrefillRun<T> run(B, H, kv_heads, m, sinks + window, d, dv);
+    // whatever the state held before is replaced
+    std::fill(run.sums.data(), run.sums.data() + run.sums.size(), T(7));
+    std::fill(run.valid.data(), run.valid.data() + run.valid.size(), true);
+    hybrid_prefill<T>(k.view(), v.view(), fk.view(), marks, log_decay, run.state(), HybridDecodeOptions{window, sinks});
+    const auto want = reference::hybrid_prefill(k64.view(), v64.view(), fk64.view(), marks, log_decay64, window, sinks);
+    const auto magnitude =
+        reference::hybrid_prefill(k64.view(), v64.view(), fk64.view(), marks, log_decay64, window, sinks, true);
+    expect_prefill_state(run, want, magnitude, testing::gamma<T>(double(n + 3)));
+    EXPECT_EQ(run.counts[0], n);
+    if (padded) {
+      EXPECT_LT(run.counts[1], n);
+    }
+  }
+}
+
+TEST(HybridPrefill, GivenFeaturesEqualTheReference) {
+  for (int threads : {1, 3, 8})
+    for (const auto& [w, sinks, decayed] : {std::tuple{1, 0, false}, std::tuple{3, 2, true}, std::tuple{8, 0, true},
+                                            std::tuple{4, 40, false}, std::tuple{40, 3, true}})
+      for (int64_t kv_heads : {int64_t{4}, int64_t{2}, int64_t{1}}) {
+        check_prefill_given<float>(w, sinks, decayed, kv_heads, threads);
+        check_prefill_given<double>(w, sinks, decayed, kv_heads, threads);
+      }
+}
+
+// hybrid_prefill applying a map itself (Hedgehog's key map, or a fixed map by name) equals the
+// reference given the map's exact features (reference::hedgehog_features, reference::features in
+// float64), each query head's map on its key head's keys, with padding, grouped key heads and
+// decay. Each fast feature is within ρ·φ of the exact one (Hedgehog: hedgehog_bounds.h's ρ; elu
+// 2.6u in float32, 2u in float64; focused γ_{d+8}; relu exact), and the arithmetic adds
+// γ_{n+3} as above: tolerance (1.01ρ + γ_{n+3}) times the terms' magnitudes.
+template <class T>
+void check_prefill_map(const std::string& map, int64_t kv_heads, int threads) {
+  SCOPED_TRACE(map + " " + std::string(dtype_name<T>()) + " " + std::to_string(kv_heads) + " key heads, " +
+               std::to_string(threads) + " threads");
+  testing::ScopedThreads scope(threads);
+  const bool hedgehog = map == "hedgehog";
+  constexpr int64_t B = 2, H = 6, n = 33, d = 5, dv = 4, f = 3, w = 4, s = 2;
+  const int64_t m = hedgehog ? 2 * f : d, G = H / kv_heads;
+  const Tensor<T> k = random_tensor<T>({B, kv_heads, n, d}, 811), v = random_tensor<T>({B, kv_heads, n, dv}, 812);
+  const Tensor<T> kw = random_tensor<T>({H, d, f}, 813, 0.7), kb = random_tensor<T>({H, f}, 814, 0.3);
+  Tensor<bool> valid({B, n});
+  for (int64_t p = 0; p < n; ++p) valid[p] = p != 3, valid[n + p] = p % 5 != 2;
+  Tensor<T> decay({H});
+  for (int64_t h = 0; h < H; ++h) decay[h] = static_cast<T>(-0.02 * double(h));
+  Tensor<double> k_per_query({B, H, n, d});  // each query head's copy of its key head's keys
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < n * d; ++i) k_per_query[(b * H + h) * n * d + i] = double(k[(b * kv_heads + h / G) * n * d + i]);
+  const Tensor<double> kw64 = cast<double>(kw), kb64 = cast<double>(kb);
+  constexpr double focus_power = 2.5;
+  Tensor<double> fk64;
+  if (hedgehog) {
+    fk64 = reference::hedgehog_features(k_per_query.view(), kw64.view(), kb64.view());
+  } else {
+    fk64 = Tensor<double>({B, H, n, m});
+    const Tensor<double> rows = reference::features(TensorView<const double>(k_per_query.data(), {B * H * n, d}), map,
+                                                    std::nullopt, 1.0, focus_power);
+    std::copy(rows.data(), rows.data() + rows.size(), fk64.data());
+  }
+  const double u = std::ldexp(1.0, -std::numeric_limits<T>::digits);
+  const double rho = hedgehog          ? testing::hedgehog_bound<T>(k_per_query, kw64, kb64)
+                     : map == "elu"     ? (std::is_same_v<T, float> ? 2.6 : 2.0) * u
+                     : map == "focused" ? testing::gamma<T>(static_cast<double>(d + 8))
+                                        : 0.0;
+  const Tensor<double> k64 = cast<double>(k), v64 = cast<double>(v), decay64 = cast<double>(decay);
+  PrefillRun<T> run(B, H, kv_heads, m, s + w, d, dv);
+  HybridDecodeOptions opts{w, s};
+  if (hedgehog) {
+    hybrid_prefill<T>(k.view(), v.view(), kw.view(), kb.view(), valid.view(), decay.view(), run.state(), opts);
+  } else {
+    opts.feature_map = map, opts.focus_power = focus_power;
+    hybrid_prefill<T>(k.view(), v.view(), TensorView<const T>{}, valid.view(), decay.view(), run.state(), opts);
+  }
+  const auto want = reference::hybrid_prefill(k64.view(), v64.view(), fk64.view(), valid.view(), decay64.view(), w, s);
+  const auto magnitude =
+      reference::hybrid_prefill(k64.view(), v64.view(), fk64.view(), valid.view(), decay64.view(), w, s, true);
+  expect_prefill_state(run, want, magnitude, 1.01 * rho + testing::gamma<T>(double(n + 3)));
+}
+
+TEST(HybridPrefill, MapsAppliedByThePrefillEqualTheReference) {
+  for (const char* map : {"hedgehog", "elu", "relu", "focused"})
+    for (int threads : {1, 3, 16})
+      for (int64_t kv_heads : {int64_t{6}, int64_t{2}, int64_t{1}}) {
+        check_prefill_map<float>(map, kv_heads, threads);
+        check_prefill_map<double>(map, kv_heads, threads);
+      }
+}
+
+// Bad input: an Error naming the argument, and the state as it was.
+TEST(HybridPrefill, BadInputIsAnErrorNamingItAndWritesNothing) {
+  using T = float;
+  constexpr int64_t B = 2, H = 4, Hkv = 2, n = 9, d = 5, dv = 3, m = 6, f = 3, w = 3, s = 1;
+  const Tensor<T> k = random_tensor<T>({B, Hkv, n, d}, 821), v = random_tensor<T>({B, Hkv, n, dv}, 822);
+  Tensor<T> fk({B, H, n, m}, false, Init::Zero), kw = random_tensor<T>({H, d, f}, 823), kb({H, f});
+  Tensor<T> decay({H});
+  PrefillRun<T> run(B, H, Hkv, m, s + w, d, dv);
+  std::fill(run.sums.data(), run.sums.data() + run.sums.size(), T(3));
+  run.counts[0] = 11;
+  const HybridDecodeOptions opts{w, s};
+  auto given = [&](TensorView<const T> kk, TensorView<const T> vv, TensorView<const T> features,
+                   TensorView<const bool> valid, TensorView<const T> log_decay, const HybridDecodeOptions& o) {
+    hybrid_prefill<T>(kk, vv, features, valid, log_decay, run.state(), o);
+  };
+  const TensorView<const bool> all{};
+  const TensorView<const T> none{};
+  const Tensor<T> k3({B, 3, n, d}), v_short({B, Hkv, n - 1, dv}), fk_wrong({B, H, n, m + 1});
+  testing::expect_error([&] { given(k3.view(), v.view(), fk.view(), all, none, opts); },
+                        "hybrid_prefill: k has 3 key/value heads, which must divide the sums' 4 heads");
+  testing::expect_error([&] { given(k.view(), v_short.view(), fk.view(), all, none, opts); },
+                        "hybrid_prefill: v has shape [2, 2, 8, 3]; expected [2, 2, 9, 3]");
+  testing::expect_error([&] { given(k.view(), v.view(), fk_wrong.view(), all, none, opts); },
+                        "hybrid_prefill: key_features has shape [2, 4, 9, 7]; expected [2, 4, 9, 6]");
+  fk[5] = T(-1);
+  testing::expect_error([&] { given(k.view(), v.view(), fk.view(), all, none, opts); },
+                        "hybrid_prefill: key_features must be finite and >= 0, got -1 at flat index 5");
+  fk[5] = T(0);
+  decay[2] = T(0.5);
+  testing::expect_error([&] { given(k.view(), v.view(), fk.view(), all, decay.view(), opts); },
+                        "hybrid_prefill: log_decay must be finite and <= 0, got 0.5 at flat index 2");
+  decay[2] = T(0);
+  const Tensor<bool> valid_wrong({B, n + 1});
+  testing::expect_error([&] { given(k.view(), v.view(), fk.view(), valid_wrong.view(), none, opts); },
+                        "hybrid_prefill: valid has shape [2, 10]; expected [2, 9]");
+  testing::expect_error([&] { given(k.view(), v.view(), fk.view(), all, none, HybridDecodeOptions{0, s}); },
+                        "hybrid_prefill: window must be >= 1, got 0");
+  Tensor<T> k_nan = random_tensor<T>({B, Hkv, n, d}, 821);
+  k_nan[4] = std::numeric_limits<T>::infinity();
+  testing::expect_error([&] { given(k_nan.view(), v.view(), fk.view(), all, none, opts); },
+                        "hybrid_prefill: k has a non-finite value");
+  HybridDecodeOptions fixed = opts;
+  fixed.feature_map = "softmax";
+  testing::expect_error([&] { given(k.view(), v.view(), none, all, none, fixed); },
+                        "hybrid_prefill: feature_map must be \"given\", \"elu\", \"relu\" or \"focused\"; got \"softmax\"");
+  fixed.feature_map = "elu";
+  testing::expect_error([&] { given(k.view(), v.view(), fk.view(), all, none, fixed); },
+                        "the prefill makes the features itself: key_features must be empty");
+  testing::expect_error([&] { given(k.view(), v.view(), none, all, none, fixed); },
+                        "hybrid_prefill: sums has 6 features; feature_map=\"elu\" makes 5");
+  const Tensor<T> kw4 = random_tensor<T>({H, d, 4}, 824), kb4({H, 4});
+  testing::expect_error([&] {
+    hybrid_prefill<T>(k.view(), v.view(), kw4.view(), kb4.view(), all, none, run.state(), opts);
+  }, "hybrid_prefill: sums has 6 features; Hedgehog's key map of feature_dim 4 makes 8");
+  testing::expect_error([&] {
+    hybrid_prefill<T>(k.view(), v.view(), kw.view(), kb4.view(), all, none, run.state(), opts);
+  }, "hybrid_prefill: key_bias has shape [4, 4]; expected [4, 3]");
+  for (int64_t i = 0; i < run.sums.size(); ++i) ASSERT_EQ(run.sums[i], T(3));
+  EXPECT_EQ(run.counts[0], 11);
 }
 
 }  // namespace

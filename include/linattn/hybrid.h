@@ -128,4 +128,26 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
                              TensorView<const T> window_weight, TensorView<const T> log_decay,
                              const HybridDecodeState<T>& state, const HybridDecodeOptions& opts);
 
+// The state after a prompt, written over `state` (whatever it held): the state
+// hybrid_decode_step continues from, as if the prompt's tokens had been stepped through it from
+// the empty state (LinattnCache's prefill: the prompt's outputs come from the forward, its state
+// from here, in one call per layer). k [B, H_kv, n, d], v [B, H_kv, n, d_v]; valid [B, n] marks
+// each row's tokens (empty: every position; padding goes nowhere); key_features [B, H, n, m']:
+// φ of each query head's map on its key head's keys, or empty when opts.feature_map names a
+// fixed map (applied here, m' = d); log_decay λ [H] (each <= 0; empty: none). H and m' are the
+// sums' [B, H, m', d_v]. Of a row's c tokens (place i = 0, ..., c − 1), the last w take ring
+// slots s + i mod w; of the others, the first s take sink slots i and the rest enter the sums
+// and the normaliser weighed by e^{λ_h·(c − 1 − i)}; counts[b] = c. opts.scale and opts.eps are
+// not used. Every argument is checked before anything is written.
+template <class T>
+void hybrid_prefill(TensorView<const T> k, TensorView<const T> v, TensorView<const T> key_features,
+                    TensorView<const bool> valid, TensorView<const T> log_decay, const HybridDecodeState<T>& state,
+                    const HybridDecodeOptions& opts);
+// The same with Hedgehog's key map applied here (key_weight [H, d, f], key_bias [H, f]; the
+// formula hedgehog_features runs), m' = 2f. opts.feature_map must be "given" (the default).
+template <class T>
+void hybrid_prefill(TensorView<const T> k, TensorView<const T> v, TensorView<const T> key_weight,
+                    TensorView<const T> key_bias, TensorView<const bool> valid, TensorView<const T> log_decay,
+                    const HybridDecodeState<T>& state, const HybridDecodeOptions& opts);
+
 }  // namespace linattn

@@ -6,7 +6,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['RecurrentState', 'build_info', 'causal_conv1d', 'causal_conv1d_backward', 'chi_quantile_radii', 'feature_logits', 'feature_logits_backward', 'features', 'features_backward', 'gated_delta_rule', 'gated_delta_rule_backward', 'gated_linear_attention', 'gated_linear_attention_backward', 'get_num_threads', 'hedgehog_features', 'hedgehog_features_backward', 'hybrid_decode_step', 'linformer_projections', 'measure_peak_rates', 'random_features', 'recurrent_state', 'release_cached_memory', 'reset_workspace_peak', 'set_num_threads', 'share_openmp_runtime', 'thread_pool', 'use_own_threads', 'workspace_stats']
+__all__: list[str] = ['RecurrentState', 'build_info', 'causal_conv1d', 'causal_conv1d_backward', 'chi_quantile_radii', 'feature_logits', 'feature_logits_backward', 'features', 'features_backward', 'gated_delta_rule', 'gated_delta_rule_backward', 'gated_linear_attention', 'gated_linear_attention_backward', 'get_num_threads', 'hedgehog_features', 'hedgehog_features_backward', 'hybrid_decode_step', 'hybrid_prefill', 'linformer_projections', 'measure_peak_rates', 'random_features', 'recurrent_state', 'release_cached_memory', 'reset_workspace_peak', 'set_num_threads', 'share_openmp_runtime', 'thread_pool', 'use_own_threads', 'workspace_stats']
 class RecurrentState:
     """
     Constant-size decoding state; make one with recurrent_state().
@@ -175,6 +175,21 @@ def hybrid_decode_step(q: typing.Any, k: typing.Any, v: typing.Any, query_featur
     the step makes both features itself (hedgehog_features' formula, m' = 2f): pass None for
     query_features and leaving_features. So it does with feature_map "elu", "relu" or "focused"
     (focus_power; features()' formula, m' = d); "given" (the default) takes the features passed.
+    """
+def hybrid_prefill(k: typing.Any, v: typing.Any, key_features: typing.Any, valid: typing.Any, log_decay: typing.Any, sums: typing.Any, normaliser: typing.Any, exact_keys: typing.Any, exact_values: typing.Any, exact_valid: typing.Any, counts: typing.Any, *, window: typing.SupportsInt | typing.SupportsIndex, sinks: typing.SupportsInt | typing.SupportsIndex, key_weight: typing.Any = None, key_bias: typing.Any = None, feature_map: str = 'given', focus_power: typing.SupportsFloat | typing.SupportsIndex = 3.0) -> typing.Any:
+    """
+    The causal sliding-window + linear hybrid's decoding state after a prompt, written over the
+    state arrays (include/linattn/hybrid.h; linattn.hf's LinattnCache runs it once per layer after
+    the prompt): what hybrid_decode_step continues from, as if the prompt's tokens had been stepped
+    through it. k [B, H_kv, n, d], v [B, H_kv, n, d_v]; valid [B, n] bool marks each row's tokens
+    (None: all of them); key_features φ(k) [B, H, n, m'] of each query head's map on its key head's
+    keys; log_decay λ [H] or None; sums [B, H, m', d_v], normaliser [B, H, m'], exact_keys
+    [B, H_kv, s + w, d], exact_values [B, H_kv, s + w, d_v] (k's dtype), exact_valid [B, s + w] bool
+    and counts [B] int64 are overwritten. Of a row's c tokens, the last w fill the ring (token i at
+    slot s + i mod w), the first s of the others the sink slots, and the rest enter the sums weighed
+    by e^{λ_h·(c − 1 − i)}. With Hedgehog's key map (key_weight [H, d, f], key_bias [H, f]) or
+    feature_map "elu", "relu" or "focused" (focus_power) the prefill makes the features itself: pass
+    None for key_features. Returns None.
     """
 def linformer_projections(s_proj: typing.SupportsInt | typing.SupportsIndex, n_max: typing.SupportsInt | typing.SupportsIndex, *, heads: int | None = None, seed: typing.SupportsInt | typing.SupportsIndex = 0, dtype: numpy.typing.DTypeLike = ...) -> tuple:
     """

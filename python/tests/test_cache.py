@@ -613,6 +613,61 @@ def test_hybrid_decode_step_takes_hedgehog_maps_or_features_not_both():
         _linattn.hybrid_decode_step(q, q, q, None, None, **a, **common, **dict(maps, key_weight=f64(H, d, f + 1)))
 
 
+def test_hybrid_prefill_leaves_the_state_the_steps_would():
+    """linattn.hybrid_prefill (LinattnCache's prefill, one C++ call per layer) writes over the state
+    arrays the state that stepping the prompt's tokens through hybrid_decode_step leaves, with
+    padding, grouped key heads, decay and Hedgehog's key map applied by both; key_features, a key
+    map and a fixed map are one or the other, and a state array it could not change in place is a
+    TypeError naming it."""
+    import numpy as np
+    from linattn import _linattn
+    B, H, H_kv, n, d, f, s, w = 2, 4, 2, 11, 4, 3, 2, 3
+    rng = np.random.default_rng(2)
+    f64 = lambda *shape: rng.standard_normal(shape)  # noqa: E731
+    k, v, q = f64(B, H_kv, n, d), f64(B, H_kv, n, d), f64(B, H, n, d)
+    maps = dict(query_weight=f64(H, d, f), query_bias=f64(H, f), key_weight=f64(H, d, f), key_bias=f64(H, f))
+    valid = np.ones((B, n), bool)
+    valid[1, [0, 4, 5]] = False  # row 1: padding first and inside
+    log_decay = -0.1 * np.arange(1, H + 1)
+
+    def fresh():
+        return dict(sums=np.full((B, H, 2 * f, d), 9.0), normaliser=np.zeros((B, H, 2 * f)),
+                    exact_keys=np.zeros((B, H_kv, s + w, d)), exact_values=np.zeros((B, H_kv, s + w, d)),
+                    exact_valid=np.ones((B, s + w), bool), counts=np.full(B, 5, np.int64))
+    got, want = fresh(), fresh()
+    _linattn.hybrid_prefill(k, v, None, valid, log_decay, **got, window=w, sinks=s, key_weight=maps["key_weight"],
+                            key_bias=maps["key_bias"])
+    for name in ("sums", "normaliser", "exact_keys", "exact_values", "exact_valid", "counts"):
+        want[name][...] = 0
+    for t in range(n):
+        _linattn.hybrid_decode_step(q[:, :, t], k[:, :, t], v[:, :, t], None, None, advance=valid[:, t].copy(),
+                                    window_weight=np.full(H, 0.5), log_decay=log_decay, **want, window=w, sinks=s,
+                                    scale=0.5, eps=1e-6, **maps)
+    assert got["counts"].tolist() == [n, n - 3]
+    for name in ("exact_keys", "exact_values", "exact_valid", "counts"):
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    # float64 sums of at most n terms |φ·v| < 5 summed in another order: 1e-12 is 10^3 times their rounding
+    for name in ("sums", "normaliser"):
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-12, atol=1e-12, err_msg=name)
+    state = fresh()
+    with pytest.raises(ValueError, match="key_features must be None when Hedgehog's key map"):
+        _linattn.hybrid_prefill(k, v, np.ones((B, H, n, 2 * f)), None, None, **state, window=w, sinks=s,
+                                key_weight=maps["key_weight"], key_bias=maps["key_bias"])
+    with pytest.raises(ValueError, match="key_weight and key_bias go together"):
+        _linattn.hybrid_prefill(k, v, None, None, None, **state, window=w, sinks=s, key_weight=maps["key_weight"])
+    with pytest.raises(ValueError, match="key_features is required unless"):
+        _linattn.hybrid_prefill(k, v, None, None, None, **state, window=w, sinks=s)
+    with pytest.raises(ValueError, match="key_features must be None with feature_map=\"elu\""):
+        _linattn.hybrid_prefill(k, v, np.ones((B, H, n, 2 * f)), None, None, **state, window=w, sinks=s,
+                                feature_map="elu")
+    with pytest.raises(TypeError, match="counts must have dtype int64"):
+        _linattn.hybrid_prefill(k, v, np.ones((B, H, n, 2 * f)), None, None, **dict(state, counts=np.zeros(B, np.int32)),
+                                window=w, sinks=s)
+    with pytest.raises(ValueError, match="window must be >= 1, got 0"):
+        _linattn.hybrid_prefill(k, v, np.ones((B, H, n, 2 * f)), None, None, **state, window=0, sinks=s)
+    assert (state["sums"] == 9.0).all() and state["counts"].tolist() == [5, 5]  # nothing written
+
+
 def test_decoding_reads_learned_tensors_changed_or_replaced_after_the_prompt():
     """The C++ step's Hedgehog maps and window weight are kept per layer between tokens: a query
     map or window gate changed in place, or replaced, after the prompt is the one the next token

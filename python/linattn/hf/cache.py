@@ -7,8 +7,9 @@ keys that have left the window, FAVOR's on its per-feature scale), the last `win
 keys and values (exact softmax over them; slots not filled yet are masked), and for a depthwise
 convolution the last K − 1 values: its size does not grow with the context. The first forward
 (the prompt) runs the backend's own causal kernel, the chunked one a forward without cache
-runs, and its keys and values then fill the state with one product; each later token costs
-O(1) in the context length.
+runs, and its keys and values then fill the state: with a window and plain features in one C++
+call per layer (hybrid_prefill, the state hybrid_decode_step continues from), otherwise by
+linattn.torch.recurrent's products; each later token costs O(1) in the context length.
 
 Padded batches (generate() on prompts of different lengths, left- or right-padded): the model's
 attention mask says which positions hold tokens. Each row's prompt runs alone on its tokens,
@@ -408,7 +409,7 @@ def attend(name, layer, module, b, user, query, key, value, attention_mask, scal
                 rows.append(row)
             out = torch.cat(rows, dim=0)
         with torch.no_grad():
-            _fill(layer, fmap, module, user, query.shape[1], key.detach(), value.detach(), window, sinks, decay, valid)
+            _fill(layer, fmap, module, b, user, query, key.detach(), value.detach(), window, sinks, decay, valid)
         return out
     with torch.no_grad():
         outs = [_step(layer, fmap, module, b, user, query[:, :, t:t + 1], key[:, :, t:t + 1], value[:, :, t:t + 1],
@@ -425,14 +426,62 @@ def _last_slots(valid, size):
     return rows, positions, size - 1 - after[rows, positions]
 
 
-def _fill(layer, fmap, module, user, heads, key, value, window, sinks, decay, valid):
+def _fill(layer, fmap, module, b, user, query, key, value, window, sinks, decay, valid):
     """The state after the prompt: per row, its tokens before its last `window` enter the
     linear state, except its first `sinks` tokens, which fill the sink slots; the last `window`
     tokens' keys and values fill the window's ring (token p of the row at slot sinks + p mod
     window); a convolution keeps the last K − 1 values. Padded positions go nowhere. With decay
     λ [H], a token entering the state is weighed by e^{λ·(tokens after it)}: the state is the last
     token's. key, value [B, H_kv, n, d]: the ring keeps them per key head; the state and the
-    convolution, whose maps and weights are per query head (heads of them), per query head."""
+    convolution, whose maps and weights are per query head (heads of them), per query head.
+    Where the steps run in C++ (a window, plain features, on the CPU), so does this: one
+    hybrid_prefill call, the state the step's formula leaves; elsewhere (FAVOR's log form, no
+    window) recurrent.py's sums."""
+    heads = query.shape[1]
+    batch, kv_heads, n, head_dim = key.shape
+    if window and not fmap.log_form and key.device.type == "cpu":
+        _native_fill(layer, fmap, module, b, user, query, key, value, window, sinks, decay, valid)
+    else:
+        _torch_fill(layer, fmap, heads, key, value, window, sinks, decay, valid)
+    conv = getattr(module, _backends.PREFIX + "conv_weight", None)
+    if user.get("conv_kernel_size") and conv is not None:
+        past = conv.shape[1] - 1
+        layer.conv_values = value.new_zeros((batch, heads, past, value.shape[-1]))
+        if past:
+            rows, positions, slots = _last_slots(
+                torch.ones((batch, n), dtype=torch.bool, device=key.device) if valid is None else valid, past)
+            layer.conv_values[rows, :, slots] = _backends.per_query_head(value, heads)[rows, :, positions]
+    layer.tokens = n
+
+
+def _native_fill(layer, fmap, module, b, user, query, key, value, window, sinks, decay, valid):
+    """_fill's linear state, sinks, ring and counts by linattn's hybrid_prefill, in the dtype the
+    C++ step takes (float32 for a 16-bit model): the step's constants (the maps, λ) are made here
+    once and kept for the steps."""
+    batch, kv_heads, n, head_dim = key.shape
+    heads, wide = query.shape[1], accumulator_dtype(query.dtype)
+    inputs = _step_constants(layer, module, b, user, query, decay)
+    layer.linear = _recurrent.empty_state(batch, heads, fmap.dim(head_dim), value.shape[-1], log_form=False,
+                                          like=value)
+    layer.exact_keys = torch.zeros((batch, kv_heads, sinks + window, head_dim), dtype=wide)
+    layer.exact_values = torch.zeros((batch, kv_heads, sinks + window, value.shape[-1]), dtype=wide)
+    layer.exact_valid = torch.zeros((batch, sinks + window), dtype=torch.bool)
+    layer.counts = torch.zeros(batch, dtype=torch.int64)
+    if isinstance(b, _backends.Hedgehog):
+        features = dict(key_features=None, key_weight=inputs["key_weight"], key_bias=inputs["key_bias"])
+    elif isinstance(b, _backends.Window):  # the window alone: one feature, 0
+        features = dict(key_features=torch.zeros((batch, heads, n, 1), dtype=wide).numpy())
+    else:
+        features = dict(key_features=None, feature_map=inputs["feature_map"], focus_power=inputs["focus_power"])
+    _linattn.hybrid_prefill(_array(key.to(wide)), _array(value.to(wide)), valid=None if valid is None else _array(valid),
+                            log_decay=inputs["log_decay"], sums=layer.linear.sums.numpy(),
+                            normaliser=layer.linear.normaliser.numpy(), exact_keys=layer.exact_keys.numpy(),
+                            exact_values=layer.exact_values.numpy(), exact_valid=layer.exact_valid.numpy(),
+                            counts=layer.counts.numpy(), window=window, sinks=sinks, **features)
+
+
+def _torch_fill(layer, fmap, heads, key, value, window, sinks, decay, valid):
+    """_fill's linear state, sinks, ring and counts in torch (recurrent.py's sums)."""
     batch, kv_heads, n, head_dim = key.shape
     valid = torch.ones((batch, n), dtype=torch.bool, device=key.device) if valid is None else valid
     after = valid.flip(1).cumsum(1).flip(1) - valid.long()
@@ -456,15 +505,7 @@ def _fill(layer, fmap, module, user, heads, key, value, window, sinks, decay, va
         layer.exact_keys[rows, :, slots] = key[rows, :, positions].to(wide)
         layer.exact_values[rows, :, slots] = value[rows, :, positions].to(wide)
         layer.exact_valid[rows, slots] = True
-    conv = getattr(module, _backends.PREFIX + "conv_weight", None)
-    if user.get("conv_kernel_size") and conv is not None:
-        past = conv.shape[1] - 1
-        layer.conv_values = value.new_zeros((batch, heads, past, value.shape[-1]))
-        if past:
-            rows, positions, slots = _last_slots(valid, past)
-            layer.conv_values[rows, :, slots] = _backends.per_query_head(value, heads)[rows, :, positions]
     layer.counts = valid.sum(dim=1)
-    layer.tokens = n
 
 
 def _step(layer, fmap, module, b, user, q, k, v, window, sinks, decay, valid):

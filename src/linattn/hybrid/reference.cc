@@ -310,4 +310,46 @@ ReferenceInfo reference_hybrid() {
   return r;
 }
 
+HybridPrefillState hybrid_prefill(TensorView<const double> k, TensorView<const double> v,
+                                  TensorView<const double> key_features, TensorView<const bool> valid,
+                                  TensorView<const double> log_decay, int64_t window, int64_t sinks, bool magnitude) {
+  const int64_t B = k.dim(0), Hkv = k.dim(1), n = k.dim(2), d = k.dim(3), dv = v.dim(3);
+  const int64_t H = key_features.dim(1), m = key_features.dim(3), G = H / Hkv, slots = sinks + window;
+  HybridPrefillState st{Tensor<double>({B, H, m, dv}), Tensor<double>({B, H, m}), Tensor<double>({B, Hkv, slots, d}),
+                        Tensor<double>({B, Hkv, slots, dv}), Tensor<bool>({B, slots}), Tensor<int64_t>({B})};
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t c = 0;  // the row's tokens
+    for (int64_t p = 0; p < n; ++p) c += !valid.data || valid.data[b * n + p] ? 1 : 0;
+    st.counts[b] = c;
+    int64_t i = 0;  // place of position p among the row's tokens
+    for (int64_t p = 0; p < n; ++p) {
+      if (valid.data && !valid.data[b * n + p]) continue;
+      const int64_t after = c - 1 - i;
+      if (after < window || i < sinks) {  // an exact slot: the ring's s + i mod w, or sink slot i
+        const int64_t slot = after < window ? sinks + i % window : i;
+        st.exact_valid[b * slots + slot] = true;
+        for (int64_t g = 0; g < Hkv; ++g) {
+          for (int64_t t = 0; t < d; ++t) st.exact_keys[((b * Hkv + g) * slots + slot) * d + t] = k.data[((b * Hkv + g) * n + p) * d + t];
+          for (int64_t t = 0; t < dv; ++t)
+            st.exact_values[((b * Hkv + g) * slots + slot) * dv + t] = v.data[((b * Hkv + g) * n + p) * dv + t];
+        }
+      } else {  // the sums: e^{λ_h·after} φ_h(k_p) v_pᵀ for each query head h
+        for (int64_t h = 0; h < H; ++h) {
+          const double weight = log_decay.data ? std::exp(log_decay.data[h] * static_cast<double>(after)) : 1.0;
+          const double* phi = key_features.data + ((b * H + h) * n + p) * m;
+          const double* val = v.data + ((b * Hkv + h / G) * n + p) * dv;
+          for (int64_t r = 0; r < m; ++r) {
+            const double a = weight * (magnitude ? std::abs(phi[r]) : phi[r]);
+            st.normaliser[(b * H + h) * m + r] += a;
+            for (int64_t t = 0; t < dv; ++t)
+              st.sums[((b * H + h) * m + r) * dv + t] += a * (magnitude ? std::abs(val[t]) : val[t]);
+          }
+        }
+      }
+      ++i;
+    }
+  }
+  return st;
+}
+
 }  // namespace linattn::reference

@@ -17,4 +17,17 @@ AttentionGrads<double> hybrid_attention_backward(TensorView<const double> q, Ten
                                                  const HybridInputs<double>& in,
                                                  const HybridAttentionOptions& opts, bool magnitude = false);
 
+// hybrid_prefill's state from its definition (include/linattn/hybrid.h), with the features
+// given (key_features [B, H, n, m'], H a multiple of k's H_kv); valid and log_decay may be empty.
+// magnitude = true sums |φ|·|v| weights instead: the scale of each sum, for rounding bounds.
+struct HybridPrefillState {
+  Tensor<double> sums, normaliser, exact_keys, exact_values;
+  Tensor<bool> exact_valid;
+  Tensor<int64_t> counts;
+};
+HybridPrefillState hybrid_prefill(TensorView<const double> k, TensorView<const double> v,
+                                  TensorView<const double> key_features, TensorView<const bool> valid,
+                                  TensorView<const double> log_decay, int64_t window, int64_t sinks,
+                                  bool magnitude = false);
+
 }  // namespace linattn::reference

@@ -1,0 +1,221 @@
+// The causal hybrid's decoding state after a prompt (include/linattn/hybrid.h, hybrid_prefill):
+// what LinattnCache's prefill leaves for hybrid_decode_step, made here in one call per layer
+// instead of rebuilt from the prompt in torch. Each row's tokens are sorted once into ring
+// slots, sink slots and the keys that enter the sums; per (row, query head) the entering keys'
+// features (given, a fixed map's, or Hedgehog's key map: a BLAS product and
+// core/hedgehog_map.h's row formula, as hedgehog_features) are weighed by their decay and summed
+// by one BLAS product, sums = Φᵀ·V. Its float64 reference is reference::hybrid_prefill (plain
+// loops); tests/test_hybrid.cc also checks that a prefill followed by steps gives the causal
+// forward's rows.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "linattn/core/attention_args.h"
+#include "linattn/core/blas.h"
+#include "linattn/core/error.h"
+#include "linattn/core/feature_map.h"
+#include "linattn/core/hedgehog_map.h"
+#include "linattn/core/parallel.h"
+#include "linattn/hybrid.h"
+#include "linattn/kernelized.h"
+
+namespace linattn {
+namespace {
+
+struct PrefillDims {
+  int64_t B, H, Hkv, G, n, d, dv, m, w, s, slots;
+};
+
+// The checks of every argument but the features: the dims (H and m' from the sums), or an Error
+// naming the first bad argument.
+template <class T>
+PrefillDims check_prefill(const char* fn, TensorView<const T> k, TensorView<const T> v, TensorView<const bool> valid,
+                          TensorView<const T> log_decay, const HybridDecodeState<T>& state,
+                          const HybridDecodeOptions& opts) {
+  require(k.rank() == 4, fn, ": k must be [batch, kv_heads, n, head_dim], got shape ", shape_string(k.shape));
+  require(v.rank() == 4, fn, ": v must be [batch, kv_heads, n, value_dim], got shape ", shape_string(v.shape));
+  require(state.sums.rank() == 4, fn, ": sums must be [batch, heads, m', value_dim], got shape ",
+          shape_string(state.sums.shape));
+  PrefillDims s{k.dim(0), state.sums.dim(1), k.dim(1), 0, k.dim(2), k.dim(3), v.dim(3), state.sums.dim(2),
+                opts.window, opts.sinks, 0};
+  require(s.Hkv >= 1 && s.H % s.Hkv == 0, fn, ": k has ", s.Hkv, " key/value heads, which must divide the sums' ",
+          s.H, " heads");
+  s.G = s.H / s.Hkv;
+  require(opts.window >= 1, fn, ": window must be >= 1, got ", opts.window);
+  require(opts.sinks >= 0, fn, ": sinks must be >= 0, got ", opts.sinks);
+  s.slots = s.s + s.w;
+  check_finite(fn, "k", k);
+  check_same_shape_finite(fn, "v", v, {s.B, s.Hkv, s.n, s.dv});
+  if (valid.data) check_shape(fn, "valid", valid, {s.B, s.n});
+  if (log_decay.data) {
+    check_shape(fn, "log_decay", log_decay, {s.H});
+    for (int64_t h = 0; h < s.H; ++h) {
+      const double a = static_cast<double>(log_decay.data[h]);
+      require(std::isfinite(a) && a <= 0, fn, ": log_decay must be finite and <= 0, got ", a, " at flat index ", h);
+    }
+  }
+  check_shape(fn, "sums", TensorView<const T>(state.sums), {s.B, s.H, s.m, s.dv});
+  check_shape(fn, "normaliser", TensorView<const T>(state.normaliser), {s.B, s.H, s.m});
+  check_shape(fn, "exact_keys", TensorView<const T>(state.exact_keys), {s.B, s.Hkv, s.slots, s.d});
+  check_shape(fn, "exact_values", TensorView<const T>(state.exact_values), {s.B, s.Hkv, s.slots, s.dv});
+  check_shape(fn, "exact_valid", TensorView<const bool>(state.exact_valid), {s.B, s.slots});
+  check_shape(fn, "counts", TensorView<const int64_t>(state.counts), {s.B});
+  return s;
+}
+
+// Where the entering keys' features come from: given [B, H, n, m'], Hedgehog's key map, or a
+// fixed map.
+template <class T>
+struct KeyFeatures {
+  const T* given;
+  TensorView<const T> weight, bias;  // Hedgehog's key map (weight.data null: none)
+  const FeatureMap<T>* fixed;
+};
+
+// Everything checked: nothing is written before this.
+template <class T>
+void prefill(const PrefillDims& dims, TensorView<const T> k, TensorView<const T> v, const KeyFeatures<T>& features,
+             TensorView<const bool> valid, TensorView<const T> log_decay, const HybridDecodeState<T>& state) {
+  const int64_t B = dims.B, H = dims.H, Hkv = dims.Hkv, G = dims.G, n = dims.n, d = dims.d, dv = dims.dv, m = dims.m;
+  const int64_t w = dims.w, s = dims.s, slots = dims.slots;
+  std::fill(state.sums.data, state.sums.data + state.sums.size(), T(0));
+  std::fill(state.normaliser.data, state.normaliser.data + state.normaliser.size(), T(0));
+  std::fill(state.exact_keys.data, state.exact_keys.data + state.exact_keys.size(), T(0));
+  std::fill(state.exact_values.data, state.exact_values.data + state.exact_values.size(), T(0));
+  std::fill(state.exact_valid.data, state.exact_valid.data + state.exact_valid.size(), false);
+  // Each row's tokens in order: the last w to the ring, the first s of the others to the sinks,
+  // the rest (positions and their distances c − 1 − i to the last token) to the sums.
+  std::vector<std::vector<int64_t>> entering(static_cast<size_t>(B)), distance(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    std::vector<int64_t> tokens;
+    for (int64_t p = 0; p < n; ++p)
+      if (!valid.data || valid.data[b * n + p]) tokens.push_back(p);
+    const auto c = static_cast<int64_t>(tokens.size());
+    state.counts.data[b] = c;
+    for (int64_t i = 0; i < c; ++i) {
+      const int64_t after = c - 1 - i, p = tokens[static_cast<size_t>(i)];
+      const int64_t slot = after < w ? s + i % w : i < s ? i : -1;
+      if (slot < 0) {
+        entering[static_cast<size_t>(b)].push_back(p);
+        distance[static_cast<size_t>(b)].push_back(after);
+        continue;
+      }
+      state.exact_valid.data[b * slots + slot] = true;
+      for (int64_t g = b * Hkv; g < (b + 1) * Hkv; ++g) {
+        std::copy(k.data + (g * n + p) * d, k.data + (g * n + p + 1) * d, state.exact_keys.data + (g * slots + slot) * d);
+        std::copy(v.data + (g * n + p) * dv, v.data + (g * n + p + 1) * dv,
+                  state.exact_values.data + (g * slots + slot) * dv);
+      }
+    }
+  }
+  int64_t most = 0;
+  for (const auto& e : entering) most = std::max(most, static_cast<int64_t>(e.size()));
+  if (most == 0) return;
+  const bool mapped = features.weight.data || features.fixed;
+  const int64_t f = m / 2;  // Hedgehog's feature_dim
+  const ParallelLoop loop(B * H);
+  // [most × m'] the features Φ, [most × d_v] the values, [most × d] the keys (a map's input)
+  PerWorker<std::vector<T>> scratch(loop, [&] {
+    return std::vector<T>(static_cast<size_t>(most * (m + dv + (mapped ? d : 0))));
+  });
+  loop.run([&](int64_t bh, int worker) {
+    const int64_t b = bh / H, h = bh % H, g = b * Hkv + h / G;  // the key head it reads
+    const std::vector<int64_t>& positions = entering[static_cast<size_t>(b)];
+    const auto rows = static_cast<int64_t>(positions.size());
+    if (rows == 0) return;
+    T* phi = scratch[worker].data();
+    T* values = phi + most * m;
+    T* keys = values + most * dv;
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t p = positions[static_cast<size_t>(i)];
+      std::copy(v.data + (g * n + p) * dv, v.data + (g * n + p + 1) * dv, values + i * dv);
+      if (mapped) std::copy(k.data + (g * n + p) * d, k.data + (g * n + p + 1) * d, keys + i * d);
+      if (features.given) std::copy(features.given + (bh * n + p) * m, features.given + (bh * n + p + 1) * m, phi + i * m);
+    }
+    if (features.fixed) {
+      features.fixed->features(keys, rows, phi);
+    } else if (features.weight.data) {  // U = X·W_h into each row's first half, then the row's map
+      const T* bias = features.bias.data + h * f;
+      matmul(mat(phi, rows, f, m), mat<const T>(keys, rows, d), mat(features.weight.data + h * d * f, d, f));
+      for (int64_t i = 0; i < rows; ++i) {
+        T* u = phi + i * m;
+        for (int64_t j = 0; j < f; ++j) u[j] += bias[j];
+        hedgehog_from_logits(u, f, u);
+      }
+    }
+    if (log_decay.data) {  // each key weighed by e^{λ·(its distance to the last token)}
+      const double lambda = static_cast<double>(log_decay.data[h]);
+      const std::vector<int64_t>& after = distance[static_cast<size_t>(b)];
+      for (int64_t i = 0; i < rows; ++i) {
+        const T weight = static_cast<T>(std::exp(lambda * static_cast<double>(after[static_cast<size_t>(i)])));
+        for (int64_t r = 0; r < m; ++r) phi[i * m + r] *= weight;
+      }
+    }
+    matmul(mat(state.sums.data + bh * m * dv, m, dv), mat<const T>(phi, rows, m).t(), mat<const T>(values, rows, dv));
+    T* z = state.normaliser.data + bh * m;
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t r = 0; r < m; ++r) z[r] += phi[i * m + r];
+  });
+}
+
+}  // namespace
+
+template <class T>
+void hybrid_prefill(TensorView<const T> k, TensorView<const T> v, TensorView<const T> key_features,
+                    TensorView<const bool> valid, TensorView<const T> log_decay, const HybridDecodeState<T>& state,
+                    const HybridDecodeOptions& opts) {
+  const char* fn = "hybrid_prefill";
+  if (opts.feature_map != "given") {  // a fixed map, applied here
+    require(opts.feature_map == "elu" || opts.feature_map == "relu" || opts.feature_map == "focused", fn,
+            ": feature_map must be \"given\", \"elu\", \"relu\" or \"focused\"; got \"", opts.feature_map, "\"");
+    require(!key_features.data, fn, ": with feature_map=\"", opts.feature_map,
+            "\" the prefill makes the features itself: key_features must be empty");
+    require(k.rank() == 4, fn, ": k must be [batch, kv_heads, n, head_dim], got shape ", shape_string(k.shape));
+    RecurrentOptions map_opts;
+    map_opts.feature_map = opts.feature_map;
+    map_opts.focus_power = opts.focus_power;
+    map_opts.eps = 0;  // not used by the map
+    const FeatureMap<T> fixed = feature_map_from_options<T>(fn, map_opts, k.dim(3), std::nullopt);
+    const PrefillDims dims = check_prefill(fn, k, v, valid, log_decay, state, opts);
+    require(dims.m == fixed.dim(), fn, ": sums has ", dims.m, " features; feature_map=\"", opts.feature_map,
+            "\" makes ", fixed.dim());
+    prefill(dims, k, v, KeyFeatures<T>{nullptr, {}, {}, &fixed}, valid, log_decay, state);
+    return;
+  }
+  const PrefillDims dims = check_prefill(fn, k, v, valid, log_decay, state, opts);
+  check_shape(fn, "key_features", key_features, {dims.B, dims.H, dims.n, dims.m});
+  for (int64_t i = 0, size = key_features.size(); i < size; ++i) {
+    const double a = static_cast<double>(key_features.data[i]);
+    require(std::isfinite(a) && a >= 0, fn, ": key_features must be finite and >= 0, got ", a, " at flat index ", i);
+  }
+  prefill(dims, k, v, KeyFeatures<T>{key_features.data, {}, {}, nullptr}, valid, log_decay, state);
+}
+
+template <class T>
+void hybrid_prefill(TensorView<const T> k, TensorView<const T> v, TensorView<const T> key_weight,
+                    TensorView<const T> key_bias, TensorView<const bool> valid, TensorView<const T> log_decay,
+                    const HybridDecodeState<T>& state, const HybridDecodeOptions& opts) {
+  const char* fn = "hybrid_prefill";
+  require(opts.feature_map == "given", fn, ": Hedgehog's key map makes the features: feature_map must be \"given\", got \"",
+          opts.feature_map, "\"");
+  const PrefillDims dims = check_prefill(fn, k, v, valid, log_decay, state, opts);
+  const int64_t f = check_hedgehog_map(fn, "key_weight", "key_bias", key_weight, key_bias, dims.H, dims.d);
+  require(dims.m == 2 * f, fn, ": sums has ", dims.m, " features; Hedgehog's key map of feature_dim ", f, " makes ",
+          2 * f);
+  prefill(dims, k, v, KeyFeatures<T>{nullptr, key_weight, key_bias, nullptr}, valid, log_decay, state);
+}
+
+#define LINATTN_INSTANTIATE(T)                                                                                  \
+  template void hybrid_prefill(TensorView<const T>, TensorView<const T>, TensorView<const T>,                  \
+                               TensorView<const bool>, TensorView<const T>, const HybridDecodeState<T>&,       \
+                               const HybridDecodeOptions&);                                                    \
+  template void hybrid_prefill(TensorView<const T>, TensorView<const T>, TensorView<const T>, TensorView<const T>, \
+                               TensorView<const bool>, TensorView<const T>, const HybridDecodeState<T>&,       \
+                               const HybridDecodeOptions&);
+LINATTN_INSTANTIATE(float)
+LINATTN_INSTANTIATE(double)
+#undef LINATTN_INSTANTIATE
+
+}  // namespace linattn
