@@ -1439,7 +1439,9 @@ exact_valid [B, s + w] bool and counts [B] int64 are changed in place. Returns o
 With Hedgehog's maps (query_weight, key_weight [H, d, f], query_bias, key_bias [H, f], all four)
 the step makes both features itself (hedgehog_features' formula, m' = 2f): pass None for
 query_features and leaving_features. So it does with feature_map "elu", "relu" or "focused"
-(focus_power; features()' formula, m' = d); "given" (the default) takes the features passed.)doc");
+(focus_power; features()' formula, m' = d); "given" (the default) takes the features passed.
+window=0 (sinks 0, exact arrays of 0 slots) is linear attention's step: the new key enters the
+sums at once (leaving_features are its features).)doc");
   m.def("hybrid_prefill", &hybrid_prefill_py, py::arg("k"), py::arg("v"), py::arg("key_features"), py::arg("valid"),
         py::arg("log_decay"), py::arg("sums"), py::arg("normaliser"), py::arg("exact_keys"), py::arg("exact_values"),
         py::arg("exact_valid"), py::arg("counts"), py::kw_only(), py::arg("window"), py::arg("sinks"),

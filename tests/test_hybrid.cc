@@ -686,8 +686,9 @@ void check_decode_step(const Case& c, int threads, int64_t kv_heads, int64_t pre
 
 TEST(HybridDecodeStep, EqualsTheCausalForwardRowByRow) {
   for (int threads : {1, 3, 8})
-    for (const auto& [w, sinks, decayed] : {std::tuple{1, 0, false}, std::tuple{3, 0, true}, std::tuple{8, 2, false},
-                                            std::tuple{4, 4, true}, std::tuple{30, 3, true}}) {
+    for (const auto& [w, sinks, decayed] : {std::tuple{0, 0, false}, std::tuple{0, 0, true}, std::tuple{1, 0, false},
+                                            std::tuple{3, 0, true}, std::tuple{8, 2, false}, std::tuple{4, 4, true},
+                                            std::tuple{30, 3, true}}) {
       const Case c{true, w, "given", true, false, 23, 23, sinks, decayed};
       for (int64_t kv_heads : {Inputs::H, int64_t{1}})
         for (int64_t prefilled : {0, 5, 17}) {
@@ -704,12 +705,13 @@ TEST(HybridDecodeStep, EqualsTheCausalForwardRowByRow) {
 // tolerance derived below from the maps' rounding (0 for relu: the same bits). Bad maps are an
 // error naming them, with nothing written.
 template <class T>
-void check_decode_step_maps(const std::string& map, int64_t kv_heads, int threads) {
+void check_decode_step_maps(const std::string& map, int64_t kv_heads, int threads, int64_t w) {
   SCOPED_TRACE(map + " " + std::string(dtype_name<T>()) + " " + std::to_string(kv_heads) + " key heads, " +
-               std::to_string(threads) + " threads");
+               std::to_string(threads) + " threads, w=" + std::to_string(w));
   const bool hedgehog = map == "hedgehog";
   testing::ScopedThreads scope(threads);
-  constexpr int64_t B = 2, H = 6, d = 5, dv = 4, f = 3, n = 21, w = 4, s = 2, slots = s + w;
+  constexpr int64_t B = 2, H = 6, d = 5, dv = 4, f = 3, n = 21;
+  const int64_t s = w ? 2 : 0, slots = s + w;  // window 0: linear attention alone, no sinks
   const int64_t m = hedgehog ? 2 * f : d;
   const int64_t G = H / kv_heads;
   const Tensor<double> q = random_tensor<double>({B, H, n, d}, 701), k = random_tensor<double>({B, kv_heads, n, d}, 702);
@@ -790,11 +792,12 @@ void check_decode_step_maps(const std::string& map, int64_t kv_heads, int thread
           fq[(b * H + h) * m + r] = fq_all[((b * H + h) * n + t) * m + r];
           fl[(b * H + h) * m + r] = T(0);
         }
-      if (c >= w) {  // the key in the leaving slot, as the ring holds it, through hedgehog_features
+      if (c >= w) {  // the key in the leaving slot, as the ring holds it (w = 0: the new key), through the map
         Tensor<T> leaving({1, H, 1, d});
         for (int64_t h = 0; h < H; ++h)
           for (int64_t i = 0; i < d; ++i)
-            leaving[h * d + i] = given.keys[((b * kv_heads + h / G) * slots + s + c % w) * d + i];
+            leaving[h * d + i] = w ? given.keys[((b * kv_heads + h / G) * slots + s + c % w) * d + i]
+                                   : ks[(b * kv_heads + h / G) * d + i];
         const Tensor<T> phi = map_of(leaving, false);
         for (int64_t i = 0; i < H * m; ++i) fl[b * H * m + i] = phi[i];
       }
@@ -855,10 +858,11 @@ void check_decode_step_maps(const std::string& map, int64_t kv_heads, int thread
 TEST(HybridDecodeStep, MapsAppliedByTheStepEqualGivenFeatures) {
   for (const char* map : {"hedgehog", "elu", "relu", "focused"})
     for (int threads : {1, 3, 8})
-      for (int64_t kv_heads : {int64_t{6}, int64_t{2}, int64_t{1}}) {
-        check_decode_step_maps<float>(map, kv_heads, threads);
-        check_decode_step_maps<double>(map, kv_heads, threads);
-      }
+      for (int64_t kv_heads : {int64_t{6}, int64_t{2}, int64_t{1}})
+        for (int64_t w : {4, 0}) {
+          check_decode_step_maps<float>(map, kv_heads, threads, w);
+          check_decode_step_maps<double>(map, kv_heads, threads, w);
+        }
 }
 
 // A step large enough to run on several workers (B·H·work per head >= 2^18: here 2 rows of 8
@@ -1013,8 +1017,8 @@ void check_prefill_given(int64_t window, int64_t sinks, bool decayed, int64_t kv
 
 TEST(HybridPrefill, GivenFeaturesEqualTheReference) {
   for (int threads : {1, 3, 8})
-    for (const auto& [w, sinks, decayed] : {std::tuple{1, 0, false}, std::tuple{3, 2, true}, std::tuple{8, 0, true},
-                                            std::tuple{4, 40, false}, std::tuple{40, 3, true}})
+    for (const auto& [w, sinks, decayed] : {std::tuple{0, 0, true}, std::tuple{1, 0, false}, std::tuple{3, 2, true},
+                                            std::tuple{8, 0, true}, std::tuple{4, 40, false}, std::tuple{40, 3, true}})
       for (int64_t kv_heads : {int64_t{4}, int64_t{2}, int64_t{1}}) {
         check_prefill_given<float>(w, sinks, decayed, kv_heads, threads);
         check_prefill_given<double>(w, sinks, decayed, kv_heads, threads);
@@ -1120,8 +1124,10 @@ TEST(HybridPrefill, BadInputIsAnErrorNamingItAndWritesNothing) {
   const Tensor<bool> valid_wrong({B, n + 1});
   testing::expect_error([&] { given(k.view(), v.view(), fk.view(), valid_wrong.view(), none, opts); },
                         "hybrid_prefill: valid has shape [2, 10]; expected [2, 9]");
+  testing::expect_error([&] { given(k.view(), v.view(), fk.view(), all, none, HybridDecodeOptions{-1, 0}); },
+                        "hybrid_prefill: window must be >= 0, got -1");
   testing::expect_error([&] { given(k.view(), v.view(), fk.view(), all, none, HybridDecodeOptions{0, s}); },
-                        "hybrid_prefill: window must be >= 1, got 0");
+                        "hybrid_prefill: sinks=1 needs window >= 1 (window 0: linear attention alone)");
   Tensor<T> k_nan = random_tensor<T>({B, Hkv, n, d}, 821);
   k_nan[4] = std::numeric_limits<T>::infinity();
   testing::expect_error([&] { given(k_nan.view(), v.view(), fk.view(), all, none, opts); },

@@ -83,8 +83,10 @@ struct HybridDecodeState {
 };
 
 struct HybridDecodeOptions {
-  int64_t window = 64;  // w >= 1
-  int64_t sinks = 0;    // s >= 0
+  // w >= 0; 0: linear attention alone (no exact slots, s = 0): the new token's key enters the
+  // sums at once, and leaving_features are its features
+  int64_t window = 64;
+  int64_t sinks = 0;  // s >= 0
   double scale = 0;     // the scores' scale, finite
   double eps = 1e-6;    // finite, >= 0
   // "given": query_features and leaving_features are the features; "elu", "relu" or "focused"

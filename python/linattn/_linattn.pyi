@@ -175,6 +175,8 @@ def hybrid_decode_step(q: typing.Any, k: typing.Any, v: typing.Any, query_featur
     the step makes both features itself (hedgehog_features' formula, m' = 2f): pass None for
     query_features and leaving_features. So it does with feature_map "elu", "relu" or "focused"
     (focus_power; features()' formula, m' = d); "given" (the default) takes the features passed.
+    window=0 (sinks 0, exact arrays of 0 slots) is linear attention's step: the new key enters the
+    sums at once (leaving_features are its features).
     """
 def hybrid_prefill(k: typing.Any, v: typing.Any, key_features: typing.Any, valid: typing.Any, log_decay: typing.Any, sums: typing.Any, normaliser: typing.Any, exact_keys: typing.Any, exact_values: typing.Any, exact_valid: typing.Any, counts: typing.Any, *, window: typing.SupportsInt | typing.SupportsIndex, sinks: typing.SupportsInt | typing.SupportsIndex, key_weight: typing.Any = None, key_bias: typing.Any = None, feature_map: str = 'given', focus_power: typing.SupportsFloat | typing.SupportsIndex = 3.0) -> typing.Any:
     """

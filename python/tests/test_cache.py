@@ -259,6 +259,25 @@ def test_recurrent_state_matches_direct_sums_in_float64():
     assert torch.all(num == 0) and torch.all(den == 0) and torch.all(top == -math.inf)
 
 
+@pytest.mark.parametrize("name,options", [("linattn_elu", {}), ("linattn_hedgehog", {"feature_dim": 4, "window": 3, "sinks": 1})])
+def test_a_state_made_in_float32_continues_in_float64(name, options):
+    """A prompt run in float32, then the model moved to float64: the C++ step continues the
+    state in float64 (a copy of the float32 one), and the next tokens' logits equal the float64
+    model's full forward to the float32 prompt's rounding (2^-14 of the largest logit, TOL)."""
+    model = model_on(name, options)
+    ids = ids_of(2, 14)
+    with torch.no_grad():
+        cache = lh.LinattnCache(model)
+        model(ids[:, :8], past_key_values=cache, use_cache=True)
+        model.double()
+        full = model(ids).logits[:, 8:]
+        got = torch.cat([model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(8, 14)],
+                        dim=1)
+    assert got.dtype == torch.float64
+    assert all(layer.linear.sums.dtype == torch.float64 for layer in cache.layers)
+    assert (got - full).abs().max() <= TOL * full.abs().max()
+
+
 @pytest.mark.parametrize("name,options", [("linattn_elu", {"window": 5}), ("linattn_favor", {}),
                                           ("linattn_hedgehog", {"feature_dim": 4}),
                                           ("linattn_hedgehog", {"feature_dim": 4, "window": 3, "sinks": 1}),
@@ -268,7 +287,7 @@ def test_a_bfloat16_model_decodes_with_a_float32_state(name, options):
     # logits equal the full bfloat16 forward's to bfloat16 rounding: the two paths round the
     # layers' activations at different points, a few units of 2^-8 of the largest logit. The
     # window is kept in float32 (widening the model's keys and values is exact), so that the C++
-    # step serves the hybrid but FAVOR's (whose log form decodes through torch).
+    # step serves every backend but FAVOR (whose log form decodes through torch), windowless too.
     model = model_on(name, options).to(torch.bfloat16)
     ids = ids_of(2, 20)
     with torch.no_grad():
@@ -282,7 +301,7 @@ def test_a_bfloat16_model_decodes_with_a_float32_state(name, options):
     assert all(layer.linear.sums.dtype == torch.float32 for layer in cache.layers)
     if options.get("window"):
         assert all(layer.exact_keys.dtype == torch.float32 for layer in cache.layers)
-        assert (cache.layers[0].step_constants is not None) == (name != "linattn_favor")  # the C++ step ran
+    assert (cache.layers[0].step_constants is not None) == (name != "linattn_favor")  # the C++ step ran
     assert (got.float() - full).abs().max() <= 2.0 ** -5 * full.abs().max()
     out = model.generate(ids[:, :6], max_new_tokens=4, do_sample=False)
     assert out.shape == (2, 10)
@@ -663,7 +682,7 @@ def test_hybrid_prefill_leaves_the_state_the_steps_would():
     with pytest.raises(TypeError, match="counts must have dtype int64"):
         _linattn.hybrid_prefill(k, v, np.ones((B, H, n, 2 * f)), None, None, **dict(state, counts=np.zeros(B, np.int32)),
                                 window=w, sinks=s)
-    with pytest.raises(ValueError, match="window must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="sinks=2 needs window >= 1"):
         _linattn.hybrid_prefill(k, v, np.ones((B, H, n, 2 * f)), None, None, **state, window=0, sinks=s)
     assert (state["sums"] == 9.0).all() and state["counts"].tolist() == [5, 5]  # nothing written
 

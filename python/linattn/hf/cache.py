@@ -275,7 +275,9 @@ def _wide(t):
 
 
 class _Map:
-    """A backend's feature map on torch tensors: plain features, or FAVOR's logits (log form)."""
+    """A backend's feature map in decoding: its size m', and for FAVOR (log form, which decodes in
+    torch) its logits and recurrent.py's sums. Plain features (elu, relu, focused, Hedgehog's, the
+    window alone's) are made by the C++ prefill and step themselves."""
 
     def __init__(self, module, b, user, like, scaling):
         self.module, self.b, self.user = module, b, user
@@ -285,18 +287,6 @@ class _Map:
         if self.log_form:
             self.omega = _backends.projection(module, _wide(like), user)
             self.kernel = user["kernel"]
-
-    def plain(self, x, side):
-        b = self.b
-        if isinstance(b, _backends.Hedgehog):
-            # In the model's dtype, as the forward computes them (torch, then the kernel widens).
-            return b.features(self.module, self.user, x, side)
-        if isinstance(b, _backends.Window):
-            return x.new_zeros(x.shape[:-1] + (1,))
-        # The C++ kernels widen a 16-bit input to float32 before the map: so does decoding. The
-        # map is theirs (linattn.torch.features), so a map the kernels know decodes as they run it.
-        power = {"focus_power": float(self.user["focus_power"])} if "focus_power" in self.user else {}
-        return _feature_maps.features(_wide(x), b.fixed["feature_map"], **power)
 
     def logits(self, x, side):
         """(L, s): side "key" and "query_with_norm" L = U − h (hyperbolic [U − h, −U − h], trig h),
@@ -310,17 +300,13 @@ class _Map:
     def enter(self, state, keys, values, mask=None, log_weight=None):
         """keys, values [B, H, n, d] enter the state where mask [B, n] is True (all: None), each
         term weighed by e^{log_weight} ([B, H, n]; None: 1), the decay of its distance."""
-        if self.log_form:
-            logits, factors = self.logits(keys, "key")
-            return _recurrent.enter(state, values, logits=logits, factors=factors, mask=mask, log_weight=log_weight)
-        return _recurrent.enter(state, values, features=self.plain(keys, "key"), mask=mask, log_weight=log_weight)
+        logits, factors = self.logits(keys, "key")
+        return _recurrent.enter(state, values, logits=logits, factors=factors, mask=mask, log_weight=log_weight)
 
     def read(self, state, q, with_norm):
         """q [B, H, 1, d] against the state: linattn.torch.recurrent.read."""
-        if self.log_form:
-            logits, factors = self.logits(q, "query_with_norm" if with_norm else "query")
-            return _recurrent.read(state, logits=logits[:, :, 0], factors=None if factors is None else factors[:, :, 0])
-        return _recurrent.read(state, features=self.plain(q, "query")[:, :, 0])
+        logits, factors = self.logits(q, "query_with_norm" if with_norm else "query")
+        return _recurrent.read(state, logits=logits[:, :, 0], factors=None if factors is None else factors[:, :, 0])
 
     def dim(self, head_dim):
         if self.log_form:
@@ -434,12 +420,11 @@ def _fill(layer, fmap, module, b, user, query, key, value, window, sinks, decay,
     λ [H], a token entering the state is weighed by e^{λ·(tokens after it)}: the state is the last
     token's. key, value [B, H_kv, n, d]: the ring keeps them per key head; the state and the
     convolution, whose maps and weights are per query head (heads of them), per query head.
-    Where the steps run in C++ (a window, plain features, on the CPU), so does this: one
-    hybrid_prefill call, the state the step's formula leaves; elsewhere (FAVOR's log form, no
-    window) recurrent.py's sums."""
+    Plain features, whose steps run in C++, fill it in C++ too: one hybrid_prefill call, the
+    state the step's formula leaves; FAVOR's log form by recurrent.py's sums."""
     heads = query.shape[1]
     batch, kv_heads, n, head_dim = key.shape
-    if window and not fmap.log_form and key.device.type == "cpu":
+    if not fmap.log_form:
         _native_fill(layer, fmap, module, b, user, query, key, value, window, sinks, decay, valid)
     else:
         _torch_fill(layer, fmap, heads, key, value, window, sinks, decay, valid)
@@ -517,16 +502,16 @@ def _step(layer, fmap, module, b, user, q, k, v, window, sinks, decay, valid):
     per_head = lambda t: _backends.per_query_head(t, heads)  # noqa: E731 (the maps, sums and conv: per query head)
     advance = torch.ones(batch, dtype=torch.bool, device=q.device) if valid is None else valid
     eps = _eps(b, user)
-    native = window > 0 and _native_step(fmap, layer, q)
-    if window == 0:
+    native = not fmap.log_form
+    if native:  # plain features: the C++ step, which advances the counts itself
+        out = _native(layer, fmap, module, b, user, q, k, v, window, sinks, decay, advance, eps)
+    elif window == 0:  # FAVOR's log form without a window
         layer.linear = fmap.enter(layer.linear, per_head(k), per_head(v), mask=advance[:, None])  # it sees its own key
         num, den, _ = fmap.read(layer.linear, q, with_norm=False)
         den = den + eps
         # A zero denominator (trig features can cancel) gives 0, as favor_attention does.
         out = torch.where(den[..., None] != 0, num / torch.where(den != 0, den, 1)[..., None], 0)
-    elif native:  # the C++ step, which advances the counts itself
-        out = _native(layer, fmap, module, b, user, q, k, v, window, sinks, decay, advance, eps)
-    else:
+    else:  # FAVOR's log form with a window
         # The row's token `window` places back (if there is one) leaves the window: for its sink
         # slot when it is one of the row's first `sinks` tokens, else for the linear state. It
         # sits in the ring slot the new token takes.
@@ -560,20 +545,15 @@ def _step(layer, fmap, module, b, user, q, k, v, window, sinks, decay, valid):
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row with no token yet
         gamma = _window_weight(module, b, user, q)[None, :]
         num, den, shift = fmap.read(layer.linear, q, with_norm=True)
-        if fmap.log_form:  # every term on the scale e^{R}, R = max(M, the linear part's)
-            row = torch.maximum(top, shift)
-            linear = torch.exp(shift - row) / fmap.dim(q.shape[-1])
-            e = torch.exp(scores - row[..., None])
-            num = gamma[..., None] * torch.einsum("bhj,bhjd->bhd", e, values) + linear[..., None] * num
-            den = gamma * e.sum(dim=-1) + linear * den
-            if eps > 0:
-                den = den + torch.exp(math.log(eps) - row)
-            out = num / den[..., None]
-        else:  # the window shifted by its maximum M, as in hybrid_attention
-            e = torch.exp(scores - top[..., None])
-            num = num + gamma[..., None] * torch.einsum("bhj,bhjd->bhd", e, values)
-            den = den + gamma * e.sum(dim=-1)
-            out = num / (den + eps)[..., None]
+        # every term on the scale e^{R}, R = max(M, the linear part's)
+        row = torch.maximum(top, shift)
+        linear = torch.exp(shift - row) / fmap.dim(q.shape[-1])
+        e = torch.exp(scores - row[..., None])
+        num = gamma[..., None] * torch.einsum("bhj,bhjd->bhd", e, values) + linear[..., None] * num
+        den = gamma * e.sum(dim=-1) + linear * den
+        if eps > 0:
+            den = den + torch.exp(math.log(eps) - row)
+        out = num / den[..., None]
     if layer.conv_values is not None:
         out = out + _conv_step(layer, module, b, user, per_head(v), advance)
     out = torch.where(advance[:, None, None], out, torch.zeros_like(out))
@@ -593,7 +573,7 @@ def _ring_slot(layer, window, sinks):
 def _window_weight(module, b, user, q):
     """γ [H], the window's weight, in what decoding accumulates in: sigmoid(window_gate), or 1
     for the window alone (hybrid_attention's γ without a gate)."""
-    if isinstance(b, _backends.Window):
+    if isinstance(b, _backends.Window) or not user.get("window"):  # (no window: γ weighs nothing)
         return q.new_ones(q.shape[1], dtype=accumulator_dtype(q.dtype))
     return _wide(torch.sigmoid(_backends.window_gate(module, b, user, q)))
 
@@ -607,13 +587,16 @@ def _conv_step(layer, module, b, user, v, advance):
     return torch.einsum("bhkd,hk->bhd", _wide(past), _wide(conv))
 
 
-def _native_step(fmap, layer, q):
-    """Whether the window's step runs in C++ (linattn hybrid_decode_step): plain features (not
-    FAVOR's log form), and the sums and the window's keys in what q accumulates in: q's dtype,
-    float32 for a 16-bit model (its step runs in float32 and its output is rounded once)."""
-    wide = accumulator_dtype(q.dtype)
-    return (not fmap.log_form and q.device.type == "cpu" and layer.exact_keys.dtype == wide
-            and layer.linear.sums.dtype == wide)
+def _in_step_dtype(layer, wide):
+    """The layer's sums and exact slots in the C++ step's dtype (what q accumulates in: q's dtype,
+    float32 for a 16-bit model), contiguous: copies when the model's dtype changed since the
+    prompt (a float32 state continued by a float64 model), else the tensors as they are."""
+    linear = layer.linear
+    if not all(t.dtype == wide and t.is_contiguous() for t in (linear.sums, linear.normaliser)):
+        layer.linear = linear.map(lambda t: t.to(wide).contiguous())
+    if not all(t.dtype == wide and t.is_contiguous() for t in (layer.exact_keys, layer.exact_values)):
+        layer.exact_keys = layer.exact_keys.to(wide).contiguous()
+        layer.exact_values = layer.exact_values.to(wide).contiguous()
 
 
 def _log_decay(layer, user, heads, device):
@@ -672,14 +655,14 @@ def _step_constants(layer, module, b, user, q, decay):
 
 
 def _native(layer, fmap, module, b, user, q, k, v, window, sinks, decay, advance, eps):
-    """The window's step (sums, sinks, ring and the read; counts advanced) in one C++ call, in
-    place on the layer's tensors: [B, H, d_v], 0 where a row does not advance. The step applies
-    the map itself, to q and to the key leaving the window: Hedgehog's maps, or a fixed map by
-    name (the window alone: features of zeros)."""
+    """A plain-feature backend's step (sums, sinks, ring and the read; counts advanced) in one
+    C++ call, in place on the layer's tensors: [B, H, d_v], 0 where a row does not advance. The
+    step applies the map itself, to q and to the key entering the sums (the one leaving the
+    window; without a window the new one): Hedgehog's maps, or a fixed map by name (the window
+    alone: features of zeros)."""
     wide = accumulator_dtype(q.dtype)
+    _in_step_dtype(layer, wide)
     linear = layer.linear
-    if not (linear.sums.is_contiguous() and linear.normaliser.is_contiguous()):
-        layer.linear = linear = linear.map(lambda t: t.contiguous())
     inputs = _step_constants(layer, module, b, user, q, decay)
     out = _linattn.hybrid_decode_step(
         *(_array(t[:, :, 0].to(wide)) for t in (q, k, v)), advance=_array(advance),

@@ -58,8 +58,9 @@ StepDims check_step(const char* fn, TensorView<const T> q, TensorView<const T> k
   // are stored once per key head, as the model makes them).
   require(s.H % s.Hkv == 0, fn, ": v has ", s.Hkv, " key/value heads, which must divide q's ", s.H, " heads");
   s.G = s.H / s.Hkv;
-  require(opts.window >= 1, fn, ": window must be >= 1, got ", opts.window);
+  require(opts.window >= 0, fn, ": window must be >= 0, got ", opts.window);
   require(opts.sinks >= 0, fn, ": sinks must be >= 0, got ", opts.sinks);
+  require(opts.window >= 1 || opts.sinks == 0, fn, ": sinks=", opts.sinks, " needs window >= 1 (window 0: linear attention alone)");
   require(std::isfinite(opts.scale), fn, ": scale must be finite, got ", opts.scale);
   require(std::isfinite(opts.eps) && opts.eps >= 0, fn, ": eps must be finite and >= 0, got ", opts.eps);
   s.slots = s.s + s.w;
@@ -171,6 +172,11 @@ Tensor<T> step(const StepDims& dims, TensorView<const T> q, TensorView<const T> 
   std::vector<T> leaving(static_cast<size_t>(B * Hkv * dv)), leaving_keys(mapped ? static_cast<size_t>(B * Hkv * d) : 0);
   for (int64_t b = 0; b < B; ++b) {
     if (!advance.data[b]) continue;
+    if (w == 0) {  // no window: the new token itself enters the sums
+      std::copy(v.data + b * Hkv * dv, v.data + (b + 1) * Hkv * dv, leaving.data() + b * Hkv * dv);
+      if (mapped) std::copy(k.data + b * Hkv * d, k.data + (b + 1) * Hkv * d, leaving_keys.data() + b * Hkv * d);
+      continue;
+    }
     const int64_t c = state.counts.data[b], slot = s + c % w;
     bool* valid = state.exact_valid.data + b * slots;
     if (c >= w && c - w < s) valid[c - w] = true;
@@ -216,7 +222,8 @@ Tensor<T> step(const StepDims& dims, TensorView<const T> q, TensorView<const T> 
       const double lambda = log_decay.data ? static_cast<double>(log_decay.data[h]) : 0.0;
       const T f = static_cast<T>(std::exp(lambda));  // one position on: the sums decay by e^{λ}
       T* row = scratch[worker].data();                // [max(2m, slots)] factors, then the weights
-      const bool enters = c >= w && c - w >= s;       // the token w places back leaves for the sums
+      // the token w places back leaves for the sums (w = 0: the new token, at distance 0)
+      const bool enters = c >= w && c - w >= s;
       const T* qb = q.data + bh * d;
       const T* phi_q = features.query ? features.query + bh * m : nullptr;
       const T* phi = features.leaving ? features.leaving + bh * m : nullptr;
@@ -245,6 +252,16 @@ Tensor<T> step(const StepDims& dims, TensorView<const T> q, TensorView<const T> 
         simd::scale(S, static_cast<size_t>(m * dv), f);
         simd::scale(z, static_cast<size_t>(m), f);
       }
+      T* o = out.data() + bh * dv;
+      T* linear = row + std::max(2 * m, slots);  // [dv]
+      T* unused = linear + dv;                   // state_dots makes two sums at once; one is needed
+      if (slots == 0) {  // linear attention alone: φ(q)ᵀS / (φ(q)·z + eps); a zero denominator gives 0
+        simd::state_dots(S, static_cast<size_t>(m), static_cast<size_t>(dv), phi_q, phi_q, o, unused);
+        const T den = simd::dot(phi_q, z, static_cast<size_t>(m)) + static_cast<T>(opts.eps);
+        if (den != T(0)) simd::scale(o, static_cast<size_t>(dv), T(1) / den);
+        else std::fill(o, o + dv, T(0));
+        continue;
+      }
       // the exact slots: e_j = e^{s_j − M} over the valid ones
       const bool* valid = state.exact_valid.data + b * slots;
       simd::row_dots(keys, static_cast<size_t>(slots), static_cast<size_t>(d), qb, row);
@@ -252,9 +269,6 @@ Tensor<T> step(const StepDims& dims, TensorView<const T> q, TensorView<const T> 
       const T top = simd::max_value(row, static_cast<size_t>(slots));  // the new key's slot is valid
       const T gamma = window_weight.data[h];
       const T exact_den = gamma * simd::exp_shifted_sum(row, static_cast<size_t>(slots), top);
-      T* o = out.data() + bh * dv;
-      T* linear = row + std::max(2 * m, slots);  // [dv]
-      T* unused = linear + dv;                   // state_dots makes two sums at once; one is needed
       simd::state_dots(values, static_cast<size_t>(slots), static_cast<size_t>(dv), row, row, o, unused);
       simd::state_dots(S, static_cast<size_t>(m), static_cast<size_t>(dv), phi_q, phi_q, linear, unused);
       for (int64_t e = 0; e < dv; ++e) o[e] = gamma * o[e] + linear[e];

@@ -43,8 +43,10 @@ PrefillDims check_prefill(const char* fn, TensorView<const T> k, TensorView<cons
   require(s.Hkv >= 1 && s.H % s.Hkv == 0, fn, ": k has ", s.Hkv, " key/value heads, which must divide the sums' ",
           s.H, " heads");
   s.G = s.H / s.Hkv;
-  require(opts.window >= 1, fn, ": window must be >= 1, got ", opts.window);
+  require(opts.window >= 0, fn, ": window must be >= 0, got ", opts.window);
   require(opts.sinks >= 0, fn, ": sinks must be >= 0, got ", opts.sinks);
+  require(opts.window >= 1 || opts.sinks == 0, fn, ": sinks=", opts.sinks,
+          " needs window >= 1 (window 0: linear attention alone)");
   s.slots = s.s + s.w;
   check_finite(fn, "k", k);
   check_same_shape_finite(fn, "v", v, {s.B, s.Hkv, s.n, s.dv});
