@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from .. import _linattn, _options
 from ._checks import array as _array
 from ._ops import accumulator_dtype
-from .feature_maps import hedgehog_features
 
 # The module's method names: registered methods, and the kernelized feature maps by name.
 _METHODS = {"softmax": ("softmax", {}), "linear": ("linear", {}), "elu": ("linear", {"feature_map": "elu"}),
@@ -55,52 +54,39 @@ class DecodingState:
 
 class HedgehogDecodingState:
     """One batch of sequences decoded by MultiheadAttention(method="hedgehog").step, in the C++
-    library's states: with a window, the hybrid step's (include/linattn/hybrid.h: the sums [S | z]
-    of the keys that have left the window and a ring of the last `window` keys and values, which
-    linattn.hybrid_decode_step advances in place, applying the maps itself); without, linear
-    attention's recurrent state on the maps' features. Its memory does not grow with the number of
-    steps. A bfloat16/float16 module's state is float32; step() rounds its output once."""
+    hybrid step's state (include/linattn/hybrid.h): the sums [S | z] of the keys that have left
+    the window and a ring of the last `window` keys and values (none without a window: every key
+    enters the sums at once), which linattn.hybrid_decode_step advances in place, applying the
+    maps itself. Its memory does not grow with the number of steps. A bfloat16/float16 module's
+    state is float32; step() rounds its output once."""
 
     def __init__(self, batch_size, heads, head_dim, features, window, eps, like, maker):
         self.window, self.maker, self.batch_size = window, maker, batch_size
         dtype = accumulator_dtype(like.dtype)
         self.tokens = 0
-        if window:
-            zeros = lambda *shape, dtype=dtype: torch.zeros(shape, dtype=dtype)  # noqa: E731
-            self.arrays = dict(sums=zeros(batch_size, heads, features, head_dim),
-                               normaliser=zeros(batch_size, heads, features),
-                               exact_keys=zeros(batch_size, heads, window, head_dim),
-                               exact_values=zeros(batch_size, heads, window, head_dim),
-                               exact_valid=zeros(batch_size, window, dtype=torch.bool),
-                               counts=zeros(batch_size, dtype=torch.int64))
-        else:
-            self.recurrent = _linattn.recurrent_state(batch_size, heads, features, head_dim, feature_map="given",
-                                                      eps=eps, dtype=np.float64 if dtype == torch.float64 else np.float32)
-
-    def _array(self, name):
-        if not self.window:
-            raise AttributeError("HedgehogDecodingState: without a window the sums are linear attention's recurrent "
-                                 "state (.recurrent), not arrays of this object")
-        return self.arrays[name]
+        zeros = lambda *shape, dtype=dtype: torch.zeros(shape, dtype=dtype)  # noqa: E731
+        self.arrays = dict(sums=zeros(batch_size, heads, features, head_dim),
+                           normaliser=zeros(batch_size, heads, features),
+                           exact_keys=zeros(batch_size, heads, window, head_dim),
+                           exact_values=zeros(batch_size, heads, window, head_dim),
+                           exact_valid=zeros(batch_size, window, dtype=torch.bool),
+                           counts=zeros(batch_size, dtype=torch.int64))
 
     @property
     def state(self):
-        """The sums [B, H, m', d] of the keys that have left the window, as the step keeps them."""
-        return self._array("sums")
+        """The sums [B, H, m', d] of the keys that have left the window (every key without one)."""
+        return self.arrays["sums"]
 
     @property
     def normaliser(self):
         """Their normaliser [B, H, m']."""
-        return self._array("normaliser")
+        return self.arrays["normaliser"]
 
     def copy(self):
         """An independent copy."""
         c = HedgehogDecodingState.__new__(HedgehogDecodingState)
         c.__dict__.update(self.__dict__)
-        if self.window:
-            c.arrays = {k: v.clone() for k, v in self.arrays.items()}
-        else:
-            c.recurrent = self.recurrent.copy()
+        c.arrays = {k: v.clone() for k, v in self.arrays.items()}
         return c
 
     __copy__ = copy
@@ -116,9 +102,6 @@ class HedgehogDecodingState:
         # φ(s·x) = softmax(x·(s·W) + b): a map's scale goes into its weight
         weights = [t.to(wide) for m in maps for t in (m.weight * m.scale, m.bias)]
         self.tokens += 1
-        if not self.window:
-            fq, fk = (hedgehog_features(x[:, :, None].to(wide), *weights[i:i + 2])[:, :, 0] for x, i in ((q, 0), (k, 2)))
-            return torch.from_numpy(self.recurrent.step(*(_array(t) for t in (fq, fk, v.to(wide))))).to(dtype)
         a = self.arrays
         out = _linattn.hybrid_decode_step(
             *(_array(t.to(wide)) for t in (q, k, v)), None, None, advance=np.ones(q.shape[0], bool),
