@@ -883,6 +883,17 @@ TensorView<T> in_place_array(const char* fn, const char* name, const py::object&
   return {static_cast<T*>(writes ? a.mutable_data() : const_cast<void*>(a.data())), std::move(shape)};
 }
 
+// The hybrid's decoding state (hybrid_decode_step, hybrid_prefill) on the caller's arrays, which
+// the call changes in place.
+template <class T>
+linattn::HybridDecodeState<T> hybrid_state_arrays(const char* fn, const py::object& sums, const py::object& normaliser,
+                                                  const py::object& exact_keys, const py::object& exact_values,
+                                                  const py::object& exact_valid, const py::object& counts) {
+  return {in_place_array<T>(fn, "sums", sums), in_place_array<T>(fn, "normaliser", normaliser),
+          in_place_array<T>(fn, "exact_keys", exact_keys), in_place_array<T>(fn, "exact_values", exact_values),
+          in_place_array<bool>(fn, "exact_valid", exact_valid), in_place_array<int64_t>(fn, "counts", counts)};
+}
+
 py::object hybrid_decode_step_py(const py::object& q, const py::object& k, const py::object& v,
                                  const py::object& query_features, const py::object& leaving_features,
                                  const py::object& advance, const py::object& window_weight,
@@ -926,10 +937,7 @@ py::object hybrid_decode_step_py(const py::object& q, const py::object& k, const
   return by_dtype(a.dtype(), [&](auto tag) -> py::object {
     using T = decltype(tag);
     const char* fn = a.fn;
-    const linattn::HybridDecodeState<T> state{
-        in_place_array<T>(fn, "sums", sums), in_place_array<T>(fn, "normaliser", normaliser),
-        in_place_array<T>(fn, "exact_keys", exact_keys), in_place_array<T>(fn, "exact_values", exact_values),
-        in_place_array<bool>(fn, "exact_valid", exact_valid), in_place_array<int64_t>(fn, "counts", counts)};
+    const auto state = hybrid_state_arrays<T>(fn, sums, normaliser, exact_keys, exact_values, exact_valid, counts);
     const TensorView<bool> adv = in_place_array<bool>(fn, "advance", advance, false);
     const Inputs& in = a.inputs;
     const TensorView<const T> log_decay_view = in.optional<T>("log_decay").value_or(TensorView<const T>{});
@@ -983,10 +991,7 @@ py::object hybrid_prefill_py(const py::object& k, const py::object& v, const py:
   return by_dtype(a.dtype(), [&](auto tag) -> py::object {
     using T = decltype(tag);
     const char* fn = a.fn;
-    const linattn::HybridDecodeState<T> state{
-        in_place_array<T>(fn, "sums", sums), in_place_array<T>(fn, "normaliser", normaliser),
-        in_place_array<T>(fn, "exact_keys", exact_keys), in_place_array<T>(fn, "exact_values", exact_values),
-        in_place_array<bool>(fn, "exact_valid", exact_valid), in_place_array<int64_t>(fn, "counts", counts)};
+    const auto state = hybrid_state_arrays<T>(fn, sums, normaliser, exact_keys, exact_values, exact_valid, counts);
     const TensorView<bool> marks = valid.is_none() ? TensorView<bool>{} : in_place_array<bool>(fn, "valid", valid, false);
     const Inputs& in = a.inputs;
     const TensorView<const T> log_decay_view = in.optional<T>("log_decay").value_or(TensorView<const T>{});
