@@ -883,15 +883,53 @@ TensorView<T> in_place_array(const char* fn, const char* name, const py::object&
   return {static_cast<T*>(writes ? a.mutable_data() : const_cast<void*>(a.data())), std::move(shape)};
 }
 
-// The hybrid's decoding state (hybrid_decode_step, hybrid_prefill) on the caller's arrays, which
-// the call changes in place.
+// The hybrid's decoding state on the caller's arrays (which the call changes in place), with
+// FAVOR's shifts when given.
 template <class T>
 linattn::HybridDecodeState<T> hybrid_state_arrays(const char* fn, const py::object& sums, const py::object& normaliser,
                                                   const py::object& exact_keys, const py::object& exact_values,
-                                                  const py::object& exact_valid, const py::object& counts) {
-  return {in_place_array<T>(fn, "sums", sums), in_place_array<T>(fn, "normaliser", normaliser),
-          in_place_array<T>(fn, "exact_keys", exact_keys), in_place_array<T>(fn, "exact_values", exact_values),
-          in_place_array<bool>(fn, "exact_valid", exact_valid), in_place_array<int64_t>(fn, "counts", counts)};
+                                                  const py::object& exact_valid, const py::object& counts,
+                                                  const py::object& shift) {
+  return {in_place_array<T>(fn, "sums", sums),
+          in_place_array<T>(fn, "normaliser", normaliser),
+          in_place_array<T>(fn, "exact_keys", exact_keys),
+          in_place_array<T>(fn, "exact_values", exact_values),
+          in_place_array<bool>(fn, "exact_valid", exact_valid),
+          in_place_array<int64_t>(fn, "counts", counts),
+          shift.is_none() ? TensorView<T>{} : in_place_array<T>(fn, "shift", shift)};
+}
+
+// Where a step's or a prefill's features come from: given, Hedgehog's maps (all of `maps`), a
+// fixed map by name, or FAVOR's projection: exactly one, or a ValueError naming what clashes.
+enum class DecodeFeatures { Given, Hedgehog, Fixed, Favor };
+DecodeFeatures decode_features(const char* fn, const std::string& feature_map, bool features_given,
+                               const char* features_names, std::initializer_list<const py::object*> maps,
+                               const char* maps_names, const py::object& projection) {
+  const std::string f = fn;
+  const auto given_maps = std::count_if(maps.begin(), maps.end(), [](const py::object* t) { return !t->is_none(); });
+  const bool hedgehog = given_maps > 0, favor = feature_map == "favor";
+  if (hedgehog && given_maps < static_cast<std::ptrdiff_t>(maps.size()))
+    throw py::value_error(f + ": " + maps_names + " go together (Hedgehog's maps); " + std::to_string(given_maps) +
+                          " of them were given");
+  if (hedgehog && features_given)
+    throw py::value_error(f + ": " + features_names + " must be None when Hedgehog's maps (" + maps_names +
+                          ") are given: the call makes the features from them");
+  if (hedgehog && feature_map != "given")
+    throw py::value_error(f + ": feature_map=\"" + feature_map + "\" and Hedgehog's maps (" + maps_names +
+                          ") were both given; pass one");
+  if (favor != !projection.is_none())
+    throw py::value_error(f + (favor ? ": feature_map=\"favor\" needs projection ω [num_features, head_dim]"
+                                     : ": projection is FAVOR's: pass feature_map=\"favor\" with it"));
+  if (feature_map != "given" && features_given)
+    throw py::value_error(f + ": " + features_names + " must be None with feature_map=\"" + feature_map +
+                          "\": the call makes the features itself");
+  if (!hedgehog && feature_map == "given" && !features_given)
+    throw py::value_error(f + ": " + features_names + " required unless Hedgehog's maps (" + maps_names +
+                          "), a fixed feature_map or FAVOR's projection are given");
+  return hedgehog ? DecodeFeatures::Hedgehog
+         : favor  ? DecodeFeatures::Favor
+         : feature_map != "given" ? DecodeFeatures::Fixed
+                                  : DecodeFeatures::Given;
 }
 
 py::object hybrid_decode_step_py(const py::object& q, const py::object& k, const py::object& v,
@@ -902,57 +940,54 @@ py::object hybrid_decode_step_py(const py::object& q, const py::object& k, const
                                  const py::object& exact_valid, const py::object& counts, int64_t window,
                                  int64_t sinks, double scale, double eps, const py::object& query_weight,
                                  const py::object& query_bias, const py::object& key_weight,
-                                 const py::object& key_bias, const std::string& feature_map, double focus_power) {
+                                 const py::object& key_bias, const std::string& feature_map, double focus_power,
+                                 const py::object& projection, const std::string& kernel, const py::object& shift) {
   FullPrecisionArgs<linattn::HybridDecodeOptions> a("hybrid_decode_step");
-  a.opts = {window, sinks, scale, eps, feature_map, focus_power};
-  const bool fixed = feature_map != "given";
-  // Features given, or Hedgehog's four map tensors to make them from: one or the other.
-  const py::object* maps[] = {&query_weight, &query_bias, &key_weight, &key_bias};
-  const int given_maps = static_cast<int>(std::count_if(std::begin(maps), std::end(maps), [](const py::object* t) {
-    return !t->is_none();
-  }));
-  const bool hedgehog = given_maps > 0;
-  if (hedgehog && given_maps < 4)
-    throw py::value_error("hybrid_decode_step: query_weight, query_bias, key_weight and key_bias go together "
-                          "(Hedgehog's maps); " + std::to_string(given_maps) + " of them were given");
-  if (hedgehog && !(query_features.is_none() && leaving_features.is_none()))
-    throw py::value_error("hybrid_decode_step: query_features and leaving_features must be None when Hedgehog's "
-                          "maps (query_weight, ...) are given: the step makes the features from them");
-  if (hedgehog && fixed)
-    throw py::value_error("hybrid_decode_step: feature_map=\"" + feature_map + "\" and Hedgehog's maps "
-                          "(query_weight, ...) were both given; pass one");
-  if (fixed && !(query_features.is_none() && leaving_features.is_none()))
-    throw py::value_error("hybrid_decode_step: query_features and leaving_features must be None with feature_map=\"" +
-                          feature_map + "\": the step makes the features itself");
-  if (!hedgehog && !fixed && (query_features.is_none() || leaving_features.is_none()))
-    throw py::value_error("hybrid_decode_step: query_features and leaving_features are required unless Hedgehog's "
-                          "maps (query_weight, query_bias, key_weight, key_bias) or a fixed feature_map are given");
+  a.opts = {window, sinks, scale, eps, feature_map, focus_power, kernel};
+  const DecodeFeatures source = decode_features(
+      a.fn, feature_map, !query_features.is_none() || !leaving_features.is_none(), "query_features and leaving_features",
+      {&query_weight, &query_bias, &key_weight, &key_bias}, "query_weight, query_bias, key_weight, key_bias", projection);
+  if (source == DecodeFeatures::Given && (query_features.is_none() || leaving_features.is_none()))
+    throw py::value_error("hybrid_decode_step: query_features and leaving_features go together");
   a.add("q", q).add("k", k).add("v", v);
-  if (hedgehog)
+  if (source == DecodeFeatures::Hedgehog)
     a.add("query_weight", query_weight).add("query_bias", query_bias).add("key_weight", key_weight).add(
         "key_bias", key_bias);
-  else if (!fixed)
+  else if (source == DecodeFeatures::Given)
     a.add("query_features", query_features).add("leaving_features", leaving_features);
+  else if (source == DecodeFeatures::Favor)
+    a.add("projection", projection);
   a.add("window_weight", window_weight).add("log_decay", log_decay);
   return by_dtype(a.dtype(), [&](auto tag) -> py::object {
     using T = decltype(tag);
     const char* fn = a.fn;
-    const auto state = hybrid_state_arrays<T>(fn, sums, normaliser, exact_keys, exact_values, exact_valid, counts);
+    const auto state = hybrid_state_arrays<T>(fn, sums, normaliser, exact_keys, exact_values, exact_valid, counts, shift);
     const TensorView<bool> adv = in_place_array<bool>(fn, "advance", advance, false);
     const Inputs& in = a.inputs;
     const TensorView<const T> log_decay_view = in.optional<T>("log_decay").value_or(TensorView<const T>{});
     return to_numpy(run_without_gil([&] {
-      if (hedgehog)
-        return linattn::hybrid_decode_step<T>(
-            in.tensor<T>("q"), in.tensor<T>("k"), in.tensor<T>("v"),
-            linattn::HedgehogMaps<T>{in.tensor<T>("query_weight"), in.tensor<T>("query_bias"),
-                                     in.tensor<T>("key_weight"), in.tensor<T>("key_bias")},
-            adv, in.tensor<T>("window_weight"), log_decay_view, state, a.opts);
-      const TensorView<const T> none{};
-      return linattn::hybrid_decode_step<T>(in.tensor<T>("q"), in.tensor<T>("k"), in.tensor<T>("v"),
-                                            fixed ? none : in.tensor<T>("query_features"),
-                                            fixed ? none : in.tensor<T>("leaving_features"), adv,
-                                            in.tensor<T>("window_weight"), log_decay_view, state, a.opts);
+      const TensorView<const T> q_view = in.tensor<T>("q"), k_view = in.tensor<T>("k"), v_view = in.tensor<T>("v");
+      const TensorView<const T> gamma = in.tensor<T>("window_weight"), none{};
+      switch (source) {
+        case DecodeFeatures::Hedgehog:
+          return linattn::hybrid_decode_step<T>(
+              q_view, k_view, v_view,
+              linattn::HedgehogMaps<T>{in.tensor<T>("query_weight"), in.tensor<T>("query_bias"),
+                                       in.tensor<T>("key_weight"), in.tensor<T>("key_bias")},
+              adv, gamma, log_decay_view, state, a.opts);
+        case DecodeFeatures::Favor:
+          return linattn::hybrid_decode_step<T>(q_view, k_view, v_view,
+                                                linattn::FavorFeatures<T>{in.tensor<T>("projection")}, adv, gamma,
+                                                log_decay_view, state, a.opts);
+        case DecodeFeatures::Fixed:
+          return linattn::hybrid_decode_step<T>(q_view, k_view, v_view, none, none, adv, gamma, log_decay_view, state,
+                                                a.opts);
+        case DecodeFeatures::Given:
+          break;
+      }
+      return linattn::hybrid_decode_step<T>(q_view, k_view, v_view, in.tensor<T>("query_features"),
+                                            in.tensor<T>("leaving_features"), adv, gamma, log_decay_view, state,
+                                            a.opts);
     }));
   });
 }
@@ -962,47 +997,47 @@ py::object hybrid_prefill_py(const py::object& k, const py::object& v, const py:
                              const py::object& normaliser, const py::object& exact_keys,
                              const py::object& exact_values, const py::object& exact_valid, const py::object& counts,
                              int64_t window, int64_t sinks, const py::object& key_weight, const py::object& key_bias,
-                             const std::string& feature_map, double focus_power) {
+                             const std::string& feature_map, double focus_power, const py::object& projection,
+                             const std::string& kernel, double scale, const py::object& shift) {
   FullPrecisionArgs<linattn::HybridDecodeOptions> a("hybrid_prefill");
   a.opts.window = window, a.opts.sinks = sinks, a.opts.feature_map = feature_map, a.opts.focus_power = focus_power;
-  const bool fixed = feature_map != "given";
-  const bool hedgehog = !key_weight.is_none() || !key_bias.is_none();
-  // Features given, Hedgehog's key map, or a fixed map by name: exactly one.
-  if (hedgehog && (key_weight.is_none() || key_bias.is_none()))
-    throw py::value_error("hybrid_prefill: key_weight and key_bias go together (Hedgehog's key map); one was given");
-  if (hedgehog && !key_features.is_none())
-    throw py::value_error("hybrid_prefill: key_features must be None when Hedgehog's key map (key_weight, key_bias) "
-                          "is given: the prefill makes the features from it");
-  if (hedgehog && fixed)
-    throw py::value_error("hybrid_prefill: feature_map=\"" + feature_map + "\" and Hedgehog's key map were both given; "
-                          "pass one");
-  if (fixed && !key_features.is_none())
-    throw py::value_error("hybrid_prefill: key_features must be None with feature_map=\"" + feature_map +
-                          "\": the prefill makes the features itself");
-  if (!hedgehog && !fixed && key_features.is_none())
-    throw py::value_error("hybrid_prefill: key_features is required unless Hedgehog's key map (key_weight, key_bias) "
-                          "or a fixed feature_map is given");
+  a.opts.kernel = kernel, a.opts.scale = scale;
+  const DecodeFeatures source = decode_features(a.fn, feature_map, !key_features.is_none(), "key_features",
+                                                {&key_weight, &key_bias}, "key_weight, key_bias", projection);
   a.add("k", k).add("v", v);
-  if (hedgehog)
+  if (source == DecodeFeatures::Hedgehog)
     a.add("key_weight", key_weight).add("key_bias", key_bias);
-  else if (!fixed)
+  else if (source == DecodeFeatures::Given)
     a.add("key_features", key_features);
+  else if (source == DecodeFeatures::Favor)
+    a.add("projection", projection);
   a.add("log_decay", log_decay);
   return by_dtype(a.dtype(), [&](auto tag) -> py::object {
     using T = decltype(tag);
     const char* fn = a.fn;
-    const auto state = hybrid_state_arrays<T>(fn, sums, normaliser, exact_keys, exact_values, exact_valid, counts);
+    const auto state = hybrid_state_arrays<T>(fn, sums, normaliser, exact_keys, exact_values, exact_valid, counts, shift);
     const TensorView<bool> marks = valid.is_none() ? TensorView<bool>{} : in_place_array<bool>(fn, "valid", valid, false);
     const Inputs& in = a.inputs;
     const TensorView<const T> log_decay_view = in.optional<T>("log_decay").value_or(TensorView<const T>{});
     run_without_gil([&] {
-      if (hedgehog)
-        linattn::hybrid_prefill<T>(in.tensor<T>("k"), in.tensor<T>("v"), in.tensor<T>("key_weight"),
-                                   in.tensor<T>("key_bias"), marks, log_decay_view, state, a.opts);
-      else
-        linattn::hybrid_prefill<T>(in.tensor<T>("k"), in.tensor<T>("v"),
-                                   fixed ? TensorView<const T>{} : in.tensor<T>("key_features"), marks,
-                                   log_decay_view, state, a.opts);
+      const TensorView<const T> k_view = in.tensor<T>("k"), v_view = in.tensor<T>("v");
+      switch (source) {
+        case DecodeFeatures::Hedgehog:
+          linattn::hybrid_prefill<T>(k_view, v_view, in.tensor<T>("key_weight"), in.tensor<T>("key_bias"), marks,
+                                     log_decay_view, state, a.opts);
+          break;
+        case DecodeFeatures::Favor:
+          linattn::hybrid_prefill<T>(k_view, v_view, linattn::FavorFeatures<T>{in.tensor<T>("projection")}, marks,
+                                     log_decay_view, state, a.opts);
+          break;
+        case DecodeFeatures::Fixed:
+          linattn::hybrid_prefill<T>(k_view, v_view, TensorView<const T>{}, marks, log_decay_view, state, a.opts);
+          break;
+        case DecodeFeatures::Given:
+          linattn::hybrid_prefill<T>(k_view, v_view, in.tensor<T>("key_features"), marks, log_decay_view, state,
+                                     a.opts);
+          break;
+      }
       return 0;
     });
     return py::none();
@@ -1432,7 +1467,8 @@ heads summed); dinitial_state is of zeros' gradient when no initial state was gi
         py::arg("exact_valid"), py::arg("counts"), py::kw_only(), py::arg("window"), py::arg("sinks"), py::arg("scale"),
         py::arg("eps"), py::arg("query_weight") = py::none(), py::arg("query_bias") = py::none(),
         py::arg("key_weight") = py::none(), py::arg("key_bias") = py::none(), py::arg("feature_map") = "given",
-        py::arg("focus_power") = 3.0,
+        py::arg("focus_power") = 3.0, py::arg("projection") = py::none(), py::arg("kernel") = "positive",
+        py::arg("shift") = py::none(),
         R"doc(One decoding step of the causal sliding-window + linear hybrid for every batch row and head,
 in place on its state (include/linattn/hybrid.h; linattn.hf's LinattnCache runs it): q [B, H, d],
 k [B, H_kv, d], v [B, H_kv, d_v] (grouped queries: H_kv divides H; query head h reads key head
@@ -1446,12 +1482,16 @@ the step makes both features itself (hedgehog_features' formula, m' = 2f): pass 
 query_features and leaving_features. So it does with feature_map "elu", "relu" or "focused"
 (focus_power; features()' formula, m' = d); "given" (the default) takes the features passed.
 window=0 (sinks 0, exact arrays of 0 slots) is linear attention's step: the new key enters the
-sums at once (leaving_features are its features).)doc");
+sums at once (leaving_features are its features). feature_map="favor" with projection ω
+[num_features, d] and kernel ("positive", "hyperbolic"; "trig" with window 0): FAVOR+'s features
+made by the step in log form, shift [B, H, m'] the sums' per-feature scales (-inf: no key yet),
+changed in place with them.)doc");
   m.def("hybrid_prefill", &hybrid_prefill_py, py::arg("k"), py::arg("v"), py::arg("key_features"), py::arg("valid"),
         py::arg("log_decay"), py::arg("sums"), py::arg("normaliser"), py::arg("exact_keys"), py::arg("exact_values"),
         py::arg("exact_valid"), py::arg("counts"), py::kw_only(), py::arg("window"), py::arg("sinks"),
         py::arg("key_weight") = py::none(), py::arg("key_bias") = py::none(), py::arg("feature_map") = "given",
-        py::arg("focus_power") = 3.0,
+        py::arg("focus_power") = 3.0, py::arg("projection") = py::none(), py::arg("kernel") = "positive",
+        py::arg("scale") = 0.0, py::arg("shift") = py::none(),
         R"doc(The causal sliding-window + linear hybrid's decoding state after a prompt, written over the
 state arrays (include/linattn/hybrid.h; linattn.hf's LinattnCache runs it once per layer after
 the prompt): what hybrid_decode_step continues from, as if the prompt's tokens had been stepped
@@ -1463,7 +1503,8 @@ and counts [B] int64 are overwritten. Of a row's c tokens, the last w fill the r
 slot s + i mod w), the first s of the others the sink slots, and the rest enter the sums weighed
 by e^{λ_h·(c − 1 − i)}. With Hedgehog's key map (key_weight [H, d, f], key_bias [H, f]) or
 feature_map "elu", "relu" or "focused" (focus_power) the prefill makes the features itself: pass
-None for key_features. Returns None.)doc");
+None for key_features. feature_map="favor" with projection, kernel and scale (x̃ = √scale·x): FAVOR+'s
+features in log form, shift [B, H, m'] overwritten with the sums' per-feature scales. Returns None.)doc");
   m.def("causal_conv1d", &causal_conv1d_py, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         py::kw_only(), py::arg("initial_state") = py::none(), py::arg("return_state") = false,
         py::arg("activation") = "silu",

@@ -558,10 +558,14 @@ void check_decode_step(const Case& c, int threads, int64_t kv_heads, int64_t pre
   SCOPED_TRACE(name(c) + " " + std::to_string(threads) + " threads, " + std::to_string(kv_heads) + " key heads, " +
                std::to_string(prefilled) + " prefilled");
   testing::ScopedThreads scope(threads);
-  constexpr int64_t B = Inputs::B, H = Inputs::H, d = Inputs::d, dv = Inputs::dv, m = Inputs::m;
+  constexpr int64_t B = Inputs::B, H = Inputs::H, d = Inputs::d, dv = Inputs::dv;
   const int64_t G = H / kv_heads;  // query heads per key head
   Inputs x(c, 500 + static_cast<uint64_t>(c.window) * 3 + c.sinks);
   x.round_to<T>();
+  // FAVOR: the step makes the logits itself from the projection, and keeps per-feature shifts
+  const bool favor = x.favor;
+  const int64_t m = favor ? (c.map == "favor-hyperbolic" ? 2 : 1) * Inputs::num_features : Inputs::m;
+  const Tensor<T> projection = cast<T>(x.projection);
   // Grouped queries: every query head of a group sees its key head's keys and values (those of
   // the group's first query head). (H = 3 allows groups of 1 and 3 only; the cache's tests run
   // 4 query heads on 2 key heads through the model.)
@@ -586,9 +590,13 @@ void check_decode_step(const Case& c, int threads, int64_t kv_heads, int64_t pre
     gamma[h] = static_cast<T>(1 / (1 + std::exp(-x.gate[h])));
     decay[h] = static_cast<T>(x.log_decay[h]);
   }
+  Tensor<T> shift({B, H, m});
+  std::fill(shift.data(), shift.data() + shift.size(), -std::numeric_limits<T>::infinity());
   const HybridDecodeState<T> state{sums.view(), normaliser.view(), keys.view(), values.view(), valid.view(),
-                                   counts.view()};
-  const HybridDecodeOptions opts{w, s, scale, x.opts.eps};
+                                   counts.view(), favor ? shift.view() : TensorView<T>{}};
+  HybridDecodeOptions opts{w, s, scale, x.opts.eps};
+  if (favor) opts.feature_map = "favor", opts.kernel = x.opts.kernel;
+  const FavorFeatures<T> favor_features{projection.view()};
   Tensor<T> q({B, H, d}), k({B, kv_heads, d}), v({B, kv_heads, dv}), fq({B, H, m}), fl({B, H, m});
   Tensor<bool> advance({B});
   auto token = [&](int64_t t) {  // position t's rows of every (b, h), and φ of the key leaving (t − w)
@@ -606,8 +614,12 @@ void check_decode_step(const Case& c, int threads, int64_t kv_heads, int64_t pre
     }
   };
   auto step = [&] {
+    const TensorView<const T> log_decay = c.decay ? TensorView<const T>(decay.view()) : TensorView<const T>{};
+    if (favor)
+      return hybrid_decode_step<T>(q.view(), k.view(), v.view(), favor_features, advance.view(), gamma.view(),
+                                   log_decay, state, opts);
     return hybrid_decode_step<T>(q.view(), k.view(), v.view(), fq.view(), fl.view(), advance.view(), gamma.view(),
-                                 c.decay ? decay.view() : TensorView<const T>{}, state, opts);
+                                 log_decay, state, opts);
   };
   if (prefilled > 0) {  // the first tokens' keys, values and key features, as token() gives them
     Tensor<T> kp({B, kv_heads, prefilled, d}), vp({B, kv_heads, prefilled, dv}), fk({B, H, prefilled, m});
@@ -618,10 +630,14 @@ void check_decode_step(const Case& c, int threads, int64_t kv_heads, int64_t pre
         std::copy(v.data() + bg * dv, v.data() + (bg + 1) * dv, vp.data() + (bg * prefilled + t) * dv);
       }
       for (int64_t bh = 0; bh < B * H; ++bh)
-        for (int64_t i = 0; i < m; ++i) fk[(bh * prefilled + t) * m + i] = static_cast<T>(x.fk.view().row(bh, t)[i]);
+        for (int64_t i = 0; i < m && !favor; ++i)
+          fk[(bh * prefilled + t) * m + i] = static_cast<T>(x.fk.view().row(bh, t)[i]);
     }
-    hybrid_prefill<T>(kp.view(), vp.view(), fk.view(), TensorView<const bool>{},
-                      c.decay ? decay.view() : TensorView<const T>{}, state, opts);
+    const TensorView<const T> log_decay = c.decay ? TensorView<const T>(decay.view()) : TensorView<const T>{};
+    if (favor)
+      hybrid_prefill<T>(kp.view(), vp.view(), favor_features, TensorView<const bool>{}, log_decay, state, opts);
+    else
+      hybrid_prefill<T>(kp.view(), vp.view(), fk.view(), TensorView<const bool>{}, log_decay, state, opts);
     EXPECT_EQ(counts[0], prefilled);
   }
   for (int64_t t = prefilled; t < n; ++t) {
@@ -664,13 +680,20 @@ void check_decode_step(const Case& c, int threads, int64_t kv_heads, int64_t pre
   gamma[1] = T(2);
   testing::expect_error([&] { step(); }, "window_weight must be in [0, 1]");
   gamma[1] = T(0.5);
-  fq[3] = T(-1);
-  testing::expect_error([&] { step(); }, "query_features must be finite and >= 0");
-  fq[3] = T(1);
+  if (!favor) {
+    fq[3] = T(-1);
+    testing::expect_error([&] { step(); }, "query_features must be finite and >= 0");
+    fq[3] = T(1);
+  } else {  // a shift of +inf or NaN is no scale
+    const T before = shift[2];
+    shift[2] = std::numeric_limits<T>::infinity();
+    testing::expect_error([&] { step(); }, "hybrid_decode_step: shift must be finite or -inf, got inf at flat index 2");
+    shift[2] = before;
+  }
   k[0] = std::numeric_limits<T>::quiet_NaN();
   testing::expect_error([&] { step(); }, "k has a non-finite value");
   k[0] = T(0);
-  if (kv_heads == 1) {  // 2 key heads for 3 query heads
+  if (kv_heads == 1 && !favor) {  // 2 key heads for 3 query heads
     const Tensor<T> k2({B, 2, d}), v2({B, 2, dv});
     testing::expect_error([&] {
       hybrid_decode_step<T>(q.view(), k2.view(), v2.view(), fq.view(), fl.view(), advance.view(), gamma.view(),
@@ -689,12 +712,14 @@ TEST(HybridDecodeStep, EqualsTheCausalForwardRowByRow) {
     for (const auto& [w, sinks, decayed] : {std::tuple{0, 0, false}, std::tuple{0, 0, true}, std::tuple{1, 0, false},
                                             std::tuple{3, 0, true}, std::tuple{8, 2, false}, std::tuple{4, 4, true},
                                             std::tuple{30, 3, true}}) {
-      const Case c{true, w, "given", true, false, 23, 23, sinks, decayed};
-      for (int64_t kv_heads : {Inputs::H, int64_t{1}})
-        for (int64_t prefilled : {0, 5, 17}) {
-          check_decode_step<float>(c, threads, kv_heads, prefilled);
-          check_decode_step<double>(c, threads, kv_heads, prefilled);
-        }
+      for (const char* map : {"given", "favor", "favor-hyperbolic"}) {
+        const Case c{true, w, map, true, false, 23, 23, sinks, decayed};
+        for (int64_t kv_heads : {Inputs::H, int64_t{1}})
+          for (int64_t prefilled : {0, 5, 17}) {
+            check_decode_step<float>(c, threads, kv_heads, prefilled);
+            check_decode_step<double>(c, threads, kv_heads, prefilled);
+          }
+      }
     }
 }
 
@@ -820,7 +845,7 @@ void check_decode_step_maps(const std::string& map, int64_t kv_heads, int thread
     testing::expect_error([&] {
       hybrid_decode_step<T>(qs.view(), ks.view(), vs.view(), TensorView<const T>{}, TensorView<const T>{},
                             advance.view(), gamma.view(), decay.view(), with_maps.state(), bad);
-    }, "hybrid_decode_step: feature_map must be \"given\", \"elu\", \"relu\" or \"focused\"; got \"softmax\"");
+    }, "hybrid_decode_step: feature_map must be \"given\", \"elu\", \"relu\", \"focused\" or \"favor\" (with FAVOR's projection); got \"softmax\"");
     testing::expect_error([&] {
       hybrid_decode_step<T>(qs.view(), ks.view(), vs.view(), fq.view(), fl.view(), advance.view(), gamma.view(),
                             decay.view(), with_maps.state(), made_opts);
@@ -975,7 +1000,7 @@ void expect_prefill_state(PrefillRun<T>& got, const reference::HybridPrefillStat
 }
 
 // hybrid_prefill with the features given equals reference::hybrid_prefill: a full row and a row
-// with padding here and there, grouped key heads, windows shorter and longer than the prompt,
+// with padding here and there (holding NaN and inf, which stay out), grouped key heads, windows shorter and longer than the prompt,
 // sinks, decay, 1 to 8 threads (below and above B·H = 8). The slots are copies (equal); the sums
 // and the normaliser round the decay weight e^{λ·after} (computed in double) once, its product
 // with φ once, and sum at most n products: within γ_{n+3} of the sum of the terms' magnitudes.
@@ -997,13 +1022,24 @@ void check_prefill_given(int64_t window, int64_t sinks, bool decayed, int64_t kv
   const Tensor<double> decay64 = cast<double>(decay);
   const TensorView<const double> log_decay64 = decayed ? decay64.view() : TensorView<const double>{};
   const Tensor<double> k64 = cast<double>(k), v64 = cast<double>(v), fk64 = cast<double>(fk);
+  // Padding may hold anything: NaN and inf at row 1's padded positions, which go nowhere.
+  Tensor<T> k_padded = cast<T>(k64), v_padded = cast<T>(v64), fk_padded = cast<T>(fk64);
+  for (int64_t p = 0; p < n; ++p) {
+    if (valid[n + p]) continue;
+    for (int64_t g = kv_heads; g < 2 * kv_heads; ++g) {
+      k_padded[(g * n + p) * d] = std::numeric_limits<T>::quiet_NaN();
+      v_padded[(g * n + p) * dv + 1] = std::numeric_limits<T>::infinity();
+    }
+    fk_padded[((H + 1) * n + p) * m] = -std::numeric_limits<T>::infinity();
+  }
   for (const bool padded : {false, true}) {
     const TensorView<const bool> marks = padded ? TensorView<const bool>(valid.view()) : TensorView<const bool>{};
     PrefillRun<T> run(B, H, kv_heads, m, sinks + window, d, dv);
     // whatever the state held before is replaced
     std::fill(run.sums.data(), run.sums.data() + run.sums.size(), T(7));
     std::fill(run.valid.data(), run.valid.data() + run.valid.size(), true);
-    hybrid_prefill<T>(k.view(), v.view(), fk.view(), marks, log_decay, run.state(), HybridDecodeOptions{window, sinks});
+    hybrid_prefill<T>((padded ? k_padded : k).view(), (padded ? v_padded : v).view(), (padded ? fk_padded : fk).view(),
+                      marks, log_decay, run.state(), HybridDecodeOptions{window, sinks});
     const auto want = reference::hybrid_prefill(k64.view(), v64.view(), fk64.view(), marks, log_decay64, window, sinks);
     const auto magnitude =
         reference::hybrid_prefill(k64.view(), v64.view(), fk64.view(), marks, log_decay64, window, sinks, true);
@@ -1115,7 +1151,7 @@ TEST(HybridPrefill, BadInputIsAnErrorNamingItAndWritesNothing) {
                         "hybrid_prefill: key_features has shape [2, 4, 9, 7]; expected [2, 4, 9, 6]");
   fk[5] = T(-1);
   testing::expect_error([&] { given(k.view(), v.view(), fk.view(), all, none, opts); },
-                        "hybrid_prefill: key_features must be finite and >= 0, got -1 at flat index 5");
+                        "hybrid_prefill: key_features must be finite and >= 0 at the tokens, got -1 at flat index 5");
   fk[5] = T(0);
   decay[2] = T(0.5);
   testing::expect_error([&] { given(k.view(), v.view(), fk.view(), all, decay.view(), opts); },
@@ -1131,11 +1167,11 @@ TEST(HybridPrefill, BadInputIsAnErrorNamingItAndWritesNothing) {
   Tensor<T> k_nan = random_tensor<T>({B, Hkv, n, d}, 821);
   k_nan[4] = std::numeric_limits<T>::infinity();
   testing::expect_error([&] { given(k_nan.view(), v.view(), fk.view(), all, none, opts); },
-                        "hybrid_prefill: k has a non-finite value");
+                        "hybrid_prefill: k must be finite at its tokens, got inf at [0, 0, 0, 4]");
   HybridDecodeOptions fixed = opts;
   fixed.feature_map = "softmax";
   testing::expect_error([&] { given(k.view(), v.view(), none, all, none, fixed); },
-                        "hybrid_prefill: feature_map must be \"given\", \"elu\", \"relu\" or \"focused\"; got \"softmax\"");
+                        "hybrid_prefill: feature_map must be \"given\", \"elu\", \"relu\", \"focused\" or \"favor\" (with FAVOR's projection); got \"softmax\"");
   fixed.feature_map = "elu";
   testing::expect_error([&] { given(k.view(), v.view(), fk.view(), all, none, fixed); },
                         "the prefill makes the features itself: key_features must be empty");
@@ -1148,6 +1184,34 @@ TEST(HybridPrefill, BadInputIsAnErrorNamingItAndWritesNothing) {
   testing::expect_error([&] {
     hybrid_prefill<T>(k.view(), v.view(), kw.view(), kb4.view(), all, none, run.state(), opts);
   }, "hybrid_prefill: key_bias has shape [4, 4]; expected [4, 3]");
+  // FAVOR's options and its shifts
+  const Tensor<T> projection = random_tensor<T>({3, d}, 825);  // m' = 3 (positive) or 6 (hyperbolic)
+  const FavorFeatures<T> favor{projection.view()};
+  HybridDecodeOptions favor_opts = opts;
+  favor_opts.feature_map = "favor", favor_opts.kernel = "hyperbolic", favor_opts.scale = 0.5;
+  Tensor<T> shift({B, H, m});
+  HybridDecodeState<T> with_shift = run.state();
+  with_shift.shift = shift.view();
+  testing::expect_error([&] { hybrid_prefill<T>(k.view(), v.view(), favor, all, none, run.state(), opts); },
+                        "hybrid_prefill: FAVOR's projection was given: feature_map must be \"favor\", got \"given\"");
+  testing::expect_error([&] { hybrid_prefill<T>(k.view(), v.view(), favor, all, none, run.state(), favor_opts); },
+                        "hybrid_prefill: feature_map=\"favor\" keeps its sums in log form: shift [B, H, m'] is required");
+  favor_opts.kernel = "trig";
+  testing::expect_error([&] { hybrid_prefill<T>(k.view(), v.view(), favor, all, none, with_shift, favor_opts); },
+                        "hybrid_prefill: kernel=\"trig\" needs window 0");
+  favor_opts.kernel = "positive";
+  testing::expect_error([&] { hybrid_prefill<T>(k.view(), v.view(), favor, all, none, with_shift, favor_opts); },
+                        "hybrid_prefill: sums has 6 features; FAVOR's kernel=\"positive\" with 3 random features makes 3");
+  shift[1] = std::numeric_limits<T>::quiet_NaN();
+  favor_opts.kernel = "hyperbolic";
+  testing::expect_error([&] { hybrid_prefill<T>(k.view(), v.view(), favor, all, none, with_shift, favor_opts); },
+                        "hybrid_prefill: shift must be finite or -inf, got nan at flat index 1");
+  testing::expect_error([&] { hybrid_prefill<T>(k.view(), v.view(), fk.view(), all, none, with_shift, opts); },
+                        "hybrid_prefill: shift is FAVOR's (feature_map=\"favor\"); plain features keep none");
+  HybridDecodeOptions plain_kernel = opts;
+  plain_kernel.kernel = "hyperbolic";
+  testing::expect_error([&] { given(k.view(), v.view(), fk.view(), all, none, plain_kernel); },
+                        "hybrid_prefill: kernel=\"hyperbolic\" applies to feature_map=\"favor\" only");
   for (int64_t i = 0; i < run.sums.size(); ++i) ASSERT_EQ(run.sums[i], T(3));
   EXPECT_EQ(run.counts[0], 11);
 }

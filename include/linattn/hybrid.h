@@ -80,6 +80,10 @@ struct HybridDecodeState {
   TensorView<T> exact_values;   // [B, H_kv, s + w, d_v]
   TensorView<bool> exact_valid;  // [B, s + w]: the slots holding a token
   TensorView<int64_t> counts;   // [B]: the tokens of each row so far
+  // FAVOR's features only (empty for plain ones): [B, H, m'], the sums' per-feature scale c_r, the
+  // largest decayed logit of a key that entered them (−inf while none has): they hold
+  // Σ_j s_jr e^{L_jr − c_r} v_j and Σ_j s_jr e^{L_jr − c_r}, every stored weight <= 1.
+  TensorView<T> shift = {};
 };
 
 struct HybridDecodeOptions {
@@ -94,6 +98,18 @@ struct HybridDecodeOptions {
   // leaving key itself, m' = d; then both feature views must be empty.
   std::string feature_map = "given";
   double focus_power = 3;
+  // feature_map "favor" (the FavorFeatures overloads): "positive" or "hyperbolic", and without a
+  // window also "trig". Its x̃ = √scale·x takes the scores' scale.
+  std::string kernel = "positive";
+};
+
+// FAVOR+'s random features made by the step and the prefill themselves: the projection ω [m, d]
+// (finite; random_features), with opts.feature_map = "favor" and opts.kernel. Keys' logits are
+// the key form; a query's the key form too with a window (its −‖x̃‖²/2 does not cancel against
+// the window's exact weights), the query form without (feature_logits in kernelized.h).
+template <class T>
+struct FavorFeatures {
+  TensorView<const T> projection;
 };
 
 // One token of every batch row where advance[b]: q [B, H, d], k [B, H_kv, d], v [B, H_kv, d_v]
@@ -130,6 +146,18 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
                              TensorView<const T> window_weight, TensorView<const T> log_decay,
                              const HybridDecodeState<T>& state, const HybridDecodeOptions& opts);
 
+// The same step with FAVOR's features in log form (opts.feature_map "favor", state.shift given):
+// the key entering the sums raises the shifts to cover its logits, the query reads them on the
+// scale e^{R}, R = max(the window's largest score, max_r L_q,r + c_r), and out = (γ Σ_j e^{s_j − R}
+// v_j + e^{−R}Σ_r φ_r(q) S_r) / (γ Σ_j e^{s_j − R} + e^{−R}Σ_r φ_r(q) z_r + eps·e^{−R}) with φ(q)·φ(k)
+// = Σ_r e^{L_q,r + L_k,r}/m' (hybrid_attention's FAVOR rows; without a window favor_attention's,
+// a zero denominator giving 0).
+template <class T>
+Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                             const FavorFeatures<T>& favor, TensorView<const bool> advance,
+                             TensorView<const T> window_weight, TensorView<const T> log_decay,
+                             const HybridDecodeState<T>& state, const HybridDecodeOptions& opts);
+
 // The state after a prompt, written over `state` (whatever it held): the state
 // hybrid_decode_step continues from, as if the prompt's tokens had been stepped through it from
 // the empty state (LinattnCache's prefill: the prompt's outputs come from the forward, its state
@@ -139,8 +167,8 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
 // fixed map (applied here, m' = d); log_decay λ [H] (each <= 0; empty: none). H and m' are the
 // sums' [B, H, m', d_v]. Of a row's c tokens (place i = 0, ..., c − 1), the last w take ring
 // slots s + i mod w; of the others, the first s take sink slots i and the rest enter the sums
-// and the normaliser weighed by e^{λ_h·(c − 1 − i)}; counts[b] = c. opts.scale and opts.eps are
-// not used. Every argument is checked before anything is written.
+// and the normaliser weighed by e^{λ_h·(c − 1 − i)}; counts[b] = c. opts.eps is not used, nor
+// opts.scale but by FAVOR. Every argument is checked before anything is written.
 template <class T>
 void hybrid_prefill(TensorView<const T> k, TensorView<const T> v, TensorView<const T> key_features,
                     TensorView<const bool> valid, TensorView<const T> log_decay, const HybridDecodeState<T>& state,
@@ -151,5 +179,11 @@ template <class T>
 void hybrid_prefill(TensorView<const T> k, TensorView<const T> v, TensorView<const T> key_weight,
                     TensorView<const T> key_bias, TensorView<const bool> valid, TensorView<const T> log_decay,
                     const HybridDecodeState<T>& state, const HybridDecodeOptions& opts);
+// The same with FAVOR's features (opts.feature_map "favor", opts.kernel, opts.scale): the sums in
+// log form, state.shift (given) set to each feature's largest decayed key logit.
+template <class T>
+void hybrid_prefill(TensorView<const T> k, TensorView<const T> v, const FavorFeatures<T>& favor,
+                    TensorView<const bool> valid, TensorView<const T> log_decay, const HybridDecodeState<T>& state,
+                    const HybridDecodeOptions& opts);
 
 }  // namespace linattn

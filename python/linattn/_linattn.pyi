@@ -161,7 +161,7 @@ def hedgehog_features_backward(x: typing.Any, weight: typing.Any, bias: typing.A
     (dx, dweight, dbias) of sum(dphi * hedgehog_features(x, weight, bias)), dphi [B, H, n, 2f];
     phi: the forward's result, read instead of made again (None: made from x).
     """
-def hybrid_decode_step(q: typing.Any, k: typing.Any, v: typing.Any, query_features: typing.Any, leaving_features: typing.Any, advance: typing.Any, window_weight: typing.Any, log_decay: typing.Any, sums: typing.Any, normaliser: typing.Any, exact_keys: typing.Any, exact_values: typing.Any, exact_valid: typing.Any, counts: typing.Any, *, window: typing.SupportsInt | typing.SupportsIndex, sinks: typing.SupportsInt | typing.SupportsIndex, scale: typing.SupportsFloat | typing.SupportsIndex, eps: typing.SupportsFloat | typing.SupportsIndex, query_weight: typing.Any = None, query_bias: typing.Any = None, key_weight: typing.Any = None, key_bias: typing.Any = None, feature_map: str = 'given', focus_power: typing.SupportsFloat | typing.SupportsIndex = 3.0) -> typing.Any:
+def hybrid_decode_step(q: typing.Any, k: typing.Any, v: typing.Any, query_features: typing.Any, leaving_features: typing.Any, advance: typing.Any, window_weight: typing.Any, log_decay: typing.Any, sums: typing.Any, normaliser: typing.Any, exact_keys: typing.Any, exact_values: typing.Any, exact_valid: typing.Any, counts: typing.Any, *, window: typing.SupportsInt | typing.SupportsIndex, sinks: typing.SupportsInt | typing.SupportsIndex, scale: typing.SupportsFloat | typing.SupportsIndex, eps: typing.SupportsFloat | typing.SupportsIndex, query_weight: typing.Any = None, query_bias: typing.Any = None, key_weight: typing.Any = None, key_bias: typing.Any = None, feature_map: str = 'given', focus_power: typing.SupportsFloat | typing.SupportsIndex = 3.0, projection: typing.Any = None, kernel: str = 'positive', shift: typing.Any = None) -> typing.Any:
     """
     One decoding step of the causal sliding-window + linear hybrid for every batch row and head,
     in place on its state (include/linattn/hybrid.h; linattn.hf's LinattnCache runs it): q [B, H, d],
@@ -176,9 +176,12 @@ def hybrid_decode_step(q: typing.Any, k: typing.Any, v: typing.Any, query_featur
     query_features and leaving_features. So it does with feature_map "elu", "relu" or "focused"
     (focus_power; features()' formula, m' = d); "given" (the default) takes the features passed.
     window=0 (sinks 0, exact arrays of 0 slots) is linear attention's step: the new key enters the
-    sums at once (leaving_features are its features).
+    sums at once (leaving_features are its features). feature_map="favor" with projection ω
+    [num_features, d] and kernel ("positive", "hyperbolic"; "trig" with window 0): FAVOR+'s features
+    made by the step in log form, shift [B, H, m'] the sums' per-feature scales (-inf: no key yet),
+    changed in place with them.
     """
-def hybrid_prefill(k: typing.Any, v: typing.Any, key_features: typing.Any, valid: typing.Any, log_decay: typing.Any, sums: typing.Any, normaliser: typing.Any, exact_keys: typing.Any, exact_values: typing.Any, exact_valid: typing.Any, counts: typing.Any, *, window: typing.SupportsInt | typing.SupportsIndex, sinks: typing.SupportsInt | typing.SupportsIndex, key_weight: typing.Any = None, key_bias: typing.Any = None, feature_map: str = 'given', focus_power: typing.SupportsFloat | typing.SupportsIndex = 3.0) -> typing.Any:
+def hybrid_prefill(k: typing.Any, v: typing.Any, key_features: typing.Any, valid: typing.Any, log_decay: typing.Any, sums: typing.Any, normaliser: typing.Any, exact_keys: typing.Any, exact_values: typing.Any, exact_valid: typing.Any, counts: typing.Any, *, window: typing.SupportsInt | typing.SupportsIndex, sinks: typing.SupportsInt | typing.SupportsIndex, key_weight: typing.Any = None, key_bias: typing.Any = None, feature_map: str = 'given', focus_power: typing.SupportsFloat | typing.SupportsIndex = 3.0, projection: typing.Any = None, kernel: str = 'positive', scale: typing.SupportsFloat | typing.SupportsIndex = 0.0, shift: typing.Any = None) -> typing.Any:
     """
     The causal sliding-window + linear hybrid's decoding state after a prompt, written over the
     state arrays (include/linattn/hybrid.h; linattn.hf's LinattnCache runs it once per layer after
@@ -191,7 +194,8 @@ def hybrid_prefill(k: typing.Any, v: typing.Any, key_features: typing.Any, valid
     slot s + i mod w), the first s of the others the sink slots, and the rest enter the sums weighed
     by e^{λ_h·(c − 1 − i)}. With Hedgehog's key map (key_weight [H, d, f], key_bias [H, f]) or
     feature_map "elu", "relu" or "focused" (focus_power) the prefill makes the features itself: pass
-    None for key_features. Returns None.
+    None for key_features. feature_map="favor" with projection, kernel and scale (x̃ = √scale·x): FAVOR+'s
+    features in log form, shift [B, H, m'] overwritten with the sums' per-feature scales. Returns None.
     """
 def linformer_projections(s_proj: typing.SupportsInt | typing.SupportsIndex, n_max: typing.SupportsInt | typing.SupportsIndex, *, heads: int | None = None, seed: typing.SupportsInt | typing.SupportsIndex = 0, dtype: numpy.typing.DTypeLike = ...) -> tuple:
     """

@@ -11,7 +11,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 import linattn.hf as lh  # noqa: E402
-from linattn.torch import recurrent  # noqa: E402
 
 CONFIG = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None, pad_token_id=0)
@@ -227,36 +226,37 @@ def test_other_backends_keep_transformers_cache():
     assert isinstance(out.past_key_values, transformers.DynamicCache)  # a cache the caller gives is used
 
 
-def test_recurrent_state_matches_direct_sums_in_float64():
-    g = torch.Generator().manual_seed(3)
-    B, H, n, m, d = 2, 3, 7, 5, 4
-    values = torch.randn(B, H, n, d, generator=g, dtype=torch.float64)
-    feats = torch.rand(B, H, n, m, generator=g, dtype=torch.float64)
-    q = torch.rand(B, H, m, generator=g, dtype=torch.float64)
-    state = recurrent.empty_state(B, H, m, d, log_form=False, like=values)
-    state = recurrent.enter(recurrent.enter(state, values[:, :, :3], features=feats[:, :, :3]), values[:, :, 3:],
-                            features=feats[:, :, 3:])
-    num, den, shift = recurrent.read(state, features=q)
-    assert shift is None
-    assert torch.allclose(num, torch.einsum("bhm,bhnm,bhnd->bhd", q, feats, values), rtol=1e-14, atol=0)
-    assert torch.allclose(den, torch.einsum("bhm,bhnm->bh", q, feats), rtol=1e-14, atol=0)
-    # Log form at logits far beyond exp's range (±1e4): num, den on the scale e^{R} match the
-    # direct sums computed in log space, and nothing overflows.
-    logits = torch.randn(B, H, n, m, generator=g, dtype=torch.float64) * 1e4
-    ql = torch.randn(B, H, m, generator=g, dtype=torch.float64) * 1e4
-    state = recurrent.empty_state(B, H, m, d, log_form=True, like=values)
-    for j in range(n):  # one key at a time, as decoding enters them
-        state = recurrent.enter(state, values[:, :, j:j + 1], logits=logits[:, :, j:j + 1])
-    num, den, top = recurrent.read(state, logits=ql)
-    total = ql[:, :, None, :] + logits  # [B, H, n, m]
-    top_want = total.amax(dim=(2, 3))
-    w = torch.exp(total - top_want[..., None, None])
-    assert torch.equal(top, top_want)
-    assert torch.allclose(num, torch.einsum("bhnm,bhnd->bhd", w, values), rtol=1e-12, atol=1e-300)
-    assert torch.allclose(den, w.sum(dim=(2, 3)), rtol=1e-12, atol=0)
-    empty = recurrent.empty_state(B, H, m, d, log_form=True, like=values)
-    num, den, top = recurrent.read(empty, logits=ql)
-    assert torch.all(num == 0) and torch.all(den == 0) and torch.all(top == -math.inf)
+@pytest.mark.parametrize("kernel,window,sinks", [("positive", 3, 1), ("hyperbolic", 0, 0), ("positive", 0, 0)])
+def test_favor_decoding_far_beyond_exp_range_equals_the_forward(kernel, window, sinks):
+    """FAVOR's state in log form (per-feature shifts, as the C++ forward keeps them): keys and
+    queries of norm ~60 (logits of ±10^3, where e^L overflows float64) prefilled and stepped
+    give hybrid_attention's causal rows in float64, finite, to 1e-9 of the largest (the logits'
+    own rounding, ~10^3·2^-52 relatively, dominates)."""
+    import numpy as np
+    import linattn
+    from linattn import _linattn
+    B, H, n, d, m, prompt = 2, 3, 12, 4, 5, 7
+    rng = np.random.default_rng(4)
+    q, k = (60 * rng.standard_normal((B, H, n, d)) for _ in range(2))
+    v = rng.standard_normal((B, H, n, d))
+    omega = _linattn.random_features(m, d, seed=3, dtype=np.float64)
+    features = m * (1 if kernel == "positive" else 2)
+    want = linattn.hybrid_attention(q, k, v, window=window, sinks=sinks, projection=omega, feature_map="favor",
+                                    kernel=kernel, causal=True, scale=0.5, eps=0.0)
+    state = dict(sums=np.zeros((B, H, features, d)), normaliser=np.zeros((B, H, features)),
+                 exact_keys=np.zeros((B, H, sinks + window, d)), exact_values=np.zeros((B, H, sinks + window, d)),
+                 exact_valid=np.zeros((B, sinks + window), bool), counts=np.zeros(B, np.int64),
+                 shift=np.zeros((B, H, features)))
+    favor = dict(feature_map="favor", projection=omega, kernel=kernel)
+    _linattn.hybrid_prefill(k[:, :, :prompt], v[:, :, :prompt], None, None, None, **state, window=window, sinks=sinks,
+                            scale=0.5, **favor)
+    assert np.isfinite(state["shift"]).all() and np.abs(state["shift"]).max() > 700  # beyond exp's range
+    for t in range(prompt, n):
+        got = _linattn.hybrid_decode_step(q[:, :, t], k[:, :, t], v[:, :, t], None, None, advance=np.ones(B, bool),
+                                          window_weight=np.ones(H), log_decay=None, **state, window=window, sinks=sinks,
+                                          scale=0.5, eps=0.0, **favor)
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, want[:, :, t], rtol=0, atol=1e-9 * np.abs(want[:, :, t]).max())
 
 
 @pytest.mark.parametrize("name,options", [("linattn_elu", {}), ("linattn_hedgehog", {"feature_dim": 4, "window": 3, "sinks": 1})])
@@ -287,7 +287,7 @@ def test_a_bfloat16_model_decodes_with_a_float32_state(name, options):
     # logits equal the full bfloat16 forward's to bfloat16 rounding: the two paths round the
     # layers' activations at different points, a few units of 2^-8 of the largest logit. The
     # window is kept in float32 (widening the model's keys and values is exact), so that the C++
-    # step serves every backend but FAVOR (whose log form decodes through torch), windowless too.
+    # step serves every backend, FAVOR's log form and the windowless ones too.
     model = model_on(name, options).to(torch.bfloat16)
     ids = ids_of(2, 20)
     with torch.no_grad():
@@ -301,7 +301,7 @@ def test_a_bfloat16_model_decodes_with_a_float32_state(name, options):
     assert all(layer.linear.sums.dtype == torch.float32 for layer in cache.layers)
     if options.get("window"):
         assert all(layer.exact_keys.dtype == torch.float32 for layer in cache.layers)
-    assert (cache.layers[0].step_constants is not None) == (name != "linattn_favor")  # the C++ step ran
+    assert cache.layers[0].step_constants is not None  # the C++ step ran
     assert (got.float() - full).abs().max() <= 2.0 ** -5 * full.abs().max()
     out = model.generate(ids[:, :6], max_new_tokens=4, do_sample=False)
     assert out.shape == (2, 10)
@@ -669,12 +669,12 @@ def test_hybrid_prefill_leaves_the_state_the_steps_would():
     for name in ("sums", "normaliser"):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-12, atol=1e-12, err_msg=name)
     state = fresh()
-    with pytest.raises(ValueError, match="key_features must be None when Hedgehog's key map"):
+    with pytest.raises(ValueError, match="key_features must be None when Hedgehog's maps"):
         _linattn.hybrid_prefill(k, v, np.ones((B, H, n, 2 * f)), None, None, **state, window=w, sinks=s,
                                 key_weight=maps["key_weight"], key_bias=maps["key_bias"])
-    with pytest.raises(ValueError, match="key_weight and key_bias go together"):
+    with pytest.raises(ValueError, match="key_weight, key_bias go together"):
         _linattn.hybrid_prefill(k, v, None, None, None, **state, window=w, sinks=s, key_weight=maps["key_weight"])
-    with pytest.raises(ValueError, match="key_features is required unless"):
+    with pytest.raises(ValueError, match="key_features required unless"):
         _linattn.hybrid_prefill(k, v, None, None, None, **state, window=w, sinks=s)
     with pytest.raises(ValueError, match="key_features must be None with feature_map=\"elu\""):
         _linattn.hybrid_prefill(k, v, np.ones((B, H, n, 2 * f)), None, None, **state, window=w, sinks=s,
@@ -746,7 +746,9 @@ def test_hybrid_decode_step_applies_a_fixed_map_by_name(feature_map):
         _linattn.hybrid_decode_step(q, k, v, None, None, **a, **common, feature_map=feature_map,
                                     query_weight=np.zeros((H, d, 2)), query_bias=np.zeros((H, 2)),
                                     key_weight=np.zeros((H, d, 2)), key_bias=np.zeros((H, 2)))
-    with pytest.raises(ValueError, match="feature_map must be \"given\", \"elu\", \"relu\" or \"focused\""):
+    with pytest.raises(ValueError, match="feature_map must be \"given\", \"elu\", \"relu\", \"focused\" or \"favor\""):
+        _linattn.hybrid_decode_step(q, k, v, None, None, **a, **common, feature_map="softmax")
+    with pytest.raises(ValueError, match="feature_map=\"favor\" needs projection"):
         _linattn.hybrid_decode_step(q, k, v, None, None, **a, **common, feature_map="favor")
 
 

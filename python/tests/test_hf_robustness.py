@@ -289,22 +289,34 @@ def test_a_switched_backend_saves_and_runs_with_its_own_options(tmp_path):
 
 
 def test_a_masked_position_holding_nan_stays_out_of_a_state():
-    from linattn.torch import recurrent
-    g = torch.Generator().manual_seed(0)
-    values = torch.randn(2, 3, 4, 5, generator=g)
-    features = torch.rand(2, 3, 4, 6, generator=g)
-    values[0, :, 1], features[1, :, 3] = float("nan"), float("inf")
-    mask = torch.ones(2, 4, dtype=torch.bool)
-    mask[0, 1], mask[1, 3] = False, False
-    for log_form in (False, True):
-        empty = recurrent.empty_state(2, 3, 6, 5, log_form=log_form, like=values)
-        kw = {"logits": features} if log_form else {"features": features}
-        state = recurrent.enter(empty, values, mask=mask, **kw)
-        assert all(torch.isfinite(t).all() for t in state if t is not None), log_form
-        keep = [torch.tensor([0, 2, 3]), torch.tensor([0, 1, 2])]
-        for r in range(2):
-            alone = recurrent.enter(recurrent.empty_state(1, 3, 6, 5, log_form=log_form, like=values),
-                                    values[r:r + 1, :, keep[r]],
-                                    **{k: v[r:r + 1, :, keep[r]] for k, v in kw.items()})
-            assert torch.allclose(state.sums[r], alone.sums[0], rtol=1e-6, atol=0)
-            assert torch.allclose(state.normaliser[r], alone.normaliser[0], rtol=1e-6, atol=0)
+    """LinattnCache's prefill (linattn.hybrid_prefill) with padding holding NaN and inf: each row's
+    state is the one its tokens alone give, plain features and FAVOR's log form alike."""
+    import numpy as np
+    from linattn import _linattn
+    rng = np.random.default_rng(0)
+    B, H, n, d, m, w = 2, 3, 6, 5, 4, 2
+    k, v = rng.standard_normal((B, H, n, d)), rng.standard_normal((B, H, n, d))
+    features = rng.random((B, H, n, d))
+    valid = np.ones((B, n), bool)
+    valid[0, 1], valid[1, 3] = False, False
+    k[0, :, 1], v[1, :, 3], features[0, :, 1] = np.nan, np.inf, np.nan
+    omega = _linattn.random_features(m, d, seed=1, dtype=np.float64)
+    for favor in (False, True):
+        def prefill(keys, values, feats, marks):
+            rows, size = keys.shape[0], m if favor else d
+            state = dict(sums=np.zeros((rows, H, size, d)), normaliser=np.zeros((rows, H, size)),
+                         exact_keys=np.zeros((rows, H, w, d)), exact_values=np.zeros((rows, H, w, d)),
+                         exact_valid=np.zeros((rows, w), bool), counts=np.zeros(rows, np.int64),
+                         shift=np.zeros((rows, H, m)) if favor else None)
+            extra = dict(feature_map="favor", projection=omega, scale=0.5) if favor else {}
+            _linattn.hybrid_prefill(keys, values, None if favor else feats, marks, None, **state, window=w, sinks=0,
+                                    **extra)
+            return state
+        state = prefill(k, v, features, valid)
+        names = ("sums", "normaliser", "exact_keys", "exact_values", "exact_valid", "counts") + (("shift",) if favor else ())
+        assert all(np.isfinite(state[name]).all() for name in names if name != "shift")
+        for r in range(B):
+            keep = valid[r].nonzero()[0]
+            alone = prefill(*(np.ascontiguousarray(t[r:r + 1][:, :, keep]) for t in (k, v, features)), None)
+            for name in names:
+                np.testing.assert_allclose(state[name][r], alone[name][0], rtol=1e-12, atol=0, err_msg=name)

@@ -2,14 +2,14 @@
 and hybrid backends (linattn_elu, linattn_relu, linattn_focused, linattn_favor,
 linattn_hedgehog, linattn_window, with or without a window).
 
-Per layer and batch row it keeps the linear state of linattn.torch.recurrent ([S | z] over the
-keys that have left the window, FAVOR's on its per-feature scale), the last `window` tokens'
+Per layer and batch row it keeps the linear state ([S | z] over the keys that have left the
+window, FAVOR's on its per-feature scale, as the C++ kernels keep it), the last `window` tokens'
 keys and values (exact softmax over them; slots not filled yet are masked), and for a depthwise
 convolution the last K − 1 values: its size does not grow with the context. The first forward
 (the prompt) runs the backend's own causal kernel, the chunked one a forward without cache
-runs, and its keys and values then fill the state: with a window and plain features in one C++
-call per layer (hybrid_prefill, the state hybrid_decode_step continues from), otherwise by
-linattn.torch.recurrent's products; each later token costs O(1) in the context length.
+runs, and its keys and values then fill the state in one C++ call per layer (hybrid_prefill, the
+state hybrid_decode_step continues from); each later token is one hybrid_decode_step call per
+layer, O(1) in the context length.
 
 Padded batches (generate() on prompts of different lengths, left- or right-padded): the model's
 attention mask says which positions hold tokens. Each row's prompt runs alone on its tokens,
@@ -27,6 +27,7 @@ model that runs another since: a state means something only for the map that mad
 
 import math
 import threading
+from typing import NamedTuple, Optional
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -34,8 +35,6 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
 
 from .. import _linattn
-from ..torch import feature_maps as _feature_maps
-from ..torch import recurrent as _recurrent
 from ..torch._checks import array as _array
 from ..torch._ops import accumulator_dtype
 from . import backends as _backends
@@ -60,7 +59,7 @@ def _model_config(model_or_config):
 
 
 class LinattnCacheLayer(CacheLayerMixin):
-    """One decoder layer's recurrent state: `linear` (a linattn.torch.recurrent.LinearState or
+    """One decoder layer's recurrent state: `linear` (a LinearState, below, or
     None before the prompt), `exact_keys` / `exact_values` [B, H_kv, s + w, d] (per key/value
     head of a grouped-query model, as its own cache keeps them) with `exact_valid`
     [B, s + w] (False: a slot no token has filled yet): the keys and values the query sees
@@ -274,39 +273,34 @@ def _wide(t):
     return t.to(accumulator_dtype(t.dtype))
 
 
+class LinearState(NamedTuple):
+    """A layer's sums over the keys that have left the window (every key without one), as
+    hybrid_prefill and hybrid_decode_step keep them, per batch row and query head."""
+    sums: torch.Tensor                   # [B, H, m', d_v]
+    normaliser: torch.Tensor             # [B, H, m']
+    shift: Optional[torch.Tensor] = None  # [B, H, m']: FAVOR's per-feature scales (log form); None (plain)
+
+    @property
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in self if t is not None)
+
+    def map(self, fn):
+        """The state with fn applied to each tensor (index_select for beam search, say)."""
+        return LinearState(*(None if t is None else fn(t) for t in self))
+
+
 class _Map:
-    """A backend's feature map in decoding: its size m', and for FAVOR (log form, which decodes in
-    torch) its logits and recurrent.py's sums. Plain features (elu, relu, focused, Hedgehog's, the
-    window alone's) are made by the C++ prefill and step themselves."""
+    """A backend's feature map in decoding, as the C++ prefill and step take it: its scale (the
+    model's scaling: the window's scores and FAVOR's x̃ = √scale·x) and size m', and FAVOR's
+    projection ω and kernel (log form: the sums keep per-feature shifts)."""
 
     def __init__(self, module, b, user, like, scaling):
-        self.module, self.b, self.user = module, b, user
-        # The model's scaling: the window's scores and FAVOR's x̃ = √scale·x.
+        self.b, self.user = b, user
         self.scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(like.shape[-1])
         self.log_form = isinstance(b, _backends.Favor)
         if self.log_form:
             self.omega = _backends.projection(module, _wide(like), user)
             self.kernel = user["kernel"]
-
-    def logits(self, x, side):
-        """(L, s): side "key" and "query_with_norm" L = U − h (hyperbolic [U − h, −U − h], trig h),
-        side "query" L = U ([U, −U], trig 0); U = x̃·ωᵀ, h = ‖x̃‖²/2, x̃ = √scale·x; s = [sin U,
-        cos U] for trig, else None."""
-        # In float32 for a bfloat16/float16 model: h = ‖x̃‖²/2 scales a whole key's weight by e^{−h}.
-        # The kernels' own logits (linattn.torch.feature_logits).
-        x = _wide(x)
-        return _feature_maps.feature_logits(x, self.omega.to(x.dtype), kernel=self.kernel, scale=self.scale, side=side)
-
-    def enter(self, state, keys, values, mask=None, log_weight=None):
-        """keys, values [B, H, n, d] enter the state where mask [B, n] is True (all: None), each
-        term weighed by e^{log_weight} ([B, H, n]; None: 1), the decay of its distance."""
-        logits, factors = self.logits(keys, "key")
-        return _recurrent.enter(state, values, logits=logits, factors=factors, mask=mask, log_weight=log_weight)
-
-    def read(self, state, q, with_norm):
-        """q [B, H, 1, d] against the state: linattn.torch.recurrent.read."""
-        logits, factors = self.logits(q, "query_with_norm" if with_norm else "query")
-        return _recurrent.read(state, logits=logits[:, :, 0], factors=None if factors is None else factors[:, :, 0])
 
     def dim(self, head_dim):
         if self.log_form:
@@ -314,6 +308,13 @@ class _Map:
         if isinstance(self.b, _backends.Hedgehog):
             return 2 * int(self.user["feature_dim"])
         return 1 if isinstance(self.b, _backends.Window) else head_dim
+
+    def empty_state(self, batch, heads, head_dim, value_dim, dtype):
+        """The sums of no key: zeros, and for FAVOR shifts of −inf (no key has set a scale)."""
+        m = self.dim(head_dim)
+        shift = torch.full((batch, heads, m), float("-inf"), dtype=dtype) if self.log_form else None
+        return LinearState(torch.zeros((batch, heads, m, value_dim), dtype=dtype), torch.zeros((batch, heads, m), dtype=dtype),
+                           shift)
 
 
 def _eps(b, user):
@@ -400,7 +401,7 @@ def attend(name, layer, module, b, user, query, key, value, attention_mask, scal
     with torch.no_grad():
         outs = [_step(layer, fmap, module, b, user, query[:, :, t:t + 1], key[:, :, t:t + 1], value[:, :, t:t + 1],
                       window, sinks, decay, None if valid is None else valid[:, t]) for t in range(n)]
-    # A bfloat16/float16 model's state and sums are float32 (recurrent.py); the output is rounded once.
+    # A bfloat16/float16 model's state and sums are float32 (the C++ step's); the output is rounded once.
     return torch.cat(outs, dim=2).to(query.dtype)
 
 
@@ -413,21 +414,37 @@ def _last_slots(valid, size):
 
 
 def _fill(layer, fmap, module, b, user, query, key, value, window, sinks, decay, valid):
-    """The state after the prompt: per row, its tokens before its last `window` enter the
-    linear state, except its first `sinks` tokens, which fill the sink slots; the last `window`
-    tokens' keys and values fill the window's ring (token p of the row at slot sinks + p mod
-    window); a convolution keeps the last K − 1 values. Padded positions go nowhere. With decay
-    λ [H], a token entering the state is weighed by e^{λ·(tokens after it)}: the state is the last
+    """The state after the prompt, in one C++ call (hybrid_prefill, in the dtype the step takes:
+    float32 for a 16-bit model): per row, its tokens before its last `window` enter the linear
+    state, except its first `sinks` tokens, which fill the sink slots; the last `window` tokens'
+    keys and values fill the window's ring (token p of the row at slot sinks + p mod window);
+    a convolution keeps the last K − 1 values. Padded positions go nowhere. With decay λ [H], a
+    token entering the state is weighed by e^{λ·(tokens after it)}: the state is the last
     token's. key, value [B, H_kv, n, d]: the ring keeps them per key head; the state and the
-    convolution, whose maps and weights are per query head (heads of them), per query head.
-    Plain features, whose steps run in C++, fill it in C++ too: one hybrid_prefill call, the
-    state the step's formula leaves; FAVOR's log form by recurrent.py's sums."""
-    heads = query.shape[1]
+    convolution, whose maps and weights are per query head, per query head. The step's constants
+    (the maps, λ) are made here once and kept for the steps."""
+    heads, wide = query.shape[1], accumulator_dtype(query.dtype)
     batch, kv_heads, n, head_dim = key.shape
-    if not fmap.log_form:
-        _native_fill(layer, fmap, module, b, user, query, key, value, window, sinks, decay, valid)
+    inputs = _step_constants(layer, module, b, user, query, decay)
+    layer.linear = fmap.empty_state(batch, heads, head_dim, value.shape[-1], wide)
+    layer.exact_keys = torch.zeros((batch, kv_heads, sinks + window, head_dim), dtype=wide)
+    layer.exact_values = torch.zeros((batch, kv_heads, sinks + window, value.shape[-1]), dtype=wide)
+    layer.exact_valid = torch.zeros((batch, sinks + window), dtype=torch.bool)
+    layer.counts = torch.zeros(batch, dtype=torch.int64)
+    if isinstance(b, _backends.Hedgehog):
+        features = dict(key_features=None, key_weight=inputs["key_weight"], key_bias=inputs["key_bias"])
+    elif isinstance(b, _backends.Window):  # the window alone: one feature, 0
+        features = dict(key_features=torch.zeros((batch, heads, n, 1), dtype=wide).numpy())
+    elif fmap.log_form:
+        features = dict(key_features=None, feature_map="favor", projection=inputs["projection"], kernel=fmap.kernel,
+                        scale=fmap.scale, shift=layer.linear.shift.numpy())
     else:
-        _torch_fill(layer, fmap, heads, key, value, window, sinks, decay, valid)
+        features = dict(key_features=None, feature_map=inputs["feature_map"], focus_power=inputs["focus_power"])
+    _linattn.hybrid_prefill(_array(key.to(wide)), _array(value.to(wide)), valid=None if valid is None else _array(valid),
+                            log_decay=inputs["log_decay"], sums=layer.linear.sums.numpy(),
+                            normaliser=layer.linear.normaliser.numpy(), exact_keys=layer.exact_keys.numpy(),
+                            exact_values=layer.exact_values.numpy(), exact_valid=layer.exact_valid.numpy(),
+                            counts=layer.counts.numpy(), window=window, sinks=sinks, **features)
     conv = getattr(module, _backends.PREFIX + "conv_weight", None)
     if user.get("conv_kernel_size") and conv is not None:
         past = conv.shape[1] - 1
@@ -439,135 +456,18 @@ def _fill(layer, fmap, module, b, user, query, key, value, window, sinks, decay,
     layer.tokens = n
 
 
-def _native_fill(layer, fmap, module, b, user, query, key, value, window, sinks, decay, valid):
-    """_fill's linear state, sinks, ring and counts by linattn's hybrid_prefill, in the dtype the
-    C++ step takes (float32 for a 16-bit model): the step's constants (the maps, λ) are made here
-    once and kept for the steps."""
-    batch, kv_heads, n, head_dim = key.shape
-    heads, wide = query.shape[1], accumulator_dtype(query.dtype)
-    inputs = _step_constants(layer, module, b, user, query, decay)
-    layer.linear = _recurrent.empty_state(batch, heads, fmap.dim(head_dim), value.shape[-1], log_form=False,
-                                          like=value)
-    layer.exact_keys = torch.zeros((batch, kv_heads, sinks + window, head_dim), dtype=wide)
-    layer.exact_values = torch.zeros((batch, kv_heads, sinks + window, value.shape[-1]), dtype=wide)
-    layer.exact_valid = torch.zeros((batch, sinks + window), dtype=torch.bool)
-    layer.counts = torch.zeros(batch, dtype=torch.int64)
-    if isinstance(b, _backends.Hedgehog):
-        features = dict(key_features=None, key_weight=inputs["key_weight"], key_bias=inputs["key_bias"])
-    elif isinstance(b, _backends.Window):  # the window alone: one feature, 0
-        features = dict(key_features=torch.zeros((batch, heads, n, 1), dtype=wide).numpy())
-    else:
-        features = dict(key_features=None, feature_map=inputs["feature_map"], focus_power=inputs["focus_power"])
-    _linattn.hybrid_prefill(_array(key.to(wide)), _array(value.to(wide)), valid=None if valid is None else _array(valid),
-                            log_decay=inputs["log_decay"], sums=layer.linear.sums.numpy(),
-                            normaliser=layer.linear.normaliser.numpy(), exact_keys=layer.exact_keys.numpy(),
-                            exact_values=layer.exact_values.numpy(), exact_valid=layer.exact_valid.numpy(),
-                            counts=layer.counts.numpy(), window=window, sinks=sinks, **features)
-
-
-def _torch_fill(layer, fmap, heads, key, value, window, sinks, decay, valid):
-    """_fill's linear state, sinks, ring and counts in torch (recurrent.py's sums)."""
-    batch, kv_heads, n, head_dim = key.shape
-    valid = torch.ones((batch, n), dtype=torch.bool, device=key.device) if valid is None else valid
-    after = valid.flip(1).cumsum(1).flip(1) - valid.long()
-    before = valid.cumsum(1) - valid.long()  # each token's place in its row
-    state = _recurrent.empty_state(batch, heads, fmap.dim(head_dim), value.shape[-1], log_form=fmap.log_form,
-                                   like=value)
-    log_weight = None if decay is None else decay[None, :, None] * after[:, None, :].to(decay.dtype)
-    layer.linear = fmap.enter(state, _backends.per_query_head(key, heads), _backends.per_query_head(value, heads),
-                              mask=valid & (after >= window) & (before >= sinks), log_weight=log_weight)
-    if window:
-        # In float32 for a 16-bit model (the step's dtype; widening its keys and values is exact).
-        wide = accumulator_dtype(key.dtype)
-        layer.exact_keys = key.new_zeros((batch, kv_heads, sinks + window, head_dim), dtype=wide)
-        layer.exact_values = value.new_zeros((batch, kv_heads, sinks + window, value.shape[-1]), dtype=wide)
-        layer.exact_valid = torch.zeros((batch, sinks + window), dtype=torch.bool, device=key.device)
-        sink = valid & (after >= window) & (before < sinks)
-        ring = valid & (after < window)
-        rows, positions = (sink | ring).nonzero(as_tuple=True)
-        places = before[rows, positions]
-        slots = torch.where(ring[rows, positions], sinks + places % window, places)
-        layer.exact_keys[rows, :, slots] = key[rows, :, positions].to(wide)
-        layer.exact_values[rows, :, slots] = value[rows, :, positions].to(wide)
-        layer.exact_valid[rows, slots] = True
-    layer.counts = valid.sum(dim=1)
-
-
 def _step(layer, fmap, module, b, user, q, k, v, window, sinks, decay, valid):
     """One position q [B, H, 1, d], k, v [B, H_kv, 1, d] -> its output [B, H, 1, d_v], the row of
     the backend's causal forward for the newest token; the layer advances by it in the rows where
     valid [B] (None: all) says it is a token (elsewhere the state stays and the output is 0)."""
     layer.tokens += 1
     batch, heads = q.shape[0], q.shape[1]
-    per_head = lambda t: _backends.per_query_head(t, heads)  # noqa: E731 (the maps, sums and conv: per query head)
     advance = torch.ones(batch, dtype=torch.bool, device=q.device) if valid is None else valid
-    eps = _eps(b, user)
-    native = not fmap.log_form
-    if native:  # plain features: the C++ step, which advances the counts itself
-        out = _native(layer, fmap, module, b, user, q, k, v, window, sinks, decay, advance, eps)
-    elif window == 0:  # FAVOR's log form without a window
-        layer.linear = fmap.enter(layer.linear, per_head(k), per_head(v), mask=advance[:, None])  # it sees its own key
-        num, den, _ = fmap.read(layer.linear, q, with_norm=False)
-        den = den + eps
-        # A zero denominator (trig features can cancel) gives 0, as favor_attention does.
-        out = torch.where(den[..., None] != 0, num / torch.where(den != 0, den, 1)[..., None], 0)
-    else:  # FAVOR's log form with a window
-        # The row's token `window` places back (if there is one) leaves the window: for its sink
-        # slot when it is one of the row's first `sinks` tokens, else for the linear state. It
-        # sits in the ring slot the new token takes.
-        leaving = advance & (layer.counts >= window)
-        place = layer.counts - window  # the leaving token's place in its row
-        to_sink = leaving & (place < sinks)
-        slot, old_keys, old_values = _ring_slot(layer, window, sinks)
-        log_weight = None
-        if decay is not None:  # one position on: the state decays by e^{λ}; the leaving token is `window` back
-            step = torch.where(advance[:, None], torch.exp(decay)[None, :], torch.ones_like(decay)[None, :])
-            layer.linear = _recurrent.decay(layer.linear, step)
-            log_weight = (decay * window)[None, :, None].expand(q.shape[0], -1, 1)
-        layer.linear = fmap.enter(layer.linear, per_head(old_keys), per_head(old_values),
-                                  mask=(leaving & ~to_sink)[:, None], log_weight=log_weight)
-        # In place: the cache owns these tensors (made by _fill, or by _map's copies), and no
-        # graph holds them (decoding runs without autograd).
-        if sinks and bool(to_sink.any()):
-            r = to_sink.nonzero()[:, 0]
-            layer.exact_keys[r, :, place[r]] = old_keys[r, :, 0]
-            layer.exact_values[r, :, place[r]] = old_values[r, :, 0]
-            layer.exact_valid[r, place[r]] = True
-        r = advance.nonzero()[:, 0]
-        layer.exact_keys[r, :, slot[r]] = k[r, :, 0].to(layer.exact_keys.dtype)
-        layer.exact_values[r, :, slot[r]] = v[r, :, 0].to(layer.exact_values.dtype)
-        layer.exact_valid[r, slot[r]] = True
-        # The window's (and sinks') scores and sums in float32 for a 16-bit model (the state already is).
-        keys, values, exact = per_head(_wide(layer.exact_keys)), per_head(_wide(layer.exact_values)), layer.exact_valid
-        scores = torch.einsum("bhd,bhjd->bhj", _wide(q[:, :, 0]), keys) * fmap.scale
-        scores = scores.masked_fill(~exact[:, None, :], float("-inf"))
-        top = scores.amax(dim=-1)
-        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row with no token yet
-        gamma = _window_weight(module, b, user, q)[None, :]
-        num, den, shift = fmap.read(layer.linear, q, with_norm=True)
-        # every term on the scale e^{R}, R = max(M, the linear part's)
-        row = torch.maximum(top, shift)
-        linear = torch.exp(shift - row) / fmap.dim(q.shape[-1])
-        e = torch.exp(scores - row[..., None])
-        num = gamma[..., None] * torch.einsum("bhj,bhjd->bhd", e, values) + linear[..., None] * num
-        den = gamma * e.sum(dim=-1) + linear * den
-        if eps > 0:
-            den = den + torch.exp(math.log(eps) - row)
-        out = num / den[..., None]
+    out = _native(layer, fmap, module, b, user, q, k, v, window, sinks, decay, advance, _eps(b, user))
     if layer.conv_values is not None:
-        out = out + _conv_step(layer, module, b, user, per_head(v), advance)
+        out = out + _conv_step(layer, module, b, user, _backends.per_query_head(v, heads), advance)
     out = torch.where(advance[:, None, None], out, torch.zeros_like(out))
-    if not native:
-        layer.counts = layer.counts + advance.to(layer.counts.dtype)
     return out[:, :, None]
-
-
-def _ring_slot(layer, window, sinks):
-    """Each row's ring slot the new token takes [B], and the key and value in it [B, H_kv, 1, d]:
-    the token that leaves the window when the row holds `window` tokens or more."""
-    slot = sinks + layer.counts % window
-    rows = torch.arange(slot.shape[0], device=slot.device)
-    return slot, layer.exact_keys[rows, :, slot][:, :, None], layer.exact_values[rows, :, slot][:, :, None]
 
 
 def _window_weight(module, b, user, q):
@@ -592,7 +492,7 @@ def _in_step_dtype(layer, wide):
     float32 for a 16-bit model), contiguous: copies when the model's dtype changed since the
     prompt (a float32 state continued by a float64 model), else the tensors as they are."""
     linear = layer.linear
-    if not all(t.dtype == wide and t.is_contiguous() for t in (linear.sums, linear.normaliser)):
+    if not all(t.dtype == wide and t.is_contiguous() for t in linear if t is not None):
         layer.linear = linear.map(lambda t: t.to(wide).contiguous())
     if not all(t.dtype == wide and t.is_contiguous() for t in (layer.exact_keys, layer.exact_values)):
         layer.exact_keys = layer.exact_keys.to(wide).contiguous()
@@ -646,6 +546,10 @@ def _step_constants(layer, module, b, user, q, decay):
     elif isinstance(b, _backends.Window):  # the window alone: one feature, 0
         zeros = torch.zeros((q.shape[0], q.shape[1], 1), dtype=wide).numpy()
         arrays.update(query_features=zeros, leaving_features=zeros)
+    elif isinstance(b, _backends.Favor):  # FAVOR's projection and kernel: the step makes the logits
+        omega = _backends.projection(module, q.to(wide), user).to(wide)
+        arrays.update(query_features=None, leaving_features=None, feature_map="favor", projection=_array(omega),
+                      kernel=user["kernel"])
     else:  # a fixed map, which the step applies (the kernels' own)
         arrays.update(query_features=None, leaving_features=None, feature_map=b.fixed["feature_map"],
                       focus_power=float(user.get("focus_power", 3.0)))
@@ -655,11 +559,11 @@ def _step_constants(layer, module, b, user, q, decay):
 
 
 def _native(layer, fmap, module, b, user, q, k, v, window, sinks, decay, advance, eps):
-    """A plain-feature backend's step (sums, sinks, ring and the read; counts advanced) in one
-    C++ call, in place on the layer's tensors: [B, H, d_v], 0 where a row does not advance. The
-    step applies the map itself, to q and to the key entering the sums (the one leaving the
-    window; without a window the new one): Hedgehog's maps, or a fixed map by name (the window
-    alone: features of zeros)."""
+    """The step (sums, sinks, ring and the read; counts advanced) in one C++ call, in place on
+    the layer's tensors: [B, H, d_v], 0 where a row does not advance. The step applies the map
+    itself, to q and to the key entering the sums (the one leaving the window; without a window
+    the new one): Hedgehog's maps, a fixed map by name, FAVOR's projection (its sums in log
+    form, on the layer's shifts), or the window alone's features of zeros."""
     wide = accumulator_dtype(q.dtype)
     _in_step_dtype(layer, wide)
     linear = layer.linear
@@ -668,7 +572,8 @@ def _native(layer, fmap, module, b, user, q, k, v, window, sinks, decay, advance
         *(_array(t[:, :, 0].to(wide)) for t in (q, k, v)), advance=_array(advance),
         sums=linear.sums.numpy(), normaliser=linear.normaliser.numpy(), exact_keys=layer.exact_keys.numpy(),
         exact_values=layer.exact_values.numpy(), exact_valid=layer.exact_valid.numpy(), counts=layer.counts.numpy(),
-        window=window, sinks=sinks, scale=fmap.scale, eps=eps, **inputs)
+        shift=None if linear.shift is None else linear.shift.numpy(), window=window, sinks=sinks, scale=fmap.scale,
+        eps=eps, **inputs)
     return torch.from_numpy(out)
 
 

@@ -41,8 +41,8 @@ def _tensor(a):
 
 def accumulator_dtype(dtype):
     """What dtype's values accumulate in, and what a forward saves: float32 for bfloat16/float16
-    (as the C++ library's accumulator_t), dtype itself otherwise. linattn.torch.recurrent,
-    MultiheadAttention's decoding and linattn.hf's cache use it too."""
+    (as the C++ library's accumulator_t), dtype itself otherwise. MultiheadAttention's decoding
+    and linattn.hf's cache use it too."""
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 

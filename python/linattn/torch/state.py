@@ -233,7 +233,7 @@ def linformer_project(k, v, e, f, *, offset=0, key_lengths=None):
 def empty_state(batch, heads, features=None, value_dim=None, *, favor=False, dtype=torch.float32, feature_dim=None):
     """The state of no keys [batch, heads, features, value_dim + 2]: zeros, and shifts −inf for
     FAVOR (0 for the plain maps). features: m', the feature count (head_dim for the plain maps;
-    FAVOR's m, or 2m for the hyperbolic and trig kernels), as linattn.torch.recurrent names it;
+    FAVOR's m, or 2m for the hyperbolic and trig kernels), as hybrid_decode_step's sums name it;
     its keyword was feature_dim before 0.2 (Hedgehog's f everywhere else), accepted until the
     next release with a DeprecationWarning."""
     fn = "linattn.torch.state.empty_state"

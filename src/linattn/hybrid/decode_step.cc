@@ -25,6 +25,7 @@
 #include "linattn/core/parallel.h"
 #include "linattn/core/simd.h"
 #include "linattn/hybrid.h"
+#include "linattn/hybrid/decode_state.h"
 #include "linattn/kernelized.h"
 
 namespace linattn {
@@ -38,6 +39,43 @@ void check_all(const char* fn, const char* name, TensorView<const T> x, double l
             i);
   }
 }
+
+}  // namespace
+
+template <class T>
+void check_shift(const char* fn, const HybridDecodeState<T>& state, int64_t B, int64_t H, int64_t m, bool favor) {
+  if (!favor) {
+    require(!state.shift.data, fn, ": shift is FAVOR's (feature_map=\"favor\"); plain features keep none");
+    return;
+  }
+  require(state.shift.data != nullptr, fn, ": feature_map=\"favor\" keeps its sums in log form: shift [B, H, m'] is "
+          "required");
+  check_shape(fn, "shift", TensorView<const T>(state.shift), {B, H, m});
+  for (int64_t i = 0, n = state.shift.size(); i < n; ++i) {
+    const double c = static_cast<double>(state.shift.data[i]);
+    require(std::isfinite(c) || c == -std::numeric_limits<double>::infinity(), fn,
+            ": shift must be finite or -inf, got ", c, " at flat index ", i);
+  }
+}
+template void check_shift(const char*, const HybridDecodeState<float>&, int64_t, int64_t, int64_t, bool);
+template void check_shift(const char*, const HybridDecodeState<double>&, int64_t, int64_t, int64_t, bool);
+
+template <class T>
+FeatureMap<T> favor_decode_map(const char* fn, const FavorFeatures<T>& favor, int64_t head_dim,
+                               const HybridDecodeOptions& opts) {
+  require(opts.feature_map == "favor", fn, ": FAVOR's projection was given: feature_map must be \"favor\", got \"",
+          opts.feature_map, "\"");
+  const FeatureMapKind kind = parse_favor_kernel(fn, opts.kernel);
+  require(kind != FeatureMapKind::FavorTrig || opts.window == 0, fn,
+          ": kernel=\"trig\" needs window 0 (the hybrid's weights must be >= 0: \"positive\" or \"hyperbolic\")");
+  require(favor.projection.data != nullptr, fn, ": feature_map=\"favor\" needs projection ω [num_features, head_dim]");
+  return FeatureMap<T>::favor(fn, kind, favor.projection, head_dim, opts.scale);
+}
+template FeatureMap<float> favor_decode_map(const char*, const FavorFeatures<float>&, int64_t, const HybridDecodeOptions&);
+template FeatureMap<double> favor_decode_map(const char*, const FavorFeatures<double>&, int64_t,
+                                             const HybridDecodeOptions&);
+
+namespace {
 
 struct StepDims {
   int64_t B, H, d, dv, m, Hkv, G, w, s, slots;
@@ -63,6 +101,8 @@ StepDims check_step(const char* fn, TensorView<const T> q, TensorView<const T> k
   require(opts.window >= 1 || opts.sinks == 0, fn, ": sinks=", opts.sinks, " needs window >= 1 (window 0: linear attention alone)");
   require(std::isfinite(opts.scale), fn, ": scale must be finite, got ", opts.scale);
   require(std::isfinite(opts.eps) && opts.eps >= 0, fn, ": eps must be finite and >= 0, got ", opts.eps);
+  require(opts.feature_map == "favor" || opts.kernel == "positive", fn, ": kernel=\"", opts.kernel,
+          "\" applies to feature_map=\"favor\" only");
   s.slots = s.s + s.w;
   const int64_t B = s.B, H = s.H, Hkv = s.Hkv, d = s.d, dv = s.dv, slots = s.slots;
   check_finite(fn, "q", q);
@@ -81,6 +121,7 @@ StepDims check_step(const char* fn, TensorView<const T> q, TensorView<const T> k
   if (log_decay.data) check_all(fn, "log_decay", log_decay, -inf, 0, "finite and <= 0");
   for (int64_t b = 0; b < B; ++b)
     require(state.counts.data[b] >= 0, fn, ": counts must be >= 0, got ", state.counts.data[b], " for row ", b);
+  check_shift(fn, state, B, H, m, opts.feature_map == "favor");
   return s;
 }
 
@@ -93,6 +134,12 @@ struct Features {
   const HedgehogMaps<T>* maps;
   const FeatureMap<T>* fixed;  // a fixed map (elu, relu, focused), m' = d
 };
+
+// FAVOR's step, every argument checked: nothing is written before this.
+template <class T>
+Tensor<T> favor_step(const StepDims& dims, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                     const FeatureMap<T>& fmap, TensorView<const bool> advance, TensorView<const T> window_weight,
+                     TensorView<const T> log_decay, const HybridDecodeState<T>& state, const HybridDecodeOptions& opts);
 
 // The step itself, every argument checked: nothing is written before this.
 template <class T>
@@ -110,9 +157,10 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
                              const HybridDecodeOptions& opts) {
   const char* fn = "hybrid_decode_step";
   constexpr double inf = std::numeric_limits<double>::infinity();
+  require(opts.feature_map != "favor", fn, ": feature_map=\"favor\" takes FAVOR's projection (FavorFeatures), not features");
   if (opts.feature_map != "given") {  // a fixed map, applied here
     require(opts.feature_map == "elu" || opts.feature_map == "relu" || opts.feature_map == "focused", fn,
-            ": feature_map must be \"given\", \"elu\", \"relu\" or \"focused\"; got \"", opts.feature_map, "\"");
+            ": feature_map must be \"given\", \"elu\", \"relu\", \"focused\" or \"favor\" (with FAVOR's projection); got \"", opts.feature_map, "\"");
     require(!query_features.data && !leaving_features.data, fn, ": with feature_map=\"", opts.feature_map,
             "\" the step makes the features itself: query_features and leaving_features must be empty");
     require(q.rank() == 3, fn, ": q must be [batch, heads, head_dim], got shape ", shape_string(q.shape));
@@ -154,27 +202,35 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
               opts);
 }
 
+template <class T>
+Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                             const FavorFeatures<T>& favor, TensorView<const bool> advance,
+                             TensorView<const T> window_weight, TensorView<const T> log_decay,
+                             const HybridDecodeState<T>& state, const HybridDecodeOptions& opts) {
+  const char* fn = "hybrid_decode_step";
+  require(q.rank() == 3, fn, ": q must be [batch, heads, head_dim], got shape ", shape_string(q.shape));
+  const FeatureMap<T> fmap = favor_decode_map(fn, favor, q.dim(2), opts);
+  const StepDims dims = check_step(fn, q, k, v, fmap.dim(), advance, window_weight, log_decay, state, opts);
+  return favor_step(dims, q, k, v, fmap, advance, window_weight, log_decay, state, opts);
+}
+
 namespace {
 
+// The exact slots of each advancing row and key head, once for the G query heads that read them:
+// the value leaving the window is kept for the sums (leaving [B·H_kv·d_v], and with `keys` its key
+// in leaving_keys [B·H_kv·d]), a sink token leaving it moves to its sink slot, the new token takes
+// its ring slot. Without a window the new token itself is the one entering the sums.
 template <class T>
-Tensor<T> step(const StepDims& dims, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
-               const Features<T>& features, TensorView<const bool> advance, TensorView<const T> window_weight,
-               TensorView<const T> log_decay, const HybridDecodeState<T>& state, const HybridDecodeOptions& opts) {
-  const int64_t B = dims.B, H = dims.H, d = dims.d, dv = dims.dv, m = dims.m, Hkv = dims.Hkv, G = dims.G;
-  const int64_t w = dims.w, s = dims.s, slots = dims.slots;
-  // Nothing is written above this line. The exact slots of each advancing row and key head, once
-  // for the G query heads that read them: the value leaving the window is kept for the sums
-  // (leaving), a sink token leaving it moves to its sink slot, the new token takes its ring slot.
-  // With a map applied here the leaving keys are kept too: their features are made per head below.
-  const HedgehogMaps<T>* maps = features.maps;
-  const FeatureMap<T>* fixed = features.fixed;
-  const bool mapped = maps || fixed;
-  std::vector<T> leaving(static_cast<size_t>(B * Hkv * dv)), leaving_keys(mapped ? static_cast<size_t>(B * Hkv * d) : 0);
+void move_ring(const StepDims& dims, TensorView<const T> k, TensorView<const T> v, TensorView<const bool> advance,
+               const HybridDecodeState<T>& state, bool keys, std::vector<T>& leaving, std::vector<T>& leaving_keys) {
+  const int64_t B = dims.B, d = dims.d, dv = dims.dv, Hkv = dims.Hkv, w = dims.w, s = dims.s, slots = dims.slots;
+  leaving.assign(static_cast<size_t>(B * Hkv * dv), T(0));
+  leaving_keys.assign(keys ? static_cast<size_t>(B * Hkv * d) : 0, T(0));
   for (int64_t b = 0; b < B; ++b) {
     if (!advance.data[b]) continue;
     if (w == 0) {  // no window: the new token itself enters the sums
       std::copy(v.data + b * Hkv * dv, v.data + (b + 1) * Hkv * dv, leaving.data() + b * Hkv * dv);
-      if (mapped) std::copy(k.data + b * Hkv * d, k.data + (b + 1) * Hkv * d, leaving_keys.data() + b * Hkv * d);
+      if (keys) std::copy(k.data + b * Hkv * d, k.data + (b + 1) * Hkv * d, leaving_keys.data() + b * Hkv * d);
       continue;
     }
     const int64_t c = state.counts.data[b], slot = s + c % w;
@@ -182,99 +238,233 @@ Tensor<T> step(const StepDims& dims, TensorView<const T> q, TensorView<const T> 
     if (c >= w && c - w < s) valid[c - w] = true;
     valid[slot] = true;
     for (int64_t g = b * Hkv; g < (b + 1) * Hkv; ++g) {
-      T* keys = state.exact_keys.data + g * slots * d;
+      T* exact_keys = state.exact_keys.data + g * slots * d;
       T* values = state.exact_values.data + g * slots * dv;
       std::copy(values + slot * dv, values + (slot + 1) * dv, leaving.data() + g * dv);
-      if (mapped) std::copy(keys + slot * d, keys + (slot + 1) * d, leaving_keys.data() + g * d);
+      if (keys) std::copy(exact_keys + slot * d, exact_keys + (slot + 1) * d, leaving_keys.data() + g * d);
       if (c >= w && c - w < s) {
-        std::copy(keys + slot * d, keys + (slot + 1) * d, keys + (c - w) * d);
+        std::copy(exact_keys + slot * d, exact_keys + (slot + 1) * d, exact_keys + (c - w) * d);
         std::copy(values + slot * dv, values + (slot + 1) * dv, values + (c - w) * dv);
       }
-      std::copy(k.data + g * d, k.data + (g + 1) * d, keys + slot * d);
+      std::copy(k.data + g * d, k.data + (g + 1) * d, exact_keys + slot * d);
       std::copy(v.data + g * dv, v.data + (g + 1) * dv, values + slot * dv);
     }
   }
-  Tensor<T> out({B, H, dv}, false, Init::Zero);
-  // A small step runs on the calling thread: a helper's wake-up cost more than it saved at w = 64
-  // (cold, 9 heads: 46 µs on 2 threads, 32 on 1). On one worker the heads go in order (a key
-  // head's G query heads one after another: its slots are in cache after the first); on several,
-  // consecutive tasks read different key heads (h = 0, G, 2G, ..., then 1, G + 1, ...), so that
-  // the workers running at once stream different slots from memory (w = 512, 3 key heads, 2
-  // threads: 74 µs, against 107 with a key head's heads kept on one worker).
-  const int64_t per_head = slots * (d + dv) + 2 * m * dv + (maps ? m * d : fixed ? 2 * d : 0);
-  const bool serial = B * H * per_head < (int64_t{1} << 18);
+}
+
+// Whether a row holding `count` tokens enters a key into the sums with its next one: the token w
+// places back leaves the window for them, not for a sink slot (w = 0: the new token, at
+// distance 0).
+inline bool enters_sums(const StepDims& dims, int64_t count) {
+  return count >= dims.w && count - dims.w >= dims.s;
+}
+
+// fn(b, h, scratch) for every advancing row b and query head h, scratch `scratch_size` values of
+// the worker's. A small step (B·H·work_per_head < 2^18) runs on the calling thread: a helper's
+// wake-up cost more than it saved at w = 64 (cold, 9 heads: 46 µs on 2 threads, 32 on 1). On one
+// worker the heads go in order (a key head's G query heads one after another: its slots are in
+// cache after the first); on several, consecutive tasks read different key heads (h = 0, G, 2G,
+// ..., then 1, G + 1, ...), so that the workers running at once stream different slots from
+// memory (w = 512, 3 key heads, 2 threads: 74 µs, against 107 with a key head's heads kept on one
+// worker).
+template <class T, class Fn>
+void for_each_head(const StepDims& dims, TensorView<const bool> advance, int64_t work_per_head, int64_t scratch_size,
+                   Fn&& fn) {
+  const int64_t B = dims.B, H = dims.H, Hkv = dims.Hkv, G = dims.G;
+  const bool serial = B * H * work_per_head < (int64_t{1} << 18);
   const ParallelLoop loop(serial ? 1 : B * H);
-  const int64_t fdim = m / 2;  // Hedgehog's feature_dim
-  // [max(2m, slots)] factors then the weights, [2 dv] sums, [2m] the maps' features
-  PerWorker<std::vector<T>> scratch(loop, [&] {
-    return std::vector<T>(static_cast<size_t>(std::max(2 * m, slots) + 2 * dv + (mapped ? 2 * m : 0)));
-  });
-  const T scale = static_cast<T>(opts.scale);
+  PerWorker<std::vector<T>> scratch(loop, [&] { return std::vector<T>(static_cast<size_t>(scratch_size)); });
   loop.run([&](int64_t index, int worker) {
     for (int64_t task = serial ? 0 : index; task < (serial ? B * H : index + 1); ++task) {
-      const int64_t b = task / H, j = task % H, h = serial ? j : j % Hkv * G + j / Hkv, bh = b * H + h;
-      if (!advance.data[b]) continue;
-      const int64_t c = state.counts.data[b], g = b * Hkv + h / G;  // the key head it reads
-      const T* keys = state.exact_keys.data + g * slots * d;
-      const T* values = state.exact_values.data + g * slots * dv;
-      T* S = state.sums.data + bh * m * dv;
-      T* z = state.normaliser.data + bh * m;
-      const double lambda = log_decay.data ? static_cast<double>(log_decay.data[h]) : 0.0;
-      const T f = static_cast<T>(std::exp(lambda));  // one position on: the sums decay by e^{λ}
-      T* row = scratch[worker].data();                // [max(2m, slots)] factors, then the weights
-      // the token w places back leaves for the sums (w = 0: the new token, at distance 0)
-      const bool enters = c >= w && c - w >= s;
-      const T* qb = q.data + bh * d;
-      const T* phi_q = features.query ? features.query + bh * m : nullptr;
-      const T* phi = features.leaving ? features.leaving + bh * m : nullptr;
-      if (mapped) {  // φ(q) and φ(the leaving key) by query head h's maps, or the fixed map
-        T* made = row + std::max(2 * m, slots) + 2 * dv;
-        if (maps) {
-          hedgehog_row(qb, maps->query_weight.data + h * d * fdim, maps->query_bias.data + h * fdim, d, fdim, made);
-          if (enters)
-            hedgehog_row(leaving_keys.data() + g * d, maps->key_weight.data + h * d * fdim,
-                         maps->key_bias.data + h * fdim, d, fdim, made + m);
-        } else {
-          fixed->features(qb, 1, made);
-          if (enters) fixed->features(leaving_keys.data() + g * d, 1, made + m);
-        }
-        phi_q = made;
-        phi = made + m;
-      }
-      if (enters) {  // S ← e^{λ}·S + (e^{λw}·φ) v_oldᵀ, z likewise: one pass over S
-        const T weight = static_cast<T>(std::exp(lambda * static_cast<double>(w)));
-        std::fill(row, row + m, f);
-        T* scaled = row + m;
-        for (int64_t r = 0; r < m; ++r) scaled[r] = weight * phi[r];
-        simd::decay_rank_one(S, static_cast<size_t>(m), static_cast<size_t>(dv), row, scaled, leaving.data() + g * dv, S);
-        for (int64_t r = 0; r < m; ++r) z[r] = f * z[r] + scaled[r];
-      } else if (log_decay.data) {
-        simd::scale(S, static_cast<size_t>(m * dv), f);
-        simd::scale(z, static_cast<size_t>(m), f);
-      }
-      T* o = out.data() + bh * dv;
-      T* linear = row + std::max(2 * m, slots);  // [dv]
-      T* unused = linear + dv;                   // state_dots makes two sums at once; one is needed
-      if (slots == 0) {  // linear attention alone: φ(q)ᵀS / (φ(q)·z + eps); a zero denominator gives 0
-        simd::state_dots(S, static_cast<size_t>(m), static_cast<size_t>(dv), phi_q, phi_q, o, unused);
-        const T den = simd::dot(phi_q, z, static_cast<size_t>(m)) + static_cast<T>(opts.eps);
-        if (den != T(0)) simd::scale(o, static_cast<size_t>(dv), T(1) / den);
-        else std::fill(o, o + dv, T(0));
-        continue;
-      }
-      // the exact slots: e_j = e^{s_j − M} over the valid ones
-      const bool* valid = state.exact_valid.data + b * slots;
-      simd::row_dots(keys, static_cast<size_t>(slots), static_cast<size_t>(d), qb, row);
-      for (int64_t j = 0; j < slots; ++j) row[j] = valid[j] ? scale * row[j] : -std::numeric_limits<T>::infinity();
-      const T top = simd::max_value(row, static_cast<size_t>(slots));  // the new key's slot is valid
-      const T gamma = window_weight.data[h];
-      const T exact_den = gamma * simd::exp_shifted_sum(row, static_cast<size_t>(slots), top);
-      simd::state_dots(values, static_cast<size_t>(slots), static_cast<size_t>(dv), row, row, o, unused);
-      simd::state_dots(S, static_cast<size_t>(m), static_cast<size_t>(dv), phi_q, phi_q, linear, unused);
-      for (int64_t e = 0; e < dv; ++e) o[e] = gamma * o[e] + linear[e];
-      const T den = exact_den + simd::dot(phi_q, z, static_cast<size_t>(m)) + static_cast<T>(opts.eps);
-      simd::scale(o, static_cast<size_t>(dv), T(1) / den);
+      const int64_t b = task / H, j = task % H, h = serial ? j : j % Hkv * G + j / Hkv;
+      if (advance.data[b]) fn(b, h, scratch[worker].data());
     }
+  });
+}
+
+// The exact slots' scores of query q [d] in row [slots] (scale·q·k_j, −inf where no token is):
+// their maximum, finite (the new token's slot is valid).
+template <class T>
+T exact_scores(const StepDims& dims, const T* keys, const bool* valid, const T* q, T scale, T* row) {
+  simd::row_dots(keys, static_cast<size_t>(dims.slots), static_cast<size_t>(dims.d), q, row);
+  for (int64_t j = 0; j < dims.slots; ++j) row[j] = valid[j] ? scale * row[j] : -std::numeric_limits<T>::infinity();
+  return simd::max_value(row, static_cast<size_t>(dims.slots));
+}
+
+template <class T>
+Tensor<T> step(const StepDims& dims, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+               const Features<T>& features, TensorView<const bool> advance, TensorView<const T> window_weight,
+               TensorView<const T> log_decay, const HybridDecodeState<T>& state, const HybridDecodeOptions& opts) {
+  const int64_t B = dims.B, H = dims.H, d = dims.d, dv = dims.dv, m = dims.m, Hkv = dims.Hkv, G = dims.G;
+  const int64_t w = dims.w, slots = dims.slots;
+  // Nothing is written above this line. With a map applied here the leaving keys are kept too:
+  // their features are made per head below.
+  const HedgehogMaps<T>* maps = features.maps;
+  const FeatureMap<T>* fixed = features.fixed;
+  const bool mapped = maps || fixed;
+  std::vector<T> leaving, leaving_keys;
+  move_ring(dims, k, v, advance, state, mapped, leaving, leaving_keys);
+  Tensor<T> out({B, H, dv}, false, Init::Zero);
+  const int64_t fdim = m / 2;  // Hedgehog's feature_dim
+  const int64_t wide = std::max(2 * m, slots);
+  const T scale = static_cast<T>(opts.scale);
+  // scratch: [max(2m, slots)] factors then the weights, [2 dv] sums, [2m] the maps' features
+  for_each_head<T>(dims, advance, slots * (d + dv) + 2 * m * dv + (maps ? m * d : fixed ? 2 * d : 0),
+                   wide + 2 * dv + (mapped ? 2 * m : 0), [&](int64_t b, int64_t h, T* row) {
+    const int64_t bh = b * H + h, c = state.counts.data[b], g = b * Hkv + h / G;  // the key head it reads
+    const T* keys = state.exact_keys.data + g * slots * d;
+    const T* values = state.exact_values.data + g * slots * dv;
+    T* S = state.sums.data + bh * m * dv;
+    T* z = state.normaliser.data + bh * m;
+    const double lambda = log_decay.data ? static_cast<double>(log_decay.data[h]) : 0.0;
+    const T f = static_cast<T>(std::exp(lambda));  // one position on: the sums decay by e^{λ}
+    const bool enters = enters_sums(dims, c);
+    const T* qb = q.data + bh * d;
+    const T* phi_q = features.query ? features.query + bh * m : nullptr;
+    const T* phi = features.leaving ? features.leaving + bh * m : nullptr;
+    if (mapped) {  // φ(q) and φ(the leaving key) by query head h's maps, or the fixed map
+      T* made = row + wide + 2 * dv;
+      if (maps) {
+        hedgehog_row(qb, maps->query_weight.data + h * d * fdim, maps->query_bias.data + h * fdim, d, fdim, made);
+        if (enters)
+          hedgehog_row(leaving_keys.data() + g * d, maps->key_weight.data + h * d * fdim,
+                       maps->key_bias.data + h * fdim, d, fdim, made + m);
+      } else {
+        fixed->features(qb, 1, made);
+        if (enters) fixed->features(leaving_keys.data() + g * d, 1, made + m);
+      }
+      phi_q = made;
+      phi = made + m;
+    }
+    if (enters) {  // S ← e^{λ}·S + (e^{λw}·φ) v_oldᵀ, z likewise: one pass over S
+      const T weight = static_cast<T>(std::exp(lambda * static_cast<double>(w)));
+      std::fill(row, row + m, f);
+      T* scaled = row + m;
+      for (int64_t r = 0; r < m; ++r) scaled[r] = weight * phi[r];
+      simd::decay_rank_one(S, static_cast<size_t>(m), static_cast<size_t>(dv), row, scaled, leaving.data() + g * dv, S);
+      for (int64_t r = 0; r < m; ++r) z[r] = f * z[r] + scaled[r];
+    } else if (log_decay.data) {
+      simd::scale(S, static_cast<size_t>(m * dv), f);
+      simd::scale(z, static_cast<size_t>(m), f);
+    }
+    T* o = out.data() + bh * dv;
+    T* linear = row + wide;   // [dv]
+    T* unused = linear + dv;  // state_dots makes two sums at once; one is needed
+    if (slots == 0) {  // linear attention alone: φ(q)ᵀS / (φ(q)·z + eps); a zero denominator gives 0
+      simd::state_dots(S, static_cast<size_t>(m), static_cast<size_t>(dv), phi_q, phi_q, o, unused);
+      const T den = simd::dot(phi_q, z, static_cast<size_t>(m)) + static_cast<T>(opts.eps);
+      if (den != T(0)) simd::scale(o, static_cast<size_t>(dv), T(1) / den);
+      else std::fill(o, o + dv, T(0));
+      return;
+    }
+    // the exact slots: e_j = e^{s_j − M} over the valid ones
+    const T top = exact_scores(dims, keys, state.exact_valid.data + b * slots, qb, scale, row);
+    const T gamma = window_weight.data[h];
+    const T exact_den = gamma * simd::exp_shifted_sum(row, static_cast<size_t>(slots), top);
+    simd::state_dots(values, static_cast<size_t>(slots), static_cast<size_t>(dv), row, row, o, unused);
+    simd::state_dots(S, static_cast<size_t>(m), static_cast<size_t>(dv), phi_q, phi_q, linear, unused);
+    for (int64_t e = 0; e < dv; ++e) o[e] = gamma * o[e] + linear[e];
+    const T den = exact_den + simd::dot(phi_q, z, static_cast<size_t>(m)) + static_cast<T>(opts.eps);
+    simd::scale(o, static_cast<size_t>(dv), T(1) / den);
+  });
+  for (int64_t b = 0; b < B; ++b) state.counts.data[b] += advance.data[b] ? 1 : 0;
+  return out;
+}
+
+// FAVOR's step: the sums in log form, on per-feature shifts c (hybrid_decode_step's FAVOR
+// overload in hybrid.h). Keys' and queries' logits are the key form (QueryWithNorm), as in
+// hybrid_attention, so that e^{L_q + L_k} estimates e^{s_ij} itself and sits on one scale with
+// the window's exact weights.
+template <class T>
+Tensor<T> favor_step(const StepDims& dims, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                     const FeatureMap<T>& fmap, TensorView<const bool> advance, TensorView<const T> window_weight,
+                     TensorView<const T> log_decay, const HybridDecodeState<T>& state, const HybridDecodeOptions& opts) {
+  const char* fn = "hybrid_decode_step";
+  const int64_t B = dims.B, H = dims.H, d = dims.d, dv = dims.dv, m = dims.m, Hkv = dims.Hkv, G = dims.G;
+  const int64_t w = dims.w, slots = dims.slots;
+  const bool trig = fmap.has_factor();
+  // The logits are finite for finite inputs at any finite projection, and logits() checks them:
+  // made for every advancing row first, so that an Error leaves the state as it was.
+  std::vector<T> Lq(static_cast<size_t>(B * H * m)), sq(trig ? static_cast<size_t>(B * H * m) : 0);
+  for (int64_t b = 0; b < B; ++b)
+    if (advance.data[b])
+      fmap.logits(fn, q.data + b * H * d, H, Side::QueryWithNorm, Lq.data() + b * H * m,
+                  trig ? sq.data() + b * H * m : nullptr, Products::Native, "q");
+  // ... and the logits of each key head's key entering the sums (the ring's leaving one; w = 0:
+  // the new one), read before the ring moves
+  std::vector<T> Lk(static_cast<size_t>(B * Hkv * m)), sk(trig ? static_cast<size_t>(B * Hkv * m) : 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t c = state.counts.data[b];
+    if (!advance.data[b] || !enters_sums(dims, c)) continue;
+    for (int64_t g = b * Hkv; g < (b + 1) * Hkv; ++g) {
+      const T* key = w == 0 ? k.data + g * d : state.exact_keys.data + (g * slots + dims.s + c % w) * d;
+      fmap.logits(fn, key, 1, Side::Key, Lk.data() + g * m, trig ? sk.data() + g * m : nullptr);
+    }
+  }
+  std::vector<T> leaving, unused_keys;
+  move_ring(dims, k, v, advance, state, false, leaving, unused_keys);
+  Tensor<T> out({B, H, dv}, false, Init::Zero);
+  const T scale = static_cast<T>(opts.scale);
+  const T inf = std::numeric_limits<T>::infinity();
+  const int64_t wide = std::max(2 * m, slots);
+  // scratch: [max(2m, slots)] factors then the weights, [2 dv] sums
+  for_each_head<T>(dims, advance, slots * (d + dv) + 2 * m * dv, wide + 2 * dv, [&](int64_t b, int64_t h, T* row) {
+    const int64_t bh = b * H + h, c = state.counts.data[b], g = b * Hkv + h / G;
+    T* S = state.sums.data + bh * m * dv;
+    T* z = state.normaliser.data + bh * m;
+    T* shift = state.shift.data + bh * m;
+    const double lambda = log_decay.data ? static_cast<double>(log_decay.data[h]) : 0.0;
+    const T f = static_cast<T>(std::exp(lambda));
+    if (enters_sums(dims, c)) {  // c' = max(c, L_k + λw); S ← e^{λ}e^{c − c'}·S + s·e^{L_k + λw − c'} v_oldᵀ
+      const T* lk = Lk.data() + g * m;  // the map is shared by the heads: its key head's logits
+      const T entry = static_cast<T>(lambda * static_cast<double>(w));
+      T* keep = row;
+      T* scaled = row + m;
+      for (int64_t r = 0; r < m; ++r) {
+        const T L = lk[r] + entry, top = std::max(shift[r], L);
+        keep[r] = shift[r] == -inf ? T(0) : f * std::exp(shift[r] - top);
+        scaled[r] = (trig ? sk[g * m + r] : T(1)) * std::exp(L - top);
+        shift[r] = top;
+      }
+      simd::decay_rank_one(S, static_cast<size_t>(m), static_cast<size_t>(dv), keep, scaled, leaving.data() + g * dv, S);
+      for (int64_t r = 0; r < m; ++r) z[r] = keep[r] * z[r] + scaled[r];
+    } else if (log_decay.data) {
+      simd::scale(S, static_cast<size_t>(m * dv), f);
+      simd::scale(z, static_cast<size_t>(m), f);
+    }
+    // the sums' weights e^{L_q + c − R_lin}·s_q, R_lin = max_r (L_q,r + c_r) (−inf: nothing entered yet)
+    const T* lq = Lq.data() + bh * m;
+    T* weights = row + m;
+    T linear_top = -inf;
+    for (int64_t r = 0; r < m; ++r) linear_top = std::max(linear_top, lq[r] + shift[r]);
+    for (int64_t r = 0; r < m; ++r)
+      weights[r] = linear_top == -inf ? T(0) : (trig ? sq[bh * m + r] : T(1)) * std::exp(lq[r] + shift[r] - linear_top);
+    T* o = out.data() + bh * dv;
+    T* linear = row + wide;
+    T* unused = linear + dv;
+    simd::state_dots(S, static_cast<size_t>(m), static_cast<size_t>(dv), weights, weights, linear, unused);
+    const T linear_den = simd::dot(weights, z, static_cast<size_t>(m));
+    if (slots == 0) {  // FAVOR alone: num/den on the scale e^{R_lin}/m'; a zero denominator (trig) gives 0
+      const T den = linear_den + (opts.eps > 0 ? static_cast<T>(m) * std::exp(static_cast<T>(std::log(opts.eps)) - linear_top)
+                                               : T(0));
+      if (den != T(0)) {
+        for (int64_t e = 0; e < dv; ++e) o[e] = linear[e] / den;
+      }
+      return;
+    }
+    // with the window: every term on e^{R}, R = max(M, R_lin); φ(q)·φ(k) = e^{L_q + L_k}/m'
+    const T top = exact_scores(dims, state.exact_keys.data + g * slots * d, state.exact_valid.data + b * slots,
+                               q.data + bh * d, scale, row);
+    const T R = std::max(top, linear_top);
+    const T gamma = window_weight.data[h];
+    const T exact_den = gamma * simd::exp_shifted_sum(row, static_cast<size_t>(slots), R);
+    const T share = linear_top == -inf ? T(0) : std::exp(linear_top - R) / static_cast<T>(m);
+    simd::state_dots(state.exact_values.data + g * slots * dv, static_cast<size_t>(slots), static_cast<size_t>(dv),
+                     row, row, o, unused);
+    for (int64_t e = 0; e < dv; ++e) o[e] = gamma * o[e] + share * linear[e];
+    const T den = exact_den + share * linear_den +
+                  (opts.eps > 0 ? std::exp(static_cast<T>(std::log(opts.eps)) - R) : T(0));
+    simd::scale(o, static_cast<size_t>(dv), T(1) / den);
   });
   for (int64_t b = 0; b < B; ++b) state.counts.data[b] += advance.data[b] ? 1 : 0;
   return out;
@@ -289,6 +479,10 @@ Tensor<T> step(const StepDims& dims, TensorView<const T> q, TensorView<const T> 
                                         const HybridDecodeOptions&);                                     \
   template Tensor<T> hybrid_decode_step(TensorView<const T>, TensorView<const T>, TensorView<const T>,          \
                                         const HedgehogMaps<T>&, TensorView<const bool>, TensorView<const T>,   \
+                                        TensorView<const T>, const HybridDecodeState<T>&,                      \
+                                        const HybridDecodeOptions&);                                           \
+  template Tensor<T> hybrid_decode_step(TensorView<const T>, TensorView<const T>, TensorView<const T>,          \
+                                        const FavorFeatures<T>&, TensorView<const bool>, TensorView<const T>,  \
                                         TensorView<const T>, const HybridDecodeState<T>&,                      \
                                         const HybridDecodeOptions&);
 LINATTN_INSTANTIATE(float)
