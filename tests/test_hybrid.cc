@@ -845,7 +845,7 @@ void check_decode_step_maps(const std::string& map, int64_t kv_heads, int thread
     testing::expect_error([&] {
       hybrid_decode_step<T>(qs.view(), ks.view(), vs.view(), TensorView<const T>{}, TensorView<const T>{},
                             advance.view(), gamma.view(), decay.view(), with_maps.state(), bad);
-    }, "hybrid_decode_step: feature_map must be \"given\", \"elu\", \"relu\", \"focused\" or \"favor\" (with FAVOR's projection); got \"softmax\"");
+    }, "hybrid_decode_step: feature_map must be \"elu\", \"relu\", \"focused\" or \"given\"; got \"softmax\"");
     testing::expect_error([&] {
       hybrid_decode_step<T>(qs.view(), ks.view(), vs.view(), fq.view(), fl.view(), advance.view(), gamma.view(),
                             decay.view(), with_maps.state(), made_opts);
@@ -1171,7 +1171,7 @@ TEST(HybridPrefill, BadInputIsAnErrorNamingItAndWritesNothing) {
   HybridDecodeOptions fixed = opts;
   fixed.feature_map = "softmax";
   testing::expect_error([&] { given(k.view(), v.view(), none, all, none, fixed); },
-                        "hybrid_prefill: feature_map must be \"given\", \"elu\", \"relu\", \"focused\" or \"favor\" (with FAVOR's projection); got \"softmax\"");
+                        "hybrid_prefill: feature_map must be \"elu\", \"relu\", \"focused\" or \"given\"; got \"softmax\"");
   fixed.feature_map = "elu";
   testing::expect_error([&] { given(k.view(), v.view(), fk.view(), all, none, fixed); },
                         "the prefill makes the features itself: key_features must be empty");

@@ -746,7 +746,7 @@ def test_hybrid_decode_step_applies_a_fixed_map_by_name(feature_map):
         _linattn.hybrid_decode_step(q, k, v, None, None, **a, **common, feature_map=feature_map,
                                     query_weight=np.zeros((H, d, 2)), query_bias=np.zeros((H, 2)),
                                     key_weight=np.zeros((H, d, 2)), key_bias=np.zeros((H, 2)))
-    with pytest.raises(ValueError, match="feature_map must be \"given\", \"elu\", \"relu\", \"focused\" or \"favor\""):
+    with pytest.raises(ValueError, match="feature_map must be \"elu\", \"relu\", \"focused\" or \"given\"; got \"softmax\""):
         _linattn.hybrid_decode_step(q, k, v, None, None, **a, **common, feature_map="softmax")
     with pytest.raises(ValueError, match="feature_map=\"favor\" needs projection"):
         _linattn.hybrid_decode_step(q, k, v, None, None, **a, **common, feature_map="favor")

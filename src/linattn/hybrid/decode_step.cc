@@ -61,6 +61,16 @@ template void check_shift(const char*, const HybridDecodeState<float>&, int64_t,
 template void check_shift(const char*, const HybridDecodeState<double>&, int64_t, int64_t, int64_t, bool);
 
 template <class T>
+FeatureMap<T> fixed_decode_map(const char* fn, const HybridDecodeOptions& opts, int64_t head_dim) {
+  const FeatureMapKind kind = parse_plain_feature_map(fn, opts.feature_map);  // names the fixed maps
+  require(kind != FeatureMapKind::Given, fn, ": feature_map=\"", opts.feature_map,
+          "\" names the given features: pass them (query_features, leaving_features or key_features)");
+  return FeatureMap<T>::plain(fn, kind, head_dim, opts.focus_power);
+}
+template FeatureMap<float> fixed_decode_map(const char*, const HybridDecodeOptions&, int64_t);
+template FeatureMap<double> fixed_decode_map(const char*, const HybridDecodeOptions&, int64_t);
+
+template <class T>
 FeatureMap<T> favor_decode_map(const char* fn, const FavorFeatures<T>& favor, int64_t head_dim,
                                const HybridDecodeOptions& opts) {
   require(opts.feature_map == "favor", fn, ": FAVOR's projection was given: feature_map must be \"favor\", got \"",
@@ -159,16 +169,10 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
   constexpr double inf = std::numeric_limits<double>::infinity();
   require(opts.feature_map != "favor", fn, ": feature_map=\"favor\" takes FAVOR's projection (FavorFeatures), not features");
   if (opts.feature_map != "given") {  // a fixed map, applied here
-    require(opts.feature_map == "elu" || opts.feature_map == "relu" || opts.feature_map == "focused", fn,
-            ": feature_map must be \"given\", \"elu\", \"relu\", \"focused\" or \"favor\" (with FAVOR's projection); got \"", opts.feature_map, "\"");
+    require(q.rank() == 3, fn, ": q must be [batch, heads, head_dim], got shape ", shape_string(q.shape));
+    const FeatureMap<T> fixed = fixed_decode_map<T>(fn, opts, q.dim(2));
     require(!query_features.data && !leaving_features.data, fn, ": with feature_map=\"", opts.feature_map,
             "\" the step makes the features itself: query_features and leaving_features must be empty");
-    require(q.rank() == 3, fn, ": q must be [batch, heads, head_dim], got shape ", shape_string(q.shape));
-    RecurrentOptions map_opts;
-    map_opts.feature_map = opts.feature_map;
-    map_opts.focus_power = opts.focus_power;
-    map_opts.eps = 0;  // not the map's: the step's own eps is checked below
-    const FeatureMap<T> fixed = feature_map_from_options<T>(fn, map_opts, q.dim(2), std::nullopt);
     const StepDims dims = check_step(fn, q, k, v, fixed.dim(), advance, window_weight, log_decay, state, opts);
     return step(dims, q, k, v, Features<T>{nullptr, nullptr, nullptr, &fixed}, advance, window_weight, log_decay,
                 state, opts);

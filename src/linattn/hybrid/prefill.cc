@@ -243,16 +243,10 @@ void hybrid_prefill(TensorView<const T> k, TensorView<const T> v, TensorView<con
   const char* fn = "hybrid_prefill";
   require(opts.feature_map != "favor", fn, ": feature_map=\"favor\" takes FAVOR's projection (FavorFeatures), not features");
   if (opts.feature_map != "given") {  // a fixed map, applied here
-    require(opts.feature_map == "elu" || opts.feature_map == "relu" || opts.feature_map == "focused", fn,
-            ": feature_map must be \"given\", \"elu\", \"relu\", \"focused\" or \"favor\" (with FAVOR's projection); got \"", opts.feature_map, "\"");
+    require(k.rank() == 4, fn, ": k must be [batch, kv_heads, n, head_dim], got shape ", shape_string(k.shape));
+    const FeatureMap<T> fixed = fixed_decode_map<T>(fn, opts, k.dim(3));
     require(!key_features.data, fn, ": with feature_map=\"", opts.feature_map,
             "\" the prefill makes the features itself: key_features must be empty");
-    require(k.rank() == 4, fn, ": k must be [batch, kv_heads, n, head_dim], got shape ", shape_string(k.shape));
-    RecurrentOptions map_opts;
-    map_opts.feature_map = opts.feature_map;
-    map_opts.focus_power = opts.focus_power;
-    map_opts.eps = 0;  // not used by the map
-    const FeatureMap<T> fixed = feature_map_from_options<T>(fn, map_opts, k.dim(3), std::nullopt);
     const PrefillDims dims = check_prefill(fn, k, v, valid, log_decay, state, opts);
     require(dims.m == fixed.dim(), fn, ": sums has ", dims.m, " features; feature_map=\"", opts.feature_map,
             "\" makes ", fixed.dim());
