@@ -723,6 +723,101 @@ TEST(HybridDecodeStep, EqualsTheCausalForwardRowByRow) {
     }
 }
 
+// FAVOR's trig kernel (window 0 only: its weights may be negative) stepped token by token (the
+// first 6 tokens prefilled) equals the causal favor_attention by definition, out_i = Σ_{j<=i}
+// φ(q_i)·φ(k_j) v_j / Σ_{j<=i} φ(q_i)·φ(k_j) with reference::features' trig φ in float64.
+// Bound: each term φ_r(q)φ_r(k) = e^{h_q + h_k}/m·s_r(q)s_r(k) (|s| <= 1) is made from logits
+// U = ω·x̃ (d-term sums: |ΔU| <= γ_{d+1}A, A = max Σ|ω_t x̃_t|) and h = ‖x̃‖²/2 (γ_{d+2}h), its
+// sin, cos and exp within 4u each (Highway's and the C library's, a few ulp), then summed over
+// at most n keys and m' features on one scale: |Δterm| <= ε·e^{h_q + h_k}/m with
+// ε = 2(γ_{d+1}A + 4u) + 2γ_{d+2}h_max + 8u + γ_{n+m'+4}. So |Δout_i| <= ε·(M_num + |out_i|·M_den)
+// / |den_i|, M the sums of e^{h_q + h_k}·2 (m' = 2m terms of e^{h_q+h_k}/m) times |v_j| or 1.
+template <class T>
+void check_trig_step(int threads) {
+  SCOPED_TRACE(std::string(dtype_name<T>()) + " " + std::to_string(threads) + " threads");
+  testing::ScopedThreads scope(threads);
+  constexpr int64_t B = 2, H = 3, n = 17, d = 4, m = 3, mp = 2 * m, dv = 3, prompt = 6;
+  const Tensor<T> q = random_tensor<T>({B, H, n, d}, 911, 0.7), k = random_tensor<T>({B, H, n, d}, 912, 0.7);
+  const Tensor<T> v = random_tensor<T>({B, H, n, dv}, 913), projection = random_tensor<T>({m, d}, 914);
+  const Tensor<double> q64 = cast<double>(q), k64 = cast<double>(k), v64 = cast<double>(v), w64 = cast<double>(projection);
+  const double scale = 1 / std::sqrt(double(d)), u = std::ldexp(1.0, -std::numeric_limits<T>::digits);
+  const Tensor<double> fq = reference::features(TensorView<const double>(q64.data(), {B * H * n, d}), "trig", w64.view(), scale);
+  const Tensor<double> fk = reference::features(TensorView<const double>(k64.data(), {B * H * n, d}), "trig", w64.view(), scale);
+  double A = 0, h_max = 0;
+  std::vector<double> h(static_cast<size_t>(2 * B * H * n));  // h of q's rows, then k's
+  for (int64_t row = 0; row < 2 * B * H * n; ++row) {
+    const double* x = (row < B * H * n ? q64.data() : k64.data() - B * H * n * d) + row * d;
+    double hh = 0;
+    for (int64_t t = 0; t < d; ++t) hh += scale * x[t] * x[t] / 2;
+    h[static_cast<size_t>(row)] = hh;
+    h_max = std::max(h_max, hh);
+    for (int64_t r = 0; r < m; ++r) {
+      double a = 0;
+      for (int64_t t = 0; t < d; ++t) a += std::abs(w64[r * d + t] * std::sqrt(scale) * x[t]);
+      A = std::max(A, a);
+    }
+  }
+  const double eps = 2 * (testing::gamma<T>(double(d + 1)) * A + 4 * u) + 2 * testing::gamma<T>(double(d + 2)) * h_max +
+                     8 * u + testing::gamma<T>(double(n + mp + 4));
+  Tensor<T> sums({B, H, mp, dv}), normaliser({B, H, mp}), keys({B, H, 0, d}), values({B, H, 0, dv}), shift({B, H, mp});
+  Tensor<bool> valid({B, 0}), advance({B});
+  Tensor<int64_t> counts({B});
+  const HybridDecodeState<T> state{sums.view(), normaliser.view(), keys.view(), values.view(), valid.view(),
+                                   counts.view(), shift.view()};
+  HybridDecodeOptions opts{0, 0, scale, 0.0};
+  opts.feature_map = "favor", opts.kernel = "trig";
+  const FavorFeatures<T> favor{projection.view()};
+  Tensor<T> kp({B, H, prompt, d}), vp({B, H, prompt, dv});
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    std::copy(k.data() + bh * n * d, k.data() + (bh * n + prompt) * d, kp.data() + bh * prompt * d);
+    std::copy(v.data() + bh * n * dv, v.data() + (bh * n + prompt) * dv, vp.data() + bh * prompt * dv);
+  }
+  hybrid_prefill<T>(kp.view(), vp.view(), favor, TensorView<const bool>{}, TensorView<const T>{}, state, opts);
+  const Tensor<T> gamma({H});
+  advance[0] = advance[1] = true;
+  for (int64_t t = prompt; t < n; ++t) {
+    Tensor<T> qt({B, H, d}), kt({B, H, d}), vt({B, H, dv});
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+      std::copy(q.data() + (bh * n + t) * d, q.data() + (bh * n + t + 1) * d, qt.data() + bh * d);
+      std::copy(k.data() + (bh * n + t) * d, k.data() + (bh * n + t + 1) * d, kt.data() + bh * d);
+      std::copy(v.data() + (bh * n + t) * dv, v.data() + (bh * n + t + 1) * dv, vt.data() + bh * dv);
+    }
+    const Tensor<T> out = hybrid_decode_step<T>(qt.view(), kt.view(), vt.view(), favor, advance.view(), gamma.view(),
+                                                TensorView<const T>{}, state, opts);
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+      std::vector<double> num(dv, 0.0), mag_num(dv, 0.0);
+      double den = 0, mag_den = 0;
+      for (int64_t j = 0; j <= t; ++j) {
+        double w = 0;
+        for (int64_t r = 0; r < mp; ++r) w += fq[(bh * n + t) * mp + r] * fk[(bh * n + j) * mp + r];
+        const double size = 2 * std::exp(h[static_cast<size_t>(bh * n + t)] + h[static_cast<size_t>(B * H * n + bh * n + j)]);
+        den += w, mag_den += size;
+        for (int64_t e = 0; e < dv; ++e) num[e] += w * v64[(bh * n + j) * dv + e], mag_num[e] += size * std::abs(v64[(bh * n + j) * dv + e]);
+      }
+      for (int64_t e = 0; e < dv; ++e) {
+        const double want = num[e] / den;
+        const double bound = eps * (mag_num[e] + std::abs(want) * mag_den) / std::abs(den);
+        ASSERT_NEAR(double(out[bh * dv + e]), want, bound) << "t " << t << " bh " << bh << " e " << e;
+      }
+    }
+  }
+  EXPECT_EQ(counts[0], n);
+  HybridDecodeOptions windowed = opts;  // trig's weights may be negative: never beside a window
+  windowed.window = 2;
+  const Tensor<T> q1({B, H, d}), k1({B, H, d}), v1({B, H, dv});
+  testing::expect_error([&] {
+    hybrid_decode_step<T>(q1.view(), k1.view(), v1.view(), favor, advance.view(), gamma.view(), TensorView<const T>{},
+                          state, windowed);
+  }, "hybrid_decode_step: kernel=\"trig\" needs window 0");
+}
+
+TEST(HybridDecodeStep, FavorTrigWithoutAWindowIsFavorAttention) {
+  for (int threads : {1, 3}) {
+    check_trig_step<float>(threads);
+    check_trig_step<double>(threads);
+  }
+}
+
 // hybrid_decode_step applying a map itself (Hedgehog's maps, or a fixed map by name) equals the
 // step with the features given, made by hedgehog_features or features() (φ_q of the query; φ_k of
 // the key leaving the window, each query head's key map on its key head's key), token by token
