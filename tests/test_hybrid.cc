@@ -646,11 +646,13 @@ void check_decode_step(const Case& c, int threads, int64_t kv_heads, int64_t pre
     if (t == 2) {
       advance[0] = true, advance[1] = false;
       const std::vector<T> before(sums.data(), sums.data() + sums.size());
+      const std::vector<T> shift_before(shift.data(), shift.data() + shift.size());
       const std::vector<T> keys_before(keys.data(), keys.data() + keys.size());
       const int64_t count1 = counts[1];
       Tensor<T> padded = step();
       for (int64_t i = B * H * dv / 2; i < B * H * dv; ++i) EXPECT_EQ(padded[i], T(0));
       for (int64_t i = sums.size() / 2; i < sums.size(); ++i) EXPECT_EQ(sums[i], before[i]);
+      for (int64_t i = shift.size() / 2; i < shift.size(); ++i) EXPECT_EQ(shift[i], shift_before[i]);
       for (int64_t i = keys.size() / 2; i < keys.size(); ++i) EXPECT_EQ(keys[i], keys_before[i]);
       EXPECT_EQ(counts[1], count1);
       advance[0] = false, advance[1] = true;  // and now row 1's token, row 0 padded
@@ -677,6 +679,7 @@ void check_decode_step(const Case& c, int threads, int64_t kv_heads, int64_t pre
   const std::vector<T> keys_before(keys.data(), keys.data() + keys.size());
   const std::vector<T> values_before(values.data(), values.data() + values.size());
   const std::vector<bool> valid_before(valid.data(), valid.data() + valid.size());
+  const std::vector<T> shift_before(shift.data(), shift.data() + shift.size());
   gamma[1] = T(2);
   testing::expect_error([&] { step(); }, "window_weight must be in [0, 1]");
   gamma[1] = T(0.5);
@@ -704,6 +707,8 @@ void check_decode_step(const Case& c, int threads, int64_t kv_heads, int64_t pre
   EXPECT_EQ(std::vector<T>(keys.data(), keys.data() + keys.size()), keys_before);
   EXPECT_EQ(std::vector<T>(values.data(), values.data() + values.size()), values_before);
   EXPECT_EQ(std::vector<bool>(valid.data(), valid.data() + valid.size()), valid_before);
+  for (int64_t i = 0; i < shift.size(); ++i)  // (−inf == −inf: EXPECT_EQ holds for unfilled features too)
+    EXPECT_EQ(shift[i], shift_before[i]) << i;
   EXPECT_EQ(counts[0], n);
 }
 
@@ -1297,10 +1302,7 @@ TEST(HybridPrefill, BadInputIsAnErrorNamingItAndWritesNothing) {
   favor_opts.kernel = "positive";
   testing::expect_error([&] { hybrid_prefill<T>(k.view(), v.view(), favor, all, none, with_shift, favor_opts); },
                         "hybrid_prefill: sums has 6 features; FAVOR's kernel=\"positive\" with 3 random features makes 3");
-  shift[1] = std::numeric_limits<T>::quiet_NaN();
   favor_opts.kernel = "hyperbolic";
-  testing::expect_error([&] { hybrid_prefill<T>(k.view(), v.view(), favor, all, none, with_shift, favor_opts); },
-                        "hybrid_prefill: shift must be finite or -inf, got nan at flat index 1");
   testing::expect_error([&] { hybrid_prefill<T>(k.view(), v.view(), fk.view(), all, none, with_shift, opts); },
                         "hybrid_prefill: shift is FAVOR's (feature_map=\"favor\"); plain features keep none");
   HybridDecodeOptions plain_kernel = opts;
@@ -1308,7 +1310,18 @@ TEST(HybridPrefill, BadInputIsAnErrorNamingItAndWritesNothing) {
   testing::expect_error([&] { given(k.view(), v.view(), fk.view(), all, none, plain_kernel); },
                         "hybrid_prefill: kernel=\"hyperbolic\" applies to feature_map=\"favor\" only");
   for (int64_t i = 0; i < run.sums.size(); ++i) ASSERT_EQ(run.sums[i], T(3));
+  for (int64_t i = 0; i < run.keys.size(); ++i) ASSERT_EQ(run.keys[i], T(0));
+  for (int64_t i = 0; i < run.valid.size(); ++i) ASSERT_FALSE(run.valid[i]);
+  for (int64_t i = 0; i < shift.size(); ++i) ASSERT_EQ(shift[i], T(0));
   EXPECT_EQ(run.counts[0], 11);
+  // a shift of NaN is overwritten, not refused: the prefill writes the state whole
+  shift[1] = std::numeric_limits<T>::quiet_NaN();
+  PrefillRun<T> favor_run(B, H, Hkv, m, s + w, d, dv);
+  HybridDecodeState<T> favor_state = favor_run.state();
+  favor_state.shift = shift.view();
+  hybrid_prefill<T>(k.view(), v.view(), favor, all, none, favor_state, favor_opts);
+  for (int64_t i = 0; i < shift.size(); ++i) ASSERT_TRUE(std::isfinite(shift[i])) << i;
+  EXPECT_EQ(favor_run.counts[0], n);
 }
 
 }  // namespace

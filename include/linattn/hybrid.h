@@ -68,8 +68,8 @@ AttentionGrads<T> hybrid_attention_backward(TensorView<const T> q, TensorView<co
                                             const HybridAttentionOptions& opts = {});
 
 // Decoding (linattn.hf's LinattnCache): the causal hybrid's state after the tokens of each batch
-// row so far, with features the caller computes (non-negative: a fixed map's or Hedgehog's),
-// changed in place by hybrid_decode_step. Rows may hold different numbers of tokens (padding).
+// row so far, made by hybrid_prefill and changed in place by hybrid_decode_step (features given,
+// or made by the call: Hedgehog's maps, a fixed map, FAVOR's projection). Rows may hold different numbers of tokens (padding).
 template <class T>
 struct HybridDecodeState {
   TensorView<T> sums;           // [B, H, m', d_v]: Σ φ(k_j) v_jᵀ over the keys that left the window, decayed
@@ -80,9 +80,11 @@ struct HybridDecodeState {
   TensorView<T> exact_values;   // [B, H_kv, s + w, d_v]
   TensorView<bool> exact_valid;  // [B, s + w]: the slots holding a token
   TensorView<int64_t> counts;   // [B]: the tokens of each row so far
-  // FAVOR's features only (empty for plain ones): [B, H, m'], the sums' per-feature scale c_r, the
-  // largest decayed logit of a key that entered them (−inf while none has): they hold
-  // Σ_j s_jr e^{L_jr − c_r} v_j and Σ_j s_jr e^{L_jr − c_r}, every stored weight <= 1.
+  // FAVOR's features only (empty for plain ones): [B, H, m'], the sums' per-feature scale c_r
+  // (−inf while no key has entered them): they hold Σ_j s_jr e^{L_jr + λ·a_j − c_r} v_j and
+  // Σ_j s_jr e^{L_jr + λ·a_j − c_r}, a_j key j's distance to the last token, every weight <= 1.
+  // A step raises c_r to cover the key entering and multiplies the sums by e^{λ}, leaving c_r
+  // (the forward's scheme); a prefill sets c_r = max_j (L_jr + λ·a_j). Only S·e^{c} means anything.
   TensorView<T> shift = {};
 };
 
@@ -104,9 +106,10 @@ struct HybridDecodeOptions {
 };
 
 // FAVOR+'s random features made by the step and the prefill themselves: the projection ω [m, d]
-// (finite; random_features), with opts.feature_map = "favor" and opts.kernel. Keys' logits are
-// the key form; a query's the key form too with a window (its −‖x̃‖²/2 does not cancel against
-// the window's exact weights), the query form without (feature_logits in kernelized.h).
+// (finite; random_features), with opts.feature_map = "favor" and opts.kernel. Keys' and queries'
+// logits are both the key form (feature_logits in kernelized.h, "query_with_norm" for queries:
+// a query's −‖x̃‖²/2 does not cancel against the window's exact weights or eps), as in
+// hybrid_attention.
 template <class T>
 struct FavorFeatures {
   TensorView<const T> projection;
@@ -150,8 +153,8 @@ Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, Tenso
 // the key entering the sums raises the shifts to cover its logits, the query reads them on the
 // scale e^{R}, R = max(the window's largest score, max_r L_q,r + c_r), and out = (γ Σ_j e^{s_j − R}
 // v_j + e^{−R}Σ_r φ_r(q) S_r) / (γ Σ_j e^{s_j − R} + e^{−R}Σ_r φ_r(q) z_r + eps·e^{−R}) with φ(q)·φ(k)
-// = Σ_r e^{L_q,r + L_k,r}/m' (hybrid_attention's FAVOR rows; without a window favor_attention's,
-// a zero denominator giving 0).
+// = Σ_r e^{L_q,r + L_k,r}/m' (hybrid_attention's FAVOR rows; without a window and with eps = 0
+// favor_attention's); a zero denominator gives 0.
 template <class T>
 Tensor<T> hybrid_decode_step(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                              const FavorFeatures<T>& favor, TensorView<const bool> advance,

@@ -460,10 +460,10 @@ def _step(layer, fmap, module, b, user, q, k, v, window, sinks, decay, valid):
     """One position q [B, H, 1, d], k, v [B, H_kv, 1, d] -> its output [B, H, 1, d_v], the row of
     the backend's causal forward for the newest token; the layer advances by it in the rows where
     valid [B] (None: all) says it is a token (elsewhere the state stays and the output is 0)."""
-    layer.tokens += 1
     batch, heads = q.shape[0], q.shape[1]
     advance = torch.ones(batch, dtype=torch.bool, device=q.device) if valid is None else valid
     out = _native(layer, fmap, module, b, user, q, k, v, window, sinks, decay, advance, _eps(b, user))
+    layer.tokens += 1  # after the call: a call that raises leaves the layer as it was
     if layer.conv_values is not None:
         out = out + _conv_step(layer, module, b, user, _backends.per_query_head(v, heads), advance)
     out = torch.where(advance[:, None, None], out, torch.zeros_like(out))

@@ -60,7 +60,7 @@ class HedgehogDecodingState:
     maps itself. Its memory does not grow with the number of steps. A bfloat16/float16 module's
     state is float32; step() rounds its output once."""
 
-    def __init__(self, batch_size, heads, head_dim, features, window, eps, like, maker):
+    def __init__(self, batch_size, heads, head_dim, features, window, like, maker):
         self.window, self.maker, self.batch_size = window, maker, batch_size
         dtype = accumulator_dtype(like.dtype)
         self.tokens = 0
@@ -101,7 +101,6 @@ class HedgehogDecodingState:
         wide = accumulator_dtype(dtype)
         # φ(s·x) = softmax(x·(s·W) + b): a map's scale goes into its weight
         weights = [t.to(wide) for m in maps for t in (m.weight * m.scale, m.bias)]
-        self.tokens += 1
         a = self.arrays
         out = _linattn.hybrid_decode_step(
             *(_array(t.to(wide)) for t in (q, k, v)), None, None, advance=np.ones(q.shape[0], bool),
@@ -110,6 +109,7 @@ class HedgehogDecodingState:
             exact_values=a["exact_values"].numpy(), exact_valid=a["exact_valid"].numpy(), counts=a["counts"].numpy(),
             window=self.window, sinks=0, scale=scale, eps=eps,
             **dict(zip(("query_weight", "query_bias", "key_weight", "key_bias"), (_array(t) for t in weights))))
+        self.tokens += 1  # after the call: a call that raises leaves the state as it was
         return torch.from_numpy(out).to(dtype)
 
 
@@ -336,7 +336,7 @@ class MultiheadAttention(torch.nn.Module):
         if self._registered == "hedgehog":
             o = self.method_options
             return HedgehogDecodingState(batch_size, self.num_heads, self.head_dim, 2 * o["feature_dim"], o["window"],
-                                         o["eps"], self.in_proj_weight.detach(), self._maker())
+                                         self.in_proj_weight.detach(), self._maker())
         if self._registered not in ("linear", "favor"):
             raise ValueError("MultiheadAttention: recurrent decoding is for the kernelized methods (elu, relu, "
                              "focused, linear, favor), not %r" % self.method)

@@ -9,10 +9,18 @@
 
 namespace linattn {
 
-// FAVOR's per-feature shifts [B, H, m'] (each −inf or finite) with favor, none without; an Error
-// naming fn otherwise.
+// The sizes a step's or a prefill's state must have.
+struct DecodeShape {
+  int64_t B, H, Hkv, m, d, dv;
+};
+
+// The checks a step and a prefill share: window >= 0, sinks >= 0 (0 without a window), kernel
+// only with FAVOR, log_decay [H] finite and <= 0 (or empty), the state's arrays of `shape` with
+// s + w exact slots, and FAVOR's shifts [B, H, m'] (each −inf or finite when shift_values: a
+// prefill overwrites them) with favor, none without. An Error naming fn and the argument.
 template <class T>
-void check_shift(const char* fn, const HybridDecodeState<T>& state, int64_t B, int64_t H, int64_t m, bool favor);
+void check_decode_state(const char* fn, const HybridDecodeOptions& opts, TensorView<const T> log_decay,
+                        const HybridDecodeState<T>& state, const DecodeShape& shape, bool favor, bool shift_values);
 
 // A fixed map by name for a step or a prefill (elu, relu, focused: parse_plain_feature_map's
 // names but "given", with opts.focus_power); an Error naming fn otherwise.

@@ -1,9 +1,10 @@
 // One decoding step of the causal hybrid (include/linattn/hybrid.h, hybrid_decode_step): what
 // LinattnCache runs per layer and token, in one call for every batch row and head instead of some
 // forty torch operations (docs/linearize.md: about 0.9 ms a layer before). Its features are given
-// (a fixed map's, made by the caller) or made here by Hedgehog's maps (core/hedgehog_map.h, the
-// formula hedgehog_features runs), each head's task mapping its query and the key leaving the
-// window. Per (row, head): the sums decay and the key leaving the window enters them (one pass
+// (made by the caller) or made here: by Hedgehog's maps (core/hedgehog_map.h, the formula
+// hedgehog_features runs), a fixed map by name, or FAVOR's projection (favor_step: logits, the
+// sums in log form), each head's task mapping its query and the key entering the sums (the one
+// leaving the window; window 0: the new one). Per (row, head): the sums decay and the key leaving the window enters them (one pass
 // over the sums, simd::decay_rank_one) or its sink slot, the new key takes its ring slot, and the
 // query reads the exact slots (simd::row_dots for the scores, simd::state_dots for the weighted
 // values) and the sums (simd::state_dots). Highway's kernels rather than BLAS: these are products
@@ -43,7 +44,25 @@ void check_all(const char* fn, const char* name, TensorView<const T> x, double l
 }  // namespace
 
 template <class T>
-void check_shift(const char* fn, const HybridDecodeState<T>& state, int64_t B, int64_t H, int64_t m, bool favor) {
+void check_decode_state(const char* fn, const HybridDecodeOptions& opts, TensorView<const T> log_decay,
+                        const HybridDecodeState<T>& state, const DecodeShape& shape, bool favor, bool shift_values) {
+  const int64_t B = shape.B, H = shape.H, Hkv = shape.Hkv, m = shape.m, d = shape.d, dv = shape.dv;
+  require(opts.window >= 0, fn, ": window must be >= 0, got ", opts.window);
+  require(opts.sinks >= 0, fn, ": sinks must be >= 0, got ", opts.sinks);
+  require(opts.window >= 1 || opts.sinks == 0, fn, ": sinks=", opts.sinks,
+          " needs window >= 1 (window 0: linear attention alone)");
+  require(favor || opts.kernel == "positive", fn, ": kernel=\"", opts.kernel, "\" applies to feature_map=\"favor\" only");
+  if (log_decay.data) {
+    check_shape(fn, "log_decay", log_decay, {H});
+    check_all(fn, "log_decay", log_decay, -std::numeric_limits<double>::infinity(), 0, "finite and <= 0");
+  }
+  const int64_t slots = opts.sinks + opts.window;
+  check_shape(fn, "sums", TensorView<const T>(state.sums), {B, H, m, dv});
+  check_shape(fn, "normaliser", TensorView<const T>(state.normaliser), {B, H, m});
+  check_shape(fn, "exact_keys", TensorView<const T>(state.exact_keys), {B, Hkv, slots, d});
+  check_shape(fn, "exact_values", TensorView<const T>(state.exact_values), {B, Hkv, slots, dv});
+  check_shape(fn, "exact_valid", TensorView<const bool>(state.exact_valid), {B, slots});
+  check_shape(fn, "counts", TensorView<const int64_t>(state.counts), {B});
   if (!favor) {
     require(!state.shift.data, fn, ": shift is FAVOR's (feature_map=\"favor\"); plain features keep none");
     return;
@@ -51,14 +70,16 @@ void check_shift(const char* fn, const HybridDecodeState<T>& state, int64_t B, i
   require(state.shift.data != nullptr, fn, ": feature_map=\"favor\" keeps its sums in log form: shift [B, H, m'] is "
           "required");
   check_shape(fn, "shift", TensorView<const T>(state.shift), {B, H, m});
-  for (int64_t i = 0, n = state.shift.size(); i < n; ++i) {
+  for (int64_t i = 0, n = state.shift.size(); i < n && shift_values; ++i) {
     const double c = static_cast<double>(state.shift.data[i]);
     require(std::isfinite(c) || c == -std::numeric_limits<double>::infinity(), fn,
             ": shift must be finite or -inf, got ", c, " at flat index ", i);
   }
 }
-template void check_shift(const char*, const HybridDecodeState<float>&, int64_t, int64_t, int64_t, bool);
-template void check_shift(const char*, const HybridDecodeState<double>&, int64_t, int64_t, int64_t, bool);
+template void check_decode_state(const char*, const HybridDecodeOptions&, TensorView<const float>,
+                                 const HybridDecodeState<float>&, const DecodeShape&, bool, bool);
+template void check_decode_state(const char*, const HybridDecodeOptions&, TensorView<const double>,
+                                 const HybridDecodeState<double>&, const DecodeShape&, bool, bool);
 
 template <class T>
 FeatureMap<T> fixed_decode_map(const char* fn, const HybridDecodeOptions& opts, int64_t head_dim) {
@@ -106,32 +127,19 @@ StepDims check_step(const char* fn, TensorView<const T> q, TensorView<const T> k
   // are stored once per key head, as the model makes them).
   require(s.H % s.Hkv == 0, fn, ": v has ", s.Hkv, " key/value heads, which must divide q's ", s.H, " heads");
   s.G = s.H / s.Hkv;
-  require(opts.window >= 0, fn, ": window must be >= 0, got ", opts.window);
-  require(opts.sinks >= 0, fn, ": sinks must be >= 0, got ", opts.sinks);
-  require(opts.window >= 1 || opts.sinks == 0, fn, ": sinks=", opts.sinks, " needs window >= 1 (window 0: linear attention alone)");
   require(std::isfinite(opts.scale), fn, ": scale must be finite, got ", opts.scale);
   require(std::isfinite(opts.eps) && opts.eps >= 0, fn, ": eps must be finite and >= 0, got ", opts.eps);
-  require(opts.feature_map == "favor" || opts.kernel == "positive", fn, ": kernel=\"", opts.kernel,
-          "\" applies to feature_map=\"favor\" only");
   s.slots = s.s + s.w;
-  const int64_t B = s.B, H = s.H, Hkv = s.Hkv, d = s.d, dv = s.dv, slots = s.slots;
+  const int64_t B = s.B, H = s.H, Hkv = s.Hkv, d = s.d, dv = s.dv;
   check_finite(fn, "q", q);
   check_same_shape_finite(fn, "k", k, {B, Hkv, d});
   check_same_shape_finite(fn, "v", v, {B, Hkv, dv});
   check_shape(fn, "advance", advance, {B});
   check_shape(fn, "window_weight", window_weight, {H});
-  if (log_decay.data) check_shape(fn, "log_decay", log_decay, {H});
-  check_shape(fn, "sums", TensorView<const T>(state.sums), {B, H, m, dv});
-  check_shape(fn, "normaliser", TensorView<const T>(state.normaliser), {B, H, m});
-  check_shape(fn, "exact_keys", TensorView<const T>(state.exact_keys), {B, Hkv, slots, d});
-  check_shape(fn, "exact_values", TensorView<const T>(state.exact_values), {B, Hkv, slots, dv});
-  check_shape(fn, "exact_valid", TensorView<const bool>(state.exact_valid), {B, slots});
-  check_shape(fn, "counts", TensorView<const int64_t>(state.counts), {B});
   check_all(fn, "window_weight", window_weight, 0, 1, "in [0, 1]");
-  if (log_decay.data) check_all(fn, "log_decay", log_decay, -inf, 0, "finite and <= 0");
+  check_decode_state(fn, opts, log_decay, state, DecodeShape{B, H, Hkv, m, d, dv}, opts.feature_map == "favor", true);
   for (int64_t b = 0; b < B; ++b)
     require(state.counts.data[b] >= 0, fn, ": counts must be >= 0, got ", state.counts.data[b], " for row ", b);
-  check_shift(fn, state, B, H, m, opts.feature_map == "favor");
   return s;
 }
 
@@ -369,7 +377,9 @@ Tensor<T> step(const StepDims& dims, TensorView<const T> q, TensorView<const T> 
     simd::state_dots(S, static_cast<size_t>(m), static_cast<size_t>(dv), phi_q, phi_q, linear, unused);
     for (int64_t e = 0; e < dv; ++e) o[e] = gamma * o[e] + linear[e];
     const T den = exact_den + simd::dot(phi_q, z, static_cast<size_t>(m)) + static_cast<T>(opts.eps);
-    simd::scale(o, static_cast<size_t>(dv), T(1) / den);
+    // 0 over 0 (γ = 0, nothing in the sums, eps = 0) gives 0, as the forward does
+    if (den > T(0)) simd::scale(o, static_cast<size_t>(dv), T(1) / den);
+    else std::fill(o, o + dv, T(0));
   });
   for (int64_t b = 0; b < B; ++b) state.counts.data[b] += advance.data[b] ? 1 : 0;
   return out;
@@ -402,7 +412,8 @@ Tensor<T> favor_step(const StepDims& dims, TensorView<const T> q, TensorView<con
     if (!advance.data[b] || !enters_sums(dims, c)) continue;
     for (int64_t g = b * Hkv; g < (b + 1) * Hkv; ++g) {
       const T* key = w == 0 ? k.data + g * d : state.exact_keys.data + (g * slots + dims.s + c % w) * d;
-      fmap.logits(fn, key, 1, Side::Key, Lk.data() + g * m, trig ? sk.data() + g * m : nullptr);
+      fmap.logits(fn, key, 1, Side::Key, Lk.data() + g * m, trig ? sk.data() + g * m : nullptr, Products::Native,
+                  w == 0 ? "k" : "exact_keys");
     }
   }
   std::vector<T> leaving, unused_keys;
@@ -468,7 +479,8 @@ Tensor<T> favor_step(const StepDims& dims, TensorView<const T> q, TensorView<con
     for (int64_t e = 0; e < dv; ++e) o[e] = gamma * o[e] + share * linear[e];
     const T den = exact_den + share * linear_den +
                   (opts.eps > 0 ? std::exp(static_cast<T>(std::log(opts.eps)) - R) : T(0));
-    simd::scale(o, static_cast<size_t>(dv), T(1) / den);
+    if (den > T(0)) simd::scale(o, static_cast<size_t>(dv), T(1) / den);  // 0 over 0 gives 0, as the forward
+    else std::fill(o, o + dv, T(0));
   });
   for (int64_t b = 0; b < B; ++b) state.counts.data[b] += advance.data[b] ? 1 : 0;
   return out;

@@ -61,30 +61,12 @@ PrefillDims check_prefill(const char* fn, TensorView<const T> k, TensorView<cons
   require(s.Hkv >= 1 && s.H % s.Hkv == 0, fn, ": k has ", s.Hkv, " key/value heads, which must divide the sums' ",
           s.H, " heads");
   s.G = s.H / s.Hkv;
-  require(opts.window >= 0, fn, ": window must be >= 0, got ", opts.window);
-  require(opts.sinks >= 0, fn, ": sinks must be >= 0, got ", opts.sinks);
-  require(opts.window >= 1 || opts.sinks == 0, fn, ": sinks=", opts.sinks,
-          " needs window >= 1 (window 0: linear attention alone)");
   s.slots = s.s + s.w;
   check_shape(fn, "v", v, {s.B, s.Hkv, s.n, s.dv});
   if (valid.data) check_shape(fn, "valid", valid, {s.B, s.n});
   check_tokens_finite(fn, "k", k, valid);
   check_tokens_finite(fn, "v", v, valid);
-  if (log_decay.data) {
-    check_shape(fn, "log_decay", log_decay, {s.H});
-    for (int64_t h = 0; h < s.H; ++h) {
-      const double a = static_cast<double>(log_decay.data[h]);
-      require(std::isfinite(a) && a <= 0, fn, ": log_decay must be finite and <= 0, got ", a, " at flat index ", h);
-    }
-  }
-  check_shape(fn, "sums", TensorView<const T>(state.sums), {s.B, s.H, s.m, s.dv});
-  check_shape(fn, "normaliser", TensorView<const T>(state.normaliser), {s.B, s.H, s.m});
-  check_shape(fn, "exact_keys", TensorView<const T>(state.exact_keys), {s.B, s.Hkv, s.slots, s.d});
-  check_shape(fn, "exact_values", TensorView<const T>(state.exact_values), {s.B, s.Hkv, s.slots, s.dv});
-  check_shape(fn, "exact_valid", TensorView<const bool>(state.exact_valid), {s.B, s.slots});
-  check_shape(fn, "counts", TensorView<const int64_t>(state.counts), {s.B});
-  check_shift(fn, state, s.B, s.H, s.m, favor);
-  require(favor || opts.kernel == "positive", fn, ": kernel=\"", opts.kernel, "\" applies to feature_map=\"favor\" only");
+  check_decode_state(fn, opts, log_decay, state, DecodeShape{s.B, s.H, s.Hkv, s.m, s.d, s.dv}, favor, false);
   return s;
 }
 
