@@ -118,7 +118,6 @@ template <class T>
 StepDims check_step(const char* fn, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, int64_t m,
                     TensorView<const bool> advance, TensorView<const T> window_weight, TensorView<const T> log_decay,
                     const HybridDecodeState<T>& state, const HybridDecodeOptions& opts) {
-  constexpr double inf = std::numeric_limits<double>::infinity();
   require(q.rank() == 3, fn, ": q must be [batch, heads, head_dim], got shape ", shape_string(q.shape));
   require(v.rank() == 3 && v.dim(1) >= 1, fn, ": v must be [batch, kv_heads >= 1, value_dim], got shape ",
           shape_string(v.shape));
