@@ -291,20 +291,17 @@ class LinearState(NamedTuple):
 
 class _Map:
     """A backend's feature map in decoding, as the C++ prefill and step take it: its scale (the
-    model's scaling: the window's scores and FAVOR's x̃ = √scale·x) and size m', and FAVOR's
-    projection ω and kernel (log form: the sums keep per-feature shifts)."""
+    model's scaling: the window's scores and FAVOR's x̃ = √scale·x) and size m' (FAVOR: log
+    form, the sums keep per-feature shifts; its projection is a step constant, _step_constants)."""
 
     def __init__(self, module, b, user, like, scaling):
         self.b, self.user = b, user
         self.scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(like.shape[-1])
         self.log_form = isinstance(b, _backends.Favor)
-        if self.log_form:
-            self.omega = _backends.projection(module, _wide(like), user)
-            self.kernel = user["kernel"]
 
     def dim(self, head_dim):
-        if self.log_form:
-            return self.omega.shape[0] * (1 if self.kernel == "positive" else 2)
+        if self.log_form:  # the projection's rows, twice for the hyperbolic and trig kernels
+            return int(self.user["num_features"]) * (1 if self.user["kernel"] == "positive" else 2)
         if isinstance(self.b, _backends.Hedgehog):
             return 2 * int(self.user["feature_dim"])
         return 1 if isinstance(self.b, _backends.Window) else head_dim
@@ -431,20 +428,17 @@ def _fill(layer, fmap, module, b, user, query, key, value, window, sinks, decay,
     layer.exact_values = torch.zeros((batch, kv_heads, sinks + window, value.shape[-1]), dtype=wide)
     layer.exact_valid = torch.zeros((batch, sinks + window), dtype=torch.bool)
     layer.counts = torch.zeros(batch, dtype=torch.int64)
-    if isinstance(b, _backends.Hedgehog):
-        features = dict(key_features=None, key_weight=inputs["key_weight"], key_bias=inputs["key_bias"])
-    elif isinstance(b, _backends.Window):  # the window alone: one feature, 0
-        features = dict(key_features=torch.zeros((batch, heads, n, 1), dtype=wide).numpy())
-    elif fmap.log_form:
-        features = dict(key_features=None, feature_map="favor", projection=inputs["projection"], kernel=fmap.kernel,
-                        scale=fmap.scale, shift=layer.linear.shift.numpy())
-    else:
-        features = dict(key_features=None, feature_map=inputs["feature_map"], focus_power=inputs["focus_power"])
-    _linattn.hybrid_prefill(_array(key.to(wide)), _array(value.to(wide)), valid=None if valid is None else _array(valid),
-                            log_decay=inputs["log_decay"], sums=layer.linear.sums.numpy(),
+    # The key's map as the step takes it (Hedgehog's key map, a fixed map's or FAVOR's name and
+    # options); features given to the step (the window alone's zeros) are given for the keys too.
+    maps = {name: inputs[name] for name in _PREFILL_MAP_INPUTS if name in inputs}
+    given = None if inputs["query_features"] is None else torch.zeros((batch, heads, n, 1), dtype=wide).numpy()
+    shift = layer.linear.shift
+    _linattn.hybrid_prefill(_array(key.to(wide)), _array(value.to(wide)), given, None if valid is None else _array(valid),
+                            inputs["log_decay"], sums=layer.linear.sums.numpy(),
                             normaliser=layer.linear.normaliser.numpy(), exact_keys=layer.exact_keys.numpy(),
                             exact_values=layer.exact_values.numpy(), exact_valid=layer.exact_valid.numpy(),
-                            counts=layer.counts.numpy(), window=window, sinks=sinks, **features)
+                            counts=layer.counts.numpy(), window=window, sinks=sinks, scale=fmap.scale,
+                            shift=None if shift is None else shift.numpy(), **maps)
     conv = getattr(module, _backends.PREFIX + "conv_weight", None)
     if user.get("conv_kernel_size") and conv is not None:
         past = conv.shape[1] - 1
@@ -454,6 +448,10 @@ def _fill(layer, fmap, module, b, user, query, key, value, window, sinks, decay,
                 torch.ones((batch, n), dtype=torch.bool, device=key.device) if valid is None else valid, past)
             layer.conv_values[rows, :, slots] = _backends.per_query_head(value, heads)[rows, :, positions]
     layer.tokens = n
+
+
+# The step constants (_step_constants) that hybrid_prefill takes as they are: the key's map.
+_PREFILL_MAP_INPUTS = ("key_weight", "key_bias", "feature_map", "focus_power", "projection", "kernel")
 
 
 def _step(layer, fmap, module, b, user, q, k, v, window, sinks, decay, valid):

@@ -1,7 +1,8 @@
 // Hedgehog's learned feature map (Zhang et al., ICLR 2024) of one row, given its logits
 // u = x·W_h + b_h [f]: φ = [softmax(u), softmax(−u)] [2f], and the backward to ∂u. The one
-// formula: hedgehog_features (kernelized/hedgehog.cc, over whole tensors with BLAS for x·W) and
-// hybrid_decode_step (one row per head and token) both call these; the float64 reference is
+// formula: hedgehog_features (kernelized/hedgehog.cc, over whole tensors with BLAS for x·W: its
+// hedgehog_block), hybrid_prefill (hedgehog_block) and hybrid_decode_step (one row per head and
+// token) call these; the float64 reference is
 // reference::hedgehog_features.
 #pragma once
 
@@ -65,5 +66,11 @@ void hedgehog_row(const T* x, const T* W, const T* b, int64_t d, int64_t f, T* p
   }
   hedgehog_from_logits(phi, f, phi);
 }
+
+// φ of a block of rows x [rows × d] into phi [rows × 2f] (W [d, f], b [f]): U = x·W into each
+// row's first half by one BLAS product, then each row's map in place (kernelized/hedgehog.cc:
+// hedgehog_features and its backward, and hybrid_prefill's key map, run it).
+template <class T>
+void hedgehog_block(const T* x, const T* W, const T* b, int64_t rows, int64_t d, int64_t f, T* phi);
 
 }  // namespace linattn

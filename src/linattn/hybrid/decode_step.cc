@@ -293,6 +293,21 @@ void for_each_head(const StepDims& dims, TensorView<const bool> advance, int64_t
   });
 }
 
+// o[0, dv) divided by den; 0 where den is 0 (nothing to read: no key yet with eps 0, or trig's
+// weights cancelling), as the forward gives.
+template <class T>
+void divide_or_zero(T* o, int64_t dv, T den) {
+  if (den != T(0)) simd::scale(o, static_cast<size_t>(dv), T(1) / den);
+  else std::fill(o, o + dv, T(0));
+}
+
+// The sums and their normaliser a position on with no key entering: times f = e^{λ}.
+template <class T>
+void decay_sums(T* S, T* z, int64_t m, int64_t dv, T f) {
+  simd::scale(S, static_cast<size_t>(m * dv), f);
+  simd::scale(z, static_cast<size_t>(m), f);
+}
+
 // The exact slots' scores of query q [d] in row [slots] (scale·q·k_j, −inf where no token is):
 // their maximum, finite (the new token's slot is valid).
 template <class T>
@@ -355,8 +370,7 @@ Tensor<T> step(const StepDims& dims, TensorView<const T> q, TensorView<const T> 
       simd::decay_rank_one(S, static_cast<size_t>(m), static_cast<size_t>(dv), row, scaled, leaving.data() + g * dv, S);
       for (int64_t r = 0; r < m; ++r) z[r] = f * z[r] + scaled[r];
     } else if (log_decay.data) {
-      simd::scale(S, static_cast<size_t>(m * dv), f);
-      simd::scale(z, static_cast<size_t>(m), f);
+      decay_sums(S, z, m, dv, f);
     }
     T* o = out.data() + bh * dv;
     T* linear = row + wide;   // [dv]
@@ -364,8 +378,7 @@ Tensor<T> step(const StepDims& dims, TensorView<const T> q, TensorView<const T> 
     if (slots == 0) {  // linear attention alone: φ(q)ᵀS / (φ(q)·z + eps); a zero denominator gives 0
       simd::state_dots(S, static_cast<size_t>(m), static_cast<size_t>(dv), phi_q, phi_q, o, unused);
       const T den = simd::dot(phi_q, z, static_cast<size_t>(m)) + static_cast<T>(opts.eps);
-      if (den != T(0)) simd::scale(o, static_cast<size_t>(dv), T(1) / den);
-      else std::fill(o, o + dv, T(0));
+      divide_or_zero(o, dv, den);
       return;
     }
     // the exact slots: e_j = e^{s_j − M} over the valid ones
@@ -376,9 +389,7 @@ Tensor<T> step(const StepDims& dims, TensorView<const T> q, TensorView<const T> 
     simd::state_dots(S, static_cast<size_t>(m), static_cast<size_t>(dv), phi_q, phi_q, linear, unused);
     for (int64_t e = 0; e < dv; ++e) o[e] = gamma * o[e] + linear[e];
     const T den = exact_den + simd::dot(phi_q, z, static_cast<size_t>(m)) + static_cast<T>(opts.eps);
-    // 0 over 0 (γ = 0, nothing in the sums, eps = 0) gives 0, as the forward does
-    if (den > T(0)) simd::scale(o, static_cast<size_t>(dv), T(1) / den);
-    else std::fill(o, o + dv, T(0));
+    divide_or_zero(o, dv, den);  // (0 over 0: γ = 0, nothing in the sums, eps = 0)
   });
   for (int64_t b = 0; b < B; ++b) state.counts.data[b] += advance.data[b] ? 1 : 0;
   return out;
@@ -443,8 +454,7 @@ Tensor<T> favor_step(const StepDims& dims, TensorView<const T> q, TensorView<con
       simd::decay_rank_one(S, static_cast<size_t>(m), static_cast<size_t>(dv), keep, scaled, leaving.data() + g * dv, S);
       for (int64_t r = 0; r < m; ++r) z[r] = keep[r] * z[r] + scaled[r];
     } else if (log_decay.data) {
-      simd::scale(S, static_cast<size_t>(m * dv), f);
-      simd::scale(z, static_cast<size_t>(m), f);
+      decay_sums(S, z, m, dv, f);
     }
     // the sums' weights e^{L_q + c − R_lin}·s_q, R_lin = max_r (L_q,r + c_r) (−inf: nothing entered yet)
     const T* lq = Lq.data() + bh * m;
@@ -461,9 +471,8 @@ Tensor<T> favor_step(const StepDims& dims, TensorView<const T> q, TensorView<con
     if (slots == 0) {  // FAVOR alone: num/den on the scale e^{R_lin}/m'; a zero denominator (trig) gives 0
       const T den = linear_den + (opts.eps > 0 ? static_cast<T>(m) * std::exp(static_cast<T>(std::log(opts.eps)) - linear_top)
                                                : T(0));
-      if (den != T(0)) {
-        for (int64_t e = 0; e < dv; ++e) o[e] = linear[e] / den;
-      }
+      std::copy(linear, linear + dv, o);
+      divide_or_zero(o, dv, den);
       return;
     }
     // with the window: every term on e^{R}, R = max(M, R_lin); φ(q)·φ(k) = e^{L_q + L_k}/m'
@@ -478,8 +487,7 @@ Tensor<T> favor_step(const StepDims& dims, TensorView<const T> q, TensorView<con
     for (int64_t e = 0; e < dv; ++e) o[e] = gamma * o[e] + share * linear[e];
     const T den = exact_den + share * linear_den +
                   (opts.eps > 0 ? std::exp(static_cast<T>(std::log(opts.eps)) - R) : T(0));
-    if (den > T(0)) simd::scale(o, static_cast<size_t>(dv), T(1) / den);  // 0 over 0 gives 0, as the forward
-    else std::fill(o, o + dv, T(0));
+    divide_or_zero(o, dv, den);
   });
   for (int64_t b = 0; b < B; ++b) state.counts.data[b] += advance.data[b] ? 1 : 0;
   return out;

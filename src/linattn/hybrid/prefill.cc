@@ -178,14 +178,8 @@ void prefill(const PrefillDims& dims, TensorView<const T> k, TensorView<const T>
     }
     if (features.fixed) {
       features.fixed->features(keys, rows, phi);
-    } else if (features.weight.data) {  // U = X·W_h into each row's first half, then the row's map
-      const T* bias = features.bias.data + h * f;
-      matmul(mat(phi, rows, f, m), mat<const T>(keys, rows, d), mat(features.weight.data + h * d * f, d, f));
-      for (int64_t i = 0; i < rows; ++i) {
-        T* u = phi + i * m;
-        for (int64_t j = 0; j < f; ++j) u[j] += bias[j];
-        hedgehog_from_logits(u, f, u);
-      }
+    } else if (features.weight.data) {  // query head h's key map, as hedgehog_features runs it
+      hedgehog_block<T>(keys, features.weight.data + h * d * f, features.bias.data + h * f, rows, d, f, phi);
     }
     const double lambda = log_decay.data ? static_cast<double>(log_decay.data[h]) : 0.0;
     const std::vector<int64_t>& after = distance[static_cast<size_t>(b)];

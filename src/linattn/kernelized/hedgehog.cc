@@ -43,20 +43,19 @@ HedgehogDims check_hedgehog(const char* fn, TensorView<const T> x, TensorView<co
   return {x.dim(0), H, x.dim(2), d, f};
 }
 
-// φ of rows [first, first + rows) of item (b, h) into phi (rows × 2f): U into the first half of
-// each row by one product, then each row's map in place.
+}  // namespace
+
 template <class T>
-void block_features(const HedgehogDims& s, const T* x, const T* W, const T* bias, int64_t rows, T* phi) {
-  const int64_t f = s.f;
-  matmul(mat(phi, rows, f, 2 * f), mat(x, rows, s.d), mat(W, s.d, f));
+void hedgehog_block(const T* x, const T* W, const T* bias, int64_t rows, int64_t d, int64_t f, T* phi) {
+  matmul(mat(phi, rows, f, 2 * f), mat(x, rows, d), mat(W, d, f));
   for (int64_t i = 0; i < rows; ++i) {
     T* u = phi + i * 2 * f;
     for (int64_t j = 0; j < f; ++j) u[j] += bias[j];
     hedgehog_from_logits(u, f, u);
   }
 }
-
-}  // namespace
+template void hedgehog_block(const float*, const float*, const float*, int64_t, int64_t, int64_t, float*);
+template void hedgehog_block(const double*, const double*, const double*, int64_t, int64_t, int64_t, double*);
 
 template <class T>
 Tensor<T> hedgehog_features(TensorView<const T> x, TensorView<const T> weight, TensorView<const T> bias) {
@@ -67,8 +66,8 @@ Tensor<T> hedgehog_features(TensorView<const T> x, TensorView<const T> weight, T
     const int64_t bh = task / rb.count, first = (task % rb.count) * rb.rows, h = bh % s.H;
     const int64_t rows = std::min(rb.rows, s.n - first);
     if (rows <= 0) return;
-    block_features(s, x.data + (bh * s.n + first) * s.d, weight.data + h * s.d * s.f, bias.data + h * s.f, rows,
-                   phi.data() + (bh * s.n + first) * 2 * s.f);
+    hedgehog_block(x.data + (bh * s.n + first) * s.d, weight.data + h * s.d * s.f, bias.data + h * s.f, rows, s.d,
+                   s.f, phi.data() + (bh * s.n + first) * 2 * s.f);
   });
   return phi;
 }
@@ -102,7 +101,7 @@ HedgehogGrads<T> hedgehog_features_backward(TensorView<const T> x, TensorView<co
     for (int64_t b = 0; b < s.B; ++b) {
       const int64_t at = (b * s.H + h) * s.n + first;  // the block's first row in x
       const T* phi = phi_given ? phi_given->data + at * 2 * f : made.data();
-      if (!phi_given) block_features(s, x.data + at * d, W, bias.data + h * f, rows, made.data());
+      if (!phi_given) hedgehog_block(x.data + at * d, W, bias.data + h * f, rows, d, f, made.data());
       const T* dp = dphi.data + at * 2 * f;
       for (int64_t i = 0; i < rows; ++i)
         hedgehog_logits_backward(phi + i * 2 * f, dp + i * 2 * f, f, du.data() + i * f, scratch.data());
