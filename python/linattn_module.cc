@@ -1361,6 +1361,8 @@ PYBIND11_MODULE(_linattn, m) {
         py::arg("tensors"), py::arg("options"), py::arg("want_saved"));
   m.def("_feature_dim", &method_feature_dim, py::arg("name"), py::arg("head_dim"), py::arg("tensor_shapes"),
         py::arg("options"));
+  m.def("_plain_feature_bound", &linattn::plain_feature_bound, py::arg("feature_map"), py::arg("x_max"),
+        py::arg("head_dim"));
   m.def("_backward", &method_backward, py::arg("name"), py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("dout"), py::arg("tensors"), py::arg("options"), py::arg("saved"));
 

@@ -15,7 +15,9 @@
 
 #include "hedgehog_bounds.h"
 #include "kernelized_bounds.h"
+#include "linattn/core/feature_map.h"
 #include "linattn/kernelized.h"
+#include "linattn/registry.h"
 #include "test_util.h"
 
 namespace linattn {
@@ -240,6 +242,54 @@ TEST(Features, FavorBackwardsMatchFiniteDifferences) {
           trig ? std::optional<TensorView<const double>>(gs.view()) : std::nullopt, opts);
       testing::expect_gradient(x, dx, loss, "x");
     }
+}
+
+// The plain maps are named in one list (core/feature_map.cc): every method's feature_map option
+// offers exactly those (the hybrid FAVOR's too), each name parses to a kind that names it back,
+// and plain_feature_bound, which the kernels refuse out-of-range inputs by, holds.
+TEST(Features, PlainMapsAreNamedOnceAndTheirBoundHolds) {
+  const std::vector<std::string>& names = plain_feature_map_names();
+  ASSERT_EQ(names, (std::vector<std::string>{"elu", "relu", "focused", "given"}));
+  auto choices = [](const char* method_name) {
+    for (const OptionInfo& o : method(method_name).options)
+      if (o.name == "feature_map") return o.choices;
+    return std::vector<std::string>{};
+  };
+  EXPECT_EQ(choices("linear"), names);
+  std::vector<std::string> hybrid = names;
+  hybrid.emplace_back("favor");
+  EXPECT_EQ(choices("hybrid"), hybrid);
+  EXPECT_EQ(plain_feature_map_choices("favor"), "\"elu\", \"relu\", \"focused\", \"given\" or \"favor\"");
+  for (const std::string& name : names) {
+    SCOPED_TRACE(name);
+    EXPECT_EQ(plain_feature_map_name(parse_plain_feature_map("test", name)), name);
+    // Rows whose largest |value| is x_max; "given" takes features, so its rows are made >= 0.
+    for (const double x_max : {0.25, 1.0, 40.0}) {
+      Tensor<double> x = random_tensor<double>({1, 2, 41, d}, 71);
+      double top = 0;
+      for (int64_t i = 0; i < x.size(); ++i) {
+        if (name == "given") x[i] = std::abs(x[i]);
+        top = std::max(top, std::abs(x[i]));
+      }
+      for (int64_t i = 0; i < x.size(); ++i) x[i] *= x_max / top;
+      // The first row [x_max, −x_max, ...] (given: [x_max, 0, ...]) reaches x_max (elu: x_max + 1)
+      // in its first feature; focused's φ there is ‖r‖ = x_max.
+      x[0] = x_max;
+      for (int64_t i = 1; i < d; ++i) x[i] = name == "given" ? 0 : -x_max;
+      const Tensor<double> phi = features<double>(x.view(), recurrent_options(name));
+      double phi_max = 0;
+      for (int64_t i = 0; i < phi.size(); ++i) phi_max = std::max(phi_max, phi[i]);
+      // The bound is the exact value's; φ is computed with a few roundings (focused: its norms,
+      // powers and quotient, at most d + 8 of them: γ_{d+8}), so it may exceed it by that much.
+      const double bound = plain_feature_bound(name, x_max, d);
+      EXPECT_LE(phi_max, bound * (1 + gamma<double>(d + 8))) << "x_max " << x_max;
+      EXPECT_GE(phi_max, (name == "elu" ? 1 + x_max : x_max) * (1 - gamma<double>(d + 8)))
+          << "the first row's first feature";
+    }
+  }
+  testing::expect_error([] { plain_feature_bound("softmax", 1, d); },
+                        "plain_feature_bound: feature_map must be \"elu\", \"relu\", \"focused\" or \"given\"; got "
+                        "\"softmax\"");
 }
 
 TEST(Features, BadInputIsAnError) {

@@ -483,7 +483,7 @@ TEST(Hybrid, BadInputIsAnErrorNamingIt) {
   EXPECT_TRUE(has(err(decayed, o), "log_decay has shape [2]; expected [3]"));
   o = x.opts;
   o.feature_map = "cosine";
-  EXPECT_TRUE(has(err(x.inputs(), o), "feature_map must be 'elu', 'relu', 'focused', 'given' or 'favor'"));
+  EXPECT_TRUE(has(err(x.inputs(), o), "feature_map must be \"elu\", \"relu\", \"focused\", \"given\" or \"favor\", got"));
   o = x.opts;
   o.focus_power = 2;
   EXPECT_TRUE(has(err(x.inputs(), o), "focus_power=2 applies to feature_map='focused' only"));

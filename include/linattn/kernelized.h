@@ -126,6 +126,12 @@ Tensor<T> features(TensorView<const T> x, const RecurrentOptions& opts = {});
 template <class T>
 Tensor<T> features_backward(TensorView<const T> x, TensorView<const T> dphi, const RecurrentOptions& opts = {});
 
+// A plain map's largest feature for rows of head_dim values of largest |value| x_max (the
+// bound the kernels refuse out-of-range inputs by, before they compute; the context-parallel
+// layer checks each rank's keys by it before any collective). feature_map: a plain map's name;
+// throws Error otherwise.
+double plain_feature_bound(const std::string& feature_map, double x_max, int64_t head_dim);
+
 // FAVOR's maps in log form (feature_map "favor", kernel, scale, projection ω [m, d]): φ = s·exp(L)
 // up to a factor shared by every row and feature. With U = x̃·ωᵀ, x̃ = √scale·x, h = ‖x̃‖²/2:
 //   side "key", "query_with_norm": positive L = U − h; hyperbolic [U − h, −U − h]; trig L = h

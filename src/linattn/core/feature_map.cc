@@ -15,15 +15,75 @@
 
 namespace linattn {
 
+namespace {
+
+struct PlainFeatureMapName {
+  const char* name;
+  FeatureMapKind kind;
+  const char* formula;  // in the options' help; null: "given", which each method describes
+};
+
+// The plain maps' names, in the order the options list them.
+constexpr PlainFeatureMapName kPlainFeatureMaps[] = {
+    {"elu", FeatureMapKind::Elu, "elu(x)+1"},
+    {"relu", FeatureMapKind::Relu, "max(x, 0)"},
+    {"focused", FeatureMapKind::Focused, "relu, then ‖x‖·xᵖ/‖xᵖ‖ with p = focus_power"},
+    {"given", FeatureMapKind::Given, nullptr}};
+
+}  // namespace
+
+const std::vector<std::string>& plain_feature_map_names() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> out;
+    for (const PlainFeatureMapName& m : kPlainFeatureMaps) out.emplace_back(m.name);
+    return out;
+  }();
+  return names;
+}
+
+std::string fixed_feature_maps_help() {
+  std::string out;
+  for (const PlainFeatureMapName& m : kPlainFeatureMaps)
+    if (m.formula) out += (out.empty() ? "" : ", ") + std::string(m.name) + " (" + m.formula + ")";
+  return out;
+}
+
+const char* plain_feature_map_name(FeatureMapKind kind) {
+  for (const PlainFeatureMapName& m : kPlainFeatureMaps)
+    if (m.kind == kind) return m.name;
+  fail("plain_feature_map_name: not a plain feature map");
+}
+
 FeatureMapKind parse_plain_feature_map(const char* fn, const std::string& name) {
-  if (name == "elu") return FeatureMapKind::Elu;
-  if (name == "relu") return FeatureMapKind::Relu;
-  if (name == "given") return FeatureMapKind::Given;
+  for (const PlainFeatureMapName& m : kPlainFeatureMaps)
+    if (name == m.name) return m.kind;
   // Its name until 0.2 (issue 43: one name with the hybrid's "given"); accepted for one release,
   // the Python layers warn (OptionInfo::former_choices).
   if (name == kFormerGivenName) return FeatureMapKind::Given;
-  if (name == "focused") return FeatureMapKind::Focused;
-  fail(fn, ": feature_map must be \"elu\", \"relu\", \"focused\" or \"given\"; got \"", name, "\"");
+  fail(fn, ": feature_map must be ", plain_feature_map_choices(), "; got \"", name, "\"");
+}
+
+std::string plain_feature_map_choices(const char* also) {
+  std::vector<std::string> names = plain_feature_map_names();
+  if (also) names.emplace_back(also);
+  std::string out;
+  for (size_t i = 0; i < names.size(); ++i)
+    out += (i == 0 ? "" : i + 1 == names.size() ? " or " : ", ") + ("\"" + names[i] + "\"");
+  return out;
+}
+
+double plain_feature_bound(const std::string& feature_map, double x_max, int64_t head_dim) {
+  return plain_feature_bound(parse_plain_feature_map("plain_feature_bound", feature_map), x_max, head_dim);
+}
+
+double plain_feature_bound(FeatureMapKind kind, double x_max, int64_t head_dim) {
+  switch (kind) {
+    case FeatureMapKind::Elu: return x_max + 1;
+    case FeatureMapKind::Relu:
+    case FeatureMapKind::Given: return x_max;
+    case FeatureMapKind::Focused: return std::sqrt(static_cast<double>(head_dim)) * x_max;
+    default: fail("plain_feature_bound: not a plain feature map");
+  }
 }
 
 FeatureMapKind parse_favor_kernel(const char* fn, const std::string& name) {

@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "linattn/core/products.h"
 #include "linattn/kernelized.h"
@@ -123,8 +124,26 @@ template <class T, class S>
 void check_given_features(const char* fn, const char* name, const FeatureMap<T>& fmap, TensorView<const S> x,
                           const KeyMask* mask = nullptr);
 
-// "elu", "relu", "focused", "given" / "positive", "hyperbolic", "trig", with the function name in errors.
+// The plain maps by name ("elu", "relu", "focused", "given"): the one list every method's
+// feature_map option, parser and error message takes, so a new fixed map is named here alone.
+const std::vector<std::string>& plain_feature_map_names();
+// Those names as an error message lists them: "elu", "relu", "focused" or "given" (then `also`,
+// another choice of the option, last).
+std::string plain_feature_map_choices(const char* also = nullptr);
+// The fixed maps (all but "given") with their formulas, for an option's help: "elu (elu(x)+1),
+// relu (max(x, 0)), focused (...)".
+std::string fixed_feature_maps_help();
+// The name of a plain map's kind (the inverse of parse_plain_feature_map).
+const char* plain_feature_map_name(FeatureMapKind kind);
+
+// plain_feature_map_names()' kinds ("identity", "given"'s spelling before 0.2, too) /
+// "positive", "hyperbolic", "trig", with the function name in errors.
 FeatureMapKind parse_plain_feature_map(const char* fn, const std::string& name);
 FeatureMapKind parse_favor_kernel(const char* fn, const std::string& name);
+
+// A plain map's largest feature for inputs whose largest |value| is x_max, over rows of
+// head_dim values (the ranges the kernels refuse inputs by): elu+1 <= x + 1, relu and given
+// <= x, focused ‖r‖·rᵖ/‖rᵖ‖ <= ‖r‖ <= √d·x.
+double plain_feature_bound(FeatureMapKind kind, double x_max, int64_t head_dim);
 
 }  // namespace linattn

@@ -38,7 +38,7 @@
 namespace linattn::hybrid {
 
 bool blocked_applies(const Setup& s) {
-  return s.opts.causal && s.d.n_q == s.d.n_k && (own_features(s.map) || s.map == Map::Given);
+  return s.opts.causal && s.d.n_q == s.d.n_k && !s.favor();
 }
 
 namespace {
@@ -78,7 +78,7 @@ LinearPart<T> linear_part(const Setup& s, TensorView<const T> q, TensorView<cons
   lp.key_features = Tensor<T>({d.batch, d.heads, n, m}, true, Init::Uninitialized);
   lp.values = Tensor<T>({d.batch, d.heads, n, dv + 1}, true, Init::Uninitialized);
   lp.log_gate = Tensor<T>({d.batch, d.heads, n}, true, Init::Uninitialized);
-  const bool given = s.map == Map::Given;
+  const bool given = s.given();
   if (!given) lp.query_features = Tensor<T>({d.batch, d.heads, n, m}, true, Init::Uninitialized);
   lp.fq = given ? *in.query_features : lp.query_features.view();
   for (int64_t b = 0; b < d.batch; ++b)
@@ -398,7 +398,7 @@ void blocked_backward(const Setup& s, TensorView<const T> q, TensorView<const T>
   const GatedLinearAttentionGrads<T> lg = gated_linear_attention_backward<T>(
       lp.fq, lp.key_features, lp.values, lp.log_gate, {}, dlinear, {}, lo);
   // Back up by w rows and through the map: dq, dk add it (the window's share is in them).
-  const bool given = s.map == Map::Given;
+  const bool given = s.given();
   const std::optional<FeatureMap<T>> map = given ? std::nullopt : std::optional(plain_map<T>("hybrid_attention", s));
   parallel_for(d.bh(), [&](int64_t bh) {
     const LinearRows rows = linear_rows(s, mask.key_length(bh / d.heads));

@@ -79,31 +79,25 @@ Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, T
   require(opts.sinks == 0 || opts.causal, fn, ": sinks = ", opts.sinks,
           " needs causal=true: attention sinks are the first keys of a causal sequence");
   require(std::isfinite(opts.eps) && opts.eps >= 0, fn, ": eps must be finite and >= 0, got ", opts.eps);
-  if (opts.feature_map == "elu") {
-    s.map = Map::Elu;
-  } else if (opts.feature_map == "relu") {
-    s.map = Map::Relu;
-  } else if (opts.feature_map == "focused") {
-    s.map = Map::Focused;
-  } else if (opts.feature_map == "given") {
-    s.map = Map::Given;
-  } else if (opts.feature_map == "favor") {
-    s.map = Map::Favor;
-  } else {
-    fail(fn, ": feature_map must be 'elu', 'relu', 'focused', 'given' or 'favor', got '", opts.feature_map, "'");
+  const bool favor = opts.feature_map == "favor";
+  if (!favor) {
+    require(std::find(plain_feature_map_names().begin(), plain_feature_map_names().end(), opts.feature_map) !=
+                plain_feature_map_names().end(),
+            fn, ": feature_map must be ", plain_feature_map_choices("favor"), ", got \"", opts.feature_map, "\"");
+    s.map = parse_plain_feature_map(fn, opts.feature_map);
   }
   const HybridAttentionOptions defaults;
-  if (s.map == Map::Focused) {
+  if (s.map == FeatureMapKind::Focused) {
     plain_map<T>(fn, s);  // checks focus_power
   } else {
     require(opts.focus_power == defaults.focus_power, fn, ": focus_power=", opts.focus_power,
             " applies to feature_map='focused' only, but feature_map is '", opts.feature_map, "'");
   }
-  if (s.map == Map::Favor) {
+  if (favor) {
     require(opts.kernel == "positive" || opts.kernel == "hyperbolic", fn,
             ": kernel must be 'positive' or 'hyperbolic' with feature_map='favor' (the hybrid's weights must be >= 0; "
             "trig's are not), got '", opts.kernel, "'");
-    s.favor_kind = opts.kernel == "positive" ? FeatureMapKind::FavorPositive : FeatureMapKind::FavorHyperbolic;
+    s.map = parse_favor_kernel(fn, opts.kernel);
     require(in.projection.has_value(), fn,
             ": feature_map='favor' needs projection ω [num_features, head_dim] (from random_features)");
     s.features = favor_map(fn, s, in).dim();  // checks the projection's shape and values and scale > 0
@@ -113,7 +107,7 @@ Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, T
     require(opts.kernel == defaults.kernel, fn, ": kernel='", opts.kernel, "' applies to feature_map='favor' only, but ",
             "feature_map is '", opts.feature_map, "'");
   }
-  if (s.map == Map::Given) {
+  if (s.given()) {
     require(in.query_features && in.key_features, fn,
             ": feature_map='given' needs query_features [batch, heads, n_q, m'] and key_features [batch, heads, "
             "n_k, m']");
@@ -133,15 +127,13 @@ Setup check_args(const char* fn, TensorView<const T> q, TensorView<const T> k, T
     require(!in.query_features && !in.key_features, fn, ": query_features or key_features is given, but feature_map ",
             "is '", opts.feature_map, "'; pass feature_map='given' to use them");
   }
-  if (s.map == Map::Favor) {
+  if (s.favor()) {
     // Every term is shifted to at most 1 (R_i, the states' running maxima): nothing to bound.
     s.feature_max_q = s.feature_max_k = 1;
-  } else if (s.map != Map::Given) {
+  } else if (!s.given()) {
     s.features = d.head_dim;
-    // elu+1 <= 1 + x; relu <= x; focused ‖r‖·rᵖ/‖rᵖ‖ <= ‖r‖ <= √d·max|x|.
-    const double grow = s.map == Map::Focused ? std::sqrt(static_cast<double>(d.head_dim)) : 1;
-    s.feature_max_q = (s.map == Map::Elu ? 1 : 0) + grow * d.q_max;
-    s.feature_max_k = (s.map == Map::Elu ? 1 : 0) + grow * d.k_max;
+    s.feature_max_q = plain_feature_bound(s.map, d.q_max, d.head_dim);
+    s.feature_max_k = plain_feature_bound(s.map, d.k_max, d.head_dim);
   }
   s.gamma.assign(static_cast<size_t>(d.heads), 1.0);
   if (in.window_gate) {
@@ -181,7 +173,7 @@ template <class T>
 struct Scratch {
   Scratch(const Setup& s, bool backward) {
     const int64_t m = s.features, dv = s.d.value_dim, nq = s.d.n_q, nk = s.d.n_k;
-    const bool own = own_features(s.map), favor = s.map == Map::Favor;
+    const bool own = s.own_features(), favor = s.favor();
     fq = Buffer<T>(own || favor ? nq * m : 0, true, Init::Uninitialized);  // favor: the logits L
     fk = Buffer<T>(own || favor ? nk * m : 0, true, Init::Uninitialized);
     state = Buffer<T>(m * dv);
@@ -226,12 +218,12 @@ Item<T> item(const char* fn, const Setup& s, const FeatureMap<T>* favor, TensorV
   Item<T> it{q.row(bh, 0), k.row(bh, 0), v.row(bh, 0), nullptr, nullptr,
              static_cast<T>(s.gamma[static_cast<size_t>(bh % s.d.heads)]), mask.key_length(bh / s.d.heads)};
   if (!s.log_decay.empty()) it.log_decay = s.log_decay[static_cast<size_t>(bh % s.d.heads)];
-  if (s.map == Map::Given) {
+  if (s.given()) {
     it.fq = in.query_features->row(bh, 0);
     it.fk = in.key_features->row(bh, 0);
     return it;
   }
-  if (s.map == Map::Favor) {  // L = ω·x̃ − ‖x̃‖²/2 for queries too: their norm no longer cancels
+  if (s.favor()) {  // L = ω·x̃ − ‖x̃‖²/2 for queries too: their norm no longer cancels
     favor->logits(fn, it.q, s.d.n_q, Side::QueryWithNorm, w.fq.data(), nullptr);
     favor->logits(fn, it.k, it.L, Side::Key, w.fk.data(), nullptr);
   } else {
@@ -277,7 +269,7 @@ template <class T>
 void clear_state(Scratch<T>& w, const Setup& s) {
   std::fill(w.state.data(), w.state.data() + s.features * s.d.value_dim, T(0));
   std::fill(w.z.data(), w.z.data() + s.features, T(0));
-  if (s.map == Map::Favor) std::fill(w.peak.data(), w.peak.data() + s.features, -std::numeric_limits<T>::infinity());
+  if (s.favor()) std::fill(w.peak.data(), w.peak.data() + s.features, -std::numeric_limits<T>::infinity());
 }
 
 // FAVOR, a row x of logits entering a state whose rows r are in the scale exp(−peak_r): raises
@@ -307,7 +299,7 @@ const T* enter_state(const Setup& s, const T* x, Scratch<T>& w) {
 template <class T>
 const T* key_entering(const Setup& s, const Item<T>& it, int64_t j, Scratch<T>& w) {
   const T* f = it.fk + j * s.features;
-  return s.map == Map::Favor ? enter_state(s, f, w) : f;
+  return s.favor() ? enter_state(s, f, w) : f;
 }
 
 // FAVOR, query i meeting a state of keys in scale exp(−peak): its features in the scale of row
@@ -334,7 +326,7 @@ const T* query_meeting_state(const Setup& s, const Item<T>& it, int64_t i, Scrat
 
 template <class T>
 const T* query_features(const Setup& s, const Item<T>& it, int64_t i, Scratch<T>& w, T* num, T* den, bool forward) {
-  return s.map == Map::Favor ? query_meeting_state(s, it, i, w, num, den, forward) : it.fq + i * s.features;
+  return s.favor() ? query_meeting_state(s, it, i, w, num, den, forward) : it.fq + i * s.features;
 }
 
 // Scores of row i over its exact keys (r.exact_key(j), j < r.exact_count(): the sinks, then the
@@ -432,7 +424,7 @@ void forward_item(const Setup& s, const Item<T>& it, T* num, T* den, Scratch<T>&
 // keys (den = 0: out 0). The other maps: eps itself.
 template <class T>
 T row_eps(const Setup& s, const Scratch<T>& w, int64_t i) {
-  if (s.map != Map::Favor) return static_cast<T>(s.opts.eps);
+  if (!s.favor()) return static_cast<T>(s.opts.eps);
   const T R = w.shift[i];
   if (!(R > -std::numeric_limits<T>::infinity()) || s.opts.eps == 0) return T(0);
   return static_cast<T>(std::exp(std::log(s.opts.eps) - static_cast<double>(R)));
@@ -443,7 +435,7 @@ T row_eps(const Setup& s, const Scratch<T>& w, int64_t i) {
 // query's linear part holds (R_i covers that term), so exp(L_k,jr + peak_r) <= 1 below.
 template <class T>
 const T* query_entering(const Setup& s, const Item<T>& it, int64_t i, Scratch<T>& w) {
-  if (s.map != Map::Favor) return it.fq + i * s.features;
+  if (!s.favor()) return it.fq + i * s.features;
   const int64_t m = s.features;
   T* x = w.row.data();
   for (int64_t r = 0; r < m; ++r) x[r] = it.fq[i * m + r] - w.shift[i];
@@ -453,7 +445,7 @@ const T* query_entering(const Setup& s, const Item<T>& it, int64_t i, Scratch<T>
 // FAVOR, backward: key j's features meeting the reverse state, exp(L_k,jr + peak_r)/m', in w.row.
 template <class T>
 const T* key_meeting_state(const Setup& s, const Item<T>& it, int64_t j, Scratch<T>& w) {
-  if (s.map != Map::Favor) return it.fk + j * s.features;
+  if (!s.favor()) return it.fk + j * s.features;
   const int64_t m = s.features;
   T* f = w.row.data();
   const T inv = T(1) / static_cast<T>(m);
@@ -474,7 +466,7 @@ Tensor<T> hybrid_attention(TensorView<const T> q, TensorView<const T> k, TensorV
   const TensorView<const T> v = vs.view();
   const KeyMask mask(d, opts);
   const std::optional<FeatureMap<T>> favor =
-      s.map == hybrid::Map::Favor ? std::optional(hybrid::favor_map(fn, s, in)) : std::nullopt;
+      s.favor() ? std::optional(hybrid::favor_map(fn, s, in)) : std::nullopt;
   Tensor<T> out({d.batch, d.heads, d.n_q, d.value_dim}, false, Init::Uninitialized);
   if (hybrid::blocked_applies(s)) {
     hybrid::blocked_forward(s, q, k, v, in, mask, out.data());
@@ -513,10 +505,10 @@ AttentionGrads<T> hybrid_attention_backward(TensorView<const T> q, TensorView<co
   const TensorView<const T> v = vs.view(), dout = gs.view();
   const KeyMask mask(d, opts);
   const std::optional<FeatureMap<T>> favor =
-      s.map == hybrid::Map::Favor ? std::optional(hybrid::favor_map(fn, s, in)) : std::nullopt;
+      s.favor() ? std::optional(hybrid::favor_map(fn, s, in)) : std::nullopt;
   const int64_t m = s.features, dv = s.d.value_dim, hd = d.head_dim, nq = d.n_q;
   AttentionGrads<T> grads{Tensor<T>(q.shape), Tensor<T>(k.shape), Tensor<T>(v_arg.shape), {}};
-  const bool given = s.map == hybrid::Map::Given;
+  const bool given = s.given();
   Tensor<T> dfq_all = given ? Tensor<T>(in.query_features->shape) : Tensor<T>();
   Tensor<T> dfk_all = given ? Tensor<T>(in.key_features->shape) : Tensor<T>();
   std::vector<double> dgamma(static_cast<size_t>(d.bh()), 0.0);

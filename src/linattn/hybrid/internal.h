@@ -12,23 +12,24 @@
 
 namespace linattn::hybrid {
 
-// Favor: FAVOR's random features in log form, φ_r(x) = exp(L_r(x))/√m', which estimate
-// e^{s_ij}; the window is then unshifted and every term of row i is shifted by R_i instead.
-// Elu, Relu, Focused: φ of q and k by the library's plain map (core/feature_map.h), the
-// one place their formulas live.
-enum class Map { Elu, Relu, Focused, Given, Favor };
-
 // A checked call: sizes, scale, the feature map and its width m', γ_h per head.
 struct Setup {
   AttentionDims d;
   HybridAttentionOptions opts;
   double scale = 0;
-  Map map = Map::Elu;
+  // The linear part's map. FAVOR's (positive or hyperbolic): random features in log form,
+  // φ_r(x) = exp(L_r(x))/√m', which estimate e^{s_ij}, so the window is then unshifted and every
+  // term of row i is shifted by R_i instead. Given: the caller's features. The others: φ of q
+  // and k by the library's plain map (core/feature_map.h, the one place their formulas live).
+  FeatureMapKind map = FeatureMapKind::Elu;
   int64_t features = 0;        // m'
-  FeatureMapKind favor_kind = FeatureMapKind::FavorPositive;  // Map::Favor: positive or hyperbolic
   std::vector<double> gamma;   // [heads]: sigmoid(window_gate), or 1
   std::vector<double> log_decay;  // [heads]: λ_h, the linear part's decay per position; empty: none
   double feature_max_q = 0, feature_max_k = 0;  // largest feature of a query / a visible key
+
+  bool favor() const { return map >= FeatureMapKind::FavorPositive; }
+  bool given() const { return map == FeatureMapKind::Given; }
+  bool own_features() const { return !favor() && !given(); }  // a plain map the kernel applies
 };
 
 // Checks everything (shapes, finiteness, non-negative given features, options, ranges); Error
@@ -61,10 +62,10 @@ inline RowKeys row_keys(const Setup& s, int64_t i, int64_t L) {
   return {clamp(p - w), end, end};
 }
 
-// Map::Favor's feature map (the projection checked against head_dim, scale > 0); Error naming fn.
+// FAVOR's feature map (the projection checked against head_dim, scale > 0); Error naming fn.
 template <class T>
 FeatureMap<T> favor_map(const char* fn, const Setup& s, const HybridInputs<T>& in) {
-  return FeatureMap<T>::favor(fn, s.favor_kind, *in.projection, s.d.head_dim, s.opts.scale);
+  return FeatureMap<T>::favor(fn, s.map, *in.projection, s.d.head_dim, s.opts.scale);
 }
 
 // The blocked path (blocked.cc): causal calls with n_q == n_k and features used as they are
@@ -86,16 +87,11 @@ void blocked_backward(const Setup& s, TensorView<const T> q, TensorView<const T>
                       const KeyMask& mask, AttentionGrads<T>& grads, T* dfq_given, T* dfk_given,
                       std::vector<double>& dgamma);
 
-// The plain map of Map::Elu, Relu or Focused (focus_power checked); Error naming fn.
+// The plain map s.own_features() names (focus_power checked); Error naming fn.
 template <class T>
 FeatureMap<T> plain_map(const char* fn, const Setup& s) {
-  const FeatureMapKind kind = s.map == Map::Elu    ? FeatureMapKind::Elu
-                              : s.map == Map::Relu ? FeatureMapKind::Relu
-                                                   : FeatureMapKind::Focused;
-  return FeatureMap<T>::plain(fn, kind, s.d.head_dim, s.opts.focus_power);
+  return FeatureMap<T>::plain(fn, s.map, s.d.head_dim, s.opts.focus_power);
 }
-
-inline bool own_features(Map map) { return map == Map::Elu || map == Map::Relu || map == Map::Focused; }
 
 inline double sigmoid(double g) { return g >= 0 ? 1 / (1 + std::exp(-g)) : std::exp(g) / (1 + std::exp(g)); }
 

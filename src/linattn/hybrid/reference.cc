@@ -15,7 +15,6 @@
 namespace linattn::reference {
 namespace {
 
-using hybrid::Map;
 using hybrid::Setup;
 
 struct Row {
@@ -59,8 +58,7 @@ double favor_logit_slope(const Setup& s, TensorView<const double> w, const doubl
 // φ of one row x [head_dim] by a plain map (elu, relu, focused), from the kernelized reference,
 // the one float64 statement of the maps; with jacobian, ∂φ_r/∂x_c as [1, m', head_dim].
 std::vector<double> plain_features(const Setup& s, const double* x, Tensor<double>* jacobian = nullptr) {
-  const char* name = s.map == Map::Elu ? "elu" : s.map == Map::Relu ? "relu" : "focused";
-  const Tensor<double> f = reference::features(TensorView<const double>{x, {1, s.d.head_dim}}, name, std::nullopt, 1.0,
+  const Tensor<double> f = reference::features(TensorView<const double>{x, {1, s.d.head_dim}}, plain_feature_map_name(s.map), std::nullopt, 1.0,
                                                s.opts.focus_power, jacobian);
   return {f.data(), f.data() + s.features};
 }
@@ -69,8 +67,8 @@ std::vector<double> plain_features(const Setup& s, const double* x, Tensor<doubl
 std::vector<double> features(const Setup& s, TensorView<const double> x, const HybridInputs<double>& in,
                              const std::optional<TensorView<const double>>& given, int64_t bh, int64_t r,
                              bool magnitude) {
-  if (s.map == Map::Favor) return favor_logits(s, *in.projection, x.row(bh, r));
-  std::vector<double> f = s.map == Map::Given ? std::vector<double>(given->row(bh, r), given->row(bh, r) + s.features)
+  if (s.favor()) return favor_logits(s, *in.projection, x.row(bh, r));
+  std::vector<double> f = s.given() ? std::vector<double>(given->row(bh, r), given->row(bh, r) + s.features)
                                                : plain_features(s, x.row(bh, r));
   if (magnitude)
     for (double& y : f) y = std::abs(y);
@@ -144,7 +142,7 @@ Row row(const Setup& s, TensorView<const double> q, TensorView<const double> k, 
     score[static_cast<size_t>(j)] = s.scale * dot;
     if (win && score[static_cast<size_t>(j)] > M) M = score[static_cast<size_t>(j)], r.top = j;
   }
-  if (s.map == Map::Favor) return favor_row(s, r, score, fks, gamma, visible);
+  if (s.favor()) return favor_row(s, r, score, fks, gamma, visible);
   r.den = s.opts.eps;
   for (int64_t j = 0; j < visible; ++j) {
     double wt = 0;
@@ -227,7 +225,7 @@ AttentionGrads<double> hybrid_attention_backward(TensorView<const double> q, Ten
           ds[j] = r.weight[j] * dw;
           shift += ds[j];
           dgamma[static_cast<size_t>(bh % d.heads)] += r.expo[j] * dw;
-        } else if (s.map == Map::Favor) {  // weight = Σ_c e^{L_q,c + L_k,jc}/m': ∂/∂L = the shares
+        } else if (s.favor()) {  // weight = Σ_c e^{L_q,c + L_k,jc}/m': ∂/∂L = the shares
           for (int64_t c = 0; c < s.features; ++c) {
             const double a = dw * r.share[j][static_cast<size_t>(c)];
             dfq_all.data()[(bh * d.n_q + i) * s.features + c] += a;
@@ -253,10 +251,10 @@ AttentionGrads<double> hybrid_attention_backward(TensorView<const double> q, Ten
       }
     }
   }
-  if (s.map == Map::Given) {
+  if (s.given()) {
     g.params.emplace_back("query_features", std::move(dfq_all));
     g.params.emplace_back("key_features", std::move(dfk_all));
-  } else if (s.map == Map::Favor) {  // dx_t = Σ_r dL_r·∂L_r/∂x_t
+  } else if (s.favor()) {  // dx_t = Σ_r dL_r·∂L_r/∂x_t
     auto chain = [&](TensorView<const double> x, const Tensor<double>& dL, int64_t rows_of_item, Tensor<double>& dx,
                      int64_t n) {
       for (int64_t bh = 0; bh < d.bh(); ++bh)

@@ -1,4 +1,5 @@
 // hybrid_attention in the method registry.
+#include "linattn/core/feature_map.h"
 #include "linattn/core/method_support.h"
 #include "linattn/hybrid.h"
 #include "linattn/hybrid/args.h"
@@ -19,6 +20,13 @@ AttentionGrads<T> backward(const MethodArgs<T>& a, TensorView<const T> dout,
                            const std::map<std::string, TensorView<const T>, std::less<>>&) {
   const auto c = hybrid::call_from(a);
   return hybrid_attention_backward<T>(a.q, a.k, a.v, dout, c.in, c.opts);
+}
+
+// The plain maps and FAVOR's.
+std::vector<std::string> hybrid_feature_maps() {
+  std::vector<std::string> names = plain_feature_map_names();
+  names.emplace_back("favor");
+  return names;
 }
 
 }  // namespace
@@ -46,9 +54,8 @@ MethodInfo describe_hybrid() {
                  "causal only: the first `sinks` keys are in every query's exact part (attention sinks); 0: none"),
       tensor_input("projection", false, false,
                    "ω [num_features, head_dim] from random_features (feature_map='favor'; not differentiated)"),
-      string_option("feature_map", defaults.feature_map, {"elu", "relu", "focused", "given", "favor"},
-                    "the linear part's map: elu (elu(x)+1), relu or focused (relu, then ‖x‖·xᵖ/‖xᵖ‖ with p = "
-                    "focus_power) of q and k, given (query_features, key_features), or favor (FAVOR+'s random "
+      string_option("feature_map", defaults.feature_map, hybrid_feature_maps(),
+                    "the linear part's map: " + fixed_feature_maps_help() + " of q and k, given (query_features, key_features), or favor (FAVOR+'s random "
                     "features with projection: the window's weights are then e^{s}, unshifted)"),
       float_option("focus_power", defaults.focus_power, "feature_map='focused': p of the focused map (1 to 1000)"),
       string_option("kernel", defaults.kernel, {"positive", "hyperbolic"},

@@ -26,18 +26,6 @@ AttentionDims check_common(const char* fn, TensorView<const S> q, TensorView<con
   return d;
 }
 
-// The plain maps' largest feature for inputs of largest |value| x: elu+1 <= x + 1, relu and
-// given <= x,
-// focused = ‖r‖·rᵖ/‖rᵖ‖ <= ‖r‖ <= √d·x.
-double plain_feature_bound(FeatureMapKind kind, double x, int64_t d) {
-  switch (kind) {
-    case FeatureMapKind::Elu: return x + 1;
-    case FeatureMapKind::Relu:
-    case FeatureMapKind::Given: return x;
-    default: return std::sqrt(static_cast<double>(d)) * x;
-  }
-}
-
 template <class T>
 FeatureMap<T> plain_map(const char* fn, const LinearAttentionOptions& o, const AttentionDims& d,
                         double v_max) {

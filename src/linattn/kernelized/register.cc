@@ -217,9 +217,8 @@ MethodInfo describe_linear() {
   m.docs = "docs/methods/kernelized.md";
   m.options = {
       formerly_choice(kFormerGivenName, "given",
-                      string_option("feature_map", defaults.feature_map, {"elu", "relu", "focused", "given"},
-                                    "elu (elu(x)+1), relu, focused (relu, then ‖x‖·xᵖ/‖xᵖ‖ with p = focus_power), "
-                                    "or given (q and k are features already, each >= 0, from a map of the caller's; "
+                      string_option("feature_map", defaults.feature_map, plain_feature_map_names(),
+                                    fixed_feature_maps_help() + ", or given (q and k are features already, each >= 0, from a map of the caller's; "
                                     "'identity' before 0.2)")),
       causal_option(""),
       key_lengths_option(),

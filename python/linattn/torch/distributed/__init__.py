@@ -202,7 +202,11 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, key_lengths=None, gr
     return _ring.RingSoftmax.apply(c.q, c.k, c.v, c.lengths, causal, holder["scale"], c.g, c.segs)
 
 
-_LINEAR_MAPS = ("elu", "relu", "focused", "given")
+def _option_choices(fn, name):
+    return tuple(next(o for o in _INFO[fn]["options"] if o["name"] == name)["choices"])
+
+
+_LINEAR_MAPS = _option_choices("linear_attention", "feature_map")
 
 
 def _nonnegative(fn, name, x, why):
@@ -226,11 +230,6 @@ def _state_in_range(fn, k, v, feature_bound, top):
         raise ValueError("%s: k and v are too large for %s: this rank's key state reaches %g (max |k| = %g, max |v| = "
                          "%g over %d keys), beyond the dtype's range; scale them down or use float64"
                          % (fn, k.dtype, bound, k_max, v_max, k.shape[2]))
-
-
-# The plain maps' largest feature for inputs of largest |value| x (as the C++ library bounds it).
-_PLAIN_FEATURE_BOUND = {"elu": lambda x, d: x + 1, "relu": lambda x, d: x, "given": lambda x, d: x,
-                        "focused": lambda x, d: math.sqrt(d) * x}
 
 
 def _eps_check(fn, eps):
@@ -284,7 +283,7 @@ def linear_attention(q, k, v, *, feature_map=_option_default("linear_attention",
         if isinstance(focus_power, bool) or not isinstance(focus_power, (int, float)) or not 1 <= focus_power <= 1000:
             raise ValueError("%s: focus_power must lie in [1, 1000], got %r" % (fn, focus_power))
         holder["w"] = None if conv_weight is None else _conv_check(fn, conv_weight, q, v, causal)
-        _state_in_range(fn, k, v, lambda x: _PLAIN_FEATURE_BOUND[feature_map](x, q.shape[3]), top)
+        _state_in_range(fn, k, v, lambda x: _lx._plain_feature_bound(feature_map, x, q.shape[3]), top)
         return [_LINEAR_MAPS.index(feature_map), eps, focus_power,
                 conv_weight is not None and conv_weight.requires_grad] + _checksum(holder["w"])
     c = _Call("linear_attention", group, layout, q, k, v, key_lengths, causal, check)
@@ -376,7 +375,7 @@ def hedgehog_attention(q, k, v, query_weight, query_bias, key_weight, key_bias, 
                                  dict(feature_map="given", eps=float(eps)))
 
 
-_HYBRID_MAPS = ("elu", "relu", "given", "favor", "focused")
+_HYBRID_MAPS = _option_choices("hybrid_attention", "feature_map")
 
 
 def hybrid_attention(q, k, v, *, query_features=None, key_features=None, window_gate=None,
