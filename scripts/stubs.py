@@ -55,7 +55,9 @@ def numpy_stub():
 def torch_stub():
     out = [HEADER, "from typing import Optional, Sequence, Union\n\nfrom torch import Tensor\n\n",
            "from .feature_maps import HedgehogFeatureMap as HedgehogFeatureMap, "
-           "feature_logits as feature_logits, features as features, hedgehog_features as hedgehog_features\n",
+           "LearnedFeatureMap as LearnedFeatureMap, feature_logits as feature_logits, features as features, "
+           "hedgehog_features as hedgehog_features, learned_feature_maps as learned_feature_maps, "
+           "register_feature_map as register_feature_map\n",
            "from .conv1d import causal_conv1d as causal_conv1d\n",
            "from .delta import gated_delta_rule as gated_delta_rule\n",
            "from .gated import gated_linear_attention as gated_linear_attention\n",

@@ -95,8 +95,8 @@ def test_a_failed_save_leaves_the_checkpoint_that_was_there(tmp_path):
     model.config.linattn_options = {"window": -1, "feature_dim": 4}  # bypassing set_options
     with pytest.raises(ValueError, match="window must be an integer >= 0, got -1"):
         model.save_pretrained(tmp_path)
-    model.config.linattn_options = {"window": 2, "feature_dim": 4, "eps": object()}
-    with pytest.raises(ValueError, match="takes no option 'eps'"):
+    model.config.linattn_options = {"window": 2, "feature_dim": 4, "kernel": object()}
+    with pytest.raises(ValueError, match="takes no option 'kernel'"):
         model.save_pretrained(tmp_path)
     with open(tmp_path / "config.json") as f:
         assert f.read() == good
@@ -121,7 +121,7 @@ def test_set_options_merges_and_never_replaces_a_learned_tensor():
     assert model.config.linattn_options["feature_dim"] == 4
     # Options assigned without set_options, maps that no longer fit: the forward refuses.
     model.config.linattn_options = {"window": 4}
-    with torch.no_grad(), pytest.raises(ValueError, match="has shape \\[4, 8, 4\\], but the model's options need"):
+    with torch.no_grad(), pytest.raises(ValueError, match="has shape \\[4, 8, 4\\] and \\[4, 4\\], but the model's options need"):
         model(ids_of())
     for n, p in learned(model).items():
         assert torch.equal(p.detach(), values.get(n, p.detach())), n

@@ -35,8 +35,11 @@ def test_every_method_has_a_hugging_face_backend():
     for name, function in registered().items():
         assert function in functions or ("hf", name) in ABSENT, \
             "method %r has no linattn.hf backend (linattn/hf/backends.py BACKENDS)" % name
-    # and the learned maps: Hedgehog's
-    assert "hedgehog_attention" in functions and hasattr(lt, "hedgehog_attention")
+    # and the learned maps (Hedgehog's, and any registered): a backend each
+    assert "hedgehog" in lt.learned_feature_maps() and hasattr(lt, "hedgehog_attention")
+    for name, cls in lt.learned_feature_maps().items():
+        b = lh.BACKENDS["linattn_" + name]
+        assert isinstance(b, lh.backends.Learned) and b.cls is cls, name
 
 
 def test_every_method_is_in_distributed():

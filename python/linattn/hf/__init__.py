@@ -10,7 +10,8 @@ Llama, Qwen, GPT-2, ...) then runs its attention on linattn's kernels, forward a
 (through linattn.torch). The names are BACKENDS' keys: linattn_softmax (exact), linattn_elu,
 linattn_relu, linattn_focused (kernelized), linattn_favor (Performer), linattn_nystrom,
 linattn_linformer, linattn_efficient, linattn_hedgehog (learned feature maps, below),
-linattn_window (exact softmax within a sliding window, nothing beyond: a baseline).
+linattn_window (exact softmax within a sliding window, nothing beyond: a baseline), and
+linattn_<name> for each learned map registered with linattn.torch.register_feature_map.
 
 Converting a pretrained model (docs/linearize.md):
 
@@ -61,7 +62,8 @@ config with linattn options is written atomically (temporary file, then rename).
     sees segment means of its keys and values; "random": linattn.linformer_projections).
   linattn_hedgehog: feature_dim (32; m' = 2·feature_dim features per head), init ("identity"
     or "random"): HedgehogFeatureMap submodules for queries and keys in every attention module;
-    window (0).
+    window (0), eps (1e-6). A registered map's backend takes its own options, its inits, and
+    the same window, sinks, decay and eps.
   linattn_elu, linattn_relu, linattn_hedgehog, linattn_favor: window (0; w > 0: the
     sliding-window hybrid, linattn.torch.hybrid_attention, with a learned gate
     linattn_window_gate [heads]; favor: kernel positive or hyperbolic, eps 0).

@@ -108,7 +108,7 @@ class Backend:
     def learned(self, module, user):
         """The learned tensors the options `user` need on an attention module: {attribute name
         (without PREFIX): (shape, the option that sets it, make(factory) -> Parameter or
-        Module)}. A module's shape is its weight's. The window gate comes with any window."""
+        Module)}. A module's shape is its parameters' shapes. The window gate comes with any window."""
         h, _ = heads(module, module.config)
         if user.get("window") and self.minimum_window == 0:
             # g = 0: γ = sigmoid(g) = 1/2, the window and the linear part weighed alike
@@ -118,6 +118,10 @@ class Backend:
     def options(self, module, query, user):
         """The keyword arguments of `function` besides key_lengths, causal and scale."""
         return dict(self.fixed)
+
+    def inputs(self, module, query, key, user):
+        """What `function` takes as q and k: query and key themselves (a learned map: their features)."""
+        return query, key
 
     def hybrid_features(self, module, query, key, user):
         """With window > 0: the arguments of hybrid_attention that give the linear part."""
@@ -226,40 +230,70 @@ class Linformer(Backend):
                     f=learned_tensor(module, self, user, "f", query))
 
 
-class Hedgehog(Backend):
-    """Hedgehog's learned maps (HedgehogFeatureMap submodules for queries and keys), alone or
-    as the linear part of the hybrid. The maps take q and k as the model makes them: no scale."""
+class Learned(Backend):
+    """A learned feature map's backend (linattn.torch.LearnedFeatureMap: Hedgehog's, or one
+    registered by register_feature_map): the map's modules for queries and keys on each
+    attention layer (attributes PREFIX + map name + "_q" / "_k"), alone (linear_attention with
+    their features) or as the linear part of the hybrid. The maps take q and k as the model makes
+    them: no scale. Options: the map's own (Hedgehog: feature_dim), init, window, sinks, decay,
+    eps."""
 
     takes_scale = False
-    inits = ("identity", "random")
+
+    def __init__(self, map_name, cls):
+        super().__init__(PREFIX + map_name, "linear_attention", {"feature_map": "given"},
+                         {**cls.options, "init": cls.inits[0], "eps": 1e-6, **_WINDOWED})
+        self.map_name, self.cls, self.inits = map_name, cls, cls.inits
+
+    def check(self, o, config):
+        # The map's own options, by its rules (ValueError naming the option); each side's map is
+        # then made with them, in create_learned.
+        o.update(self.cls.check_options("linattn.hf", {k: o[k] for k in self.cls.options}))
 
     def learned(self, module, user):
-        from ..torch.feature_maps import HedgehogFeatureMap
         out = super().learned(module, user)
         h, d = heads(module, module.config)
-        f = user["feature_dim"]
-        for side in ("hedgehog_q", "hedgehog_k"):
-            out[side] = ((h, d, f), "feature_dim",
-                         lambda factory: HedgehogFeatureMap(h, d, f, init=user["init"], **factory))
+        own = {k: user[k] for k in self.cls.options}
+        shape = self._shapes(h, d, tuple(own.items()))
+        for side in ("_q", "_k"):
+            out[self.map_name + side] = (shape, next(iter(own), "init"),
+                                         lambda factory: self.cls(h, d, init=user["init"], **own, **factory))
         return out
 
+    @_functools.lru_cache(maxsize=64)
+    def _shapes(self, heads, head_dim, own):
+        """The shapes of the parameters of a map with these options (made on the meta device:
+        no memory, no values): what a layer's map must have."""
+        m = self.cls(heads, head_dim, init=self.inits[0], **dict(own), device="meta")
+        return tuple(tuple(p.shape) for p in m.parameters())
+
     def map(self, module, user, side, like):
-        """(weight, bias) of the query map (side "query") or the key map, in like's dtype."""
-        m = learned_tensor(module, self, user, "hedgehog_q" if side == "query" else "hedgehog_k", like, cast=False)
-        return m.weight.to(like.dtype), m.bias.to(like.dtype)
+        """The query map (side "query") or the key map, a LearnedFeatureMap."""
+        return learned_tensor(module, self, user, self.map_name + ("_q" if side == "query" else "_k"), like,
+                              cast=False)
 
     def features(self, module, user, x, side):
-        """Hedgehog's features of x (side "query" or "key") with the module's map, in x's dtype."""
-        from ..torch.feature_maps import hedgehog_features
-        return hedgehog_features(x, *self.map(module, user, side, x))
+        """The map's features of x (side "query" or "key"), in x's dtype. A map with kernel_maps
+        (Hedgehog's) runs on them cast to x's dtype, in the graph, as the other learned tensors
+        are cast (the parameters themselves stay as they are); another map whose parameters have
+        another dtype than x (a float32 model under autocast, say) takes x in theirs, and its
+        features are rounded to x's. Neither changes the module, which other threads may use."""
+        m = self.map(module, user, side, x)
+        maps = m.kernel_maps(x.dtype)
+        if maps is not None:
+            return _lt.hedgehog_features(x, *maps)
+        dtype = next((p.dtype for p in m.parameters()), x.dtype)
+        return m(x) if dtype == x.dtype else m(x.to(dtype)).to(x.dtype)
+
+    def inputs(self, module, query, key, user):
+        return self.features(module, user, query, "query"), self.features(module, user, key, "key")
 
     def options(self, module, query, user):
-        (qw, qb), (kw, kb) = (self.map(module, user, side, query) for side in ("query", "key"))
-        return dict(self.fixed, query_weight=qw, query_bias=qb, key_weight=kw, key_bias=kb)
+        return dict(self.fixed, eps=user["eps"])
 
     def hybrid_features(self, module, query, key, user):
         return {"feature_map": "given", "query_features": self.features(module, user, query, "query"),
-                "key_features": self.features(module, user, key, "key")}
+                "key_features": self.features(module, user, key, "key"), "eps": user["eps"]}
 
 
 class Window(Backend):
@@ -288,10 +322,21 @@ BACKENDS = {b.name: b for b in (
                                                          "pinv": "iterative", "conv_kernel_size": None}),
     Linformer("linattn_linformer", "linformer_attention", {}, {"s_proj": 256, "max_seq_len": None, "init": "pool"}),
     Backend("linattn_efficient", "efficient_attention"),
-    Hedgehog("linattn_hedgehog", "hedgehog_attention", {}, {"feature_dim": 32, "init": "identity", "window": 0,
-                                                              "sinks": 0, "decay": None}),
     Window("linattn_window", "hybrid_attention", {}, {"window": 64, "sinks": 0}),
 )}
+
+
+
+
+def _learned_backends():
+    """A backend for each registered learned map (linattn.torch.register_feature_map) that has
+    none yet: linattn_hedgehog, and maps registered since."""
+    for map_name, cls in _lt.learned_feature_maps().items():
+        if PREFIX + map_name not in BACKENDS:
+            BACKENDS[PREFIX + map_name] = Learned(map_name, cls)
+
+
+_learned_backends()
 
 
 def backend(name):
@@ -449,7 +494,7 @@ def attention_function(name):
             options["causal"] = True
         if b.takes_scale:
             options["scale"] = scaling
-        return op(query, key, value, key_lengths=key_lengths, **options)
+        return op(*b.inputs(module, query, key, user), value, key_lengths=key_lengths, **options)
 
     attention.__name__ = attention.__qualname__ = name
     attention.__doc__ = "linattn's %s as a transformers attention function (see linattn.hf)." % b.function
@@ -521,8 +566,8 @@ def checked(name, given, config, fn="linattn.hf"):
             o[k] = _options.integer(fn, k, o[k], b.minimum_window)
         elif k == "init":
             o[k] = _options.choice(fn, k, o[k], b.inits)
-        else:
-            o[k] = _OPTION_CHECKS[k](fn, k, o[k])
+        elif k not in getattr(getattr(b, "cls", None), "options", {}) and k in _OPTION_CHECKS:
+            o[k] = _OPTION_CHECKS[k](fn, k, o[k])  # (a learned map's own options: its own checks, b.check)
     if o.get("decay") is not None and not o.get("window"):
         raise ValueError("%s: decay=%r needs window >= 1: it decays the linear part of the sliding-window hybrid"
                          % (fn, o["decay"]))
@@ -590,8 +635,8 @@ def create_learned(model, options):
                 raise ValueError("linattn.hf.set_options: %s=%r needs %s of shape %s, but layer %s has a learned one of "
                                  "shape %s, which would be lost; set %s back, or remove the learned tensors first "
                                  "with linattn.hf.remove_learned(model) to start over"
-                                 % (option, user.get(option), PREFIX + attr, list(shape), m.layer_idx,
-                                    list(_shape_of(have)), option))
+                                 % (option, user.get(option), PREFIX + attr, _shape_text(shape), m.layer_idx,
+                                    _shape_text(_shape_of(have)), option))
     config.linattn_options = stored
     config.linattn_backend = name
     created = []
@@ -627,7 +672,17 @@ def _existing(module, attr):
 
 
 def _shape_of(t):
-    return t.weight.shape if isinstance(t, _torch.nn.Module) else t.shape
+    """A tensor's shape; a module's (a learned map): its parameters' shapes."""
+    if isinstance(t, _torch.nn.Module):
+        return tuple(tuple(p.shape) for p in t.parameters())
+    return tuple(t.shape)
+
+
+def _shape_text(shape):
+    """[4, 8] for a tensor's shape; [4, 8, 8] and [4, 8] for a module's parameters'."""
+    if shape and isinstance(shape[0], tuple):
+        return " and ".join(str(list(s)) for s in shape)
+    return str(list(shape))
 
 
 def attention_modules(model):
@@ -701,7 +756,7 @@ def learned_tensor(module, b, user, attr, like, cast=True):
         raise ValueError("%s: layer %s's learned %s has shape %s, but the model's options need %s "
                          "(config.linattn_options was changed without linattn.hf.set_options, which refuses to "
                          "replace learned tensors); set the options back" % (b.name, module.layer_idx, PREFIX + attr,
-                                                                             list(_shape_of(t)), list(shape)))
+                                                                             _shape_text(_shape_of(t)), _shape_text(shape)))
     if cast and t.dtype != like.dtype:
         return t.to(like.dtype)
     return t

@@ -49,7 +49,9 @@ CACHED_BACKENDS = ("linattn_elu", "linattn_relu", "linattn_focused", "linattn_fa
 
 
 def supports(name):
-    return name in CACHED_BACKENDS
+    """Whether LinattnCache serves backend `name`: CACHED_BACKENDS, and every learned map's
+    (linattn.torch.register_feature_map's maps too)."""
+    return name in CACHED_BACKENDS or isinstance(_backends.BACKENDS.get(name), _backends.Learned)
 
 
 def _model_config(model_or_config):
@@ -174,7 +176,8 @@ class LinattnCache(Cache):
         name = getattr(config, "_attn_implementation", None)
         if not supports(name):
             raise ValueError("LinattnCache: the model runs attention implementation %r; the cache serves a model on "
-                             "one of %s" % (name, ", ".join(CACHED_BACKENDS)))
+                             "one of %s, or a learned map's (linattn.torch.register_feature_map)"
+                             % (name, ", ".join(CACHED_BACKENDS)))
         self.config = config
         self.backend, self.options = name, _backends.options_of(config, name)
         self._lock = threading.Lock()
@@ -298,12 +301,13 @@ class _Map:
         self.b, self.user = b, user
         self.scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(like.shape[-1])
         self.log_form = isinstance(b, _backends.Favor)
+        self.learned_dim = b.map(module, user, "query", like).dim if isinstance(b, _backends.Learned) else None
 
     def dim(self, head_dim):
         if self.log_form:  # the projection's rows, twice for the hyperbolic and trig kernels
             return int(self.user["num_features"]) * (1 if self.user["kernel"] == "positive" else 2)
-        if isinstance(self.b, _backends.Hedgehog):
-            return 2 * int(self.user["feature_dim"])
+        if self.learned_dim is not None:
+            return self.learned_dim
         return 1 if isinstance(self.b, _backends.Window) else head_dim
 
     def empty_state(self, batch, heads, head_dim, value_dim, dtype):
@@ -431,7 +435,11 @@ def _fill(layer, fmap, module, b, user, query, key, value, window, sinks, decay,
     # The key's map as the step takes it (Hedgehog's key map, a fixed map's or FAVOR's name and
     # options); features given to the step (the window alone's zeros) are given for the keys too.
     maps = {name: inputs[name] for name in _PREFILL_MAP_INPUTS if name in inputs}
-    given = None if inputs["query_features"] is None else torch.zeros((batch, heads, n, 1), dtype=wide).numpy()
+    given = None
+    if isinstance(b, _backends.Window):
+        given = torch.zeros((batch, heads, n, 1), dtype=wide).numpy()
+    elif _applied_here(inputs):  # a learned map that the C++ prefill does not apply: its features
+        given = _array(_wide(b.features(module, user, _backends.per_query_head(key, heads), "key")))
     shift = layer.linear.shift
     _linattn.hybrid_prefill(_array(key.to(wide)), _array(value.to(wide)), given, None if valid is None else _array(valid),
                             inputs["log_decay"], sums=layer.linear.sums.numpy(),
@@ -536,11 +544,15 @@ def _step_constants(layer, module, b, user, q, decay):
     wide = accumulator_dtype(q.dtype)  # the step's dtype
     arrays = {"window_weight": _array(_window_weight(module, b, user, q).to(wide)),
               "log_decay": None if decay is None else _array(decay.to(wide))}
-    if isinstance(b, _backends.Hedgehog):  # the step applies the maps (in q's dtype, then widened; the
-        # step keeps their features in float32, where a 16-bit forward rounds them to its dtype)
-        (qw, qb), (kw, kb) = (b.map(module, user, side, q) for side in ("query", "key"))
-        arrays.update(query_features=None, leaving_features=None, query_weight=_array(qw.to(wide)),
-                      query_bias=_array(qb.to(wide)), key_weight=_array(kw.to(wide)), key_bias=_array(kb.to(wide)))
+    if isinstance(b, _backends.Learned):
+        kernel_maps = [b.map(module, user, side, q).kernel_maps(q.dtype) for side in ("query", "key")]
+        if all(m is not None for m in kernel_maps):  # the step applies the maps (Hedgehog's; in q's dtype,
+            # then widened; the step keeps their features in float32, where a 16-bit forward rounds them)
+            (qw, qb), (kw, kb) = kernel_maps
+            arrays.update(query_features=None, leaving_features=None, query_weight=_array(qw.to(wide)),
+                          query_bias=_array(qb.to(wide)), key_weight=_array(kw.to(wide)), key_bias=_array(kb.to(wide)))
+        else:  # the module is applied at each step (_given_features), to q and the key entering the sums
+            arrays.update(query_features=_APPLIED_HERE, leaving_features=_APPLIED_HERE)
     elif isinstance(b, _backends.Window):  # the window alone: one feature, 0
         zeros = torch.zeros((q.shape[0], q.shape[1], 1), dtype=wide).numpy()
         arrays.update(query_features=zeros, leaving_features=zeros)
@@ -556,6 +568,33 @@ def _step_constants(layer, module, b, user, q, decay):
     return arrays
 
 
+# A step constant's placeholder for features the cache makes at each step (_given_features).
+_APPLIED_HERE = "applied here"
+
+
+def _applied_here(inputs):
+    return isinstance(inputs["query_features"], str)
+
+
+def _given_features(layer, module, b, user, q, k, window, sinks):
+    """For a learned map the C++ step does not apply (no kernel_maps): the features it takes,
+    φ_q(q) and φ_k of the key entering the sums, [B, H, m'] each, in the step's dtype. The key
+    entering is the one in ring slot sinks + counts mod window (read by the step only when it
+    leaves the window), or without a window the new one; per query head."""
+    heads = q.shape[1]
+    if window:
+        rows = torch.arange(q.shape[0])
+        entering = layer.exact_keys[rows, :, sinks + layer.counts % window][:, :, None].to(q.dtype)  # [B, H_kv, 1, d]
+    else:
+        entering = k
+    wide = accumulator_dtype(q.dtype)
+    fq = b.features(module, user, q, "query")[:, :, 0]
+    fk = b.features(module, user, _backends.per_query_head(entering, heads), "key")[:, :, 0]
+    if window:  # a row whose ring is not full has no key leaving: its slot is empty (the step checks φ anyway)
+        fk = torch.where((layer.counts >= window)[:, None, None], fk, torch.zeros((), dtype=fk.dtype))
+    return {"query_features": _array(fq.to(wide)), "leaving_features": _array(fk.to(wide))}
+
+
 def _native(layer, fmap, module, b, user, q, k, v, window, sinks, decay, advance, eps):
     """The step (sums, sinks, ring and the read; counts advanced) in one C++ call, in place on
     the layer's tensors: [B, H, d_v], 0 where a row does not advance. The step applies the map
@@ -566,6 +605,8 @@ def _native(layer, fmap, module, b, user, q, k, v, window, sinks, decay, advance
     _in_step_dtype(layer, wide)
     linear = layer.linear
     inputs = _step_constants(layer, module, b, user, q, decay)
+    if _applied_here(inputs):
+        inputs = dict(inputs, **_given_features(layer, module, b, user, q, k, window, sinks))
     out = _linattn.hybrid_decode_step(
         *(_array(t[:, :, 0].to(wide)) for t in (q, k, v)), advance=_array(advance),
         sums=linear.sums.numpy(), normaliser=linear.normaliser.numpy(), exact_keys=layer.exact_keys.numpy(),

@@ -10,24 +10,30 @@ import numpy as _np
 import torch as _torch
 
 from .. import _options
+from .. import torch as _lt
 from .backends import (BACKENDS, PREFIX, _decay_option, attention_modules, create_learned, learned_parameters)  # noqa: F401
 from .registration import register
 
 # linearize's feature_map -> the backend it switches to. "window": the window alone (exact softmax
 # over the window, nothing beyond; backend linattn_window), the baseline that shows what the
 # linear part earns.
-_CONVERSIONS = {"hedgehog": "linattn_hedgehog", "elu": "linattn_elu", "relu": "linattn_relu", "favor": "linattn_favor",
-                "window": "linattn_window"}
+_CONVERSIONS = {"elu": "linattn_elu", "relu": "linattn_relu", "favor": "linattn_favor", "window": "linattn_window"}
+
+
+def _conversions():
+    """linearize's feature maps -> backends: the learned maps (hedgehog, and any registered with
+    linattn.torch.register_feature_map; backend "linattn_" + name), then the fixed ones."""
+    return {**{name: PREFIX + name for name in _lt.learned_feature_maps()}, **_CONVERSIONS}
 # Spellings before 0.2 (issue 43, one name per thing), accepted until the next release with a
 # DeprecationWarning: the window alone was feature_map "none"; FAVOR's count of random features
 # was feature_dim, which is Hedgehog's f everywhere else (FAVOR's m is num_features, as in
 # MultiheadAttention and the linattn_favor backend).
 _FORMER_CONVERSIONS = {"none": "window"}
-_FEATURE_DIM, _FAVOR_FEATURES = 32, 32  # the defaults of feature_dim (hedgehog) and num_features (favor)
+_FAVOR_FEATURES = 32  # the default of num_features (favor)
 
 
-def linearize(model, feature_map="hedgehog", window=0, feature_dim=None, init="identity", sinks=0, decay=None,
-              num_features=None):
+def linearize(model, feature_map="hedgehog", window=0, feature_dim=None, init=None, sinks=0, decay=None,
+              num_features=None, **map_options):
     """Switches every attention layer of a transformers model to linear attention with learned
     feature maps, adds their parameters, and freezes everything else: the first step of
     converting a pretrained softmax model (then attention_transfer).
@@ -46,11 +52,13 @@ def linearize(model, feature_map="hedgehog", window=0, feature_dim=None, init="i
     decay: None, "retnet" (per-head γ_h = 1 − 2^(−5−10h/(H−1)), half-lives of ~22 to ~10k tokens)
     or a log-decay λ <= 0 for every head (causal models, window >= 1): the linear part's key j
     weighs e^{λ(i − j)} in row i, so its share stops growing with the position.
+    A learned map registered with linattn.torch.register_feature_map is taken by its name as
+    hedgehog is, its own options as keyword arguments (map_options; hedgehog's is feature_dim).
     feature_dim: hedgehog's f, m' = 2f features per head (None: 32); unused by the other maps.
     num_features: favor's m random features (None: 32); another map with it is an error. (Before
     0.2 favor's m was given as feature_dim: accepted until the next release, with a
-    DeprecationWarning.) init: "identity" (W = the identity's first f columns, b = 0) or
-    "random" (hedgehog). The model's other parameters get
+    DeprecationWarning.) init: a learned map's start (None: its first, hedgehog's "identity":
+    W = the identity's first f columns, b = 0; or "random"). The model's other parameters get
     requires_grad=False; the new ones get True. Raises ValueError before changing anything when
     an argument is wrong or the model has no attention module that linattn can drive; a failure
     midway restores the model. Returns the model."""
@@ -65,9 +73,11 @@ def linearize(model, feature_map="hedgehog", window=0, feature_dim=None, init="i
                        "is Hedgehog's f); feature_dim is accepted for it until the next release" % fn,
                        DeprecationWarning, stacklevel=2)
         num_features, feature_dim = feature_dim, None
-    if not isinstance(feature_map, str) or feature_map not in _CONVERSIONS:
-        raise ValueError("%s: feature_map must be one of %s, got %r" % (fn, ", ".join(map(repr, _CONVERSIONS)),
+    conversions = _conversions()
+    if not isinstance(feature_map, str) or feature_map not in conversions:
+        raise ValueError("%s: feature_map must be one of %s, got %r" % (fn, ", ".join(map(repr, conversions)),
                                                                        feature_map))
+    learned = _lt.learned_feature_maps().get(feature_map)  # the learned map's class, or None
     if num_features is not None and feature_map != "favor":
         raise ValueError("%s: num_features is FAVOR's count of random features: an option of feature_map='favor' "
                          "only, got feature_map=%r" % (fn, feature_map))
@@ -83,9 +93,23 @@ def linearize(model, feature_map="hedgehog", window=0, feature_dim=None, init="i
     if sinks and window < 1:
         raise ValueError("%s: sinks=%d needs window >= 1: the sink tokens join the window's exact softmax"
                          % (fn, sinks))
-    feature_dim = _options.integer(fn, "feature_dim", _FEATURE_DIM if feature_dim is None else feature_dim, 1)
     num_features = _options.integer(fn, "num_features", _FAVOR_FEATURES if num_features is None else num_features, 1)
-    init = _options.choice(fn, "init", init, ("identity", "random"))
+    if feature_dim is not None:  # hedgehog's option, by name (a map of its own may have one too)
+        map_options["feature_dim"] = feature_dim
+    if learned is None:
+        if "feature_dim" in map_options:  # checked, unused by the fixed maps (as before)
+            _options.integer(fn, "feature_dim", map_options.pop("feature_dim"), 1)
+        if map_options:
+            raise TypeError("%s: feature_map=%r takes no option %s" % (fn, feature_map, ", ".join(sorted(map_options))))
+        if init is not None:
+            _options.choice(fn, "init", init, ("identity", "random"))  # checked, unused (as before)
+    else:
+        unknown = sorted(set(map_options) - set(learned.options))
+        if unknown:
+            raise TypeError("%s: feature_map=%r takes no option %s (its options: %s)"
+                            % (fn, feature_map, ", ".join(unknown), ", ".join(sorted(learned.options)) or "none"))
+        map_options = learned.check_options(fn, {**learned.options, **map_options})
+        init = _options.choice(fn, "init", learned.inits[0] if init is None else init, learned.inits)
     modules = attention_modules(model)
     if not modules:
         raise ValueError("%s: found no attention module (a module with config, is_causal and layer_idx attributes) "
@@ -96,7 +120,7 @@ def linearize(model, feature_map="hedgehog", window=0, feature_dim=None, init="i
                          "sequence" % (fn, sinks))
     if decay is not None and not causal:
         raise ValueError("%s: decay=%r needs a causal model: the decay runs along the sequence" % (fn, decay))
-    name = _CONVERSIONS[feature_map]
+    name = conversions[feature_map]
     saved = {"implementation": model.config._attn_implementation,
              "options": getattr(model.config, "linattn_options", None),
              "backend": getattr(model.config, "linattn_backend", None),
@@ -115,8 +139,8 @@ def linearize(model, feature_map="hedgehog", window=0, feature_dim=None, init="i
             options["sinks"] = sinks
         if decay is not None:
             options["decay"] = decay
-        if feature_map == "hedgehog":
-            options.update(feature_dim=feature_dim, init=init)
+        if learned is not None:
+            options.update(map_options, init=init)
         elif feature_map == "favor":
             options.update(num_features=num_features)
         created = create_learned(model, options)
@@ -150,6 +174,9 @@ def from_pretrained(model_class, path, **kwargs):
     fn = "linattn.hf.from_pretrained"
     config = AutoConfig.from_pretrained(path)
     name = getattr(config, "linattn_backend", None)
+    if name is not None and name not in BACKENDS:
+        raise ValueError("%s: %s was converted to backend %r, which this process does not know; a learned map of "
+                         "your own must be registered first (linattn.torch.register_feature_map)" % (fn, path, name))
     if name not in BACKENDS:
         raise ValueError("%s: %s holds no linattn conversion (its config has no linattn_backend); load it with "
                          "%s.from_pretrained" % (fn, path, getattr(model_class, "__name__", "the model class")))

@@ -5,7 +5,15 @@ itself does not need it."""
 
 from . import backends as _backends
 
-__all__ = ["register"]
+__all__ = ["register", "registered"]
+
+
+_registered = False
+
+
+def registered():
+    """Whether register() has run in this process."""
+    return _registered
 
 
 def register():
@@ -25,3 +33,5 @@ def register():
     install_generation_hook()
     _backends.install_atomic_config_save()
     install_delta_rule()
+    global _registered
+    _registered = True

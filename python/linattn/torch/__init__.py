@@ -159,7 +159,8 @@ for _ops in _OPS.values():
 del _ops, _fn
 
 from . import feature_maps  # noqa: E402
-from .feature_maps import HedgehogFeatureMap, feature_logits, features, hedgehog_features  # noqa: E402
+from .feature_maps import (HedgehogFeatureMap, LearnedFeatureMap, feature_logits, features,  # noqa: E402
+                           hedgehog_features, learned_feature_maps, register_feature_map)
 
 
 def hedgehog_attention(q: "Tensor", k: "Tensor", v: "Tensor", query_weight: "Tensor", query_bias: "Tensor",
@@ -189,7 +190,8 @@ def hedgehog_attention(q: "Tensor", k: "Tensor", v: "Tensor", query_weight: "Ten
                             key_lengths=key_lengths, eps=eps)
 
 
-__all__ += ["HedgehogFeatureMap", "hedgehog_features", "hedgehog_attention", "features", "feature_logits"]
+__all__ += ["HedgehogFeatureMap", "hedgehog_features", "hedgehog_attention", "features", "feature_logits",
+            "LearnedFeatureMap", "register_feature_map", "learned_feature_maps"]
 
 from .gated import gated_linear_attention  # noqa: E402
 from .delta import gated_delta_rule  # noqa: E402

@@ -3,7 +3,7 @@ from typing import Optional, Sequence, Union
 
 from torch import Tensor
 
-from .feature_maps import HedgehogFeatureMap as HedgehogFeatureMap, feature_logits as feature_logits, features as features, hedgehog_features as hedgehog_features
+from .feature_maps import HedgehogFeatureMap as HedgehogFeatureMap, LearnedFeatureMap as LearnedFeatureMap, feature_logits as feature_logits, features as features, hedgehog_features as hedgehog_features, learned_feature_maps as learned_feature_maps, register_feature_map as register_feature_map
 from .conv1d import causal_conv1d as causal_conv1d
 from .delta import gated_delta_rule as gated_delta_rule
 from .gated import gated_linear_attention as gated_linear_attention

@@ -13,6 +13,8 @@ Every map's formula is the C++ library's own, differentiable here: hedgehog_feat
 maps in log form); linattn's decoding cache and context-parallel layers call them rather than a
 formula of their own."""
 
+import sys
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -21,7 +23,8 @@ from .._options import current_feature_map
 from ._checks import constant, full_precision_inputs
 from ._ops import _array, _tensor as _from_numpy, accumulator_dtype
 
-__all__ = ["HedgehogFeatureMap", "hedgehog_features", "features", "feature_logits"]
+__all__ = ["LearnedFeatureMap", "register_feature_map", "learned_feature_maps", "HedgehogFeatureMap",
+           "hedgehog_features", "features", "feature_logits"]
 
 _WHO = "the feature maps (a 16-bit model's decoding widens to float32 first)"
 
@@ -176,7 +179,119 @@ def hedgehog_features(x, weight, bias):
     return _hedgehog_op(x, weight.contiguous(), bias.contiguous())
 
 
-class HedgehogFeatureMap(torch.nn.Module):
+class LearnedFeatureMap(torch.nn.Module):
+    """The protocol of a learned feature map: one side's map (the queries' or the keys') of
+    every head, a small module (as lolcats' feature_map.py), x [batch, heads, seq, head_dim] ->
+    φ(x) [batch, heads, seq, dim], every feature >= 0 (the kernels check it).
+
+    A map subclasses this, sets the class attributes
+      options: its options besides init, with their defaults (Hedgehog: {"feature_dim": 32});
+        integer defaults take integers >= 1, float defaults finite numbers (override
+        check_options for other rules);
+      inits: the values of the option `init` it takes, the first its default;
+    and defines __init__(self, num_heads, head_dim, *, init, device=None, dtype=None,
+    **options), the property dim (m') and forward(x). Then one line,
+    register_feature_map("name", TheMap), makes it a method everywhere: MultiheadAttention
+    (method="name"), linattn.hf's backend "linattn_name", linattn.hf.linearize(feature_map="name") and LinattnCache's decoding, with or
+    without a window, sinks and decay. Its parameters are a module's attributes
+    ("linattn_name_q", "linattn_name_k" on a transformers attention layer; query_map and key_map
+    on MultiheadAttention), so checkpoints keep them.
+
+    The forwards call the module and give the kernels its features (linear_attention or
+    hybrid_attention with feature_map="given"). Optional, for decoding speed: kernel_maps(dtype)
+    gives the maps to linattn's C++ decoding step and prefill, which then apply them themselves
+    (Hedgehog's: a converted LLM's layer is one call per token); the default None has the cache
+    and MultiheadAttention.step apply the module and hand the step its features."""
+
+    options = {}
+    inits = ("default",)
+
+    @classmethod
+    def check_options(cls, fn, options):
+        """options (the map's, init excluded) checked and normalised: ValueError naming the
+        option. The default: integer defaults take integers >= 1, float defaults finite numbers,
+        other defaults any value of the same type."""
+        from .._options import integer, real
+        out = {}
+        for name, value in options.items():
+            default = cls.options[name]
+            if isinstance(default, bool) or not isinstance(default, (int, float)):
+                if not isinstance(value, type(default)):
+                    raise ValueError("%s: %s must be a %s, got %r" % (fn, name, type(default).__name__, value))
+                out[name] = value
+            elif isinstance(default, int):
+                out[name] = integer(fn, name, value, 1)
+            else:
+                out[name] = real(fn, name, value)
+        return out
+
+    @property
+    def dim(self):
+        """m', the number of features."""
+        raise NotImplementedError
+
+    def kernel_maps(self, dtype):
+        """(weight [H, d, f], bias [H, f]) in dtype for a map whose formula is Hedgehog's,
+        [softmax(x·W + b), softmax(−(x·W + b))], which linattn's kernels then apply themselves
+        (the decoding step, the prefill, linattn.torch.hedgehog_features); or None: the caller
+        applies the module and gives the kernels its features."""
+        return None
+
+
+# The learned maps by name: register_feature_map's.
+_LEARNED = {}
+# Option names a map cannot take: those of the methods, the linattn.hf backends and linearize
+# around it (feature_dim aside: Hedgehog's own, which other maps may take too).
+_RESERVED_OPTIONS = {"init", "window", "sinks", "decay", "eps", "bias", "dropout", "device", "dtype", "num_heads",
+                     "head_dim", "num_features", "num_landmarks", "pinv_iterations", "pinv", "s_proj", "seed",
+                     "max_seq_len", "conv_kernel_size", "focus_power", "features", "kernel", "feature_map", "scale",
+                     "causal", "key_lengths"}
+
+
+def register_feature_map(name, cls):
+    """Makes the LearnedFeatureMap subclass cls the learned map `name` (a lowercase identifier
+    no method has): MultiheadAttention(method=name), linattn.hf's backend "linattn_" + name,
+    linearize(feature_map=name) and LinattnCache take it. Registering a name again with the same
+    class does nothing; with another, ValueError."""
+    fn = "register_feature_map"
+    if not isinstance(name, str) or not name.isidentifier() or name != name.lower():
+        raise ValueError("%s: name must be a lowercase identifier, got %r" % (fn, name))
+    if not (isinstance(cls, type) and issubclass(cls, LearnedFeatureMap)):
+        raise TypeError("%s: cls must be a subclass of LearnedFeatureMap, got %r" % (fn, cls))
+    taken = {"softmax", "linear", "elu", "relu", "focused", "favor", "nystrom", "linformer", "efficient", "window",
+             "given", "identity", "none"}
+    if name in taken:
+        raise ValueError("%s: %r is a fixed method's or map's name" % (fn, name))
+    if _LEARNED.get(name, cls) is not cls:
+        raise ValueError("%s: %r is registered already, as %s" % (fn, name, _LEARNED[name].__name__))
+    if (not isinstance(cls.inits, tuple) or not cls.inits or not all(isinstance(i, str) for i in cls.inits)
+            or not isinstance(cls.options, dict)):
+        raise ValueError("%s: %s needs inits (a non-empty tuple of strings) and options (a dict)" % (fn, cls.__name__))
+    clash = sorted(set(cls.options) & _RESERVED_OPTIONS)
+    if clash:
+        raise ValueError("%s: %s's option %s is a name the methods and backends take themselves; name it otherwise"
+                         % (fn, cls.__name__, ", ".join(map(repr, clash))))
+    for option, default in cls.options.items():  # JSON values (a converted model's config keeps them)
+        if not isinstance(option, str) or not isinstance(default, (bool, int, float, str)):
+            raise ValueError("%s: %s's option %r has default %r; options are named by strings and default to "
+                             "a bool, an integer, a float or a string" % (fn, cls.__name__, option, default))
+    cls.check_options(fn, dict(cls.options))  # its defaults pass its own checks
+    _LEARNED[name] = cls
+    # linattn.hf loaded: its backend now (else, or while it is being imported, at the end of its import)
+    make_backends = getattr(sys.modules.get("linattn.hf.backends"), "_learned_backends", None)
+    if make_backends is not None:
+        make_backends()
+        registration = sys.modules.get("linattn.hf.registration")
+        if registration is not None and registration.registered():  # transformers knows the others: this one too
+            registration.register()
+
+
+def learned_feature_maps():
+    """{name: class} of the registered learned maps."""
+    return dict(_LEARNED)
+
+
+class HedgehogFeatureMap(LearnedFeatureMap):
     """Hedgehog's learned feature map of one side (queries or keys) of every head:
     φ(x) = [softmax(x·W_h + b_h), softmax(−(x·W_h + b_h))], W [heads, head_dim, feature_dim],
     b [heads, feature_dim]; m' = 2·feature_dim features.
@@ -208,10 +323,18 @@ class HedgehogFeatureMap(torch.nn.Module):
                 for h in range(num_heads):
                     torch.nn.init.kaiming_uniform_(self.weight[h])
 
+    options = {"feature_dim": 32}
+    inits = ("identity", "random")
+
     @property
     def dim(self):
         """m', the number of features: 2·feature_dim."""
         return 2 * self.feature_dim
+
+    def kernel_maps(self, dtype):
+        """(scale·W, b) in dtype: φ(s·x) = softmax(x·(s·W) + b), so the map's scale goes into its weight."""
+        weight = self.weight * self.scale if self.scale != 1.0 else self.weight
+        return weight.to(dtype), self.bias.to(dtype)
 
     def forward(self, x):
         """x [batch, heads, seq, head_dim] -> φ(x) [batch, heads, seq, 2·feature_dim]."""
@@ -220,3 +343,6 @@ class HedgehogFeatureMap(torch.nn.Module):
     def extra_repr(self):
         return "num_heads=%d, head_dim=%d, feature_dim=%d, scale=%g" % (self.num_heads, self.head_dim,
                                                                         self.feature_dim, self.scale)
+
+
+register_feature_map("hedgehog", HedgehogFeatureMap)

@@ -12,15 +12,17 @@ import torch.nn.functional as F
 from .. import _linattn, _options
 from ._checks import array as _array
 from ._ops import accumulator_dtype
+from .feature_maps import learned_feature_maps
 
 # The module's method names: registered methods, and the kernelized feature maps by name.
 _METHODS = {"softmax": ("softmax", {}), "linear": ("linear", {}), "elu": ("linear", {"feature_map": "elu"}),
             "relu": ("linear", {"feature_map": "relu"}), "focused": ("linear", {"feature_map": "focused"}),
             "favor": ("favor", {}), "nystrom": ("nystrom", {}), "linformer": ("linformer", {}),
-            "efficient": ("efficient", {}), "hedgehog": ("hedgehog", {})}
-# Method "hedgehog" (learned feature maps, optionally with a sliding window): its options and
-# their defaults; it is made of torch modules around linattn's kernels, not one registered method.
-_HEDGEHOG_OPTIONS = {"feature_dim": 32, "init": "identity", "window": 0, "eps": 1e-6}
+            "efficient": ("efficient", {})}
+# The learned maps (feature_maps.register_feature_map's: "hedgehog", ...) are methods too, made
+# of torch modules around linattn's kernels rather than one registered method; each takes its
+# map's options and init, and these (window 0: none; w > 0: the sliding-window hybrid).
+_LEARNED_METHOD_OPTIONS = {"window": 0, "eps": 1e-6}
 
 # The kinds of linattn.random_features.
 _FEATURE_KINDS = ("orthogonal", "iid", "orthogonal_fixed", "quantile")
@@ -52,13 +54,14 @@ class DecodingState:
         return self.copy()
 
 
-class HedgehogDecodingState:
-    """One batch of sequences decoded by MultiheadAttention(method="hedgehog").step, in the C++
-    hybrid step's state (include/linattn/hybrid.h): the sums [S | z] of the keys that have left
-    the window and a ring of the last `window` keys and values (none without a window: every key
-    enters the sums at once), which linattn.hybrid_decode_step advances in place, applying the
-    maps itself. Its memory does not grow with the number of steps. A bfloat16/float16 module's
-    state is float32; step() rounds its output once."""
+class LearnedDecodingState:
+    """One batch of sequences decoded by MultiheadAttention.step with a learned map (method
+    "hedgehog" or another registered one), in the C++ hybrid step's state
+    (include/linattn/hybrid.h): the sums [S | z] of the keys that have left the window and a
+    ring of the last `window` keys and values (none without a window: every key enters the sums
+    at once), which linattn.hybrid_decode_step advances in place. Its memory does not grow with
+    the number of steps. A bfloat16/float16 module's state is float32; step() rounds its output
+    once."""
 
     def __init__(self, batch_size, heads, head_dim, features, window, like, maker):
         self.window, self.maker, self.batch_size = window, maker, batch_size
@@ -84,7 +87,7 @@ class HedgehogDecodingState:
 
     def copy(self):
         """An independent copy."""
-        c = HedgehogDecodingState.__new__(HedgehogDecodingState)
+        c = LearnedDecodingState.__new__(LearnedDecodingState)
         c.__dict__.update(self.__dict__)
         c.arrays = {k: v.clone() for k, v in self.arrays.items()}
         return c
@@ -95,20 +98,35 @@ class HedgehogDecodingState:
         return self.copy()
 
     def step(self, q, k, v, maps, gamma, scale, eps):
-        """q, k, v [B, H, d] and the maps (query_map, key_map: HedgehogFeatureMap) -> the next
-        output [B, H, d]: the row of the causal forward for the newest token."""
+        """q, k, v [B, H, d] and the maps (query_map, key_map: LearnedFeatureMap) -> the next
+        output [B, H, d]: the row of the causal forward for the newest token. The step applies
+        maps that give kernel_maps (Hedgehog's) itself; others are applied here, to q and to the
+        key entering the sums (the one leaving the ring, read before the step overwrites it;
+        without a window the new one)."""
         dtype = q.dtype
         wide = accumulator_dtype(dtype)
-        # φ(s·x) = softmax(x·(s·W) + b): a map's scale goes into its weight
-        weights = [t.to(wide) for m in maps for t in (m.weight * m.scale, m.bias)]
         a = self.arrays
+        kernel_maps = [m.kernel_maps(dtype) for m in maps]
+        if all(t is not None for t in kernel_maps):
+            given = (None, None)
+            names = ("query_weight", "query_bias", "key_weight", "key_bias")
+            applied = dict(zip(names, (_array(t.to(wide)) for pair in kernel_maps for t in pair)))
+        else:
+            if self.window:
+                rows = torch.arange(q.shape[0])
+                entering = a["exact_keys"][rows, :, a["counts"] % self.window].to(dtype)  # [B, H, d]
+            else:
+                entering = k
+            fq, fk = (m(x[:, :, None])[:, :, 0].to(wide) for m, x in zip(maps, (q, entering)))
+            if self.window:  # no key leaves a ring that is not full: its slot is empty (the step checks φ anyway)
+                fk = torch.where((a["counts"] >= self.window)[:, None, None], fk, torch.zeros((), dtype=wide))
+            given, applied = (_array(fq), _array(fk)), {}
         out = _linattn.hybrid_decode_step(
-            *(_array(t.to(wide)) for t in (q, k, v)), None, None, advance=np.ones(q.shape[0], bool),
+            *(_array(t.to(wide)) for t in (q, k, v)), *given, advance=np.ones(q.shape[0], bool),
             window_weight=_array(gamma.to(wide)), log_decay=None, sums=a["sums"].numpy(),
             normaliser=a["normaliser"].numpy(), exact_keys=a["exact_keys"].numpy(),
             exact_values=a["exact_values"].numpy(), exact_valid=a["exact_valid"].numpy(), counts=a["counts"].numpy(),
-            window=self.window, sinks=0, scale=scale, eps=eps,
-            **dict(zip(("query_weight", "query_bias", "key_weight", "key_bias"), (_array(t) for t in weights))))
+            window=self.window, sinks=0, scale=scale, eps=eps, **applied)
         self.tokens += 1  # after the call: a call that raises leaves the state as it was
         return torch.from_numpy(out).to(dtype)
 
@@ -117,8 +135,9 @@ class MultiheadAttention(torch.nn.Module):
     """Multi-head attention with a linattn method inside: [batch, seq, embed_dim] in and out.
 
     method: "softmax" (exact), "elu", "relu", "focused" (linear attention with that feature map;
-    "hedgehog": learned Hedgehog maps, options feature_dim (32), init ("identity"), window (0;
-    w > 0: the sliding-window hybrid with a learned gate), eps;
+    "hedgehog" (or another learned map of feature_maps.register_feature_map): learned maps
+    query_map and key_map, with the map's options (hedgehog: feature_dim, 32) and init
+    ("identity"), window (0; w > 0: the sliding-window hybrid with a learned gate), eps;
     "linear" takes feature_map= as an option), "favor", "nystrom", "linformer", "efficient".
     method_options: the method's options (linattn.methods()), plus
       num_features (favor, default 256): rows of the random projection, a buffer in the
@@ -145,19 +164,23 @@ class MultiheadAttention(torch.nn.Module):
         if embed_dim % num_heads:
             raise ValueError("MultiheadAttention: embed_dim = %d is not divisible by num_heads = %d"
                              % (embed_dim, num_heads))
-        if method not in _METHODS:
-            raise ValueError("MultiheadAttention: method must be one of %s, got %r" % (", ".join(_METHODS), method))
+        learned = learned_feature_maps()
+        if method not in _METHODS and method not in learned:
+            raise ValueError("MultiheadAttention: method must be one of %s, got %r"
+                             % (", ".join([*_METHODS, *learned]), method))
         if not 0.0 <= dropout < 1.0:
             raise ValueError("MultiheadAttention: dropout must be in [0, 1), got %r" % (dropout,))
         factory = {"device": device, "dtype": dtype}
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
         self.method, self.dropout = method, dropout
         self.batch_first = True
+        self._learned = learned.get(method)  # the learned map's class, or None
+        if self._learned is not None:
+            self._registered = method
+            self._init_learned(method_options, factory, bias)
+            return
         registered, fixed = _METHODS[method]
         self._registered = registered
-        if registered == "hedgehog":
-            self._init_hedgehog(method_options, factory, bias)
-            return
         info = next(m for m in _linattn._methods() if m["name"] == registered)
         self._function = info["function"]
         fn = "MultiheadAttention"
@@ -226,35 +249,36 @@ class MultiheadAttention(torch.nn.Module):
             torch.nn.init.zeros_(self.in_proj_bias)
             torch.nn.init.zeros_(self.out_proj.bias)
 
-    def _init_hedgehog(self, options, factory, bias):
-        """Method "hedgehog": HedgehogFeatureMap query_map and key_map (feature_dim, init), and
+    def _init_learned(self, options, factory, bias):
+        """A learned map's method: its query_map and key_map (the map's options and init), and
         with window > 0 the sliding-window hybrid with a learned gate window_gate [heads]
         (γ = sigmoid, 1/2 at first)."""
-        from .feature_maps import HedgehogFeatureMap
-        unknown = sorted(set(options) - set(_HEDGEHOG_OPTIONS))
+        cls, fn = self._learned, "MultiheadAttention"
+        defaults = {**cls.options, "init": cls.inits[0], **_LEARNED_METHOD_OPTIONS}
+        unknown = sorted(set(options) - set(defaults))
         if unknown:
-            raise TypeError("MultiheadAttention: method 'hedgehog' takes no option %s (its options: %s)"
-                            % (", ".join(map(repr, unknown)), ", ".join(sorted(_HEDGEHOG_OPTIONS))))
-        o = {**_HEDGEHOG_OPTIONS, **options}
-        fn = "MultiheadAttention"
+            raise TypeError("MultiheadAttention: method %r takes no option %s (its options: %s)"
+                            % (self.method, ", ".join(map(repr, unknown)), ", ".join(sorted(defaults))))
+        o = {**defaults, **options}
         o["window"] = window = _options.integer(fn, "window", o["window"], 0)
-        o["feature_dim"] = _options.integer(fn, "feature_dim", o["feature_dim"], 1)
         o["eps"] = _options.real(fn, "eps", o["eps"], minimum=0.0)
-        o["init"] = _options.choice(fn, "init", o["init"], ("identity", "random"))
+        o["init"] = _options.choice(fn, "init", o["init"], cls.inits)
+        own = cls.check_options(fn, {k: o[k] for k in cls.options})
+        o.update(own)
         self.method_options = o
         self.feature_redraw_interval = None
         self._init_projections(factory, bias)
-        self.query_map = HedgehogFeatureMap(self.num_heads, self.head_dim, o["feature_dim"], init=o["init"], **factory)
-        self.key_map = HedgehogFeatureMap(self.num_heads, self.head_dim, o["feature_dim"], init=o["init"], **factory)
+        self.query_map = cls(self.num_heads, self.head_dim, init=o["init"], **own, **factory)
+        self.key_map = cls(self.num_heads, self.head_dim, init=o["init"], **own, **factory)
         self.window_gate = torch.nn.Parameter(torch.zeros(self.num_heads, **factory)) if window > 0 else None
         self.conv_weight = None
 
-    def _hedgehog(self, q, k, v, causal, key_lengths):
-        from . import hedgehog_attention, hybrid_attention
+    def _learned_attention(self, q, k, v, causal, key_lengths):
+        from . import hybrid_attention, linear_attention
         o = self.method_options
         if not o["window"]:
-            return hedgehog_attention(q, k, v, self.query_map.weight, self.query_map.bias, self.key_map.weight,
-                                      self.key_map.bias, causal=causal, key_lengths=key_lengths, eps=o["eps"])
+            return linear_attention(self.query_map(q), self.key_map(k), v, feature_map="given", causal=causal,
+                                    key_lengths=key_lengths, eps=o["eps"])
         return hybrid_attention(q, k, v, query_features=self.query_map(q), key_features=self.key_map(k),
                                 window_gate=self.window_gate, window=o["window"], feature_map="given", causal=causal,
                                 key_lengths=key_lengths, eps=o["eps"])
@@ -315,8 +339,8 @@ class MultiheadAttention(torch.nn.Module):
             if self._forwards % self.feature_redraw_interval == 0:
                 self.redraw_features()
         q, k, v = (self._heads(x) for x in self._project(query, key, value))
-        if self._registered == "hedgehog":
-            attn = self._hedgehog(q, k, v, bool(is_causal), key_lengths)
+        if self._learned is not None:
+            attn = self._learned_attention(q, k, v, bool(is_causal), key_lengths)
         else:
             attn = getattr(sys.modules[__package__], self._function)(q, k, v, **self._tensors(), causal=bool(is_causal),
                                                                      key_lengths=key_lengths, **self.method_options)
@@ -329,14 +353,13 @@ class MultiheadAttention(torch.nn.Module):
 
     def init_state(self, batch_size):
         """A decoding state for batch_size sequences (causal kernelized methods: elu, relu,
-        focused, linear, favor; hedgehog). Decoding runs without autograd. The state records
+        focused, linear, favor; the learned maps: hedgehog, ...). Decoding runs without autograd. The state records
         what made it (the method, its options, the heads and the dtype): step refuses a state
         of another kind of module."""
         batch_size = _options.integer("MultiheadAttention.init_state", "batch_size", batch_size, 1)
-        if self._registered == "hedgehog":
-            o = self.method_options
-            return HedgehogDecodingState(batch_size, self.num_heads, self.head_dim, 2 * o["feature_dim"], o["window"],
-                                         self.in_proj_weight.detach(), self._maker())
+        if self._learned is not None:
+            return LearnedDecodingState(batch_size, self.num_heads, self.head_dim, self.query_map.dim,
+                                        self.method_options["window"], self.in_proj_weight.detach(), self._maker())
         if self._registered not in ("linear", "favor"):
             raise ValueError("MultiheadAttention: recurrent decoding is for the kernelized methods (elu, relu, "
                              "focused, linear, favor), not %r" % self.method)
@@ -368,7 +391,7 @@ class MultiheadAttention(torch.nn.Module):
 
     def _check_state(self, state, batch):
         fn = "MultiheadAttention.step"
-        if not isinstance(state, (DecodingState, HedgehogDecodingState)):
+        if not isinstance(state, (DecodingState, LearnedDecodingState)):
             raise TypeError("%s: state must be what this module's init_state(batch_size) returned, got %s"
                             % (fn, type(state).__name__))
         mine = self._maker()
@@ -396,7 +419,7 @@ class MultiheadAttention(torch.nn.Module):
                              "got %s" % (self.embed_dim, tuple(x_t.shape)))
         self._check_state(state, x.shape[0])
         q, k, v = (self._heads(y)[:, :, 0] for y in self._project(x, x, x))
-        if isinstance(state, HedgehogDecodingState):
+        if isinstance(state, LearnedDecodingState):
             gamma = torch.sigmoid(self.window_gate) if self.window_gate is not None else q.new_ones(self.num_heads)
             out = state.step(q, k, v, (self.query_map, self.key_map), gamma, 1 / math.sqrt(self.head_dim),
                              self.method_options["eps"])
