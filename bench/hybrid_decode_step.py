@@ -1,9 +1,10 @@
 """One decoding step of the causal hybrid (linattn hybrid_decode_step, what LinattnCache runs per
 layer and token) at a converted SmolLM2-135M's shape: 9 query heads, d = 64, m' = 64 (Hedgehog
-f = 32), a window of 512 and 4 sinks, decay, float32, batch 1. The exact slots kept per key head
-(3, as the model makes them) against one per query head (9); the features given (a fixed map's,
-made by the caller) against Hedgehog's maps, which the step applies itself (the converted
-model's case); and a window of 64, issue 43's shape for its 0.05 ms target.
+f = 32), a window of 1024 and 4 sinks (the saved conversion's, docs/linearize.md), decay,
+float32, batch 1. The exact slots kept per key head (3, as the model makes them) against one per
+query head (9); the features given (a fixed map's, made by the caller) against Hedgehog's maps,
+which the step applies itself (the converted model's case); and a window of 64, issue 43's
+shape for its 0.05 ms target.
 
 "Cold" is a model's case: 30 layers' states stepped in turn, and a 64 MB array touched between
 tokens (the weights a model streams through the caches), so each step reads its window from
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import measured_section  # noqa: E402
 from bf16 import cpu_line  # noqa: E402
 
-H, D, M, SINKS, WINDOW, LAYERS, TOKENS = 9, 64, 64, 4, 512, 30, 12
+H, D, M, SINKS, WINDOW, LAYERS, TOKENS = 9, 64, 64, 4, 1024, 30, 12
 
 
 def states(kv_heads, window, rng):

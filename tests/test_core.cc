@@ -770,14 +770,14 @@ void check_gated_kernels() {
   });
 }
 // The decoding steps' kernels (simd::state_dots, row_dots, decay_rank_one) against float64 loops on every
-// SIMD target, widths on and off the four-vector blocks: a dot of `rows` terms is within
+// SIMD target, widths on and off the vector blocks, rows odd and even, 1 to 9 queries at once: a dot of `rows` terms is within
 // γ_rows·Σ|terms| (Higham 3.1), a decayed rank-one entry within γ_2 of its two terms; a
 // non-finite entry is reported, through the tail too.
 template <class T>
 void check_step_kernels() {
   testing::for_each_simd_target([&](int64_t) {
-    for (size_t cols : {size_t{1}, size_t{7}, size_t{16}, size_t{64}, size_t{67}, size_t{128}})
-      for (size_t rows : {size_t{1}, size_t{5}, size_t{64}}) {
+    for (size_t cols : {size_t{1}, size_t{7}, size_t{13}, size_t{16}, size_t{29}, size_t{64}, size_t{67}, size_t{128}})
+      for (size_t rows : {size_t{1}, size_t{2}, size_t{5}, size_t{64}}) {
         SCOPED_TRACE(::testing::Message() << "rows " << rows << " cols " << cols);
         std::vector<T> S(rows * cols), a(rows), b(rows), f(rows), k(rows), u(cols);
         fill_normal(S.data(), int64_t(S.size()), 19 + rows + cols);
@@ -799,17 +799,34 @@ void check_step_kernels() {
           EXPECT_NEAR(double(x[c]), wx, gamma<T>(double(rows)) * mx) << c;
           EXPECT_NEAR(double(y[c]), wy, gamma<T>(double(rows)) * my) << c;
         }
-        std::vector<T> dots(rows, T(-7));  // row_dots: S a, a dot of `cols` terms a row
-        std::vector<T> a_cols(cols);
-        fill_normal(a_cols.data(), int64_t(cols), 43 + cols);
-        simd::row_dots(S.data(), rows, cols, a_cols.data(), dots.data());
-        for (size_t r = 0; r < rows; ++r) {
-          double want = 0, mag = 0;
-          for (size_t c = 0; c < cols; ++c) {
-            const double t = double(S[r * cols + c]) * double(a_cols[c]);
-            want += t, mag += std::abs(t);
+        // row_dots and state_dots for 1 to 9 queries at once (groups of four, three and
+        // fewer, and their remainders): S a, a dot of `cols` terms a row; Sᵀa, of `rows` terms.
+        for (size_t count = 1; count <= 9; ++count) {
+          SCOPED_TRACE(::testing::Message() << "queries " << count);
+          std::vector<T> queries(count * cols), weightings(count * rows);
+          fill_normal(queries.data(), int64_t(queries.size()), 43 + cols + count);
+          fill_normal(weightings.data(), int64_t(weightings.size()), 47 + rows + count);
+          std::vector<T> dots(count * rows, T(-7)), sums(count * cols, T(-7));
+          simd::row_dots(S.data(), rows, cols, queries.data(), count, dots.data());
+          simd::state_dots(S.data(), rows, cols, weightings.data(), count, sums.data());
+          for (size_t q = 0; q < count; ++q) {
+            // each query's sums are its own, whatever the queries beside it: bitwise one query's
+            std::vector<T> one_dots(rows), one_sums(cols);
+            simd::row_dots(S.data(), rows, cols, queries.data() + q * cols, 1, one_dots.data());
+            simd::state_dots(S.data(), rows, cols, weightings.data() + q * rows, 1, one_sums.data());
+            EXPECT_TRUE(std::equal(one_dots.begin(), one_dots.end(), dots.begin() + q * rows)) << q;
+            EXPECT_TRUE(std::equal(one_sums.begin(), one_sums.end(), sums.begin() + q * cols)) << q;
+            // got against the float64 sum of `terms` terms term(i), within γ_terms·Σ|term|
+            auto expect_sum = [](T got, size_t terms, auto term) {
+              double want = 0, mag = 0;
+              for (size_t i = 0; i < terms; ++i) want += term(i), mag += std::abs(term(i));
+              EXPECT_NEAR(double(got), want, gamma<T>(double(terms)) * mag);
+            };
+            for (size_t r = 0; r < rows; ++r)
+              expect_sum(dots[q * rows + r], cols, [&](size_t c) { return double(S[r * cols + c]) * double(queries[q * cols + c]); });
+            for (size_t c = 0; c < cols; ++c)
+              expect_sum(sums[q * cols + c], rows, [&](size_t r) { return double(weightings[q * rows + r]) * double(S[r * cols + c]); });
           }
-          EXPECT_NEAR(double(dots[r]), want, gamma<T>(double(cols)) * mag) << r;
         }
         std::vector<T> out(rows * cols);
         EXPECT_TRUE(simd::decay_rank_one(S.data(), rows, cols, f.data(), k.data(), u.data(), out.data()));

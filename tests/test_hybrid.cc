@@ -991,15 +991,15 @@ TEST(HybridDecodeStep, MapsAppliedByTheStepEqualGivenFeatures) {
 }
 
 // A step large enough to run on several workers (B·H·work per head >= 2^18: here 2 rows of 8
-// query heads on 2 key heads, d = d_v = 64, f = 32, w = 64 + 4 sinks, with decay and a padded
-// row) gives each query head bitwise what a step of that head alone gives (a one-head step runs
-// on the calling thread, in order): every head is computed once, by its own arithmetic, whatever
-// the order and the worker. At 1, 2, 3, 8 and 32 threads (16 rows and heads: below and above),
-// over 80 tokens.
+// query heads on 2 key heads or on 1, d = d_v = 64, f = 32, w = 64 + 4 sinks, with decay and a
+// padded row) gives each query head bitwise what a step of that head alone gives (a one-head
+// step runs on the calling thread): every head is computed once, by its own arithmetic (up to 4
+// query heads of a key head read its slots together, each in its own sums), whatever the
+// grouping, the order and the worker. At 1, 2, 3, 8 and 32 threads (4 tasks of a row, a key head
+// and its 4 query heads; 16 rows and query heads: below and above both), over 80 tokens.
 TEST(HybridDecodeStep, SeveralWorkersGiveEachHeadItsOwnStep) {
   using T = float;
-  constexpr int64_t B = 2, H = 8, kv_heads = 2, G = H / kv_heads, d = 64, dv = 64, f = 32, m = 2 * f, w = 64,
-                    s = 4, slots = s + w, n = 80;
+  constexpr int64_t B = 2, H = 8, d = 64, dv = 64, f = 32, m = 2 * f, w = 64, s = 4, slots = s + w, n = 80;
   const Tensor<T> qw = cast<T>(random_tensor<double>({H, d, f}, 801, 0.2)), qb = cast<T>(random_tensor<double>({H, f}, 802));
   const Tensor<T> kw = cast<T>(random_tensor<double>({H, d, f}, 803, 0.2)), kb = cast<T>(random_tensor<double>({H, f}, 804));
   Tensor<T> gamma({H}), decay({H});
@@ -1023,9 +1023,11 @@ TEST(HybridDecodeStep, SeveralWorkersGiveEachHeadItsOwnStep) {
     std::copy(t.data() + h * per, t.data() + (h + 1) * per, out.data());
     return out;
   };
+  for (int64_t kv_heads : {int64_t{2}, int64_t{1}})
   for (int threads : {1, 2, 3, 8, 32}) {
-    SCOPED_TRACE(std::to_string(threads) + " threads");
+    SCOPED_TRACE(std::to_string(threads) + " threads, " + std::to_string(kv_heads) + " key heads");
     testing::ScopedThreads scope(threads);
+    const int64_t G = H / kv_heads;
     State all(H, kv_heads);
     std::vector<State> alone;
     for (int64_t h = 0; h < H; ++h) alone.emplace_back(1, 1);

@@ -37,6 +37,7 @@ from transformers.generation.utils import GenerationMixin
 from .. import _linattn
 from ..torch._checks import array as _array
 from ..torch._ops import accumulator_dtype
+from ..torch.feature_maps import step_features as _step_features
 from . import backends as _backends
 from . import masks as _masks
 
@@ -292,14 +293,19 @@ class LinearState(NamedTuple):
         return LinearState(*(None if t is None else fn(t) for t in self))
 
 
+def _scale(scaling, like):
+    """The model's scaling (the window's scores and FAVOR's x̃ = √scale·x), 1/√d when it gives none."""
+    return float(scaling) if scaling is not None else 1.0 / math.sqrt(like.shape[-1])
+
+
 class _Map:
-    """A backend's feature map in decoding, as the C++ prefill and step take it: its scale (the
-    model's scaling: the window's scores and FAVOR's x̃ = √scale·x) and size m' (FAVOR: log
-    form, the sums keep per-feature shifts; its projection is a step constant, _step_constants)."""
+    """A backend's feature map after a prompt, as the C++ prefill takes it: its scale (_scale)
+    and size m' (FAVOR: log form, the sums keep per-feature shifts; its projection is a step
+    constant, _step_constants). Decoding needs neither: the state has its size."""
 
     def __init__(self, module, b, user, like, scaling):
         self.b, self.user = b, user
-        self.scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(like.shape[-1])
+        self.scale = _scale(scaling, like)
         self.log_form = isinstance(b, _backends.Favor)
         self.learned_dim = b.map(module, user, "query", like).dim if isinstance(b, _backends.Learned) else None
 
@@ -377,7 +383,6 @@ def attend(name, layer, module, b, user, query, key, value, attention_mask, scal
                          "before, so nothing before this token would get a gradient. Run decoding under "
                          "torch.no_grad(), as generate() does")
     valid = token_validity(name, attention_mask, batch, n, layer)
-    fmap = _Map(module, b, user, query, scaling)
     window = int(user.get("window") or 0)
     sinks = int(user.get("sinks") or 0) if window else 0
     decay = _log_decay(layer, user, query.shape[1], query.device) if window else None  # λ [H]
@@ -397,13 +402,15 @@ def attend(name, layer, module, b, user, query, key, value, attention_mask, scal
                 rows.append(row)
             out = torch.cat(rows, dim=0)
         with torch.no_grad():
-            _fill(layer, fmap, module, b, user, query, key.detach(), value.detach(), window, sinks, decay, valid)
+            _fill(layer, _Map(module, b, user, query, scaling), module, b, user, query, key.detach(), value.detach(),
+                  window, sinks, decay, valid)
         return out
+    scale = _scale(scaling, query)
     with torch.no_grad():
-        outs = [_step(layer, fmap, module, b, user, query[:, :, t:t + 1], key[:, :, t:t + 1], value[:, :, t:t + 1],
+        outs = [_step(layer, scale, module, b, user, query[:, :, t:t + 1], key[:, :, t:t + 1], value[:, :, t:t + 1],
                       window, sinks, decay, None if valid is None else valid[:, t]) for t in range(n)]
     # A bfloat16/float16 model's state and sums are float32 (the C++ step's); the output is rounded once.
-    return torch.cat(outs, dim=2).to(query.dtype)
+    return (outs[0] if n == 1 else torch.cat(outs, dim=2)).to(query.dtype)
 
 
 def _last_slots(valid, size):
@@ -438,7 +445,7 @@ def _fill(layer, fmap, module, b, user, query, key, value, window, sinks, decay,
     given = None
     if isinstance(b, _backends.Window):
         given = torch.zeros((batch, heads, n, 1), dtype=wide).numpy()
-    elif _applied_here(inputs):  # a learned map that the C++ prefill does not apply: its features
+    elif layer.step_constants["features_here"]:  # a learned map that the C++ prefill does not apply: its features
         given = _array(_wide(b.features(module, user, _backends.per_query_head(key, heads), "key")))
     shift = layer.linear.shift
     _linattn.hybrid_prefill(_array(key.to(wide)), _array(value.to(wide)), given, None if valid is None else _array(valid),
@@ -462,17 +469,19 @@ def _fill(layer, fmap, module, b, user, query, key, value, window, sinks, decay,
 _PREFILL_MAP_INPUTS = ("key_weight", "key_bias", "feature_map", "focus_power", "projection", "kernel")
 
 
-def _step(layer, fmap, module, b, user, q, k, v, window, sinks, decay, valid):
+def _step(layer, scale, module, b, user, q, k, v, window, sinks, decay, valid):
     """One position q [B, H, 1, d], k, v [B, H_kv, 1, d] -> its output [B, H, 1, d_v], the row of
     the backend's causal forward for the newest token; the layer advances by it in the rows where
-    valid [B] (None: all) says it is a token (elsewhere the state stays and the output is 0)."""
+    valid [B] (None: all) says it is a token (elsewhere the state stays and the output is 0).
+    (A generated token runs this for each of a model's layers: it does only what the token needs.)"""
     batch, heads = q.shape[0], q.shape[1]
-    advance = torch.ones(batch, dtype=torch.bool, device=q.device) if valid is None else valid
-    out = _native(layer, fmap, module, b, user, q, k, v, window, sinks, decay, advance, _eps(b, user))
+    advance = torch.ones(batch, dtype=torch.bool) if valid is None else valid
+    out = _native(layer, scale, module, b, user, q, k, v, window, sinks, decay, advance, _eps(b, user))
     layer.tokens += 1  # after the call: a call that raises leaves the layer as it was
     if layer.conv_values is not None:
         out = out + _conv_step(layer, module, b, user, _backends.per_query_head(v, heads), advance)
-    out = torch.where(advance[:, None, None], out, torch.zeros_like(out))
+        if valid is not None:  # the step leaves 0 in the rows that do not advance; the convolution's term does not
+            out = torch.where(advance[:, None, None], out, torch.zeros_like(out))
     return out[:, :, None]
 
 
@@ -544,6 +553,7 @@ def _step_constants(layer, module, b, user, q, decay):
     wide = accumulator_dtype(q.dtype)  # the step's dtype
     arrays = {"window_weight": _array(_window_weight(module, b, user, q).to(wide)),
               "log_decay": None if decay is None else _array(decay.to(wide))}
+    features_here = False
     if isinstance(b, _backends.Learned):
         kernel_maps = [b.map(module, user, side, q).kernel_maps(q.dtype) for side in ("query", "key")]
         if all(m is not None for m in kernel_maps):  # the step applies the maps (Hedgehog's; in q's dtype,
@@ -552,7 +562,7 @@ def _step_constants(layer, module, b, user, q, decay):
             arrays.update(query_features=None, leaving_features=None, query_weight=_array(qw.to(wide)),
                           query_bias=_array(qb.to(wide)), key_weight=_array(kw.to(wide)), key_bias=_array(kb.to(wide)))
         else:  # the module is applied at each step (_given_features), to q and the key entering the sums
-            arrays.update(query_features=_APPLIED_HERE, leaving_features=_APPLIED_HERE)
+            features_here = True
     elif isinstance(b, _backends.Window):  # the window alone: one feature, 0
         zeros = torch.zeros((q.shape[0], q.shape[1], 1), dtype=wide).numpy()
         arrays.update(query_features=zeros, leaving_features=zeros)
@@ -564,38 +574,22 @@ def _step_constants(layer, module, b, user, q, decay):
         arrays.update(query_features=None, leaving_features=None, feature_map=b.fixed["feature_map"],
                       focus_power=float(user.get("focus_power", 3.0)))
     layer.step_constants = {"dtype": q.dtype, "batch": q.shape[0], "sources": sources, "arrays": arrays,
+                            "features_here": features_here,
                             "parameters": [entry for _, t in sources for entry in _parameters(t)]}
     return arrays
 
 
-# A step constant's placeholder for features the cache makes at each step (_given_features).
-_APPLIED_HERE = "applied here"
-
-
-def _applied_here(inputs):
-    return isinstance(inputs["query_features"], str)
-
-
 def _given_features(layer, module, b, user, q, k, window, sinks):
     """For a learned map the C++ step does not apply (no kernel_maps): the features it takes,
-    φ_q(q) and φ_k of the key entering the sums, [B, H, m'] each, in the step's dtype. The key
-    entering is the one in ring slot sinks + counts mod window (read by the step only when it
-    leaves the window), or without a window the new one; per query head."""
-    heads = q.shape[1]
-    if window:
-        rows = torch.arange(q.shape[0])
-        entering = layer.exact_keys[rows, :, sinks + layer.counts % window][:, :, None].to(q.dtype)  # [B, H_kv, 1, d]
-    else:
-        entering = k
+    φ_q(q) and φ_k of the key entering the sums (linattn.torch.feature_maps.step_features), in
+    the step's dtype."""
     wide = accumulator_dtype(q.dtype)
-    fq = b.features(module, user, q, "query")[:, :, 0]
-    fk = b.features(module, user, _backends.per_query_head(entering, heads), "key")[:, :, 0]
-    if window:  # a row whose ring is not full has no key leaving: its slot is empty (the step checks φ anyway)
-        fk = torch.where((layer.counts >= window)[:, None, None], fk, torch.zeros((), dtype=fk.dtype))
+    fq, fk = _step_features(lambda x, side: b.features(module, user, x, side), q[:, :, 0], k[:, :, 0],
+                            layer.exact_keys, layer.counts, window, sinks)
     return {"query_features": _array(fq.to(wide)), "leaving_features": _array(fk.to(wide))}
 
 
-def _native(layer, fmap, module, b, user, q, k, v, window, sinks, decay, advance, eps):
+def _native(layer, scale, module, b, user, q, k, v, window, sinks, decay, advance, eps):
     """The step (sums, sinks, ring and the read; counts advanced) in one C++ call, in place on
     the layer's tensors: [B, H, d_v], 0 where a row does not advance. The step applies the map
     itself, to q and to the key entering the sums (the one leaving the window; without a window
@@ -605,13 +599,13 @@ def _native(layer, fmap, module, b, user, q, k, v, window, sinks, decay, advance
     _in_step_dtype(layer, wide)
     linear = layer.linear
     inputs = _step_constants(layer, module, b, user, q, decay)
-    if _applied_here(inputs):
+    if layer.step_constants["features_here"]:
         inputs = dict(inputs, **_given_features(layer, module, b, user, q, k, window, sinks))
     out = _linattn.hybrid_decode_step(
-        *(_array(t[:, :, 0].to(wide)) for t in (q, k, v)), advance=_array(advance),
+        *(_array(t.to(wide)).reshape(t.shape[0], t.shape[1], t.shape[3]) for t in (q, k, v)), advance=_array(advance),
         sums=linear.sums.numpy(), normaliser=linear.normaliser.numpy(), exact_keys=layer.exact_keys.numpy(),
         exact_values=layer.exact_values.numpy(), exact_valid=layer.exact_valid.numpy(), counts=layer.counts.numpy(),
-        shift=None if linear.shift is None else linear.shift.numpy(), window=window, sinks=sinks, scale=fmap.scale,
+        shift=None if linear.shift is None else linear.shift.numpy(), window=window, sinks=sinks, scale=scale,
         eps=eps, **inputs)
     return torch.from_numpy(out)
 

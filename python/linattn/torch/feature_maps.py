@@ -238,6 +238,31 @@ class LearnedFeatureMap(torch.nn.Module):
         return None
 
 
+def step_features(features, q, k, exact_keys, counts, window, sinks=0):
+    """The features a hybrid decoding step (linattn.hybrid_decode_step) is given for a learned
+    map it does not apply itself (no kernel_maps): φ_q(q) and φ_k of the key entering the sums,
+    [B, H, m'] each, in the maps' output dtype. features(x, side) maps x [B, H, n, d] (side
+    "query" or "key"). q [B, H, d], k [B, H_kv, d] (query head h reads key head h // (H / H_kv)).
+    The key entering is the one in ring slot sinks + counts mod window of exact_keys
+    [B, H_kv, sinks + window, d] (it leaves the window with this step, before the new key takes
+    its slot: for the sums, or for its sink slot when it is one of the row's first `sinks`
+    tokens, and then the step does not read its features), or without a window the new key k;
+    a row whose ring is not yet full has none, and its features are 0 (the step checks them all
+    the same)."""
+    heads = q.shape[1]
+    if window:
+        entering = exact_keys[torch.arange(q.shape[0]), :, sinks + counts % window].to(q.dtype)  # [B, H_kv, d]
+    else:
+        entering = k
+    if entering.shape[1] != heads:
+        entering = entering.repeat_interleave(heads // entering.shape[1], dim=1)
+    fq = features(q[:, :, None], "query")[:, :, 0]
+    fk = features(entering[:, :, None], "key")[:, :, 0]
+    if window:
+        fk = torch.where((counts >= window)[:, None, None], fk, torch.zeros((), dtype=fk.dtype))
+    return fq, fk
+
+
 # The learned maps by name: register_feature_map's.
 _LEARNED = {}
 # Option names a map cannot take: those of the methods, the linattn.hf backends and linearize

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from .. import _linattn, _options
 from ._checks import array as _array
 from ._ops import accumulator_dtype
-from .feature_maps import learned_feature_maps
+from .feature_maps import learned_feature_maps, step_features
 
 # The module's method names: registered methods, and the kernelized feature maps by name.
 _METHODS = {"softmax": ("softmax", {}), "linear": ("linear", {}), "elu": ("linear", {"feature_map": "elu"}),
@@ -112,15 +112,9 @@ class LearnedDecodingState:
             names = ("query_weight", "query_bias", "key_weight", "key_bias")
             applied = dict(zip(names, (_array(t.to(wide)) for pair in kernel_maps for t in pair)))
         else:
-            if self.window:
-                rows = torch.arange(q.shape[0])
-                entering = a["exact_keys"][rows, :, a["counts"] % self.window].to(dtype)  # [B, H, d]
-            else:
-                entering = k
-            fq, fk = (m(x[:, :, None])[:, :, 0].to(wide) for m, x in zip(maps, (q, entering)))
-            if self.window:  # no key leaves a ring that is not full: its slot is empty (the step checks φ anyway)
-                fk = torch.where((a["counts"] >= self.window)[:, None, None], fk, torch.zeros((), dtype=wide))
-            given, applied = (_array(fq), _array(fk)), {}
+            fq, fk = step_features(lambda x, side: maps[0 if side == "query" else 1](x), q, k, a["exact_keys"], a["counts"],
+                                   self.window)
+            given, applied = (_array(fq.to(wide)), _array(fk.to(wide))), {}
         out = _linattn.hybrid_decode_step(
             *(_array(t.to(wide)) for t in (q, k, v)), *given, advance=np.ones(q.shape[0], bool),
             window_weight=_array(gamma.to(wide)), log_decay=None, sums=a["sums"].numpy(),

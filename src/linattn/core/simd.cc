@@ -654,6 +654,146 @@ void RowDots(const T* x, size_t rows, size_t cols, const T* a, T* out) {
   }
 }
 
+// Q queries at once (a [Q × cols], out [Q × rows]: out[q·rows + r] = Σ_c x[r][c]·a[q][c]), two
+// keys at a time: each key row is loaded once for the Q queries (2Q independent sums), which is
+// what a decoding step's grouped query heads need (the key head's slots read once, not Q times).
+template <int Q, class T>
+void RowDotsGroup(const T* x, size_t rows, size_t cols, const T* a, T* out) {
+  static_assert(Q >= 2 && Q <= 4);
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  const T* a1 = a + cols;
+  const T* a2 = a + (Q > 2 ? 2 : 1) * cols;
+  const T* a3 = a + (Q > 3 ? 3 : 1) * cols;
+  size_t r = 0;
+  for (; r < rows; r += 2) {
+    const bool pair = r + 1 < rows;  // the last row alone: its partner reads it again, unused
+    const T* k0 = x + r * cols;
+    const T* k1 = pair ? k0 + cols : k0;
+    auto s00 = hn::Zero(d), s10 = hn::Zero(d), s20 = hn::Zero(d), s30 = hn::Zero(d);
+    auto s01 = hn::Zero(d), s11 = hn::Zero(d), s21 = hn::Zero(d), s31 = hn::Zero(d);
+    for (size_t c = 0; c < cols; c += N) {
+      const size_t n = std::min(N, cols - c);
+      const auto v0 = n == N ? hn::LoadU(d, k0 + c) : LoadTail(d, k0 + c, n);
+      const auto v1 = n == N ? hn::LoadU(d, k1 + c) : LoadTail(d, k1 + c, n);
+      const auto q0 = n == N ? hn::LoadU(d, a + c) : LoadTail(d, a + c, n);
+      const auto q1 = n == N ? hn::LoadU(d, a1 + c) : LoadTail(d, a1 + c, n);
+      s00 = hn::MulAdd(v0, q0, s00), s01 = hn::MulAdd(v1, q0, s01);
+      s10 = hn::MulAdd(v0, q1, s10), s11 = hn::MulAdd(v1, q1, s11);
+      if constexpr (Q > 2) {
+        const auto q2 = n == N ? hn::LoadU(d, a2 + c) : LoadTail(d, a2 + c, n);
+        s20 = hn::MulAdd(v0, q2, s20), s21 = hn::MulAdd(v1, q2, s21);
+      }
+      if constexpr (Q > 3) {
+        const auto q3 = n == N ? hn::LoadU(d, a3 + c) : LoadTail(d, a3 + c, n);
+        s30 = hn::MulAdd(v0, q3, s30), s31 = hn::MulAdd(v1, q3, s31);
+      }
+    }
+    out[r] = hn::GetLane(hn::SumOfLanes(d, s00)), out[rows + r] = hn::GetLane(hn::SumOfLanes(d, s10));
+    if constexpr (Q > 2) out[2 * rows + r] = hn::GetLane(hn::SumOfLanes(d, s20));
+    if constexpr (Q > 3) out[3 * rows + r] = hn::GetLane(hn::SumOfLanes(d, s30));
+    if (pair) {
+      out[r + 1] = hn::GetLane(hn::SumOfLanes(d, s01)), out[rows + r + 1] = hn::GetLane(hn::SumOfLanes(d, s11));
+      if constexpr (Q > 2) out[2 * rows + r + 1] = hn::GetLane(hn::SumOfLanes(d, s21));
+      if constexpr (Q > 3) out[3 * rows + r + 1] = hn::GetLane(hn::SumOfLanes(d, s31));
+    }
+  }
+}
+
+// Two vectors to p[0, n0) and p[N, N + n1) (n0, n1 <= N lanes; n1 may be 0).
+template <class D>
+HWY_INLINE void StorePair(D d, hn::Vec<D> v0, hn::Vec<D> v1, size_t n0, size_t n1, hn::TFromD<D>* p) {
+  const size_t N = hn::Lanes(d);
+  if (n0 == N) hn::StoreU(v0, d, p);
+  else StoreTail(d, v0, p, n0);
+  if (n1 == N) hn::StoreU(v1, d, p + N);
+  else if (n1 > 0) StoreTail(d, v1, p + N, n1);
+}
+
+// x[q][c] = Σ_r a[q][r]·S[r][c] for q < Q (a [Q × rows], x [Q × cols]): S read once for the Q
+// weightings, two vectors of columns at a time (2Q independent sums).
+template <int Q, class T>
+void StateDotsGroup(const T* S, size_t rows, size_t cols, const T* a, T* x) {
+  static_assert(Q >= 1 && Q <= 4);
+  const hn::ScalableTag<T> d;
+  const size_t N = hn::Lanes(d);
+  const T* a1 = a + (Q > 1 ? rows : 0);
+  const T* a2 = a + (Q > 2 ? 2 * rows : 0);
+  const T* a3 = a + (Q > 3 ? 3 * rows : 0);
+  for (size_t c = 0; c < cols; c += 2 * N) {
+    const size_t n0 = std::min(N, cols - c), n1 = cols - c > N ? std::min(N, cols - c - N) : 0;
+    auto x00 = hn::Zero(d), x10 = hn::Zero(d), x20 = hn::Zero(d), x30 = hn::Zero(d);
+    auto x01 = hn::Zero(d), x11 = hn::Zero(d), x21 = hn::Zero(d), x31 = hn::Zero(d);
+    for (size_t r = 0; r < rows; ++r) {
+      const T* s = S + r * cols + c;
+      const auto s0 = n0 == N ? hn::LoadU(d, s) : LoadTail(d, s, n0);
+      const auto s1 = n1 == N ? hn::LoadU(d, s + N) : n1 > 0 ? LoadTail(d, s + N, n1) : hn::Zero(d);
+      const auto w0 = hn::Set(d, a[r]);
+      x00 = hn::MulAdd(w0, s0, x00), x01 = hn::MulAdd(w0, s1, x01);
+      if constexpr (Q > 1) {
+        const auto w1 = hn::Set(d, a1[r]);
+        x10 = hn::MulAdd(w1, s0, x10), x11 = hn::MulAdd(w1, s1, x11);
+      }
+      if constexpr (Q > 2) {
+        const auto w2 = hn::Set(d, a2[r]);
+        x20 = hn::MulAdd(w2, s0, x20), x21 = hn::MulAdd(w2, s1, x21);
+      }
+      if constexpr (Q > 3) {
+        const auto w3 = hn::Set(d, a3[r]);
+        x30 = hn::MulAdd(w3, s0, x30), x31 = hn::MulAdd(w3, s1, x31);
+      }
+    }
+    StorePair(d, x00, x01, n0, n1, x + c);
+    if constexpr (Q > 1) StorePair(d, x10, x11, n0, n1, x + cols + c);
+    if constexpr (Q > 2) StorePair(d, x20, x21, n0, n1, x + 2 * cols + c);
+    if constexpr (Q > 3) StorePair(d, x30, x31, n0, n1, x + 3 * cols + c);
+  }
+}
+
+// count queries run through Kernel<Q>::Run(m, rows, cols, a_q, out_q) in groups of up to four:
+// query q's operand at a + q·a_stride, its result at out + q·out_stride.
+template <template <int> class Kernel, class T>
+void InQueryGroups(const T* m, size_t rows, size_t cols, const T* a, size_t a_stride, size_t count, T* out,
+                   size_t out_stride) {
+  for (size_t q = 0; q < count;) {
+    const size_t group = std::min<size_t>(4, count - q);
+    const T* aq = a + q * a_stride;
+    T* oq = out + q * out_stride;
+    if (group == 1) Kernel<1>::Run(m, rows, cols, aq, oq);
+    else if (group == 2) Kernel<2>::Run(m, rows, cols, aq, oq);
+    else if (group == 3) Kernel<3>::Run(m, rows, cols, aq, oq);
+    else Kernel<4>::Run(m, rows, cols, aq, oq);
+    q += group;
+  }
+}
+
+template <int Q>
+struct RowDotsKernel {
+  template <class T>
+  static void Run(const T* x, size_t rows, size_t cols, const T* a, T* out) {
+    if constexpr (Q == 1) RowDots(x, rows, cols, a, out);
+    else RowDotsGroup<Q>(x, rows, cols, a, out);
+  }
+};
+
+template <int Q>
+struct StateDotsKernel {
+  template <class T>
+  static void Run(const T* S, size_t rows, size_t cols, const T* a, T* x) {
+    StateDotsGroup<Q>(S, rows, cols, a, x);
+  }
+};
+
+template <class T>
+void RowDotsMany(const T* x, size_t rows, size_t cols, const T* a, size_t count, T* out) {
+  InQueryGroups<RowDotsKernel>(x, rows, cols, a, cols, count, out, rows);
+}
+
+template <class T>
+void StateDotsMany(const T* S, size_t rows, size_t cols, const T* a, size_t count, T* x) {
+  InQueryGroups<StateDotsKernel>(S, rows, cols, a, rows, count, x, cols);
+}
+
 // out[r][c] = f[r]·S[r][c] + k[r]·u[c] (out may be S); whether every value written is finite.
 template <class T>
 bool DecayRankOne(const T* S, size_t rows, size_t cols, const T* f, const T* k, const T* u, T* out) {
@@ -687,8 +827,18 @@ void StateDotsF32(const float* S, size_t r, size_t c, const float* a, const floa
 void StateDotsF64(const double* S, size_t r, size_t c, const double* a, const double* b, double* x, double* y) {
   StateDots(S, r, c, a, b, x, y);
 }
-void RowDotsF32(const float* x, size_t r, size_t c, const float* a, float* o) { RowDots(x, r, c, a, o); }
-void RowDotsF64(const double* x, size_t r, size_t c, const double* a, double* o) { RowDots(x, r, c, a, o); }
+void RowDotsF32(const float* x, size_t r, size_t c, const float* a, size_t n, float* o) {
+  RowDotsMany(x, r, c, a, n, o);
+}
+void RowDotsF64(const double* x, size_t r, size_t c, const double* a, size_t n, double* o) {
+  RowDotsMany(x, r, c, a, n, o);
+}
+void StateDotsManyF32(const float* S, size_t r, size_t c, const float* a, size_t n, float* x) {
+  StateDotsMany(S, r, c, a, n, x);
+}
+void StateDotsManyF64(const double* S, size_t r, size_t c, const double* a, size_t n, double* x) {
+  StateDotsMany(S, r, c, a, n, x);
+}
 bool DecayRankOneF32(const float* S, size_t r, size_t c, const float* f, const float* k, const float* u, float* o) {
   return DecayRankOne(S, r, c, f, k, u, o);
 }
@@ -1183,6 +1333,8 @@ HWY_EXPORT(MultiplyF64);
 HWY_EXPORT(StateDotsF32);
 HWY_EXPORT(StateDotsF64);
 HWY_EXPORT(RowDotsF32);
+HWY_EXPORT(StateDotsManyF32);
+HWY_EXPORT(StateDotsManyF64);
 HWY_EXPORT(RowDotsF64);
 HWY_EXPORT(DecayRankOneF32);
 HWY_EXPORT(DecayRankOneF64);
@@ -1346,11 +1498,17 @@ void state_dots(const float* S, size_t rows, size_t cols, const float* a, const 
 void state_dots(const double* S, size_t rows, size_t cols, const double* a, const double* b, double* x, double* y) {
   HWY_DYNAMIC_DISPATCH(StateDotsF64)(S, rows, cols, a, b, x, y);
 }
-void row_dots(const float* x, size_t rows, size_t cols, const float* a, float* out) {
-  HWY_DYNAMIC_DISPATCH(RowDotsF32)(x, rows, cols, a, out);
+void row_dots(const float* x, size_t rows, size_t cols, const float* a, size_t count, float* out) {
+  HWY_DYNAMIC_DISPATCH(RowDotsF32)(x, rows, cols, a, count, out);
 }
-void row_dots(const double* x, size_t rows, size_t cols, const double* a, double* out) {
-  HWY_DYNAMIC_DISPATCH(RowDotsF64)(x, rows, cols, a, out);
+void row_dots(const double* x, size_t rows, size_t cols, const double* a, size_t count, double* out) {
+  HWY_DYNAMIC_DISPATCH(RowDotsF64)(x, rows, cols, a, count, out);
+}
+void state_dots(const float* S, size_t rows, size_t cols, const float* a, size_t count, float* x) {
+  HWY_DYNAMIC_DISPATCH(StateDotsManyF32)(S, rows, cols, a, count, x);
+}
+void state_dots(const double* S, size_t rows, size_t cols, const double* a, size_t count, double* x) {
+  HWY_DYNAMIC_DISPATCH(StateDotsManyF64)(S, rows, cols, a, count, x);
 }
 bool decay_rank_one(const float* S, size_t rows, size_t cols, const float* f, const float* k, const float* u,
                     float* out) {

@@ -192,9 +192,14 @@ void state_dots(const float* S, size_t rows, size_t cols, const float* a, const 
 void state_dots(const double* S, size_t rows, size_t cols, const double* a, const double* b, double* x, double* y);
 bool decay_rank_one(const float* S, size_t rows, size_t cols, const float* f, const float* k, const float* u,
                     float* out);
-// out[r] = Σ_c x[r][c]·a[c] (x a, rows × cols row-major): a query's dots with a block of keys.
-void row_dots(const float* x, size_t rows, size_t cols, const float* a, float* out);
-void row_dots(const double* x, size_t rows, size_t cols, const double* a, double* out);
+// out[q·rows + r] = Σ_c x[r][c]·a[q·cols + c] for q < count (x rows × cols, a count × cols,
+// row-major): count queries' dots with a block of keys, each key read once for up to four of them.
+void row_dots(const float* x, size_t rows, size_t cols, const float* a, size_t count, float* out);
+void row_dots(const double* x, size_t rows, size_t cols, const double* a, size_t count, double* out);
+// x[q·cols + c] = Σ_r a[q·rows + r]·S[r][c] for q < count (Sᵀa for count weightings a, up to
+// four of them per pass over S): the weighted sums a decoding step reads from a state or a window.
+void state_dots(const float* S, size_t rows, size_t cols, const float* a, size_t count, float* x);
+void state_dots(const double* S, size_t rows, size_t cols, const double* a, size_t count, double* x);
 bool decay_rank_one(const double* S, size_t rows, size_t cols, const double* f, const double* k, const double* u,
                     double* out);
 

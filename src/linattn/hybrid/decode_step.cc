@@ -3,15 +3,17 @@
 // forty torch operations (docs/linearize.md: about 0.9 ms a layer before). Its features are given
 // (made by the caller) or made here: by Hedgehog's maps (core/hedgehog_map.h, the formula
 // hedgehog_features runs), a fixed map by name, or FAVOR's projection (favor_step: logits, the
-// sums in log form), each head's task mapping its query and the key entering the sums (the one
-// leaving the window; window 0: the new one). Per (row, head): the sums decay and the key leaving the window enters them (one pass
-// over the sums, simd::decay_rank_one) or its sink slot, the new key takes its ring slot, and the
-// query reads the exact slots (simd::row_dots for the scores, simd::state_dots for the weighted
-// values) and the sums (simd::state_dots). Highway's kernels rather than BLAS: these are products
-// of one row by a matrix, where sgemm's calls cost more than the arithmetic; a step is bound by
-// reading the window's keys and values, stored once per key head (0.8 MB at SmolLM2's 3 key heads
-// of 516 slots, 2.4 MB when they were kept per query head). The float64 reference is the causal
-// hybrid_attention itself: tests/test_hybrid.cc steps through a sequence and compares each
+// sums in log form), each query head's map applied to its query and to the key entering the
+// sums (the one leaving the window; window 0: the new one). Per (row, query head): the sums decay
+// and the key leaving the window enters them (one pass over the sums, simd::decay_rank_one) or
+// its sink slot, the new key takes its ring slot, and the query reads the exact slots
+// (simd::row_dots for the scores, simd::state_dots for the weighted values) and the sums
+// (simd::state_dots). A task is a row, a key head and up to four of its query heads, which read
+// the key head's slots in one pass. Highway's kernels rather than BLAS: these are products of a
+// few rows by a matrix, where sgemm's calls cost more than the arithmetic; a step is bound by
+// reading the window's keys and values, stored once per key head (1.6 MB at SmolLM2's 3 key
+// heads of 1028 slots, 4.7 MB if they were kept per query head). The float64 reference is the
+// causal hybrid_attention itself: tests/test_hybrid.cc steps through a sequence and compares each
 // token's output with the forward's row, and the maps' step with the step given
 // hedgehog_features' features.
 #include <algorithm>
@@ -142,8 +144,8 @@ StepDims check_step(const char* fn, TensorView<const T> q, TensorView<const T> k
   return s;
 }
 
-// Where a step's features come from: given ([B, H, m'] each), or Hedgehog's maps, which each
-// head's task applies to its query and to the key leaving the window (m' = 2f).
+// Where a step's features come from: given ([B, H, m'] each), or Hedgehog's maps, which the step
+// applies to each query head's query and to the key leaving the window (m' = 2f).
 template <class T>
 struct Features {
   const T* query;
@@ -270,25 +272,29 @@ inline bool enters_sums(const StepDims& dims, int64_t count) {
   return count >= dims.w && count - dims.w >= dims.s;
 }
 
-// fn(b, h, scratch) for every advancing row b and query head h, scratch `scratch_size` values of
-// the worker's. A small step (B·H·work_per_head < 2^18) runs on the calling thread: a helper's
-// wake-up cost more than it saved at w = 64 (cold, 9 heads: 46 µs on 2 threads, 32 on 1). On one
-// worker the heads go in order (a key head's G query heads one after another: its slots are in
-// cache after the first); on several, consecutive tasks read different key heads (h = 0, G, 2G,
-// ..., then 1, G + 1, ...), so that the workers running at once stream different slots from
-// memory (w = 512, 3 key heads, 2 threads: 74 µs, against 107 with a key head's heads kept on one
-// worker).
+// The query heads a task reads a key head's slots for at once: simd::row_dots and state_dots
+// take up to four queries per pass over the keys or values.
+constexpr int64_t kHeadsPerPass = 4;
+
+// fn(b, kv, h0, count, scratch) for every advancing row b, key head kv and group of its G query
+// heads h0 .. h0 + count − 1 (count <= kHeadsPerPass: a key head's slots are read once for the
+// group), scratch `scratch_per_head`·count + `scratch_fixed` values of the worker's. A small step
+// (work_per_head·B·H < 2^18) runs on the calling thread: a helper's wake-up cost more than it
+// saved at w = 64 (cold, 9 heads: 46 µs on 2 threads, 32 on 1). Otherwise each group is a task:
+// B·H_kv·⌈G/4⌉ of them (a model with one key head still spreads its query heads over workers).
 template <class T, class Fn>
-void for_each_head(const StepDims& dims, TensorView<const bool> advance, int64_t work_per_head, int64_t scratch_size,
-                   Fn&& fn) {
-  const int64_t B = dims.B, H = dims.H, Hkv = dims.Hkv, G = dims.G;
-  const bool serial = B * H * work_per_head < (int64_t{1} << 18);
-  const ParallelLoop loop(serial ? 1 : B * H);
+void for_each_head_group(const StepDims& dims, TensorView<const bool> advance, int64_t work_per_head,
+                         int64_t scratch_per_head, int64_t scratch_fixed, Fn&& fn) {
+  const int64_t groups = (dims.G + kHeadsPerPass - 1) / kHeadsPerPass, tasks = dims.B * dims.Hkv * groups;
+  const bool serial = dims.B * dims.H * work_per_head < (int64_t{1} << 18);
+  const ParallelLoop loop(serial ? 1 : tasks);
+  const int64_t scratch_size = std::min(dims.G, kHeadsPerPass) * scratch_per_head + scratch_fixed;
   PerWorker<std::vector<T>> scratch(loop, [&] { return std::vector<T>(static_cast<size_t>(scratch_size)); });
   loop.run([&](int64_t index, int worker) {
-    for (int64_t task = serial ? 0 : index; task < (serial ? B * H : index + 1); ++task) {
-      const int64_t b = task / H, j = task % H, h = serial ? j : j % Hkv * G + j / Hkv;
-      if (advance.data[b]) fn(b, h, scratch[worker].data());
+    for (int64_t task = serial ? 0 : index; task < (serial ? tasks : index + 1); ++task) {
+      const int64_t b = task / (dims.Hkv * groups), kv = task / groups % dims.Hkv, group = task % groups;
+      const int64_t h0 = kv * dims.G + group * kHeadsPerPass, count = std::min(kHeadsPerPass, (kv + 1) * dims.G - h0);
+      if (advance.data[b]) fn(b, kv, h0, count, scratch[worker].data());
     }
   });
 }
@@ -308,20 +314,26 @@ void decay_sums(T* S, T* z, int64_t m, int64_t dv, T f) {
   simd::scale(z, static_cast<size_t>(m), f);
 }
 
-// The exact slots' scores of query q [d] in row [slots] (scale·q·k_j, −inf where no token is):
-// their maximum, finite (the new token's slot is valid).
+// The exact slots' scores of `count` queries q [count × d] of one key head in rows
+// [count × slots] (scale·q·k_j, −inf where no token is), the keys read once for them; tops
+// [count]: each row's maximum, finite (the new token's slot is valid).
 template <class T>
-T exact_scores(const StepDims& dims, const T* keys, const bool* valid, const T* q, T scale, T* row) {
-  simd::row_dots(keys, static_cast<size_t>(dims.slots), static_cast<size_t>(dims.d), q, row);
-  for (int64_t j = 0; j < dims.slots; ++j) row[j] = valid[j] ? scale * row[j] : -std::numeric_limits<T>::infinity();
-  return simd::max_value(row, static_cast<size_t>(dims.slots));
+void exact_scores(const StepDims& dims, const T* keys, const bool* valid, const T* q, int64_t count, T scale, T* rows,
+                  T* tops) {
+  const int64_t slots = dims.slots;
+  simd::row_dots(keys, static_cast<size_t>(slots), static_cast<size_t>(dims.d), q, static_cast<size_t>(count), rows);
+  for (int64_t j = 0; j < count; ++j) {
+    T* row = rows + j * slots;
+    for (int64_t t = 0; t < slots; ++t) row[t] = valid[t] ? scale * row[t] : -std::numeric_limits<T>::infinity();
+    tops[j] = simd::max_value(row, static_cast<size_t>(slots));
+  }
 }
 
 template <class T>
 Tensor<T> step(const StepDims& dims, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                const Features<T>& features, TensorView<const bool> advance, TensorView<const T> window_weight,
                TensorView<const T> log_decay, const HybridDecodeState<T>& state, const HybridDecodeOptions& opts) {
-  const int64_t B = dims.B, H = dims.H, d = dims.d, dv = dims.dv, m = dims.m, Hkv = dims.Hkv, G = dims.G;
+  const int64_t B = dims.B, H = dims.H, d = dims.d, dv = dims.dv, m = dims.m, Hkv = dims.Hkv;
   const int64_t w = dims.w, slots = dims.slots;
   // Nothing is written above this line. With a map applied here the leaving keys are kept too:
   // their features are made per head below.
@@ -332,64 +344,76 @@ Tensor<T> step(const StepDims& dims, TensorView<const T> q, TensorView<const T> 
   move_ring(dims, k, v, advance, state, mapped, leaving, leaving_keys);
   Tensor<T> out({B, H, dv}, false, Init::Zero);
   const int64_t fdim = m / 2;  // Hedgehog's feature_dim
-  const int64_t wide = std::max(2 * m, slots);
   const T scale = static_cast<T>(opts.scale);
-  // scratch: [max(2m, slots)] factors then the weights, [2 dv] sums, [2m] the maps' features
-  for_each_head<T>(dims, advance, slots * (d + dv) + 2 * m * dv + (maps ? m * d : fixed ? 2 * d : 0),
-                   wide + 2 * dv + (mapped ? 2 * m : 0), [&](int64_t b, int64_t h, T* row) {
-    const int64_t bh = b * H + h, c = state.counts.data[b], g = b * Hkv + h / G;  // the key head it reads
-    const T* keys = state.exact_keys.data + g * slots * d;
-    const T* values = state.exact_values.data + g * slots * dv;
-    T* S = state.sums.data + bh * m * dv;
-    T* z = state.normaliser.data + bh * m;
-    const double lambda = log_decay.data ? static_cast<double>(log_decay.data[h]) : 0.0;
-    const T f = static_cast<T>(std::exp(lambda));  // one position on: the sums decay by e^{λ}
+  // scratch per head: [slots] the scores then the weights, its maximum, the window's
+  // denominator, [m] φ(q), [dv] the linear sums; and [2m] the entering key's factors and features
+  const int64_t map_work = maps ? m * d : fixed ? 2 * d : 0;
+  for_each_head_group<T>(dims, advance, slots * (d + dv) + 2 * m * dv + map_work, slots + 2 + m + dv, 2 * m,
+                         [&](int64_t b, int64_t kv, int64_t h0, int64_t heads, T* scratch) {
+    const int64_t c = state.counts.data[b], g = b * Hkv + kv, first = b * H + h0;  // the group's first query head
+    T* rows = scratch;
+    T* tops = rows + heads * slots;
+    T* exact_den = tops + heads;
+    T* made_q = exact_den + heads;
+    T* linear = made_q + heads * m;
+    T* factors = linear + heads * dv;  // [m] e^{λ}, then [m] the entering key's weighted features
     const bool enters = enters_sums(dims, c);
-    const T* qb = q.data + bh * d;
-    const T* phi_q = features.query ? features.query + bh * m : nullptr;
-    const T* phi = features.leaving ? features.leaving + bh * m : nullptr;
-    if (mapped) {  // φ(q) and φ(the leaving key) by query head h's maps, or the fixed map
-      T* made = row + wide + 2 * dv;
-      if (maps) {
-        hedgehog_row(qb, maps->query_weight.data + h * d * fdim, maps->query_bias.data + h * fdim, d, fdim, made);
-        if (enters)
-          hedgehog_row(leaving_keys.data() + g * d, maps->key_weight.data + h * d * fdim,
-                       maps->key_bias.data + h * fdim, d, fdim, made + m);
-      } else {
-        fixed->features(qb, 1, made);
-        if (enters) fixed->features(leaving_keys.data() + g * d, 1, made + m);
+    // Per query head: φ(q), the sums a position on (the leaving key entering them), and φ(q)ᵀS.
+    for (int64_t j = 0; j < heads; ++j) {
+      const int64_t h = h0 + j, bh = first + j;
+      T* S = state.sums.data + bh * m * dv;
+      T* z = state.normaliser.data + bh * m;
+      const double lambda = log_decay.data ? static_cast<double>(log_decay.data[h]) : 0.0;
+      const T f = static_cast<T>(std::exp(lambda));  // one position on: the sums decay by e^{λ}
+      const T* qb = q.data + bh * d;
+      T* phi_q = made_q + j * m;
+      T* scaled = factors + m;
+      if (features.query) std::copy(features.query + bh * m, features.query + (bh + 1) * m, phi_q);
+      else if (maps) hedgehog_row(qb, maps->query_weight.data + h * d * fdim, maps->query_bias.data + h * fdim, d, fdim, phi_q);
+      else fixed->features(qb, 1, phi_q);
+      if (enters) {  // S ← e^{λ}·S + (e^{λw}·φ) v_oldᵀ, z likewise: one pass over S
+        if (features.leaving) std::copy(features.leaving + bh * m, features.leaving + (bh + 1) * m, scaled);
+        else if (maps) hedgehog_row(leaving_keys.data() + g * d, maps->key_weight.data + h * d * fdim,
+                                    maps->key_bias.data + h * fdim, d, fdim, scaled);
+        else fixed->features(leaving_keys.data() + g * d, 1, scaled);
+        const T weight = static_cast<T>(std::exp(lambda * static_cast<double>(w)));
+        std::fill(factors, factors + m, f);
+        for (int64_t r = 0; r < m; ++r) scaled[r] *= weight;
+        simd::decay_rank_one(S, static_cast<size_t>(m), static_cast<size_t>(dv), factors, scaled,
+                             leaving.data() + g * dv, S);
+        for (int64_t r = 0; r < m; ++r) z[r] = f * z[r] + scaled[r];
+      } else if (log_decay.data) {
+        decay_sums(S, z, m, dv, f);
       }
-      phi_q = made;
-      phi = made + m;
+      simd::state_dots(S, static_cast<size_t>(m), static_cast<size_t>(dv), phi_q, 1, linear + j * dv);
     }
-    if (enters) {  // S ← e^{λ}·S + (e^{λw}·φ) v_oldᵀ, z likewise: one pass over S
-      const T weight = static_cast<T>(std::exp(lambda * static_cast<double>(w)));
-      std::fill(row, row + m, f);
-      T* scaled = row + m;
-      for (int64_t r = 0; r < m; ++r) scaled[r] = weight * phi[r];
-      simd::decay_rank_one(S, static_cast<size_t>(m), static_cast<size_t>(dv), row, scaled, leaving.data() + g * dv, S);
-      for (int64_t r = 0; r < m; ++r) z[r] = f * z[r] + scaled[r];
-    } else if (log_decay.data) {
-      decay_sums(S, z, m, dv, f);
-    }
-    T* o = out.data() + bh * dv;
-    T* linear = row + wide;   // [dv]
-    T* unused = linear + dv;  // state_dots makes two sums at once; one is needed
     if (slots == 0) {  // linear attention alone: φ(q)ᵀS / (φ(q)·z + eps); a zero denominator gives 0
-      simd::state_dots(S, static_cast<size_t>(m), static_cast<size_t>(dv), phi_q, phi_q, o, unused);
-      const T den = simd::dot(phi_q, z, static_cast<size_t>(m)) + static_cast<T>(opts.eps);
-      divide_or_zero(o, dv, den);
+      for (int64_t j = 0; j < heads; ++j) {
+        T* o = out.data() + (first + j) * dv;
+        std::copy(linear + j * dv, linear + (j + 1) * dv, o);
+        const T* z = state.normaliser.data + (first + j) * m;
+        divide_or_zero(o, dv, simd::dot(made_q + j * m, z, static_cast<size_t>(m)) + static_cast<T>(opts.eps));
+      }
       return;
     }
-    // the exact slots: e_j = e^{s_j − M} over the valid ones
-    const T top = exact_scores(dims, keys, state.exact_valid.data + b * slots, qb, scale, row);
-    const T gamma = window_weight.data[h];
-    const T exact_den = gamma * simd::exp_shifted_sum(row, static_cast<size_t>(slots), top);
-    simd::state_dots(values, static_cast<size_t>(slots), static_cast<size_t>(dv), row, row, o, unused);
-    simd::state_dots(S, static_cast<size_t>(m), static_cast<size_t>(dv), phi_q, phi_q, linear, unused);
-    for (int64_t e = 0; e < dv; ++e) o[e] = gamma * o[e] + linear[e];
-    const T den = exact_den + simd::dot(phi_q, z, static_cast<size_t>(m)) + static_cast<T>(opts.eps);
-    divide_or_zero(o, dv, den);  // (0 over 0: γ = 0, nothing in the sums, eps = 0)
+    // the exact slots, read once for the group's query heads: e_j = e^{s_j − M} over the valid ones
+    exact_scores(dims, state.exact_keys.data + g * slots * d, state.exact_valid.data + b * slots, q.data + first * d,
+                 heads, scale, rows, tops);
+    T* o = out.data() + first * dv;  // the group's rows, one after another
+    for (int64_t j = 0; j < heads; ++j)
+      exact_den[j] = simd::exp_shifted_sum(rows + j * slots, static_cast<size_t>(slots), tops[j]);
+    simd::state_dots(state.exact_values.data + g * slots * dv, static_cast<size_t>(slots), static_cast<size_t>(dv),
+                     rows, static_cast<size_t>(heads), o);
+    for (int64_t j = 0; j < heads; ++j) {
+      const T gamma = window_weight.data[h0 + j];
+      T* oj = o + j * dv;
+      const T* lj = linear + j * dv;
+      for (int64_t e = 0; e < dv; ++e) oj[e] = gamma * oj[e] + lj[e];
+      const T* z = state.normaliser.data + (first + j) * m;
+      const T den = gamma * exact_den[j] + simd::dot(made_q + j * m, z, static_cast<size_t>(m)) +
+                    static_cast<T>(opts.eps);
+      divide_or_zero(oj, dv, den);  // (0 over 0: γ = 0, nothing in the sums, eps = 0)
+    }
   });
   for (int64_t b = 0; b < B; ++b) state.counts.data[b] += advance.data[b] ? 1 : 0;
   return out;
@@ -404,7 +428,7 @@ Tensor<T> favor_step(const StepDims& dims, TensorView<const T> q, TensorView<con
                      const FeatureMap<T>& fmap, TensorView<const bool> advance, TensorView<const T> window_weight,
                      TensorView<const T> log_decay, const HybridDecodeState<T>& state, const HybridDecodeOptions& opts) {
   const char* fn = "hybrid_decode_step";
-  const int64_t B = dims.B, H = dims.H, d = dims.d, dv = dims.dv, m = dims.m, Hkv = dims.Hkv, G = dims.G;
+  const int64_t B = dims.B, H = dims.H, d = dims.d, dv = dims.dv, m = dims.m, Hkv = dims.Hkv;
   const int64_t w = dims.w, slots = dims.slots;
   const bool trig = fmap.has_factor();
   // The logits are finite for finite inputs at any finite projection, and logits() checks them:
@@ -431,63 +455,80 @@ Tensor<T> favor_step(const StepDims& dims, TensorView<const T> q, TensorView<con
   Tensor<T> out({B, H, dv}, false, Init::Zero);
   const T scale = static_cast<T>(opts.scale);
   const T inf = std::numeric_limits<T>::infinity();
-  const int64_t wide = std::max(2 * m, slots);
-  // scratch: [max(2m, slots)] factors then the weights, [2 dv] sums
-  for_each_head<T>(dims, advance, slots * (d + dv) + 2 * m * dv, wide + 2 * dv, [&](int64_t b, int64_t h, T* row) {
-    const int64_t bh = b * H + h, c = state.counts.data[b], g = b * Hkv + h / G;
-    T* S = state.sums.data + bh * m * dv;
-    T* z = state.normaliser.data + bh * m;
-    T* shift = state.shift.data + bh * m;
-    const double lambda = log_decay.data ? static_cast<double>(log_decay.data[h]) : 0.0;
-    const T f = static_cast<T>(std::exp(lambda));
-    if (enters_sums(dims, c)) {  // c' = max(c, L_k + λw); S ← e^{λ}e^{c − c'}·S + s·e^{L_k + λw − c'} v_oldᵀ
-      const T* lk = Lk.data() + g * m;  // the map is shared by the heads: its key head's logits
-      const T entry = static_cast<T>(lambda * static_cast<double>(w));
-      T* keep = row;
-      T* scaled = row + m;
-      for (int64_t r = 0; r < m; ++r) {
-        const T L = lk[r] + entry, top = std::max(shift[r], L);
-        keep[r] = shift[r] == -inf ? T(0) : f * std::exp(shift[r] - top);
-        scaled[r] = (trig ? sk[g * m + r] : T(1)) * std::exp(L - top);
-        shift[r] = top;
+  // scratch per head: [slots] the scores then the weights, its maximum, [dv] the linear sums,
+  // their maximum R_lin and denominator, the window's denominator; and [2m] factors then the
+  // sums' weights
+  for_each_head_group<T>(dims, advance, slots * (d + dv) + 2 * m * dv, slots + 1 + dv + 3, 2 * m,
+                         [&](int64_t b, int64_t kv, int64_t h0, int64_t heads, T* scratch) {
+    const int64_t c = state.counts.data[b], g = b * Hkv + kv, first = b * H + h0;
+    T* rows = scratch;
+    T* tops = rows + heads * slots;
+    T* keep = tops + heads;
+    T* weights = keep + m;  // also the entering key's scaled features
+    T* linear = weights + m;
+    T* linear_top = linear + heads * dv;
+    T* linear_den = linear_top + heads;
+    T* exact_den = linear_den + heads;
+    for (int64_t j = 0; j < heads; ++j) {
+      const int64_t h = h0 + j, bh = first + j;
+      T* S = state.sums.data + bh * m * dv;
+      T* z = state.normaliser.data + bh * m;
+      T* shift = state.shift.data + bh * m;
+      const double lambda = log_decay.data ? static_cast<double>(log_decay.data[h]) : 0.0;
+      const T f = static_cast<T>(std::exp(lambda));
+      if (enters_sums(dims, c)) {  // c' = max(c, L_k + λw); S ← e^{λ}e^{c − c'}·S + s·e^{L_k + λw − c'} v_oldᵀ
+        const T* lk = Lk.data() + g * m;  // the map is shared by the heads: its key head's logits
+        const T entry = static_cast<T>(lambda * static_cast<double>(w));
+        T* scaled = weights;
+        for (int64_t r = 0; r < m; ++r) {
+          const T L = lk[r] + entry, top = std::max(shift[r], L);
+          keep[r] = shift[r] == -inf ? T(0) : f * std::exp(shift[r] - top);
+          scaled[r] = (trig ? sk[g * m + r] : T(1)) * std::exp(L - top);
+          shift[r] = top;
+        }
+        simd::decay_rank_one(S, static_cast<size_t>(m), static_cast<size_t>(dv), keep, scaled,
+                             leaving.data() + g * dv, S);
+        for (int64_t r = 0; r < m; ++r) z[r] = keep[r] * z[r] + scaled[r];
+      } else if (log_decay.data) {
+        decay_sums(S, z, m, dv, f);
       }
-      simd::decay_rank_one(S, static_cast<size_t>(m), static_cast<size_t>(dv), keep, scaled, leaving.data() + g * dv, S);
-      for (int64_t r = 0; r < m; ++r) z[r] = keep[r] * z[r] + scaled[r];
-    } else if (log_decay.data) {
-      decay_sums(S, z, m, dv, f);
+      // the sums' weights e^{L_q + c − R_lin}·s_q, R_lin = max_r (L_q,r + c_r) (−inf: nothing entered yet)
+      const T* lq = Lq.data() + bh * m;
+      T top = -inf;
+      for (int64_t r = 0; r < m; ++r) top = std::max(top, lq[r] + shift[r]);
+      for (int64_t r = 0; r < m; ++r)
+        weights[r] = top == -inf ? T(0) : (trig ? sq[bh * m + r] : T(1)) * std::exp(lq[r] + shift[r] - top);
+      simd::state_dots(S, static_cast<size_t>(m), static_cast<size_t>(dv), weights, 1, linear + j * dv);
+      linear_top[j] = top;
+      linear_den[j] = simd::dot(weights, z, static_cast<size_t>(m));
+      if (slots == 0) {  // FAVOR alone: num/den on the scale e^{R_lin}/m'; a zero denominator (trig) gives 0
+        const T den = linear_den[j] +
+                      (opts.eps > 0 ? static_cast<T>(m) * std::exp(static_cast<T>(std::log(opts.eps)) - top) : T(0));
+        T* o = out.data() + bh * dv;
+        std::copy(linear + j * dv, linear + (j + 1) * dv, o);
+        divide_or_zero(o, dv, den);
+      }
     }
-    // the sums' weights e^{L_q + c − R_lin}·s_q, R_lin = max_r (L_q,r + c_r) (−inf: nothing entered yet)
-    const T* lq = Lq.data() + bh * m;
-    T* weights = row + m;
-    T linear_top = -inf;
-    for (int64_t r = 0; r < m; ++r) linear_top = std::max(linear_top, lq[r] + shift[r]);
-    for (int64_t r = 0; r < m; ++r)
-      weights[r] = linear_top == -inf ? T(0) : (trig ? sq[bh * m + r] : T(1)) * std::exp(lq[r] + shift[r] - linear_top);
-    T* o = out.data() + bh * dv;
-    T* linear = row + wide;
-    T* unused = linear + dv;
-    simd::state_dots(S, static_cast<size_t>(m), static_cast<size_t>(dv), weights, weights, linear, unused);
-    const T linear_den = simd::dot(weights, z, static_cast<size_t>(m));
-    if (slots == 0) {  // FAVOR alone: num/den on the scale e^{R_lin}/m'; a zero denominator (trig) gives 0
-      const T den = linear_den + (opts.eps > 0 ? static_cast<T>(m) * std::exp(static_cast<T>(std::log(opts.eps)) - linear_top)
-                                               : T(0));
-      std::copy(linear, linear + dv, o);
-      divide_or_zero(o, dv, den);
-      return;
-    }
+    if (slots == 0) return;
     // with the window: every term on e^{R}, R = max(M, R_lin); φ(q)·φ(k) = e^{L_q + L_k}/m'
-    const T top = exact_scores(dims, state.exact_keys.data + g * slots * d, state.exact_valid.data + b * slots,
-                               q.data + bh * d, scale, row);
-    const T R = std::max(top, linear_top);
-    const T gamma = window_weight.data[h];
-    const T exact_den = gamma * simd::exp_shifted_sum(row, static_cast<size_t>(slots), R);
-    const T share = linear_top == -inf ? T(0) : std::exp(linear_top - R) / static_cast<T>(m);
+    exact_scores(dims, state.exact_keys.data + g * slots * d, state.exact_valid.data + b * slots, q.data + first * d,
+                 heads, scale, rows, tops);
+    for (int64_t j = 0; j < heads; ++j) {
+      tops[j] = std::max(tops[j], linear_top[j]);  // R
+      exact_den[j] = simd::exp_shifted_sum(rows + j * slots, static_cast<size_t>(slots), tops[j]);
+    }
+    T* o = out.data() + first * dv;
     simd::state_dots(state.exact_values.data + g * slots * dv, static_cast<size_t>(slots), static_cast<size_t>(dv),
-                     row, row, o, unused);
-    for (int64_t e = 0; e < dv; ++e) o[e] = gamma * o[e] + share * linear[e];
-    const T den = exact_den + share * linear_den +
-                  (opts.eps > 0 ? std::exp(static_cast<T>(std::log(opts.eps)) - R) : T(0));
-    divide_or_zero(o, dv, den);
+                     rows, static_cast<size_t>(heads), o);
+    for (int64_t j = 0; j < heads; ++j) {
+      const T gamma = window_weight.data[h0 + j], R = tops[j];
+      const T share = linear_top[j] == -inf ? T(0) : std::exp(linear_top[j] - R) / static_cast<T>(m);
+      T* oj = o + j * dv;
+      for (int64_t e = 0; e < dv; ++e) oj[e] = gamma * oj[e] + share * linear[j * dv + e];
+      const T den = gamma * exact_den[j] + share * linear_den[j] +
+                    (opts.eps > 0 ? std::exp(static_cast<T>(std::log(opts.eps)) - R) : T(0));
+      divide_or_zero(oj, dv, den);
+    }
   });
   for (int64_t b = 0; b < B; ++b) state.counts.data[b] += advance.data[b] ? 1 : 0;
   return out;
