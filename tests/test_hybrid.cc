@@ -991,12 +991,15 @@ TEST(HybridDecodeStep, MapsAppliedByTheStepEqualGivenFeatures) {
 }
 
 // A step large enough to run on several workers (B·H·work per head >= 2^18: here 2 rows of 8
-// query heads on 2 key heads or on 1, d = d_v = 64, f = 32, w = 64 + 4 sinks, with decay and a
-// padded row) gives each query head bitwise what a step of that head alone gives (a one-head
-// step runs on the calling thread): every head is computed once, by its own arithmetic (up to 4
-// query heads of a key head read its slots together, each in its own sums), whatever the
-// grouping, the order and the worker. At 1, 2, 3, 8 and 32 threads (4 tasks of a row, a key head
-// and its 4 query heads; 16 rows and query heads: below and above both), over 80 tokens.
+// query heads on 2 key heads or on 1, d = d_v = 64, m' = 64, w = 64 + 4 sinks, with decay and a
+// padded row; Hedgehog's maps, f = 32) gives each query head bitwise what a step of that head
+// alone gives (a one-head step runs on the calling thread): every head is computed once, by its
+// own arithmetic (up to 4 query heads of a key head read its slots together, each in its own
+// sums), whatever the grouping, the order and the worker. FAVOR's step (positive features, m' =
+// 64) makes every head's query logits in one product, summed in another order than a head's
+// alone: it gives bitwise what the step gives with one key head per query head (each query
+// head's keys and values repeated), ungrouped. At 1, 2, 3, 8 and 32 threads (4 tasks of a row,
+// a key head and its 4 query heads; 16 rows and query heads: below and above both), 80 tokens.
 TEST(HybridDecodeStep, SeveralWorkersGiveEachHeadItsOwnStep) {
   using T = float;
   constexpr int64_t B = 2, H = 8, d = 64, dv = 64, f = 32, m = 2 * f, w = 64, s = 4, slots = s + w, n = 80;
@@ -1004,15 +1007,22 @@ TEST(HybridDecodeStep, SeveralWorkersGiveEachHeadItsOwnStep) {
   const Tensor<T> kw = cast<T>(random_tensor<double>({H, d, f}, 803, 0.2)), kb = cast<T>(random_tensor<double>({H, f}, 804));
   Tensor<T> gamma({H}), decay({H});
   for (int64_t h = 0; h < H; ++h) gamma[h] = T(0.2 + 0.05 * double(h)), decay[h] = T(-0.01 * double(h));
-  const HybridDecodeOptions opts{w, s, 0.125, 1e-6};
+  const Tensor<T> omega = cast<T>(random_tensor<double>({m, d}, 805, 0.5));  // FAVOR's projection
   struct State {
     Tensor<T> sums, normaliser, keys, values;
     Tensor<bool> valid;
     Tensor<int64_t> counts;
-    State(int64_t heads, int64_t kv)
+    Tensor<T> shift;  // FAVOR's (−inf: no key yet)
+    bool favor;
+    State(int64_t heads, int64_t kv, bool favor)
         : sums({B, heads, m, dv}), normaliser({B, heads, m}), keys({B, kv, slots, d}), values({B, kv, slots, dv}),
-          valid({B, slots}), counts({B}) {}
-    HybridDecodeState<T> view() { return {sums.view(), normaliser.view(), keys.view(), values.view(), valid.view(), counts.view()}; }
+          valid({B, slots}), counts({B}), shift({B, heads, m}), favor(favor) {
+      std::fill(shift.data(), shift.data() + shift.size(), -std::numeric_limits<T>::infinity());
+    }
+    HybridDecodeState<T> view() {
+      return {sums.view(), normaliser.view(), keys.view(), values.view(), valid.view(), counts.view(),
+              favor ? shift.view() : TensorView<T>{}};
+    }
   };
   // one head's maps, gate and decay: rows h of the model's
   auto head_of = [](const Tensor<T>& t, int64_t h) {
@@ -1023,14 +1033,19 @@ TEST(HybridDecodeStep, SeveralWorkersGiveEachHeadItsOwnStep) {
     std::copy(t.data() + h * per, t.data() + (h + 1) * per, out.data());
     return out;
   };
+  auto values = [](const Tensor<T>& x) { return std::vector<T>(x.data(), x.data() + x.size()); };
+  for (bool favor : {false, true})
   for (int64_t kv_heads : {int64_t{2}, int64_t{1}})
   for (int threads : {1, 2, 3, 8, 32}) {
-    SCOPED_TRACE(std::to_string(threads) + " threads, " + std::to_string(kv_heads) + " key heads");
+    SCOPED_TRACE(std::to_string(threads) + " threads, " + std::to_string(kv_heads) + " key heads" +
+                 (favor ? ", FAVOR" : ", Hedgehog's maps"));
     testing::ScopedThreads scope(threads);
     const int64_t G = H / kv_heads;
-    State all(H, kv_heads);
+    HybridDecodeOptions opts{w, s, 0.125, 1e-6};
+    if (favor) opts.feature_map = "favor";
+    State all(H, kv_heads, favor), ungrouped(H, H, favor);
     std::vector<State> alone;
-    for (int64_t h = 0; h < H; ++h) alone.emplace_back(1, 1);
+    for (int64_t h = 0; h < H; ++h) alone.emplace_back(1, 1, favor);
     Tensor<bool> advance({B});
     for (int64_t t = 0; t < n; ++t) {
       const Tensor<T> q = cast<T>(random_tensor<double>({B, H, d}, 900 + 3 * t));
@@ -1038,8 +1053,26 @@ TEST(HybridDecodeStep, SeveralWorkersGiveEachHeadItsOwnStep) {
       const Tensor<T> v = cast<T>(random_tensor<double>({B, kv_heads, dv}, 902 + 3 * t));
       advance[0] = true;
       advance[1] = t % 7 != 5;
-      const Tensor<T> out = hybrid_decode_step<T>(q.view(), k.view(), v.view(), HedgehogMaps<T>{qw.view(), qb.view(), kw.view(), kb.view()},
-                                                  advance.view(), gamma.view(), decay.view(), all.view(), opts);
+      const Tensor<T> out =
+          favor ? hybrid_decode_step<T>(q.view(), k.view(), v.view(), FavorFeatures<T>{omega.view()}, advance.view(),
+                                        gamma.view(), decay.view(), all.view(), opts)
+                : hybrid_decode_step<T>(q.view(), k.view(), v.view(),
+                                        HedgehogMaps<T>{qw.view(), qb.view(), kw.view(), kb.view()}, advance.view(),
+                                        gamma.view(), decay.view(), all.view(), opts);
+      if (favor) {
+        Tensor<T> k_rep({B, H, d}), v_rep({B, H, dv});  // query head h's keys and values its own
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t h = 0; h < H; ++h) {
+            std::copy(k.data() + (b * kv_heads + h / G) * d, k.data() + (b * kv_heads + h / G + 1) * d,
+                      k_rep.data() + (b * H + h) * d);
+            std::copy(v.data() + (b * kv_heads + h / G) * dv, v.data() + (b * kv_heads + h / G + 1) * dv,
+                      v_rep.data() + (b * H + h) * dv);
+          }
+        const Tensor<T> want = hybrid_decode_step<T>(q.view(), k_rep.view(), v_rep.view(), FavorFeatures<T>{omega.view()},
+                                                     advance.view(), gamma.view(), decay.view(), ungrouped.view(), opts);
+        ASSERT_EQ(values(out), values(want)) << "t " << t;
+        continue;
+      }
       for (int64_t h = 0; h < H; ++h) {
         Tensor<T> qh({B, 1, d}), kh({B, 1, d}), vh({B, 1, dv});
         for (int64_t b = 0; b < B; ++b) {
@@ -1049,13 +1082,22 @@ TEST(HybridDecodeStep, SeveralWorkersGiveEachHeadItsOwnStep) {
         }
         const Tensor<T> qwh = head_of(qw, h), qbh = head_of(qb, h), kwh = head_of(kw, h), kbh = head_of(kb, h);
         const Tensor<T> gh = head_of(gamma, h), dh = head_of(decay, h);
-        const Tensor<T> one = hybrid_decode_step<T>(qh.view(), kh.view(), vh.view(),
-                                                    HedgehogMaps<T>{qwh.view(), qbh.view(), kwh.view(), kbh.view()},
-                                                    advance.view(), gh.view(), dh.view(), alone[h].view(), opts);
+        const Tensor<T> one =
+            favor ? hybrid_decode_step<T>(qh.view(), kh.view(), vh.view(), FavorFeatures<T>{omega.view()},
+                                          advance.view(), gh.view(), dh.view(), alone[h].view(), opts)
+                  : hybrid_decode_step<T>(qh.view(), kh.view(), vh.view(),
+                                          HedgehogMaps<T>{qwh.view(), qbh.view(), kwh.view(), kbh.view()},
+                                          advance.view(), gh.view(), dh.view(), alone[h].view(), opts);
         for (int64_t b = 0; b < B; ++b)
           for (int64_t e = 0; e < dv; ++e)
             ASSERT_EQ(out[(b * H + h) * dv + e], one[b * dv + e]) << "t " << t << " b " << b << " h " << h << " e " << e;
       }
+    }
+    if (favor) {
+      EXPECT_EQ(values(all.sums), values(ungrouped.sums));
+      EXPECT_EQ(values(all.shift), values(ungrouped.shift));
+      EXPECT_LT(all.counts[1], n);
+      continue;
     }
     for (int64_t h = 0; h < H; ++h)
       for (int64_t b = 0; b < B; ++b)
