@@ -454,7 +454,12 @@ def attention_function(name):
                              % (name, query.shape[1], key.shape[1]))
         causal = bool(kwargs.get("is_causal") if kwargs.get("is_causal") is not None
                       else getattr(module, "is_causal", False))
-        user = options_of(getattr(module, "config", None), name)
+        config = getattr(module, "config", None)
+        # With a LinattnCache, its update() has just checked the options of this config against
+        # the ones it was made with: those, without asking again (once per layer and token).
+        owner = None if cached is None else cached.cache
+        user = (dict(owner.options) if owner is not None and owner.backend == name and config is owner.config
+                else options_of(config, name))
         if cached is not None:  # the cache keeps the model's key/value heads; it repeats them where it needs to
             if not causal:
                 raise ValueError("%s: LinattnCache serves causal attention; this attention layer is not causal" % name)
