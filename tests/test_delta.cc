@@ -31,7 +31,7 @@ using testing::random_tensor;
 struct Case {
   int64_t batch, heads, key_heads, n, dk, dv;
   bool per_channel, initial, l2norm;
-  const char* gates;  // "mixed" (−3 .. −0.001), "near0" (−1e−6 .. 0), "resets" (some −inf, −2000, −50)
+  const char* gates;  // testing::log_gates: "mixed", "near0", "resets", "gentle"
   double max_beta;    // β in [0, max_beta], with exact 0 and max_beta among them
 };
 
@@ -141,7 +141,7 @@ const Case kCases[] = {
     {1, 2, 2, 1, 4, 3, false, false, false, "mixed", 1.0},     {2, 3, 3, 63, 5, 7, true, true, true, "mixed", 1.0},
     {1, 2, 1, 64, 16, 16, false, false, true, "near0", 1.0},   {1, 4, 2, 65, 8, 4, true, true, false, "near0", 2.0},
     {2, 1, 1, 130, 17, 9, false, true, true, "resets", 1.0},   {1, 2, 2, 200, 32, 24, true, false, false, "resets", 1.0},
-    {1, 3, 1, 97, 3, 2, false, true, false, "mixed", 2.0},
+    {1, 3, 1, 97, 3, 2, false, true, false, "mixed", 2.0},     {1, 2, 1, 200, 16, 8, true, true, true, "gentle", 1.0},
     // up to 16 positions: the recurrence itself (decoding), not the chunks
     {2, 4, 2, 5, 16, 12, false, true, true, "resets", 1.0},  {1, 2, 2, 16, 9, 5, true, true, false, "mixed", 2.0},
     {1, 2, 1, 17, 9, 5, true, true, true, "near0", 1.0},
@@ -162,6 +162,7 @@ TEST(GatedDeltaRule, EveryThreadCountGivesTheSameBits) {
   // the decoding path (n <= 16) groups heads per thread, here 12 heads of 4·128·128.
   for (const Case& c : {Case{1, 4, 2, 150, 8, 6, false, true, true, "resets", 1.0},
                         Case{1, 2, 2, 150, 8, 6, true, true, false, "mixed", 2.0},
+                        Case{1, 2, 2, 150, 8, 6, true, true, true, "gentle", 1.0},
                         Case{1, 12, 4, 4, 128, 128, false, true, true, "mixed", 1.0}}) {
     const Inputs in(c, 7);
     const auto f = [](const Tensor<double>& x) { return testing::cast<float>(x); };
@@ -273,7 +274,8 @@ TEST(GatedDeltaRule, EveryGradientMatchesCentralDifferencesInFloat64) {
                             {{1, 4, 2, 101, 2, 3, false, false, true, "mixed", 1.0}, true},
                             {{1, 2, 2, 101, 2, 3, true, true, true, "near0", 2.0}, false},
                             {{1, 2, 2, 37, 1, 4, true, false, false, "mixed", 1.0}, false},
-                            {{1, 2, 1, 37, 4, 1, false, true, true, "resets", 1.0}, true}};
+                            {{1, 2, 1, 37, 4, 1, false, true, true, "resets", 1.0}, true},
+                            {{1, 2, 2, 70, 3, 2, true, true, true, "gentle", 1.0}, true}};
   for (const GradCase& gc : cases) {
     const Case& c = gc.c;
     SCOPED_TRACE(::testing::Message() << "H=" << c.heads << " Hk=" << c.key_heads << " n=" << c.n << " dk=" << c.dk

@@ -36,7 +36,7 @@ using testing::random_tensor;
 struct Case {
   int64_t batch, heads, n, dk, dv;
   bool per_channel, initial;
-  const char* gates;  // "mixed" (−3 .. −0.001), "near0" (−1e−6 .. 0), "resets" (some −inf, −2000, −50)
+  const char* gates;  // testing::log_gates: "mixed", "near0", "resets", "gentle"
 };
 
 template <class T>
@@ -58,15 +58,28 @@ std::vector<double> widen(const Tensor<T>& t) {
   return out;
 }
 
+// x·2^e, exact in float32 and float64 (no value leaves the range).
 template <class T>
-void check_forward(const Case& c, int threads, uint64_t seed) {
+Tensor<T> scaled_by(Tensor<T> x, int e) {
+  for (int64_t i = 0; i < x.size(); ++i) x[i] = std::ldexp(x[i], e);
+  return x;
+}
+
+// Scales q, k, v by 2^e (powers of 2: exact), to reach the range's edges.
+struct Exponents {
+  int q = 0, k = 0, v = 0;
+};
+
+template <class T>
+void check_forward(const Case& c, int threads, uint64_t seed, Exponents e = {}) {
   SCOPED_TRACE(::testing::Message() << "n=" << c.n << " dk=" << c.dk << " dv=" << c.dv << " per_channel="
                                     << c.per_channel << " initial=" << c.initial << " gates=" << c.gates
-                                    << " threads=" << threads << " dtype=" << dtype_name<T>());
+                                    << " threads=" << threads << " dtype=" << dtype_name<T>() << " q·2^" << e.q
+                                    << " k·2^" << e.k << " v·2^" << e.v);
   testing::ScopedThreads scoped(threads);
-  const Tensor<T> q = random_tensor<T>({c.batch, c.heads, c.n, c.dk}, seed);
-  const Tensor<T> k = random_tensor<T>({c.batch, c.heads, c.n, c.dk}, seed + 1);
-  const Tensor<T> v = random_tensor<T>({c.batch, c.heads, c.n, c.dv}, seed + 2);
+  const Tensor<T> q = scaled_by(random_tensor<T>({c.batch, c.heads, c.n, c.dk}, seed), e.q);
+  const Tensor<T> k = scaled_by(random_tensor<T>({c.batch, c.heads, c.n, c.dk}, seed + 1), e.k);
+  const Tensor<T> v = scaled_by(random_tensor<T>({c.batch, c.heads, c.n, c.dv}, seed + 2), e.v);
   const Tensor<T> g = gates_for<T>(c, seed + 3);
   const Tensor<T> s0 = c.initial ? random_tensor<T>({c.batch, c.heads, c.dk, c.dv}, seed + 4) : Tensor<T>();
   const double scale = 0.7;
@@ -105,7 +118,8 @@ const Case kCases[] = {
     {1, 2, 1, 4, 3, false, false, "mixed"},    {2, 3, 63, 5, 7, true, true, "mixed"},
     {1, 2, 64, 16, 16, true, false, "near0"},  {1, 1, 65, 8, 4, false, true, "near0"},
     {2, 1, 130, 17, 9, true, true, "resets"},  {1, 2, 200, 32, 24, false, false, "resets"},
-    {1, 1, 97, 3, 2, true, false, "mixed"},
+    {1, 1, 97, 3, 2, true, false, "mixed"},    {1, 2, 300, 16, 8, true, true, "gentle"},
+    {2, 1, 64, 5, 3, true, false, "gentle"},   {1, 1, 90, 7, 5, false, true, "gentle"},
 };
 
 TEST(GatedLinearAttention, ForwardMatchesTheRecurrenceInFloat64AndFloat32) {
@@ -120,10 +134,24 @@ TEST(GatedLinearAttention, ForwardMatchesTheRecurrenceInFloat64AndFloat32) {
 
 // The diagonal blocks' and the rows' factors run on Highway (simd::decay_pairs, decayed_dots,
 // decayed_weigh, multiply): every instruction set this CPU has, against the same bound.
+// Per channel, a chunk whose gates decay little is one product of rows scaled up and down by up
+// to e^{R/2} (src/linattn/core/chunk_decay.h, kWideRange). float32 q near 2^120 (|q|·e^5 passes
+// 2^128 for some entries) overflows those operands though every result is finite: the chunk
+// must take the blocked form, and the result stay within the same bound.
+TEST(GatedLinearAttention, WideChunksWhoseOperandsOverflowTakeTheBlockedForm) {
+  uint64_t seed = 900;
+  for (int threads : {1, 3}) {
+    check_forward<float>({1, 2, 300, 16, 8, true, true, "gentle"}, threads, seed, {120, -20, -60});
+    check_forward<float>({1, 2, 300, 16, 8, true, true, "gentle"}, threads, seed + 5, {-20, 120, -60});
+    seed += 10;
+  }
+}
+
 TEST(GatedLinearAttention, EverySimdTargetMatchesTheRecurrence) {
   uint64_t seed = 700;
   testing::for_each_simd_target([&](int64_t) {
-    for (const Case& c : {Case{1, 2, 130, 17, 9, true, true, "mixed"}, Case{1, 1, 97, 5, 3, false, false, "resets"}}) {
+    for (const Case& c : {Case{1, 2, 130, 17, 9, true, true, "mixed"}, Case{1, 1, 97, 5, 3, false, false, "resets"},
+                          Case{1, 2, 200, 17, 9, true, true, "gentle"}}) {
       check_forward<double>(c, 2, seed);
       check_forward<float>(c, 2, seed);
       seed += 10;
@@ -135,8 +163,9 @@ TEST(GatedLinearAttention, EveryThreadCountGivesTheSameBits) {
   // One (batch, head) per task: 1 to 16 threads, above and below batch·heads (1 to 3), give
   // the same outputs, state and gradients bit for bit.
   for (int64_t heads : {1, 3})
-    for (bool per_channel : {false, true}) {
-      const Case c{1, heads, 150, 8, 6, per_channel, true, "resets"};
+    for (bool per_channel : {false, true})
+      for (const char* gates : {"resets", "gentle"}) {
+      const Case c{1, heads, 150, 8, 6, per_channel, true, gates};
       const auto q = random_tensor<float>({1, heads, 150, 8}, 1), k = random_tensor<float>({1, heads, 150, 8}, 2);
       const auto v = random_tensor<float>({1, heads, 150, 6}, 3), s0 = random_tensor<float>({1, heads, 8, 6}, 4);
       const auto dout = random_tensor<float>({1, heads, 150, 6}, 5);
@@ -238,7 +267,8 @@ TEST(GatedLinearAttention, EveryGradientMatchesCentralDifferencesInFloat64) {
   const GradCase cases[] = {{70, 3, 2, false, "mixed", true, true},   {70, 3, 2, true, "mixed", true, true},
                             {70, 3, 2, false, "resets", true, true},  {70, 3, 2, true, "resets", true, true},
                             {101, 2, 3, false, "mixed", false, true}, {101, 2, 3, true, "mixed", true, false},
-                            {37, 1, 4, true, "mixed", false, false},  {37, 4, 1, false, "resets", true, true}};
+                            {37, 1, 4, true, "mixed", false, false},  {37, 4, 1, false, "resets", true, true},
+                            {70, 3, 2, true, "gentle", true, true},   {101, 2, 3, true, "gentle", false, true}};
   for (const GradCase& gc : cases) {
     SCOPED_TRACE(::testing::Message() << "n=" << gc.n << " dk=" << gc.dk << " dv=" << gc.dv << " per_channel="
                                       << gc.per_channel << " gates=" << gc.gates << " initial=" << gc.initial
@@ -358,13 +388,24 @@ TEST(GatedLinearAttention, Float32GradientsFollowFloat64) {
   // gradient of the rest of the sequence. So, per element, the chain bound times
   // Σ_{j>=t in the chunk} (|q_j|·mag.dq_j + |k_j|·mag.dk_j) + Σ_{chunk} |k|·mag.dk + Σ_f |G||P|
   // (summed over the channels for a per-head gate).
+  // The last two: float32 q or k near 2^120, whose wide chunks (chunk_decay.h) overflow their
+  // scaled operands and take the blocked form (the weighings of the backward too).
+  struct Variant {
+    const char* gates;
+    Exponents e;
+  };
   for (bool per_channel : {false, true})
-    for (const char* gates : {"mixed", "resets"}) {
-      SCOPED_TRACE(::testing::Message() << "per_channel=" << per_channel << " gates=" << gates);
+    for (const Variant& variant : {Variant{"mixed", {}}, Variant{"resets", {}}, Variant{"gentle", {}},
+                                   Variant{"gentle", {120, -20, -60}}, Variant{"gentle", {-20, 120, -60}}}) {
+      const char* gates = variant.gates;
+      SCOPED_TRACE(::testing::Message() << "per_channel=" << per_channel << " gates=" << gates << " q·2^"
+                                        << variant.e.q << " k·2^" << variant.e.k);
       const int64_t B = 2, H = 2, n = 140, dk = 12, dv = 10, bh = B * H;
       const Case c{B, H, n, dk, dv, per_channel, true, gates};
-      const auto q = random_tensor<double>({B, H, n, dk}, 21), k = random_tensor<double>({B, H, n, dk}, 22);
-      const auto v = random_tensor<double>({B, H, n, dv}, 23), s0 = random_tensor<double>({B, H, dk, dv}, 24);
+      const auto q = scaled_by(random_tensor<double>({B, H, n, dk}, 21), variant.e.q);
+      const auto k = scaled_by(random_tensor<double>({B, H, n, dk}, 22), variant.e.k);
+      const auto v = scaled_by(random_tensor<double>({B, H, n, dv}, 23), variant.e.v);
+      const auto s0 = random_tensor<double>({B, H, dk, dv}, 24);
       const auto g = gates_for<double>(c, 25);
       const auto dout = random_tensor<double>({B, H, n, dv}, 26), dstate = random_tensor<double>({B, H, dk, dv}, 27);
       auto absolute = [](const Tensor<double>& x) {

@@ -262,13 +262,17 @@ void expect_same_bits_for_threads(std::initializer_list<int> threads, Run run) {
 }
 
 // Log-gates of `shape` (<= 0) for the decayed recurrences: "mixed" in [−3, −0.001], "near0" in
-// [−1e−6, 0], "resets": mixed with some −inf, −2000 (below the floor) and −50.
+// [−1e−6, 0], "resets": mixed with some −inf, −2000 (below the floor) and −50; "gentle" in
+// [−0.3, −0.001] (a 64-step chunk sums to about −10: chunk_decay's wide form) with a −30 every
+// 2039 values (the chunks holding one take the blocked form).
 template <class T>
 Tensor<T> log_gates(const Shape& shape, const std::string& kind, uint64_t seed) {
   Tensor<T> g = random_tensor<T>(shape, seed);
   for (int64_t i = 0; i < g.size(); ++i) {
     const double u = std::fabs(static_cast<double>(g[i]));
-    double x = kind == "near0" ? -1e-6 * std::fmod(u, 1.0) : -(0.001 + std::fmod(u, 3.0));
+    double x = kind == "near0"    ? -1e-6 * std::fmod(u, 1.0)
+               : kind == "gentle" ? (i % 2039 == 7 ? -30.0 : -(0.001 + std::fmod(u, 0.3)))
+                                  : -(0.001 + std::fmod(u, 3.0));
     if (kind == "resets" && i % 17 == 3) x = -std::numeric_limits<double>::infinity();
     if (kind == "resets" && i % 23 == 5) x = -2000.0;
     if (kind == "resets" && i % 29 == 7) x = -50.0;

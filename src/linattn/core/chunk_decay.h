@@ -1,9 +1,10 @@
 // The decays of one chunk of decayed (gated) linear recurrences, shared by the methods whose
 // state decays by log-gates g <= 0 per head or per head and channel (gated linear attention,
 // the gated delta rule): cumulative log-gates in float64, the factors e^{b_j − b_i} of a
-// chunk's pairs without any factor above 1 (per channel: GLA's secondary chunking in blocks of
-// 16), and the two products every chunk form needs, the decayed scores (Q Kᵀ ⊙ D) and the
-// weighing of rows by them. docs/methods/gated.md derives them.
+// chunk's pairs, and the two products every chunk form needs, the decayed scores (Q Kᵀ ⊙ D) and
+// the weighing of rows by them. Per channel a chunk is one product when its gates decay little
+// (the wide form below), else GLA's secondary chunking in blocks of 16 with no factor above 1.
+// docs/methods/gated.md derives them.
 #pragma once
 
 #include <algorithm>
@@ -26,6 +27,17 @@ constexpr int64_t kPairs = kBlock * (kBlock + 1) / 2;
 // Log-gates below this act as it: e^{−1000} is 0 in float64, and chunk sums of at most 64 such
 // values keep their differences exact to ~1e−11.
 constexpr double kFloor = -1000.0;
+// Per channel, a chunk whose log-gates sum to at least −kWideRange in every channel (R_c =
+// −b_{L−1,c} <= kWideRange) takes the wide form: with the reference ref_c = b_{L−1,c}/2,
+// e^{b_j − b_i} = e^{b_j − ref}·e^{ref − b_i}, each factor within e^{±R/2} ⊆ [e^{−10}, e^{10}],
+// so the scores are one product (Q ⊙ U)(K ⊙ W)ᵀ, U = e^{B − ref}, W = e^{ref − B}, and a
+// weighing one product and a scaling; a factor product U_j·W_i has a few roundings, as the
+// blocked form's. Operands scaled up by at most e^{10} can overflow only where |x| > 2^113; a
+// non-finite operand or result sends the chunk to the blocked form, so this never turns a finite
+// result into an overflow. Scaled down by at most e^{10}, an operand is subnormal only where
+// |x| < 2^-112. (GLA's gates, log σ(x)/16, sum to about 3 over 64 steps: the wide form.)
+// Per head, the same factors give the decay matrix D_ji = U_j·W_i from L exponentials, not L².
+constexpr double kWideRange = 20.0;
 
 // Every log-gate <= 0 (−inf allowed), never NaN or positive; the first bad one named.
 template <class T>
@@ -62,21 +74,29 @@ struct ChunkDecays {
   std::vector<T> kt;                  // per head: Kᵀ [dk, C] (a plain product is faster than one with Bᵀ)
   std::vector<T> scaled;              // [C, dk] a chunk's rows scaled to a reference row
   std::vector<T> block_a, block_b;    // [16, dk]
-  std::vector<T> weights;             // [C, C] (per head: w ⊙ D)
+  std::vector<T> weights;             // [C, C] (per head: w ⊙ D; wide: w's lower triangle)
+  bool wide = false;                  // per channel: this chunk takes the wide form
+  bool blocks_ready = false;          // per channel: steps, pairs, to_first and between are made
+  std::vector<T> up, down;            // wide: U = e^{B − ref}, W = e^{ref − B} [C, w]
+  std::vector<T> ref_factor;          // wide: e^{ref_c} = e^{−R_c/2} [dk]
+  std::vector<T> wide_rows;           // wide: [C, dk] Q ⊙ U, or a weighing's product
   ChunkDecays(int64_t head_dim, bool gate_per_channel)
       : dk(head_dim), w(gate_per_channel ? head_dim : 1), per_channel(gate_per_channel), b(kChunk * w),
         from_start(kChunk * w), to_end(kChunk * w), zeros(kChunk * std::max(kChunk, head_dim), T(0)),
-        scaled(kChunk * head_dim), block_a(std::max(kBlock, 2 * kBlocks) * head_dim), block_b(kBlock * head_dim),
-        weights(kChunk * kChunk) {
+        kt(dk * kChunk), scaled(kChunk * head_dim), block_a(std::max(kBlock, 2 * kBlocks) * head_dim),
+        block_b(kBlock * head_dim), weights(kChunk * kChunk) {
     if (per_channel) {
       steps.resize(kChunk * dk);
       pairs.resize(kBlocks * kPairs * dk);
       to_first.resize(kChunk * dk);
       between.resize(kBlocks * kBlocks * dk);
+      ref_factor.resize(dk);
+      wide_rows.resize(kChunk * dk);
     } else {
       diag.resize(kChunk * kChunk);
-      kt.resize(dk * kChunk);
     }
+    up.resize(kChunk * w);
+    down.resize(kChunk * w);
   }
 
   // e^{x} in place for `rows` rows of `cols` values x <= 0, ld apart (Highway's vectorised exp).
@@ -98,36 +118,78 @@ struct ChunkDecays {
     gates_ok = gates_ok && bad == 0;
     simd::floored_cumsum(g, static_cast<size_t>(L), static_cast<size_t>(w), kFloor, b.data(),
                          per_channel ? steps.data() : nullptr);
-    if (state_only && per_channel) {
-      for (int64_t j = 0; j < L; ++j)
-        for (int64_t c = 0; c < dk; ++c) {
-          from_start[j * dk + c] = static_cast<T>(b[j * dk + c]);
-          to_end[j * dk + c] = static_cast<T>(b[(L - 1) * dk + c] - b[j * dk + c]);
-        }
-      exp_in_place(from_start.data(), 1, L * dk, L * dk);
-      exp_in_place(to_end.data(), 1, L * dk, L * dk);
+    wide = false;
+    blocks_ready = false;
+    if (per_channel) {
+      double range = 0.0;  // max_c R_c (a NaN gate is gates_ok's to report, whichever form runs)
+      for (int64_t c = 0; c < dk; ++c) range = std::max(range, -b[(L - 1) * dk + c]);
+      wide = !state_only && range <= kWideRange;
+      if (wide) {
+        // One exponential per value: U = e^{B − ref} (exponents within ±R/2), W = 1/U, and
+        // e^{B} = U·e^{ref}, e^{b_{L−1} − B} = W·e^{ref} (e^{ref} = e^{b_{L−1}/2} <= 1).
+        for (int64_t j = 0; j < L; ++j)
+          for (int64_t c = 0; c < dk; ++c) up[j * dk + c] = static_cast<T>(b[j * dk + c] - 0.5 * b[(L - 1) * dk + c]);
+        exp_in_place(up.data(), 1, L * dk, L * dk);
+        for (int64_t i = 0; i < L * dk; ++i) down[i] = T(1) / up[i];
+        for (int64_t c = 0; c < dk; ++c) ref_factor[c] = static_cast<T>(std::exp(0.5 * b[(L - 1) * dk + c]));
+        simd::scale_columns(up.data(), static_cast<size_t>(L), static_cast<size_t>(dk), ref_factor.data(),
+                            from_start.data(), false);
+        simd::scale_columns(down.data(), static_cast<size_t>(L), static_cast<size_t>(dk), ref_factor.data(),
+                            to_end.data(), false);
+        return;
+      }
+      if (state_only) {
+        for (int64_t j = 0; j < L; ++j)
+          for (int64_t c = 0; c < dk; ++c) {
+            from_start[j * dk + c] = static_cast<T>(b[j * dk + c]);
+            to_end[j * dk + c] = static_cast<T>(b[(L - 1) * dk + c] - b[j * dk + c]);
+          }
+        exp_in_place(from_start.data(), 1, L * dk, L * dk);
+        exp_in_place(to_end.data(), 1, L * dk, L * dk);
+        return;
+      }
+      prepare_blocks(/*rows=*/true);
       return;
     }
-    if (!per_channel) {
-      for (int64_t j = 0; j < L; ++j) {
-        from_start[j] = static_cast<T>(b[j]);
-        to_end[j] = static_cast<T>(b[L - 1] - b[j]);
-      }
-      exp_in_place(from_start.data(), 1, L, L);
-      exp_in_place(to_end.data(), 1, L, L);
-      if (state_only) return;
-      // D: e^{b_j − b_i} on and below the diagonal, e^{−inf} = 0 above
-      const T above = -std::numeric_limits<T>::infinity();
+    for (int64_t j = 0; j < L; ++j) {
+      from_start[j] = static_cast<T>(b[j]);
+      to_end[j] = static_cast<T>(b[L - 1] - b[j]);
+    }
+    exp_in_place(from_start.data(), 1, L, L);
+    exp_in_place(to_end.data(), 1, L, L);
+    if (state_only) return;
+    if (-b[L - 1] <= kWideRange) {  // D_ji = U_j·U_i⁻¹, U = e^{b − ref}: L exponentials, not L²
+      for (int64_t j = 0; j < L; ++j) up[j] = static_cast<T>(b[j] - 0.5 * b[L - 1]);
+      exp_in_place(up.data(), 1, L, L);
+      for (int64_t j = 0; j < L; ++j) down[j] = T(1) / up[j];
       for (int64_t j = 0; j < L; ++j) {
         T* row = diag.data() + j * kChunk;
-        for (int64_t i = 0; i < L; ++i) row[i] = i <= j ? static_cast<T>(b[j] - b[i]) : above;
+        for (int64_t i = 0; i <= j; ++i) row[i] = up[j] * down[i];
+        std::fill(row + j + 1, row + L, T(0));
       }
-      exp_in_place(diag.data(), L, L, kChunk);
       return;
     }
-    // Per channel, the exponentials are the per-step factors e^{g} and, per block, e^{b_{r_J}}
-    // (to the block's first row from the chunk's start), e^{b_{L−1} − b_{e_J}} (from its last
-    // row to the chunk's end) and between[J][I]; every other factor is a product of these.
+    // D: e^{b_j − b_i} on and below the diagonal, e^{−inf} = 0 above
+    const T above = -std::numeric_limits<T>::infinity();
+    for (int64_t j = 0; j < L; ++j) {
+      T* row = diag.data() + j * kChunk;
+      for (int64_t i = 0; i < L; ++i) row[i] = i <= j ? static_cast<T>(b[j] - b[i]) : above;
+    }
+    exp_in_place(diag.data(), L, L, kChunk);
+  }
+
+  // A wide chunk whose operands or results left the float range: the blocked form after all.
+  void ensure_blocks() {
+    if (!blocks_ready) prepare_blocks(/*rows=*/false);
+  }
+
+  // The blocked form's factors of the prepared chunk (per channel); with rows, also from_start
+  // and to_end as their products (a wide chunk that falls back has them already, from exp).
+  // The exponentials are the per-step factors e^{g} and, per block, e^{b_{r_J}} (to the block's
+  // first row from the chunk's start), e^{b_{L−1} − b_{e_J}} (from its last row to the chunk's
+  // end) and between[J][I]; every other factor is a product of these.
+  void prepare_blocks(bool rows) {
+    blocks_ready = true;
     exp_in_place(steps.data(), 1, L * dk, L * dk);
     const int64_t blocks = (L + kBlock - 1) / kBlock;
     T* edges = block_a.data();  // [2 · blocks, dk]: e^{b_{r_J}}, then e^{b_{L−1} − b_{e_J}}
@@ -151,6 +213,7 @@ struct ChunkDecays {
       for (int64_t j = 0; j < n; ++j)  // e^{b_j − b_r}: the pair (j, 0)
         std::copy(block_pairs(J) + j * (j + 1) / 2 * dk, block_pairs(J) + (j * (j + 1) / 2 + 1) * dk,
                   to_first.data() + (r + j) * dk);
+      if (!rows) continue;
       // e^{b_j} = e^{b_r}·e^{b_j − b_r}, e^{b_{L−1} − b_j} = e^{b_{L−1} − b_e}·e^{b_e − b_j}
       for (int64_t j = 0; j < n; ++j) {
         simd::multiply(to_first.data() + (r + j) * dk, edges + J * dk, 1, static_cast<size_t>(dk),
@@ -218,6 +281,27 @@ struct ChunkDecays {
   }
 };
 
+// The wide form of chunk_scores (s.wide): A = (Q ⊙ U)(K ⊙ W)ᵀ, lower. False, with A unspecified,
+// when an operand or a score is not finite.
+template <class T>
+bool wide_scores(const T* q, const T* k, ChunkDecays<T>& s, T* a, int64_t lda) {
+  const int64_t L = s.L, dk = s.dk;
+  T* qu = s.wide_rows.data();
+  simd::multiply(q, s.up.data(), static_cast<size_t>(L), static_cast<size_t>(dk), qu, static_cast<size_t>(dk), false);
+  for (int64_t i = 0; i < L; ++i)  // (K ⊙ W)ᵀ: a plain product is faster than one with Bᵀ
+    for (int64_t c = 0; c < dk; ++c) s.kt[c * kChunk + i] = k[i * dk + c] * s.down[i * dk + c];
+  if (!simd::all_finite(qu, static_cast<size_t>(L * dk))) return false;
+  for (int64_t c = 0; c < dk; ++c)
+    if (!simd::all_finite(s.kt.data() + c * kChunk, static_cast<size_t>(L))) return false;
+  matmul<T>(mat(a, L, L, lda), mat<const T>(qu, L, dk), mat<const T>(s.kt.data(), dk, L, kChunk));
+  bool finite = true;
+  for (int64_t j = 0; j < L; ++j) {
+    std::fill(a + j * lda + j + 1, a + j * lda + L, T(0));
+    finite = finite && simd::all_finite(a + j * lda, static_cast<size_t>(j + 1));
+  }
+  return finite;
+}
+
 // A [L, L] (ld lda), lower triangle with the diagonal: A[j,i] = Σ_c q_jc k_ic e^{b_jc − b_ic};
 // zero above.
 template <class T>
@@ -232,6 +316,8 @@ void chunk_scores(const T* q, const T* k, ChunkDecays<T>& s, T* a, int64_t lda) 
                      static_cast<size_t>(L), false);
     return;
   }
+  if (s.wide && wide_scores(q, k, s, a, lda)) return;
+  s.ensure_blocks();
   // K̃ = each block's K scaled to the block's last row
   for (int64_t I = 0; I * kBlock < L; ++I) {
     const int64_t r = I * kBlock, n = std::min(kBlock, L - r);
@@ -255,6 +341,27 @@ void chunk_scores(const T* q, const T* k, ChunkDecays<T>& s, T* a, int64_t lda) 
   }
 }
 
+// The wide form of weigh (s.wide): y_j += U_j ⊙ Σ_{i<=j} w[j,i] (x_i ⊙ W_i), or
+// y_i += W_i ⊙ Σ_{j>=i} w[j,i] (x_j ⊙ U_j) (later). False, with y untouched, when the scaled
+// operand or the product is not finite.
+template <class T>
+bool wide_weigh(const T* w, const T* x, ChunkDecays<T>& s, T* y, bool later) {
+  const int64_t L = s.L, dk = s.dk;
+  simd::multiply(x, later ? s.up.data() : s.down.data(), static_cast<size_t>(L), static_cast<size_t>(dk),
+                 s.scaled.data(), static_cast<size_t>(dk), false);
+  if (!simd::all_finite(s.scaled.data(), static_cast<size_t>(L * dk))) return false;
+  for (int64_t j = 0; j < L; ++j) {  // w's lower triangle (what the blocked form reads)
+    std::copy(w + j * kChunk, w + j * kChunk + j + 1, s.weights.data() + j * kChunk);
+    std::fill(s.weights.data() + j * kChunk + j + 1, s.weights.data() + j * kChunk + L, T(0));
+  }
+  const Mat<const T> weights = mat<const T>(s.weights.data(), L, L, kChunk);
+  matmul<T>(mat(s.wide_rows.data(), L, dk), later ? weights.t() : weights, mat<const T>(s.scaled.data(), L, dk));
+  if (!simd::all_finite(s.wide_rows.data(), static_cast<size_t>(L * dk))) return false;
+  simd::multiply(s.wide_rows.data(), later ? s.down.data() : s.up.data(), static_cast<size_t>(L),
+                 static_cast<size_t>(dk), y, static_cast<size_t>(dk), true);
+  return true;
+}
+
 // y [L, dk] += Σ_{i<=j} w[j,i] x_i ⊙ e^{b_j − b_i} (later false), or
 // y [L, dk] += Σ_{j>=i} w[j,i] x_j ⊙ e^{b_j − b_i} (later true); w lower, ld kChunk.
 template <class T>
@@ -268,6 +375,8 @@ void weigh(const T* w, const T* x, ChunkDecays<T>& s, T* y, bool later) {
     matmul<T>(mat(y, L, dk), later ? weights.t() : weights, mat(x, L, dk), T(1), T(1));
     return;
   }
+  if (s.wide && wide_weigh(w, x, s, y, later)) return;
+  s.ensure_blocks();
   // Between blocks J > I: e^{b_j − b_i} = e^{b_j − b_{r_J}}·e^{b_{r_J} − b_{e_I}}·e^{b_{e_I} − b_i}.
   // X scaled to its blocks' last rows (earlier) or first rows (later), once.
   for (int64_t B = 0; B * kBlock < L; ++B) {
