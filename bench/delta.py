@@ -254,14 +254,16 @@ def report(r, command):
               "chunk_kimi_delta_attention (GFLOP/s counted as above, without the per-channel decays' work):", ""]
     lines += kernel_table(r["kda"], a["kda_lengths"], B, H, d, r["peak"], "torch KDA")
     bf = r["bf16"]
-    slower = r["bf16_peak"] is not None and r["bf16_peak"] < r["peak"]
+    if r["bf16_peak"]:  # measure_peak_rates gives 0 (or nothing) where the CPU has no such products
+        products = ("this CPU's bfloat16 pair products (vdpbf16ps) peak at %.0f GFLOP/s against %.0f for float32 "
+                    "FMAs (both measured)%s" % (r["bf16_peak"], r["peak"], ", so bfloat16 products would make it "
+                                                "slower, not faster" if r["bf16_peak"] < r["peak"] else ""))
+    else:
+        products = "this CPU has no bfloat16 pair products (no AVX512-BF16) to compute them with"
     lines += ["", "bfloat16 (q, k, v, g, β bfloat16, the state float32) at n = %d: forward %.1f ms against %.1f ms in "
               "float32 (%.2f× float32's speed). linattn computes bfloat16 calls in float32, as transformers' "
-              "fallbacks do; this CPU's bfloat16 pair products (vdpbf16ps) peak at %s GFLOP/s against %.0f for "
-              "float32 FMAs (both measured)%s."
-              % (bf["n"], 1e3 * bf["bfloat16"], 1e3 * bf["float32"], bf["float32"] / bf["bfloat16"],
-                 "%.0f" % r["bf16_peak"] if r["bf16_peak"] else "– (no AVX512-BF16)", r["peak"],
-                 ", so bfloat16 products would make it slower, not faster" if slower else ""), ""]
+              "fallbacks do; %s."
+              % (bf["n"], 1e3 * bf["bfloat16"], 1e3 * bf["float32"], bf["float32"] / bf["bfloat16"], products), ""]
     step = r["decode"]
     lines += ["Decoding step (batch 1, %d heads, d_k = d_v = %d, one position from a state, l2norm): linattn "
               "%.3f ms, transformers' torch_recurrent_gated_delta_rule %.3f ms (%.1f×)."

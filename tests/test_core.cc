@@ -411,6 +411,16 @@ void check_shift_kernels() {
         }
       for (size_t r = 0; r < rows; ++r)  // the padding between rows is untouched
         for (size_t c = cols; c < ld; ++c) ASSERT_EQ(e[r * ld + c], x[r * ld + c]);
+      // arguments up to +20 (chunk_decay's U = e^{b − ref} takes them up to +10): the same bound
+      std::vector<T> p = x, lower(cols);
+      for (size_t c = 0; c < cols; ++c) lower[c] = want_m[c] - T(20);
+      simd::exp_minus_columns(p.data(), rows, cols, ld, lower.data());
+      for (size_t r = 0; r < rows; ++r)
+        for (size_t c = 0; c < cols; ++c) {
+          const size_t i = r * ld + c;
+          const double want = std::exp(double(T(x[i] - lower[c])));
+          ASSERT_NEAR(double(p[i]), want, 3 * u * want + tiny) << "positive " << r << "," << c;
+        }
 
       std::vector<T> row(x.begin(), x.begin() + cols), offset(m.begin(), m.end());
       offset[0] = ninf;  // a feature no key reached

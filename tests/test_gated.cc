@@ -65,10 +65,33 @@ Tensor<T> scaled_by(Tensor<T> x, int e) {
   return x;
 }
 
-// Scales q, k, v by 2^e (powers of 2: exact), to reach the range's edges.
+// Scales q, k, v by 2^e (powers of 2: exact), to reach the range's edges; huge_q_at / huge_k_at
+// (flat indices, −1: none) set one entry of q or k to 2^125.
 struct Exponents {
   int q = 0, k = 0, v = 0;
+  int64_t huge_q_at = -1, huge_k_at = -1;
 };
+
+// x with e applied to it (q: which 0, k: which 1).
+template <class T>
+Tensor<T> edge_input(Tensor<T> x, const Exponents& e, int which) {
+  Tensor<T> y = scaled_by(std::move(x), which == 0 ? e.q : e.k);
+  const int64_t at = which == 0 ? e.huge_q_at : e.huge_k_at;
+  if (at >= 0) y[at] = std::ldexp(T(1), 125);
+  return y;
+}
+
+// Whether the 64-row chunk holding flat index `at` of a [.., n, dk] tensor takes chunk_decay's
+// wide form: every channel's log-gates sum to at least −kWideRange (20) over it.
+bool in_wide_chunk(const std::vector<double>& gates, int64_t n, int64_t dk, int64_t width, int64_t at) {
+  const int64_t task = at / (n * dk), t0 = (at / dk) % n / 64 * 64;
+  for (int64_t c = 0; c < width; ++c) {
+    double sum = 0;
+    for (int64_t t = t0; t < std::min<int64_t>(t0 + 64, n); ++t) sum += gates[(task * n + t) * width + c];
+    if (sum < -20.0) return false;
+  }
+  return true;
+}
 
 template <class T>
 void check_forward(const Case& c, int threads, uint64_t seed, Exponents e = {}) {
@@ -77,14 +100,19 @@ void check_forward(const Case& c, int threads, uint64_t seed, Exponents e = {}) 
                                     << " threads=" << threads << " dtype=" << dtype_name<T>() << " q·2^" << e.q
                                     << " k·2^" << e.k << " v·2^" << e.v);
   testing::ScopedThreads scoped(threads);
-  const Tensor<T> q = scaled_by(random_tensor<T>({c.batch, c.heads, c.n, c.dk}, seed), e.q);
-  const Tensor<T> k = scaled_by(random_tensor<T>({c.batch, c.heads, c.n, c.dk}, seed + 1), e.k);
+  const Tensor<T> q = edge_input(random_tensor<T>({c.batch, c.heads, c.n, c.dk}, seed), e, 0);
+  const Tensor<T> k = edge_input(random_tensor<T>({c.batch, c.heads, c.n, c.dk}, seed + 1), e, 1);
   const Tensor<T> v = scaled_by(random_tensor<T>({c.batch, c.heads, c.n, c.dv}, seed + 2), e.v);
   const Tensor<T> g = gates_for<T>(c, seed + 3);
   const Tensor<T> s0 = c.initial ? random_tensor<T>({c.batch, c.heads, c.dk, c.dv}, seed + 4) : Tensor<T>();
   const double scale = 0.7;
   const auto r = gated_linear_attention<T>(q, k, v, g, c.initial ? s0.view() : TensorView<const T>{}, {scale, true});
   const auto qd = widen(q), kd = widen(k), vd = widen(v), gd = widen(g), sd = widen(s0);
+  for (int64_t at : {e.huge_q_at, e.huge_k_at}) {  // the entry is where it must make a wide chunk fall back
+    if (at >= 0) {
+      ASSERT_TRUE(in_wide_chunk(gd, c.n, c.dk, c.per_channel ? c.dk : 1, at)) << at;
+    }
+  }
   const int64_t bh = c.batch * c.heads;
   const double* init = c.initial ? sd.data() : nullptr;
   const auto want = reference::gated_linear_attention(qd.data(), kd.data(), vd.data(), gd.data(), init, bh, c.n,
@@ -132,20 +160,24 @@ TEST(GatedLinearAttention, ForwardMatchesTheRecurrenceInFloat64AndFloat32) {
     }
 }
 
-// The diagonal blocks' and the rows' factors run on Highway (simd::decay_pairs, decayed_dots,
-// decayed_weigh, multiply): every instruction set this CPU has, against the same bound.
 // Per channel, a chunk whose gates decay little is one product of rows scaled up and down by up
-// to e^{R/2} (src/linattn/core/chunk_decay.h, kWideRange). float32 q near 2^120 (|q|·e^5 passes
-// 2^128 for some entries) overflows those operands though every result is finite: the chunk
-// must take the blocked form, and the result stay within the same bound.
+// to e^{R/2} (src/linattn/core/chunk_decay.h, kWideRange). float32 q near 2^120 with an entry of
+// 2^125 in the first row of a wide chunk (U_0 ≈ e^{4.7} takes it past 2^128), or k likewise in
+// the last row (W_{L−1} ≈ e^{4.8}), overflows those operands though every result is finite: the
+// chunk must take the blocked form, and the result stay within the same bound. (Rows 128 and
+// 191 of head 0 are chunk 2, which holds no −30 of the "gentle" gates: checked.)
 TEST(GatedLinearAttention, WideChunksWhoseOperandsOverflowTakeTheBlockedForm) {
   uint64_t seed = 900;
+  const Case c{1, 2, 300, 16, 8, true, true, "gentle"};
   for (int threads : {1, 3}) {
-    check_forward<float>({1, 2, 300, 16, 8, true, true, "gentle"}, threads, seed, {120, -20, -60});
-    check_forward<float>({1, 2, 300, 16, 8, true, true, "gentle"}, threads, seed + 5, {-20, 120, -60});
+    check_forward<float>(c, threads, seed, {120, -20, -60, 128 * 16, -1});
+    check_forward<float>(c, threads, seed + 5, {-20, 120, -60, -1, 191 * 16});
     seed += 10;
   }
 }
+
+// The diagonal blocks' and the rows' factors run on Highway (simd::decay_pairs, decayed_dots,
+// decayed_weigh, multiply): every instruction set this CPU has, against the same bound.
 
 TEST(GatedLinearAttention, EverySimdTargetMatchesTheRecurrence) {
   uint64_t seed = 700;
@@ -162,10 +194,13 @@ TEST(GatedLinearAttention, EverySimdTargetMatchesTheRecurrence) {
 TEST(GatedLinearAttention, EveryThreadCountGivesTheSameBits) {
   // One (batch, head) per task: 1 to 16 threads, above and below batch·heads (1 to 3), give
   // the same outputs, state and gradients bit for bit.
+  struct Form {
+    bool per_channel;
+    const char* gates;
+  };
   for (int64_t heads : {1, 3})
-    for (bool per_channel : {false, true})
-      for (const char* gates : {"resets", "gentle"}) {
-      const Case c{1, heads, 150, 8, 6, per_channel, true, gates};
+    for (const Form& form : {Form{false, "resets"}, Form{true, "resets"}, Form{false, "gentle"}, Form{true, "gentle"}}) {
+      const Case c{1, heads, 150, 8, 6, form.per_channel, true, form.gates};
       const auto q = random_tensor<float>({1, heads, 150, 8}, 1), k = random_tensor<float>({1, heads, 150, 8}, 2);
       const auto v = random_tensor<float>({1, heads, 150, 6}, 3), s0 = random_tensor<float>({1, heads, 8, 6}, 4);
       const auto dout = random_tensor<float>({1, heads, 150, 6}, 5);
@@ -388,25 +423,32 @@ TEST(GatedLinearAttention, Float32GradientsFollowFloat64) {
   // gradient of the rest of the sequence. So, per element, the chain bound times
   // Σ_{j>=t in the chunk} (|q_j|·mag.dq_j + |k_j|·mag.dk_j) + Σ_{chunk} |k|·mag.dk + Σ_f |G||P|
   // (summed over the channels for a per-head gate).
-  // The last two: float32 q or k near 2^120, whose wide chunks (chunk_decay.h) overflow their
-  // scaled operands and take the blocked form (the weighings of the backward too).
+  // The last two: float32 q or k near 2^120 with an entry of 2^125 in the first (q) or last (k)
+  // row of head 0's chunk 1, a wide chunk (chunk_decay.h), whose scaled operands overflow so
+  // that it takes the blocked form, in the scores and in both weighings of the backward.
   struct Variant {
     const char* gates;
     Exponents e;
   };
   for (bool per_channel : {false, true})
     for (const Variant& variant : {Variant{"mixed", {}}, Variant{"resets", {}}, Variant{"gentle", {}},
-                                   Variant{"gentle", {120, -20, -60}}, Variant{"gentle", {-20, 120, -60}}}) {
+                                   Variant{"gentle", {120, -20, -60, 64 * 12, -1}},
+                                   Variant{"gentle", {-20, 120, -60, -1, 127 * 12}}}) {
       const char* gates = variant.gates;
       SCOPED_TRACE(::testing::Message() << "per_channel=" << per_channel << " gates=" << gates << " q·2^"
                                         << variant.e.q << " k·2^" << variant.e.k);
       const int64_t B = 2, H = 2, n = 140, dk = 12, dv = 10, bh = B * H;
       const Case c{B, H, n, dk, dv, per_channel, true, gates};
-      const auto q = scaled_by(random_tensor<double>({B, H, n, dk}, 21), variant.e.q);
-      const auto k = scaled_by(random_tensor<double>({B, H, n, dk}, 22), variant.e.k);
+      const auto q = edge_input(random_tensor<double>({B, H, n, dk}, 21), variant.e, 0);
+      const auto k = edge_input(random_tensor<double>({B, H, n, dk}, 22), variant.e, 1);
       const auto v = scaled_by(random_tensor<double>({B, H, n, dv}, 23), variant.e.v);
       const auto s0 = random_tensor<double>({B, H, dk, dv}, 24);
       const auto g = gates_for<double>(c, 25);
+      for (int64_t at : {variant.e.huge_q_at, variant.e.huge_k_at}) {
+        if (at >= 0) {
+          ASSERT_TRUE(in_wide_chunk(widen(g), n, dk, per_channel ? dk : 1, at)) << at;
+        }
+      }
       const auto dout = random_tensor<double>({B, H, n, dv}, 26), dstate = random_tensor<double>({B, H, dk, dv}, 27);
       auto absolute = [](const Tensor<double>& x) {
         Tensor<double> y(x.shape());

@@ -263,7 +263,7 @@ void expect_same_bits_for_threads(std::initializer_list<int> threads, Run run) {
 
 // Log-gates of `shape` (<= 0) for the decayed recurrences: "mixed" in [−3, −0.001], "near0" in
 // [−1e−6, 0], "resets": mixed with some −inf, −2000 (below the floor) and −50; "gentle" in
-// [−0.3, −0.001] (a 64-step chunk sums to about −10: chunk_decay's wide form) with a −30 every
+// [−0.301, −0.001] (a 64-step chunk sums to about −10: chunk_decay's wide form) with a −30 every
 // 2039 values (the chunks holding one take the blocked form).
 template <class T>
 Tensor<T> log_gates(const Shape& shape, const std::string& kind, uint64_t seed) {

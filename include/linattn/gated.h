@@ -4,8 +4,9 @@
 // with log-gates g ≤ 0 per head (RetNet's decay, GLA's scalar form: log_gate [B, H, n]) or per
 // head and channel (GLA: log_gate [B, H, n, d_k]); no normaliser (models normalise their
 // outputs). Computed in chunks of 64 positions: the intra-chunk part as small products with the
-// decay matrix (sub-blocks of 16 referenced to a point between them, so no factor exceeds 1),
-// the inter-chunk part as a product with the state.
+// decay matrix (per channel one product of rows scaled within e^{±10} where the chunk's gates
+// decay little, else sub-blocks of 16 referenced to a point between them, so no factor exceeds
+// 1), the inter-chunk part as a product with the state.
 //
 // causal = false: every output reads every position, decayed both ways,
 //   o_t = scale · Σ_s (q_t ⊙ e_ts)ᵀ k_s v_s,  e_ts = Π_{min(s,t) < u <= max(s,t)} exp(g_u)

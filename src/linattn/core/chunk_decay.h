@@ -32,11 +32,14 @@ constexpr double kFloor = -1000.0;
 // e^{b_j − b_i} = e^{b_j − ref}·e^{ref − b_i}, each factor within e^{±R/2} ⊆ [e^{−10}, e^{10}],
 // so the scores are one product (Q ⊙ U)(K ⊙ W)ᵀ, U = e^{B − ref}, W = e^{ref − B}, and a
 // weighing one product and a scaling; a factor product U_j·W_i has a few roundings, as the
-// blocked form's. Operands scaled up by at most e^{10} can overflow only where |x| > 2^113; a
-// non-finite operand or result sends the chunk to the blocked form, so this never turns a finite
-// result into an overflow. Scaled down by at most e^{10}, an operand is subnormal only where
-// |x| < 2^-112. (GLA's gates, log σ(x)/16, sum to about 3 over 64 steps: the wide form.)
-// Per head, the same factors give the decay matrix D_ji = U_j·W_i from L exponentials, not L².
+// blocked form's (in float32 also the exponent b − ref, |b − ref| <= 10, rounded before exp).
+// In float32, operands scaled up by at most e^{10} can overflow only where |x| > 2^113 (float64:
+// 2^1009); a non-finite operand or result sends the chunk to the blocked form, so this never
+// turns a finite result into an overflow. Scaled down by at most e^{10}, an operand is
+// subnormal only where |x| < 2^-111 (float64: 2^-1007), which loses digits of terms below
+// ~2^-126 rather than failing (the blocked form's factors reach e^{−20} too). (GLA's gates,
+// log σ(x)/16, sum to about −3 over 64 steps: the wide form.) Per head, the same factors in
+// float64 give the decay matrix D_ji = U_j·W_i from 2L exponentials instead of L², rounded once.
 constexpr double kWideRange = 20.0;
 
 // Every log-gate <= 0 (−inf allowed), never NaN or positive; the first bad one named.
@@ -53,9 +56,12 @@ void check_log_gates(const char* fn, const char* name, TensorView<const T> g) {
 // with the scratch that uses them:
 // - b: the cumulative log-gates (float64; [L, w], w = d_k per channel, 1 per head);
 // - from_start [L, w] = e^{b_j} and to_end [L, w] = e^{b_{L−1} − b_j};
-// - per head: D [L, L] (ld C); per channel: the per-step factors a = e^{g} [L, d_k], each
-//   block's pairs (simd::decay_pairs), its rows' factors to the block's first row, and
-//   between[J][I] = e^{b_{r_J} − b_{e_I}} for blocks J > I.
+// - per head: D [L, L] (ld C);
+// - per channel, the wide form (kWideRange): U and W = 1/U [L, d_k];
+// - per channel, the blocked form (prepared only for a chunk that takes it: ensure_blocks()):
+//   the per-step factors a = e^{g} [L, d_k], each block's pairs (simd::decay_pairs), its rows'
+//   factors to the block's first row, and between[J][I] = e^{b_{r_J} − b_{e_I}} for blocks J > I.
+//   In a wide chunk, steps holds the floored log-gates and the rest the previous chunk's.
 template <class T>
 struct ChunkDecays {
   int64_t dk, w;
@@ -66,18 +72,19 @@ struct ChunkDecays {
   std::vector<double> b;  // [C, w]
   std::vector<T> from_start, to_end;  // [C, w]
   std::vector<T> diag;                // per head: D [C, C]
-  std::vector<T> steps;               // per channel: a [C, dk]
-  std::vector<T> pairs;               // per channel: [kBlocks][kPairs][dk]
-  std::vector<T> to_first;            // per channel: [C, dk], e^{b_j − b_{r_J}}
-  std::vector<T> between;             // per channel: [kBlocks][kBlocks][dk]
+  std::vector<T> steps;               // per channel, blocked: a [C, dk] (wide: the floored g)
+  std::vector<T> pairs;               // per channel, blocked: [kBlocks][kPairs][dk]
+  std::vector<T> to_first;            // per channel, blocked: [C, dk], e^{b_j − b_{r_J}}
+  std::vector<T> between;             // per channel, blocked: [kBlocks][kBlocks][dk]
   std::vector<T> zeros;               // exp_minus_columns' shift
-  std::vector<T> kt;                  // per head: Kᵀ [dk, C] (a plain product is faster than one with Bᵀ)
+  std::vector<T> kt;                  // Kᵀ [dk, C], per head or (K ⊙ W)ᵀ wide (a plain product is faster than one with Bᵀ)
   std::vector<T> scaled;              // [C, dk] a chunk's rows scaled to a reference row
   std::vector<T> block_a, block_b;    // [16, dk]
   std::vector<T> weights;             // [C, C] (per head: w ⊙ D; wide: w's lower triangle)
   bool wide = false;                  // per channel: this chunk takes the wide form
   bool blocks_ready = false;          // per channel: steps, pairs, to_first and between are made
-  std::vector<T> up, down;            // wide: U = e^{B − ref}, W = e^{ref − B} [C, w]
+  std::vector<T> up, down;            // per channel, wide: U = e^{B − ref}, W = e^{ref − B} [C, dk]
+  std::vector<double> head_up, head_down, zeros64;  // per head: U, W [C] in float64; exp's shift
   std::vector<T> ref_factor;          // wide: e^{ref_c} = e^{−R_c/2} [dk]
   std::vector<T> wide_rows;           // wide: [C, dk] Q ⊙ U, or a weighing's product
   ChunkDecays(int64_t head_dim, bool gate_per_channel)
@@ -90,16 +97,19 @@ struct ChunkDecays {
       pairs.resize(kBlocks * kPairs * dk);
       to_first.resize(kChunk * dk);
       between.resize(kBlocks * kBlocks * dk);
+      up.resize(kChunk * dk);
+      down.resize(kChunk * dk);
       ref_factor.resize(dk);
       wide_rows.resize(kChunk * dk);
     } else {
       diag.resize(kChunk * kChunk);
+      head_up.resize(kChunk);
+      head_down.resize(kChunk);
+      zeros64.resize(kChunk, 0.0);
     }
-    up.resize(kChunk * w);
-    down.resize(kChunk * w);
   }
 
-  // e^{x} in place for `rows` rows of `cols` values x <= 0, ld apart (Highway's vectorised exp).
+  // e^{x} in place for `rows` rows of `cols` values x <= 10, ld apart (Highway's vectorised exp).
   void exp_in_place(T* x, int64_t rows, int64_t cols, int64_t ld) {
     simd::exp_minus_columns(x, static_cast<size_t>(rows), static_cast<size_t>(cols), static_cast<size_t>(ld),
                             zeros.data());
@@ -158,13 +168,16 @@ struct ChunkDecays {
     exp_in_place(from_start.data(), 1, L, L);
     exp_in_place(to_end.data(), 1, L, L);
     if (state_only) return;
-    if (-b[L - 1] <= kWideRange) {  // D_ji = U_j·U_i⁻¹, U = e^{b − ref}: L exponentials, not L²
-      for (int64_t j = 0; j < L; ++j) up[j] = static_cast<T>(b[j] - 0.5 * b[L - 1]);
-      exp_in_place(up.data(), 1, L, L);
-      for (int64_t j = 0; j < L; ++j) down[j] = T(1) / up[j];
+    if (-b[L - 1] <= kWideRange) {  // D_ji = U_j·W_i (float64, rounded once): 2L exponentials, not L²
+      for (int64_t j = 0; j < L; ++j) {
+        head_up[j] = b[j] - 0.5 * b[L - 1];
+        head_down[j] = -head_up[j];
+      }
+      simd::exp_minus_columns(head_up.data(), 1, static_cast<size_t>(L), static_cast<size_t>(L), zeros64.data());
+      simd::exp_minus_columns(head_down.data(), 1, static_cast<size_t>(L), static_cast<size_t>(L), zeros64.data());
       for (int64_t j = 0; j < L; ++j) {
         T* row = diag.data() + j * kChunk;
-        for (int64_t i = 0; i <= j; ++i) row[i] = up[j] * down[i];
+        for (int64_t i = 0; i <= j; ++i) row[i] = static_cast<T>(head_up[j] * head_down[i]);
         std::fill(row + j + 1, row + L, T(0));
       }
       return;
@@ -205,7 +218,7 @@ struct ChunkDecays {
         for (int64_t c = 0; c < dk; ++c) f[c] = static_cast<T>(b[r * dk + c] - b[last * dk + c]);
       }
     }
-    exp_in_place(edges, 1, 2 * blocks * dk, 2 * blocks * dk);
+    if (rows) exp_in_place(edges, 1, 2 * blocks * dk, 2 * blocks * dk);
     exp_in_place(between.data(), 1, kBlocks * kBlocks * dk, kBlocks * kBlocks * dk);
     for (int64_t J = 0; J < blocks; ++J) {
       const int64_t r = J * kBlock, n = std::min(kBlock, L - r);

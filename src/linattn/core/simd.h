@@ -94,8 +94,9 @@ void elu_plus_one(const double* x, double* out, size_t n);
 void column_max(const float* x, size_t rows, size_t cols, size_t ld, float* m);
 void column_max(const double* x, size_t rows, size_t cols, size_t ld, double* m);
 
-// x[r, c] = exp(x[r, c] − shift[c]) in place (callers keep x − shift <= 0); an argument of −inf
-// or below the lowest finite value gives 0.
+// x[r, c] = exp(x[r, c] − shift[c]) in place (Highway's Exp: arguments up to about 88 in float32,
+// 709 in float64; the callers' are <= 0, or <= 10 for chunk_decay's U); an argument of −inf or
+// below the lowest finite value gives 0.
 void exp_minus_columns(float* x, size_t rows, size_t cols, size_t ld, const float* shift);
 void exp_minus_columns(double* x, size_t rows, size_t cols, size_t ld, const double* shift);
 

@@ -9,7 +9,8 @@
 // rounding errors contract as the recurrence's do). Then, as in gated linear attention,
 //   O  = s·[Q ⊙ e^{B} | Sc]·[P ; U],   Sc = (Q Kᵀ ⊙ D) with the diagonal
 //   P' = diag(e^{b_L}) P + (K ⊙ e^{b_L − B})ᵀ U.
-// Every decay factor is <= 1 (src/linattn/core/chunk_decay.h makes them and the decayed scores).
+// The decays and the decayed scores are gated linear attention's (src/linattn/core/chunk_decay.h:
+// factors <= 1, or within e^{±10} for a chunk whose gates decay little, with a fallback).
 //
 // Backward, per chunk from the last (G: the gradient of the state after it):
 //   dU  = s·Scᵀ dO + K̂ G (K̂ = K ⊙ e^{b_L − B}),  dSc = s·dO Uᵀ (lower)

@@ -4,10 +4,12 @@
 // cumulative log-gates b_j = Σ_{i<=j} g_i per channel (in float64, from the chunk's start):
 //   o_j = s·(q_j ⊙ e^{b_j})ᵀ P + s·Σ_{i<=j} A[j,i] v_i,   A[j,i] = Σ_c q_jc k_ic e^{b_jc − b_ic}
 //   P'  = diag(e^{b_L})·P + Σ_i (k_i ⊙ e^{b_L − b_i}) v_iᵀ
-// so the outputs are one product [Q ⊙ e^{B} | A]·[P ; V]. Every factor used is <= 1 (no
-// exponent above 0), so none overflows:
+// so the outputs are one product [Q ⊙ e^{B} | A]·[P ; V]. The decays (src/linattn/core/chunk_decay.h)
+// never turn a finite result into an overflow:
 // - per head, A = (Q Kᵀ) ⊙ D with D[j,i] = e^{b_j − b_i} below the diagonal, 0 above;
-// - per channel (GLA's secondary chunking), blocks of 16 rows: for block J after block I,
+// - per channel, a chunk whose gates sum to at least −20 (the wide form): A = (Q ⊙ U)(K ⊙ U⁻¹)ᵀ,
+//   U = e^{B − b_L/2} within e^{±10}, falling back to the blocked form where that overflows;
+// - any other per channel (GLA's secondary chunking), blocks of 16 rows: for block J after block I,
 //   e^{b_j − b_i} = e^{b_j − b_{r_J}} · e^{b_{r_J} − b_{e_I}} · e^{b_{e_I} − b_i} (r_J: J's first
 //   row, e_I: I's last), so A_JI is a product of Q_J and K_I scaled by these three factors; a
 //   diagonal block is summed term by term with its pairs' factors e^{b_j − b_i} = Π_{i<t<=j} e^{g_t}
